@@ -1,0 +1,19 @@
+//! Protobuf messages and gRPC stubs for talking to XProf and TensorFlow/JAX profiler clients.
+//!
+//! - [`tensorflow::profiler`]: the XSpace file format (`<host>.xplane.pb`) that XProf reads.
+//! - [`tensorflow`]: `ProfileOptions`, the `ProfilerService` gRPC service that `jax.collect_profile`,
+//!   `tf.profiler.experimental.client.trace` and XProf's capture button call, and the Cloud TPU
+//!   `ProfileAnalysis` service, each with client and server stubs.
+//!
+//! The `.proto` sources under `proto/` are our own, written from the published field numbers of
+//! the TSL profiler protos; `build.rs` compiles them with `protox`, so no `protoc` is needed.
+
+/// Package `tensorflow`: profiler options and the profiler gRPC services.
+pub mod tensorflow {
+    tonic::include_proto!("tensorflow");
+
+    /// Package `tensorflow.profiler`: the XSpace trace container.
+    pub mod profiler {
+        tonic::include_proto!("tensorflow.profiler");
+    }
+}

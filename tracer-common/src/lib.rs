@@ -1,0 +1,283 @@
+//! Records shared by ebtrace's eBPF programs and its userspace collector.
+//!
+//! Every record written into the `EVENTS` ring buffer starts with a
+//! [`RecordHeader`] whose `kind` says which struct follows and whose `size`
+//! is the size of the whole record, so the reader can check it before it
+//! reinterprets the bytes. Records are `#[repr(C)]`, padded by hand to a
+//! multiple of 8 bytes, and never change layout without a new `kind`.
+//!
+//! Timestamps are `bpf_ktime_get_ns()`, i.e. `CLOCK_MONOTONIC` nanoseconds;
+//! userspace converts them to wall-clock time in one place (`ClockSync`).
+#![no_std]
+
+/// Names of the maps and globals defined by the eBPF object.
+pub mod names {
+    /// Ring buffer every program writes its records into.
+    pub const EVENTS: &str = "EVENTS";
+    /// Thread-group ids (processes) being traced: `u32 tgid -> u32 1`.
+    pub const TARGET_TGIDS: &str = "TARGET_TGIDS";
+    /// Threads known to belong to a traced process: `u32 tid -> u32 tgid`.
+    pub const TRACKED_TIDS: &str = "TRACKED_TIDS";
+    /// Per-CPU outcome counters, indexed by [`crate::stat`].
+    pub const STATS: &str = "STATS";
+    /// Global `u64`: fill level (bytes) of `EVENTS` past which a submit wakes the reader.
+    pub const WAKEUP_THRESHOLD: &str = "WAKEUP_THRESHOLD";
+    /// Global `u32`: 1 if `sched_process_exit` has the `group_dead` field.
+    pub const EXIT_HAS_GROUP_DEAD: &str = "EXIT_HAS_GROUP_DEAD";
+}
+
+/// Indices into the per-CPU `STATS` array.
+pub mod stat {
+    /// Records submitted to the ring buffer.
+    pub const SUBMITTED: u32 = 0;
+    /// Records lost because the ring buffer was full.
+    pub const DROPPED_RINGBUF_FULL: u32 = 1;
+    /// New threads that could not be tracked because `TRACKED_TIDS` was full.
+    pub const DROPPED_TRACK_FULL: u32 = 2;
+    /// Submits that forced a reader wake-up (fill level past the threshold).
+    pub const FORCED_WAKEUPS: u32 = 3;
+    /// Number of counters.
+    pub const COUNT: u32 = 4;
+}
+
+/// Capacity of `TRACKED_TIDS` (threads followed at once, all targets together).
+pub const MAX_TRACKED_TIDS: u32 = 65_536;
+/// Capacity of `TARGET_TGIDS` (processes traced at once).
+pub const MAX_TARGETS: u32 = 1_024;
+
+/// Tracepoint fields the eBPF programs read, as (category, event, field,
+/// byte offset). Userspace checks them against tracefs `format` files before
+/// loading, so a kernel with another layout fails with a clear message
+/// instead of yielding garbage.
+pub const TRACEPOINT_FIELDS: &[(&str, &str, &str, usize)] = &[
+    ("sched", "sched_switch", "prev_pid", tp::SWITCH_PREV_PID),
+    ("sched", "sched_switch", "prev_state", tp::SWITCH_PREV_STATE),
+    ("sched", "sched_switch", "next_pid", tp::SWITCH_NEXT_PID),
+    ("sched", "sched_wakeup", "pid", tp::WAKEUP_PID),
+    ("sched", "sched_wakeup", "target_cpu", tp::WAKEUP_TARGET_CPU),
+    ("sched", "sched_wakeup_new", "pid", tp::WAKEUP_PID),
+    (
+        "sched",
+        "sched_wakeup_new",
+        "target_cpu",
+        tp::WAKEUP_TARGET_CPU,
+    ),
+    (
+        "sched",
+        "sched_process_fork",
+        "child_pid",
+        tp::FORK_CHILD_PID,
+    ),
+    ("sched", "sched_process_exit", "pid", tp::EXIT_PID),
+    ("task", "task_newtask", "pid", tp::NEWTASK_PID),
+    ("task", "task_newtask", "comm", tp::NEWTASK_COMM),
+    (
+        "task",
+        "task_newtask",
+        "clone_flags",
+        tp::NEWTASK_CLONE_FLAGS,
+    ),
+    ("task", "task_rename", "pid", tp::RENAME_PID),
+    ("task", "task_rename", "newcomm", tp::RENAME_NEWCOMM),
+];
+
+/// Byte offsets of tracepoint fields (stable since Linux 4.x; checked at start-up).
+pub mod tp {
+    pub const SWITCH_PREV_PID: usize = 24;
+    pub const SWITCH_PREV_STATE: usize = 32;
+    pub const SWITCH_NEXT_PID: usize = 56;
+    pub const WAKEUP_PID: usize = 24;
+    pub const WAKEUP_TARGET_CPU: usize = 32;
+    pub const FORK_CHILD_PID: usize = 20;
+    pub const EXIT_PID: usize = 24;
+    /// `group_dead` exists since Linux 6.9 only; see [`crate::names::EXIT_HAS_GROUP_DEAD`].
+    pub const EXIT_GROUP_DEAD: usize = 32;
+    pub const NEWTASK_PID: usize = 8;
+    pub const NEWTASK_COMM: usize = 12;
+    pub const NEWTASK_CLONE_FLAGS: usize = 32;
+    pub const RENAME_PID: usize = 8;
+    pub const RENAME_NEWCOMM: usize = 28;
+}
+
+/// Length of a kernel task name (`TASK_COMM_LEN`).
+pub const COMM_LEN: usize = 16;
+
+/// `clone(2)` flag that makes the new task a thread of the caller's group.
+pub const CLONE_THREAD: u64 = 0x0001_0000;
+
+/// Which record follows a [`RecordHeader`].
+#[repr(u16)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    SchedSwitch = 1,
+    SchedWakeup = 2,
+    TaskNew = 3,
+    ProcessFork = 4,
+    TaskExit = 5,
+    TaskRename = 6,
+}
+
+impl RecordKind {
+    pub const fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            1 => Self::SchedSwitch,
+            2 => Self::SchedWakeup,
+            3 => Self::TaskNew,
+            4 => Self::ProcessFork,
+            5 => Self::TaskExit,
+            6 => Self::TaskRename,
+            _ => return None,
+        })
+    }
+}
+
+/// Common prefix of every record (16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RecordHeader {
+    /// A [`RecordKind`] discriminant.
+    pub kind: u16,
+    /// Size in bytes of the whole record, header included.
+    pub size: u16,
+    /// CPU the program ran on.
+    pub cpu: u32,
+    /// `CLOCK_MONOTONIC` nanoseconds.
+    pub ts_ns: u64,
+}
+
+impl RecordHeader {
+    pub const fn new(kind: RecordKind, size: usize, cpu: u32, ts_ns: u64) -> Self {
+        Self {
+            kind: kind as u16,
+            size: size as u16,
+            cpu,
+            ts_ns,
+        }
+    }
+}
+
+/// `sched:sched_switch` where the previous or the next task is traced.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SchedSwitch {
+    pub header: RecordHeader,
+    pub prev_tid: u32,
+    /// Thread group of `prev_tid` if it is traced, else 0.
+    pub prev_tgid: u32,
+    pub next_tid: u32,
+    /// Thread group of `next_tid` if it is traced, else 0.
+    pub next_tgid: u32,
+    /// The tracepoint's `prev_state`: 0 = still runnable, [`PREEMPTED`]
+    /// = preempted, else one bit per reported task state (S, D, T, ...).
+    pub prev_state: u64,
+}
+
+/// `prev_state` value the kernel reports for a preempted task (`TASK_REPORT_MAX`).
+pub const PREEMPTED: u64 = 0x100;
+
+/// `sched:sched_wakeup` / `sched:sched_wakeup_new` of a traced thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SchedWakeup {
+    pub header: RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Task that issued the wake-up (the current task when the tracepoint fired).
+    pub waker_tid: u32,
+    pub waker_tgid: u32,
+    /// CPU whose run queue the woken task was put on.
+    pub target_cpu: u32,
+    /// [`WAKEUP_NEW`] for `sched_wakeup_new` (first wake-up of a new task).
+    pub flags: u32,
+}
+
+/// Flag in [`SchedWakeup::flags`].
+pub const WAKEUP_NEW: u32 = 1;
+
+/// `task:task_newtask` called by a traced thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TaskNew {
+    pub header: RecordHeader,
+    pub parent_tid: u32,
+    pub parent_tgid: u32,
+    pub child_tid: u32,
+    pub _pad: u32,
+    pub clone_flags: u64,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// `sched:sched_process_fork` called by a traced thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessFork {
+    pub header: RecordHeader,
+    pub parent_tid: u32,
+    pub parent_tgid: u32,
+    pub child_tid: u32,
+    /// 1 if the child joined the parent's thread group (and is now tracked).
+    pub is_thread: u32,
+}
+
+/// `sched:sched_process_exit` of a traced thread.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TaskExit {
+    pub header: RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// 1 if this was the last thread of its group (the process is gone);
+    /// 2 if the kernel does not say (no `group_dead` field).
+    pub group_dead: u32,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// `task:task_rename` of a traced thread (e.g. `pthread_setname_np`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TaskRename {
+    pub header: RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: plain `#[repr(C)]` data without implicit padding.
+    unsafe impl aya::Pod for RecordHeader {}
+    unsafe impl aya::Pod for SchedSwitch {}
+    unsafe impl aya::Pod for SchedWakeup {}
+    unsafe impl aya::Pod for TaskNew {}
+    unsafe impl aya::Pod for ProcessFork {}
+    unsafe impl aya::Pod for TaskExit {}
+    unsafe impl aya::Pod for TaskRename {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_are_padded_to_8_bytes() {
+        assert_eq!(size_of::<RecordHeader>(), 16);
+        assert_eq!(size_of::<SchedSwitch>(), 40);
+        assert_eq!(size_of::<SchedWakeup>(), 40);
+        assert_eq!(size_of::<TaskNew>(), 56);
+        assert_eq!(size_of::<ProcessFork>(), 32);
+        assert_eq!(size_of::<TaskExit>(), 48);
+        assert_eq!(size_of::<TaskRename>(), 40);
+    }
+
+    #[test]
+    fn kinds_round_trip() {
+        for k in 1..=6u16 {
+            assert_eq!(RecordKind::from_u16(k).map(|k| k as u16), Some(k));
+        }
+        assert!(RecordKind::from_u16(0).is_none());
+        assert!(RecordKind::from_u16(7).is_none());
+    }
+}

@@ -1,0 +1,206 @@
+//! `SchedProbe`: the scheduler tracepoints, filtered in the kernel to the
+//! traced processes (see `tracer-ebpf` for the membership rules).
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    programs::TracePoint,
+};
+use tracer_common::{names, stat};
+
+use super::EBPF_OBJECT;
+use crate::error::{Error, Result};
+
+/// Tracepoints attached after the thread-creation one, in this order.
+const SCHED_PROGRAMS: [(&str, &str, &str); 5] = [
+    ("sched_switch", "sched", "sched_switch"),
+    ("sched_wakeup", "sched", "sched_wakeup"),
+    ("sched_wakeup_new", "sched", "sched_wakeup_new"),
+    ("sched_process_fork", "sched", "sched_process_fork"),
+    ("sched_process_exit", "sched", "sched_process_exit"),
+];
+const RENAME_PROGRAM: (&str, &str, &str) = ("task_rename", "task", "task_rename");
+const NEWTASK_PROGRAM: (&str, &str, &str) = ("task_newtask", "task", "task_newtask");
+
+#[derive(Clone, Debug)]
+pub struct SchedProbeConfig {
+    /// Ring buffer size in bytes (a power of two, at least one page).
+    pub ring_bytes: u32,
+    /// Whether `sched_process_exit` has the `group_dead` field.
+    pub exit_has_group_dead: bool,
+}
+
+impl Default for SchedProbeConfig {
+    fn default() -> Self {
+        SchedProbeConfig {
+            ring_bytes: 16 * 1024 * 1024,
+            exit_has_group_dead: true,
+        }
+    }
+}
+
+/// Outcome counters summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeStats {
+    pub submitted: u64,
+    pub dropped_ringbuf_full: u64,
+    pub dropped_track_full: u64,
+    pub forced_wakeups: u64,
+}
+
+impl ProbeStats {
+    pub fn dropped(&self) -> u64 {
+        self.dropped_ringbuf_full + self.dropped_track_full
+    }
+}
+
+pub struct SchedProbe {
+    /// Programs and the membership maps; dropping it detaches everything.
+    ebpf: Option<Ebpf>,
+    events: Option<RingBuf<MapData>>,
+    stats: PerCpuArray<MapData, u64>,
+}
+
+impl SchedProbe {
+    /// Loads the programs into the kernel (nothing is attached yet).
+    pub fn load(config: &SchedProbeConfig) -> Result<Self> {
+        if EBPF_OBJECT.is_empty() {
+            return Err(Error::NoEbpfObject);
+        }
+        let threshold = u64::from(config.ring_bytes / 4);
+        let group_dead = u32::from(config.exit_has_group_dead);
+        let mut ebpf = EbpfLoader::new()
+            .override_global(names::WAKEUP_THRESHOLD, &threshold, true)
+            .override_global(names::EXIT_HAS_GROUP_DEAD, &group_dead, true)
+            .map_max_entries(names::EVENTS, config.ring_bytes)
+            .load(EBPF_OBJECT)
+            .map_err(|e| Error::Load(Box::new(e)))?;
+        for (prog, _, _) in SCHED_PROGRAMS
+            .iter()
+            .chain([&RENAME_PROGRAM, &NEWTASK_PROGRAM])
+        {
+            let tp: &mut TracePoint = ebpf
+                .program_mut(prog)
+                .expect("program is in the object")
+                .try_into()
+                .expect("program is a tracepoint");
+            tp.load().map_err(|source| Error::Attach {
+                what: format!("program {prog} (verifier)"),
+                source: Box::new(source),
+            })?;
+        }
+        let events = take_map(&mut ebpf, names::EVENTS)
+            .and_then(|m| RingBuf::try_from(m).map_err(|e| map_err(names::EVENTS, e)))?;
+        let stats = take_map(&mut ebpf, names::STATS)
+            .and_then(|m| PerCpuArray::try_from(m).map_err(|e| map_err(names::STATS, e)))?;
+        Ok(SchedProbe {
+            ebpf: Some(ebpf),
+            events: Some(events),
+            stats,
+        })
+    }
+
+    fn ebpf(&mut self) -> &mut Ebpf {
+        self.ebpf
+            .as_mut()
+            .expect("probe is attached until detach()")
+    }
+
+    /// Adds a process (thread group) to trace.
+    pub fn add_target(&mut self, tgid: u32) -> Result<()> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
+            self.ebpf()
+                .map_mut(names::TARGET_TGIDS)
+                .expect("map is in the object"),
+        )
+        .map_err(|e| map_err(names::TARGET_TGIDS, e))?;
+        map.insert(tgid, 1, 0)
+            .map_err(|e| map_err(names::TARGET_TGIDS, e))
+    }
+
+    /// Marks existing threads as members of a traced process.
+    pub fn track_threads(&mut self, tgid: u32, tids: impl IntoIterator<Item = u32>) -> Result<()> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
+            self.ebpf()
+                .map_mut(names::TRACKED_TIDS)
+                .expect("map is in the object"),
+        )
+        .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
+        for tid in tids {
+            map.insert(tid, tgid, 0)
+                .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
+        }
+        Ok(())
+    }
+
+    fn attach_one(&mut self, (prog, category, name): (&str, &str, &str)) -> Result<()> {
+        let tp: &mut TracePoint = self
+            .ebpf()
+            .program_mut(prog)
+            .expect("program is in the object")
+            .try_into()
+            .expect("program is a tracepoint");
+        tp.attach(category, name).map_err(|source| Error::Attach {
+            what: format!("tracepoint {category}:{name}"),
+            source: Box::new(source),
+        })?;
+        Ok(())
+    }
+
+    /// Starts following thread creation. Attach this before listing the
+    /// existing threads, so that none created in between is missed.
+    pub fn attach_thread_creation(&mut self) -> Result<()> {
+        self.attach_one(NEWTASK_PROGRAM)
+    }
+
+    /// Attaches the scheduling tracepoints.
+    pub fn attach_scheduling(&mut self) -> Result<()> {
+        for p in SCHED_PROGRAMS.into_iter().chain([RENAME_PROGRAM]) {
+            self.attach_one(p)?;
+        }
+        Ok(())
+    }
+
+    /// Detaches and unloads every program. The ring buffer stays readable,
+    /// so what was submitted before can still be drained.
+    pub fn detach(&mut self) {
+        self.ebpf = None;
+    }
+
+    /// Hands over the ring buffer to a collector (once).
+    pub fn take_events(&mut self) -> RingBuf<MapData> {
+        self.events.take().expect("events taken once")
+    }
+
+    pub fn stats(&self) -> Result<ProbeStats> {
+        let sum = |index: u32| -> Result<u64> {
+            let values = self
+                .stats
+                .get(&index, 0)
+                .map_err(|e| map_err(names::STATS, e))?;
+            Ok(values.iter().sum())
+        };
+        Ok(ProbeStats {
+            submitted: sum(stat::SUBMITTED)?,
+            dropped_ringbuf_full: sum(stat::DROPPED_RINGBUF_FULL)?,
+            dropped_track_full: sum(stat::DROPPED_TRACK_FULL)?,
+            forced_wakeups: sum(stat::FORCED_WAKEUPS)?,
+        })
+    }
+}
+
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map> {
+    ebpf.take_map(name).ok_or_else(|| Error::Map {
+        name,
+        source: Box::new(aya::maps::MapError::InvalidName {
+            name: name.to_string(),
+        }),
+    })
+}
+
+fn map_err(name: &'static str, e: aya::maps::MapError) -> Error {
+    Error::Map {
+        name,
+        source: Box::new(e),
+    }
+}

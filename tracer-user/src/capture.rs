@@ -1,0 +1,196 @@
+//! One capture, from checks to timeline: probes → collector → timeline.
+//!
+//! [`Capture::start`] checks everything that can be checked before touching
+//! the kernel (pids, privileges, tracepoints), then attaches. The caller
+//! drives [`Capture::poll`] until it decides to stop (duration, Ctrl-C,
+//! targets gone) and calls [`Capture::finish`], which detaches, drains what
+//! is left and builds the [`Timeline`]. Whatever ends a capture, what was
+//! recorded up to then is kept.
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use crate::{
+    attach::{ProbeStats, SchedProbe, SchedProbeConfig, tracefs},
+    clock::{ClockSync, monotonic_ns},
+    collect::{Collector, Record},
+    error::{Error, Result},
+    procfs::{self, TargetProcess},
+    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Timeline},
+};
+
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+/// Fails unless this process may load tracing eBPF programs: root, or
+/// CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN on kernels before 5.8).
+pub fn check_privileges() -> Result<()> {
+    let caps = procfs::effective_capabilities();
+    let has = |cap: u32| caps & (1u64 << cap) != 0;
+    if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
+        return Ok(());
+    }
+    let missing: Vec<&str> = [(CAP_BPF, "CAP_BPF"), (CAP_PERFMON, "CAP_PERFMON")]
+        .into_iter()
+        .filter(|(c, _)| !has(*c))
+        .map(|(_, n)| n)
+        .collect();
+    Err(Error::NotPrivileged {
+        missing: missing.join(", "),
+    })
+}
+
+/// Opens every target pid (fails on the first unknown one).
+pub fn open_targets(pids: &[u32]) -> Result<Vec<TargetProcess>> {
+    let mut targets: Vec<TargetProcess> = Vec::new();
+    for &pid in pids {
+        let t = TargetProcess::open(pid)?;
+        if !targets.iter().any(|o| o.pid == t.pid) {
+            targets.push(t);
+        }
+    }
+    Ok(targets)
+}
+
+#[derive(Clone, Debug)]
+pub struct CaptureOptions {
+    pub probe: SchedProbeConfig,
+}
+
+impl Default for CaptureOptions {
+    fn default() -> Self {
+        CaptureOptions {
+            probe: SchedProbeConfig::default(),
+        }
+    }
+}
+
+/// What [`Capture::poll`] saw.
+#[derive(Clone, Copy, Debug)]
+pub struct PollStatus {
+    pub records: usize,
+    /// Traced processes still alive.
+    pub alive: usize,
+}
+
+pub struct Capture {
+    probe: SchedProbe,
+    collector: Collector,
+    targets: Vec<TargetProcess>,
+    initial: HashMap<u32, InitialState>,
+    records: Vec<Record>,
+    clock: ClockSync,
+    start_ns: u64,
+    /// Time from `start` being called to every probe attached.
+    pub attach_time: Duration,
+}
+
+impl Capture {
+    /// Checks the kernel, loads and attaches the probes; the capture window
+    /// starts when this returns.
+    pub fn start(targets: Vec<TargetProcess>, options: &CaptureOptions) -> Result<Self> {
+        let began = Instant::now();
+        let tracefs_root = tracefs::locate()?;
+        let check = tracefs::check_tracepoints(&tracefs_root)?;
+        let config = SchedProbeConfig {
+            exit_has_group_dead: check.exit_has_group_dead,
+            ..options.probe.clone()
+        };
+        let mut probe = SchedProbe::load(&config)?;
+        for t in &targets {
+            probe.add_target(t.pid)?;
+        }
+        // Follow thread creation first, then list the threads that exist:
+        // a thread created in between is seen by one or the other.
+        probe.attach_thread_creation()?;
+        let mut initial = HashMap::new();
+        for t in &targets {
+            let threads = t.threads();
+            probe.track_threads(t.pid, threads.keys().copied())?;
+            for (tid, stat) in threads {
+                initial.insert(
+                    tid,
+                    InitialState {
+                        pid: t.pid,
+                        name: stat.comm,
+                        state: stat.state,
+                        cpu: stat.cpu,
+                    },
+                );
+            }
+        }
+        probe.attach_scheduling()?;
+        let start_ns = monotonic_ns();
+        let clock = ClockSync::measure();
+        let collector = Collector::new(probe.take_events());
+        Ok(Capture {
+            probe,
+            collector,
+            targets,
+            initial,
+            records: Vec::new(),
+            clock,
+            start_ns,
+            attach_time: began.elapsed(),
+        })
+    }
+
+    pub fn targets(&self) -> &[TargetProcess] {
+        &self.targets
+    }
+
+    pub fn start_ns(&self) -> u64 {
+        self.start_ns
+    }
+
+    /// Waits up to `timeout` for data, drains it, and reports progress.
+    pub fn poll(&mut self, timeout: Duration) -> PollStatus {
+        self.collector.wait(timeout);
+        self.collector.drain(&mut self.records);
+        PollStatus {
+            records: self.records.len(),
+            alive: self.targets.iter().filter(|t| t.is_alive()).count(),
+        }
+    }
+
+    pub fn probe_stats(&self) -> Result<ProbeStats> {
+        self.probe.stats()
+    }
+
+    /// Ends the capture now: detaches, drains, builds the timeline.
+    pub fn finish(mut self, ended_early: Option<String>) -> Result<(Timeline, ProbeStats)> {
+        let stop_ns = monotonic_ns();
+        let stats = self.probe.stats()?;
+        self.probe.detach();
+        self.collector.drain(&mut self.records);
+        // One ring buffer is shared by all CPUs; reservations are ordered,
+        // timestamps taken just before them are not quite.
+        self.records.sort_by_key(Record::ts);
+
+        let mut names = HashMap::new();
+        for t in &self.targets {
+            for (tid, stat) in t.threads() {
+                names.insert(tid, stat.comm);
+            }
+        }
+        let mut builder = SchedTimelineBuilder::new(
+            self.start_ns,
+            stop_ns,
+            self.targets.iter().map(|t| (t.pid, t.name.clone())),
+            self.initial,
+        );
+        for r in &self.records {
+            builder.push(r);
+        }
+        let capture_stats = CaptureStats {
+            records: self.records.len() as u64,
+            dropped: stats.dropped(),
+            malformed: self.collector.malformed,
+            ended_early,
+        };
+        Ok((builder.finish(self.clock, &names, capture_stats), stats))
+    }
+}

@@ -1,0 +1,112 @@
+//! Command-line interface: every flag is defined and documented here;
+//! [`record`] runs a capture with progress and summary.
+
+pub mod record;
+pub mod summary;
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+
+/// eBPF-assisted tracer for ML workloads: attaches to running processes and
+/// writes XProf (XSpace) timelines of their threads.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ebtrace",
+    version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    after_help = "Example: sudo ebtrace --pid 1234 --duration 2s\n\
+                  View: xprof --logdir ./ebtrace-logs (or tensorboard --logdir ./ebtrace-logs)"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    #[command(flatten)]
+    pub record: RecordArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Record running processes into an XSpace (the default command).
+    Record(RecordArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RecordArgs {
+    /// Process to trace (repeat or comma-separate for several). A thread id
+    /// selects its whole process. Threads started during the capture are
+    /// followed.
+    #[arg(
+        short = 'p',
+        long = "pid",
+        value_name = "PID",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub pids: Vec<u32>,
+
+    /// How long to record, e.g. 500ms, 2s, 1m. Ctrl-C stops earlier and
+    /// still writes the trace.
+    #[arg(short = 'd', long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
+    pub duration: Duration,
+
+    /// Log directory; the trace goes to
+    /// DIR/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/<host>.xplane.pb.
+    #[arg(long, value_name = "DIR", default_value = "ebtrace-logs")]
+    pub logdir: PathBuf,
+
+    /// Kernel ring buffer size in MiB (a power of two). Raise it if the
+    /// summary reports dropped records.
+    #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
+    pub ring_buffer_mib: u32,
+
+    /// Print only the trace's path (no progress, no summary).
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+/// Parses a human duration; zero is refused.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d =
+        humantime::parse_duration(s.trim()).map_err(|e| format!("{e} (use e.g. 500ms, 2s, 1m)"))?;
+    if d.is_zero() {
+        return Err("must be longer than zero".into());
+    }
+    Ok(d)
+}
+
+fn parse_ring_mib(s: &str) -> Result<u32, String> {
+    let v: u32 = s.parse().map_err(|e| format!("{e}"))?;
+    if !v.is_power_of_two() || v > 1024 {
+        return Err("must be a power of two between 1 and 1024".into());
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("2 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn default_command_and_pids() {
+        let cli = Cli::try_parse_from(["ebtrace", "-p", "1,2", "--pid", "3", "-d", "1s"]).unwrap();
+        assert!(cli.command.is_none());
+        assert_eq!(cli.record.pids, vec![1, 2, 3]);
+        assert_eq!(cli.record.duration, Duration::from_secs(1));
+        let cli = Cli::try_parse_from(["ebtrace", "record", "-p", "7"]).unwrap();
+        assert!(matches!(cli.command, Some(Command::Record(ref r)) if r.pids == vec![7]));
+        assert!(Cli::try_parse_from(["ebtrace"]).is_err());
+    }
+}

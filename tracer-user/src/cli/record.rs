@@ -1,0 +1,101 @@
+//! `ebtrace record` (the default command): attach, record with a progress
+//! bar, write the XSpace, print where it went.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::{RecordArgs, summary};
+use crate::{
+    attach::SchedProbeConfig,
+    capture::{Capture, CaptureOptions, check_privileges, open_targets},
+    error::Result,
+    sink::{logdir, xspace},
+};
+
+/// How often the loop wakes to drain and to check the stop conditions.
+const TICK: Duration = Duration::from_millis(50);
+
+pub fn run(args: &RecordArgs) -> Result<()> {
+    let targets = open_targets(&args.pids)?;
+    check_privileges()?;
+    logdir::check_writable(&args.logdir)?;
+
+    // Ctrl-C and SIGTERM end the capture; the trace is still written.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, Arc::clone(&stop))
+            .map_err(|e| crate::error::Error::io("installing signal handlers", e))?;
+    }
+
+    let options = CaptureOptions {
+        probe: SchedProbeConfig {
+            ring_bytes: args.ring_buffer_mib * 1024 * 1024,
+            ..SchedProbeConfig::default()
+        },
+    };
+    let session = logdir::session_name(chrono::Local::now());
+    let mut capture = Capture::start(targets, &options)?;
+    let started = Instant::now();
+    let names: Vec<String> = capture
+        .targets()
+        .iter()
+        .map(|t| format!("{} ({})", t.pid, t.name))
+        .collect();
+    eprintln!(
+        "ebtrace: tracing pid {} for {} (probes attached in {:.0?}); Ctrl-C stops early",
+        names.join(", "),
+        humantime::format_duration(args.duration),
+        capture.attach_time,
+    );
+
+    let bar = if args.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(args.duration.as_millis() as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} recording [{bar:30}] {elapsed_precise} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+
+    let ended_early = loop {
+        let elapsed = started.elapsed();
+        if stop.load(Ordering::Relaxed) {
+            break Some("interrupted".to_string());
+        }
+        if elapsed >= args.duration {
+            break None;
+        }
+        let status = capture.poll(TICK.min(args.duration - elapsed));
+        bar.set_position(started.elapsed().as_millis() as u64);
+        bar.set_message(format!("{} records", status.records));
+        if status.alive == 0 {
+            break Some("every traced process exited".to_string());
+        }
+    };
+    bar.finish_and_clear();
+
+    let (timeline, probe_stats) = capture.finish(ended_early)?;
+    let host = xspace::local_hostname();
+    let space = xspace::timeline_to_xspace(&timeline, &host);
+    let path = logdir::write_run(&args.logdir, &session, &host, &space)?;
+    if !args.quiet {
+        print!("{}", summary::render(&timeline, &probe_stats));
+        println!("trace: {}", path.display());
+        println!(
+            "view:  xprof --logdir {0}   (or: tensorboard --logdir {0})",
+            args.logdir.display()
+        );
+    } else {
+        println!("{}", path.display());
+    }
+    Ok(())
+}

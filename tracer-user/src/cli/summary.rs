@@ -1,0 +1,54 @@
+//! The end-of-capture summary printed to the terminal.
+
+use std::fmt::Write as _;
+
+use crate::{attach::ProbeStats, timeline::Timeline};
+
+fn ms(ns: u64) -> String {
+    format!("{:.1}ms", ns as f64 / 1e6)
+}
+
+/// Renders per-thread totals and the capture's accounting.
+pub fn render(timeline: &Timeline, probe: &ProbeStats) -> String {
+    let window = timeline.duration_ns().max(1);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:>8}  {:<16} {:>10} {:>6} {:>10} {:>10} {:>6} {:>6} {:>7}",
+        "TID", "THREAD", "ON-CPU", "CPU%", "RUNQ-WAIT", "BLOCKED", "VOL", "INVOL", "WAKEUPS"
+    );
+    let mut threads: Vec<_> = timeline.threads.values().collect();
+    threads.sort_by_key(|t| std::cmp::Reverse(t.counters.on_cpu_ns));
+    for t in threads {
+        let c = &t.counters;
+        let _ = writeln!(
+            out,
+            "{:>8}  {:<16} {:>10} {:>5.1}% {:>10} {:>10} {:>6} {:>6} {:>7}",
+            t.tid,
+            t.name,
+            ms(c.on_cpu_ns),
+            100.0 * c.on_cpu_ns as f64 / window as f64,
+            ms(c.runnable_ns),
+            ms(c.blocked_ns),
+            c.voluntary_switches,
+            c.involuntary_switches,
+            c.wakeups,
+        );
+    }
+    let _ = writeln!(
+        out,
+        "window {}; {} records captured, {} dropped{}",
+        ms(timeline.duration_ns()),
+        timeline.stats.records,
+        probe.dropped(),
+        if probe.dropped() > 0 {
+            " (raise --ring-buffer-mib; the trace is partial)"
+        } else {
+            ""
+        }
+    );
+    if let Some(why) = &timeline.stats.ended_early {
+        let _ = writeln!(out, "capture ended early: {why}");
+    }
+    out
+}

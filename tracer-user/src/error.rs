@@ -1,0 +1,119 @@
+//! The errors ebtrace reports to its user, each naming what failed and,
+//! where there is one, what to do about it.
+
+use std::path::PathBuf;
+
+/// Exit code for errors the user can act on (bad arguments, privileges,
+/// missing kernel features): the same code clap uses for usage errors.
+pub const EXIT_USAGE: i32 = 2;
+/// Exit code for failures during a capture.
+pub const EXIT_FAILURE: i32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("no process with pid {pid} (is it still running? check with `ps -p {pid}`)")]
+    NoSuchProcess { pid: u32 },
+
+    #[error("pid {pid} is a zombie (it has exited and waits to be reaped); nothing to trace")]
+    ZombieProcess { pid: u32 },
+
+    #[error(
+        "not permitted to load eBPF programs: ebtrace needs root, or CAP_BPF and CAP_PERFMON \
+         (missing: {missing}); run it with sudo"
+    )]
+    NotPrivileged { missing: String },
+
+    #[error(
+        "kernel tracepoint {category}:{name} not found under {tracefs} (needs a kernel with \
+         CONFIG_TRACEPOINTS and tracefs mounted: `mount -t tracefs nodev /sys/kernel/tracing`)"
+    )]
+    MissingTracepoint {
+        category: String,
+        name: String,
+        tracefs: PathBuf,
+    },
+
+    #[error(
+        "kernel tracepoint {category}:{name} has an unsupported layout: field `{field}` {found} \
+         (expected offset {expected}); please report this kernel version"
+    )]
+    TracepointLayout {
+        category: String,
+        name: String,
+        field: String,
+        found: String,
+        expected: usize,
+    },
+
+    #[error("tracefs is not mounted and mounting it at {path} failed: {source}")]
+    TracefsMount {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("cannot write traces under {path}: {source} (choose another directory with --logdir)")]
+    LogdirNotWritable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error(
+        "this ebtrace binary was built without its eBPF object (AYA_BUILD_SKIP was set); \
+         rebuild it with `cargo build --release`"
+    )]
+    NoEbpfObject,
+
+    #[error("loading the eBPF programs failed: {0}")]
+    Load(#[source] Box<aya::EbpfError>),
+
+    #[error("attaching {what} failed: {source}")]
+    Attach {
+        what: String,
+        #[source]
+        source: Box<aya::programs::ProgramError>,
+    },
+
+    #[error("eBPF map {name}: {source}")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: Box<aya::maps::MapError>,
+    },
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::NoSuchProcess { .. }
+            | Error::ZombieProcess { .. }
+            | Error::NotPrivileged { .. }
+            | Error::MissingTracepoint { .. }
+            | Error::TracepointLayout { .. }
+            | Error::TracefsMount { .. }
+            | Error::LogdirNotWritable { .. }
+            | Error::NoEbpfObject => EXIT_USAGE,
+            Error::Load(_) | Error::Attach { .. } | Error::Map { .. } | Error::Io { .. } => {
+                EXIT_FAILURE
+            }
+        }
+    }
+
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,23 @@
+//! ebtrace: an eBPF-assisted tracer for ML workloads.
+//!
+//! Data flows one way: **probes → collector → timeline → sinks**.
+//! - [`attach`]: loads the eBPF object and attaches its programs;
+//! - [`collect`]: drains the ring buffer into decoded records;
+//! - [`clock`]: `ClockSync`, the one place where kernel time becomes wall time;
+//! - [`timeline`]: the format-independent model of what each thread did;
+//! - [`sink`]: XSpace encoding and the XProf log directory layout;
+//! - [`capture`]: one capture from checks to timeline;
+//! - [`procfs`]: what `/proc` says about the targets;
+//! - [`cli`]: the `ebtrace` command line.
+
+pub mod attach;
+pub mod capture;
+pub mod cli;
+pub mod clock;
+pub mod collect;
+pub mod error;
+pub mod procfs;
+pub mod sink;
+pub mod timeline;
+
+pub use error::{Error, Result};

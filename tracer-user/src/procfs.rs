@@ -1,0 +1,152 @@
+//! What `/proc` tells about the traced processes: existence, threads,
+//! names and the state each thread is in when the capture starts.
+
+use std::{collections::BTreeMap, fs, path::PathBuf};
+
+use crate::error::{Error, Result};
+
+fn proc_root() -> PathBuf {
+    PathBuf::from("/proc")
+}
+
+/// One line of `/proc/PID/task/TID/stat`, the fields we use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskStat {
+    pub tid: u32,
+    pub comm: String,
+    /// Single-letter state: R, S, D, T, t, Z, X, I, ...
+    pub state: char,
+    /// CPU the task last ran on.
+    pub cpu: u32,
+}
+
+/// Parses a `stat` line; `comm` may contain spaces and parentheses.
+pub fn parse_stat(line: &str) -> Option<TaskStat> {
+    let open = line.find('(')?;
+    let close = line.rfind(')')?;
+    let tid = line[..open].trim().parse().ok()?;
+    let comm = line[open + 1..close].to_string();
+    let rest: Vec<&str> = line[close + 1..].split_whitespace().collect();
+    // rest[0] is field 3 (state); field 39 (processor) is rest[36].
+    let state = rest.first()?.chars().next()?;
+    let cpu = rest.get(36)?.parse().ok()?;
+    Some(TaskStat {
+        tid,
+        comm,
+        state,
+        cpu,
+    })
+}
+
+/// A process to trace.
+#[derive(Clone, Debug)]
+pub struct TargetProcess {
+    pub pid: u32,
+    pub name: String,
+}
+
+impl TargetProcess {
+    /// Checks that `pid` names a live process (not a thread of another one).
+    pub fn open(pid: u32) -> Result<Self> {
+        let stat = fs::read_to_string(proc_root().join(pid.to_string()).join("stat"))
+            .ok()
+            .and_then(|s| parse_stat(&s))
+            .ok_or(Error::NoSuchProcess { pid })?;
+        if stat.state == 'Z' || stat.state == 'X' {
+            return Err(Error::ZombieProcess { pid });
+        }
+        let tgid = read_tgid(pid).ok_or(Error::NoSuchProcess { pid })?;
+        if tgid != pid {
+            // A thread id: trace its whole process, as the user surely meant.
+            return TargetProcess::open(tgid);
+        }
+        Ok(TargetProcess {
+            pid,
+            name: stat.comm,
+        })
+    }
+
+    /// The process's threads and their states right now.
+    pub fn threads(&self) -> BTreeMap<u32, TaskStat> {
+        let mut out = BTreeMap::new();
+        let Ok(dir) = fs::read_dir(proc_root().join(self.pid.to_string()).join("task")) else {
+            return out;
+        };
+        for entry in dir.flatten() {
+            let Some(tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if let Some(stat) = fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|s| parse_stat(&s))
+            {
+                out.insert(tid, stat);
+            }
+        }
+        out
+    }
+
+    /// True while the process exists and has not exited (zombies count as gone).
+    pub fn is_alive(&self) -> bool {
+        fs::read_to_string(proc_root().join(self.pid.to_string()).join("stat"))
+            .ok()
+            .and_then(|s| parse_stat(&s))
+            .is_some_and(|s| s.state != 'Z' && s.state != 'X')
+    }
+}
+
+fn read_tgid(pid: u32) -> Option<u32> {
+    let status = fs::read_to_string(proc_root().join(pid.to_string()).join("status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Effective capability set of this process (`CapEff` in `/proc/self/status`).
+pub fn effective_capabilities() -> u64 {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_odd_comm() {
+        let line = "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 3 0 \
+                    55 1000 10 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0";
+        let stat = parse_stat(line).unwrap();
+        assert_eq!(stat.tid, 4242);
+        assert_eq!(stat.comm, "a (b) c");
+        assert_eq!(stat.state, 'S');
+        assert_eq!(stat.cpu, 1);
+    }
+
+    #[test]
+    fn opens_self_and_lists_own_threads() {
+        let me = std::process::id();
+        let target = TargetProcess::open(me).unwrap();
+        assert_eq!(target.pid, me);
+        assert!(target.threads().contains_key(&me));
+        assert!(target.is_alive());
+    }
+
+    #[test]
+    fn unknown_pid_is_reported() {
+        // pid_max is at most 2^22, so this pid cannot exist.
+        let err = TargetProcess::open(4_194_305 + 7).unwrap_err();
+        assert!(matches!(err, Error::NoSuchProcess { .. }));
+    }
+}

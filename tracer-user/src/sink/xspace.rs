@@ -1,0 +1,445 @@
+//! The XSpace sink: the timeline model as an XProf `XSpace`.
+//!
+//! Layout (conventions from TSL's `xplane_schema`):
+//! - `/host:CPU`: one line per traced thread (id = tid, name = thread name)
+//!   and one per CPU that ran a traced thread (id = [`CPU_LINE_BASE`] + cpu,
+//!   above any tid the kernel hands out and below XProf's derived-line ids).
+//! - `Task Environment`: `profile_start_time` / `profile_stop_time` (epoch
+//!   ns) and ebtrace's capture accounting.
+//!
+//! Line timestamps are relative to the profile start (absolute epoch values
+//! overflow XProf's trace viewer). Events on a line must nest and never
+//! partially overlap: scheduling states partition a thread's time, so they
+//! are leaves; instants sit inside them; spans from other sources (TraceMe,
+//! CUDA calls) are laid above them, and [`split_at`] cuts a state slice at
+//! every span boundary so both fit on one line.
+
+use std::collections::HashMap;
+
+use ebtrace_proto::tensorflow::profiler::{
+    XEvent, XEventMetadata, XLine, XPlane, XSpace, XStat, XStatMetadata, x_event, x_stat,
+};
+
+use crate::timeline::{MarkKind, RunnableCause, ThreadState, Timeline};
+
+pub const HOST_CPU_PLANE: &str = "/host:CPU";
+pub const TASK_ENV_PLANE: &str = "Task Environment";
+/// First line id of the per-CPU lines (pid_max is at most 2^22).
+pub const CPU_LINE_BASE: i64 = 0xFFFF_0000;
+
+/// XProf flow stat: 2-bit direction, 56-bit id, 6-bit context type.
+pub fn flow_stat_value(id: u64, direction: FlowDirection) -> u64 {
+    const GENERIC_CONTEXT: u64 = 0;
+    (direction as u64) | ((id & ((1 << 56) - 1)) << 2) | (GENERIC_CONTEXT << 58)
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(u64)]
+pub enum FlowDirection {
+    In = 1,
+    Out = 2,
+}
+
+/// A stat value before it is interned.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StatValue {
+    I64(i64),
+    U64(u64),
+    Str(String),
+}
+
+impl From<StatValue> for x_stat::Value {
+    fn from(v: StatValue) -> Self {
+        match v {
+            StatValue::I64(v) => x_stat::Value::Int64Value(v),
+            StatValue::U64(v) => x_stat::Value::Uint64Value(v),
+            StatValue::Str(v) => x_stat::Value::StrValue(v),
+        }
+    }
+}
+
+/// Builds one `XPlane`, numbering event and stat metadata from 1 like
+/// TSL's `XPlaneBuilder` and interning them by name.
+pub struct XPlaneBuilder {
+    plane: XPlane,
+    events_by_name: HashMap<String, i64>,
+    stats_by_name: HashMap<String, i64>,
+}
+
+impl XPlaneBuilder {
+    pub fn new(id: i64, name: &str) -> Self {
+        XPlaneBuilder {
+            plane: XPlane {
+                id,
+                name: name.to_string(),
+                ..Default::default()
+            },
+            events_by_name: HashMap::new(),
+            stats_by_name: HashMap::new(),
+        }
+    }
+
+    pub fn event_metadata(&mut self, name: &str) -> i64 {
+        if let Some(&id) = self.events_by_name.get(name) {
+            return id;
+        }
+        let id = self.events_by_name.len() as i64 + 1;
+        self.plane.event_metadata.insert(
+            id,
+            XEventMetadata {
+                id,
+                name: name.to_string(),
+                ..Default::default()
+            },
+        );
+        self.events_by_name.insert(name.to_string(), id);
+        id
+    }
+
+    pub fn stat_metadata(&mut self, name: &str) -> i64 {
+        if let Some(&id) = self.stats_by_name.get(name) {
+            return id;
+        }
+        let id = self.stats_by_name.len() as i64 + 1;
+        self.plane.stat_metadata.insert(
+            id,
+            XStatMetadata {
+                id,
+                name: name.to_string(),
+                ..Default::default()
+            },
+        );
+        self.stats_by_name.insert(name.to_string(), id);
+        id
+    }
+
+    pub fn stat(&mut self, name: &str, value: StatValue) -> XStat {
+        XStat {
+            metadata_id: self.stat_metadata(name),
+            value: Some(value.into()),
+        }
+    }
+
+    pub fn add_plane_stat(&mut self, name: &str, value: StatValue) {
+        let stat = self.stat(name, value);
+        self.plane.stats.push(stat);
+    }
+
+    pub fn event(
+        &mut self,
+        name: &str,
+        offset_ps: i64,
+        duration_ps: i64,
+        stats: Vec<(&str, StatValue)>,
+    ) -> XEvent {
+        let stats = stats.into_iter().map(|(n, v)| self.stat(n, v)).collect();
+        XEvent {
+            metadata_id: self.event_metadata(name),
+            duration_ps,
+            stats,
+            data: Some(x_event::Data::OffsetPs(offset_ps)),
+        }
+    }
+
+    /// Adds a line; its events are sorted so that parents precede children.
+    pub fn add_line(&mut self, id: i64, name: &str, display_name: &str, mut events: Vec<XEvent>) {
+        events.sort_by_key(|e| (offset_ps(e), std::cmp::Reverse(e.duration_ps)));
+        self.plane.lines.push(XLine {
+            id,
+            name: name.to_string(),
+            display_name: display_name.to_string(),
+            timestamp_ns: 0,
+            events,
+            ..Default::default()
+        });
+    }
+
+    pub fn build(self) -> XPlane {
+        self.plane
+    }
+}
+
+fn offset_ps(e: &XEvent) -> i64 {
+    match e.data {
+        Some(x_event::Data::OffsetPs(o)) => o,
+        _ => 0,
+    }
+}
+
+/// Cuts `[start, end)` at every boundary strictly inside it.
+pub fn split_at(start: u64, end: u64, sorted_boundaries: &[u64]) -> Vec<(u64, u64)> {
+    let first = sorted_boundaries.partition_point(|&b| b <= start);
+    let mut pieces = Vec::new();
+    let mut from = start;
+    for &b in sorted_boundaries[first..].iter().take_while(|&&b| b < end) {
+        if b > from {
+            pieces.push((from, b));
+            from = b;
+        }
+    }
+    pieces.push((from, end));
+    pieces
+}
+
+fn state_event_name(state: &ThreadState) -> &'static str {
+    match state {
+        ThreadState::Running { .. } => "Running",
+        ThreadState::Runnable { .. } => "Runnable",
+        ThreadState::Blocked { .. } => "Blocked",
+    }
+}
+
+fn state_stats(state: &ThreadState) -> Vec<(&'static str, StatValue)> {
+    match *state {
+        ThreadState::Running { cpu } => vec![("cpu", StatValue::I64(cpu.into()))],
+        ThreadState::Runnable { cause } => match cause {
+            RunnableCause::Woken {
+                waker_tid,
+                waker_pid,
+                flow_id,
+            } => vec![
+                ("cause", StatValue::Str("woken".into())),
+                ("waker_tid", StatValue::I64(waker_tid.into())),
+                ("waker_pid", StatValue::I64(waker_pid.into())),
+                (
+                    "flow",
+                    StatValue::U64(flow_stat_value(flow_id, FlowDirection::In)),
+                ),
+            ],
+            RunnableCause::Preempted => vec![("cause", StatValue::Str("preempted".into()))],
+            RunnableCause::Yielded => vec![("cause", StatValue::Str("yielded".into()))],
+            RunnableCause::Created => vec![("cause", StatValue::Str("new thread".into()))],
+            RunnableCause::AtStart => {
+                vec![("cause", StatValue::Str("runnable at capture start".into()))]
+            }
+        },
+        ThreadState::Blocked { state } => {
+            vec![("prev_state", StatValue::Str(state.describe().into()))]
+        }
+    }
+}
+
+/// Host name to record in the XSpace (XProf matches it to the file name).
+pub fn local_hostname() -> String {
+    hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Converts a timeline into an XSpace for `hostname`.
+pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
+    let start = timeline.start_ns;
+    let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
+    let mut host = XPlaneBuilder::new(0, HOST_CPU_PLANE);
+
+    for t in timeline.threads.values() {
+        let mut events = Vec::with_capacity(t.slices.len() + t.marks.len());
+        for s in &t.slices {
+            let stats = state_stats(&s.state);
+            events.push(host.event(
+                state_event_name(&s.state),
+                ps(s.start_ns),
+                ps(s.end_ns) - ps(s.start_ns),
+                stats,
+            ));
+        }
+        for m in &t.marks {
+            let (name, stats) = match m.kind {
+                MarkKind::Wakeup { tid, pid, flow_id } => (
+                    "Wakeup",
+                    vec![
+                        ("woken_tid", StatValue::I64(tid.into())),
+                        ("woken_pid", StatValue::I64(pid.into())),
+                        (
+                            "flow",
+                            StatValue::U64(flow_stat_value(flow_id, FlowDirection::Out)),
+                        ),
+                    ],
+                ),
+                MarkKind::ThreadCreated { tid } => {
+                    ("Thread created", vec![("tid", StatValue::I64(tid.into()))])
+                }
+                MarkKind::ProcessForked { pid } => (
+                    "Process forked",
+                    vec![("child_pid", StatValue::I64(pid.into()))],
+                ),
+                MarkKind::Exited => ("Thread exit", vec![]),
+            };
+            events.push(host.event(name, ps(m.ts_ns), 0, stats));
+        }
+        let process = timeline
+            .processes
+            .get(&t.pid)
+            .map_or(String::new(), |p| p.name.clone());
+        let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
+        host.add_line(t.tid.into(), &t.name, &display, events);
+    }
+
+    for (cpu, slices) in &timeline.cpus {
+        let events = slices
+            .iter()
+            .map(|s| {
+                let name = timeline
+                    .threads
+                    .get(&s.tid)
+                    .map_or_else(|| format!("thread {}", s.tid), |t| t.name.clone());
+                host.event(
+                    &name,
+                    ps(s.start_ns),
+                    ps(s.end_ns) - ps(s.start_ns),
+                    vec![
+                        ("tid", StatValue::I64(s.tid.into())),
+                        ("pid", StatValue::I64(s.pid.into())),
+                    ],
+                )
+            })
+            .collect();
+        let name = format!("CPU {cpu}");
+        host.add_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
+    }
+
+    let mut env = XPlaneBuilder::new(1, TASK_ENV_PLANE);
+    env.add_plane_stat(
+        "profile_start_time",
+        StatValue::U64(timeline.clock.to_wall_ns(timeline.start_ns)),
+    );
+    env.add_plane_stat(
+        "profile_stop_time",
+        StatValue::U64(timeline.clock.to_wall_ns(timeline.stop_ns)),
+    );
+    env.add_plane_stat(
+        "ebtrace_version",
+        StatValue::Str(env!("CARGO_PKG_VERSION").into()),
+    );
+    env.add_plane_stat("ebtrace_records", StatValue::U64(timeline.stats.records));
+    env.add_plane_stat(
+        "ebtrace_dropped_records",
+        StatValue::U64(timeline.stats.dropped),
+    );
+    let pids = timeline
+        .processes
+        .keys()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    env.add_plane_stat("ebtrace_pids", StatValue::Str(pids));
+
+    let mut warnings = Vec::new();
+    if timeline.stats.dropped > 0 {
+        warnings.push(format!(
+            "ebtrace: {} records were dropped (ring buffer full); this trace is partial",
+            timeline.stats.dropped
+        ));
+    }
+    if let Some(why) = &timeline.stats.ended_early {
+        warnings.push(format!("ebtrace: capture ended early: {why}"));
+    }
+    XSpace {
+        planes: vec![host.build(), env.build()],
+        errors: vec![],
+        warnings,
+        hostnames: vec![hostname.to_string()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+
+    use super::*;
+    use crate::{
+        clock::ClockSync,
+        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters, ThreadTrack},
+    };
+
+    #[test]
+    fn split_cuts_only_inside() {
+        assert_eq!(split_at(10, 20, &[]), vec![(10, 20)]);
+        assert_eq!(split_at(10, 20, &[5, 10, 20, 25]), vec![(10, 20)]);
+        assert_eq!(
+            split_at(10, 20, &[12, 12, 15]),
+            vec![(10, 12), (12, 15), (15, 20)]
+        );
+    }
+
+    #[test]
+    fn flow_bits() {
+        assert_eq!(flow_stat_value(5, FlowDirection::Out), (5 << 2) | 2);
+        assert_eq!(flow_stat_value(5, FlowDirection::In) & 3, 1);
+    }
+
+    #[test]
+    fn builds_relative_lines_and_task_environment() {
+        let slices = vec![
+            StateSlice {
+                start_ns: 1_000,
+                end_ns: 1_500,
+                state: ThreadState::Running { cpu: 1 },
+            },
+            StateSlice {
+                start_ns: 1_500,
+                end_ns: 2_000,
+                state: ThreadState::Blocked {
+                    state: TaskState::Sleeping,
+                },
+            },
+        ];
+        let mut threads = BTreeMap::new();
+        threads.insert(
+            42,
+            ThreadTrack {
+                tid: 42,
+                pid: 42,
+                name: "worker".into(),
+                slices,
+                marks: vec![],
+                counters: ThreadCounters::default(),
+            },
+        );
+        let tl = Timeline {
+            start_ns: 1_000,
+            stop_ns: 2_000,
+            clock: ClockSync::from_offset(1_000_000),
+            processes: BTreeMap::new(),
+            threads,
+            cpus: BTreeMap::new(),
+            stats: CaptureStats::default(),
+        };
+        let xs = timeline_to_xspace(&tl, "host");
+        assert_eq!(xs.hostnames, vec!["host"]);
+        let cpu = &xs.planes[0];
+        assert_eq!(cpu.name, HOST_CPU_PLANE);
+        let line = &cpu.lines[0];
+        assert_eq!(
+            (line.id, line.name.as_str(), line.timestamp_ns),
+            (42, "worker", 0)
+        );
+        let names: HashMap<i64, &str> = cpu
+            .event_metadata
+            .values()
+            .map(|m| (m.id, m.name.as_str()))
+            .collect();
+        let ev: Vec<(&str, i64, i64)> = line
+            .events
+            .iter()
+            .map(|e| (names[&e.metadata_id], offset_ps(e), e.duration_ps))
+            .collect();
+        assert_eq!(
+            ev,
+            vec![("Running", 0, 500_000), ("Blocked", 500_000, 500_000)]
+        );
+        let env = &xs.planes[1];
+        let stat_names: HashMap<i64, &str> = env
+            .stat_metadata
+            .values()
+            .map(|m| (m.id, m.name.as_str()))
+            .collect();
+        let start = env
+            .stats
+            .iter()
+            .find(|s| stat_names[&s.metadata_id] == "profile_start_time")
+            .unwrap();
+        assert_eq!(start.value, Some(x_stat::Value::Uint64Value(1_001_000)));
+    }
+}

@@ -1,0 +1,228 @@
+//! The timeline model: what happened to each traced thread and CPU, in
+//! `CLOCK_MONOTONIC` nanoseconds, independent of any output format.
+//!
+//! Sources (the scheduler records today; TraceMe and CUDA later) fill it,
+//! sinks (`sink::xspace`) read it. Per thread it keeps two kinds of data:
+//! - `slices`: a partition of the thread's life into scheduling states
+//!   (running, runnable, blocked), consecutive and non-overlapping;
+//! - `marks`: instants (wake-ups issued, threads created, exit).
+
+mod sched;
+
+use std::collections::BTreeMap;
+
+pub use sched::{InitialState, SchedTimelineBuilder};
+
+use crate::clock::ClockSync;
+
+/// The state of a thread between two scheduler events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThreadState {
+    /// On a CPU.
+    Running { cpu: u32 },
+    /// Ready to run, waiting for a CPU.
+    Runnable { cause: RunnableCause },
+    /// Off the run queue: sleeping, waiting for I/O, stopped...
+    Blocked { state: TaskState },
+}
+
+/// Why a thread became runnable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunnableCause {
+    /// Switched out while still runnable (the scheduler preempted it).
+    Preempted,
+    /// Gave up the CPU while runnable (e.g. `sched_yield`).
+    Yielded,
+    /// Woken by another task.
+    Woken {
+        waker_tid: u32,
+        waker_pid: u32,
+        /// Links the waker's [`MarkKind::Wakeup`] to this slice.
+        flow_id: u64,
+    },
+    /// First wake-up of a newly created thread.
+    Created,
+    /// Already runnable when the capture started.
+    AtStart,
+}
+
+/// The kernel's reported task state of a blocked thread (`prev_state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaskState {
+    /// S: interruptible sleep (waiting on a futex, a pipe, a timer...).
+    Sleeping,
+    /// D: uninterruptible sleep (usually I/O).
+    DiskSleep,
+    /// T: stopped by a signal.
+    Stopped,
+    /// t: stopped by a tracer.
+    TracingStop,
+    /// X or Z: exiting.
+    Dead,
+    /// P: parked kernel thread.
+    Parked,
+    /// I: idle kernel thread.
+    Idle,
+    /// Blocked before the capture started, for an unknown reason.
+    Unknown,
+}
+
+impl TaskState {
+    /// Decodes a `sched_switch` `prev_state` (one bit per reported state).
+    pub fn from_prev_state(prev_state: u64) -> Self {
+        match prev_state & 0xff {
+            0x01 => TaskState::Sleeping,
+            0x02 => TaskState::DiskSleep,
+            0x04 => TaskState::Stopped,
+            0x08 => TaskState::TracingStop,
+            0x10 | 0x20 => TaskState::Dead,
+            0x40 => TaskState::Parked,
+            0x80 => TaskState::Idle,
+            _ => TaskState::Unknown,
+        }
+    }
+
+    /// From the state letter of `/proc/PID/stat`.
+    pub fn from_proc_letter(letter: char) -> Self {
+        match letter {
+            'S' => TaskState::Sleeping,
+            'D' => TaskState::DiskSleep,
+            'T' => TaskState::Stopped,
+            't' => TaskState::TracingStop,
+            'X' | 'Z' => TaskState::Dead,
+            'P' => TaskState::Parked,
+            'I' => TaskState::Idle,
+            _ => TaskState::Unknown,
+        }
+    }
+
+    /// `ps`-style letter and description.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            TaskState::Sleeping => "S (sleeping)",
+            TaskState::DiskSleep => "D (uninterruptible, usually I/O)",
+            TaskState::Stopped => "T (stopped)",
+            TaskState::TracingStop => "t (tracing stop)",
+            TaskState::Dead => "X (exiting)",
+            TaskState::Parked => "P (parked)",
+            TaskState::Idle => "I (idle)",
+            TaskState::Unknown => "? (blocked before the capture)",
+        }
+    }
+}
+
+/// One stretch of time a thread spent in one state, `[start_ns, end_ns)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateSlice {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub state: ThreadState,
+}
+
+impl StateSlice {
+    pub fn duration_ns(&self) -> u64 {
+        self.end_ns - self.start_ns
+    }
+}
+
+/// An instant on a thread's timeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mark {
+    pub ts_ns: u64,
+    pub kind: MarkKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MarkKind {
+    /// This thread woke `tid`; `flow_id` matches the woken thread's slice.
+    Wakeup { tid: u32, pid: u32, flow_id: u64 },
+    /// This thread created a thread of its own process.
+    ThreadCreated { tid: u32 },
+    /// This thread forked a new process.
+    ProcessForked { pid: u32 },
+    /// The thread exited.
+    Exited,
+}
+
+/// Per-thread totals over the capture window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ThreadCounters {
+    pub on_cpu_ns: u64,
+    pub runnable_ns: u64,
+    pub blocked_ns: u64,
+    /// Switches out while blocking (what `/proc` calls voluntary).
+    pub voluntary_switches: u64,
+    /// Switches out while still runnable (preempted or yielded).
+    pub involuntary_switches: u64,
+    /// Wake-ups this thread received.
+    pub wakeups: u64,
+    /// Times it ran on another CPU than the time before.
+    pub migrations: u64,
+}
+
+/// Everything known about one traced thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadTrack {
+    pub tid: u32,
+    pub pid: u32,
+    pub name: String,
+    pub slices: Vec<StateSlice>,
+    pub marks: Vec<Mark>,
+    pub counters: ThreadCounters,
+}
+
+/// Which traced thread ran on a CPU, `[start_ns, end_ns)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuSlice {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub tid: u32,
+    pub pid: u32,
+}
+
+/// A traced process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    pub name: String,
+    /// When its last thread exited, if it did during the capture.
+    pub exited_ns: Option<u64>,
+}
+
+/// Capture-wide accounting, stored in the output so a partial trace says so.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CaptureStats {
+    pub records: u64,
+    pub dropped: u64,
+    pub malformed: u64,
+    /// Why the capture ended before its duration, if it did.
+    pub ended_early: Option<String>,
+}
+
+/// The whole capture.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timeline {
+    /// Capture window, monotonic ns.
+    pub start_ns: u64,
+    pub stop_ns: u64,
+    pub clock: ClockSync,
+    pub processes: BTreeMap<u32, ProcessInfo>,
+    pub threads: BTreeMap<u32, ThreadTrack>,
+    pub cpus: BTreeMap<u32, Vec<CpuSlice>>,
+    pub stats: CaptureStats,
+}
+
+impl Timeline {
+    pub fn duration_ns(&self) -> u64 {
+        self.stop_ns - self.start_ns
+    }
+
+    /// Number of events a sink will write (slices, marks, CPU slices).
+    pub fn event_count(&self) -> usize {
+        self.threads
+            .values()
+            .map(|t| t.slices.len() + t.marks.len())
+            .sum::<usize>()
+            + self.cpus.values().map(Vec::len).sum::<usize>()
+    }
+}

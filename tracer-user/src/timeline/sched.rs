@@ -1,0 +1,557 @@
+//! `SchedTimelineBuilder`: turns scheduler records into per-thread state
+//! slices.
+//!
+//! Records must be fed in timestamp order. Each thread runs a small state
+//! machine; every handler keeps one invariant: a thread's slices are
+//! consecutive and never overlap, and only the part inside the capture
+//! window is kept. What a thread did before its first record is inferred
+//! from that record (a switch-out means it was running, a switch-in that it
+//! was runnable, a wake-up that it was blocked) or, for threads with no
+//! record at all, from the `/proc` state read when the capture started.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use tracer_common::{CLONE_THREAD, PREEMPTED, WAKEUP_NEW};
+
+use super::{
+    CaptureStats, CpuSlice, Mark, MarkKind, ProcessInfo, RunnableCause, StateSlice, TaskState,
+    ThreadCounters, ThreadState, ThreadTrack, Timeline,
+};
+use crate::{clock::ClockSync, collect::Record};
+
+/// A thread as `/proc` showed it when the capture started.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InitialState {
+    pub pid: u32,
+    pub name: String,
+    /// `/proc/.../stat` state letter.
+    pub state: char,
+    pub cpu: u32,
+}
+
+#[derive(Default)]
+struct ThreadBuild {
+    pid: u32,
+    name: Option<String>,
+    /// Current state and since when; `None` before the first record.
+    cur: Option<(ThreadState, u64)>,
+    /// Creation time, for threads created during the capture.
+    born_ns: Option<u64>,
+    seen_switch_in: bool,
+    dead: bool,
+    last_cpu: Option<u32>,
+    slices: Vec<StateSlice>,
+    marks: Vec<Mark>,
+    counters: ThreadCounters,
+}
+
+pub struct SchedTimelineBuilder {
+    start_ns: u64,
+    stop_ns: u64,
+    targets: BTreeSet<u32>,
+    initial: HashMap<u32, InitialState>,
+    threads: HashMap<u32, ThreadBuild>,
+    processes: BTreeMap<u32, ProcessInfo>,
+    next_flow_id: u64,
+    records: u64,
+}
+
+impl SchedTimelineBuilder {
+    /// `start_ns..stop_ns` is the capture window (monotonic ns); `processes`
+    /// the traced processes; `initial` their threads at start.
+    pub fn new(
+        start_ns: u64,
+        stop_ns: u64,
+        processes: impl IntoIterator<Item = (u32, String)>,
+        initial: HashMap<u32, InitialState>,
+    ) -> Self {
+        let processes: BTreeMap<u32, ProcessInfo> = processes
+            .into_iter()
+            .map(|(pid, name)| {
+                (
+                    pid,
+                    ProcessInfo {
+                        pid,
+                        name,
+                        exited_ns: None,
+                    },
+                )
+            })
+            .collect();
+        SchedTimelineBuilder {
+            start_ns,
+            stop_ns,
+            targets: processes.keys().copied().collect(),
+            initial,
+            threads: HashMap::new(),
+            processes,
+            next_flow_id: 1,
+            records: 0,
+        }
+    }
+
+    fn thread(&mut self, tid: u32, pid: u32) -> &mut ThreadBuild {
+        let t = self.threads.entry(tid).or_default();
+        if t.pid == 0 {
+            t.pid = pid;
+        }
+        t
+    }
+
+    /// Ends `tid`'s current state at `ts`. `before_first` is what it must
+    /// have been doing if this is its first record.
+    fn close(&mut self, tid: u32, ts: u64, before_first: ThreadState) {
+        let (start, stop) = (self.start_ns, self.stop_ns);
+        let t = self.threads.get_mut(&tid).expect("thread exists");
+        let (state, since) = match t.cur {
+            Some(cur) => cur,
+            None if t.dead => return,
+            None => (before_first, t.born_ns.unwrap_or(start)),
+        };
+        t.cur = None;
+        let (from, to) = (since.max(start), ts.min(stop));
+        if to <= from {
+            return;
+        }
+        let d = to - from;
+        match state {
+            ThreadState::Running { .. } => t.counters.on_cpu_ns += d,
+            ThreadState::Runnable { .. } => t.counters.runnable_ns += d,
+            ThreadState::Blocked { .. } => t.counters.blocked_ns += d,
+        }
+        t.slices.push(StateSlice {
+            start_ns: from,
+            end_ns: to,
+            state,
+        });
+    }
+
+    fn open(&mut self, tid: u32, ts: u64, state: ThreadState) {
+        let t = self.threads.get_mut(&tid).expect("thread exists");
+        t.cur = Some((state, ts));
+    }
+
+    /// Feeds one record; records must come in timestamp order.
+    pub fn push(&mut self, record: &Record) {
+        let ts = record.ts();
+        if ts > self.stop_ns {
+            return;
+        }
+        self.records += 1;
+        match record {
+            Record::Switch(r) => {
+                let cpu = r.header.cpu;
+                if r.prev_tgid != 0 {
+                    self.switch_out(r.prev_tid, r.prev_tgid, cpu, r.prev_state, ts);
+                }
+                if r.next_tgid != 0 {
+                    self.switch_in(r.next_tid, r.next_tgid, cpu, ts);
+                }
+            }
+            Record::Wakeup(r) => {
+                let created = r.flags & WAKEUP_NEW != 0;
+                self.wakeup(r.tid, r.tgid, r.waker_tid, r.waker_tgid, created, ts);
+            }
+            Record::TaskNew(r) => {
+                if r.clone_flags & CLONE_THREAD != 0 {
+                    let name = comm_to_string(&r.comm);
+                    let child = self.thread(r.child_tid, r.parent_tgid);
+                    child.born_ns = Some(ts);
+                    child.name = Some(name);
+                    self.thread(r.parent_tid, r.parent_tgid).marks.push(Mark {
+                        ts_ns: ts,
+                        kind: MarkKind::ThreadCreated { tid: r.child_tid },
+                    });
+                }
+            }
+            Record::Fork(r) => {
+                if r.is_thread == 0 {
+                    self.thread(r.parent_tid, r.parent_tgid).marks.push(Mark {
+                        ts_ns: ts,
+                        kind: MarkKind::ProcessForked { pid: r.child_tid },
+                    });
+                }
+            }
+            Record::Exit(r) => {
+                let t = self.thread(r.tid, r.tgid);
+                t.marks.push(Mark {
+                    ts_ns: ts,
+                    kind: MarkKind::Exited,
+                });
+                if t.name.is_none() {
+                    t.name = Some(comm_to_string(&r.comm));
+                }
+                if r.group_dead == 1
+                    && let Some(p) = self.processes.get_mut(&r.tgid)
+                {
+                    p.exited_ns = Some(ts);
+                }
+            }
+            Record::Rename(r) => {
+                self.thread(r.tid, r.tgid).name = Some(comm_to_string(&r.comm));
+            }
+        }
+    }
+
+    fn switch_out(&mut self, tid: u32, pid: u32, cpu: u32, prev_state: u64, ts: u64) {
+        let t = self.thread(tid, pid);
+        match t.cur {
+            Some((ThreadState::Running { .. }, _)) => {}
+            // Inferred wrongly before the first switch-in (e.g. a wake-up
+            // that found it still on the CPU): it was running all along.
+            _ if !t.seen_switch_in => {
+                t.slices.clear();
+                t.counters = ThreadCounters {
+                    wakeups: t.counters.wakeups,
+                    ..ThreadCounters::default()
+                };
+                t.cur = None;
+            }
+            // A lost record: keep the time, call it running.
+            Some((_, since)) => t.cur = Some((ThreadState::Running { cpu }, since)),
+            None => {}
+        }
+        t.last_cpu = Some(cpu);
+        self.close(tid, ts, ThreadState::Running { cpu });
+        let t = self.threads.get_mut(&tid).expect("thread exists");
+        let next = if prev_state == PREEMPTED {
+            t.counters.involuntary_switches += 1;
+            ThreadState::Runnable {
+                cause: RunnableCause::Preempted,
+            }
+        } else if prev_state & 0xff == 0 {
+            t.counters.involuntary_switches += 1;
+            ThreadState::Runnable {
+                cause: RunnableCause::Yielded,
+            }
+        } else {
+            t.counters.voluntary_switches += 1;
+            let state = TaskState::from_prev_state(prev_state);
+            if state == TaskState::Dead {
+                t.dead = true;
+                return;
+            }
+            ThreadState::Blocked { state }
+        };
+        self.open(tid, ts, next);
+    }
+
+    fn switch_in(&mut self, tid: u32, pid: u32, cpu: u32, ts: u64) {
+        let t = self.thread(tid, pid);
+        if t.last_cpu.is_some_and(|c| c != cpu) {
+            t.counters.migrations += 1;
+        }
+        t.last_cpu = Some(cpu);
+        t.seen_switch_in = true;
+        t.dead = false;
+        let before = ThreadState::Runnable {
+            cause: if t.born_ns.is_some() {
+                RunnableCause::Created
+            } else {
+                RunnableCause::AtStart
+            },
+        };
+        self.close(tid, ts, before);
+        self.open(tid, ts, ThreadState::Running { cpu });
+    }
+
+    fn wakeup(
+        &mut self,
+        tid: u32,
+        pid: u32,
+        waker_tid: u32,
+        waker_pid: u32,
+        created: bool,
+        ts: u64,
+    ) {
+        let initial_letter = self.initial.get(&tid).map(|i| i.state);
+        let t = self.thread(tid, pid);
+        let blocked_before = match t.cur {
+            Some((ThreadState::Blocked { .. }, _)) => true,
+            // Still on a CPU, or already queued: nothing changes.
+            Some(_) => false,
+            None if t.born_ns.is_some() => true,
+            None => !matches!(initial_letter, Some('R')),
+        };
+        if !blocked_before {
+            return;
+        }
+        t.counters.wakeups += 1;
+        let before = ThreadState::Blocked {
+            state: initial_letter.map_or(TaskState::Unknown, TaskState::from_proc_letter),
+        };
+        let cause = if created {
+            RunnableCause::Created
+        } else {
+            let flow_id = self.next_flow_id;
+            self.next_flow_id += 1;
+            if self.targets.contains(&waker_pid) && (self.start_ns..=self.stop_ns).contains(&ts) {
+                self.thread(waker_tid, waker_pid).marks.push(Mark {
+                    ts_ns: ts,
+                    kind: MarkKind::Wakeup { tid, pid, flow_id },
+                });
+            }
+            RunnableCause::Woken {
+                waker_tid,
+                waker_pid,
+                flow_id,
+            }
+        };
+        if self.threads[&tid].born_ns.is_some() && self.threads[&tid].cur.is_none() {
+            // Between creation and first wake-up a thread is not schedulable.
+            self.open(tid, ts, ThreadState::Runnable { cause });
+            return;
+        }
+        self.close(tid, ts, before);
+        self.open(tid, ts, ThreadState::Runnable { cause });
+    }
+
+    /// Closes every open state at the end of the window. `names` gives the
+    /// thread names `/proc` shows at the end (for threads never renamed).
+    pub fn finish(
+        mut self,
+        clock: ClockSync,
+        names: &HashMap<u32, String>,
+        mut stats: CaptureStats,
+    ) -> Timeline {
+        // Threads that existed at start but produced no record at all.
+        let initial: Vec<(u32, InitialState)> =
+            self.initial.iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (tid, init) in &initial {
+            self.thread(*tid, init.pid);
+        }
+        let stop = self.stop_ns;
+        let tids: Vec<u32> = self.threads.keys().copied().collect();
+        for tid in tids {
+            let before = match self.initial.get(&tid) {
+                Some(i) if i.state == 'R' => ThreadState::Running { cpu: i.cpu },
+                Some(i) => ThreadState::Blocked {
+                    state: TaskState::from_proc_letter(i.state),
+                },
+                None => ThreadState::Blocked {
+                    state: TaskState::Unknown,
+                },
+            };
+            self.close(tid, stop, before);
+        }
+
+        let mut threads = BTreeMap::new();
+        let mut cpus: BTreeMap<u32, Vec<CpuSlice>> = BTreeMap::new();
+        for (tid, t) in self.threads {
+            let name = t
+                .name
+                .or_else(|| names.get(&tid).cloned())
+                .or_else(|| self.initial.get(&tid).map(|i| i.name.clone()))
+                .unwrap_or_else(|| format!("thread {tid}"));
+            for s in &t.slices {
+                if let ThreadState::Running { cpu } = s.state {
+                    cpus.entry(cpu).or_default().push(CpuSlice {
+                        start_ns: s.start_ns,
+                        end_ns: s.end_ns,
+                        tid,
+                        pid: t.pid,
+                    });
+                }
+            }
+            let mut marks = t.marks;
+            marks.retain(|m| m.ts_ns >= self.start_ns && m.ts_ns <= self.stop_ns);
+            threads.insert(
+                tid,
+                ThreadTrack {
+                    tid,
+                    pid: t.pid,
+                    name,
+                    slices: t.slices,
+                    marks,
+                    counters: t.counters,
+                },
+            );
+        }
+        for slices in cpus.values_mut() {
+            slices.sort_by_key(|s| s.start_ns);
+        }
+        stats.records = stats.records.max(self.records);
+        Timeline {
+            start_ns: self.start_ns,
+            stop_ns: self.stop_ns,
+            clock,
+            processes: self.processes,
+            threads,
+            cpus,
+            stats,
+        }
+    }
+}
+
+/// A kernel `comm` (NUL-padded, not always NUL-terminated) as a string.
+pub fn comm_to_string(comm: &[u8]) -> String {
+    let end = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+    String::from_utf8_lossy(&comm[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
+
+    use super::*;
+
+    const PID: u32 = 100;
+
+    fn switch(ts: u64, cpu: u32, prev: (u32, u32), state: u64, next: (u32, u32)) -> Record {
+        Record::Switch(SchedSwitch {
+            header: RecordHeader::new(RecordKind::SchedSwitch, 40, cpu, ts),
+            prev_tid: prev.0,
+            prev_tgid: prev.1,
+            next_tid: next.0,
+            next_tgid: next.1,
+            prev_state: state,
+        })
+    }
+
+    fn wakeup(ts: u64, tid: u32, waker: u32) -> Record {
+        Record::Wakeup(SchedWakeup {
+            header: RecordHeader::new(RecordKind::SchedWakeup, 40, 0, ts),
+            tid,
+            tgid: PID,
+            waker_tid: waker,
+            waker_tgid: PID,
+            target_cpu: 0,
+            flags: 0,
+        })
+    }
+
+    fn build(records: &[Record], initial: &[(u32, char)]) -> Timeline {
+        let initial = initial
+            .iter()
+            .map(|&(tid, state)| {
+                (
+                    tid,
+                    InitialState {
+                        pid: PID,
+                        name: format!("t{tid}"),
+                        state,
+                        cpu: 0,
+                    },
+                )
+            })
+            .collect();
+        let mut b = SchedTimelineBuilder::new(1_000, 2_000, [(PID, "p".into())], initial);
+        for r in records {
+            b.push(r);
+        }
+        b.finish(
+            ClockSync::from_offset(0),
+            &HashMap::new(),
+            CaptureStats::default(),
+        )
+    }
+
+    fn assert_partition(t: &ThreadTrack) {
+        for w in t.slices.windows(2) {
+            assert_eq!(
+                w[0].end_ns, w[1].start_ns,
+                "gap or overlap in {:?}",
+                t.slices
+            );
+        }
+    }
+
+    #[test]
+    fn ping_pong_gives_wakeups_and_flows() {
+        let recs = [
+            // 101 runs, blocks at 1100 and wakes 102, which runs 1100..1300.
+            wakeup(1_090, 102, 101),
+            switch(1_100, 0, (101, PID), 0x1, (102, PID)),
+            wakeup(1_290, 101, 102),
+            switch(1_300, 0, (102, PID), 0x1, (101, PID)),
+        ];
+        let tl = build(&recs, &[(101, 'R'), (102, 'S')]);
+        let a = &tl.threads[&101];
+        let b = &tl.threads[&102];
+        assert_partition(a);
+        assert_partition(b);
+        assert_eq!(a.counters.on_cpu_ns, 100 + 700);
+        assert_eq!(a.counters.voluntary_switches, 1);
+        assert_eq!(b.counters.on_cpu_ns, 200);
+        assert_eq!(b.counters.wakeups, 1);
+        // 102 slept from the window start until woken at 1090.
+        assert_eq!(
+            b.slices[0].state,
+            ThreadState::Blocked {
+                state: TaskState::Sleeping
+            }
+        );
+        assert_eq!((b.slices[0].start_ns, b.slices[0].end_ns), (1_000, 1_090));
+        let ThreadState::Runnable {
+            cause: RunnableCause::Woken {
+                waker_tid, flow_id, ..
+            },
+        } = b.slices[1].state
+        else {
+            panic!("{:?}", b.slices[1])
+        };
+        assert_eq!(waker_tid, 101);
+        assert!(a.marks.iter().any(|m| m.kind
+            == MarkKind::Wakeup {
+                tid: 102,
+                pid: PID,
+                flow_id
+            }));
+        // CPU 0 shows 101, then 102, then 101.
+        let cpu0: Vec<u32> = tl.cpus[&0].iter().map(|s| s.tid).collect();
+        assert_eq!(cpu0, vec![101, 102, 101]);
+    }
+
+    #[test]
+    fn preemption_is_involuntary_and_runnable() {
+        let recs = [
+            switch(1_200, 1, (7, PID), PREEMPTED, (0, 0)),
+            switch(1_250, 1, (0, 0), 0, (7, PID)),
+        ];
+        let tl = build(&recs, &[]);
+        let t = &tl.threads[&7];
+        assert_eq!(t.counters.involuntary_switches, 1);
+        assert_eq!(t.counters.runnable_ns, 50);
+        assert_eq!(t.counters.on_cpu_ns, 200 + 750);
+        assert_partition(t);
+    }
+
+    #[test]
+    fn silent_threads_take_their_proc_state() {
+        let tl = build(&[], &[(5, 'S'), (6, 'R')]);
+        assert_eq!(tl.threads[&5].counters.blocked_ns, 1_000);
+        assert_eq!(tl.threads[&6].counters.on_cpu_ns, 1_000);
+    }
+
+    #[test]
+    fn wakeup_of_a_thread_still_on_cpu_is_corrected() {
+        // Unknown thread gets a wake-up (it had not slept yet), then switches out.
+        let recs = [wakeup(1_100, 9, 8), switch(1_500, 0, (9, PID), 0x1, (0, 0))];
+        let tl = build(&recs, &[]);
+        let t = &tl.threads[&9];
+        assert_eq!(t.counters.on_cpu_ns, 500);
+        assert_eq!(t.counters.blocked_ns, 500);
+        assert_partition(t);
+    }
+
+    #[test]
+    fn exit_ends_the_thread() {
+        let recs = [switch(1_400, 0, (9, PID), 0x10, (0, 0))];
+        let tl = build(&recs, &[]);
+        let t = &tl.threads[&9];
+        assert_eq!(t.slices.len(), 1);
+        assert_eq!(t.slices[0].end_ns, 1_400);
+    }
+
+    #[test]
+    fn records_outside_the_window_are_clipped() {
+        let recs = [
+            switch(900, 0, (0, 0), 0, (3, PID)),
+            switch(2_500, 0, (3, PID), 0x1, (0, 0)),
+        ];
+        let tl = build(&recs, &[]);
+        let t = &tl.threads[&3];
+        assert_eq!(t.counters.on_cpu_ns, 1_000);
+        assert_eq!((t.slices[0].start_ns, t.slices[0].end_ns), (1_000, 2_000));
+    }
+}
