@@ -1,1 +1,162 @@
+//! Helpers for ebtrace's integration tests.
+//!
+//! The tests run the real `ebtrace` binary against real fixture processes
+//! and decode the XSpace it writes. Tests that need root (every test that
+//! loads BPF) call [`require_root`]: without root they print why and pass,
+//! unless `EBTRACE_REQUIRE_BPF=1` (set by `cargo xtask test`), where a skip
+//! is a failure.
 
+pub mod fixture;
+pub mod xspace;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+/// Root of the workspace.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// True if this process may load BPF. Otherwise prints why the calling test
+/// is skipped, or panics when `EBTRACE_REQUIRE_BPF=1`.
+pub fn require_root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if std::env::var("EBTRACE_REQUIRE_BPF").as_deref() == Ok("1") {
+        panic!("{test}: needs root to load BPF, and EBTRACE_REQUIRE_BPF=1 forbids skipping");
+    }
+    eprintln!("skipping {test}: needs root to load BPF (run `sudo cargo xtask test`)");
+    false
+}
+
+/// Serializes the tests that trace: on two cores, parallel captures would
+/// disturb each other's timing.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The ebtrace binary under test: `EBTRACE_BIN`, else the one cargo built
+/// next to this test executable.
+pub fn ebtrace_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("EBTRACE_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    let bin = profile_dir.join("ebtrace");
+    assert!(
+        bin.exists(),
+        "{} not found: build it first (`cargo build -p tracer-user`) or set EBTRACE_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// A fresh, empty temporary directory, removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("ebtrace-test-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Every `*.xplane.pb` below `dir`.
+pub fn xplane_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(xplane_files(&p));
+        } else if p.to_string_lossy().ends_with(".xplane.pb") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Runs `ebtrace` with `args` to completion.
+pub fn run_ebtrace(args: &[&str]) -> Output {
+    Command::new(ebtrace_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn ebtrace")
+}
+
+/// Starts `ebtrace` with `args`, stdout and stderr piped.
+pub fn spawn_ebtrace(args: &[&str]) -> Child {
+    Command::new(ebtrace_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ebtrace")
+}
+
+/// Waits for a child with a deadline; kills it and panics past the deadline.
+pub fn wait_with_deadline(mut child: Child, deadline: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            return child.wait_with_output().expect("collect output");
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("collect output");
+            panic!(
+                "process still running after {deadline:?}; stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends a signal to a process.
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: plain syscall.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// `CLOCK_REALTIME` now, epoch ns (the clock of XSpace start/stop times).
+pub fn realtime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

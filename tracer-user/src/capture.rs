@@ -55,17 +55,9 @@ pub fn open_targets(pids: &[u32]) -> Result<Vec<TargetProcess>> {
     Ok(targets)
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct CaptureOptions {
     pub probe: SchedProbeConfig,
-}
-
-impl Default for CaptureOptions {
-    fn default() -> Self {
-        CaptureOptions {
-            probe: SchedProbeConfig::default(),
-        }
-    }
 }
 
 /// What [`Capture::poll`] saw.
@@ -163,8 +155,13 @@ impl Capture {
     /// Ends the capture now: detaches, drains, builds the timeline.
     pub fn finish(mut self, ended_early: Option<String>) -> Result<(Timeline, ProbeStats)> {
         let stop_ns = monotonic_ns();
-        let stats = self.probe.stats()?;
+        // Kernel-side miss counters live in the programs: read them first.
+        let missed = self.probe.stats()?.missed_by_kernel;
         self.probe.detach();
+        let stats = ProbeStats {
+            missed_by_kernel: missed,
+            ..self.probe.stats()?
+        };
         self.collector.drain(&mut self.records);
         // One ring buffer is shared by all CPUs; reservations are ordered,
         // timestamps taken just before them are not quite.
@@ -189,6 +186,7 @@ impl Capture {
             records: self.records.len() as u64,
             dropped: stats.dropped(),
             malformed: self.collector.malformed,
+            inconsistencies: 0,
             ended_early,
         };
         Ok((builder.finish(self.clock, &names, capture_stats), stats))

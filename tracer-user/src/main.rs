@@ -4,7 +4,24 @@ use clap::Parser as _;
 use ebtrace::cli::{Cli, Command, record};
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            // One line: clap's message up to its usage hint, without its prefix.
+            let text = e.to_string();
+            let message: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+                .filter(|l| !l.is_empty())
+                .collect();
+            let message = message.join(" ");
+            let message = message.strip_prefix("error: ").unwrap_or(&message);
+            eprintln!("ebtrace: error: {message} (see `ebtrace --help`)");
+            std::process::exit(ebtrace::error::EXIT_USAGE);
+        }
+    };
     let result = match &cli.command {
         Some(Command::Record(args)) => record::run(args),
         None => record::run(&cli.record),

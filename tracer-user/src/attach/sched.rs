@@ -1,6 +1,8 @@
 //! `SchedProbe`: the scheduler tracepoints, filtered in the kernel to the
 //! traced processes (see `tracer-ebpf` for the membership rules).
 
+use std::os::fd::{AsFd as _, AsRawFd as _};
+
 use aya::{
     Ebpf, EbpfLoader,
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
@@ -46,11 +48,14 @@ pub struct ProbeStats {
     pub dropped_ringbuf_full: u64,
     pub dropped_track_full: u64,
     pub forced_wakeups: u64,
+    /// Program runs the kernel skipped because another BPF program (or a
+    /// BPF syscall of some process) was active on that CPU.
+    pub missed_by_kernel: u64,
 }
 
 impl ProbeStats {
     pub fn dropped(&self) -> u64 {
-        self.dropped_ringbuf_full + self.dropped_track_full
+        self.dropped_ringbuf_full + self.dropped_track_full + self.missed_by_kernel
     }
 }
 
@@ -172,6 +177,17 @@ impl SchedProbe {
         self.events.take().expect("events taken once")
     }
 
+    /// Sum of the kernel's `recursion_misses` over our programs.
+    fn missed_by_kernel(&self) -> u64 {
+        let Some(ebpf) = self.ebpf.as_ref() else {
+            return 0;
+        };
+        ebpf.programs()
+            .filter_map(|(_, p)| p.fd().ok())
+            .map(|fd| prog_recursion_misses(fd.as_fd().as_raw_fd()).unwrap_or(0))
+            .sum()
+    }
+
     pub fn stats(&self) -> Result<ProbeStats> {
         let sum = |index: u32| -> Result<u64> {
             let values = self
@@ -185,8 +201,40 @@ impl SchedProbe {
             dropped_ringbuf_full: sum(stat::DROPPED_RINGBUF_FULL)?,
             dropped_track_full: sum(stat::DROPPED_TRACK_FULL)?,
             forced_wakeups: sum(stat::FORCED_WAKEUPS)?,
+            missed_by_kernel: self.missed_by_kernel(),
         })
     }
+}
+
+/// Reads `bpf_prog_info.recursion_misses` (Linux 5.12+), which aya does not
+/// expose: runs the kernel skipped since a BPF program or a BPF syscall was
+/// already active on that CPU. Those are records lost without a trace.
+fn prog_recursion_misses(fd: std::os::fd::RawFd) -> Option<u64> {
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const RECURSION_MISSES_OFFSET: usize = 208;
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut info = [0u64; 32];
+    let attr = InfoAttr {
+        bpf_fd: fd as u32,
+        info_len: size_of_val(&info) as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: attr points at a buffer of info_len bytes that outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &attr as *const InfoAttr,
+            size_of::<InfoAttr>(),
+        )
+    };
+    (rc == 0 && attr.info_len as usize > RECURSION_MISSES_OFFSET)
+        .then(|| info[RECURSION_MISSES_OFFSET / 8])
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map> {

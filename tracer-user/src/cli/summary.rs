@@ -40,13 +40,20 @@ pub fn render(timeline: &Timeline, probe: &ProbeStats) -> String {
         "window {}; {} records captured, {} dropped{}",
         ms(timeline.duration_ns()),
         timeline.stats.records,
-        probe.dropped(),
-        if probe.dropped() > 0 {
+        probe.dropped() + timeline.stats.malformed,
+        if probe.dropped() + timeline.stats.malformed > 0 {
             " (raise --ring-buffer-mib; the trace is partial)"
         } else {
             ""
         }
     );
+    if timeline.stats.inconsistencies > 0 {
+        let _ = writeln!(
+            out,
+            "{} scheduler transitions were not reported by the kernel; those intervals show as Unknown",
+            timeline.stats.inconsistencies
+        );
+    }
     if let Some(why) = &timeline.stats.ended_early {
         let _ = writeln!(out, "capture ended early: {why}");
     }

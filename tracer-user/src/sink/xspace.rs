@@ -186,6 +186,7 @@ fn state_event_name(state: &ThreadState) -> &'static str {
         ThreadState::Running { .. } => "Running",
         ThreadState::Runnable { .. } => "Runnable",
         ThreadState::Blocked { .. } => "Blocked",
+        ThreadState::Unknown => "Unknown",
     }
 }
 
@@ -216,6 +217,10 @@ fn state_stats(state: &ThreadState) -> Vec<(&'static str, StatValue)> {
         ThreadState::Blocked { state } => {
             vec![("prev_state", StatValue::Str(state.describe().into()))]
         }
+        ThreadState::Unknown => vec![(
+            "reason",
+            StatValue::Str("the kernel reported no scheduler event for this interval".into()),
+        )],
     }
 }
 
@@ -317,6 +322,10 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
         "ebtrace_dropped_records",
         StatValue::U64(timeline.stats.dropped),
     );
+    env.add_plane_stat(
+        "ebtrace_unreported_transitions",
+        StatValue::U64(timeline.stats.inconsistencies),
+    );
     let pids = timeline
         .processes
         .keys()
@@ -330,6 +339,13 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
         warnings.push(format!(
             "ebtrace: {} records were dropped (ring buffer full); this trace is partial",
             timeline.stats.dropped
+        ));
+    }
+    if timeline.stats.inconsistencies > 0 {
+        warnings.push(format!(
+            "ebtrace: {} scheduler transitions were not reported by the kernel; \
+             the intervals they leave unexplained are marked Unknown",
+            timeline.stats.inconsistencies
         ));
     }
     if let Some(why) = &timeline.stats.ended_early {

@@ -24,6 +24,10 @@ pub enum ThreadState {
     Runnable { cause: RunnableCause },
     /// Off the run queue: sleeping, waiting for I/O, stopped...
     Blocked { state: TaskState },
+    /// The kernel delivered no scheduler event that explains this interval
+    /// (seen on some virtual machines, for every BPF tracer alike): the
+    /// thread was switched out, then seen switching out again.
+    Unknown,
 }
 
 /// Why a thread became runnable.
@@ -150,6 +154,8 @@ pub struct ThreadCounters {
     pub on_cpu_ns: u64,
     pub runnable_ns: u64,
     pub blocked_ns: u64,
+    /// Time in [`ThreadState::Unknown`] intervals.
+    pub unknown_ns: u64,
     /// Switches out while blocking (what `/proc` calls voluntary).
     pub voluntary_switches: u64,
     /// Switches out while still runnable (preempted or yielded).
@@ -195,6 +201,10 @@ pub struct CaptureStats {
     pub records: u64,
     pub dropped: u64,
     pub malformed: u64,
+    /// Scheduler transitions the kernel did not report (a switch-out of a
+    /// thread not running, a switch-in of one already running); the
+    /// intervals they leave unexplained are [`ThreadState::Unknown`].
+    pub inconsistencies: u64,
     /// Why the capture ended before its duration, if it did.
     pub ended_early: Option<String>,
 }

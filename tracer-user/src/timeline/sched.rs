@@ -54,6 +54,7 @@ pub struct SchedTimelineBuilder {
     processes: BTreeMap<u32, ProcessInfo>,
     next_flow_id: u64,
     records: u64,
+    inconsistencies: u64,
 }
 
 impl SchedTimelineBuilder {
@@ -87,6 +88,7 @@ impl SchedTimelineBuilder {
             processes,
             next_flow_id: 1,
             records: 0,
+            inconsistencies: 0,
         }
     }
 
@@ -118,6 +120,7 @@ impl SchedTimelineBuilder {
             ThreadState::Running { .. } => t.counters.on_cpu_ns += d,
             ThreadState::Runnable { .. } => t.counters.runnable_ns += d,
             ThreadState::Blocked { .. } => t.counters.blocked_ns += d,
+            ThreadState::Unknown => t.counters.unknown_ns += d,
         }
         t.slices.push(StateSlice {
             start_ns: from,
@@ -207,12 +210,26 @@ impl SchedTimelineBuilder {
                 };
                 t.cur = None;
             }
-            // A lost record: keep the time, call it running.
-            Some((_, since)) => t.cur = Some((ThreadState::Running { cpu }, since)),
+            // The switch-in (and maybe the wake-up) was never reported:
+            // when it ran within this interval is unknown.
+            Some((_, since)) => {
+                t.cur = Some((ThreadState::Unknown, since));
+                self.inconsistencies += 1;
+                let t = self.threads.get_mut(&tid).expect("thread exists");
+                t.last_cpu = Some(cpu);
+                self.close(tid, ts, ThreadState::Unknown);
+                self.after_switch_out(tid, prev_state, ts);
+                return;
+            }
             None => {}
         }
         t.last_cpu = Some(cpu);
         self.close(tid, ts, ThreadState::Running { cpu });
+        self.after_switch_out(tid, prev_state, ts);
+    }
+
+    /// Opens the state a switch-out leaves the thread in.
+    fn after_switch_out(&mut self, tid: u32, prev_state: u64, ts: u64) {
         let t = self.threads.get_mut(&tid).expect("thread exists");
         let next = if prev_state == PREEMPTED {
             t.counters.involuntary_switches += 1;
@@ -244,6 +261,18 @@ impl SchedTimelineBuilder {
         t.last_cpu = Some(cpu);
         t.seen_switch_in = true;
         t.dead = false;
+        match t.cur {
+            // Already running: its switch-out was never reported.
+            Some((ThreadState::Running { .. }, since)) => {
+                t.cur = Some((ThreadState::Unknown, since));
+                self.inconsistencies += 1;
+            }
+            // Its wake-up was never reported; the wait is usually short,
+            // so the slice stays blocked.
+            Some((ThreadState::Blocked { .. }, _)) => self.inconsistencies += 1,
+            _ => {}
+        }
+        let t = self.threads.get_mut(&tid).expect("thread exists");
         let before = ThreadState::Runnable {
             cause: if t.born_ns.is_some() {
                 RunnableCause::Created
@@ -371,6 +400,7 @@ impl SchedTimelineBuilder {
             slices.sort_by_key(|s| s.start_ns);
         }
         stats.records = stats.records.max(self.records);
+        stats.inconsistencies = self.inconsistencies;
         Timeline {
             start_ns: self.start_ns,
             stop_ns: self.stop_ns,
@@ -532,6 +562,23 @@ mod tests {
         assert_eq!(t.counters.on_cpu_ns, 500);
         assert_eq!(t.counters.blocked_ns, 500);
         assert_partition(t);
+    }
+
+    #[test]
+    fn unreported_switch_in_leaves_an_unknown_interval() {
+        let recs = [
+            switch(1_100, 0, (0, 0), 0, (4, PID)),
+            switch(1_200, 0, (4, PID), 0x1, (0, 0)),
+            // No wake-up, no switch-in reported, then a switch-out.
+            switch(1_700, 0, (4, PID), 0x1, (0, 0)),
+        ];
+        let tl = build(&recs, &[]);
+        let t = &tl.threads[&4];
+        assert_partition(t);
+        assert_eq!(t.counters.on_cpu_ns, 100);
+        assert_eq!(t.counters.unknown_ns, 500);
+        assert_eq!(t.slices[2].state, ThreadState::Unknown);
+        assert_eq!(tl.stats.inconsistencies, 1);
     }
 
     #[test]

@@ -1,0 +1,244 @@
+//! Building and running the C fixture workloads in `tests/fixtures/`.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader},
+    path::PathBuf,
+    process::{Child, ChildStdout, Command, Stdio},
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use crate::workspace_root;
+
+/// Compiles `tests/fixtures/<name>.c` into `target/fixtures/<name>` (once
+/// per test process; `cc` rebuilds only if the source is newer).
+pub fn build_c(name: &str) -> PathBuf {
+    let root = workspace_root();
+    let src = root.join("tests/fixtures").join(format!("{name}.c"));
+    let out_dir = root.join("target/fixtures");
+    std::fs::create_dir_all(&out_dir).expect("create target/fixtures");
+    let bin = out_dir.join(name);
+    let fresh = match (std::fs::metadata(&src), std::fs::metadata(&bin)) {
+        (Ok(s), Ok(b)) => b.modified().ok() >= s.modified().ok(),
+        _ => false,
+    };
+    if !fresh {
+        // Build to a unique name and rename: tests may build concurrently.
+        let tmp = out_dir.join(format!("{name}.{}.tmp", std::process::id()));
+        let status = Command::new("cc")
+            .args(["-O2", "-g", "-Wall", "-pthread", "-o"])
+            .arg(&tmp)
+            .arg(&src)
+            .status()
+            .expect("run cc (install gcc)");
+        assert!(status.success(), "compiling {} failed", src.display());
+        std::fs::rename(&tmp, &bin).expect("rename fixture");
+    }
+    bin
+}
+
+/// A running `sched_workload`, killed when dropped.
+pub struct SchedWorkload {
+    pub child: Child,
+    pub pid: u32,
+    /// Thread name -> tid, as the fixture reported them.
+    pub threads: BTreeMap<String, u32>,
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl SchedWorkload {
+    /// Starts the fixture with `args` and waits for its start line.
+    pub fn start(args: &[&str]) -> Self {
+        let bin = build_c("sched_workload");
+        let mut child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start sched_workload");
+        let stdout: ChildStdout = child.stdout.take().expect("piped");
+        let mut reader = BufReader::new(stdout);
+        let mut first = String::new();
+        reader.read_line(&mut first).expect("read start line");
+        let v: serde_json::Value = serde_json::from_str(&first)
+            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
+        let pid = v["pid"].as_u64().expect("pid") as u32;
+        let threads = v["threads"]
+            .as_object()
+            .expect("threads")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().expect("tid") as u32))
+            .collect();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            for line in reader.lines().map_while(Result::ok) {
+                sink.lock().expect("lock").push(line);
+            }
+        });
+        SchedWorkload {
+            child,
+            pid,
+            threads,
+            lines,
+            reader: Some(reader),
+        }
+    }
+
+    pub fn tid(&self, name: &str) -> u32 {
+        self.threads[name]
+    }
+
+    /// Waits for a JSON line from the fixture that has `key`.
+    pub fn wait_line(&self, key: &str, deadline: Duration) -> Option<serde_json::Value> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < deadline {
+            let found = self.lines.lock().expect("lock").iter().find_map(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .filter(|v| v.get(key).is_some())
+            });
+            if found.is_some() {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Asks the fixture to stop and returns its final counters.
+    pub fn stop(mut self) -> serde_json::Value {
+        crate::signal(self.pid, libc::SIGTERM);
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        let lines = self.lines.lock().expect("lock");
+        let last = lines.last().expect("final counters line");
+        serde_json::from_str(last).expect("counters JSON")
+    }
+
+    /// Waits for the fixture to exit on its own.
+    pub fn wait_exit(&mut self, deadline: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while start.elapsed() < deadline {
+            if self.child.try_wait().expect("try_wait").is_some() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+}
+
+impl Drop for SchedWorkload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Samples `/proc/PID/task/TID/schedstat` (on-CPU ns) with wall-clock
+/// timestamps, in the background, so a test can read the value at any
+/// instant of a capture window by interpolation.
+pub struct SchedstatSampler {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<JoinHandle<Vec<Sample>>>,
+}
+
+/// A wall-clock time and every thread's schedstat then.
+type Sample = (u64, BTreeMap<u32, Schedstat>);
+
+/// `/proc/PID/task/TID/schedstat`: on-CPU ns and number of times run.
+#[derive(Clone, Copy, Debug)]
+pub struct Schedstat {
+    pub on_cpu_ns: u64,
+    pub timeslices: u64,
+}
+
+pub fn read_schedstat(pid: u32, tid: u32) -> Option<Schedstat> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
+    let mut f = s.split_whitespace().map(|v| v.parse::<u64>().ok());
+    let on_cpu_ns = f.next()??;
+    let _wait = f.next()??;
+    let timeslices = f.next()??;
+    Some(Schedstat {
+        on_cpu_ns,
+        timeslices,
+    })
+}
+
+impl SchedstatSampler {
+    pub fn start(pid: u32, tids: Vec<u32>, every: Duration) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let handle = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                let before = crate::realtime_ns();
+                let values: BTreeMap<u32, Schedstat> = tids
+                    .iter()
+                    .filter_map(|&t| read_schedstat(pid, t).map(|v| (t, v)))
+                    .collect();
+                let after = crate::realtime_ns();
+                samples.push((before / 2 + after / 2, values));
+                std::thread::sleep(every);
+            }
+            samples
+        });
+        SchedstatSampler {
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops sampling; returns a lookup of on-CPU ns at a wall-clock time.
+    pub fn finish(mut self) -> SchedstatSeries {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        SchedstatSeries(self.handle.take().expect("once").join().expect("sampler"))
+    }
+}
+
+pub struct SchedstatSeries(Vec<Sample>);
+
+impl SchedstatSeries {
+    /// On-CPU ns of `tid` at wall time `t` (linear interpolation).
+    pub fn at(&self, tid: u32, t: u64) -> u64 {
+        self.interpolate(tid, t, |s| s.on_cpu_ns)
+    }
+
+    /// Times `tid` was switched in, up to wall time `t` (interpolated).
+    pub fn timeslices_at(&self, tid: u32, t: u64) -> u64 {
+        self.interpolate(tid, t, |s| s.timeslices)
+    }
+
+    fn interpolate(&self, tid: u32, t: u64, field: impl Fn(&Schedstat) -> u64) -> u64 {
+        let pts: Vec<(u64, u64)> = self
+            .0
+            .iter()
+            .filter_map(|(ts, m)| m.get(&tid).map(|v| (*ts, field(v))))
+            .collect();
+        assert!(pts.len() >= 2, "too few schedstat samples for {tid}");
+        assert!(
+            pts[0].0 <= t && t <= pts[pts.len() - 1].0,
+            "time {t} outside sampled range {}..{}",
+            pts[0].0,
+            pts[pts.len() - 1].0
+        );
+        let i = pts
+            .partition_point(|(ts, _)| *ts <= t)
+            .clamp(1, pts.len() - 1);
+        let ((t0, v0), (t1, v1)) = (pts[i - 1], pts[i]);
+        if t1 == t0 {
+            return v0;
+        }
+        v0 + ((v1 - v0) as f64 * (t - t0) as f64 / (t1 - t0) as f64) as u64
+    }
+
+    pub fn samples(&self) -> usize {
+        self.0.len()
+    }
+}

@@ -1,0 +1,360 @@
+//! Scheduling capture of a real fixture process, checked against the
+//! kernel's own per-thread accounting (`/proc/.../schedstat`) and the
+//! fixture's counters.
+
+use std::{collections::HashSet, time::Duration};
+
+use ebtrace_tests::{
+    TempDir,
+    fixture::{SchedWorkload, SchedstatSampler},
+    require_root, run_ebtrace, serial, spawn_ebtrace, wait_with_deadline, xplane_files,
+    xspace::{self, Event, line_events, plane},
+};
+
+const CPU_LINE_BASE: i64 = 0xFFFF_0000;
+
+fn sum_named(events: &[Event], name: &str) -> f64 {
+    events
+        .iter()
+        .filter(|e| e.name == name)
+        .map(|e| e.duration_ns)
+        .sum()
+}
+
+fn one_trace(dir: &TempDir) -> ebtrace_proto::tensorflow::profiler::XSpace {
+    let files = xplane_files(dir.path());
+    assert_eq!(files.len(), 1, "expected one trace, found {files:?}");
+    let space = xspace::load(&files[0]);
+    let file_name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert_eq!(file_name, format!("{}.xplane.pb", space.hostnames[0]));
+    assert!(
+        files[0]
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .ends_with("plugins/profile"),
+        "{files:?}"
+    );
+    space
+}
+
+#[test]
+fn thread_states_match_schedstat_and_fixture() {
+    if !require_root("thread_states_match_schedstat_and_fixture") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let names = ["cpu-burner", "sleeper-10ms", "ping", "pong"];
+    let tids: Vec<u32> = names.iter().map(|n| workload.tid(n)).collect();
+    let sampler = SchedstatSampler::start(workload.pid, tids.clone(), Duration::from_millis(2));
+    std::thread::sleep(Duration::from_millis(50));
+
+    let logdir = TempDir::new("sched");
+    let pid = workload.pid.to_string();
+    let out = run_ebtrace(&[
+        "--pid",
+        &pid,
+        "--duration",
+        "2s",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+    ]);
+    std::thread::sleep(Duration::from_millis(50));
+    let series = sampler.finish();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ebtrace failed: {stderr}\n{stdout}");
+    assert!(stdout.contains("0 dropped"), "{stdout}");
+    let threads = workload.threads.clone();
+    let tid_of = |name: &str| threads[name];
+    let counters = workload.stop();
+    assert!(counters["round_trips"].as_i64().unwrap() > 0);
+
+    let space = one_trace(&logdir);
+    let (start, stop) = xspace::profile_window(&space);
+    let window = (stop - start) as f64;
+    assert!(
+        (1.9e9..2.5e9).contains(&window),
+        "window {window} ns for a 2 s capture"
+    );
+    let host = plane(&space, "/host:CPU");
+    xspace::assert_lines_nest(host);
+
+    for (name, &tid) in names.iter().zip(&tids) {
+        let line = host
+            .lines
+            .iter()
+            .find(|l| l.id == i64::from(tid))
+            .unwrap_or_else(|| panic!("no line for {name} ({tid})"));
+        assert_eq!(line.name, *name);
+        let events = line_events(host, line.id);
+        let on_cpu = sum_named(&events, "Running");
+        let runnable = sum_named(&events, "Runnable");
+        let unknown = sum_named(&events, "Unknown");
+        let kernel = (series.at(tid, stop) - series.at(tid, start)) as f64;
+        // schedstat lags a running thread by up to a tick, and 0.5 ms
+        // covers sampling at the edges of tiny totals.
+        let slack = 0.5e6;
+        let report = format!(
+            "{name}: trace {:.3} ms on CPU ({:.3} runnable, {:.3} unknown), schedstat {:.3} ms",
+            on_cpu / 1e6,
+            runnable / 1e6,
+            unknown / 1e6,
+            kernel / 1e6
+        );
+        if *name == "cpu-burner" {
+            assert!((on_cpu - kernel).abs() <= 0.05 * kernel + slack, "{report}");
+        } else {
+            // When a wake-up preempts the current task the kernel skips
+            // the next run-queue clock update, so schedstat starts counting
+            // at the wake-up: it may include part of the runnable wait, but
+            // never less than the time between switch-in and switch-out.
+            assert!(kernel >= 0.95 * on_cpu - slack, "{report}");
+            assert!(
+                kernel <= 1.05 * (on_cpu + runnable + unknown) + slack,
+                "{report}"
+            );
+        }
+        // And the number of times it ran agrees with the kernel's count.
+        let runs = events
+            .iter()
+            .filter(|e| e.name == "Running" && e.start_ns > 0.0)
+            .count() as f64;
+        let unknowns = events.iter().filter(|e| e.name == "Unknown").count() as f64;
+        let kernel_runs =
+            series.timeslices_at(tid, stop) as f64 - series.timeslices_at(tid, start) as f64;
+        assert!(
+            (runs - kernel_runs).abs() <= 0.02 * kernel_runs + unknowns + 2.0,
+            "{name}: {runs} switch-ins traced ({unknowns} unknown intervals), schedstat {kernel_runs}"
+        );
+        // States partition the window.
+        let covered = on_cpu + runnable + sum_named(&events, "Blocked") + unknown;
+        assert!(
+            (covered - window).abs() < 1e6,
+            "{name}: states cover {covered} of {window} ns"
+        );
+    }
+
+    let burner = line_events(host, i64::from(tid_of("cpu-burner")));
+    assert!(
+        sum_named(&burner, "Running") > 0.5 * window,
+        "the CPU burner should run most of the time"
+    );
+
+    // The sleeper blocks in ~10 ms steps.
+    let sleeper = line_events(host, i64::from(tid_of("sleeper-10ms")));
+    let mut sleeps: Vec<f64> = sleeper
+        .iter()
+        .filter(|e| e.name == "Blocked" && e.stats["prev_state"].as_str().starts_with('S'))
+        .map(|e| e.duration_ns)
+        .collect();
+    sleeps.sort_by(f64::total_cmp);
+    assert!(sleeps.len() >= 120, "only {} sleeps in 2 s", sleeps.len());
+    let median = sleeps[sleeps.len() / 2];
+    assert!(
+        (9.5e6..12.5e6).contains(&median),
+        "median sleep {:.3} ms, expected ~10 ms",
+        median / 1e6
+    );
+
+    // Ping and pong wake each other, with flows from waker to woken.
+    for (waker, woken) in [("ping", "pong"), ("pong", "ping")] {
+        let (waker_tid, woken_tid) = (tid_of(waker), tid_of(woken));
+        let woken_events = line_events(host, i64::from(woken_tid));
+        let wakeups: Vec<&Event> = woken_events
+            .iter()
+            .filter(|e| {
+                e.name == "Runnable"
+                    && e.stats.get("cause").map(|c| c.as_str()) == Some("woken")
+                    && e.stats["waker_tid"].as_i64() == i64::from(waker_tid)
+            })
+            .collect();
+        assert!(
+            wakeups.len() >= 500,
+            "{woken} woken by {waker} only {} times",
+            wakeups.len()
+        );
+        let out_flows: HashSet<u64> = line_events(host, i64::from(waker_tid))
+            .iter()
+            .filter(|e| e.name == "Wakeup" && e.stats["woken_tid"].as_i64() == i64::from(woken_tid))
+            .map(|e| {
+                let f = e.stats["flow"].as_u64();
+                assert_eq!(f & 3, 2, "waker side is an outgoing flow");
+                f >> 2
+            })
+            .collect();
+        let matched = wakeups
+            .iter()
+            .filter(|e| {
+                let f = e.stats["flow"].as_u64();
+                f & 3 == 1 && out_flows.contains(&(f >> 2))
+            })
+            .count();
+        assert_eq!(matched, wakeups.len(), "every wake-up has its flow");
+    }
+
+    // Per-CPU lines mirror the threads' running slices.
+    let burner_tid = i64::from(tid_of("cpu-burner"));
+    let on_cpu_lines: f64 = host
+        .lines
+        .iter()
+        .filter(|l| l.id >= CPU_LINE_BASE)
+        .flat_map(|l| {
+            assert!(l.name.starts_with("CPU "), "{}", l.name);
+            line_events(host, l.id)
+        })
+        .filter(|e| e.stats["tid"].as_i64() == burner_tid)
+        .map(|e| e.duration_ns)
+        .sum();
+    assert!((on_cpu_lines - sum_named(&burner, "Running")).abs() < 1.0);
+}
+
+#[test]
+fn threads_created_during_the_capture_are_followed() {
+    if !require_root("threads_created_during_the_capture_are_followed") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&["--late-thread-ms", "700"]);
+    let logdir = TempDir::new("late");
+    let pid = workload.pid.to_string();
+    let out = run_ebtrace(&[
+        "-p",
+        &pid,
+        "-d",
+        "2s",
+        "-q",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let late = workload
+        .wait_line("late_tid", Duration::from_secs(1))
+        .expect("fixture started its late thread");
+    let late_tid = late["late_tid"].as_i64().unwrap();
+    drop(workload);
+
+    let space = one_trace(&logdir);
+    let host = plane(&space, "/host:CPU");
+    xspace::assert_lines_nest(host);
+    let line = host
+        .lines
+        .iter()
+        .find(|l| l.id == late_tid)
+        .expect("a line for the thread created mid-capture");
+    assert_eq!(line.name, "late-starter");
+    let events = line_events(host, late_tid);
+    let on_cpu = sum_named(&events, "Running");
+    // It burns exactly 200 ms of CPU time (CLOCK_THREAD_CPUTIME_ID).
+    assert!(
+        (190e6..215e6).contains(&on_cpu),
+        "late thread ran {:.1} ms",
+        on_cpu / 1e6
+    );
+    assert!(events.iter().any(|e| e.name == "Thread exit"));
+    // Its life starts at creation, not at the window start.
+    let first = events.iter().map(|e| e.start_ns).fold(f64::MAX, f64::min);
+    assert!(first > 300e6, "late thread's first event at {first} ns");
+    let main_events = line_events(host, i64::from(pid.parse::<u32>().unwrap()));
+    assert!(
+        main_events
+            .iter()
+            .any(|e| e.name == "Thread created" && e.stats["tid"].as_i64() == late_tid),
+        "creation is marked on the creating thread"
+    );
+}
+
+#[test]
+fn a_target_exiting_mid_capture_keeps_the_trace() {
+    if !require_root("a_target_exiting_mid_capture_keeps_the_trace") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&["--seconds", "1"]);
+    let burner = workload.tid("cpu-burner");
+    let logdir = TempDir::new("exit");
+    let pid = workload.pid.to_string();
+    let started = std::time::Instant::now();
+    let child = spawn_ebtrace(&[
+        "-p",
+        &pid,
+        "-d",
+        "30s",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+    ]);
+    let out = wait_with_deadline(child, Duration::from_secs(10));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "capture did not end with the target"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("every traced process exited"), "{stdout}");
+    drop(workload);
+
+    let space = one_trace(&logdir);
+    assert!(
+        space.warnings.iter().any(|w| w.contains("ended early")),
+        "{:?}",
+        space.warnings
+    );
+    let (start, stop) = xspace::profile_window(&space);
+    assert!(stop - start < 3_000_000_000);
+    let host = plane(&space, "/host:CPU");
+    let events = line_events(host, i64::from(burner));
+    assert!(
+        sum_named(&events, "Running") > 100e6,
+        "burner ran before exiting"
+    );
+    assert!(events.iter().any(|e| e.name == "Thread exit"));
+}
+
+#[test]
+fn ctrl_c_ends_the_capture_and_writes_the_trace() {
+    if !require_root("ctrl_c_ends_the_capture_and_writes_the_trace") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let logdir = TempDir::new("sigint");
+    let pid = workload.pid.to_string();
+    let mut child = spawn_ebtrace(&[
+        "-p",
+        &pid,
+        "-d",
+        "60s",
+        "--logdir",
+        logdir.path().to_str().unwrap(),
+    ]);
+    // Wait until it says it is attached, then interrupt after one second.
+    let stderr = child.stderr.take().unwrap();
+    let mut reader = std::io::BufReader::new(stderr);
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut reader, &mut first).unwrap();
+    assert!(first.contains("probes attached"), "{first}");
+    std::thread::sleep(Duration::from_secs(1));
+    ebtrace_tests::signal(child.id(), libc::SIGINT);
+    let out = wait_with_deadline(child, Duration::from_secs(10));
+    assert!(out.status.success(), "exit status {:?}", out.status);
+    drop(workload);
+
+    let space = one_trace(&logdir);
+    let (start, stop) = xspace::profile_window(&space);
+    let window = (stop - start) as f64;
+    assert!((0.9e9..2.5e9).contains(&window), "window {window}");
+    assert!(space.warnings.iter().any(|w| w.contains("interrupted")));
+    let host = plane(&space, "/host:CPU");
+    assert!(host.lines.len() >= 5);
+}
