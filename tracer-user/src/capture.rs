@@ -152,7 +152,8 @@ impl Capture {
         self.probe.stats()
     }
 
-    /// Ends the capture now: detaches, drains, builds the timeline.
+    /// Ends the capture now: detaches, drains, builds the timeline of the
+    /// whole capture.
     pub fn finish(mut self, ended_early: Option<String>) -> Result<(Timeline, ProbeStats)> {
         let stop_ns = monotonic_ns();
         // Kernel-side miss counters live in the programs: read them first.
@@ -163,10 +164,23 @@ impl Capture {
             ..self.probe.stats()?
         };
         self.collector.drain(&mut self.records);
+        let timeline = self.timeline_between(self.start_ns, stop_ns, stats.dropped(), ended_early);
+        Ok((timeline, stats))
+    }
+
+    /// Builds the timeline of `[start_ns, stop_ns]` (monotonic) from what
+    /// has been drained so far, leaving the capture running: overlapping
+    /// windows can share one set of probes. `dropped` is reported as is.
+    pub fn timeline_between(
+        &mut self,
+        start_ns: u64,
+        stop_ns: u64,
+        dropped: u64,
+        ended_early: Option<String>,
+    ) -> Timeline {
         // One ring buffer is shared by all CPUs; reservations are ordered,
         // timestamps taken just before them are not quite.
         self.records.sort_by_key(Record::ts);
-
         let mut names = HashMap::new();
         for t in &self.targets {
             for (tid, stat) in t.threads() {
@@ -174,21 +188,23 @@ impl Capture {
             }
         }
         let mut builder = SchedTimelineBuilder::new(
-            self.start_ns,
+            start_ns.max(self.start_ns),
             stop_ns,
             self.targets.iter().map(|t| (t.pid, t.name.clone())),
-            self.initial,
+            self.initial.clone(),
         );
-        for r in &self.records {
+        // Records before the window still tell each thread's state at its start.
+        let end = self.records.partition_point(|r| r.ts() <= stop_ns);
+        for r in &self.records[..end] {
             builder.push(r);
         }
         let capture_stats = CaptureStats {
-            records: self.records.len() as u64,
-            dropped: stats.dropped(),
+            records: 0,
+            dropped,
             malformed: self.collector.malformed,
             inconsistencies: 0,
             ended_early,
         };
-        Ok((builder.finish(self.clock, &names, capture_stats), stats))
+        builder.finish(self.clock, &names, capture_stats)
     }
 }

@@ -1,1 +1,96 @@
-fn main() {}
+//! ebtrace's developer tasks: `cargo xtask <setup|demo|test|bench>`.
+
+mod bench;
+mod demo;
+mod setup;
+mod test;
+mod util;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "ebtrace's developer tasks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Install the toolchains, bpf-linker, Debian packages and the XProf
+    /// venv (.venv) that the other tasks need; does nothing if all is there.
+    Setup {
+        /// Also install what `bench` needs (bpftrace).
+        #[arg(long)]
+        bench: bool,
+    },
+    /// Build, trace the fixture for 2 s into ./ebtrace-logs and check that
+    /// XProf can read the trace (as root).
+    Demo,
+    /// fmt, clippy and every test, with nothing allowed to skip (as root).
+    /// Arguments after `--` go to the test binaries.
+    Test {
+        #[arg(last = true)]
+        libtest_args: Vec<String>,
+    },
+    /// The scheduling benchmark: overhead against bpftrace, event rate,
+    /// memory and attach time; writes target/bench/sched.md (as root).
+    Bench {
+        /// Rounds of untraced / ebtrace / bpftrace runs.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Seconds per run.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Seconds of the long ebtrace capture for the memory figure (0: skip).
+        #[arg(long, default_value_t = 10.0)]
+        long_seconds: f64,
+        /// CPU to pin the target to: both its threads then share one CPU,
+        /// which makes the ping-pong rate stable run to run.
+        #[arg(long, default_value_t = 0, conflicts_with = "unpinned")]
+        target_cpu: usize,
+        /// Let the scheduler place the target's threads (noisy: ping and
+        /// pong on one CPU or on two give rates 5x apart).
+        #[arg(long)]
+        unpinned: bool,
+    },
+}
+
+fn main() {
+    // One line with the whole cause chain; no backtrace even when
+    // RUST_BACKTRACE is set (these errors are for people, not debuggers).
+    if let Err(e) = run() {
+        eprintln!("xtask: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    let root = util::repo_root();
+    match cli.command {
+        Task::Setup { bench } => setup::run_setup(&root, setup::Options { bench }),
+        Task::Demo => demo::run_demo(&root),
+        Task::Test { libtest_args } => test::run_tests(&root, &libtest_args),
+        Task::Bench {
+            rounds,
+            seconds,
+            long_seconds,
+            target_cpu,
+            unpinned,
+        } => bench::run_bench(
+            &root,
+            bench::Options {
+                rounds,
+                seconds,
+                long_seconds,
+                target_cpu: (!unpinned).then_some(target_cpu),
+            },
+        ),
+    }
+}

@@ -40,19 +40,15 @@ pub enum FlowDirection {
     Out = 2,
 }
 
-/// A stat value before it is interned.
-#[derive(Clone, Debug, PartialEq)]
-pub enum StatValue {
-    I64(i64),
-    U64(u64),
-    Str(String),
-}
+/// Stat values are the timeline's values.
+pub use crate::timeline::Value as StatValue;
 
 impl From<StatValue> for x_stat::Value {
     fn from(v: StatValue) -> Self {
         match v {
             StatValue::I64(v) => x_stat::Value::Int64Value(v),
             StatValue::U64(v) => x_stat::Value::Uint64Value(v),
+            StatValue::F64(v) => x_stat::Value::DoubleValue(v),
             StatValue::Str(v) => x_stat::Value::StrValue(v),
         }
     }
@@ -239,13 +235,36 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
     let mut host = XPlaneBuilder::new(0, HOST_CPU_PLANE);
 
     for t in timeline.threads.values() {
-        let mut events = Vec::with_capacity(t.slices.len() + t.marks.len());
+        let mut events = Vec::with_capacity(t.slices.len() + t.marks.len() + t.spans.len());
+        // Spans sit above the states: cut each state at every span edge.
+        let mut edges: Vec<u64> = t
+            .spans
+            .iter()
+            .flat_map(|s| [s.start_ns, s.end_ns])
+            .collect();
+        edges.sort_unstable();
+        edges.dedup();
         for s in &t.slices {
-            let stats = state_stats(&s.state);
+            for (from, to) in split_at(s.start_ns, s.end_ns, &edges) {
+                let stats = state_stats(&s.state);
+                events.push(host.event(
+                    state_event_name(&s.state),
+                    ps(from),
+                    ps(to) - ps(from),
+                    stats,
+                ));
+            }
+        }
+        for span in &t.spans {
+            let stats = span
+                .stats
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect();
             events.push(host.event(
-                state_event_name(&s.state),
-                ps(s.start_ns),
-                ps(s.end_ns) - ps(s.start_ns),
+                &span.name,
+                ps(span.start_ns),
+                ps(span.end_ns) - ps(span.start_ns),
                 stats,
             ));
         }
@@ -410,6 +429,12 @@ mod tests {
                 name: "worker".into(),
                 slices,
                 marks: vec![],
+                spans: vec![crate::timeline::Span {
+                    start_ns: 1_200,
+                    end_ns: 1_700,
+                    name: "step".into(),
+                    stats: vec![("step_num".into(), StatValue::I64(3))],
+                }],
                 counters: ThreadCounters::default(),
             },
         );
@@ -441,9 +466,16 @@ mod tests {
             .iter()
             .map(|e| (names[&e.metadata_id], offset_ps(e), e.duration_ps))
             .collect();
+        // The span sits above the states, which are cut at its edges.
         assert_eq!(
             ev,
-            vec![("Running", 0, 500_000), ("Blocked", 500_000, 500_000)]
+            vec![
+                ("Running", 0, 200_000),
+                ("step", 200_000, 500_000),
+                ("Running", 200_000, 300_000),
+                ("Blocked", 500_000, 200_000),
+                ("Blocked", 700_000, 300_000),
+            ]
         );
         let env = &xs.planes[1];
         let stat_names: HashMap<i64, &str> = env

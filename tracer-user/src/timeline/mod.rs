@@ -1,11 +1,14 @@
 //! The timeline model: what happened to each traced thread and CPU, in
 //! `CLOCK_MONOTONIC` nanoseconds, independent of any output format.
 //!
-//! Sources (the scheduler records today; TraceMe and CUDA later) fill it,
-//! sinks (`sink::xspace`) read it. Per thread it keeps two kinds of data:
+//! Sources (the scheduler records; other probes and in-process data) fill
+//! it, sinks (`sink::xspace`) read it. Per thread it keeps:
 //! - `slices`: a partition of the thread's life into scheduling states
 //!   (running, runnable, blocked), consecutive and non-overlapping;
-//! - `marks`: instants (wake-ups issued, threads created, exit).
+//! - `marks`: instants (wake-ups issued, threads created, exit);
+//! - `spans`: named intervals from other sources (e.g. TraceMe ranges or
+//!   driver calls) that nest among themselves; sinks lay them above the
+//!   scheduling states.
 
 mod sched;
 
@@ -148,6 +151,26 @@ pub enum MarkKind {
     Exited,
 }
 
+/// A typed value attached to a span (becomes an XStat).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    I64(i64),
+    U64(u64),
+    F64(f64),
+    Str(String),
+}
+
+/// A named interval on a thread, `[start_ns, end_ns]` (equal for an
+/// instant). Spans of one thread must nest: a source that produces
+/// partially overlapping intervals resolves them before adding them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Span {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub name: String,
+    pub stats: Vec<(String, Value)>,
+}
+
 /// Per-thread totals over the capture window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ThreadCounters {
@@ -167,13 +190,14 @@ pub struct ThreadCounters {
 }
 
 /// Everything known about one traced thread.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ThreadTrack {
     pub tid: u32,
     pub pid: u32,
     pub name: String,
     pub slices: Vec<StateSlice>,
     pub marks: Vec<Mark>,
+    pub spans: Vec<Span>,
     pub counters: ThreadCounters,
 }
 
@@ -210,7 +234,7 @@ pub struct CaptureStats {
 }
 
 /// The whole capture.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Timeline {
     /// Capture window, monotonic ns.
     pub start_ns: u64,
@@ -231,7 +255,7 @@ impl Timeline {
     pub fn event_count(&self) -> usize {
         self.threads
             .values()
-            .map(|t| t.slices.len() + t.marks.len())
+            .map(|t| t.slices.len() + t.marks.len() + t.spans.len())
             .sum::<usize>()
             + self.cpus.values().map(Vec::len).sum::<usize>()
     }

@@ -140,7 +140,9 @@ impl SchedTimelineBuilder {
         if ts > self.stop_ns {
             return;
         }
-        self.records += 1;
+        if ts >= self.start_ns {
+            self.records += 1;
+        }
         match record {
             Record::Switch(r) => {
                 let cpu = r.header.cpu;
@@ -392,6 +394,7 @@ impl SchedTimelineBuilder {
                     name,
                     slices: t.slices,
                     marks,
+                    spans: Vec::new(),
                     counters: t.counters,
                 },
             );
@@ -399,7 +402,7 @@ impl SchedTimelineBuilder {
         for slices in cpus.values_mut() {
             slices.sort_by_key(|s| s.start_ns);
         }
-        stats.records = stats.records.max(self.records);
+        stats.records = self.records;
         stats.inconsistencies = self.inconsistencies;
         Timeline {
             start_ns: self.start_ns,

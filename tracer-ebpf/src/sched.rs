@@ -1,0 +1,182 @@
+//! Scheduler tracepoints: switches, wake-ups, thread creation, exit and
+//! renames of the traced processes' threads.
+//!
+//! Thread membership: `TARGET_TGIDS` holds the traced processes; the current
+//! task's group is known from `bpf_get_current_pid_tgid`, but the *next* task
+//! of a switch and the woken task of a wake-up are only tids, so
+//! `TRACKED_TIDS` maps every thread of a traced process to its group. It is
+//! seeded from `/proc` by userspace and kept up to date here: new threads in
+//! `task_newtask` (which sees `clone_flags`), exits in `sched_process_exit`,
+//! and any traced thread seen running that userspace missed.
+
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use tracer_common::{
+    CLONE_THREAD, COMM_LEN, ProcessFork, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew,
+    TaskRename, WAKEUP_NEW, tp,
+};
+
+use crate::{
+    EXIT_HAS_GROUP_DEAD, TRACKED_TIDS, current, emit, header, is_target, read, track, tracked_tgid,
+};
+
+#[tracepoint(category = "sched", name = "sched_switch")]
+pub fn sched_switch(ctx: TracePointContext) -> u32 {
+    let (Some(prev_tid), Some(prev_state), Some(next_tid)) = (
+        read::<u32>(&ctx, tp::SWITCH_PREV_PID),
+        read::<u64>(&ctx, tp::SWITCH_PREV_STATE),
+        read::<u32>(&ctx, tp::SWITCH_NEXT_PID),
+    ) else {
+        return 0;
+    };
+    // The tracepoint fires in the context of the task being switched out.
+    let (_, current_tgid) = current();
+    let prev_tgid = if prev_tid != 0 && is_target(current_tgid) {
+        track(prev_tid, current_tgid);
+        current_tgid
+    } else {
+        0
+    };
+    let next_tgid = tracked_tgid(next_tid);
+    if prev_tgid == 0 && next_tgid == 0 {
+        return 0;
+    }
+    emit(SchedSwitch {
+        header: header(RecordKind::SchedSwitch, size_of::<SchedSwitch>()),
+        prev_tid,
+        prev_tgid,
+        next_tid,
+        next_tgid,
+        prev_state,
+    });
+    0
+}
+
+#[inline(always)]
+fn wakeup(ctx: &TracePointContext, flags: u32) -> u32 {
+    let (Some(tid), Some(target_cpu)) = (
+        read::<u32>(ctx, tp::WAKEUP_PID),
+        read::<u32>(ctx, tp::WAKEUP_TARGET_CPU),
+    ) else {
+        return 0;
+    };
+    let tgid = tracked_tgid(tid);
+    if tgid == 0 {
+        return 0;
+    }
+    let (waker_tid, waker_tgid) = current();
+    emit(SchedWakeup {
+        header: header(RecordKind::SchedWakeup, size_of::<SchedWakeup>()),
+        tid,
+        tgid,
+        waker_tid,
+        waker_tgid,
+        target_cpu,
+        flags,
+    });
+    0
+}
+
+#[tracepoint(category = "sched", name = "sched_wakeup")]
+pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
+    wakeup(&ctx, 0)
+}
+
+#[tracepoint(category = "sched", name = "sched_wakeup_new")]
+pub fn sched_wakeup_new(ctx: TracePointContext) -> u32 {
+    wakeup(&ctx, WAKEUP_NEW)
+}
+
+/// Fires in the parent while it creates a task; only here are `clone_flags`
+/// visible, which tell a new thread of the group from a new process.
+#[tracepoint(category = "task", name = "task_newtask")]
+pub fn task_newtask(ctx: TracePointContext) -> u32 {
+    let (parent_tid, parent_tgid) = current();
+    if !is_target(parent_tgid) {
+        return 0;
+    }
+    let (Some(child_tid), Some(clone_flags), Some(comm)) = (
+        read::<u32>(&ctx, tp::NEWTASK_PID),
+        read::<u64>(&ctx, tp::NEWTASK_CLONE_FLAGS),
+        read::<[u8; COMM_LEN]>(&ctx, tp::NEWTASK_COMM),
+    ) else {
+        return 0;
+    };
+    if clone_flags & CLONE_THREAD != 0 {
+        track(child_tid, parent_tgid);
+    }
+    emit(TaskNew {
+        header: header(RecordKind::TaskNew, size_of::<TaskNew>()),
+        parent_tid,
+        parent_tgid,
+        child_tid,
+        _pad: 0,
+        clone_flags,
+        comm,
+    });
+    0
+}
+
+#[tracepoint(category = "sched", name = "sched_process_fork")]
+pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
+    let (parent_tid, parent_tgid) = current();
+    if !is_target(parent_tgid) {
+        return 0;
+    }
+    let Some(child_tid) = read::<u32>(&ctx, tp::FORK_CHILD_PID) else {
+        return 0;
+    };
+    emit(ProcessFork {
+        header: header(RecordKind::ProcessFork, size_of::<ProcessFork>()),
+        parent_tid,
+        parent_tgid,
+        child_tid,
+        is_thread: (tracked_tgid(child_tid) == parent_tgid) as u32,
+    });
+    0
+}
+
+#[tracepoint(category = "sched", name = "sched_process_exit")]
+pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
+    let (tid, tgid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    // SAFETY: globals are read-only after load.
+    let group_dead = if unsafe { core::ptr::read_volatile(&EXIT_HAS_GROUP_DEAD) } != 0 {
+        read::<u8>(&ctx, tp::EXIT_GROUP_DEAD).unwrap_or(0) as u32
+    } else {
+        2
+    };
+    let comm = aya_ebpf::helpers::bpf_get_current_comm().unwrap_or([0; COMM_LEN]);
+    let _ = TRACKED_TIDS.remove(tid);
+    emit(TaskExit {
+        header: header(RecordKind::TaskExit, size_of::<TaskExit>()),
+        tid,
+        tgid,
+        group_dead,
+        _pad: 0,
+        comm,
+    });
+    0
+}
+
+#[tracepoint(category = "task", name = "task_rename")]
+pub fn task_rename(ctx: TracePointContext) -> u32 {
+    let Some(tid) = read::<u32>(&ctx, tp::RENAME_PID) else {
+        return 0;
+    };
+    let tgid = tracked_tgid(tid);
+    if tgid == 0 {
+        return 0;
+    }
+    let Some(comm) = read::<[u8; COMM_LEN]>(&ctx, tp::RENAME_NEWCOMM) else {
+        return 0;
+    };
+    emit(TaskRename {
+        header: header(RecordKind::TaskRename, size_of::<TaskRename>()),
+        tid,
+        tgid,
+        comm,
+    });
+    0
+}

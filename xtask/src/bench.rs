@@ -1,0 +1,289 @@
+//! `cargo xtask bench`: the scheduling benchmark. One run measures, side by
+//! side, what tracing costs a context-switch-heavy target (untraced, under
+//! ebtrace, under an equivalent bpftrace program), the event rate ebtrace
+//! sustains without drops, its peak memory per record, and how long it
+//! takes to attach. Results go to stdout and `target/bench/sched.md`.
+
+mod report;
+mod tracer;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{
+    setup,
+    util::{self, Workload, say, signal},
+};
+use tracer::Traced;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// Rounds of the three alternating configurations.
+    pub rounds: usize,
+    /// Seconds each overhead run lets the target ping-pong.
+    pub seconds: f64,
+    /// Seconds of the long ebtrace capture for the memory figure (0: none).
+    pub long_seconds: f64,
+    /// CPU the target is pinned to (None: unpinned).
+    pub target_cpu: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Config {
+    Untraced,
+    Ebtrace,
+    Bpftrace,
+}
+
+impl Config {
+    pub const ALL: [Config; 3] = [Config::Untraced, Config::Ebtrace, Config::Bpftrace];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Config::Untraced => "untraced",
+            Config::Ebtrace => "ebtrace",
+            Config::Bpftrace => "bpftrace",
+        }
+    }
+}
+
+/// What ebtrace reported about one capture.
+#[derive(Clone, Debug)]
+pub struct EbtraceRun {
+    /// From spawning ebtrace to its "probes attached" line.
+    pub spawn_to_attached: Duration,
+    /// The attach time ebtrace prints itself.
+    pub reported_attach: Option<Duration>,
+    pub window_s: f64,
+    pub records: u64,
+    pub dropped: u64,
+    pub peak_rss_kib: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct BpftraceRun {
+    pub spawn_to_attaching: Duration,
+    pub spawn_to_ready: Duration,
+    pub switches: u64,
+    pub wakeups: u64,
+}
+
+/// One run of the ping-pong target under one configuration.
+#[derive(Clone, Debug)]
+pub struct Run {
+    pub config: Config,
+    /// None for the long memory run.
+    pub round: Option<usize>,
+    pub seconds: f64,
+    pub round_trips_per_s: f64,
+    pub ebtrace: Option<EbtraceRun>,
+    pub bpftrace: Option<BpftraceRun>,
+}
+
+/// Everything a run needs to know about the machine and the binaries.
+struct Bench {
+    ebtrace: PathBuf,
+    fixture: PathBuf,
+    scratch: PathBuf,
+    /// bpftrace ≥ 0.21 spells tracepoint arguments `args.x`, older `args->x`.
+    bpftrace_args: &'static str,
+    target_cpu: Option<usize>,
+}
+
+pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
+    util::require_root("bench")?;
+    if opts.rounds == 0 || opts.seconds <= 0.0 {
+        bail!("--rounds and --seconds must be positive");
+    }
+    setup::run_setup(root, setup::Options { bench: true })?;
+    let ebtrace = util::build_release(root)?;
+    let fixture = util::build_fixture(root)?;
+    let bpftrace_version = util::stdout_of(Command::new("bpftrace").arg("--version"))
+        .context("bpftrace --version failed")?;
+    let bench = Bench {
+        ebtrace: ebtrace.clone(),
+        fixture,
+        scratch: util::temp_dir(root, "bench")?,
+        bpftrace_args: if bpftrace_at_least(&bpftrace_version, 0, 21) {
+            "args."
+        } else {
+            "args->"
+        },
+        target_cpu: opts.target_cpu,
+    };
+    let env = report::Environment::probe(root, &ebtrace, &bpftrace_version, opts);
+    say(format!(
+        "bench: {} rounds x {:?}, {}s each, then one {}s ebtrace capture",
+        opts.rounds,
+        Config::ALL.map(Config::label),
+        opts.seconds,
+        opts.long_seconds
+    ));
+
+    let started = Instant::now();
+    let mut runs = Vec::new();
+    for round in 0..opts.rounds {
+        // Rotate the order each round so that no configuration always runs
+        // first (on a warmer or colder machine).
+        for i in 0..Config::ALL.len() {
+            let config = Config::ALL[(round + i) % Config::ALL.len()];
+            let run = bench.pingpong(config, Some(round), opts.seconds)?;
+            say(format!(
+                "round {}/{} {:<8} {:>9.0} round trips/s",
+                round + 1,
+                opts.rounds,
+                config.label(),
+                run.round_trips_per_s
+            ));
+            runs.push(run);
+        }
+    }
+    if opts.long_seconds > 0.0 {
+        let run = bench.pingpong(Config::Ebtrace, None, opts.long_seconds)?;
+        say(format!(
+            "long ebtrace capture: {:.0} round trips/s, {} records",
+            run.round_trips_per_s,
+            run.ebtrace.as_ref().map_or(0, |e| e.records)
+        ));
+        runs.push(run);
+    }
+    let _ = std::fs::remove_dir_all(&bench.scratch);
+
+    let md = report::render(&env, &runs, started.elapsed());
+    println!();
+    print!("{md}");
+    let out = root.join("target/bench/sched.md");
+    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
+    std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
+    println!("\nwritten to {}", out.display());
+    Ok(())
+}
+
+/// Parses "bpftrace v0.17.0" and compares with major.minor.
+fn bpftrace_at_least(version: &str, major: u32, minor: u32) -> bool {
+    let v = version.trim().trim_start_matches("bpftrace").trim();
+    let mut parts = v.trim_start_matches('v').split('.').map(|p| {
+        p.chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse::<u32>()
+            .unwrap_or(0)
+    });
+    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    found >= (major, minor)
+}
+
+impl Bench {
+    /// Runs the ping-pong target for `seconds` under `config`.
+    ///
+    /// ebtrace needs the target's pid and bpftrace its thread ids, so the
+    /// target starts first and is stopped (SIGSTOP) right after it names
+    /// its threads; the tracer starts and attaches; then the target
+    /// continues (SIGCONT), runs `seconds` and is told to stop. The stopped
+    /// time is taken out of the target's own elapsed time.
+    fn pingpong(&self, config: Config, round: Option<usize>, seconds: f64) -> Result<Run> {
+        let mut cmd = match self.target_cpu {
+            Some(cpu) => {
+                let mut c = Command::new("taskset");
+                c.args(["-c", &cpu.to_string()]).arg(&self.fixture);
+                c
+            }
+            None => Command::new(&self.fixture),
+        };
+        cmd.args(["--mode", "pingpong"]);
+        let workload = Workload::start(cmd)?;
+        signal(workload.pid, libc::SIGSTOP);
+        let stopped_at = Instant::now();
+        let logdir = self.scratch.join("logs");
+        let mut tracer = match config {
+            Config::Untraced => None,
+            Config::Ebtrace => Some(self.start_ebtrace(&workload, &logdir, seconds)?),
+            Config::Bpftrace => Some(self.start_bpftrace(&workload)?),
+        };
+        signal(workload.pid, libc::SIGCONT);
+        let paused_s = stopped_at.elapsed().as_secs_f64();
+        thread::sleep(Duration::from_secs_f64(seconds));
+        let counters = workload.stop()?;
+        let round_trips = counters["round_trips"].as_f64().context("round_trips")?;
+        let elapsed_s = counters["elapsed_s"].as_f64().context("elapsed_s")?;
+        let round_trips_per_s = round_trips / (elapsed_s - paused_s).max(1e-3);
+
+        let mut run = Run {
+            config,
+            round,
+            seconds,
+            round_trips_per_s,
+            ebtrace: None,
+            bpftrace: None,
+        };
+        match (config, tracer.as_mut()) {
+            (Config::Ebtrace, Some(t)) => {
+                // ebtrace ends by itself once every traced process exited.
+                run.ebtrace = Some(t.finish_ebtrace()?);
+                let _ = std::fs::remove_dir_all(&logdir);
+            }
+            (Config::Bpftrace, Some(t)) => run.bpftrace = Some(t.finish_bpftrace()?),
+            _ => {}
+        }
+        Ok(run)
+    }
+
+    fn start_ebtrace(&self, w: &Workload, logdir: &Path, seconds: f64) -> Result<Traced> {
+        // Without -q: the summary's record and drop counts are measured
+        // too. It is printed after the capture, and the progress bar is
+        // hidden when stderr is not a terminal, so it costs the target
+        // nothing. The duration only has to outlast the run.
+        let mut cmd = Command::new(&self.ebtrace);
+        cmd.args(["--pid", &w.pid.to_string()])
+            .args(["--duration", &format!("{}s", (seconds * 2.0).ceil() + 60.0)])
+            .arg("--logdir")
+            .arg(logdir);
+        let mut t = Traced::spawn(cmd)?;
+        t.wait_line(|l| l.contains("probes attached"), Duration::from_secs(60))?;
+        Ok(t)
+    }
+
+    fn start_bpftrace(&self, w: &Workload) -> Result<Traced> {
+        let (ping, pong) = (w.tid("ping")?, w.tid("pong")?);
+        let a = self.bpftrace_args;
+        // Same filter as ebtrace's: the switched-out task belongs to the
+        // target (`pid` is the tgid of the current task) or the switched-in
+        // one is a target thread; wakeups of target threads. BEGIN fires
+        // once the probes are attached and marks the start of tracing.
+        let program = format!(
+            "BEGIN {{ printf(\"xtask: bpftrace ready\\n\"); }}\n\
+             tracepoint:sched:sched_switch /pid == {pid} || {a}next_pid == {ping} || {a}next_pid == {pong}/ \
+             {{ @switch[cpu] = count(); }}\n\
+             tracepoint:sched:sched_wakeup /{a}pid == {ping} || {a}pid == {pong}/ \
+             {{ @wakeup[cpu] = count(); }}\n",
+            pid = w.pid
+        );
+        let mut cmd = Command::new("bpftrace");
+        cmd.args(["-e", &program]);
+        let mut t = Traced::spawn(cmd)?;
+        t.wait_line(|l| l.starts_with("Attaching "), Duration::from_secs(60))?;
+        t.wait_line(
+            |l| l.contains("xtask: bpftrace ready"),
+            Duration::from_secs(60),
+        )?;
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bpftrace_versions() {
+        assert!(!bpftrace_at_least("bpftrace v0.17.0", 0, 21));
+        assert!(bpftrace_at_least("bpftrace v0.21.2", 0, 21));
+        assert!(bpftrace_at_least("bpftrace v1.0.0-rc1", 0, 21));
+    }
+}

@@ -1,0 +1,261 @@
+//! A tracer process under the benchmark: its output lines as they come,
+//! with the time each arrived, and its peak memory once it has exited.
+
+use std::{
+    io::{BufRead as _, BufReader, Read},
+    process::{Child, Command, Stdio},
+    sync::mpsc::{self, Receiver, RecvTimeoutError},
+    thread::{self, JoinHandle},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{BpftraceRun, EbtraceRun};
+use crate::util::{self, signal};
+
+pub struct Traced {
+    child: Child,
+    name: String,
+    spawned: Instant,
+    lines_rx: Receiver<(Instant, String)>,
+    /// Every line seen so far, stdout and stderr interleaved.
+    lines: Vec<String>,
+    /// When each awaited line arrived, counted from the spawn.
+    marks: Vec<Duration>,
+    readers: Vec<JoinHandle<()>>,
+    reaped: bool,
+}
+
+fn forward(
+    stream: impl Read + Send + 'static,
+    tx: mpsc::Sender<(Instant, String)>,
+) -> JoinHandle<()> {
+    thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if tx.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    })
+}
+
+impl Traced {
+    pub fn spawn(mut cmd: Command) -> Result<Self> {
+        let name = util::display(&cmd);
+        let spawned = Instant::now();
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting `{name}`"))?;
+        let (tx, lines_rx) = mpsc::channel();
+        let readers = vec![
+            forward(child.stdout.take().expect("piped"), tx.clone()),
+            forward(child.stderr.take().expect("piped"), tx),
+        ];
+        Ok(Traced {
+            child,
+            name,
+            spawned,
+            lines_rx,
+            lines: Vec::new(),
+            marks: Vec::new(),
+            readers,
+            reaped: false,
+        })
+    }
+
+    /// Waits for a line matching `pred`; records when it came.
+    pub fn wait_line(&mut self, pred: impl Fn(&str) -> bool, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines_rx.recv_timeout(left) {
+                Ok((at, line)) => {
+                    self.lines.push(line.clone());
+                    if pred(&line) {
+                        self.marks.push(at - self.spawned);
+                        return Ok(line);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    bail!(
+                        "{}: no expected line after {timeout:?}; output: {:?}",
+                        self.name,
+                        self.lines
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    bail!("{} exited early; output: {:?}", self.name, self.lines)
+                }
+            }
+        }
+    }
+
+    /// Waits for the process to exit (killing it past `timeout`), collects
+    /// the rest of its output, and returns its peak RSS in KiB.
+    fn wait_exit(&mut self, timeout: Duration) -> Result<u64> {
+        let pid = self.child.id() as libc::pid_t;
+        let start = Instant::now();
+        let mut status = 0;
+        // SAFETY: zeroed rusage is a valid out-parameter.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // wait4 rather than Child::wait: it reports this child's own
+        // ru_maxrss (RUSAGE_CHILDREN would mix in the fixture and bpftrace).
+        loop {
+            // SAFETY: valid pointers; pid is our unreaped child.
+            let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+            if r == pid {
+                break;
+            }
+            if r < 0 {
+                bail!(
+                    "wait4 on {}: {}",
+                    self.name,
+                    std::io::Error::last_os_error()
+                );
+            }
+            if start.elapsed() > timeout {
+                signal(pid as u32, libc::SIGKILL);
+                // SAFETY: as above; blocks until the kill lands.
+                unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+                self.reaped = true;
+                bail!("{} still running after {timeout:?}; killed", self.name);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        self.reaped = true;
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        self.lines.extend(self.lines_rx.try_iter().map(|(_, l)| l));
+        let exited_ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+        // bpftrace exits 0 on SIGINT; anything else is a failure.
+        if !exited_ok {
+            bail!(
+                "{} failed (wait status {status:#x}); output: {:?}",
+                self.name,
+                self.lines
+            );
+        }
+        Ok(usage.ru_maxrss as u64)
+    }
+
+    /// Waits for an ebtrace whose targets have exited and reads its summary.
+    pub fn finish_ebtrace(&mut self) -> Result<EbtraceRun> {
+        let peak_rss_kib = self.wait_exit(Duration::from_secs(300))?;
+        let summary = self
+            .lines
+            .iter()
+            .find_map(|l| parse_summary(l))
+            .with_context(|| format!("no `window ...` summary line in {:?}", self.lines))?;
+        let reported_attach = self.lines.iter().find_map(|l| {
+            let rest = l.split("probes attached in ").nth(1)?;
+            parse_debug_duration(rest.split(')').next()?)
+        });
+        Ok(EbtraceRun {
+            spawn_to_attached: self.marks[0],
+            reported_attach,
+            window_s: summary.0,
+            records: summary.1,
+            dropped: summary.2,
+            peak_rss_kib,
+        })
+    }
+
+    /// Stops bpftrace (SIGINT makes it print its maps) and sums the counts.
+    pub fn finish_bpftrace(&mut self) -> Result<BpftraceRun> {
+        signal(self.child.id(), libc::SIGINT);
+        self.wait_exit(Duration::from_secs(60))?;
+        let sum = |map: &str| -> u64 {
+            let prefix = format!("@{map}[");
+            self.lines
+                .iter()
+                .filter(|l| l.starts_with(&prefix))
+                .filter_map(|l| l.rsplit(": ").next()?.trim().parse::<u64>().ok())
+                .sum()
+        };
+        Ok(BpftraceRun {
+            spawn_to_attaching: self.marks[0],
+            spawn_to_ready: self.marks[1],
+            switches: sum("switch"),
+            wakeups: sum("wakeup"),
+        })
+    }
+}
+
+impl Drop for Traced {
+    fn drop(&mut self) {
+        // Error paths only: never leave a tracer attached.
+        if !self.reaped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `window 2000.0ms; N records captured, M dropped...` → (seconds, N, M).
+fn parse_summary(line: &str) -> Option<(f64, u64, u64)> {
+    let rest = line.strip_prefix("window ")?;
+    let (window, rest) = rest.split_once("; ")?;
+    let window_ms: f64 = window.strip_suffix("ms")?.parse().ok()?;
+    let (records, rest) = rest.split_once(" records captured, ")?;
+    let dropped = rest.split_whitespace().next()?;
+    Some((
+        window_ms / 1e3,
+        records.parse().ok()?,
+        dropped.parse().ok()?,
+    ))
+}
+
+/// Parses a `{:.0?}`-formatted Duration: `53ms`, `812µs`, `2s`, `40ns`.
+fn parse_debug_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+    let (num, unit) = s.split_at(split);
+    let v: f64 = num.parse().ok()?;
+    let ns_per_unit = match unit {
+        "s" => 1e9,
+        "ms" => 1e6,
+        "µs" | "us" => 1e3,
+        "ns" => 1.0,
+        _ => return None,
+    };
+    Some(Duration::from_nanos((v * ns_per_unit).round() as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_line() {
+        assert_eq!(
+            parse_summary("window 2000.0ms; 123 records captured, 0 dropped"),
+            Some((2.0, 123, 0))
+        );
+        assert_eq!(
+            parse_summary(
+                "window 5.5ms; 7 records captured, 3 dropped (raise --ring-buffer-mib; the trace is partial)"
+            ),
+            Some((0.0055, 7, 3))
+        );
+        assert_eq!(parse_summary("trace: x"), None);
+    }
+
+    #[test]
+    fn debug_durations() {
+        assert_eq!(
+            parse_debug_duration("53ms"),
+            Some(Duration::from_millis(53))
+        );
+        assert_eq!(
+            parse_debug_duration("812µs"),
+            Some(Duration::from_micros(812))
+        );
+        assert_eq!(parse_debug_duration("2s"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_debug_duration("fast"), None);
+    }
+}

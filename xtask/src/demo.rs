@@ -1,0 +1,113 @@
+//! `cargo xtask demo`: trace the fixture for two seconds and prove that
+//! XProf can open the result.
+
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{
+    setup,
+    util::{self, Workload, say},
+};
+
+/// Converts an `.xplane.pb` the way XProf's trace viewer does and prints
+/// what it found. XProf writes `*.SSTABLE` caches next to its input, so it
+/// converts a copy in a temporary directory and leaves the log dir alone.
+const CONVERT_PY: &str = r#"
+import collections, json, os, shutil, sys, tempfile
+from xprof.convert import raw_to_tool_data as r
+
+src = sys.argv[1]
+with tempfile.TemporaryDirectory() as d:
+    copy = os.path.join(d, os.path.basename(src))
+    shutil.copy(src, copy)
+    data, ctype = r.xspace_to_tool_data([copy], "trace_viewer@", {})
+if isinstance(data, bytes):
+    data = data.decode()
+events = json.loads(data)["traceEvents"]
+meta = [e for e in events if e.get("ph") == "M"]
+timed = [e for e in events if e.get("ph") != "M"]
+threads = [e["args"]["name"] for e in meta if e.get("name") == "thread_name"]
+names = collections.Counter(e.get("name") for e in timed)
+print(f"xprof: {len(timed)} trace events on {len(threads)} lines ({ctype})")
+print("xprof: lines: " + ", ".join(threads))
+print("xprof: events: " + ", ".join(f"{n} x{c}" for n, c in names.most_common(8)))
+if not timed:
+    sys.exit("xprof found no trace events")
+"#;
+
+pub fn run_demo(root: &Path) -> Result<()> {
+    util::require_root("demo")?;
+    setup::run_setup(root, setup::Options::default())?;
+    let ebtrace = util::build_release(root)?;
+    let fixture = util::build_fixture(root)?;
+
+    say("starting the fixture: sched_workload --mode mixed (runs until stopped)");
+    let mut cmd = Command::new(&fixture);
+    cmd.args(["--mode", "mixed"]);
+    let workload = Workload::start(cmd)?;
+    let tids: Vec<String> = workload
+        .tids
+        .iter()
+        .map(|(n, t)| format!("{n}={t}"))
+        .collect();
+    say(format!(
+        "fixture pid {} threads {}",
+        workload.pid,
+        tids.join(" ")
+    ));
+
+    // Relative logdir, run from the repo root: the printed paths and the
+    // viewing command then read the same from there.
+    let mut cmd = Command::new(&ebtrace);
+    cmd.current_dir(root)
+        .args(["--pid", &workload.pid.to_string()])
+        .args(["--duration", "2s", "--logdir", "ebtrace-logs"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    say(format!("$ {}", util::display(&cmd)));
+    let out = cmd.output().context("starting ebtrace")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    print!("{stdout}");
+    let counters = workload.stop();
+    util::check_status("ebtrace", out.status)?;
+    if let Ok(c) = counters {
+        say(format!("fixture counters: {c}"));
+    }
+    let trace = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("trace: "))
+        .context("ebtrace printed no `trace: <path>` line")?
+        .trim()
+        .to_string();
+
+    say("checking that XProf can read the trace (trace_viewer@ conversion)");
+    let python = root.join(".venv/bin/python");
+    let conv = Command::new(&python)
+        .current_dir(root)
+        .args(["-c", CONVERT_PY, &trace])
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    print!("{}", String::from_utf8_lossy(&conv.stdout));
+    if !conv.status.success() {
+        // XProf's C++ logging is noisy: show it only when it failed.
+        eprint!("{}", String::from_utf8_lossy(&conv.stderr));
+        bail!("XProf could not convert {trace}");
+    }
+
+    println!();
+    println!("trace: {}", root.join(&trace).display());
+    println!("view it (from {}):", root.display());
+    println!(
+        "  .venv/bin/xprof --logdir ebtrace-logs --port 8791   # then open http://localhost:8791/"
+    );
+    println!(
+        "  (or: tensorboard --logdir ebtrace-logs, with the tensorboard-plugin-profile package)"
+    );
+    Ok(())
+}

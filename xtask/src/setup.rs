@@ -1,0 +1,168 @@
+//! `cargo xtask setup`: installs what building, testing and viewing need.
+//! Every step checks first, so a second run does nothing and takes a
+//! second or two.
+
+use std::{path::Path, process::Command};
+
+use anyhow::{Result, bail};
+
+use crate::util::{self, run, say, stdout_of, succeeds};
+
+/// Pinned: newer bpf-linker releases need an external LLVM; 0.10.2 loads
+/// rustc's own.
+const BPF_LINKER_VERSION: &str = "0.10.2";
+/// The XProf release whose converter the demo and the interop tests use.
+const XPROF_VERSION: &str = "2.24.2";
+/// The module the interop check imports; if it loads, the venv is complete.
+const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
+
+/// Debian packages: (package, why).
+const APT_BASE: &[(&str, &str)] = &[
+    ("gcc", "compiles the C test fixtures"),
+    ("libc6-dev", "headers for the C test fixtures"),
+    ("python3-venv", "creates the XProf virtual environment"),
+];
+const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// Also install what `cargo xtask bench` needs.
+    pub bench: bool,
+}
+
+pub fn run_setup(root: &Path, opts: Options) -> Result<()> {
+    say("setup: checking toolchains and tools");
+    nightly_toolchain()?;
+    bpf_linker()?;
+    let mut packages: Vec<(&str, &str)> = APT_BASE.to_vec();
+    if opts.bench {
+        packages.extend_from_slice(APT_BENCH);
+    }
+    apt_packages(&packages)?;
+    xprof_venv(root)?;
+    say("setup: done");
+    Ok(())
+}
+
+/// The eBPF crate builds with nightly (`-Z build-std=core`) and needs rust-src.
+fn nightly_toolchain() -> Result<()> {
+    match stdout_of(Command::new("rustup").args(["run", "nightly", "rustc", "--version"])) {
+        Some(v) => say(format!("ok: nightly toolchain ({v})")),
+        None => run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))?,
+    }
+    let installed = stdout_of(Command::new("rustup").args([
+        "component",
+        "list",
+        "--toolchain",
+        "nightly",
+        "--installed",
+    ]))
+    .unwrap_or_default();
+    // Installed components are listed with their target triple appended,
+    // except rust-src, which has none.
+    if installed.lines().any(|l| l.trim() == "rust-src") {
+        say("ok: rust-src for nightly");
+    } else {
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
+    }
+    Ok(())
+}
+
+fn bpf_linker() -> Result<()> {
+    let version = stdout_of(Command::new("bpf-linker").arg("--version"));
+    if let Some(v) = version
+        .as_deref()
+        .filter(|v| v.split_whitespace().any(|w| w == BPF_LINKER_VERSION))
+    {
+        say(format!("ok: {v}"));
+        return Ok(());
+    }
+    if let Some(v) = version {
+        say(format!(
+            "found {v}; installing the pinned {BPF_LINKER_VERSION}"
+        ));
+    }
+    run(util::cargo().args([
+        "install",
+        &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+        "--locked",
+    ]))
+}
+
+/// Installs the missing Debian packages (`apt-get update` once, only if
+/// something is missing).
+fn apt_packages(packages: &[(&str, &str)]) -> Result<()> {
+    if !succeeds(Command::new("dpkg").arg("--version")) {
+        let names: Vec<&str> = packages.iter().map(|(p, _)| *p).collect();
+        say(format!(
+            "warning: no dpkg (not Debian/Ubuntu?); make sure these are installed: {}",
+            names.join(", ")
+        ));
+        return Ok(());
+    }
+    let missing: Vec<(&str, &str)> = packages
+        .iter()
+        .copied()
+        .filter(|(p, _)| !dpkg_installed(p))
+        .collect();
+    if missing.is_empty() {
+        let names: Vec<&str> = packages.iter().map(|(p, _)| *p).collect();
+        say(format!("ok: packages {}", names.join(", ")));
+        return Ok(());
+    }
+    for (p, why) in &missing {
+        say(format!("missing package {p} ({why})"));
+    }
+    if !util::is_root() {
+        bail!("installing Debian packages needs root: run this as root, or install them yourself");
+    }
+    run(Command::new("apt-get").args(["update", "-q"]))?;
+    run(Command::new("apt-get")
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .args(["install", "-y", "-q", "--no-install-recommends"])
+        .args(missing.iter().map(|(p, _)| *p)))
+}
+
+fn dpkg_installed(package: &str) -> bool {
+    // `dpkg -s` also succeeds for removed-but-configured packages; the
+    // Status line tells.
+    stdout_of(Command::new("dpkg").args(["-s", package]))
+        .is_some_and(|s| s.lines().any(|l| l == "Status: install ok installed"))
+}
+
+/// `<repo>/.venv` with XProf, used to prove that XProf reads our traces.
+fn xprof_venv(root: &Path) -> Result<()> {
+    let venv = root.join(".venv");
+    let python = venv.join("bin/python");
+    if succeeds(Command::new(&python).args(["-c", &format!("import {XPROF_PROBE_MODULE}")])) {
+        say(format!("ok: {} has xprof", venv.display()));
+        return Ok(());
+    }
+    if !python.exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    run(Command::new(venv.join("bin/pip")).args([
+        "install",
+        "--quiet",
+        &format!("xprof=={XPROF_VERSION}"),
+    ]))?;
+    if !succeeds(Command::new(&python).args(["-c", &format!("import {XPROF_PROBE_MODULE}")])) {
+        bail!(
+            "xprof {XPROF_VERSION} installed into {} but `import {XPROF_PROBE_MODULE}` fails",
+            venv.display()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,54 @@
+//! `cargo xtask test`: the full check CI runs, with nothing allowed to skip.
+
+use std::path::Path;
+
+use anyhow::Result;
+
+use crate::{
+    setup,
+    util::{self, cargo, run, say},
+};
+
+pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
+    util::require_root("test")?;
+    setup::run_setup(root, setup::Options::default())?;
+
+    // Cheapest checks first: a formatting slip fails in a second.
+    say("checking formatting");
+    run(cargo().current_dir(root).args(["fmt", "--all", "--check"]))?;
+    say("running clippy");
+    // The eBPF crate is built by tracer-user/build.rs for its own target;
+    // unified with the workspace it would get `std` (see Cargo.toml).
+    run(cargo().current_dir(root).args([
+        "clippy",
+        "--workspace",
+        "--exclude",
+        "tracer-ebpf",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    // The tests run this binary (EBTRACE_BIN); build it explicitly, since
+    // `cargo test` builds binaries only for their own package's tests.
+    let ebtrace = util::build_release(root)?;
+
+    say("running the tests (BPF and XProf interop required: no skipping)");
+    run(cargo()
+        .current_dir(root)
+        .env("EBTRACE_REQUIRE_BPF", "1")
+        .env("EBTRACE_REQUIRE_INTEROP", "1")
+        .env("EBTRACE_PYTHON", root.join(".venv/bin/python"))
+        .env("EBTRACE_BIN", &ebtrace)
+        .args([
+            "test",
+            "--release",
+            "--workspace",
+            "--exclude",
+            "tracer-ebpf",
+            "--",
+        ])
+        .args(libtest_args))?;
+    say("all checks passed");
+    Ok(())
+}
