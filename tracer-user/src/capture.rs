@@ -13,7 +13,7 @@ use std::{
 };
 
 use crate::{
-    attach::{ProbeStats, SchedProbe, SchedProbeConfig, tracefs},
+    attach::{ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, tracefs},
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, Record},
     error::{Error, Result},
@@ -57,7 +57,7 @@ pub fn open_targets(pids: &[u32]) -> Result<Vec<TargetProcess>> {
 
 #[derive(Clone, Debug, Default)]
 pub struct CaptureOptions {
-    pub probe: SchedProbeConfig,
+    pub probe: ProbeSetConfig,
 }
 
 /// What [`Capture::poll`] saw.
@@ -69,7 +69,7 @@ pub struct PollStatus {
 }
 
 pub struct Capture {
-    probe: SchedProbe,
+    probe: ProbeSet,
     collector: Collector,
     targets: Vec<TargetProcess>,
     initial: HashMap<u32, InitialState>,
@@ -87,17 +87,17 @@ impl Capture {
         let began = Instant::now();
         let tracefs_root = tracefs::locate()?;
         let check = tracefs::check_tracepoints(&tracefs_root)?;
-        let config = SchedProbeConfig {
+        let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
             ..options.probe.clone()
         };
-        let mut probe = SchedProbe::load(&config)?;
+        let mut probe = ProbeSet::load(&config)?;
         for t in &targets {
             probe.add_target(t.pid)?;
         }
         // Follow thread creation first, then list the threads that exist:
         // a thread created in between is seen by one or the other.
-        probe.attach_thread_creation()?;
+        SchedProbe::attach_thread_creation(&mut probe)?;
         let mut initial = HashMap::new();
         for t in &targets {
             let threads = t.threads();
@@ -114,7 +114,7 @@ impl Capture {
                 );
             }
         }
-        probe.attach_scheduling()?;
+        SchedProbe::attach_scheduling(&mut probe)?;
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());

@@ -1,12 +1,15 @@
 //! Loading ebtrace's eBPF object and attaching its programs.
 //!
-//! One module per probe family: [`sched`] for the scheduler tracepoints.
-//! [`tracefs`] finds and checks the kernel's tracepoints first.
+//! [`probe_set`] owns the loaded object and its shared maps; one module per
+//! probe family attaches its programs on it: [`sched`] for the scheduler
+//! tracepoints. [`tracefs`] finds and checks the kernel's tracepoints first.
 
+pub mod probe_set;
 pub mod sched;
 pub mod tracefs;
 
-pub use sched::{ProbeStats, SchedProbe, SchedProbeConfig};
+pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
+pub use sched::SchedProbe;
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP`).
 pub(crate) static EBPF_OBJECT: &[u8] =

@@ -1,150 +1,37 @@
 //! `SchedProbe`: the scheduler tracepoints, filtered in the kernel to the
-//! traced processes (see `tracer-ebpf` for the membership rules).
+//! traced processes (see `tracer-ebpf/src/sched.rs` for the membership rules).
 
-use std::os::fd::{AsFd as _, AsRawFd as _};
+use aya::programs::TracePoint;
 
-use aya::{
-    Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray, RingBuf},
-    programs::TracePoint,
-};
-use tracer_common::{names, stat};
-
-use super::EBPF_OBJECT;
+use super::ProbeSet;
 use crate::error::{Error, Result};
 
 /// Tracepoints attached after the thread-creation one, in this order.
-const SCHED_PROGRAMS: [(&str, &str, &str); 5] = [
+const SCHED_PROGRAMS: [(&str, &str, &str); 6] = [
     ("sched_switch", "sched", "sched_switch"),
     ("sched_wakeup", "sched", "sched_wakeup"),
     ("sched_wakeup_new", "sched", "sched_wakeup_new"),
     ("sched_process_fork", "sched", "sched_process_fork"),
     ("sched_process_exit", "sched", "sched_process_exit"),
+    ("task_rename", "task", "task_rename"),
 ];
-const RENAME_PROGRAM: (&str, &str, &str) = ("task_rename", "task", "task_rename");
 const NEWTASK_PROGRAM: (&str, &str, &str) = ("task_newtask", "task", "task_newtask");
 
-#[derive(Clone, Debug)]
-pub struct SchedProbeConfig {
-    /// Ring buffer size in bytes (a power of two, at least one page).
-    pub ring_bytes: u32,
-    /// Whether `sched_process_exit` has the `group_dead` field.
-    pub exit_has_group_dead: bool,
-}
-
-impl Default for SchedProbeConfig {
-    fn default() -> Self {
-        SchedProbeConfig {
-            ring_bytes: 16 * 1024 * 1024,
-            exit_has_group_dead: true,
-        }
-    }
-}
-
-/// Outcome counters summed over CPUs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ProbeStats {
-    pub submitted: u64,
-    pub dropped_ringbuf_full: u64,
-    pub dropped_track_full: u64,
-    pub forced_wakeups: u64,
-    /// Program runs the kernel skipped because another BPF program (or a
-    /// BPF syscall of some process) was active on that CPU.
-    pub missed_by_kernel: u64,
-}
-
-impl ProbeStats {
-    pub fn dropped(&self) -> u64 {
-        self.dropped_ringbuf_full + self.dropped_track_full + self.missed_by_kernel
-    }
-}
-
-pub struct SchedProbe {
-    /// Programs and the membership maps; dropping it detaches everything.
-    ebpf: Option<Ebpf>,
-    events: Option<RingBuf<MapData>>,
-    stats: PerCpuArray<MapData, u64>,
-}
+/// The scheduler probe family.
+pub struct SchedProbe;
 
 impl SchedProbe {
-    /// Loads the programs into the kernel (nothing is attached yet).
-    pub fn load(config: &SchedProbeConfig) -> Result<Self> {
-        if EBPF_OBJECT.is_empty() {
-            return Err(Error::NoEbpfObject);
-        }
-        let threshold = u64::from(config.ring_bytes / 4);
-        let group_dead = u32::from(config.exit_has_group_dead);
-        let mut ebpf = EbpfLoader::new()
-            .override_global(names::WAKEUP_THRESHOLD, &threshold, true)
-            .override_global(names::EXIT_HAS_GROUP_DEAD, &group_dead, true)
-            .map_max_entries(names::EVENTS, config.ring_bytes)
-            .load(EBPF_OBJECT)
-            .map_err(|e| Error::Load(Box::new(e)))?;
-        for (prog, _, _) in SCHED_PROGRAMS
-            .iter()
-            .chain([&RENAME_PROGRAM, &NEWTASK_PROGRAM])
-        {
-            let tp: &mut TracePoint = ebpf
-                .program_mut(prog)
-                .expect("program is in the object")
-                .try_into()
-                .expect("program is a tracepoint");
-            tp.load().map_err(|source| Error::Attach {
-                what: format!("program {prog} (verifier)"),
-                source: Box::new(source),
-            })?;
-        }
-        let events = take_map(&mut ebpf, names::EVENTS)
-            .and_then(|m| RingBuf::try_from(m).map_err(|e| map_err(names::EVENTS, e)))?;
-        let stats = take_map(&mut ebpf, names::STATS)
-            .and_then(|m| PerCpuArray::try_from(m).map_err(|e| map_err(names::STATS, e)))?;
-        Ok(SchedProbe {
-            ebpf: Some(ebpf),
-            events: Some(events),
-            stats,
-        })
-    }
-
-    fn ebpf(&mut self) -> &mut Ebpf {
-        self.ebpf
-            .as_mut()
-            .expect("probe is attached until detach()")
-    }
-
-    /// Adds a process (thread group) to trace.
-    pub fn add_target(&mut self, tgid: u32) -> Result<()> {
-        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
-            self.ebpf()
-                .map_mut(names::TARGET_TGIDS)
-                .expect("map is in the object"),
-        )
-        .map_err(|e| map_err(names::TARGET_TGIDS, e))?;
-        map.insert(tgid, 1, 0)
-            .map_err(|e| map_err(names::TARGET_TGIDS, e))
-    }
-
-    /// Marks existing threads as members of a traced process.
-    pub fn track_threads(&mut self, tgid: u32, tids: impl IntoIterator<Item = u32>) -> Result<()> {
-        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
-            self.ebpf()
-                .map_mut(names::TRACKED_TIDS)
-                .expect("map is in the object"),
-        )
-        .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
-        for tid in tids {
-            map.insert(tid, tgid, 0)
-                .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
-        }
-        Ok(())
-    }
-
-    fn attach_one(&mut self, (prog, category, name): (&str, &str, &str)) -> Result<()> {
-        let tp: &mut TracePoint = self
+    fn attach_one(set: &mut ProbeSet, (prog, category, name): (&str, &str, &str)) -> Result<()> {
+        let tp: &mut TracePoint = set
             .ebpf()
             .program_mut(prog)
             .expect("program is in the object")
             .try_into()
             .expect("program is a tracepoint");
+        tp.load().map_err(|source| Error::Attach {
+            what: format!("program {prog} (verifier)"),
+            source: Box::new(source),
+        })?;
         tp.attach(category, name).map_err(|source| Error::Attach {
             what: format!("tracepoint {category}:{name}"),
             source: Box::new(source),
@@ -154,101 +41,15 @@ impl SchedProbe {
 
     /// Starts following thread creation. Attach this before listing the
     /// existing threads, so that none created in between is missed.
-    pub fn attach_thread_creation(&mut self) -> Result<()> {
-        self.attach_one(NEWTASK_PROGRAM)
+    pub fn attach_thread_creation(set: &mut ProbeSet) -> Result<()> {
+        Self::attach_one(set, NEWTASK_PROGRAM)
     }
 
     /// Attaches the scheduling tracepoints.
-    pub fn attach_scheduling(&mut self) -> Result<()> {
-        for p in SCHED_PROGRAMS.into_iter().chain([RENAME_PROGRAM]) {
-            self.attach_one(p)?;
+    pub fn attach_scheduling(set: &mut ProbeSet) -> Result<()> {
+        for p in SCHED_PROGRAMS {
+            Self::attach_one(set, p)?;
         }
         Ok(())
-    }
-
-    /// Detaches and unloads every program. The ring buffer stays readable,
-    /// so what was submitted before can still be drained.
-    pub fn detach(&mut self) {
-        self.ebpf = None;
-    }
-
-    /// Hands over the ring buffer to a collector (once).
-    pub fn take_events(&mut self) -> RingBuf<MapData> {
-        self.events.take().expect("events taken once")
-    }
-
-    /// Sum of the kernel's `recursion_misses` over our programs.
-    fn missed_by_kernel(&self) -> u64 {
-        let Some(ebpf) = self.ebpf.as_ref() else {
-            return 0;
-        };
-        ebpf.programs()
-            .filter_map(|(_, p)| p.fd().ok())
-            .map(|fd| prog_recursion_misses(fd.as_fd().as_raw_fd()).unwrap_or(0))
-            .sum()
-    }
-
-    pub fn stats(&self) -> Result<ProbeStats> {
-        let sum = |index: u32| -> Result<u64> {
-            let values = self
-                .stats
-                .get(&index, 0)
-                .map_err(|e| map_err(names::STATS, e))?;
-            Ok(values.iter().sum())
-        };
-        Ok(ProbeStats {
-            submitted: sum(stat::SUBMITTED)?,
-            dropped_ringbuf_full: sum(stat::DROPPED_RINGBUF_FULL)?,
-            dropped_track_full: sum(stat::DROPPED_TRACK_FULL)?,
-            forced_wakeups: sum(stat::FORCED_WAKEUPS)?,
-            missed_by_kernel: self.missed_by_kernel(),
-        })
-    }
-}
-
-/// Reads `bpf_prog_info.recursion_misses` (Linux 5.12+), which aya does not
-/// expose: runs the kernel skipped since a BPF program or a BPF syscall was
-/// already active on that CPU. Those are records lost without a trace.
-fn prog_recursion_misses(fd: std::os::fd::RawFd) -> Option<u64> {
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    const RECURSION_MISSES_OFFSET: usize = 208;
-    #[repr(C)]
-    struct InfoAttr {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-    }
-    let mut info = [0u64; 32];
-    let attr = InfoAttr {
-        bpf_fd: fd as u32,
-        info_len: size_of_val(&info) as u32,
-        info: info.as_mut_ptr() as u64,
-    };
-    // SAFETY: attr points at a buffer of info_len bytes that outlives the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            &attr as *const InfoAttr,
-            size_of::<InfoAttr>(),
-        )
-    };
-    (rc == 0 && attr.info_len as usize > RECURSION_MISSES_OFFSET)
-        .then(|| info[RECURSION_MISSES_OFFSET / 8])
-}
-
-fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map> {
-    ebpf.take_map(name).ok_or_else(|| Error::Map {
-        name,
-        source: Box::new(aya::maps::MapError::InvalidName {
-            name: name.to_string(),
-        }),
-    })
-}
-
-fn map_err(name: &'static str, e: aya::maps::MapError) -> Error {
-    Error::Map {
-        name,
-        source: Box::new(e),
     }
 }

@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{RecordArgs, summary};
 use crate::{
-    attach::SchedProbeConfig,
+    attach::ProbeSetConfig,
     capture::{Capture, CaptureOptions, check_privileges, open_targets},
     error::Result,
     sink::{logdir, xspace},
@@ -35,9 +35,9 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     }
 
     let options = CaptureOptions {
-        probe: SchedProbeConfig {
+        probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
-            ..SchedProbeConfig::default()
+            ..ProbeSetConfig::default()
         },
     };
     let session = logdir::session_name(chrono::Local::now());
