@@ -85,10 +85,12 @@ pub fn run(args: &RecordArgs) -> Result<()> {
 
     let (timeline, probe_stats) = capture.finish(ended_early)?;
     let host = xspace::local_hostname();
-    let space = xspace::timeline_to_xspace(&timeline, &host);
-    let path = logdir::write_run(&args.logdir, &session, &host, &space)?;
+    let summary = summary::render(&timeline, &probe_stats);
+    let bytes = xspace::timeline_to_xspace_bytes(&timeline, &host);
+    drop(timeline);
+    let path = logdir::write_run(&args.logdir, &session, &host, &bytes)?;
     if !args.quiet {
-        print!("{}", summary::render(&timeline, &probe_stats));
+        print!("{summary}");
         println!("trace: {}", path.display());
         println!(
             "view:  xprof --logdir {0}   (or: tensorboard --logdir {0})",

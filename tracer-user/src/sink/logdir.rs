@@ -10,9 +10,6 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use ebtrace_proto::tensorflow::profiler::XSpace;
-use prost::Message as _;
-
 use crate::error::{Error, Result};
 
 /// Session directory name, as TSL names runs (local time).
@@ -67,7 +64,7 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// Writes a run into `logdir` and returns the file's path. A run directory
 /// that already holds this host's file (two captures in one second) gets a
 /// numeric suffix instead of being overwritten.
-pub fn write_run(logdir: &Path, session: &str, host: &str, xspace: &XSpace) -> Result<PathBuf> {
+pub fn write_run(logdir: &Path, session: &str, host: &str, xspace: &[u8]) -> Result<PathBuf> {
     let profile_root = logdir.join("plugins").join("profile");
     let file = xplane_file_name(host);
     let mut run = profile_root.join(session);
@@ -77,13 +74,16 @@ pub fn write_run(logdir: &Path, session: &str, host: &str, xspace: &XSpace) -> R
         run = profile_root.join(format!("{session}_{n}"));
     }
     let path = run.join(file);
-    write_atomically(&path, &xspace.encode_to_vec())
+    write_atomically(&path, xspace)
         .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     Ok(path)
 }
 
 #[cfg(test)]
 mod tests {
+    use ebtrace_proto::tensorflow::profiler::XSpace;
+    use prost::Message as _;
+
     use super::*;
 
     #[test]
@@ -110,8 +110,8 @@ mod tests {
             hostnames: vec!["h".into()],
             ..Default::default()
         };
-        let a = write_run(&dir, "s", "h", &xs).unwrap();
-        let b = write_run(&dir, "s", "h", &xs).unwrap();
+        let a = write_run(&dir, "s", "h", &xs.encode_to_vec()).unwrap();
+        let b = write_run(&dir, "s", "h", &xs.encode_to_vec()).unwrap();
         assert_ne!(a, b);
         assert!(a.ends_with("plugins/profile/s/h.xplane.pb"));
         assert!(b.ends_with("plugins/profile/s_2/h.xplane.pb"));

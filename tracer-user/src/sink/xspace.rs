@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use ebtrace_proto::tensorflow::profiler::{
     XEvent, XEventMetadata, XLine, XPlane, XSpace, XStat, XStatMetadata, x_event, x_stat,
 };
+use prost::Message as _;
 
 use crate::timeline::{MarkKind, RunnableCause, ThreadState, Timeline};
 
@@ -55,11 +56,16 @@ impl From<StatValue> for x_stat::Value {
 }
 
 /// Builds one `XPlane`, numbering event and stat metadata from 1 like
-/// TSL's `XPlaneBuilder` and interning them by name.
+/// TSL's `XPlaneBuilder` and interning them by name. String stat values are
+/// interned too and written as `ref_value`, as TSL does, so an event costs
+/// no allocation per string. Lines are encoded as soon as they are added:
+/// a capture's events never exist twice in memory.
 pub struct XPlaneBuilder {
     plane: XPlane,
     events_by_name: HashMap<String, i64>,
     stats_by_name: HashMap<String, i64>,
+    /// Encoded `lines` fields (field 3), in order.
+    lines: Vec<u8>,
 }
 
 impl XPlaneBuilder {
@@ -72,6 +78,7 @@ impl XPlaneBuilder {
             },
             events_by_name: HashMap::new(),
             stats_by_name: HashMap::new(),
+            lines: Vec::new(),
         }
     }
 
@@ -110,9 +117,13 @@ impl XPlaneBuilder {
     }
 
     pub fn stat(&mut self, name: &str, value: StatValue) -> XStat {
+        let value = match value {
+            StatValue::Str(s) => x_stat::Value::RefValue(self.stat_metadata(&s) as u64),
+            other => other.into(),
+        };
         XStat {
             metadata_id: self.stat_metadata(name),
-            value: Some(value.into()),
+            value: Some(value),
         }
     }
 
@@ -140,18 +151,26 @@ impl XPlaneBuilder {
     /// Adds a line; its events are sorted so that parents precede children.
     pub fn add_line(&mut self, id: i64, name: &str, display_name: &str, mut events: Vec<XEvent>) {
         events.sort_by_key(|e| (offset_ps(e), std::cmp::Reverse(e.duration_ps)));
-        self.plane.lines.push(XLine {
+        let line = XLine {
             id,
             name: name.to_string(),
             display_name: display_name.to_string(),
             timestamp_ns: 0,
             events,
             ..Default::default()
-        });
+        };
+        prost::encoding::message::encode(3, &line, &mut self.lines);
     }
 
-    pub fn build(self) -> XPlane {
-        self.plane
+    /// Appends the plane to `out` as field `field` of the enclosing message.
+    /// Protobuf allows a message's fields in any order and repeated fields
+    /// in pieces, so the pre-encoded lines follow the rest of the plane.
+    pub fn encode_as_field(self, field: u32, out: &mut Vec<u8>) {
+        let head = self.plane.encode_to_vec();
+        prost::encoding::encode_key(field, prost::encoding::WireType::LengthDelimited, out);
+        prost::encoding::encode_varint((head.len() + self.lines.len()) as u64, out);
+        out.extend_from_slice(&head);
+        out.extend_from_slice(&self.lines);
     }
 }
 
@@ -228,8 +247,15 @@ pub fn local_hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// Converts a timeline into an XSpace for `hostname`.
+/// Converts a timeline into an XSpace for `hostname` (decoded form; sinks
+/// that only write should use [`timeline_to_xspace_bytes`]).
 pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
+    XSpace::decode(timeline_to_xspace_bytes(timeline, hostname).as_slice())
+        .expect("we encode valid XSpaces")
+}
+
+/// Converts a timeline into an encoded XSpace for `hostname`.
+pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> {
     let start = timeline.start_ns;
     let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
     let mut host = XPlaneBuilder::new(0, HOST_CPU_PLANE);
@@ -370,12 +396,16 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
     if let Some(why) = &timeline.stats.ended_early {
         warnings.push(format!("ebtrace: capture ended early: {why}"));
     }
-    XSpace {
-        planes: vec![host.build(), env.build()],
+    let mut out = XSpace {
+        planes: vec![],
         errors: vec![],
         warnings,
         hostnames: vec![hostname.to_string()],
     }
+    .encode_to_vec();
+    host.encode_as_field(1, &mut out);
+    env.encode_as_field(1, &mut out);
+    out
 }
 
 #[cfg(test)]
