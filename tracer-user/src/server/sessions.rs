@@ -9,8 +9,10 @@
 //! start. The hub drains every capture on one tick and builds each
 //! session's timeline for its own window with [`Capture::timeline_between`];
 //! a capture with no session left is dropped, which detaches its probes.
-//! Turning a timeline into the response (XSpace encoding, saving) happens
-//! on a worker thread, so draining goes on meanwhile.
+//! Turning a timeline into the response (XSpace encoding, saving) and
+//! detaching (the kernel waits for an RCU grace period per program, tens
+//! of milliseconds each) happen on worker threads, so draining and the
+//! next attach go on meanwhile.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -44,6 +46,9 @@ const TICK: Duration = Duration::from_millis(50);
 const ATTACH_LEAD_NS: u64 = 250_000_000;
 /// Longest the hub sleeps with nothing running.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
+/// Captures detached in the background at once; past this the hub
+/// detaches itself, which slows it down instead of piling them up.
+const MAX_DETACHING: usize = 8;
 
 pub type Reply = oneshot::Sender<Result<ProfileResponse, SessionError>>;
 
@@ -157,6 +162,7 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
         waiting: Vec::new(),
         running: Vec::new(),
         delivering: Vec::new(),
+        detaching: Vec::new(),
         shutting_down: false,
     };
     let thread = std::thread::Builder::new()
@@ -204,6 +210,8 @@ struct Hub {
     running: Vec<Running>,
     /// Workers turning finished timelines into responses.
     delivering: Vec<JoinHandle<()>>,
+    /// Workers dropping (detaching) captures nobody uses any more.
+    detaching: Vec<JoinHandle<()>>,
     shutting_down: bool,
 }
 
@@ -221,7 +229,7 @@ impl Hub {
                 break;
             }
         }
-        for worker in self.delivering.drain(..) {
+        for worker in self.delivering.drain(..).chain(self.detaching.drain(..)) {
             let _ = worker.join();
         }
     }
@@ -338,7 +346,13 @@ impl Hub {
         }
         self.finish_due_sessions();
         // A capture nobody uses any more is dropped: that detaches it.
-        self.running.retain(|r| !r.sessions.is_empty());
+        let (idle, busy): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| r.sessions.is_empty());
+        self.running = busy;
+        for r in idle {
+            self.detach(r);
+        }
         if self.shutting_down {
             for s in self.waiting.drain(..) {
                 let _ = s.reply.send(Err(SessionError::ShuttingDown));
@@ -473,6 +487,21 @@ impl Hub {
         }
         for (s, tl) in finished {
             self.deliver(s, tl);
+        }
+    }
+
+    fn detach(&mut self, running: Running) {
+        self.detaching.retain(|w| !w.is_finished());
+        if self.detaching.len() >= MAX_DETACHING {
+            drop(running);
+            return;
+        }
+        match std::thread::Builder::new()
+            .name("ebtrace-detach".into())
+            .spawn(move || drop(running))
+        {
+            Ok(handle) => self.detaching.push(handle),
+            Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
         }
     }
 
