@@ -10,8 +10,8 @@ use std::{
 };
 
 use ebtrace_tests::{
-    TempDir, fixture::SchedWorkload, require_root, serial, serve::ServeProcess,
-    wait_with_deadline, xplane_files,
+    TempDir, fixture::SchedWorkload, require_root, serial, serve::ServeProcess, wait_with_deadline,
+    xplane_files,
 };
 
 /// The Python that can import `modules`, or `None` to skip (unless
@@ -28,9 +28,9 @@ fn python_with(modules: &[&str]) -> Option<PathBuf> {
     });
     match (ok, required) {
         (true, _) => python,
-        (false, true) => panic!(
-            "EBTRACE_PYTHON={python:?} cannot `{import}` (run `cargo xtask setup`)"
-        ),
+        (false, true) => {
+            panic!("EBTRACE_PYTHON={python:?} cannot `{import}` (run `cargo xtask setup`)")
+        }
         (false, false) => {
             eprintln!("skipping: set EBTRACE_PYTHON to a Python that can `{import}`");
             None
@@ -147,7 +147,10 @@ fn jax_collect_profile_captures_an_unmodified_process() {
         format!("127.0.0.1_{port}.xplane.pb")
     );
     let run = file.parent().unwrap();
-    assert!(run.parent().unwrap().ends_with("plugins/profile"), "{file:?}");
+    assert!(
+        run.parent().unwrap().ends_with("plugins/profile"),
+        "{file:?}"
+    );
     // jax read the file back and converted it itself.
     assert!(run.join("remote.trace.json.gz").exists());
     assert_xprof_shows_the_fixture(&python, file, &workload);

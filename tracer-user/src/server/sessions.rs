@@ -397,7 +397,7 @@ impl Hub {
                     ClockSync::measure(),
                     Some(end_reason(&s, self.shutting_down)),
                 );
-                self.deliver(s, tl);
+                self.deliver(s, tl, Duration::ZERO);
                 continue;
             }
             let index = match self.joinable(&s) {
@@ -459,7 +459,7 @@ impl Hub {
 
     fn finish_due_sessions(&mut self) {
         let now = clock::monotonic_ns();
-        let mut finished: Vec<(Session, Timeline)> = Vec::new();
+        let mut finished: Vec<(Session, Timeline, Duration)> = Vec::new();
         for r in &mut self.running {
             let alive: BTreeSet<u32> = r
                 .targets
@@ -481,12 +481,13 @@ impl Hub {
                 let (start, stop) = s.window.expect("running sessions have a window");
                 let early = (now < stop).then(|| end_reason(&s, self.shutting_down));
                 let stop = now.min(stop).max(start);
+                let building = Instant::now();
                 let tl = session_timeline(r, &s, start, stop, early);
-                finished.push((s, tl));
+                finished.push((s, tl, building.elapsed()));
             }
         }
-        for (s, tl) in finished {
-            self.deliver(s, tl);
+        for (s, tl, built_in) in finished {
+            self.deliver(s, tl, built_in);
         }
     }
 
@@ -507,15 +508,17 @@ impl Hub {
 
     /// Hands a finished session to a worker that builds and sends its
     /// response.
-    fn deliver(&mut self, session: Session, timeline: Timeline) {
+    fn deliver(&mut self, session: Session, timeline: Timeline, built_in: Duration) {
         let guard = self.config.guard.clone();
         let worker = std::thread::Builder::new()
             .name("ebtrace-deliver".into())
             .spawn(move || {
+                let encoding = Instant::now();
                 let result = response::respond(&timeline, &session.spec, guard.as_deref());
+                let timing = (built_in, encoding.elapsed());
                 match result {
                     Ok((response, delivered)) => {
-                        log_delivered(&session, &timeline, &delivered);
+                        log_delivered(&session, &timeline, &delivered, timing);
                         let _ = session.reply.send(Ok(response));
                     }
                     Err(e) => {
@@ -638,7 +641,9 @@ fn event_cutoff(tl: &Timeline, max: usize) -> Option<u64> {
     Some(*nth)
 }
 
-fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered) {
+/// One line per answered session; `timing` is (timeline built in, response
+/// built in).
+fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, Duration)) {
     let mut line = format!(
         "ebtrace: session {} for {}: {:.0} ms window, {} events, {} bytes",
         s.spec.session_id,
@@ -657,8 +662,10 @@ fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered) {
         line.push_str(&format!("; ended early: {why}"));
     }
     line.push_str(&format!(
-        " (answered {} ms after the request)",
-        s.received.elapsed().as_millis()
+        " (answered {} ms after the request; timeline {} ms, XSpace {} ms)",
+        s.received.elapsed().as_millis(),
+        timing.0.as_millis(),
+        timing.1.as_millis()
     ));
     eprintln!("{line}");
 }
