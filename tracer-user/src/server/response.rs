@@ -21,6 +21,9 @@ pub const XPLANE_TOOL: &str = "xplane.pb";
 /// What the server's log says about a delivered session.
 #[derive(Clone, Debug)]
 pub struct Delivered {
+    /// Time to build the XSpace and to encode it.
+    pub built: std::time::Duration,
+    pub encoded: std::time::Duration,
     pub events: usize,
     pub bytes: usize,
     pub empty: bool,
@@ -42,7 +45,9 @@ pub fn respond(
     spec: &SessionSpec,
     guard: Option<&WriteGuard>,
 ) -> Result<(ProfileResponse, Delivered), String> {
+    let building = std::time::Instant::now();
     let space = xspace::timeline_to_xspace(timeline, &spec.hostname);
+    let built = building.elapsed();
     let empty = is_empty(&space);
     let events = space
         .planes
@@ -51,6 +56,8 @@ pub fn respond(
         .map(|l| l.events.len())
         .sum();
     let mut delivered = Delivered {
+        built,
+        encoded: std::time::Duration::ZERO,
         events,
         bytes: 0,
         empty,
@@ -66,7 +73,9 @@ pub fn respond(
             }
         }
         Delivery::ToolData => {
+            let encoding = std::time::Instant::now();
             let bytes = space.encode_to_vec();
+            delivered.encoded = encoding.elapsed();
             drop(space);
             delivered.bytes = bytes.len();
             if let (Some(destination), Some(guard), false) = (&spec.save_to, guard, empty) {

@@ -443,6 +443,10 @@ impl Hub {
             };
             let c = Capture::start(targets.clone(), &options)
                 .map_err(|e| SessionError::Attach(e.to_string()))?;
+            eprintln!(
+                "ebtrace: probes attached in {} ms",
+                c.attach_time.as_millis()
+            );
             let start = c.start_ns();
             (Some(c), start)
         };
@@ -499,8 +503,10 @@ impl Hub {
         }
         match std::thread::Builder::new()
             .name("ebtrace-detach".into())
-            .spawn(move || drop(running))
-        {
+            .spawn(move || {
+                drop(running);
+                release_free_memory();
+            }) {
             Ok(handle) => self.detaching.push(handle),
             Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
         }
@@ -526,12 +532,22 @@ impl Hub {
                         let _ = session.reply.send(Err(SessionError::Save(e)));
                     }
                 }
+                drop(timeline);
+                release_free_memory();
             });
         match worker {
             Ok(handle) => self.delivering.push(handle),
             Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
         }
     }
+}
+
+/// Gives the memory of a finished session back to the system: the
+/// allocator keeps freed pages of worker threads' arenas otherwise, and an
+/// idle server would hold hundreds of MiB after a big capture.
+fn release_free_memory() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe { libc::malloc_trim(0) };
 }
 
 fn end_reason(s: &Session, shutting_down: bool) -> String {
@@ -557,7 +573,7 @@ fn session_timeline(
         return empty_timeline(start, stop, &r.targets, r.clock, ended_early);
     };
     let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
-    let mut tl = capture.timeline_between(start, stop, dropped, ended_early.clone());
+    let mut tl = capture.timeline_between(start, stop, dropped, ended_early);
     restrict_to(&mut tl, s.spec.pids.as_ref());
     if let Some(max) = s.spec.max_events
         && let Some(cut) = event_cutoff(&tl, max)
@@ -567,14 +583,38 @@ fn session_timeline(
              window",
             cut.saturating_sub(start) as f64 / 1e6
         );
-        let early = Some(match ended_early {
+        tl.stats.ended_early = Some(match tl.stats.ended_early.take() {
             Some(e) => format!("{e}; {why}"),
             None => why,
         });
-        tl = capture.timeline_between(start, cut, dropped, early);
-        restrict_to(&mut tl, s.spec.pids.as_ref());
+        truncate(&mut tl, cut);
     }
     tl
+}
+
+/// Ends the timeline at `cut`: what starts later goes, what runs across it
+/// is cut there (which keeps nesting intact). Per-thread counters keep
+/// their whole-window values.
+fn truncate(tl: &mut Timeline, cut: u64) {
+    tl.stop_ns = cut;
+    for t in tl.threads.values_mut() {
+        t.slices.retain(|x| x.start_ns < cut);
+        for x in &mut t.slices {
+            x.end_ns = x.end_ns.min(cut);
+        }
+        t.marks.retain(|m| m.ts_ns < cut);
+        t.spans.retain(|x| x.start_ns < cut);
+        for x in &mut t.spans {
+            x.end_ns = x.end_ns.min(cut);
+        }
+    }
+    for slices in tl.cpus.values_mut() {
+        slices.retain(|x| x.start_ns < cut);
+        for x in slices.iter_mut() {
+            x.end_ns = x.end_ns.min(cut);
+        }
+    }
+    tl.cpus.retain(|_, slices| !slices.is_empty());
 }
 
 /// A trace of the window with no probe data (no family was asked for).
@@ -662,10 +702,13 @@ fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, D
         line.push_str(&format!("; ended early: {why}"));
     }
     line.push_str(&format!(
-        " (answered {} ms after the request; timeline {} ms, XSpace {} ms)",
+        " (answered {} ms after the request; timeline {} ms, XSpace {} ms: built {} ms, \
+         encoded {} ms)",
         s.received.elapsed().as_millis(),
         timing.0.as_millis(),
-        timing.1.as_millis()
+        timing.1.as_millis(),
+        d.built.as_millis(),
+        d.encoded.as_millis()
     ));
     eprintln!("{line}");
 }
@@ -730,18 +773,18 @@ mod tests {
 
     #[test]
     fn cutoff_keeps_at_most_max_events() {
-        let tl = timeline();
+        let mut tl = timeline();
         assert_eq!(tl.event_count(), 32);
         assert_eq!(event_cutoff(&tl, 32), None);
         let cut = event_cutoff(&tl, 10).unwrap();
-        let before = tl
-            .threads
-            .values()
-            .flat_map(|t| &t.slices)
-            .filter(|s| s.start_ns < cut)
-            .count()
-            + tl.cpus[&0].iter().filter(|s| s.start_ns < cut).count();
-        assert!(before <= 10, "{before} events start before {cut}");
         assert!(cut > 0);
+        truncate(&mut tl, cut);
+        assert!(tl.event_count() <= 10, "{} events", tl.event_count());
+        assert!(tl.event_count() >= 6, "{} events", tl.event_count());
+        assert_eq!(tl.stop_ns, cut);
+        for t in tl.threads.values() {
+            let last = t.slices.last().unwrap();
+            assert!(last.end_ns <= cut && last.start_ns < last.end_ns);
+        }
     }
 }

@@ -53,8 +53,10 @@ struct Answer {
     events: usize,
     bytes: usize,
     cut_by_max_events: bool,
-    /// From the server's log: (timeline ms, XSpace ms).
-    server_ms: Option<(u64, u64)>,
+    /// From the server's log: timeline, XSpace built, XSpace encoded (ms).
+    server_ms: Option<(u64, u64, u64)>,
+    /// From the server's log: time to attach the probes (ms).
+    attach_ms: Option<u64>,
     peak_rss_kib: u64,
 }
 
@@ -104,8 +106,9 @@ impl Server {
         rss_kib(self.child.id()).unwrap_or(0)
     }
 
-    /// The `timeline N ms, XSpace M ms` of the `n`-th session line.
-    fn breakdown(&self, n: usize) -> Option<(u64, u64)> {
+    /// The `n`-th number after `key` in the log lines that start with
+    /// `prefix` (waits a little for the line).
+    fn logged_ms(&self, prefix: &str, n: usize, key: &str) -> Option<u64> {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let found = self
@@ -113,20 +116,18 @@ impl Server {
                 .lock()
                 .expect("lock")
                 .iter()
-                .filter(|l| l.starts_with("ebtrace: session "))
+                .filter(|l| l.starts_with(prefix))
                 .nth(n)
                 .cloned();
             if let Some(line) = found {
-                let num = |key: &str| -> Option<u64> {
-                    line.split(key)
-                        .nth(1)?
-                        .split(" ms")
-                        .next()?
-                        .trim()
-                        .parse()
-                        .ok()
-                };
-                return Some((num("timeline ")?, num("XSpace ")?));
+                return line
+                    .split(key)
+                    .nth(1)?
+                    .split(" ms")
+                    .next()?
+                    .trim()
+                    .parse()
+                    .ok();
             }
             if Instant::now() > deadline {
                 return None;
@@ -249,7 +250,15 @@ fn ask(
         events,
         bytes: data.len(),
         cut_by_max_events: space.warnings.iter().any(|w| w.contains("max_events")),
-        server_ms: server.breakdown(n),
+        server_ms: (|| {
+            let session = |key| server.logged_ms("ebtrace: session ", n, key);
+            Some((
+                session("timeline ")?,
+                session("built ")?,
+                session("encoded ")?,
+            ))
+        })(),
+        attach_ms: server.logged_ms("ebtrace: probes attached", n, "attached in "),
         peak_rss_kib: peak.load(Ordering::Relaxed),
     })
 }
@@ -362,7 +371,7 @@ fn render(
     );
     let _ = writeln!(
         md,
-        "| target | max_events | answer - 2 s (median, each) | events in the XSpace | XSpace size | server: timeline / XSpace ms (median) | peak RSS during the request |"
+        "| target | max_events | answer - 2 s (median, each) | events in the XSpace | XSpace size | server ms (median): attach / timeline / XSpace built / encoded | peak RSS during the request |"
     );
     let _ = writeln!(md, "|---|---:|---|---:|---:|---|---:|");
     let mut keys: Vec<(&str, u64)> = answers.iter().map(|a| (a.mode, a.max_events)).collect();
@@ -379,11 +388,16 @@ fn render(
             .collect();
         let med =
             |f: &dyn Fn(&Answer) -> f64| median(&rows.iter().map(|a| f(a)).collect::<Vec<_>>());
-        let server = if rows.iter().all(|a| a.server_ms.is_some()) {
+        let server = if rows
+            .iter()
+            .all(|a| a.server_ms.is_some() && a.attach_ms.is_some())
+        {
             format!(
-                "{:.0} / {:.0}",
+                "{:.0} / {:.0} / {:.0} / {:.0}",
+                med(&|a| a.attach_ms.unwrap_or(0) as f64),
                 med(&|a| a.server_ms.map_or(0.0, |s| s.0 as f64)),
-                med(&|a| a.server_ms.map_or(0.0, |s| s.1 as f64))
+                med(&|a| a.server_ms.map_or(0.0, |s| s.1 as f64)),
+                med(&|a| a.server_ms.map_or(0.0, |s| s.2 as f64))
             )
         } else {
             "n/a".into()
