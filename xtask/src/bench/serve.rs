@@ -271,6 +271,7 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let load_before = loadavg();
     let started = Instant::now();
     let mut answers = Vec::new();
     let mut idle = Vec::new();
@@ -307,7 +308,16 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
         server.stop()?;
         workload.stop()?;
     }
-    let md = render(root, &ebtrace, &answers, &idle, opts, started.elapsed());
+    let load = (load_before, loadavg());
+    let md = render(
+        root,
+        &ebtrace,
+        &answers,
+        &idle,
+        opts,
+        started.elapsed(),
+        load,
+    );
     println!();
     print!("{md}");
     let out = root.join("target/bench/serve.md");
@@ -315,6 +325,15 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
     std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
     println!("\nwritten to {}", out.display());
     Ok(())
+}
+
+/// The 1-minute load average: other work on the machine skews every
+/// figure here, so the report states it.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
 }
 
 fn start_workload(fixture: &PathBuf, mode: &str, cpu: Option<usize>) -> Result<Workload> {
@@ -337,6 +356,7 @@ fn render(
     idle: &[(&str, u64, u64)],
     opts: Options,
     took: Duration,
+    load: (String, String),
 ) -> String {
     let stdout = |cmd: &mut Command| util::stdout_of(cmd).unwrap_or_default();
     let mut md = String::new();
@@ -363,6 +383,12 @@ fn render(
             .map_or("no CPU".to_string(), |c| format!("CPU {c}")),
         opts.rounds,
         took.as_secs_f64()
+    );
+    let _ = writeln!(
+        md,
+        "- 1-minute load average {} at the start, {} at the end (other work on the machine slows \
+         every step below)",
+        load.0, load.1
     );
     let _ = writeln!(
         md,
