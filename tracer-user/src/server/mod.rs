@@ -124,6 +124,12 @@ async fn serve(config: ServeConfig, guard: Option<Arc<WriteGuard>>) -> Result<()
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", e))?;
         eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
+        if !local.ip().is_loopback() {
+            eprintln!(
+                "ebtrace: warning: {local} is not a loopback address: any machine that reaches \
+                 it can start captures of the watched processes"
+            );
+        }
         let mut stopped = stopped.clone();
         let server = tonic::transport::Server::builder()
             .add_service(ProfilerServiceServer::from_arc(Arc::clone(&service)))

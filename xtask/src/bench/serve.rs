@@ -57,6 +57,9 @@ struct Answer {
     server_ms: Option<(u64, u64, u64)>,
     /// From the server's log: time to attach the probes (ms).
     attach_ms: Option<u64>,
+    /// From the server's log: request received to response handed to gRPC,
+    /// minus the requested duration (ms).
+    server_overhead_ms: Option<u64>,
     peak_rss_kib: u64,
 }
 
@@ -259,6 +262,9 @@ fn ask(
             ))
         })(),
         attach_ms: server.logged_ms("ebtrace: probes attached", n, "attached in "),
+        server_overhead_ms: server
+            .logged_ms("ebtrace: session ", n, "answered ")
+            .map(|ms| ms.saturating_sub(CAPTURE_MS)),
         peak_rss_kib: peak.load(Ordering::Relaxed),
     })
 }
@@ -397,9 +403,9 @@ fn render(
     );
     let _ = writeln!(
         md,
-        "| target | max_events | answer - 2 s (median, each) | events in the XSpace | XSpace size | server ms (median): attach / timeline / XSpace built / encoded | peak RSS during the request |"
+        "| target | max_events | answer - 2 s (median, each) | of which in the server (median) | events in the XSpace | XSpace size | server ms (median): attach / timeline / XSpace built / encoded | peak RSS during the request |"
     );
-    let _ = writeln!(md, "|---|---:|---|---:|---:|---|---:|");
+    let _ = writeln!(md, "|---|---:|---|---:|---:|---:|---|---:|");
     let mut keys: Vec<(&str, u64)> = answers.iter().map(|a| (a.mode, a.max_events)).collect();
     keys.dedup();
     for (mode, max_events) in keys {
@@ -430,7 +436,7 @@ fn render(
         };
         let _ = writeln!(
             md,
-            "| {mode} | {} | **{:.0} ms** ({}) | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
+            "| {mode} | {} | **{:.0} ms** ({}) | {:.0} ms | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
             if max_events == 0 {
                 "none".to_string()
             } else {
@@ -438,6 +444,7 @@ fn render(
             },
             med(&|a| ms(a.overhead)),
             each.join(" / "),
+            med(&|a| a.server_overhead_ms.unwrap_or(0) as f64),
             med(&|a| a.events as f64),
             if rows.iter().any(|a| a.cut_by_max_events) {
                 " (cut at max_events)"
