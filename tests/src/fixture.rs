@@ -39,6 +39,26 @@ pub fn build_c(name: &str) -> PathBuf {
     bin
 }
 
+/// Compiles `tests/fixtures/<name>.c` into the shared object
+/// `target/fixtures/<file_name>`.
+pub fn build_c_shared(name: &str, file_name: &str) -> PathBuf {
+    let root = workspace_root();
+    let src = root.join("tests/fixtures").join(format!("{name}.c"));
+    let out_dir = root.join("target/fixtures");
+    std::fs::create_dir_all(&out_dir).expect("create target/fixtures");
+    let lib = out_dir.join(file_name);
+    let tmp = out_dir.join(format!("{file_name}.{}.tmp", std::process::id()));
+    let status = Command::new("cc")
+        .args(["-O2", "-Wall", "-shared", "-fPIC", "-o"])
+        .arg(&tmp)
+        .arg(&src)
+        .status()
+        .expect("run cc (install gcc)");
+    assert!(status.success(), "compiling {} failed", src.display());
+    std::fs::rename(&tmp, &lib).expect("rename shared fixture");
+    lib
+}
+
 /// A running `sched_workload`, killed when dropped.
 pub struct SchedWorkload {
     pub child: Child,
@@ -52,9 +72,15 @@ pub struct SchedWorkload {
 impl SchedWorkload {
     /// Starts the fixture with `args` and waits for its start line.
     pub fn start(args: &[&str]) -> Self {
+        Self::start_with_env(args, &[])
+    }
+
+    /// Like [`SchedWorkload::start`], with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let bin = build_c("sched_workload");
         let mut child = Command::new(bin)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .spawn()

@@ -7,6 +7,7 @@
 //! is a failure.
 
 pub mod fixture;
+pub mod serve;
 pub mod xspace;
 
 use std::{

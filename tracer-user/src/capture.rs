@@ -58,6 +58,31 @@ pub fn open_targets(pids: &[u32]) -> Result<Vec<TargetProcess>> {
 #[derive(Clone, Debug, Default)]
 pub struct CaptureOptions {
     pub probe: ProbeSetConfig,
+    pub families: ProbeFamilies,
+}
+
+/// Which probe families a capture attaches. Each family has one switch
+/// here and checks it in its attach hook in [`Capture::start`]; callers
+/// (the command line, the ProfilerService's tracer levels) only flip them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ProbeFamilies {
+    /// Scheduler tracepoints: thread states, wake-ups, CPU lines.
+    pub sched: bool,
+}
+
+impl Default for ProbeFamilies {
+    fn default() -> Self {
+        ProbeFamilies { sched: true }
+    }
+}
+
+impl ProbeFamilies {
+    /// No family at all: nothing would be recorded.
+    pub const NONE: ProbeFamilies = ProbeFamilies { sched: false };
+
+    pub fn is_empty(&self) -> bool {
+        *self == Self::NONE
+    }
 }
 
 /// What [`Capture::poll`] saw.
@@ -76,6 +101,7 @@ pub struct Capture {
     records: Vec<Record>,
     clock: ClockSync,
     start_ns: u64,
+    families: ProbeFamilies,
     /// Time from `start` being called to every probe attached.
     pub attach_time: Duration,
 }
@@ -114,7 +140,9 @@ impl Capture {
                 );
             }
         }
-        SchedProbe::attach_scheduling(&mut probe)?;
+        if options.families.sched {
+            SchedProbe::attach_scheduling(&mut probe)?;
+        }
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());
@@ -126,6 +154,7 @@ impl Capture {
             records: Vec::new(),
             clock,
             start_ns,
+            families: options.families,
             attach_time: began.elapsed(),
         })
     }
@@ -136,6 +165,10 @@ impl Capture {
 
     pub fn start_ns(&self) -> u64 {
         self.start_ns
+    }
+
+    pub fn families(&self) -> ProbeFamilies {
+        self.families
     }
 
     /// Waits up to `timeout` for data, drains it, and reports progress.
@@ -205,6 +238,21 @@ impl Capture {
             inconsistencies: 0,
             ended_early,
         };
-        builder.finish(self.clock, &names, capture_stats)
+        let mut timeline = builder.finish(self.clock, &names, capture_stats);
+        if !self.families.sched {
+            without_scheduling(&mut timeline);
+        }
+        timeline
     }
+}
+
+/// Without the scheduler probes the builder can only guess thread states
+/// from `/proc` at the start: drop those guesses, keep the threads.
+fn without_scheduling(timeline: &mut Timeline) {
+    for t in timeline.threads.values_mut() {
+        t.slices.clear();
+        t.marks.clear();
+        t.counters = Default::default();
+    }
+    timeline.cpus.clear();
 }

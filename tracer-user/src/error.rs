@@ -82,6 +82,23 @@ pub enum Error {
         source: Box<aya::maps::MapError>,
     },
 
+    #[error(
+        "cannot listen on {addr}: {source} (is another server using it? choose another address \
+         with --bind)"
+    )]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("--allow-write-under {path}: {source} (it must be an existing directory)")]
+    AllowWriteUnder {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -101,6 +118,8 @@ impl Error {
             | Error::TracepointLayout { .. }
             | Error::TracefsMount { .. }
             | Error::LogdirNotWritable { .. }
+            | Error::Bind { .. }
+            | Error::AllowWriteUnder { .. }
             | Error::NoEbpfObject => EXIT_USAGE,
             Error::Load(_) | Error::Attach { .. } | Error::Map { .. } | Error::Io { .. } => {
                 EXIT_FAILURE

@@ -8,6 +8,7 @@
 //! - [`sink`]: XSpace encoding and the XProf log directory layout;
 //! - [`capture`]: one capture from checks to timeline;
 //! - [`procfs`]: what `/proc` says about the targets;
+//! - [`server`]: `ebtrace serve`, the gRPC ProfilerService;
 //! - [`cli`]: the `ebtrace` command line.
 
 pub mod attach;
@@ -17,6 +18,7 @@ pub mod clock;
 pub mod collect;
 pub mod error;
 pub mod procfs;
+pub mod server;
 pub mod sink;
 pub mod timeline;
 

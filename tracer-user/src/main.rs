@@ -1,7 +1,7 @@
 //! The `ebtrace` binary: parse the command line, run, map errors to exit codes.
 
 use clap::Parser as _;
-use ebtrace::cli::{Cli, Command, record};
+use ebtrace::cli::{Cli, Command, record, serve};
 
 fn main() {
     let cli = match Cli::try_parse() {
@@ -24,6 +24,7 @@ fn main() {
     };
     let result = match &cli.command {
         Some(Command::Record(args)) => record::run(args),
+        Some(Command::Serve(args)) => serve::run(args),
         None => record::run(&cli.record),
     };
     if let Err(err) = result {

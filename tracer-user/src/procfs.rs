@@ -99,6 +99,61 @@ impl TargetProcess {
     }
 }
 
+/// Cumulative CPU time and context switches of a process, for rates
+/// over a window (two readings apart).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcessCounters {
+    /// User + system CPU time of the whole process (exited threads
+    /// included), in clock ticks.
+    pub cpu_ticks: u64,
+    /// Context switches of its live threads (`/proc/PID/task/*/status`).
+    pub voluntary_switches: u64,
+    pub involuntary_switches: u64,
+    pub threads: usize,
+}
+
+impl TargetProcess {
+    /// Reads the process's counters now; `None` once it has exited.
+    pub fn counters(&self) -> Option<ProcessCounters> {
+        let dir = proc_root().join(self.pid.to_string());
+        let stat = fs::read_to_string(dir.join("stat")).ok()?;
+        let close = stat.rfind(')')?;
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        // utime and stime are fields 14 and 15: rest[11] and rest[12].
+        let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
+        let mut counters = ProcessCounters {
+            cpu_ticks: ticks(11)? + ticks(12)?,
+            ..ProcessCounters::default()
+        };
+        for entry in fs::read_dir(dir.join("task")).ok()?.flatten() {
+            let Ok(status) = fs::read_to_string(entry.path().join("status")) else {
+                continue;
+            };
+            counters.threads += 1;
+            for line in status.lines() {
+                let value = |prefix: &str| {
+                    line.strip_prefix(prefix)
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                };
+                if let Some(v) = value("voluntary_ctxt_switches:") {
+                    counters.voluntary_switches += v;
+                } else if let Some(v) = value("nonvoluntary_ctxt_switches:") {
+                    counters.involuntary_switches += v;
+                }
+            }
+        }
+        Some(counters)
+    }
+}
+
+/// Clock ticks per second (`sysconf(_SC_CLK_TCK)`), the unit of CPU times
+/// in `/proc`.
+pub fn clock_ticks_per_second() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if v > 0 { v as u64 } else { 100 }
+}
+
 fn read_tgid(pid: u32) -> Option<u32> {
     let status = fs::read_to_string(proc_root().join(pid.to_string()).join("status")).ok()?;
     status
@@ -141,6 +196,22 @@ mod tests {
         assert_eq!(target.pid, me);
         assert!(target.threads().contains_key(&me));
         assert!(target.is_alive());
+    }
+
+    #[test]
+    fn counters_of_self_grow_with_work() {
+        let me = TargetProcess::open(std::process::id()).unwrap();
+        let before = me.counters().unwrap();
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < std::time::Duration::from_millis(60) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let after = me.counters().unwrap();
+        assert!(after.cpu_ticks > before.cpu_ticks, "{before:?} {after:?}");
+        assert!(after.voluntary_switches > before.voluntary_switches);
+        assert!(after.threads >= 1);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! takes to attach. Results go to stdout and `target/bench/sched.md`.
 
 mod report;
+pub mod serve;
 mod tracer;
 
 use std::{

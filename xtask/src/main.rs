@@ -58,6 +58,11 @@ enum Task {
         /// pong on one CPU or on two give rates 5x apart).
         #[arg(long)]
         unpinned: bool,
+        /// Benchmark `ebtrace serve` instead: response time of 2 s capture
+        /// requests and memory; writes target/bench/serve.md (uses
+        /// --rounds and the target pinning).
+        #[arg(long)]
+        serve: bool,
     },
 }
 
@@ -79,10 +84,24 @@ fn run() -> Result<()> {
         Task::Test { libtest_args } => test::run_tests(&root, &libtest_args),
         Task::Bench {
             rounds,
+            target_cpu,
+            unpinned,
+            serve: true,
+            ..
+        } => bench::serve::run(
+            &root,
+            bench::serve::Options {
+                rounds,
+                target_cpu: (!unpinned).then_some(target_cpu),
+            },
+        ),
+        Task::Bench {
+            rounds,
             seconds,
             long_seconds,
             target_cpu,
             unpinned,
+            serve: false,
         } => bench::run_bench(
             &root,
             bench::Options {

@@ -15,6 +15,13 @@ const BPF_LINKER_VERSION: &str = "0.10.2";
 const XPROF_VERSION: &str = "2.24.2";
 /// The module the interop check imports; if it loads, the venv is complete.
 const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
+/// The JAX release (CPU jaxlib) whose `jax.collect_profile` the
+/// `ebtrace serve` interop tests run: about 90 MB of wheels, 40 s to
+/// install. It talks to the server through xprof's capture client, the same
+/// C++ code as TensorFlow's `client.trace`, so TensorFlow (600 MB) is not
+/// installed.
+const JAX_VERSION: &str = "0.10.2";
+const JAX_PROBE_MODULE: &str = "jax.collect_profile";
 
 /// Debian packages: (package, why).
 const APT_BASE: &[(&str, &str)] = &[
@@ -142,12 +149,14 @@ fn dpkg_installed(package: &str) -> bool {
         .is_some_and(|s| s.lines().any(|l| l == "Status: install ok installed"))
 }
 
-/// `<repo>/.venv` with XProf, used to prove that XProf reads our traces.
+/// `<repo>/.venv` with XProf, used to prove that XProf reads our traces,
+/// and JAX, whose capture client the `ebtrace serve` tests run.
 fn xprof_venv(root: &Path) -> Result<()> {
     let venv = root.join(".venv");
     let python = venv.join("bin/python");
-    if succeeds(Command::new(&python).args(["-c", &format!("import {XPROF_PROBE_MODULE}")])) {
-        say(format!("ok: {} has xprof", venv.display()));
+    let import = format!("import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}");
+    if succeeds(Command::new(&python).args(["-c", &import])) {
+        say(format!("ok: {} has xprof and jax", venv.display()));
         return Ok(());
     }
     if !python.exists() {
@@ -157,10 +166,12 @@ fn xprof_venv(root: &Path) -> Result<()> {
         "install",
         "--quiet",
         &format!("xprof=={XPROF_VERSION}"),
+        &format!("jax=={JAX_VERSION}"),
+        &format!("jaxlib=={JAX_VERSION}"),
     ]))?;
-    if !succeeds(Command::new(&python).args(["-c", &format!("import {XPROF_PROBE_MODULE}")])) {
+    if !succeeds(Command::new(&python).args(["-c", &import])) {
         bail!(
-            "xprof {XPROF_VERSION} installed into {} but `import {XPROF_PROBE_MODULE}` fails",
+            "xprof {XPROF_VERSION} and jax {JAX_VERSION} installed into {} but `{import}` fails",
             venv.display()
         );
     }

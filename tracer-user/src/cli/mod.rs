@@ -1,7 +1,9 @@
-//! Command-line interface: every flag is defined and documented here;
-//! [`record`] runs a capture with progress and summary.
+//! Command-line interface: every flag is defined and documented here
+//! (those of `serve` in [`serve`]); [`record`] runs a capture with progress
+//! and summary, [`serve`] the ProfilerService.
 
 pub mod record;
+pub mod serve;
 pub mod summary;
 
 use std::{path::PathBuf, time::Duration};
@@ -31,6 +33,10 @@ pub struct Cli {
 pub enum Command {
     /// Record running processes into an XSpace (the default command).
     Record(RecordArgs),
+    /// Serve TensorFlow's gRPC ProfilerService for running processes, so
+    /// that jax.collect_profile, tf.profiler and XProf's "Capture profile"
+    /// can capture them.
+    Serve(serve::ServeArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -77,7 +83,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-fn parse_ring_mib(s: &str) -> Result<u32, String> {
+pub(crate) fn parse_ring_mib(s: &str) -> Result<u32, String> {
     let v: u32 = s.parse().map_err(|e| format!("{e}"))?;
     if !v.is_power_of_two() || v > 1024 {
         return Err("must be a power of two between 1 and 1024".into());
@@ -108,5 +114,36 @@ mod tests {
         let cli = Cli::try_parse_from(["ebtrace", "record", "-p", "7"]).unwrap();
         assert!(matches!(cli.command, Some(Command::Record(ref r)) if r.pids == vec![7]));
         assert!(Cli::try_parse_from(["ebtrace"]).is_err());
+    }
+
+    #[test]
+    fn serve_flags() {
+        let cli = Cli::try_parse_from(["ebtrace", "serve", "--pid", "7,8"]).unwrap();
+        let Some(Command::Serve(s)) = cli.command else {
+            panic!("not serve")
+        };
+        assert_eq!(s.pids, vec![7, 8]);
+        assert_eq!(s.binds, vec!["127.0.0.1:6009".parse().unwrap()]);
+        assert!(!s.discover);
+        let cli = Cli::try_parse_from([
+            "ebtrace",
+            "serve",
+            "--discover",
+            "--bind",
+            "[::1]:7000",
+            "--bind",
+            "127.0.0.1:0",
+        ])
+        .unwrap();
+        let Some(Command::Serve(s)) = cli.command else {
+            panic!("not serve")
+        };
+        assert!(s.discover);
+        assert_eq!(s.binds.len(), 2);
+        assert!(Cli::try_parse_from(["ebtrace", "serve"]).is_err());
+        assert!(Cli::try_parse_from(["ebtrace", "serve", "--discover", "-p", "1"]).is_err());
+        assert!(
+            Cli::try_parse_from(["ebtrace", "serve", "-p", "1", "--bind", "localhost:1"]).is_err()
+        );
     }
 }

@@ -39,6 +39,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
             ..ProbeSetConfig::default()
         },
+        ..CaptureOptions::default()
     };
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;

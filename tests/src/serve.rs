@@ -1,0 +1,288 @@
+//! Running `ebtrace serve` under test: start it on a loopback port chosen
+//! by the kernel, talk to it with a real gRPC client, watch its log, its
+//! open descriptors and its memory.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use ebtrace_proto::tensorflow::{
+    ProfileOptions, ProfileRequest, ProfileResponse, profile_options::AdvancedConfigValue,
+    profiler::XSpace, profiler_service_client::ProfilerServiceClient,
+};
+use prost::Message as _;
+use tonic::transport::Channel;
+
+use crate::ebtrace_bin;
+
+/// The line the server prints for each address it listens on.
+const SERVING: &str = "ebtrace: serving tensorflow.ProfilerService on ";
+
+/// A running `ebtrace serve`, killed when dropped.
+pub struct ServeProcess {
+    child: Child,
+    /// Every address it listens on, in `--bind` order.
+    pub addrs: Vec<SocketAddr>,
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl ServeProcess {
+    /// Starts `ebtrace serve ARGS` (add `--bind 127.0.0.1:0` yourself or
+    /// let [`ServeProcess::loopback`] do it) and waits until it listens on
+    /// `listeners` addresses.
+    pub fn start(args: &[&str], listeners: usize) -> Self {
+        let mut child = Command::new(ebtrace_bin())
+            .arg("serve")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn ebtrace serve");
+        let stderr = child.stderr.take().expect("piped");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().expect("lock").push(line);
+            }
+        });
+        let mut server = ServeProcess {
+            child,
+            addrs: Vec::new(),
+            lines,
+            reader: Some(reader),
+        };
+        let started = Instant::now();
+        while server.addrs.len() < listeners {
+            if started.elapsed() > Duration::from_secs(30) {
+                panic!(
+                    "ebtrace serve did not start listening: {:?}",
+                    server.lines()
+                );
+            }
+            if let Some(status) = server.child.try_wait().expect("try_wait") {
+                std::thread::sleep(Duration::from_millis(50));
+                panic!("ebtrace serve exited with {status}: {:?}", server.lines());
+            }
+            server.addrs = server
+                .lines()
+                .iter()
+                .filter_map(|l| l.strip_prefix(SERVING))
+                .map(|a| a.parse().expect("address"))
+                .collect();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        server
+    }
+
+    /// Starts `ebtrace serve --bind 127.0.0.1:0 ARGS`.
+    pub fn loopback(args: &[&str]) -> Self {
+        let mut all = vec!["--bind", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        Self::start(&all, 1)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addrs[0].port()
+    }
+
+    /// Its stderr so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().expect("lock").clone()
+    }
+
+    /// Waits for a stderr line containing `needle`.
+    pub fn wait_line(&self, needle: &str, deadline: Duration) -> Option<String> {
+        let start = Instant::now();
+        while start.elapsed() < deadline {
+            if let Some(l) = self.lines().into_iter().find(|l| l.contains(needle)) {
+                return Some(l);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// How many stderr lines contain `needle`.
+    pub fn count_lines(&self, needle: &str) -> usize {
+        self.lines().iter().filter(|l| l.contains(needle)).count()
+    }
+
+    /// Open file descriptors of the server (probes hold several each).
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("read server fds")
+            .count()
+    }
+
+    /// Descriptors of eBPF objects and perf events (programs, maps,
+    /// links, attached tracepoints): zero while no probe is attached.
+    pub fn probe_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("read server fds")
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .filter(|target| {
+                let t = target.to_string_lossy();
+                t.starts_with("anon_inode:") && (t.contains("bpf") || t.contains("perf_event"))
+            })
+            .count()
+    }
+
+    /// Waits until no probe is attached (detaching waits for the kernel's
+    /// RCU grace periods, which can take seconds on a busy machine).
+    pub fn wait_detached(&self, deadline: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < deadline {
+            if self.probe_fds() == 0 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// Resident memory of the server, KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+
+    /// A gRPC client connected to the first address.
+    pub async fn client(&self) -> ProfilerServiceClient<Channel> {
+        let url = match self.addrs[0] {
+            SocketAddr::V4(a) => format!("http://{a}"),
+            SocketAddr::V6(a) => format!("http://[{}]:{}", a.ip(), a.port()),
+        };
+        ProfilerServiceClient::connect(url)
+            .await
+            .expect("connect to ebtrace serve")
+            .max_decoding_message_size(usize::MAX)
+    }
+
+    /// Sends `sig` and waits for the exit (panics after `deadline`).
+    pub fn signal_and_wait(&mut self, sig: i32, deadline: Duration) -> ExitStatus {
+        crate::signal(self.pid(), sig);
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                if let Some(r) = self.reader.take() {
+                    let _ = r.join();
+                }
+                return status;
+            }
+            if start.elapsed() > deadline {
+                panic!("ebtrace serve still running {deadline:?} after signal {sig}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `CLOCK_REALTIME` now, epoch ns (the clock of `start_timestamp_ns`).
+pub fn now_ns() -> u64 {
+    crate::realtime_ns()
+}
+
+/// A request like the real clients send: levels 2/1/0, version 1, start
+/// now, `duration_ms`.
+pub fn request(duration_ms: u64) -> ProfileRequest {
+    ProfileRequest {
+        duration_ms,
+        max_events: 1_000_000,
+        tools: vec!["xplane.pb".into()],
+        opts: Some(ProfileOptions {
+            include_dataset_ops: true,
+            host_tracer_level: 2,
+            device_tracer_level: 1,
+            version: 1,
+            start_timestamp_ns: now_ns(),
+            duration_ms,
+            ..Default::default()
+        }),
+        session_id: format!("test_{}", now_ns()),
+        host_name: "127.0.0.1:1".into(),
+        ..Default::default()
+    }
+}
+
+/// Sets `advanced_configuration[key]`.
+pub fn with_advanced(
+    mut req: ProfileRequest,
+    key: &str,
+    value: AdvancedConfigValue,
+) -> ProfileRequest {
+    req.opts
+        .get_or_insert_with(Default::default)
+        .advanced_configuration
+        .insert(key.into(), value);
+    req
+}
+
+/// One of the recorded client requests in `shared/fixtures/real/`.
+pub fn real_request(name: &str) -> (Vec<u8>, ProfileRequest) {
+    let path = real_fixture(name);
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let req = ProfileRequest::decode(bytes.as_slice()).expect("a ProfileRequest");
+    (bytes, req)
+}
+
+/// A file of `shared/fixtures/real/` (the shared checkout beside the repo).
+pub fn real_fixture(name: &str) -> PathBuf {
+    let dir = crate::workspace_root().join("../shared/fixtures/real");
+    assert!(
+        dir.is_dir(),
+        "{} is missing: these tests need the shared checkout beside the repo",
+        dir.display()
+    );
+    dir.join(name)
+}
+
+/// The XSpace a response carries in `tool_data { name: "xplane.pb" }`,
+/// checking that this is the only tool data.
+pub fn xspace_of(response: &ProfileResponse) -> XSpace {
+    assert_eq!(
+        response
+            .tool_data
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect::<Vec<_>>(),
+        vec!["xplane.pb"],
+        "tool_data names"
+    );
+    XSpace::decode(response.tool_data[0].data.as_slice()).expect("tool_data decodes as XSpace")
+}
+
+/// Events on every line of every plane.
+pub fn event_count(space: &XSpace) -> usize {
+    space
+        .planes
+        .iter()
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum()
+}

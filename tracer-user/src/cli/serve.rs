@@ -1,0 +1,96 @@
+//! `ebtrace serve`: its flags (each documented here) and the hand-over to
+//! [`crate::server`].
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::Args;
+
+use super::{parse_duration, parse_ring_mib};
+use crate::{
+    attach::ProbeSetConfig,
+    capture::open_targets,
+    error::Result,
+    server::{self, ServeConfig, validate::Limits, watch::WatchMode},
+};
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Process to watch (repeat or comma-separate for several). A thread id
+    /// selects its whole process.
+    #[arg(
+        short = 'p',
+        long = "pid",
+        value_name = "PID",
+        value_delimiter = ',',
+        required_unless_present = "discover",
+        conflicts_with = "discover"
+    )]
+    pub pids: Vec<u32>,
+
+    /// Watch every process that maps libcuda, jaxlib, TensorFlow or libtpu,
+    /// including processes started later (found by reading /proc/*/maps).
+    #[arg(long)]
+    pub discover: bool,
+
+    /// How often --discover looks for new processes.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
+    pub discover_interval: Duration,
+
+    /// Address to listen on, e.g. 127.0.0.1:6009 or [::1]:6009 (repeat for
+    /// several). Anything but loopback lets other machines start captures.
+    #[arg(long = "bind", value_name = "ADDR", default_value = "127.0.0.1:6009", value_parser = parse_bind)]
+    pub binds: Vec<SocketAddr>,
+
+    /// Also save each trace where the request's repository_root says, if
+    /// that lies inside DIR (never elsewhere). Without it, traces only go
+    /// back to the client, which writes them itself.
+    #[arg(long, value_name = "DIR")]
+    pub allow_write_under: Option<PathBuf>,
+
+    /// Captures in progress at once; more are refused (RESOURCE_EXHAUSTED).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_sessions: u32,
+
+    /// Longest capture a request may ask for.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub max_duration: Duration,
+
+    /// How far in the future a request may ask its capture to start.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub max_start_delay: Duration,
+
+    /// Kernel ring buffer size in MiB (a power of two), shared by the
+    /// captures in progress.
+    #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
+    pub ring_buffer_mib: u32,
+}
+
+fn parse_bind(s: &str) -> Result<SocketAddr, String> {
+    s.trim().parse().map_err(|_| {
+        format!("{s:?} is not an IP address with a port (e.g. 127.0.0.1:6009 or [::1]:6009)")
+    })
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let watch = if args.discover {
+        WatchMode::Discover {
+            interval: args.discover_interval,
+        }
+    } else {
+        WatchMode::Pids(open_targets(&args.pids)?)
+    };
+    server::run(ServeConfig {
+        binds: args.binds.clone(),
+        watch,
+        limits: Limits {
+            max_duration: args.max_duration,
+            max_start_delay: args.max_start_delay,
+        },
+        max_sessions: args.max_sessions as usize,
+        probe: ProbeSetConfig {
+            ring_bytes: args.ring_buffer_mib * 1024 * 1024,
+            ..ProbeSetConfig::default()
+        },
+        allow_write_under: args.allow_write_under.clone(),
+    })
+}

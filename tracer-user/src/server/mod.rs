@@ -1,0 +1,198 @@
+//! `ebtrace serve`: TensorFlow/XLA's gRPC `tensorflow.ProfilerService` for
+//! processes that run no profiler server of their own, so that
+//! `jax.collect_profile`, `tf.profiler.experimental.client.trace` and
+//! XProf's "Capture profile" button can profile them unmodified.
+//!
+//! - [`service`]: the gRPC methods, thin: validate, ask the hub, map errors;
+//! - [`validate`]: request fields → a checked [`validate::SessionSpec`];
+//! - [`sessions`]: the hub thread that owns probes and sessions;
+//! - [`response`]: a finished timeline → `ProfileResponse`;
+//! - [`write_guard`]: server-side saving, confined to `--allow-write-under`;
+//! - [`watch`]: the watched processes (`--pid` or `--discover`);
+//! - [`monitor`]: the `Monitor` summary.
+
+pub mod monitor;
+pub mod response;
+pub mod service;
+pub mod sessions;
+pub mod validate;
+pub mod watch;
+pub mod write_guard;
+
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use ebtrace_proto::tensorflow::profiler_service_server::ProfilerServiceServer;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::{
+    attach::{ProbeSet, ProbeSetConfig, tracefs},
+    capture::check_privileges,
+    error::{Error, Result},
+    sink::xspace::local_hostname,
+};
+use service::ProfilerServer;
+use sessions::HubConfig;
+use validate::Limits;
+use watch::WatchMode;
+use write_guard::WriteGuard;
+
+/// Everything `ebtrace serve` was asked to do.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub binds: Vec<SocketAddr>,
+    pub watch: WatchMode,
+    pub limits: Limits,
+    pub max_sessions: usize,
+    pub probe: ProbeSetConfig,
+    pub allow_write_under: Option<PathBuf>,
+}
+
+/// How long in-flight captures get to finish after SIGTERM/SIGINT.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Runs the server until SIGTERM or SIGINT; in-flight captures are then
+/// answered with what they recorded so far, and every probe is detached.
+pub fn run(config: ServeConfig) -> Result<()> {
+    check_privileges()?;
+    // What every capture needs is checked once, before listening.
+    let root = tracefs::locate()?;
+    tracefs::check_tracepoints(&root)?;
+    drop(ProbeSet::load(&config.probe)?);
+    let guard = config
+        .allow_write_under
+        .as_ref()
+        .map(|dir| {
+            WriteGuard::open(dir).map_err(|source| Error::AllowWriteUnder {
+                path: dir.clone(),
+                source,
+            })
+        })
+        .transpose()?
+        .map(Arc::new);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("starting the async runtime", e))?;
+    runtime.block_on(serve(config, guard))
+}
+
+async fn serve(config: ServeConfig, guard: Option<Arc<WriteGuard>>) -> Result<()> {
+    // Bind first: a taken address is reported before anything else runs.
+    let mut listeners = Vec::new();
+    for addr in &config.binds {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| Error::Bind {
+                addr: *addr,
+                source,
+            })?;
+        listeners.push(listener);
+    }
+    let mut terminate = signal(SignalKind::terminate())
+        .map_err(|e| Error::io("installing the SIGTERM handler", e))?;
+    let mut interrupt = signal(SignalKind::interrupt())
+        .map_err(|e| Error::io("installing the SIGINT handler", e))?;
+
+    let (hub, hub_thread) = sessions::spawn(HubConfig {
+        watch: config.watch.clone(),
+        max_sessions: config.max_sessions,
+        max_duration: config.limits.max_duration,
+        probe: config.probe.clone(),
+        guard: guard.clone(),
+    })
+    .map_err(|e| Error::io("starting the session thread", e))?;
+    let service = Arc::new(ProfilerServer {
+        hub: hub.clone(),
+        limits: config.limits,
+        guard: guard.clone(),
+        hostname: local_hostname(),
+    });
+
+    describe_watch(&config.watch);
+    if let Some(g) = &guard {
+        eprintln!(
+            "ebtrace: requests whose repository_root lies under {} are also saved there",
+            g.root().display()
+        );
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut servers = tokio::task::JoinSet::new();
+    for listener in listeners {
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the bound address", e))?;
+        eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
+        if !local.ip().is_loopback() {
+            eprintln!(
+                "ebtrace: warning: {local} is not a loopback address: any machine that reaches \
+                 it can start captures of the watched processes"
+            );
+        }
+        let mut stopped = stopped.clone();
+        let server = tonic::transport::Server::builder()
+            .add_service(ProfilerServiceServer::from_arc(Arc::clone(&service)))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            });
+        servers.spawn(async move { (local, server.await) });
+    }
+    if let Some(first) = config.binds.first() {
+        eprintln!(
+            "ebtrace: capture with e.g. `python -m jax.collect_profile {} 2000 --log_dir DIR \
+             --no_perfetto_link`; Ctrl-C stops",
+            first.port()
+        );
+    }
+
+    let failure = tokio::select! {
+        _ = terminate.recv() => None,
+        _ = interrupt.recv() => None,
+        Some(ended) = servers.join_next() => match ended {
+            Ok((addr, Err(e))) => Some(format!("the server on {addr} failed: {e}")),
+            Ok((addr, Ok(()))) => Some(format!("the server on {addr} stopped")),
+            Err(e) => Some(format!("a server task failed: {e}")),
+        },
+    };
+    if let Some(why) = &failure {
+        eprintln!("ebtrace: {why}");
+    }
+    eprintln!("ebtrace: shutting down: answering captures in progress with what they recorded");
+    hub.shutdown();
+    let _ = stop.send(true);
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while servers.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        eprintln!(
+            "ebtrace: connections still open after {}s; closing them",
+            SHUTDOWN_GRACE.as_secs()
+        );
+    }
+    let _ = tokio::task::spawn_blocking(move || hub_thread.join()).await;
+    eprintln!("ebtrace: stopped; every probe is detached");
+    match failure {
+        Some(why) => Err(Error::io(why, std::io::Error::other("server stopped"))),
+        None => Ok(()),
+    }
+}
+
+fn describe_watch(watch: &WatchMode) {
+    match watch {
+        WatchMode::Pids(targets) => {
+            let names: Vec<String> = targets
+                .iter()
+                .map(|t| format!("{} ({})", t.pid, t.name))
+                .collect();
+            eprintln!("ebtrace: watching pid {}", names.join(", "));
+        }
+        WatchMode::Discover { interval } => eprintln!(
+            "ebtrace: watching every process that maps {} or a jaxlib/ library (rescanned every \
+             {})",
+            watch::RUNTIME_LIBRARIES.join(", "),
+            humantime::format_duration(*interval)
+        ),
+    }
+}

@@ -1,0 +1,152 @@
+//! The `tensorflow.ProfilerService` methods. Each one validates its
+//! request, asks the session hub (the one owner of probes and sessions),
+//! and maps every failure to a precise gRPC status.
+
+use std::{sync::Arc, time::Duration};
+
+use ebtrace_proto::tensorflow::{
+    ContinuousProfilingResponse, GetSnapshotRequest, MonitorRequest, MonitorResponse,
+    ProfileRequest, ProfileResponse, ProfilerServiceMonitorResult, StopContinuousProfilingRequest,
+    StopContinuousProfilingResponse, TerminateRequest, TerminateResponse,
+    profiler_service_monitor_result::ResponseType, profiler_service_server::ProfilerService,
+};
+use tonic::{Request, Response, Status};
+
+use super::{
+    monitor,
+    sessions::{HubHandle, SessionError},
+    validate::{self, Limits},
+    write_guard::WriteGuard,
+};
+use crate::clock;
+
+pub struct ProfilerServer {
+    pub hub: HubHandle,
+    pub limits: Limits,
+    pub guard: Option<Arc<WriteGuard>>,
+    /// This machine's name, recorded in traces unless a request overrides it.
+    pub hostname: String,
+}
+
+fn status_of(e: SessionError) -> Status {
+    let message = e.to_string();
+    match e {
+        SessionError::Busy { .. } => Status::resource_exhausted(message),
+        SessionError::PidNotWatched { .. } => Status::invalid_argument(message),
+        SessionError::NothingWatched(_) => Status::failed_precondition(message),
+        SessionError::Attach(_) | SessionError::Save(_) => Status::internal(message),
+        SessionError::ShuttingDown => Status::unavailable(message),
+    }
+}
+
+fn continuous_unimplemented(method: &str) -> Status {
+    Status::unimplemented(format!(
+        "ebtrace serve does not implement continuous profiling ({method}); use Profile, which \
+         captures a fixed window"
+    ))
+}
+
+#[tonic::async_trait]
+impl ProfilerService for ProfilerServer {
+    async fn profile(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        let client = request
+            .remote_addr()
+            .map_or_else(|| "a client".to_string(), |a| a.to_string());
+        let spec = validate::profile_request(
+            request.get_ref(),
+            &self.limits,
+            self.guard.as_deref(),
+            clock::realtime_ns(),
+            &self.hostname,
+            client,
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let response = self.hub.profile(spec).await.map_err(status_of)?;
+        Ok(Response::new(response))
+    }
+
+    async fn terminate(
+        &self,
+        request: Request<TerminateRequest>,
+    ) -> Result<Response<TerminateResponse>, Status> {
+        let session_id = request.into_inner().session_id;
+        match self.hub.terminate(session_id.clone()).await {
+            Ok(0) => Err(Status::not_found(format!(
+                "no capture with session_id {session_id:?} is in progress"
+            ))),
+            Ok(_) => Ok(Response::new(TerminateResponse {})),
+            Err(e) => Err(status_of(e)),
+        }
+    }
+
+    async fn monitor(
+        &self,
+        request: Request<MonitorRequest>,
+    ) -> Result<Response<MonitorResponse>, Status> {
+        let req = request.into_inner();
+        if req.duration_ms == 0 {
+            return Err(Status::invalid_argument(
+                "MonitorRequest.duration_ms is 0: set the window to summarize, in milliseconds",
+            ));
+        }
+        let window = Duration::from_millis(req.duration_ms);
+        if window > self.limits.max_duration {
+            return Err(Status::invalid_argument(format!(
+                "MonitorRequest.duration_ms {} is above this server's limit of {} ms \
+                 (ebtrace serve --max-duration)",
+                req.duration_ms,
+                self.limits.max_duration.as_millis()
+            )));
+        }
+        let targets = self.hub.targets().await.map_err(status_of)?;
+        let before = monitor::read(&targets);
+        tokio::time::sleep(window).await;
+        let after = monitor::read(&targets);
+        let samples: Vec<monitor::Sample> = targets
+            .into_iter()
+            .zip(before.into_iter().zip(after))
+            .map(|(t, (before, after))| monitor::Sample {
+                pid: t.pid,
+                name: t.name,
+                before,
+                after,
+            })
+            .collect();
+        let header = req.timestamp.then(|| {
+            chrono::Local::now()
+                .format("%Y-%m-%d %H:%M:%S%.3f %z")
+                .to_string()
+        });
+        Ok(Response::new(MonitorResponse {
+            data: monitor::render(&samples, window, header),
+            monitor_result: Some(ProfilerServiceMonitorResult {
+                response_type: ResponseType::EmptyResult as i32,
+                ..Default::default()
+            }),
+        }))
+    }
+
+    async fn start_continuous_profiling(
+        &self,
+        _request: Request<ProfileRequest>,
+    ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        Err(continuous_unimplemented("StartContinuousProfiling"))
+    }
+
+    async fn stop_continuous_profiling(
+        &self,
+        _request: Request<StopContinuousProfilingRequest>,
+    ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
+        Err(continuous_unimplemented("StopContinuousProfiling"))
+    }
+
+    async fn get_snapshot(
+        &self,
+        _request: Request<GetSnapshotRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        Err(continuous_unimplemented("GetSnapshot"))
+    }
+}

@@ -1,0 +1,790 @@
+//! The session hub: the one thread that owns the watched processes, the
+//! probes and every profiling session. gRPC methods send it [`Command`]s
+//! and await the answer; nothing else touches this state.
+//!
+//! Overlapping sessions share probes: a session joins a running
+//! [`Capture`] with the same probe families and the same targets (started
+//! no longer ago than twice the longest allowed capture, which bounds the
+//! records one capture holds), or starts one a little before its requested
+//! start. The hub drains every capture on one tick and builds each
+//! session's timeline for its own window with [`Capture::timeline_between`];
+//! a capture with no session left is dropped, which detaches its probes.
+//! Turning a timeline into the response (XSpace encoding, saving) and
+//! detaching (the kernel waits for an RCU grace period per program, tens
+//! of milliseconds each) happen on worker threads, so draining and the
+//! next attach go on meanwhile.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    sync::{Arc, mpsc},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use ebtrace_proto::tensorflow::ProfileResponse;
+use tokio::sync::oneshot;
+
+use super::{
+    response::{self, Delivered},
+    validate::SessionSpec,
+    watch::{WatchMode, Watched},
+    write_guard::WriteGuard,
+};
+use crate::{
+    attach::ProbeSetConfig,
+    capture::{Capture, CaptureOptions, ProbeFamilies},
+    clock::{self, ClockSync},
+    procfs::TargetProcess,
+    timeline::{CaptureStats, ProcessInfo, Timeline},
+};
+
+/// How often running captures are drained.
+const TICK: Duration = Duration::from_millis(50);
+/// How long before a session's requested start its probes are attached
+/// (attaching takes a few tens of milliseconds).
+const ATTACH_LEAD_NS: u64 = 250_000_000;
+/// Longest the hub sleeps with nothing running.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+/// Captures detached in the background at once; past this the hub
+/// detaches itself, which slows it down instead of piling them up.
+const MAX_DETACHING: usize = 8;
+
+pub type Reply = oneshot::Sender<Result<ProfileResponse, SessionError>>;
+
+/// What the gRPC methods ask of the hub.
+pub enum Command {
+    /// Run a session and answer with its trace.
+    Profile { spec: SessionSpec, reply: Reply },
+    /// End every session with this id now; answers how many there were.
+    Terminate {
+        session_id: String,
+        reply: oneshot::Sender<usize>,
+    },
+    /// The watched processes now.
+    Targets {
+        reply: oneshot::Sender<Vec<TargetProcess>>,
+    },
+    /// Finish every session with what it has, detach, stop.
+    Shutdown,
+}
+
+/// Why a session could not run; the service maps each to a gRPC status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionError {
+    Busy { limit: usize },
+    NothingWatched(String),
+    PidNotWatched { pid: u32, watched: Vec<u32> },
+    Attach(String),
+    Save(String),
+    ShuttingDown,
+}
+
+impl fmt::Display for SessionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SessionError::Busy { limit } => write!(
+                f,
+                "{limit} captures are already in progress, the most this server runs at once \
+                 (ebtrace serve --max-sessions); retry when one has finished"
+            ),
+            SessionError::NothingWatched(why) => f.write_str(why),
+            SessionError::PidNotWatched { pid, watched } => write!(
+                f,
+                "pid {pid} is not watched by this server (watching: {})",
+                watched
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            SessionError::Attach(e) => write!(f, "attaching the probes failed: {e}"),
+            SessionError::Save(e) => f.write_str(e),
+            SessionError::ShuttingDown => f.write_str("the server is shutting down"),
+        }
+    }
+}
+
+pub struct HubConfig {
+    pub watch: WatchMode,
+    pub max_sessions: usize,
+    /// The longest session allowed; captures are shared for at most twice this.
+    pub max_duration: Duration,
+    pub probe: ProbeSetConfig,
+    pub guard: Option<Arc<WriteGuard>>,
+}
+
+/// The gRPC side's end of the hub.
+#[derive(Clone)]
+pub struct HubHandle {
+    commands: mpsc::Sender<Command>,
+}
+
+impl HubHandle {
+    /// Runs a session; resolves when its response is ready. Dropping the
+    /// future (the client went away) ends the session and frees it.
+    pub async fn profile(&self, spec: SessionSpec) -> Result<ProfileResponse, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Profile { spec, reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)?
+    }
+
+    pub async fn terminate(&self, session_id: String) -> Result<usize, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Terminate { session_id, reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)
+    }
+
+    pub async fn targets(&self) -> Result<Vec<TargetProcess>, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Targets { reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}
+
+/// Starts the hub thread.
+pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> {
+    let (commands, inbox) = mpsc::channel();
+    let hub = Hub {
+        inbox,
+        watched: Watched::new(config.watch.clone()),
+        config,
+        waiting: Vec::new(),
+        running: Vec::new(),
+        delivering: Vec::new(),
+        detaching: Vec::new(),
+        shutting_down: false,
+    };
+    let thread = std::thread::Builder::new()
+        .name("ebtrace-hub".into())
+        .spawn(move || hub.run())?;
+    Ok((HubHandle { commands }, thread))
+}
+
+struct Session {
+    spec: SessionSpec,
+    reply: Reply,
+    received: Instant,
+    /// Requested start, monotonic ns.
+    start_ns: u64,
+    duration_ns: u64,
+    /// Its window once it has joined a capture (monotonic ns).
+    window: Option<(u64, u64)>,
+    terminated: bool,
+}
+
+/// Probes shared by the sessions inside it. `capture` is `None` when the
+/// sessions asked for no probe family at all (host_tracer_level 0 today):
+/// their traces are empty, and nothing is attached for them.
+struct Running {
+    capture: Option<Capture>,
+    families: ProbeFamilies,
+    targets: Vec<TargetProcess>,
+    started_ns: u64,
+    clock: ClockSync,
+    sessions: Vec<Session>,
+}
+
+impl Running {
+    fn pids(&self) -> BTreeSet<u32> {
+        self.targets.iter().map(|t| t.pid).collect()
+    }
+}
+
+struct Hub {
+    inbox: mpsc::Receiver<Command>,
+    config: HubConfig,
+    watched: Watched,
+    /// Sessions whose start is still ahead.
+    waiting: Vec<Session>,
+    running: Vec<Running>,
+    /// Workers turning finished timelines into responses.
+    delivering: Vec<JoinHandle<()>>,
+    /// Workers dropping (detaching) captures nobody uses any more.
+    detaching: Vec<JoinHandle<()>>,
+    shutting_down: bool,
+}
+
+impl Hub {
+    fn run(mut self) {
+        loop {
+            let wait = self.next_wait();
+            match self.inbox.recv_timeout(wait) {
+                Ok(command) => self.handle(command),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => self.shutting_down = true,
+            }
+            self.step();
+            if self.shutting_down {
+                break;
+            }
+        }
+        for worker in self.delivering.drain(..).chain(self.detaching.drain(..)) {
+            let _ = worker.join();
+        }
+    }
+
+    fn in_progress(&mut self) -> usize {
+        self.delivering.retain(|w| !w.is_finished());
+        self.waiting.len()
+            + self.running.iter().map(|r| r.sessions.len()).sum::<usize>()
+            + self.delivering.len()
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Profile { spec, reply } => {
+                if let Err(e) = self.admit(&spec) {
+                    eprintln!("ebtrace: refused a capture for {}: {e}", spec.client);
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                let (now_mono, now_wall) = (clock::monotonic_ns(), clock::realtime_ns());
+                let start_ns = match spec.start_wall_ns {
+                    Some(wall) if wall > now_wall => now_mono + (wall - now_wall),
+                    _ => now_mono,
+                };
+                self.waiting.push(Session {
+                    duration_ns: spec.duration.as_nanos() as u64,
+                    spec,
+                    reply,
+                    received: Instant::now(),
+                    start_ns,
+                    window: None,
+                    terminated: false,
+                });
+            }
+            Command::Terminate { session_id, reply } => {
+                let mut n = 0;
+                let all = self
+                    .waiting
+                    .iter_mut()
+                    .chain(self.running.iter_mut().flat_map(|r| r.sessions.iter_mut()));
+                for s in all.filter(|s| s.spec.session_id == session_id) {
+                    s.terminated = true;
+                    n += 1;
+                }
+                let _ = reply.send(n);
+            }
+            Command::Targets { reply } => {
+                self.watched.refresh();
+                let _ = reply.send(self.watched.targets());
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Checks what depends on the hub's state: room, and the targets.
+    fn admit(&mut self, spec: &SessionSpec) -> Result<(), SessionError> {
+        if self.shutting_down {
+            return Err(SessionError::ShuttingDown);
+        }
+        let limit = self.config.max_sessions;
+        if self.in_progress() >= limit {
+            return Err(SessionError::Busy { limit });
+        }
+        self.watched.refresh();
+        let watched = self.watched.targets();
+        if watched.is_empty() {
+            return Err(SessionError::NothingWatched(self.watched.why_empty()));
+        }
+        for &pid in spec.pids.iter().flatten() {
+            if !self.watched.contains(pid) {
+                return Err(SessionError::PidNotWatched {
+                    pid,
+                    watched: watched.iter().map(|t| t.pid).collect(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn next_wait(&self) -> Duration {
+        let now = clock::monotonic_ns();
+        let mut deadlines: Vec<u64> = self
+            .waiting
+            .iter()
+            .map(|s| s.start_ns.saturating_sub(ATTACH_LEAD_NS))
+            .collect();
+        deadlines.extend(
+            self.running
+                .iter()
+                .flat_map(|r| &r.sessions)
+                .filter_map(|s| s.window.map(|(_, stop)| stop)),
+        );
+        let mut wait = deadlines
+            .into_iter()
+            .min()
+            .map_or(IDLE_WAIT, |d| Duration::from_nanos(d.saturating_sub(now)));
+        if self.running.iter().any(|r| r.capture.is_some()) {
+            wait = wait.min(TICK);
+        }
+        if let Some(scan) = self.watched.next_scan() {
+            wait = wait.min(scan.saturating_duration_since(Instant::now()));
+        }
+        wait.min(IDLE_WAIT)
+    }
+
+    fn step(&mut self) {
+        self.watched.refresh();
+        self.forget_cancelled();
+        self.start_due_sessions();
+        for r in &mut self.running {
+            if let Some(c) = r.capture.as_mut() {
+                c.poll(Duration::ZERO);
+            }
+        }
+        self.finish_due_sessions();
+        // A capture nobody uses any more is dropped: that detaches it.
+        let (idle, busy): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| r.sessions.is_empty());
+        self.running = busy;
+        for r in idle {
+            self.detach(r);
+        }
+        if self.shutting_down {
+            for s in self.waiting.drain(..) {
+                let _ = s.reply.send(Err(SessionError::ShuttingDown));
+            }
+        }
+    }
+
+    /// Sessions whose client went away (cancelled, deadline) are dropped
+    /// with everything they held.
+    fn forget_cancelled(&mut self) {
+        let gone = |s: &Session| {
+            let closed = s.reply.is_closed();
+            if closed {
+                eprintln!(
+                    "ebtrace: session {} for {}: the client went away; capture dropped",
+                    s.spec.session_id, s.spec.client
+                );
+            }
+            !closed
+        };
+        self.waiting.retain(gone);
+        for r in &mut self.running {
+            r.sessions.retain(gone);
+        }
+    }
+
+    fn start_due_sessions(&mut self) {
+        let now = clock::monotonic_ns();
+        let (due, later): (Vec<Session>, Vec<Session>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|s| {
+                s.terminated || self.shutting_down || s.start_ns <= now + ATTACH_LEAD_NS
+            });
+        self.waiting = later;
+        for mut s in due {
+            if s.terminated || self.shutting_down {
+                // Ended before it began: nothing was recorded.
+                let tl = empty_timeline(
+                    now,
+                    now,
+                    &self.watched.targets(),
+                    ClockSync::measure(),
+                    Some(end_reason(&s, self.shutting_down)),
+                );
+                self.deliver(s, tl, Duration::ZERO);
+                continue;
+            }
+            let index = match self.joinable(&s) {
+                Some(i) => i,
+                None => match self.start_capture(s.spec.families) {
+                    Ok(i) => i,
+                    Err(e) => {
+                        eprintln!("ebtrace: session {}: {e}", s.spec.session_id);
+                        let _ = s.reply.send(Err(e));
+                        continue;
+                    }
+                },
+            };
+            let r = &mut self.running[index];
+            let start = s.start_ns.max(r.started_ns);
+            s.window = Some((start, start + s.duration_ns));
+            r.sessions.push(s);
+        }
+    }
+
+    /// A running capture this session can share.
+    fn joinable(&self, s: &Session) -> Option<usize> {
+        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        let span = 2 * self.config.max_duration.as_nanos() as u64;
+        self.running.iter().position(|r| {
+            r.families == s.spec.families
+                && r.pids() == pids
+                && s.start_ns + s.duration_ns <= r.started_ns + span
+        })
+    }
+
+    fn start_capture(&mut self, families: ProbeFamilies) -> Result<usize, SessionError> {
+        let targets = self.watched.targets();
+        if targets.is_empty() {
+            return Err(SessionError::NothingWatched(self.watched.why_empty()));
+        }
+        let (capture, started_ns) = if families.is_empty() {
+            (None, clock::monotonic_ns())
+        } else {
+            let options = CaptureOptions {
+                probe: self.config.probe.clone(),
+                families,
+            };
+            let c = Capture::start(targets.clone(), &options)
+                .map_err(|e| SessionError::Attach(e.to_string()))?;
+            eprintln!(
+                "ebtrace: probes attached in {} ms",
+                c.attach_time.as_millis()
+            );
+            let start = c.start_ns();
+            (Some(c), start)
+        };
+        self.running.push(Running {
+            capture,
+            families,
+            targets,
+            started_ns,
+            clock: ClockSync::measure(),
+            sessions: Vec::new(),
+        });
+        Ok(self.running.len() - 1)
+    }
+
+    fn finish_due_sessions(&mut self) {
+        let now = clock::monotonic_ns();
+        let mut finished: Vec<(Session, Timeline, Duration)> = Vec::new();
+        for r in &mut self.running {
+            let alive: BTreeSet<u32> = r
+                .targets
+                .iter()
+                .filter(|t| t.is_alive())
+                .map(|t| t.pid)
+                .collect();
+            let (done, keep): (Vec<Session>, Vec<Session>) =
+                std::mem::take(&mut r.sessions).into_iter().partition(|s| {
+                    let (_, stop) = s.window.expect("running sessions have a window");
+                    let traced_alive = match &s.spec.pids {
+                        Some(pids) => pids.iter().any(|p| alive.contains(p)),
+                        None => !alive.is_empty(),
+                    };
+                    now >= stop || s.terminated || self.shutting_down || !traced_alive
+                });
+            r.sessions = keep;
+            for s in done {
+                let (start, stop) = s.window.expect("running sessions have a window");
+                let early = (now < stop).then(|| end_reason(&s, self.shutting_down));
+                let stop = now.min(stop).max(start);
+                let building = Instant::now();
+                let tl = session_timeline(r, &s, start, stop, early);
+                finished.push((s, tl, building.elapsed()));
+            }
+        }
+        for (s, tl, built_in) in finished {
+            self.deliver(s, tl, built_in);
+        }
+    }
+
+    fn detach(&mut self, running: Running) {
+        self.detaching.retain(|w| !w.is_finished());
+        if self.detaching.len() >= MAX_DETACHING {
+            drop(running);
+            return;
+        }
+        match std::thread::Builder::new()
+            .name("ebtrace-detach".into())
+            .spawn(move || {
+                drop(running);
+                release_free_memory();
+            }) {
+            Ok(handle) => self.detaching.push(handle),
+            Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
+        }
+    }
+
+    /// Hands a finished session to a worker that builds and sends its
+    /// response.
+    fn deliver(&mut self, session: Session, timeline: Timeline, built_in: Duration) {
+        let guard = self.config.guard.clone();
+        let worker = std::thread::Builder::new()
+            .name("ebtrace-deliver".into())
+            .spawn(move || {
+                let encoding = Instant::now();
+                let result = response::respond(&timeline, &session.spec, guard.as_deref());
+                let timing = (built_in, encoding.elapsed());
+                match result {
+                    Ok((response, delivered)) => {
+                        log_delivered(&session, &timeline, &delivered, timing);
+                        let _ = session.reply.send(Ok(response));
+                    }
+                    Err(e) => {
+                        eprintln!("ebtrace: session {}: {e}", session.spec.session_id);
+                        let _ = session.reply.send(Err(SessionError::Save(e)));
+                    }
+                }
+                drop(timeline);
+                release_free_memory();
+            });
+        match worker {
+            Ok(handle) => self.delivering.push(handle),
+            Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
+        }
+    }
+}
+
+/// Gives the memory of a finished session back to the system: the
+/// allocator keeps freed pages of worker threads' arenas otherwise, and an
+/// idle server would hold hundreds of MiB after a big capture.
+fn release_free_memory() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe { libc::malloc_trim(0) };
+}
+
+fn end_reason(s: &Session, shutting_down: bool) -> String {
+    if shutting_down {
+        "the server is shutting down".into()
+    } else if s.terminated {
+        format!("Terminate({}) was received", s.spec.session_id)
+    } else {
+        "every traced process exited".into()
+    }
+}
+
+/// The session's window of a running capture, restricted to the pids it
+/// asked for and cut short if it holds more than `max_events` events.
+fn session_timeline(
+    r: &mut Running,
+    s: &Session,
+    start: u64,
+    stop: u64,
+    ended_early: Option<String>,
+) -> Timeline {
+    let Some(capture) = r.capture.as_mut() else {
+        return empty_timeline(start, stop, &r.targets, r.clock, ended_early);
+    };
+    let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
+    let mut tl = capture.timeline_between(start, stop, dropped, ended_early);
+    restrict_to(&mut tl, s.spec.pids.as_ref());
+    if let Some(max) = s.spec.max_events
+        && let Some(cut) = event_cutoff(&tl, max)
+    {
+        let why = format!(
+            "max_events ({max}) was reached; the trace covers the first {:.0} ms of the \
+             window",
+            cut.saturating_sub(start) as f64 / 1e6
+        );
+        tl.stats.ended_early = Some(match tl.stats.ended_early.take() {
+            Some(e) => format!("{e}; {why}"),
+            None => why,
+        });
+        truncate(&mut tl, cut);
+    }
+    tl
+}
+
+/// Ends the timeline at `cut`: what starts later goes, what runs across it
+/// is cut there (which keeps nesting intact). Per-thread counters keep
+/// their whole-window values.
+fn truncate(tl: &mut Timeline, cut: u64) {
+    tl.stop_ns = cut;
+    for t in tl.threads.values_mut() {
+        t.slices.retain(|x| x.start_ns < cut);
+        for x in &mut t.slices {
+            x.end_ns = x.end_ns.min(cut);
+        }
+        t.marks.retain(|m| m.ts_ns < cut);
+        t.spans.retain(|x| x.start_ns < cut);
+        for x in &mut t.spans {
+            x.end_ns = x.end_ns.min(cut);
+        }
+    }
+    for slices in tl.cpus.values_mut() {
+        slices.retain(|x| x.start_ns < cut);
+        for x in slices.iter_mut() {
+            x.end_ns = x.end_ns.min(cut);
+        }
+    }
+    tl.cpus.retain(|_, slices| !slices.is_empty());
+}
+
+/// A trace of the window with no probe data (no family was asked for).
+fn empty_timeline(
+    start: u64,
+    stop: u64,
+    targets: &[TargetProcess],
+    clock: ClockSync,
+    ended_early: Option<String>,
+) -> Timeline {
+    Timeline {
+        start_ns: start,
+        stop_ns: stop,
+        clock,
+        processes: targets
+            .iter()
+            .map(|t| {
+                (
+                    t.pid,
+                    ProcessInfo {
+                        pid: t.pid,
+                        name: t.name.clone(),
+                        exited_ns: None,
+                    },
+                )
+            })
+            .collect(),
+        threads: BTreeMap::new(),
+        cpus: BTreeMap::new(),
+        stats: CaptureStats {
+            ended_early,
+            ..CaptureStats::default()
+        },
+    }
+}
+
+/// Keeps only the processes in `pids` (all when `None`).
+fn restrict_to(tl: &mut Timeline, pids: Option<&BTreeSet<u32>>) {
+    let Some(pids) = pids else {
+        return;
+    };
+    tl.processes.retain(|pid, _| pids.contains(pid));
+    tl.threads.retain(|_, t| pids.contains(&t.pid));
+    for slices in tl.cpus.values_mut() {
+        slices.retain(|s| pids.contains(&s.pid));
+    }
+    tl.cpus.retain(|_, slices| !slices.is_empty());
+}
+
+/// The time before which at most `max` events start, if the timeline has
+/// more than `max` events.
+fn event_cutoff(tl: &Timeline, max: usize) -> Option<u64> {
+    if tl.event_count() <= max {
+        return None;
+    }
+    let mut starts: Vec<u64> = Vec::with_capacity(tl.event_count());
+    for t in tl.threads.values() {
+        starts.extend(t.slices.iter().map(|s| s.start_ns));
+        starts.extend(t.marks.iter().map(|m| m.ts_ns));
+        starts.extend(t.spans.iter().map(|s| s.start_ns));
+    }
+    starts.extend(tl.cpus.values().flatten().map(|s| s.start_ns));
+    let (_, nth, _) = starts.select_nth_unstable(max);
+    Some(*nth)
+}
+
+/// One line per answered session; `timing` is (timeline built in, response
+/// built in).
+fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, Duration)) {
+    let mut line = format!(
+        "ebtrace: session {} for {}: {:.0} ms window, {} events, {} bytes",
+        s.spec.session_id,
+        s.spec.client,
+        tl.duration_ns() as f64 / 1e6,
+        d.events,
+        d.bytes
+    );
+    if d.empty {
+        line.push_str(", empty trace");
+    }
+    if let Some(p) = &d.saved {
+        line.push_str(&format!(", saved to {}", p.display()));
+    }
+    if let Some(why) = &tl.stats.ended_early {
+        line.push_str(&format!("; ended early: {why}"));
+    }
+    line.push_str(&format!(
+        " (answered {} ms after the request; timeline {} ms, XSpace {} ms: built {} ms, \
+         encoded {} ms)",
+        s.received.elapsed().as_millis(),
+        timing.0.as_millis(),
+        timing.1.as_millis(),
+        d.built.as_millis(),
+        d.encoded.as_millis()
+    ));
+    eprintln!("{line}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::{CpuSlice, StateSlice, ThreadCounters, ThreadState, ThreadTrack};
+
+    fn timeline() -> Timeline {
+        let mut tl = empty_timeline(0, 1000, &[], ClockSync::from_offset(0), None);
+        for (tid, pid) in [(1, 1), (2, 1), (3, 3)] {
+            tl.threads.insert(
+                tid,
+                ThreadTrack {
+                    tid,
+                    pid,
+                    name: format!("t{tid}"),
+                    slices: (0..10)
+                        .map(|i| StateSlice {
+                            start_ns: i * 100,
+                            end_ns: (i + 1) * 100,
+                            state: ThreadState::Running { cpu: 0 },
+                        })
+                        .collect(),
+                    marks: vec![],
+                    spans: vec![],
+                    counters: ThreadCounters::default(),
+                },
+            );
+        }
+        tl.cpus.insert(
+            0,
+            vec![
+                CpuSlice {
+                    start_ns: 0,
+                    end_ns: 5,
+                    tid: 1,
+                    pid: 1,
+                },
+                CpuSlice {
+                    start_ns: 5,
+                    end_ns: 9,
+                    tid: 3,
+                    pid: 3,
+                },
+            ],
+        );
+        tl
+    }
+
+    #[test]
+    fn restricting_keeps_only_the_asked_processes() {
+        let mut tl = timeline();
+        restrict_to(&mut tl, Some(&BTreeSet::from([3])));
+        assert_eq!(tl.threads.keys().copied().collect::<Vec<_>>(), vec![3]);
+        assert_eq!(tl.cpus[&0].len(), 1);
+        let mut all = timeline();
+        restrict_to(&mut all, None);
+        assert_eq!(all, timeline());
+    }
+
+    #[test]
+    fn cutoff_keeps_at_most_max_events() {
+        let mut tl = timeline();
+        assert_eq!(tl.event_count(), 32);
+        assert_eq!(event_cutoff(&tl, 32), None);
+        let cut = event_cutoff(&tl, 10).unwrap();
+        assert!(cut > 0);
+        truncate(&mut tl, cut);
+        assert!(tl.event_count() <= 10, "{} events", tl.event_count());
+        assert!(tl.event_count() >= 6, "{} events", tl.event_count());
+        assert_eq!(tl.stop_ns, cut);
+        for t in tl.threads.values() {
+            let last = t.slices.last().unwrap();
+            assert!(last.end_ns <= cut && last.start_ns < last.end_ns);
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! Checks a `ProfileRequest` and turns it into a [`SessionSpec`]: the one
+//! place where request fields become capture parameters, and where a bad
+//! request gets its INVALID_ARGUMENT message.
+//!
+//! Field semantics follow TSL's server: `opts.duration_ms` (falling back to
+//! `duration_ms`), `opts.start_timestamp_ns` (wall clock; in the past means
+//! now), tracer levels from `opts` unless `opts.version` is 0, which means
+//! TSL's defaults. The levels choose the probe families in
+//! [`families_for`].
+
+use std::{collections::BTreeSet, fmt, time::Duration};
+
+use ebtrace_proto::tensorflow::{
+    ProfileOptions, ProfileRequest, profile_options::advanced_config_value,
+};
+
+use super::write_guard::{Destination, WriteGuard};
+use crate::capture::ProbeFamilies;
+
+/// What the operator allows a request to ask for.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Longest capture a request may ask for.
+    pub max_duration: Duration,
+    /// How far in the future a requested start may be.
+    pub max_start_delay: Duration,
+}
+
+/// The advanced-configuration key that restricts a capture to some of the
+/// watched processes: an int64 pid, or a string of comma-separated pids.
+pub const PIDS_KEY: &str = "pid";
+
+/// TSL's tracer levels: host (0 off, 1 user TraceMe, 2 +high-level, 3
+/// verbose), device (0/1), python (0/1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TracerLevels {
+    pub host: u32,
+    pub device: u32,
+    pub python: u32,
+}
+
+impl TracerLevels {
+    /// `ProfilerSession::DefaultOptions()`, used when `opts.version` is 0.
+    pub const DEFAULT: TracerLevels = TracerLevels {
+        host: 2,
+        device: 1,
+        python: 0,
+    };
+
+    pub fn of(opts: Option<&ProfileOptions>) -> Self {
+        match opts {
+            Some(o) if o.version != 0 => TracerLevels {
+                host: o.host_tracer_level,
+                device: o.device_tracer_level,
+                python: o.python_tracer_level,
+            },
+            _ => Self::DEFAULT,
+        }
+    }
+}
+
+/// Which probe families a request's tracer levels switch on. Scheduler
+/// data is host data: `host_tracer_level` 0 turns it off. A family added
+/// later maps its level here (TraceMe: host; CUDA: device).
+pub fn families_for(levels: TracerLevels) -> ProbeFamilies {
+    ProbeFamilies {
+        sched: levels.host >= 1,
+    }
+}
+
+/// How the XSpace goes back to the client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// `tool_data { name: "xplane.pb" }`: the client writes the file.
+    ToolData,
+    /// `ProfileResponse.xspace` (`emit_xspace` was set).
+    Inline,
+}
+
+/// A checked request: everything the session needs, nothing unchecked.
+#[derive(Clone, Debug)]
+pub struct SessionSpec {
+    /// `session_id` (or `opts.session_id`); `Terminate` matches on it.
+    pub session_id: String,
+    /// Requested start, wall-clock epoch ns; `None`: now.
+    pub start_wall_ns: Option<u64>,
+    pub duration: Duration,
+    pub levels: TracerLevels,
+    pub families: ProbeFamilies,
+    /// At most this many events in the trace (`None`: no limit).
+    pub max_events: Option<usize>,
+    /// Only these of the watched processes (`None`: all of them).
+    pub pids: Option<BTreeSet<u32>>,
+    /// Host name recorded in the XSpace.
+    pub hostname: String,
+    pub delivery: Delivery,
+    /// Where the server itself saves the XSpace, if it was asked to and
+    /// may.
+    pub save_to: Option<Destination>,
+    /// Who asked (for the server's log).
+    pub client: String,
+}
+
+/// Why a request was refused; the message goes back as INVALID_ARGUMENT.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Invalid(pub String);
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn human(d: Duration) -> String {
+    humantime::format_duration(Duration::from_millis(d.as_millis() as u64)).to_string()
+}
+
+/// Checks `req` against `limits`; `now_wall_ns` is the server's clock,
+/// `local_host` its host name, `guard` the directory it may write under.
+pub fn profile_request(
+    req: &ProfileRequest,
+    limits: &Limits,
+    guard: Option<&WriteGuard>,
+    now_wall_ns: u64,
+    local_host: &str,
+    client: String,
+) -> Result<SessionSpec, Invalid> {
+    let opts = req.opts.as_ref();
+    let duration_ms = opts
+        .map(|o| o.duration_ms)
+        .filter(|&ms| ms > 0)
+        .unwrap_or(req.duration_ms);
+    if duration_ms == 0 {
+        return Err(Invalid(
+            "the requested duration is 0: set ProfileRequest.duration_ms or \
+             opts.duration_ms to the capture length in milliseconds"
+                .into(),
+        ));
+    }
+    let duration = Duration::from_millis(duration_ms);
+    if duration > limits.max_duration {
+        return Err(Invalid(format!(
+            "the requested duration {} is above this server's limit of {} \
+             (ebtrace serve --max-duration)",
+            human(duration),
+            human(limits.max_duration)
+        )));
+    }
+
+    let start_wall_ns = opts
+        .map(|o| o.start_timestamp_ns)
+        .filter(|&ns| ns > now_wall_ns);
+    if let Some(start) = start_wall_ns {
+        let delay = Duration::from_nanos(start - now_wall_ns);
+        if delay > limits.max_start_delay {
+            return Err(Invalid(format!(
+                "opts.start_timestamp_ns is {} in the future, beyond this server's limit of {} \
+                 (ebtrace serve --max-start-delay); check the client's clock",
+                human(delay),
+                human(limits.max_start_delay)
+            )));
+        }
+    }
+
+    let levels = TracerLevels::of(opts);
+    let pids = requested_pids(opts)?;
+    let override_hostname = override_hostname(opts);
+    let session_id = if req.session_id.is_empty() {
+        opts.map(|o| o.session_id.clone()).unwrap_or_default()
+    } else {
+        req.session_id.clone()
+    };
+    let delivery = if req.emit_xspace {
+        Delivery::Inline
+    } else {
+        Delivery::ToolData
+    };
+
+    // The server saves a file only where the operator allowed it, and only
+    // if the request names a repository (as TSL's clients always do).
+    let save_to = match guard {
+        Some(guard) if !req.repository_root.is_empty() && delivery == Delivery::ToolData => {
+            let file_host = override_hostname
+                .clone()
+                .or_else(|| (!req.host_name.is_empty()).then(|| req.host_name.clone()))
+                .unwrap_or_else(|| local_host.to_string());
+            let destination = guard
+                .resolve(&req.repository_root, &session_id, &file_host)
+                .map_err(|refusal| Invalid(refusal.to_string()))?;
+            Some(destination)
+        }
+        _ => None,
+    };
+
+    Ok(SessionSpec {
+        session_id,
+        start_wall_ns,
+        duration,
+        levels,
+        families: families_for(levels),
+        max_events: (req.max_events > 0).then_some(req.max_events as usize),
+        pids,
+        hostname: override_hostname.unwrap_or_else(|| local_host.to_string()),
+        delivery,
+        save_to,
+        client,
+    })
+}
+
+/// `opts.override_hostname`, else `advanced_configuration["override_hostname"]`.
+fn override_hostname(opts: Option<&ProfileOptions>) -> Option<String> {
+    let opts = opts?;
+    if !opts.override_hostname.is_empty() {
+        return Some(opts.override_hostname.clone());
+    }
+    match opts
+        .advanced_configuration
+        .get("override_hostname")
+        .and_then(|v| v.value.as_ref())
+    {
+        Some(advanced_config_value::Value::StringValue(s)) if !s.is_empty() => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// The pids of `advanced_configuration["pid"]`, if given.
+fn requested_pids(opts: Option<&ProfileOptions>) -> Result<Option<BTreeSet<u32>>, Invalid> {
+    let Some(value) = opts
+        .and_then(|o| o.advanced_configuration.get(PIDS_KEY))
+        .and_then(|v| v.value.as_ref())
+    else {
+        return Ok(None);
+    };
+    let bad = |what: &str| {
+        Invalid(format!(
+            "advanced_configuration[\"{PIDS_KEY}\"] = {what} is not a pid or a comma-separated \
+             list of pids"
+        ))
+    };
+    let pids: BTreeSet<u32> = match value {
+        advanced_config_value::Value::Int64Value(v) => {
+            BTreeSet::from([u32::try_from(*v).map_err(|_| bad(&v.to_string()))?])
+        }
+        advanced_config_value::Value::StringValue(s) => s
+            .split(',')
+            .map(|p| p.trim().parse::<u32>().map_err(|_| bad(&format!("{s:?}"))))
+            .collect::<Result<_, _>>()?,
+        advanced_config_value::Value::BoolValue(b) => return Err(bad(&b.to_string())),
+    };
+    if pids.contains(&0) {
+        return Err(bad("0"));
+    }
+    Ok(Some(pids))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use ebtrace_proto::tensorflow::profile_options::AdvancedConfigValue;
+    use prost::Message as _;
+
+    use super::*;
+
+    const NOW: u64 = 1_800_000_000_000_000_000;
+    const LIMITS: Limits = Limits {
+        max_duration: Duration::from_secs(60),
+        max_start_delay: Duration::from_secs(60),
+    };
+
+    fn fixture(name: &str) -> ProfileRequest {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/real/");
+        let bytes = std::fs::read(format!("{path}{name}"))
+            .unwrap_or_else(|e| panic!("fixture {name} (shared checkout beside the repo): {e}"));
+        ProfileRequest::decode(bytes.as_slice()).expect("a ProfileRequest")
+    }
+
+    fn check(req: &ProfileRequest) -> Result<SessionSpec, Invalid> {
+        profile_request(req, &LIMITS, None, NOW, "box", "test".into())
+    }
+
+    #[test]
+    fn the_real_clients_requests_are_accepted() {
+        for (name, python) in [
+            ("profile_request_jax_collect_profile.bin", 1),
+            ("profile_request_tf_client.bin", 0),
+            ("profile_request_xprof_web_capture.bin", 0),
+        ] {
+            let req = fixture(name);
+            let spec = check(&req).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(spec.duration, Duration::from_millis(1000), "{name}");
+            // Recorded in 2026-11; NOW is later, so the start is "now".
+            assert_eq!(spec.start_wall_ns, None, "{name}");
+            assert_eq!(
+                spec.levels,
+                TracerLevels {
+                    host: 2,
+                    device: 1,
+                    python
+                }
+            );
+            assert!(spec.families.sched);
+            assert_eq!(spec.max_events, Some(1_000_000));
+            assert_eq!(spec.session_id, req.session_id);
+            assert_eq!(spec.delivery, Delivery::ToolData);
+            assert_eq!(spec.hostname, "box");
+            assert!(spec.save_to.is_none(), "no directory allowed, no saving");
+            assert_eq!(spec.pids, None);
+        }
+    }
+
+    #[test]
+    fn version_zero_means_defaults_and_duration_falls_back() {
+        let req = ProfileRequest {
+            duration_ms: 1500,
+            opts: Some(ProfileOptions {
+                version: 0,
+                host_tracer_level: 0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let spec = check(&req).unwrap();
+        assert_eq!(spec.levels, TracerLevels::DEFAULT);
+        assert_eq!(spec.duration, Duration::from_millis(1500));
+        let mut req = req;
+        req.opts.as_mut().unwrap().version = 1;
+        let spec = check(&req).unwrap();
+        assert!(spec.families.is_empty(), "host level 0: no scheduler data");
+    }
+
+    #[test]
+    fn bad_requests_say_what_is_wrong() {
+        let zero = ProfileRequest::default();
+        assert!(check(&zero).unwrap_err().0.contains("duration is 0"));
+
+        let long = ProfileRequest {
+            duration_ms: 61_000,
+            ..Default::default()
+        };
+        assert!(check(&long).unwrap_err().0.contains("--max-duration"));
+
+        let mut later = fixture("profile_request_tf_client.bin");
+        later.opts.as_mut().unwrap().start_timestamp_ns = NOW + 61_000_000_000;
+        assert!(check(&later).unwrap_err().0.contains("--max-start-delay"));
+        later.opts.as_mut().unwrap().start_timestamp_ns = NOW + 2_000_000_000;
+        assert_eq!(
+            check(&later).unwrap().start_wall_ns,
+            Some(NOW + 2_000_000_000)
+        );
+
+        let with_pid = |v: advanced_config_value::Value| ProfileRequest {
+            duration_ms: 10,
+            opts: Some(ProfileOptions {
+                version: 1,
+                advanced_configuration: HashMap::from([(
+                    PIDS_KEY.to_string(),
+                    AdvancedConfigValue { value: Some(v) },
+                )]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        use advanced_config_value::Value;
+        assert_eq!(
+            check(&with_pid(Value::StringValue("3, 4".into())))
+                .unwrap()
+                .pids,
+            Some(BTreeSet::from([3, 4]))
+        );
+        assert_eq!(
+            check(&with_pid(Value::Int64Value(7))).unwrap().pids,
+            Some(BTreeSet::from([7]))
+        );
+        for bad in [
+            Value::StringValue("12,x".into()),
+            Value::Int64Value(-1),
+            Value::BoolValue(true),
+            Value::StringValue("0".into()),
+        ] {
+            assert!(check(&with_pid(bad)).unwrap_err().0.contains("not a pid"));
+        }
+    }
+
+    #[test]
+    fn override_hostname_and_emit_xspace() {
+        let mut req = fixture("profile_request_jax_collect_profile.bin");
+        req.emit_xspace = true;
+        req.opts.as_mut().unwrap().override_hostname = "worker-3".into();
+        let spec = check(&req).unwrap();
+        assert_eq!(spec.hostname, "worker-3");
+        assert_eq!(spec.delivery, Delivery::Inline);
+    }
+}

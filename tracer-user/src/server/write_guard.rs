@@ -1,0 +1,394 @@
+//! Server-side saving, confined to the directory the operator allowed
+//! (`--allow-write-under DIR`).
+//!
+//! The path comes from the network (`repository_root`, `session_id`,
+//! `host_name`) and ebtrace runs as root, so two checks stand between a
+//! request and the disk: [`WriteGuard::resolve`] refuses, before anything is
+//! captured, any path with a `..`, an odd component, or a prefix that
+//! resolves (through symlinks) outside the allowed directory; and
+//! [`WriteGuard::write`] walks the path again from a descriptor of that
+//! directory with `openat2(RESOLVE_BENEATH)`, so a symlink swapped in
+//! between cannot lead out of it either. New directories and the file take
+//! the owner of the directory they are created in, so a client running as
+//! that user can still write beside them (TSL's clients save the same file
+//! themselves).
+
+use std::{
+    ffi::{CString, OsStr, OsString},
+    fmt, fs, io,
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
+        unix::ffi::OsStrExt as _,
+    },
+    path::{Component, Path, PathBuf},
+};
+
+use crate::sink::logdir::xplane_file_name;
+
+/// The directory the server may write under, held open.
+#[derive(Debug)]
+pub struct WriteGuard {
+    root: PathBuf,
+    dir: OwnedFd,
+}
+
+/// A checked place to save one XSpace: components below the allowed
+/// directory and a file name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Destination {
+    below_root: Vec<OsString>,
+    file_name: String,
+}
+
+/// Why a path was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refused(String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A single plain path component: not empty, not `.` or `..`, no `/`, no NUL.
+fn plain_component(what: &str, value: &str) -> Result<(), Refused> {
+    if value.is_empty() || value == "." || value == ".." || value.contains(['/', '\0']) {
+        return Err(Refused(format!(
+            "{what} {value:?} is not a plain file name; refusing to save there"
+        )));
+    }
+    Ok(())
+}
+
+impl WriteGuard {
+    /// Opens `dir` (which must exist and be a directory).
+    pub fn open(dir: &Path) -> io::Result<Self> {
+        let root = fs::canonicalize(dir)?;
+        if !root.is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotADirectory,
+                "not a directory",
+            ));
+        }
+        let c = CString::new(root.as_os_str().as_bytes())?;
+        // SAFETY: valid C string; the result is checked.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd was just opened and is owned by nobody else.
+        let dir = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(WriteGuard { root, dir })
+    }
+
+    /// The allowed directory, canonical.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Where `<repository_root>/<session_id>/<host ':'→'_'>.xplane.pb`
+    /// goes, if it stays inside the allowed directory.
+    pub fn resolve(
+        &self,
+        repository_root: &str,
+        session_id: &str,
+        host: &str,
+    ) -> Result<Destination, Refused> {
+        plain_component("session_id", session_id)?;
+        let file_name = xplane_file_name(host);
+        plain_component("host name", &file_name)?;
+        let outside = || {
+            Refused(format!(
+                "repository_root {repository_root:?} is outside {} (the directory this server may \
+                 write under, --allow-write-under); the XSpace still comes back in the response",
+                self.root.display()
+            ))
+        };
+        let requested = Path::new(repository_root);
+        if !requested.is_absolute() || repository_root.contains('\0') {
+            return Err(Refused(format!(
+                "repository_root {repository_root:?} is not an absolute path"
+            )));
+        }
+        if requested
+            .components()
+            .any(|c| matches!(c, Component::ParentDir))
+        {
+            return Err(outside());
+        }
+        // The longest prefix that exists decides where the path really
+        // leads (symlinks included); the rest is created below it.
+        let mut existing = requested.to_path_buf();
+        let mut missing: Vec<OsString> = Vec::new();
+        let canonical = loop {
+            match fs::canonicalize(&existing) {
+                Ok(c) => break c,
+                Err(_) => {
+                    let Some(name) = existing.file_name() else {
+                        return Err(outside());
+                    };
+                    missing.push(name.to_os_string());
+                    existing.pop();
+                }
+            }
+        };
+        let inside = canonical.strip_prefix(&self.root).map_err(|_| outside())?;
+        let mut below_root: Vec<OsString> = inside
+            .components()
+            .map(|c| c.as_os_str().to_os_string())
+            .collect();
+        below_root.extend(missing.into_iter().rev());
+        below_root.push(session_id.into());
+        Ok(Destination {
+            below_root,
+            file_name,
+        })
+    }
+
+    /// The path `destination` names (for messages).
+    pub fn path_of(&self, destination: &Destination) -> PathBuf {
+        let mut p = self.root.clone();
+        p.extend(&destination.below_root);
+        p.join(&destination.file_name)
+    }
+
+    /// Saves `bytes` at `destination`, atomically (temporary file, then
+    /// rename), never leaving the allowed directory.
+    pub fn write(&self, destination: &Destination, bytes: &[u8]) -> io::Result<PathBuf> {
+        let mut dir = self.dir.try_clone()?;
+        for name in &destination.below_root {
+            dir = open_or_create_dir(&dir, name)?;
+        }
+        let owner = owner_of(dir.as_raw_fd())?;
+        let tmp = format!(".{}.tmp-{}", destination.file_name, std::process::id());
+        let file = open_beneath(
+            &dir,
+            OsStr::new(&tmp),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644,
+        )?;
+        let result = (|| {
+            let mut f = fs::File::from(file);
+            io::Write::write_all(&mut f, bytes)?;
+            f.sync_all()?;
+            chown_fd(f.as_raw_fd(), owner)?;
+            rename_in(&dir, &tmp, &destination.file_name)
+        })();
+        if result.is_err() {
+            let c = CString::new(tmp.as_bytes())?;
+            // SAFETY: valid dirfd and C string.
+            unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) };
+        }
+        result.map(|()| self.path_of(destination))
+    }
+}
+
+/// `openat2(dir, name, flags, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`.
+fn open_beneath(dir: &OwnedFd, name: &OsStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    let c = CString::new(name.as_bytes())?;
+    // SAFETY: open_how is plain data; zeroed is a valid value.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = flags as u64;
+    how.mode = if flags & libc::O_CREAT != 0 {
+        u64::from(mode)
+    } else {
+        0
+    };
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: valid dirfd, C string and open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+fn open_or_create_dir(parent: &OwnedFd, name: &OsStr) -> io::Result<OwnedFd> {
+    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
+    match open_beneath(parent, name, flags, 0) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let c = CString::new(name.as_bytes())?;
+            // SAFETY: valid dirfd and C string.
+            let rc = unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o755) };
+            if rc != 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::AlreadyExists {
+                    return Err(e);
+                }
+            } else {
+                let owner = owner_of(parent.as_raw_fd())?;
+                let dir = open_beneath(parent, name, flags, 0)?;
+                chown_fd(dir.as_raw_fd(), owner)?;
+                return Ok(dir);
+            }
+            open_beneath(parent, name, flags, 0)
+        }
+        other => other,
+    }
+}
+
+fn owner_of(fd: RawFd) -> io::Result<(u32, u32)> {
+    // SAFETY: stat is plain data; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid fd and pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((st.st_uid, st.st_gid))
+}
+
+fn chown_fd(fd: RawFd, (uid, gid): (u32, u32)) -> io::Result<()> {
+    let empty = c"";
+    // SAFETY: valid fd; AT_EMPTY_PATH makes the call act on fd itself
+    // (which works for O_PATH descriptors, unlike fchown).
+    let rc = unsafe { libc::fchownat(fd, empty.as_ptr(), uid, gid, libc::AT_EMPTY_PATH) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn rename_in(dir: &OwnedFd, from: &str, to: &str) -> io::Result<()> {
+    let (f, t) = (CString::new(from)?, CString::new(to)?);
+    // SAFETY: valid dirfd and C strings.
+    let rc = unsafe { libc::renameat(dir.as_raw_fd(), f.as_ptr(), dir.as_raw_fd(), t.as_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(tag: &str) -> Self {
+            let p =
+                std::env::temp_dir().join(format!("ebtrace-guard-{tag}-{}", std::process::id()));
+            let _ = fs::remove_dir_all(&p);
+            fs::create_dir_all(p.join("allowed")).unwrap();
+            fs::create_dir_all(p.join("outside")).unwrap();
+            Scratch(fs::canonicalize(p).unwrap())
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn files_under(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.is_symlink() {
+                out.extend(files_under(&p));
+            } else {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn writes_inside_and_names_like_tsl() {
+        let s = Scratch::new("ok");
+        let guard = WriteGuard::open(&s.0.join("allowed")).unwrap();
+        let root = s.0.join("allowed/logs/plugins/profile");
+        let dest = guard
+            .resolve(
+                root.to_str().unwrap(),
+                "2026_11_22_01_02_03",
+                "127.0.0.1:6009",
+            )
+            .unwrap();
+        let path = guard.write(&dest, b"xspace").unwrap();
+        assert_eq!(
+            path,
+            root.join("2026_11_22_01_02_03/127.0.0.1_6009.xplane.pb")
+        );
+        assert_eq!(fs::read(&path).unwrap(), b"xspace");
+        assert!(files_under(&s.0.join("outside")).is_empty());
+        // No temporary file is left behind.
+        assert_eq!(files_under(&s.0.join("allowed")), vec![path]);
+    }
+
+    #[test]
+    fn escapes_are_refused() {
+        let s = Scratch::new("escape");
+        let allowed = s.0.join("allowed");
+        let guard = WriteGuard::open(&allowed).unwrap();
+        std::os::unix::fs::symlink(s.0.join("outside"), allowed.join("link-out")).unwrap();
+        let a = allowed.to_str().unwrap();
+        let attempts = [
+            (format!("{a}/../outside"), "run", "h"),
+            (format!("{a}/link-out/plugins/profile"), "run", "h"),
+            (format!("{a}/link-out"), "run", "h"),
+            (
+                s.0.join("outside").to_string_lossy().into_owned(),
+                "run",
+                "h",
+            ),
+            ("/".to_string(), "run", "h"),
+            ("relative/path".to_string(), "run", "h"),
+            (format!("{a}/logs"), "..", "h"),
+            (format!("{a}/logs"), "a/b", "h"),
+            (format!("{a}/logs"), "", "h"),
+            (format!("{a}/logs"), "run", "../../etc/passwd"),
+            (format!("{a}/logs"), "run", "x/y"),
+        ];
+        for (root, session, host) in &attempts {
+            let r = guard.resolve(root, session, host);
+            assert!(r.is_err(), "{root} {session} {host} was allowed: {r:?}");
+        }
+        assert!(files_under(&s.0.join("outside")).is_empty());
+    }
+
+    #[test]
+    fn a_symlink_swapped_in_after_the_check_is_not_followed_out() {
+        let s = Scratch::new("race");
+        let allowed = s.0.join("allowed");
+        let guard = WriteGuard::open(&allowed).unwrap();
+        let dest = guard
+            .resolve(allowed.join("logs").to_str().unwrap(), "run", "h")
+            .unwrap();
+        // Between check and write, `logs` becomes a link to the outside.
+        std::os::unix::fs::symlink(s.0.join("outside"), allowed.join("logs")).unwrap();
+        let err = guard.write(&dest, b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EXDEV), "{err}");
+        assert!(files_under(&s.0.join("outside")).is_empty());
+    }
+
+    #[test]
+    fn a_symlink_that_stays_inside_is_fine() {
+        let s = Scratch::new("inside");
+        let allowed = s.0.join("allowed");
+        fs::create_dir_all(allowed.join("real")).unwrap();
+        std::os::unix::fs::symlink(allowed.join("real"), allowed.join("alias")).unwrap();
+        let guard = WriteGuard::open(&allowed).unwrap();
+        let dest = guard
+            .resolve(allowed.join("alias/p").to_str().unwrap(), "run", "h:1")
+            .unwrap();
+        let path = guard.write(&dest, b"x").unwrap();
+        assert_eq!(path, allowed.join("real/p/run/h_1.xplane.pb"));
+        assert!(path.exists());
+    }
+}

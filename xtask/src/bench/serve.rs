@@ -1,0 +1,472 @@
+//! `cargo xtask bench --serve`: how `ebtrace serve` answers a 2 s capture
+//! request. For each round a gRPC client asks, like `jax.collect_profile`
+//! does (start now, `max_events` 1,000,000), for 2 s of the fixture; the
+//! bench records the time from sending to the whole response received
+//! minus the 2 s asked for, the events and bytes of the XSpace that came
+//! back, the server's own breakdown (timeline, XSpace encoding), and the
+//! server's resident memory idle and at its peak during the request.
+//! Results go to stdout and `target/bench/serve.md`.
+
+use std::{
+    fmt::Write as _,
+    io::{BufRead as _, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use ebtrace_proto::tensorflow::{
+    ProfileOptions, ProfileRequest, profiler::XSpace,
+    profiler_service_client::ProfilerServiceClient,
+};
+use prost::Message as _;
+
+use crate::{
+    setup,
+    util::{self, Workload, median, say, signal},
+};
+
+/// The capture length the target is stated for.
+const CAPTURE_MS: u64 = 2000;
+/// What TSL's clients send.
+const CLIENT_MAX_EVENTS: u64 = 1_000_000;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub rounds: usize,
+    pub target_cpu: Option<usize>,
+}
+
+/// One answered request.
+struct Answer {
+    mode: &'static str,
+    max_events: u64,
+    /// Response received minus the requested duration.
+    overhead: Duration,
+    events: usize,
+    bytes: usize,
+    cut_by_max_events: bool,
+    /// From the server's log: timeline, XSpace built, XSpace encoded (ms).
+    server_ms: Option<(u64, u64, u64)>,
+    /// From the server's log: time to attach the probes (ms).
+    attach_ms: Option<u64>,
+    /// From the server's log: request received to response handed to gRPC,
+    /// minus the requested duration (ms).
+    server_overhead_ms: Option<u64>,
+    peak_rss_kib: u64,
+}
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Server {
+    fn start(ebtrace: &Path, pid: u32) -> Result<Self> {
+        let mut child = Command::new(ebtrace)
+            .args(["serve", "--pid", &pid.to_string(), "--bind", "127.0.0.1:0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting ebtrace serve")?;
+        let stderr = child.stderr.take().expect("piped");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&lines);
+        thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().expect("lock").push(line);
+            }
+        });
+        let started = Instant::now();
+        loop {
+            let addr = lines.lock().expect("lock").iter().find_map(|l| {
+                l.strip_prefix("ebtrace: serving tensorflow.ProfilerService on ")
+                    .and_then(|a| a.parse().ok())
+            });
+            if let Some(addr) = addr {
+                return Ok(Server { child, addr, lines });
+            }
+            if started.elapsed() > Duration::from_secs(60) || child.try_wait()?.is_some() {
+                bail!(
+                    "ebtrace serve did not start: {:?}",
+                    lines.lock().expect("lock")
+                );
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn rss_kib(&self) -> u64 {
+        rss_kib(self.child.id()).unwrap_or(0)
+    }
+
+    /// The `n`-th number after `key` in the log lines that start with
+    /// `prefix` (waits a little for the line).
+    fn logged_ms(&self, prefix: &str, n: usize, key: &str) -> Option<u64> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let found = self
+                .lines
+                .lock()
+                .expect("lock")
+                .iter()
+                .filter(|l| l.starts_with(prefix))
+                .nth(n)
+                .cloned();
+            if let Some(line) = found {
+                return line
+                    .split(key)
+                    .nth(1)?
+                    .split(" ms")
+                    .next()?
+                    .trim()
+                    .parse()
+                    .ok();
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn stop(mut self) -> Result<()> {
+        signal(self.child.id(), libc::SIGTERM);
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("ebtrace serve exited with {status}");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+fn realtime_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn request(max_events: u64) -> ProfileRequest {
+    ProfileRequest {
+        duration_ms: CAPTURE_MS,
+        max_events,
+        tools: vec!["xplane.pb".into()],
+        opts: Some(ProfileOptions {
+            host_tracer_level: 2,
+            device_tracer_level: 1,
+            python_tracer_level: 1,
+            version: 1,
+            start_timestamp_ns: realtime_ns(),
+            duration_ms: CAPTURE_MS,
+            ..Default::default()
+        }),
+        session_id: "bench".into(),
+        host_name: "127.0.0.1:6009".into(),
+        ..Default::default()
+    }
+}
+
+/// Asks for one capture, sampling the server's RSS meanwhile.
+fn ask(
+    runtime: &tokio::runtime::Runtime,
+    server: &Server,
+    mode: &'static str,
+    max_events: u64,
+    n: usize,
+) -> Result<Answer> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicU64::new(0));
+    let pid = server.child.id();
+    let sampler = {
+        let (stop, peak) = (Arc::clone(&stop), Arc::clone(&peak));
+        thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(kib) = rss_kib(pid) {
+                    peak.fetch_max(kib, Ordering::Relaxed);
+                }
+                thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    let url = format!("http://{}", server.addr);
+    let sent = Instant::now();
+    let response = runtime.block_on(async {
+        let mut client = ProfilerServiceClient::connect(url)
+            .await?
+            .max_decoding_message_size(usize::MAX);
+        let response = client.profile(request(max_events)).await?;
+        anyhow::Ok(response.into_inner())
+    })?;
+    let elapsed = sent.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.join();
+    let data = &response
+        .tool_data
+        .first()
+        .context("no tool_data in the response")?
+        .data;
+    let space = XSpace::decode(data.as_slice()).context("decoding the XSpace")?;
+    let events = space
+        .planes
+        .iter()
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum();
+    Ok(Answer {
+        mode,
+        max_events,
+        overhead: elapsed.saturating_sub(Duration::from_millis(CAPTURE_MS)),
+        events,
+        bytes: data.len(),
+        cut_by_max_events: space.warnings.iter().any(|w| w.contains("max_events")),
+        server_ms: (|| {
+            let session = |key| server.logged_ms("ebtrace: session ", n, key);
+            Some((
+                session("timeline ")?,
+                session("built ")?,
+                session("encoded ")?,
+            ))
+        })(),
+        attach_ms: server.logged_ms("ebtrace: probes attached", n, "attached in "),
+        server_overhead_ms: server
+            .logged_ms("ebtrace: session ", n, "answered ")
+            .map(|ms| ms.saturating_sub(CAPTURE_MS)),
+        peak_rss_kib: peak.load(Ordering::Relaxed),
+    })
+}
+
+pub fn run(root: &Path, opts: Options) -> Result<()> {
+    util::require_root("bench --serve")?;
+    setup::run_setup(root, setup::Options::default())?;
+    let ebtrace = util::build_release(root)?;
+    let fixture = util::build_fixture(root)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let load_before = loadavg();
+    let started = Instant::now();
+    let mut answers = Vec::new();
+    let mut idle = Vec::new();
+    // pingpong: as many scheduler events as the fixture can make (the 1M
+    // events case, once with the clients' max_events and once without);
+    // mixed: a light load.
+    for (mode, limits) in [
+        ("pingpong", &[CLIENT_MAX_EVENTS, 0][..]),
+        ("mixed", &[CLIENT_MAX_EVENTS][..]),
+    ] {
+        let workload = start_workload(&fixture, mode, opts.target_cpu)?;
+        let server = Server::start(&ebtrace, workload.pid)?;
+        thread::sleep(Duration::from_secs(1));
+        let idle_before = server.rss_kib();
+        let mut n = 0;
+        for &max_events in limits {
+            for round in 0..opts.rounds {
+                let a = ask(&runtime, &server, mode, max_events, n)?;
+                n += 1;
+                say(format!(
+                    "{mode} max_events={max_events} round {}: +{:.0} ms, {} events, {:.1} MB, peak RSS {:.0} MiB",
+                    round + 1,
+                    a.overhead.as_secs_f64() * 1e3,
+                    a.events,
+                    a.bytes as f64 / 1e6,
+                    a.peak_rss_kib as f64 / 1024.0
+                ));
+                answers.push(a);
+            }
+        }
+        // Detaching finishes in the background; give it a moment.
+        thread::sleep(Duration::from_secs(2));
+        idle.push((mode, idle_before, server.rss_kib()));
+        server.stop()?;
+        workload.stop()?;
+    }
+    let load = (load_before, loadavg());
+    let md = render(
+        root,
+        &ebtrace,
+        &answers,
+        &idle,
+        opts,
+        started.elapsed(),
+        load,
+    );
+    println!();
+    print!("{md}");
+    let out = root.join("target/bench/serve.md");
+    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
+    std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
+    println!("\nwritten to {}", out.display());
+    Ok(())
+}
+
+/// The 1-minute load average: other work on the machine skews every
+/// figure here, so the report states it.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
+}
+
+fn start_workload(fixture: &PathBuf, mode: &str, cpu: Option<usize>) -> Result<Workload> {
+    let mut cmd = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpu.to_string()]).arg(fixture);
+            c
+        }
+        None => Command::new(fixture),
+    };
+    cmd.args(["--mode", mode]);
+    Workload::start(cmd)
+}
+
+fn render(
+    root: &Path,
+    ebtrace: &Path,
+    answers: &[Answer],
+    idle: &[(&str, u64, u64)],
+    opts: Options,
+    took: Duration,
+    load: (String, String),
+) -> String {
+    let stdout = |cmd: &mut Command| util::stdout_of(cmd).unwrap_or_default();
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "## ebtrace serve: answering a 2 s capture ({})\n",
+        stdout(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]))
+    );
+    let _ = writeln!(
+        md,
+        "- {} ({}), kernel {}, {} CPUs; target pinned to {}; {} rounds per row; took {:.0} s",
+        stdout(Command::new(ebtrace).arg("--version")),
+        stdout(
+            Command::new("git")
+                .arg("-C")
+                .arg(root)
+                .args(["describe", "--always", "--dirty"])
+        ),
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
+        thread::available_parallelism().map_or(0, |n| n.get()),
+        opts.target_cpu
+            .map_or("no CPU".to_string(), |c| format!("CPU {c}")),
+        opts.rounds,
+        took.as_secs_f64()
+    );
+    let _ = writeln!(
+        md,
+        "- 1-minute load average {} at the start, {} at the end (other work on the machine slows \
+         every step below)",
+        load.0, load.1
+    );
+    let _ = writeln!(
+        md,
+        "- each request: a gRPC `Profile` of 2000 ms starting now, as `jax.collect_profile` sends it; \
+         \"answer - 2 s\" is from sending the request to having the whole response, minus 2000 ms\n"
+    );
+    let _ = writeln!(
+        md,
+        "| target | max_events | answer - 2 s (median, each) | of which in the server (median) | events in the XSpace | XSpace size | server ms (median): attach / timeline / XSpace built / encoded | peak RSS during the request |"
+    );
+    let _ = writeln!(md, "|---|---:|---|---:|---:|---:|---|---:|");
+    let mut keys: Vec<(&str, u64)> = answers.iter().map(|a| (a.mode, a.max_events)).collect();
+    keys.dedup();
+    for (mode, max_events) in keys {
+        let rows: Vec<&Answer> = answers
+            .iter()
+            .filter(|a| a.mode == mode && a.max_events == max_events)
+            .collect();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let each: Vec<String> = rows
+            .iter()
+            .map(|a| format!("{:.0}", ms(a.overhead)))
+            .collect();
+        let med =
+            |f: &dyn Fn(&Answer) -> f64| median(&rows.iter().map(|a| f(a)).collect::<Vec<_>>());
+        let server = if rows
+            .iter()
+            .all(|a| a.server_ms.is_some() && a.attach_ms.is_some())
+        {
+            format!(
+                "{:.0} / {:.0} / {:.0} / {:.0}",
+                med(&|a| a.attach_ms.unwrap_or(0) as f64),
+                med(&|a| a.server_ms.map_or(0.0, |s| s.0 as f64)),
+                med(&|a| a.server_ms.map_or(0.0, |s| s.1 as f64)),
+                med(&|a| a.server_ms.map_or(0.0, |s| s.2 as f64))
+            )
+        } else {
+            "n/a".into()
+        };
+        let _ = writeln!(
+            md,
+            "| {mode} | {} | **{:.0} ms** ({}) | {:.0} ms | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
+            if max_events == 0 {
+                "none".to_string()
+            } else {
+                max_events.to_string()
+            },
+            med(&|a| ms(a.overhead)),
+            each.join(" / "),
+            med(&|a| a.server_overhead_ms.unwrap_or(0) as f64),
+            med(&|a| a.events as f64),
+            if rows.iter().any(|a| a.cut_by_max_events) {
+                " (cut at max_events)"
+            } else {
+                ""
+            },
+            med(&|a| a.bytes as f64) / 1e6,
+            med(&|a| a.peak_rss_kib as f64) / 1024.0,
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\n| target | RSS idle before the requests | RSS idle after them |"
+    );
+    let _ = writeln!(md, "|---|---:|---:|");
+    for (mode, before, after) in idle {
+        let _ = writeln!(
+            md,
+            "| {mode} | {:.1} MiB | {:.1} MiB |",
+            *before as f64 / 1024.0,
+            *after as f64 / 1024.0
+        );
+    }
+    md
+}
