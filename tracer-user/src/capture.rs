@@ -13,12 +13,12 @@ use std::{
 };
 
 use crate::{
-    attach::{ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, tracefs},
+    attach::{CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, cuda, tracefs},
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, Record},
     error::{Error, Result},
     procfs::{self, TargetProcess},
-    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Timeline},
+    timeline::{CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder, Timeline},
 };
 
 const CAP_SYS_ADMIN: u32 = 21;
@@ -78,6 +78,12 @@ pub struct Capture {
     start_ns: u64,
     /// Time from `start` being called to every probe attached.
     pub attach_time: Duration,
+    /// CUDA driver probes, if any target has (or would load) the driver.
+    cuda: Option<CudaProbe>,
+    /// What the user should know about the probes: one line each.
+    pub notes: Vec<String>,
+    /// Targets some probes could not cover: one line each.
+    pub warnings: Vec<String>,
 }
 
 impl Capture {
@@ -115,6 +121,11 @@ impl Capture {
             }
         }
         SchedProbe::attach_scheduling(&mut probe)?;
+        let (cuda, warnings) = CudaProbe::attach(&mut probe, &targets)?;
+        let notes = cuda
+            .iter()
+            .flat_map(|c| c.targets.iter().map(cuda::describe))
+            .collect();
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());
@@ -127,6 +138,9 @@ impl Capture {
             clock,
             start_ns,
             attach_time: began.elapsed(),
+            cuda,
+            notes,
+            warnings,
         })
     }
 
@@ -149,7 +163,18 @@ impl Capture {
     }
 
     pub fn probe_stats(&self) -> Result<ProbeStats> {
-        self.probe.stats()
+        Ok(ProbeStats {
+            dropped_by_family: self.family_drops()?,
+            ..self.probe.stats()?
+        })
+    }
+
+    /// Events the probe families lost in their own maps.
+    fn family_drops(&self) -> Result<u64> {
+        Ok(match &self.cuda {
+            Some(c) => c.stats()?.pending_full,
+            None => 0,
+        })
     }
 
     /// Ends the capture now: detaches, drains, builds the timeline of the
@@ -161,6 +186,7 @@ impl Capture {
         self.probe.detach();
         let stats = ProbeStats {
             missed_by_kernel: missed,
+            dropped_by_family: self.family_drops()?,
             ..self.probe.stats()?
         };
         self.collector.drain(&mut self.records);
@@ -187,8 +213,10 @@ impl Capture {
                 names.insert(tid, stat.comm);
             }
         }
+        let window_start = start_ns.max(self.start_ns);
+        let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
         let mut builder = SchedTimelineBuilder::new(
-            start_ns.max(self.start_ns),
+            window_start,
             stop_ns,
             self.targets.iter().map(|t| (t.pid, t.name.clone())),
             self.initial.clone(),
@@ -196,7 +224,11 @@ impl Capture {
         // Records before the window still tell each thread's state at its start.
         let end = self.records.partition_point(|r| r.ts() <= stop_ns);
         for r in &self.records[..end] {
-            builder.push(r);
+            match r {
+                Record::CudaCall(c) => cuda.push_call(c),
+                Record::CudaSymbol(s) => cuda.push_symbol(s),
+                _ => builder.push(r),
+            }
         }
         let capture_stats = CaptureStats {
             records: 0,
@@ -205,6 +237,8 @@ impl Capture {
             inconsistencies: 0,
             ended_early,
         };
-        builder.finish(self.clock, &names, capture_stats)
+        let mut timeline = builder.finish(self.clock, &names, capture_stats);
+        cuda.finish().add_to(&mut timeline);
+        timeline
     }
 }
