@@ -6,7 +6,9 @@
 //! unless `EBTRACE_REQUIRE_BPF=1` (set by `cargo xtask test`), where a skip
 //! is a failure.
 
+pub mod cuda;
 pub mod fixture;
+pub mod xprof;
 pub mod xspace;
 
 use std::{

@@ -183,6 +183,9 @@ impl Capture {
         let stop_ns = monotonic_ns();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
+        if let Some(cuda) = &mut self.cuda {
+            cuda.detach();
+        }
         self.probe.detach();
         let stats = ProbeStats {
             missed_by_kernel: missed,

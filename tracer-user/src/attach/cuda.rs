@@ -4,6 +4,10 @@
 //! Probes are scoped to the traced process (`UProbeScope::OneProcess`), so
 //! other processes using the same library pay nothing. A process without
 //! the driver is reported in one line and the other probes go on.
+//!
+//! The probe owns its links and detaches them all at once: the kernel waits
+//! for an RCU tasks-trace grace period on every uprobe link it releases
+//! (about a third of a second on a VM), and concurrent releases share one.
 
 use std::num::NonZeroU32;
 
@@ -11,7 +15,7 @@ use aya::{
     maps::{MapData, PerCpuArray},
     programs::{
         UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
     },
 };
 use tracer_common::cuda::{cookie, names, shape, stat};
@@ -50,8 +54,12 @@ pub struct CudaProbeStats {
 
 pub struct CudaProbe {
     stats: PerCpuArray<MapData, u64>,
+    links: Vec<UProbeLink>,
     pub targets: Vec<CudaTarget>,
 }
+
+/// Threads that release links together (each waits for a grace period).
+const DETACH_THREADS: usize = 64;
 
 /// Messages for the user about processes whose driver calls are not traced.
 pub type Warnings = Vec<String>;
@@ -101,8 +109,9 @@ impl CudaProbe {
                 })?;
         }
         let mut attached = Vec::new();
+        let mut links = Vec::new();
         for (pid, library) in found {
-            match attach_library(set, pid, &library) {
+            match attach_library(set, pid, &library, &mut links) {
                 Ok(target) if target.probed > 0 => attached.push(target),
                 Ok(target) => warnings.push(format!(
                     "pid {pid}: {} exports none of the CUDA driver functions ebtrace probes{}",
@@ -128,10 +137,30 @@ impl CudaProbe {
         Ok((
             Some(CudaProbe {
                 stats,
+                links,
                 targets: attached,
             }),
             warnings,
         ))
+    }
+
+    /// Detaches every probe, releasing the links concurrently.
+    pub fn detach(&mut self) {
+        let links = std::mem::take(&mut self.links);
+        if links.is_empty() {
+            return;
+        }
+        let per_thread = links.len().div_ceil(DETACH_THREADS);
+        let mut links = links.into_iter();
+        std::thread::scope(|scope| {
+            loop {
+                let chunk: Vec<UProbeLink> = links.by_ref().take(per_thread).collect();
+                if chunk.is_empty() {
+                    break;
+                }
+                scope.spawn(move || drop(chunk));
+            }
+        });
     }
 
     pub fn stats(&self) -> Result<CudaProbeStats> {
@@ -186,7 +215,18 @@ fn uprobe<'a>(set: &'a mut ProbeSet, program: &str) -> &'a mut UProbe {
         .expect("program is a uprobe")
 }
 
-fn attach_library(set: &mut ProbeSet, pid: u32, library: &Library) -> Result<CudaTarget> {
+impl Drop for CudaProbe {
+    fn drop(&mut self) {
+        self.detach();
+    }
+}
+
+fn attach_library(
+    set: &mut ProbeSet,
+    pid: u32,
+    library: &Library,
+    links: &mut Vec<UProbeLink>,
+) -> Result<CudaTarget> {
     let wanted: Vec<&str> = FUNCTIONS.iter().map(|f| f.name).collect();
     let offsets = libcuda::function_offsets(&library.attach_path, &wanted)
         .map_err(|e| Error::io(format!("reading {}", library.path.display()), e))?;
@@ -210,14 +250,15 @@ fn attach_library(set: &mut ProbeSet, pid: u32, library: &Library) -> Result<Cud
             Some(Ok(offset)) => *offset,
         };
         let cookie = cookie::encode(id as u16, function.out_arg(), function.name_arg());
-        let attach = |set: &mut ProbeSet, program: &str| {
+        let mut attach = |set: &mut ProbeSet, program: &str| {
             let point = UProbeAttachPoint {
                 location: UProbeAttachLocation::AbsoluteOffset(offset),
                 cookie: Some(cookie),
             };
-            uprobe(set, program)
-                .attach(point, &library.attach_path, UProbeScope::OneProcess(pid_nz))
-                .map(drop)
+            let probe = uprobe(set, program);
+            let id = probe.attach(point, &library.attach_path, UProbeScope::OneProcess(pid_nz))?;
+            links.push(probe.take_link(id)?);
+            Ok::<(), aya::programs::ProgramError>(())
         };
         // The entry first: a return without its entry is counted, never misread.
         let entry: Shape = function.shape();

@@ -429,7 +429,13 @@ fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlane {
         let display = format!("{name} ({}; host-observed)", stream.label);
         plane.add_line(stream.id, &name, &display, events);
     }
-    plane.build()
+    let mut plane = plane.build();
+    // XProf numbers the lines it derives after the largest display id: an
+    // unset one (0) would make its first derived line clash with stream 1.
+    for line in &mut plane.lines {
+        line.display_id = line.id;
+    }
+    plane
 }
 
 #[cfg(test)]

@@ -119,6 +119,7 @@ impl CudaTimeline {
                 .sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
         }
         timeline.devices.extend(self.devices);
+        timeline.stats.records += self.calls;
     }
 }
 
