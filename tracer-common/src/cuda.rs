@@ -9,8 +9,6 @@
 
 /// Names of the maps the CUDA programs define.
 pub mod names {
-    /// Calls entered but not yet returned: `u64 (tid << 32 | function) -> pending call`.
-    pub const CUDA_PENDING: &str = "CUDA_PENDING";
     /// Per-CPU outcome counters of the CUDA probes, indexed by [`super::stat`].
     pub const CUDA_STATS: &str = "CUDA_STATS";
 }

@@ -146,20 +146,6 @@ pub enum Op {
     KernelGetFunction,
 }
 
-/// What a user would call the call, for summaries and colours.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Category {
-    Launch,
-    Copy,
-    Set,
-    Allocate,
-    Free,
-    Synchronize,
-    Context,
-    Stream,
-    Lookup,
-}
-
 /// One probed driver function.
 #[derive(Clone, Copy, Debug)]
 pub struct DriverFunction {
@@ -204,31 +190,6 @@ impl DriverFunction {
     /// Built for per-thread default streams: NULL means the thread's own stream.
     pub fn per_thread_stream(&self) -> bool {
         self.name.ends_with("_ptsz") || self.name.ends_with("_ptds")
-    }
-
-    pub fn category(&self) -> Category {
-        match self.op {
-            Op::Launch | Op::LaunchEx | Op::GraphLaunch => Category::Launch,
-            Op::Memcpy { .. } | Op::MemcpyStruct { .. } => Category::Copy,
-            Op::Memset { .. } => Category::Set,
-            Op::Alloc { .. } => Category::Allocate,
-            Op::Free { .. } => Category::Free,
-            Op::StreamSynchronize
-            | Op::CtxSynchronize
-            | Op::EventSynchronize
-            | Op::StreamWaitEvent => Category::Synchronize,
-            Op::DeviceGet
-            | Op::CtxCreate { .. }
-            | Op::PrimaryCtxRetain
-            | Op::CtxSetCurrent
-            | Op::CtxPushCurrent
-            | Op::CtxPopCurrent
-            | Op::CtxGetCurrent
-            | Op::CtxGetDevice
-            | Op::CtxDestroy => Category::Context,
-            Op::StreamCreate | Op::StreamGetCtx | Op::StreamDestroy => Category::Stream,
-            Op::GetFunction | Op::KernelGetFunction => Category::Lookup,
-        }
     }
 }
 

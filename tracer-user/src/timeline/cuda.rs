@@ -93,8 +93,6 @@ pub struct CudaTimeline {
     pub devices: BTreeMap<u32, DeviceTrack>,
     /// Driver calls in the window.
     pub calls: u64,
-    /// Launches whose kernel name was looked up before the capture.
-    pub unresolved_launches: u64,
 }
 
 impl CudaTimeline {
@@ -393,9 +391,6 @@ impl CudaTimelineBuilder {
                     )
                 };
                 let (name, mangled) = self.kernel_name(pid, f);
-                if mangled.is_none() && name.starts_with("<unresolved") {
-                    self.out.unresolved_launches += 1;
-                }
                 let mut details = vec![
                     ("kernel".to_string(), Value::Str(name.clone())),
                     ("grid".to_string(), grid),
@@ -943,7 +938,6 @@ mod tests {
             stat(&line.events[0], "device_ordinal_source"),
             &Value::Str(OrdinalSource::Unknown.describe().into())
         );
-        assert_eq!(tl.unresolved_launches, 2);
     }
 
     #[test]

@@ -196,7 +196,7 @@ impl SchedTimelineBuilder {
                 self.thread(r.tid, r.tgid).name = Some(comm_to_string(&r.comm));
             }
             // Other probe families' records are built by their own builders.
-            _ => {}
+            Record::CudaCall(_) | Record::CudaSymbol(_) => {}
         }
     }
 
