@@ -183,10 +183,17 @@ impl Capture {
         let stop_ns = monotonic_ns();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
-        if let Some(cuda) = &mut self.cuda {
-            cuda.detach();
+        // Programs still attached ignore the targets from now on. The
+        // scheduler's few links go first: releasing uprobe links is slow
+        // and holds a kernel mutex they would wait for (see `attach::cuda`),
+        // so those are released in the background while the trace is built.
+        for t in &self.targets {
+            self.probe.remove_target(t.pid)?;
         }
         self.probe.detach();
+        if let Some(cuda) = &mut self.cuda {
+            cuda.detach_in_background();
+        }
         let stats = ProbeStats {
             missed_by_kernel: missed,
             dropped_by_family: self.family_drops()?,

@@ -5,9 +5,13 @@
 //! other processes using the same library pay nothing. A process without
 //! the driver is reported in one line and the other probes go on.
 //!
-//! The probe owns its links and detaches them all at once: the kernel waits
-//! for an RCU tasks-trace grace period on every uprobe link it releases
-//! (about a third of a second on a VM), and concurrent releases share one.
+//! The probe owns its links because releasing them is slow: the kernel
+//! destroys each uprobe perf event under a global mutex and waits for an
+//! RCU tasks-trace grace period there (about 0.1 s per link on a VM, so
+//! seconds for a real driver's ~200 links). They are released from many
+//! threads at once (a sequential release also waits for each grace period
+//! to start) and, at the end of a capture, in the background, after the
+//! programs were told to ignore the targets.
 
 use std::num::NonZeroU32;
 
@@ -146,21 +150,14 @@ impl CudaProbe {
 
     /// Detaches every probe, releasing the links concurrently.
     pub fn detach(&mut self) {
+        release(std::mem::take(&mut self.links));
+    }
+
+    /// Starts detaching every probe on another thread and returns at once;
+    /// the process's exit waits for the rest.
+    pub fn detach_in_background(&mut self) -> std::thread::JoinHandle<()> {
         let links = std::mem::take(&mut self.links);
-        if links.is_empty() {
-            return;
-        }
-        let per_thread = links.len().div_ceil(DETACH_THREADS);
-        let mut links = links.into_iter();
-        std::thread::scope(|scope| {
-            loop {
-                let chunk: Vec<UProbeLink> = links.by_ref().take(per_thread).collect();
-                if chunk.is_empty() {
-                    break;
-                }
-                scope.spawn(move || drop(chunk));
-            }
-        });
+        std::thread::spawn(move || release(links))
     }
 
     pub fn stats(&self) -> Result<CudaProbeStats> {
@@ -177,6 +174,24 @@ impl CudaProbe {
             names_truncated: sum(stat::NAMES_TRUNCATED)?,
         })
     }
+}
+
+/// Releases links from up to [`DETACH_THREADS`] threads at once.
+fn release(links: Vec<UProbeLink>) {
+    if links.is_empty() {
+        return;
+    }
+    let per_thread = links.len().div_ceil(DETACH_THREADS);
+    let mut links = links.into_iter();
+    std::thread::scope(|scope| {
+        loop {
+            let chunk: Vec<UProbeLink> = links.by_ref().take(per_thread).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            scope.spawn(move || drop(chunk));
+        }
+    });
 }
 
 /// One line per target saying what is traced, for the user.

@@ -106,6 +106,18 @@ impl ProbeSet {
             .map_err(|e| map_err(names::TARGET_TGIDS, e))
     }
 
+    /// Stops tracing a process: programs still attached ignore it.
+    pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
+            self.ebpf()
+                .map_mut(names::TARGET_TGIDS)
+                .expect("map is in the object"),
+        )
+        .map_err(|e| map_err(names::TARGET_TGIDS, e))?;
+        map.remove(&tgid)
+            .map_err(|e| map_err(names::TARGET_TGIDS, e))
+    }
+
     /// Marks existing threads as members of a traced process.
     pub fn track_threads(&mut self, tgid: u32, tids: impl IntoIterator<Item = u32>) -> Result<()> {
         let mut map: HashMap<_, u32, u32> = HashMap::try_from(
