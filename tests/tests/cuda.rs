@@ -64,7 +64,8 @@ fn trace_workload(args: &[&str]) -> Traced {
         stderr_lines.push(line);
     }
     let report = workload.run(Duration::from_secs(60));
-    let out = wait_with_deadline(ebtrace, Duration::from_secs(60));
+    // ebtrace exits after releasing its uprobes, about 0.1 s each.
+    let out = wait_with_deadline(ebtrace, Duration::from_secs(180));
     reader.join().expect("stderr reader");
     stderr_lines.extend(rx.try_iter());
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();

@@ -429,13 +429,7 @@ fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlane {
         let display = format!("{name} ({}; host-observed)", stream.label);
         plane.add_line(stream.id, &name, &display, events);
     }
-    let mut plane = plane.build();
-    // XProf numbers the lines it derives after the largest display id: an
-    // unset one (0) would make its first derived line clash with stream 1.
-    for line in &mut plane.lines {
-        line.display_id = line.id;
-    }
-    plane
+    plane.build()
 }
 
 #[cfg(test)]

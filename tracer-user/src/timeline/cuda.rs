@@ -701,11 +701,14 @@ impl CudaTimelineBuilder {
                 streams: BTreeMap::new(),
             });
         let next = device.streams.keys().max().map_or(1, |m| m + 1).max(1);
+        // Line 0 is the first process's legacy stream; another process's
+        // legacy stream on the same device is a stream of its own.
+        let legacy_free = !device.streams.contains_key(&0);
         let id = *self
             .stream_ids
             .entry((ordinal, pid, key))
             .or_insert(match key {
-                StreamKey::Legacy => 0,
+                StreamKey::Legacy if legacy_free => 0,
                 _ => next,
             });
         let label = match key {
@@ -969,6 +972,28 @@ mod tests {
         let line = &tl.devices[&0].streams[&1];
         let names: Vec<&str> = line.events.iter().map(|e| e.name.as_str()).collect();
         assert_eq!(names, ["<unresolved 0xf1>", "MemcpyH2D"]);
+    }
+
+    #[test]
+    fn legacy_streams_of_two_processes_get_two_lines() {
+        let mut b = CudaTimelineBuilder::new(0, 100);
+        let mut other = call("cuMemsetD32_v2", 9, (3, 4), &[0xd0, 0, 16], &[], 0);
+        other.tgid = PID + 1;
+        b.push_call(&call("cuMemsetD32_v2", 8, (1, 2), &[0xd0, 0, 16], &[], 0));
+        b.push_call(&other);
+        let tl = b.finish();
+        let labels: Vec<(i64, &str)> = tl.devices[&0]
+            .streams
+            .values()
+            .map(|s| (s.id, s.label.as_str()))
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                (0, "legacy default stream of pid 50"),
+                (1, "legacy default stream of pid 51")
+            ]
+        );
     }
 
     #[test]
