@@ -6,8 +6,10 @@
 //! unless `EBTRACE_REQUIRE_BPF=1` (set by `cargo xtask test`), where a skip
 //! is a failure.
 
+pub mod cuda;
 pub mod fixture;
 pub mod serve;
+pub mod xprof;
 pub mod xspace;
 
 use std::{

@@ -10,6 +10,8 @@
 //! userspace converts them to wall-clock time in one place (`ClockSync`).
 #![no_std]
 
+pub mod cuda;
+
 /// Names of the maps and globals defined by the eBPF object.
 pub mod names {
     /// Ring buffer every program writes its records into.
@@ -115,6 +117,10 @@ pub enum RecordKind {
     ProcessFork = 4,
     TaskExit = 5,
     TaskRename = 6,
+    /// A completed CUDA driver call ([`cuda::CudaCall`]).
+    CudaCall = 20,
+    /// A kernel handle and its name ([`cuda::CudaSymbol`]).
+    CudaSymbol = 21,
 }
 
 impl RecordKind {
@@ -126,6 +132,8 @@ impl RecordKind {
             4 => Self::ProcessFork,
             5 => Self::TaskExit,
             6 => Self::TaskRename,
+            20 => Self::CudaCall,
+            21 => Self::CudaSymbol,
             _ => return None,
         })
     }

@@ -7,6 +7,7 @@
 #![no_std]
 #![no_main]
 
+mod cuda;
 mod sched;
 
 use aya_ebpf::{
@@ -54,19 +55,26 @@ pub(crate) fn emit<T: 'static>(record: T) {
     match EVENTS.reserve::<T>(0) {
         Some(mut entry) => {
             entry.write(record);
-            // SAFETY: globals are read-only after load.
-            let threshold = unsafe { core::ptr::read_volatile(&WAKEUP_THRESHOLD) };
-            let flags = if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= threshold {
-                bump(stat::FORCED_WAKEUPS);
-                BPF_RB_FORCE_WAKEUP
-            } else {
-                BPF_RB_NO_WAKEUP
-            };
-            entry.submit(flags as u64);
+            entry.submit(submit_flags());
             bump(stat::SUBMITTED);
         }
         None => bump(stat::DROPPED_RINGBUF_FULL),
     }
+}
+
+/// Flags for submitting a reserved record: wake the reader only past the
+/// fill threshold (see [`emit`]).
+#[inline(always)]
+pub(crate) fn submit_flags() -> u64 {
+    // SAFETY: globals are read-only after load.
+    let threshold = unsafe { core::ptr::read_volatile(&WAKEUP_THRESHOLD) };
+    let flags = if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= threshold {
+        bump(stat::FORCED_WAKEUPS);
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    flags as u64
 }
 
 #[inline(always)]

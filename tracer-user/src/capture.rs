@@ -13,12 +13,12 @@ use std::{
 };
 
 use crate::{
-    attach::{ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, tracefs},
+    attach::{CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, cuda, tracefs},
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, Record},
     error::{Error, Result},
     procfs::{self, TargetProcess},
-    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Timeline},
+    timeline::{CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder, Timeline},
 };
 
 const CAP_SYS_ADMIN: u32 = 21;
@@ -68,17 +68,25 @@ pub struct CaptureOptions {
 pub struct ProbeFamilies {
     /// Scheduler tracepoints: thread states, wake-ups, CPU lines.
     pub sched: bool,
+    /// CUDA driver API uprobes: launches, copies, syncs, GPU stream lines.
+    pub cuda: bool,
 }
 
 impl Default for ProbeFamilies {
     fn default() -> Self {
-        ProbeFamilies { sched: true }
+        ProbeFamilies {
+            sched: true,
+            cuda: true,
+        }
     }
 }
 
 impl ProbeFamilies {
     /// No family at all: nothing would be recorded.
-    pub const NONE: ProbeFamilies = ProbeFamilies { sched: false };
+    pub const NONE: ProbeFamilies = ProbeFamilies {
+        sched: false,
+        cuda: false,
+    };
 
     pub fn is_empty(&self) -> bool {
         *self == Self::NONE
@@ -104,6 +112,12 @@ pub struct Capture {
     families: ProbeFamilies,
     /// Time from `start` being called to every probe attached.
     pub attach_time: Duration,
+    /// CUDA driver probes, if any target has (or would load) the driver.
+    cuda: Option<CudaProbe>,
+    /// What the user should know about the probes: one line each.
+    pub notes: Vec<String>,
+    /// Targets some probes could not cover: one line each.
+    pub warnings: Vec<String>,
 }
 
 impl Capture {
@@ -143,6 +157,15 @@ impl Capture {
         if options.families.sched {
             SchedProbe::attach_scheduling(&mut probe)?;
         }
+        let (cuda, warnings) = if options.families.cuda {
+            CudaProbe::attach(&mut probe, &targets)?
+        } else {
+            (None, Vec::new())
+        };
+        let notes = cuda
+            .iter()
+            .flat_map(|c| c.targets.iter().map(cuda::describe))
+            .collect();
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());
@@ -156,6 +179,9 @@ impl Capture {
             start_ns,
             families: options.families,
             attach_time: began.elapsed(),
+            cuda,
+            notes,
+            warnings,
         })
     }
 
@@ -182,7 +208,18 @@ impl Capture {
     }
 
     pub fn probe_stats(&self) -> Result<ProbeStats> {
-        self.probe.stats()
+        Ok(ProbeStats {
+            dropped_by_family: self.family_drops()?,
+            ..self.probe.stats()?
+        })
+    }
+
+    /// Events the probe families lost in their own maps.
+    fn family_drops(&self) -> Result<u64> {
+        Ok(match &self.cuda {
+            Some(c) => c.stats()?.pending_full,
+            None => 0,
+        })
     }
 
     /// Ends the capture now: detaches, drains, builds the timeline of the
@@ -191,9 +228,20 @@ impl Capture {
         let stop_ns = monotonic_ns();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
+        // Programs still attached ignore the targets from now on. The
+        // scheduler's few links go first: releasing uprobe links is slow
+        // and holds a kernel mutex they would wait for (see `attach::cuda`),
+        // so those are released in the background while the trace is built.
+        for t in &self.targets {
+            self.probe.remove_target(t.pid)?;
+        }
         self.probe.detach();
+        if let Some(cuda) = &mut self.cuda {
+            cuda.detach_in_background();
+        }
         let stats = ProbeStats {
             missed_by_kernel: missed,
+            dropped_by_family: self.family_drops()?,
             ..self.probe.stats()?
         };
         self.collector.drain(&mut self.records);
@@ -220,8 +268,10 @@ impl Capture {
                 names.insert(tid, stat.comm);
             }
         }
+        let window_start = start_ns.max(self.start_ns);
+        let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
         let mut builder = SchedTimelineBuilder::new(
-            start_ns.max(self.start_ns),
+            window_start,
             stop_ns,
             self.targets.iter().map(|t| (t.pid, t.name.clone())),
             self.initial.clone(),
@@ -229,7 +279,11 @@ impl Capture {
         // Records before the window still tell each thread's state at its start.
         let end = self.records.partition_point(|r| r.ts() <= stop_ns);
         for r in &self.records[..end] {
-            builder.push(r);
+            match r {
+                Record::CudaCall(c) => cuda.push_call(c),
+                Record::CudaSymbol(s) => cuda.push_symbol(s),
+                _ => builder.push(r),
+            }
         }
         let capture_stats = CaptureStats {
             records: 0,
@@ -242,6 +296,7 @@ impl Capture {
         if !self.families.sched {
             without_scheduling(&mut timeline);
         }
+        cuda.finish().add_to(&mut timeline);
         timeline
     }
 }

@@ -3,6 +3,7 @@
 //! Data flows one way: **probes → collector → timeline → sinks**.
 //! - [`attach`]: loads the eBPF object and attaches its programs;
 //! - [`collect`]: drains the ring buffer into decoded records;
+//! - [`cuda_api`]: the CUDA driver functions probed and their signatures;
 //! - [`clock`]: `ClockSync`, the one place where kernel time becomes wall time;
 //! - [`timeline`]: the format-independent model of what each thread did;
 //! - [`sink`]: XSpace encoding and the XProf log directory layout;
@@ -16,6 +17,7 @@ pub mod capture;
 pub mod cli;
 pub mod clock;
 pub mod collect;
+pub mod cuda_api;
 pub mod error;
 pub mod procfs;
 pub mod server;

@@ -3,7 +3,10 @@
 //! ebtrace, under an equivalent bpftrace program), the event rate ebtrace
 //! sustains without drops, its peak memory per record, and how long it
 //! takes to attach. Results go to stdout and `target/bench/sched.md`.
+//! The CUDA benchmark ([`cuda`]) measures what a traced driver call costs;
+//! its results go to `target/bench/cuda.md`.
 
+mod cuda;
 mod report;
 pub mod serve;
 mod tracer;
@@ -33,6 +36,16 @@ pub struct Options {
     pub long_seconds: f64,
     /// CPU the target is pinned to (None: unpinned).
     pub target_cpu: Option<usize>,
+    /// Which benchmarks to run.
+    pub suites: Suites,
+    /// Seconds of launching per CUDA run.
+    pub cuda_seconds: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Suites {
+    pub sched: bool,
+    pub cuda: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +117,35 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     }
     setup::run_setup(root, setup::Options { bench: true })?;
     let ebtrace = util::build_release(root)?;
+    if opts.suites.sched {
+        run_sched(root, &ebtrace, opts)?;
+    }
+    if opts.suites.cuda {
+        let md = cuda::run_bench(
+            root,
+            &ebtrace,
+            cuda::Options {
+                rounds: opts.rounds,
+                seconds: opts.cuda_seconds,
+            },
+        )?;
+        write_report(root, "cuda.md", &md)?;
+    }
+    Ok(())
+}
+
+fn write_report(root: &Path, name: &str, md: &str) -> Result<()> {
+    println!();
+    print!("{md}");
+    let out = root.join("target/bench").join(name);
+    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
+    std::fs::write(&out, md).with_context(|| format!("writing {}", out.display()))?;
+    println!("\nwritten to {}", out.display());
+    Ok(())
+}
+
+fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
+    let ebtrace = ebtrace.to_path_buf();
     let fixture = util::build_fixture(root)?;
     let bpftrace_version = util::stdout_of(Command::new("bpftrace").arg("--version"))
         .context("bpftrace --version failed")?;
@@ -157,13 +199,7 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     let _ = std::fs::remove_dir_all(&bench.scratch);
 
     let md = report::render(&env, &runs, started.elapsed());
-    println!();
-    print!("{md}");
-    let out = root.join("target/bench/sched.md");
-    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
-    std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
-    println!("\nwritten to {}", out.display());
-    Ok(())
+    write_report(root, "sched.md", &md)
 }
 
 /// Parses "bpftrace v0.17.0" and compares with major.minor.

@@ -38,8 +38,9 @@ enum Task {
         #[arg(last = true)]
         libtest_args: Vec<String>,
     },
-    /// The scheduling benchmark: overhead against bpftrace, event rate,
-    /// memory and attach time; writes target/bench/sched.md (as root).
+    /// The benchmarks: scheduling (overhead against bpftrace, event rate,
+    /// memory and attach time; target/bench/sched.md) and CUDA (ns per
+    /// traced cuLaunchKernel, launch rate; target/bench/cuda.md). As root.
     Bench {
         /// Rounds of untraced / ebtrace / bpftrace runs.
         #[arg(long, default_value_t = 3)]
@@ -63,6 +64,13 @@ enum Task {
         /// --rounds and the target pinning).
         #[arg(long)]
         serve: bool,
+        /// Run only one benchmark: `sched` (scheduling) or `cuda` (ns per
+        /// traced cuLaunchKernel against bpftrace, launch rate).
+        #[arg(long, value_parser = ["sched", "cuda"])]
+        only: Option<String>,
+        /// Seconds of launching per CUDA run.
+        #[arg(long, default_value_t = 3.0)]
+        cuda_seconds: f64,
     },
 }
 
@@ -102,6 +110,9 @@ fn run() -> Result<()> {
             target_cpu,
             unpinned,
             serve: false,
+
+            only,
+            cuda_seconds,
         } => bench::run_bench(
             &root,
             bench::Options {
@@ -109,6 +120,11 @@ fn run() -> Result<()> {
                 seconds,
                 long_seconds,
                 target_cpu: (!unpinned).then_some(target_cpu),
+                suites: bench::Suites {
+                    sched: only.as_deref() != Some("cuda"),
+                    cuda: only.as_deref() != Some("sched"),
+                },
+                cuda_seconds,
             },
         ),
     }

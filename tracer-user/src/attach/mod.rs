@@ -2,12 +2,17 @@
 //!
 //! [`probe_set`] owns the loaded object and its shared maps; one module per
 //! probe family attaches its programs on it: [`sched`] for the scheduler
-//! tracepoints. [`tracefs`] finds and checks the kernel's tracepoints first.
+//! tracepoints, [`cuda`] for the CUDA driver uprobes (with [`libcuda`]
+//! finding the library). [`tracefs`] finds and checks the kernel's
+//! tracepoints first.
 
+pub mod cuda;
+pub mod libcuda;
 pub mod probe_set;
 pub mod sched;
 pub mod tracefs;
 
+pub use cuda::CudaProbe;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
 pub use sched::SchedProbe;
 

@@ -41,11 +41,17 @@ pub struct ProbeStats {
     /// Program runs the kernel skipped because another BPF program (or a
     /// BPF syscall of some process) was active on that CPU.
     pub missed_by_kernel: u64,
+    /// Events a probe family lost in its own maps (e.g. CUDA calls whose
+    /// entry could not be saved), filled in by the capture.
+    pub dropped_by_family: u64,
 }
 
 impl ProbeStats {
     pub fn dropped(&self) -> u64 {
-        self.dropped_ringbuf_full + self.dropped_track_full + self.missed_by_kernel
+        self.dropped_ringbuf_full
+            + self.dropped_track_full
+            + self.missed_by_kernel
+            + self.dropped_by_family
     }
 }
 
@@ -100,6 +106,18 @@ impl ProbeSet {
             .map_err(|e| map_err(names::TARGET_TGIDS, e))
     }
 
+    /// Stops tracing a process: programs still attached ignore it.
+    pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
+            self.ebpf()
+                .map_mut(names::TARGET_TGIDS)
+                .expect("map is in the object"),
+        )
+        .map_err(|e| map_err(names::TARGET_TGIDS, e))?;
+        map.remove(&tgid)
+            .map_err(|e| map_err(names::TARGET_TGIDS, e))
+    }
+
     /// Marks existing threads as members of a traced process.
     pub fn track_threads(&mut self, tgid: u32, tids: impl IntoIterator<Item = u32>) -> Result<()> {
         let mut map: HashMap<_, u32, u32> = HashMap::try_from(
@@ -151,6 +169,7 @@ impl ProbeSet {
             dropped_track_full: sum(stat::DROPPED_TRACK_FULL)?,
             forced_wakeups: sum(stat::FORCED_WAKEUPS)?,
             missed_by_kernel: self.missed_by_kernel(),
+            dropped_by_family: 0,
         })
     }
 }

@@ -55,6 +55,12 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         humantime::format_duration(args.duration),
         capture.attach_time,
     );
+    for note in &capture.notes {
+        eprintln!("ebtrace: {note}");
+    }
+    for warning in &capture.warnings {
+        eprintln!("ebtrace: warning: {warning}");
+    }
 
     let bar = if args.quiet {
         ProgressBar::hidden()

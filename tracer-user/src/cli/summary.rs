@@ -54,6 +54,14 @@ pub fn render(timeline: &Timeline, probe: &ProbeStats) -> String {
             timeline.stats.inconsistencies
         );
     }
+    for (ordinal, device) in &timeline.devices {
+        let submissions: usize = device.streams.values().map(|s| s.events.len()).sum();
+        let _ = writeln!(
+            out,
+            "GPU {ordinal}: {submissions} submissions on {} streams (host-observed)",
+            device.streams.len()
+        );
+    }
     if let Some(why) = &timeline.stats.ended_early {
         let _ = writeln!(out, "capture ended early: {why}");
     }

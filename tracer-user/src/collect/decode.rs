@@ -3,10 +3,12 @@
 
 use tracer_common::{
     ProcessFork, RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew, TaskRename,
+    cuda::{CudaCall, CudaSymbol},
 };
 
-/// One record from the kernel, decoded.
-#[derive(Clone, Copy, Debug)]
+/// One record from the kernel, decoded. Large, rare records are boxed so
+/// that the frequent scheduler records stay small.
+#[derive(Clone, Debug)]
 pub enum Record {
     Switch(SchedSwitch),
     Wakeup(SchedWakeup),
@@ -14,6 +16,8 @@ pub enum Record {
     Fork(ProcessFork),
     Exit(TaskExit),
     Rename(TaskRename),
+    CudaCall(Box<CudaCall>),
+    CudaSymbol(Box<CudaSymbol>),
 }
 
 impl Record {
@@ -25,6 +29,8 @@ impl Record {
             Record::Fork(r) => &r.header,
             Record::Exit(r) => &r.header,
             Record::Rename(r) => &r.header,
+            Record::CudaCall(r) => &r.header,
+            Record::CudaSymbol(r) => &r.header,
         }
     }
 
@@ -79,6 +85,8 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         RecordKind::ProcessFork => Record::Fork(read(bytes, kind, size)?),
         RecordKind::TaskExit => Record::Exit(read(bytes, kind, size)?),
         RecordKind::TaskRename => Record::Rename(read(bytes, kind, size)?),
+        RecordKind::CudaCall => Record::CudaCall(Box::new(read(bytes, kind, size)?)),
+        RecordKind::CudaSymbol => Record::CudaSymbol(Box::new(read(bytes, kind, size)?)),
     })
 }
 

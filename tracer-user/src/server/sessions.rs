@@ -643,6 +643,7 @@ fn empty_timeline(
             })
             .collect(),
         threads: BTreeMap::new(),
+        devices: BTreeMap::new(),
         cpus: BTreeMap::new(),
         stats: CaptureStats {
             ended_early,

@@ -60,11 +60,12 @@ impl TracerLevels {
 }
 
 /// Which probe families a request's tracer levels switch on. Scheduler
-/// data is host data: `host_tracer_level` 0 turns it off. A family added
-/// later maps its level here (TraceMe: host; CUDA: device).
+/// data is host data: `host_tracer_level` 0 turns it off. CUDA driver
+/// calls are what TSL's device tracer records: `device_tracer_level`.
 pub fn families_for(levels: TracerLevels) -> ProbeFamilies {
     ProbeFamilies {
         sched: levels.host >= 1,
+        cuda: levels.device >= 1,
     }
 }
 

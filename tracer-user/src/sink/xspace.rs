@@ -4,6 +4,9 @@
 //! - `/host:CPU`: one line per traced thread (id = tid, name = thread name)
 //!   and one per CPU that ran a traced thread (id = [`CPU_LINE_BASE`] + cpu,
 //!   above any tid the kernel hands out and below XProf's derived-line ids).
+//! - `/device:GPU:<ordinal>` (plane id = ordinal): one line per stream (id =
+//!   stream id, named `Stream #<id>`) with the work the host submitted to
+//!   it; host-observed times, as the plane's `ebtrace_timing` stat says.
 //! - `Task Environment`: `profile_start_time` / `profile_stop_time` (epoch
 //!   ns) and ebtrace's capture accounting.
 //!
@@ -21,10 +24,15 @@ use ebtrace_proto::tensorflow::profiler::{
 };
 use prost::Message as _;
 
-use crate::timeline::{MarkKind, RunnableCause, ThreadState, Timeline};
+use crate::timeline::{DeviceTrack, MarkKind, RunnableCause, ThreadState, Timeline};
 
 pub const HOST_CPU_PLANE: &str = "/host:CPU";
 pub const TASK_ENV_PLANE: &str = "Task Environment";
+/// Prefix of the GPU planes; the device ordinal follows.
+pub const GPU_PLANE_PREFIX: &str = "/device:GPU:";
+/// Says, on each GPU plane, what its times are.
+pub const HOST_OBSERVED_TIMING: &str = "host-observed: each event spans the driver call that \
+     submitted the work, not its execution on the GPU (which needs CUPTI)";
 /// First line id of the per-CPU lines (pid_max is at most 2^22).
 pub const CPU_LINE_BASE: i64 = 0xFFFF_0000;
 
@@ -349,6 +357,12 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
         host.add_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
     }
 
+    let devices = timeline
+        .devices
+        .values()
+        .map(|d| device_plane(d, &ps))
+        .collect::<Vec<_>>();
+
     let mut env = XPlaneBuilder::new(1, TASK_ENV_PLANE);
     env.add_plane_stat(
         "profile_start_time",
@@ -404,8 +418,48 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
     }
     .encode_to_vec();
     host.encode_as_field(1, &mut out);
+    for device in devices {
+        device.encode_as_field(1, &mut out);
+    }
     env.encode_as_field(1, &mut out);
     out
+}
+
+/// A GPU plane: one line per stream, events as recorded (they neither
+/// overlap nor nest on a stream).
+fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder {
+    let mut plane = XPlaneBuilder::new(
+        i64::from(device.ordinal),
+        &format!("{GPU_PLANE_PREFIX}{}", device.ordinal),
+    );
+    plane.add_plane_stat("device_ordinal", StatValue::I64(device.ordinal.into()));
+    plane.add_plane_stat(
+        "ebtrace_timing",
+        StatValue::Str(HOST_OBSERVED_TIMING.into()),
+    );
+    for stream in device.streams.values() {
+        let events = stream
+            .events
+            .iter()
+            .map(|e| {
+                let stats = e
+                    .stats
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.clone()))
+                    .collect();
+                plane.event(
+                    &e.name,
+                    ps(e.start_ns),
+                    ps(e.end_ns) - ps(e.start_ns),
+                    stats,
+                )
+            })
+            .collect();
+        let name = format!("Stream #{}", stream.id);
+        let display = format!("{name} ({}; host-observed)", stream.label);
+        plane.add_line(stream.id, &name, &display, events);
+    }
+    plane
 }
 
 #[cfg(test)]
@@ -475,6 +529,7 @@ mod tests {
             processes: BTreeMap::new(),
             threads,
             cpus: BTreeMap::new(),
+            devices: BTreeMap::new(),
             stats: CaptureStats::default(),
         };
         let xs = timeline_to_xspace(&tl, "host");

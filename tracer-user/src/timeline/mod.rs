@@ -9,11 +9,16 @@
 //! - `spans`: named intervals from other sources (e.g. TraceMe ranges or
 //!   driver calls) that nest among themselves; sinks lay them above the
 //!   scheduling states.
+//!
+//! Per GPU (`devices`) it keeps the work the host submitted to each stream
+//! (see [`cuda`]).
 
+pub mod cuda;
 mod sched;
 
 use std::collections::BTreeMap;
 
+pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTrack};
 pub use sched::{InitialState, SchedTimelineBuilder};
 
 use crate::clock::ClockSync;
@@ -243,6 +248,8 @@ pub struct Timeline {
     pub processes: BTreeMap<u32, ProcessInfo>,
     pub threads: BTreeMap<u32, ThreadTrack>,
     pub cpus: BTreeMap<u32, Vec<CpuSlice>>,
+    /// GPUs by ordinal, with the work submitted to them.
+    pub devices: BTreeMap<u32, DeviceTrack>,
     pub stats: CaptureStats,
 }
 
@@ -258,5 +265,11 @@ impl Timeline {
             .map(|t| t.slices.len() + t.marks.len() + t.spans.len())
             .sum::<usize>()
             + self.cpus.values().map(Vec::len).sum::<usize>()
+            + self
+                .devices
+                .values()
+                .flat_map(|d| d.streams.values())
+                .map(|s| s.events.len())
+                .sum::<usize>()
     }
 }

@@ -195,6 +195,8 @@ impl SchedTimelineBuilder {
             Record::Rename(r) => {
                 self.thread(r.tid, r.tgid).name = Some(comm_to_string(&r.comm));
             }
+            // Other probe families' records are built by their own builders.
+            Record::CudaCall(_) | Record::CudaSymbol(_) => {}
         }
     }
 
@@ -411,6 +413,7 @@ impl SchedTimelineBuilder {
             processes: self.processes,
             threads,
             cpus,
+            devices: BTreeMap::new(),
             stats,
         }
     }

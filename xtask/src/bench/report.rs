@@ -55,7 +55,7 @@ impl Environment {
 }
 
 /// 1234567.8 → "1,234,568".
-fn thousands(v: f64) -> String {
+pub(super) fn thousands(v: f64) -> String {
     let digits = format!("{:.0}", v.max(0.0));
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {

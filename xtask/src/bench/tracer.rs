@@ -186,6 +186,20 @@ impl Traced {
     }
 }
 
+impl Traced {
+    /// Stops bpftrace (SIGINT makes it print its maps) and reads the
+    /// scalar map `@<map>: N`.
+    pub fn finish_bpftrace_map(&mut self, map: &str) -> Result<u64> {
+        signal(self.child.id(), libc::SIGINT);
+        self.wait_exit(Duration::from_secs(60))?;
+        let prefix = format!("@{map}: ");
+        self.lines
+            .iter()
+            .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+            .with_context(|| format!("no `{prefix}N` line in {:?}", self.lines))
+    }
+}
+
 impl Drop for Traced {
     fn drop(&mut self) {
         // Error paths only: never leave a tracer attached.

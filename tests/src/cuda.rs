@@ -1,0 +1,159 @@
+//! The CUDA fixtures: a stand-in `libcuda.so.1` and a workload that
+//! `dlopen`s it by soname (see `tests/fixtures/cuda_workload.c`).
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use crate::workspace_root;
+
+/// Compiler flags that give every exported function of the stand-in the
+/// prologue the real driver's functions have (`push %rbp` first).
+pub const STANDIN_CFLAGS: &[&str] = &[
+    "-O2",
+    "-g",
+    "-Wall",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-fno-omit-frame-pointer",
+    "-fno-shrink-wrap",
+    "-fno-optimize-sibling-calls",
+    "-fcf-protection=none",
+    "-Wl,-soname,libcuda.so.1",
+];
+
+fn newer(src: &[PathBuf], out: &Path) -> bool {
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let Some(built) = mtime(out) else {
+        return true;
+    };
+    src.iter().any(|s| mtime(s).is_none_or(|m| m > built))
+}
+
+/// Runs `cc` with `args`, writing `out` atomically (tests build concurrently).
+fn cc(args: &[&str], srcs: &[PathBuf], out: &Path, libs: &[&str]) {
+    let tmp = out.with_extension(format!("tmp{}", std::process::id()));
+    let fixtures = workspace_root().join("tests/fixtures");
+    let status = Command::new("cc")
+        .args(args)
+        .arg("-I")
+        .arg(&fixtures)
+        .arg("-o")
+        .arg(&tmp)
+        .args(
+            srcs.iter()
+                .filter(|s| s.extension().is_some_and(|e| e == "c")),
+        )
+        .args(libs)
+        .status()
+        .expect("run cc (install gcc)");
+    assert!(status.success(), "compiling {} failed", out.display());
+    std::fs::rename(&tmp, out).expect("rename fixture");
+}
+
+/// Builds the stand-in driver into `target/fixtures/cuda-lib/libcuda.so.1`
+/// and the workload into `target/fixtures/cuda_workload`; returns the
+/// library's directory and the workload.
+pub fn build() -> (PathBuf, PathBuf) {
+    let root = workspace_root();
+    let fixtures = root.join("tests/fixtures");
+    let header = fixtures.join("cuda_driver.h");
+    let lib_dir = root.join("target/fixtures/cuda-lib");
+    std::fs::create_dir_all(&lib_dir).expect("create target/fixtures/cuda-lib");
+    let lib = lib_dir.join("libcuda.so.1");
+    let lib_src = [fixtures.join("libcuda_standin.c"), header.clone()];
+    if newer(&lib_src, &lib) {
+        cc(STANDIN_CFLAGS, &lib_src, &lib, &[]);
+    }
+    let workload = root.join("target/fixtures/cuda_workload");
+    let workload_src = [fixtures.join("cuda_workload.c"), header];
+    if newer(&workload_src, &workload) {
+        cc(
+            &["-O2", "-g", "-Wall", "-pthread"],
+            &workload_src,
+            &workload,
+            &["-ldl"],
+        );
+    }
+    (lib_dir, workload)
+}
+
+/// A running `cuda_workload`, waiting for its start signal; killed when dropped.
+pub struct CudaWorkload {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    pub pid: u32,
+}
+
+impl CudaWorkload {
+    /// Starts the workload with `args`, the stand-in driver on its
+    /// `LD_LIBRARY_PATH`, and waits for its pid line.
+    pub fn start(args: &[&str]) -> Self {
+        let (lib_dir, bin) = build();
+        let mut child = Command::new(bin)
+            .args(args)
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start cuda_workload");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("cuda_workload start line");
+        let v: serde_json::Value = serde_json::from_str(&first)
+            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
+        let pid = v["pid"].as_u64().expect("pid") as u32;
+        CudaWorkload {
+            child,
+            stdin,
+            lines,
+            pid,
+        }
+    }
+
+    /// Lets it run its calls, waits for it to exit and returns its report.
+    pub fn run(mut self, deadline: Duration) -> serde_json::Value {
+        let mut stdin = self.stdin.take().expect("started once");
+        stdin.write_all(b"go\n").expect("signal the workload");
+        drop(stdin);
+        let line = self
+            .lines
+            .recv_timeout(deadline)
+            .expect("cuda_workload report line");
+        let status = self.child.wait().expect("wait for cuda_workload");
+        assert!(status.success(), "cuda_workload failed: {status}");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
+    }
+}
+
+impl Drop for CudaWorkload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Demangles with binutils' `c++filt`, a source independent of ebtrace.
+pub fn cxxfilt(mangled: &str) -> String {
+    let out = Command::new("c++filt")
+        .arg(mangled)
+        .output()
+        .expect("run c++filt (binutils)");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}

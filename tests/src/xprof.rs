@@ -1,0 +1,80 @@
+//! XProf itself (the `xprof` package from PyPI) converting a trace to its
+//! trace viewer's JSON, summarized for assertions.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// The Python that has `xprof` installed, or `None` to skip (unless
+/// `EBTRACE_REQUIRE_INTEROP=1`, where a skip is a failure).
+pub fn python() -> Option<PathBuf> {
+    let required = std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() == Ok("1");
+    let python = std::env::var_os("EBTRACE_PYTHON").map(PathBuf::from);
+    let ok = python.as_ref().is_some_and(|p| {
+        Command::new(p)
+            .args(["-c", "import xprof.convert.raw_to_tool_data"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    match (ok, required) {
+        (true, _) => python,
+        (false, true) => {
+            panic!("EBTRACE_PYTHON={python:?} cannot import xprof (run `cargo xtask setup`)")
+        }
+        (false, false) => {
+            eprintln!("skipping: set EBTRACE_PYTHON to a Python with xprof (cargo xtask setup)");
+            None
+        }
+    }
+}
+
+/// Converts with `xspace_to_tool_data(..., "trace_viewer@")` and prints:
+/// process names by pid, thread names by "pid/tid", complete-event counts
+/// by "pid/tid/name", and per flow category the flow ids that leave
+/// (`flow_out`) and enter (`flow_in`) events.
+const SUMMARIZE: &str = r#"
+import json, shutil, sys, tempfile, os
+from xprof.convert import raw_to_tool_data as r
+# xprof writes side files next to its input: convert a copy.
+d = tempfile.mkdtemp()
+src = os.path.join(d, os.path.basename(sys.argv[1]))
+shutil.copy(sys.argv[1], src)
+data, content_type = r.xspace_to_tool_data([src], "trace_viewer@", {})
+shutil.rmtree(d)
+j = json.loads(data)
+out = {"processes": {}, "threads": {}, "events": {}, "flows": {}}
+for e in j["traceEvents"]:
+    ph = e.get("ph")
+    if ph == "M" and e.get("name") == "process_name":
+        out["processes"][str(e["pid"])] = e["args"]["name"]
+    elif ph == "M" and e.get("name") == "thread_name":
+        out["threads"][str(e["pid"]) + "/" + str(e["tid"])] = e["args"]["name"]
+    elif ph == "X":
+        key = str(e["pid"]) + "/" + str(e["tid"]) + "/" + e["name"]
+        out["events"][key] = out["events"].get(key, 0) + 1
+    if "bind_id" in e:
+        f = out["flows"].setdefault(e.get("cat", ""), {"out": [], "in": []})
+        if e.get("flow_out"):
+            f["out"].append(e["bind_id"])
+        if e.get("flow_in"):
+            f["in"].append(e["bind_id"])
+print(json.dumps(out))
+"#;
+
+/// The trace viewer's view of `xplane`, summarized (see [`SUMMARIZE`]).
+pub fn trace_viewer_summary(python: &Path, xplane: &Path) -> serde_json::Value {
+    let conv = Command::new(python)
+        .args(["-c", SUMMARIZE])
+        .arg(xplane)
+        .output()
+        .expect("run python");
+    assert!(
+        conv.status.success(),
+        "xprof failed: {}",
+        String::from_utf8_lossy(&conv.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&conv.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"))
+}

@@ -1,0 +1,190 @@
+//! Records of the CUDA driver API probes (uprobes on `libcuda.so.1`).
+//!
+//! The eBPF side knows nothing about individual driver functions: each
+//! probe is attached with a cookie ([`cookie`]) that names the function (an
+//! index into userspace's table) and which of its arguments is an
+//! out-pointer or a name to read. Entry probes save the raw arguments; the
+//! return probe writes one [`CudaCall`] per completed call, which userspace
+//! decodes by the function's signature.
+
+/// Names of the maps the CUDA programs define.
+pub mod names {
+    /// Per-CPU outcome counters of the CUDA probes, indexed by [`super::stat`].
+    pub const CUDA_STATS: &str = "CUDA_STATS";
+}
+
+/// Indices into the per-CPU `CUDA_STATS` array.
+pub mod stat {
+    /// Calls whose entry could not be saved (`CUDA_PENDING` full): lost.
+    pub const PENDING_FULL: u32 = 0;
+    /// Returns without a saved entry (entered before the probe was attached).
+    pub const UNPAIRED_RETURNS: u32 = 1;
+    /// Symbol names longer than [`super::CUDA_NAME_LEN`] - 1 bytes, cut short.
+    pub const NAMES_TRUNCATED: u32 = 2;
+    /// Number of counters.
+    pub const COUNT: u32 = 3;
+}
+
+/// Capacity of `CUDA_PENDING`: driver calls in flight at once, all threads.
+pub const MAX_PENDING_CALLS: u32 = 16_384;
+
+/// Bytes of a kernel name the probes copy, terminating NUL included.
+pub const CUDA_NAME_LEN: usize = 1024;
+
+/// Which entry program saves a function's arguments. The programs are
+/// `cuda_enter_<shape>` in the eBPF object.
+pub mod shape {
+    /// The six register arguments only.
+    pub const REGISTERS: &str = "cuda_enter_registers";
+    /// Registers plus the first [`super::STACK_WORDS`] stack arguments
+    /// (`cuLaunchKernel` has eleven arguments).
+    pub const STACK: &str = "cuda_enter_stack";
+    /// Registers plus the fields of the `CUlaunchConfig` argument 0 points to.
+    pub const LAUNCH_CONFIG: &str = "cuda_enter_launch_config";
+    /// Registers plus the fields of the `CUDA_MEMCPY2D` argument 0 points to.
+    pub const MEMCPY2D: &str = "cuda_enter_memcpy2d";
+    /// Registers plus the fields of the `CUDA_MEMCPY3D` argument 0 points to.
+    pub const MEMCPY3D: &str = "cuda_enter_memcpy3d";
+    /// The one return program shared by every function.
+    pub const RETURN: &str = "cuda_return";
+}
+
+/// Stack words saved by the `STACK` shape: arguments 7, 8, 9 (x86-64 SysV).
+pub const STACK_WORDS: usize = 3;
+
+/// Byte offsets of the 8-byte words the struct shapes read, in
+/// [`CudaCall::extra`] order. Both sides use these tables.
+pub mod layout {
+    /// `CUlaunchConfig`: gridDimX|Y, gridDimZ|blockDimX, blockDimY|Z,
+    /// sharedMemBytes|pad, hStream.
+    pub const LAUNCH_CONFIG: [usize; 5] = [0, 8, 16, 24, 32];
+    /// `CUDA_MEMCPY2D`: srcMemoryType, srcDevice, dstMemoryType, dstDevice,
+    /// WidthInBytes, Height.
+    pub const MEMCPY2D: [usize; 6] = [16, 32, 72, 88, 112, 120];
+    /// `CUDA_MEMCPY3D`: srcMemoryType, srcDevice, dstMemoryType, dstDevice,
+    /// WidthInBytes, Height, Depth.
+    pub const MEMCPY3D: [usize; 7] = [32, 48, 120, 136, 176, 184, 192];
+}
+
+/// The attach cookie: bits 0..16 the function's index in userspace's table;
+/// bits 16..20 one plus the index of an out-pointer argument whose target
+/// the return probe reads (0: none); bits 20..24 one plus the index of a
+/// `const char *` name argument copied on success (0: none).
+pub mod cookie {
+    pub const FUNCTION_MASK: u64 = 0xffff;
+    pub const OUT_SHIFT: u32 = 16;
+    pub const NAME_SHIFT: u32 = 20;
+
+    pub const fn encode(function: u16, out_arg: Option<u8>, name_arg: Option<u8>) -> u64 {
+        let out = match out_arg {
+            Some(i) => i as u64 + 1,
+            None => 0,
+        };
+        let name = match name_arg {
+            Some(i) => i as u64 + 1,
+            None => 0,
+        };
+        function as u64 | (out & 0xf) << OUT_SHIFT | (name & 0xf) << NAME_SHIFT
+    }
+
+    pub const fn function(cookie: u64) -> u16 {
+        (cookie & FUNCTION_MASK) as u16
+    }
+
+    /// Index of the out-pointer argument, if any.
+    pub const fn out_arg(cookie: u64) -> Option<usize> {
+        match (cookie >> OUT_SHIFT) & 0xf {
+            0 => None,
+            n => Some(n as usize - 1),
+        }
+    }
+
+    /// Index of the name argument, if any.
+    pub const fn name_arg(cookie: u64) -> Option<usize> {
+        match (cookie >> NAME_SHIFT) & 0xf {
+            0 => None,
+            n => Some(n as usize - 1),
+        }
+    }
+}
+
+/// A call saved by an entry probe until its return.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PendingCall {
+    pub start_ns: u64,
+    /// The six register arguments: rdi, rsi, rdx, rcx, r8, r9.
+    pub args: [u64; 6],
+    /// Stack arguments or struct fields, per the function's shape.
+    pub extra: [u64; 8],
+}
+
+/// One completed driver call; the header's `ts_ns` is the return time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CudaCall {
+    pub header: crate::RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Entry time (`CLOCK_MONOTONIC` ns).
+    pub start_ns: u64,
+    /// Index of the function in userspace's table (from the cookie).
+    pub function: u16,
+    pub _pad: u16,
+    /// The `CUresult` returned.
+    pub result: u32,
+    pub args: [u64; 6],
+    pub extra: [u64; 8],
+    /// The 8 bytes the out-pointer argument points to after the call (0 if
+    /// the function has none or they could not be read).
+    pub out_value: u64,
+}
+
+/// A `CUfunction` / `CUkernel` handle and the name it was looked up by
+/// (`cuModuleGetFunction`, `cuLibraryGetKernel`), sent when the lookup
+/// succeeds.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CudaSymbol {
+    pub header: crate::RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    pub handle: u64,
+    /// Bytes copied, terminating NUL included (0: unreadable).
+    pub len: u32,
+    /// 1 if the name did not fit and was cut short.
+    pub truncated: u32,
+    pub name: [u8; CUDA_NAME_LEN],
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: plain `#[repr(C)]` data without implicit padding.
+    unsafe impl aya::Pod for PendingCall {}
+    unsafe impl aya::Pod for CudaCall {}
+    unsafe impl aya::Pod for CudaSymbol {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_are_padded_to_8_bytes() {
+        assert_eq!(size_of::<PendingCall>(), 120);
+        assert_eq!(size_of::<CudaCall>(), 160);
+        assert_eq!(size_of::<CudaSymbol>(), 40 + CUDA_NAME_LEN);
+    }
+
+    #[test]
+    fn cookies_round_trip() {
+        let c = cookie::encode(513, Some(0), Some(2));
+        assert_eq!(cookie::function(c), 513);
+        assert_eq!(cookie::out_arg(c), Some(0));
+        assert_eq!(cookie::name_arg(c), Some(2));
+        let c = cookie::encode(7, None, None);
+        assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
+    }
+}

@@ -1,0 +1,221 @@
+//! CUDA driver API uprobes: one entry program per argument shape, one
+//! return program for all.
+//!
+//! Each attach point carries a cookie (`tracer_common::cuda::cookie`) that
+//! names the function and the arguments to dereference, so these programs
+//! need not know the driver's functions. An entry saves the raw arguments
+//! (and, for functions that take a struct or more than six arguments, the
+//! words that matter) under `tid << 32 | function`; the return writes one
+//! `CudaCall` with both times, the `CUresult` and the out-pointer's target,
+//! plus a `CudaSymbol` after a successful kernel lookup. A function never
+//! calls itself, so one slot per thread and function is enough even when
+//! the driver calls one exported function from another.
+
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    EbpfContext as _,
+    helpers::{
+        bpf_ktime_get_ns, bpf_probe_read_user,
+        generated::{bpf_get_attach_cookie, bpf_probe_read_user_str},
+    },
+    macros::{map, uprobe, uretprobe},
+    maps::{HashMap, PerCpuArray},
+    programs::{ProbeContext, RetProbeContext},
+};
+use tracer_common::{
+    RecordKind,
+    cuda::{
+        CUDA_NAME_LEN, CudaCall, CudaSymbol, MAX_PENDING_CALLS, PendingCall, STACK_WORDS, cookie,
+        layout, stat,
+    },
+};
+
+use crate::{EVENTS, bump, current, header, is_target, submit_flags};
+
+#[map]
+static CUDA_PENDING: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
+
+#[map]
+static CUDA_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
+
+#[inline(always)]
+fn cuda_bump(index: u32) {
+    if let Some(v) = CUDA_STATS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, programs do not migrate while running.
+        unsafe { *v += 1 };
+    }
+}
+
+#[inline(always)]
+fn pending_key(tid: u32, cookie: u64) -> u64 {
+    (u64::from(tid) << 32) | u64::from(cookie::function(cookie))
+}
+
+#[inline(always)]
+fn read_user_u64(addr: u64) -> u64 {
+    if addr == 0 {
+        return 0;
+    }
+    // SAFETY: the helper checks the address; a fault yields an error.
+    unsafe { bpf_probe_read_user(addr as *const u64) }.unwrap_or(0)
+}
+
+/// Reads the 8-byte words at `base + offsets[i]` into `extra[i]`.
+#[inline(always)]
+fn gather<const N: usize>(base: u64, offsets: &[usize; N]) -> [u64; 8] {
+    let mut extra = [0u64; 8];
+    let mut i = 0;
+    while i < N && i < extra.len() {
+        extra[i] = read_user_u64(base.wrapping_add(offsets[i] as u64));
+        i += 1;
+    }
+    extra
+}
+
+/// Saves the call's arguments until its return.
+#[inline(always)]
+fn enter(ctx: &ProbeContext, extra: impl FnOnce(&[u64; 6], u64) -> [u64; 8]) -> u32 {
+    let (tid, tgid) = current();
+    if !is_target(tgid) {
+        return 0;
+    }
+    // SAFETY: a uprobe context holds the user registers at the probed instruction.
+    let regs = unsafe { &*ctx.regs };
+    let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
+    // SAFETY: plain helper calls on our own context.
+    let (cookie, start_ns) = unsafe { (bpf_get_attach_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
+    let pending = PendingCall {
+        start_ns,
+        extra: extra(&args, regs.rsp),
+        args,
+    };
+    if CUDA_PENDING
+        .insert(pending_key(tid, cookie), pending, 0)
+        .is_err()
+    {
+        cuda_bump(stat::PENDING_FULL);
+    }
+    0
+}
+
+#[uprobe]
+pub fn cuda_enter_registers(ctx: ProbeContext) -> u32 {
+    enter(&ctx, |_, _| [0; 8])
+}
+
+/// Arguments 7.. of an x86-64 call sit above the return address.
+#[uprobe]
+pub fn cuda_enter_stack(ctx: ProbeContext) -> u32 {
+    enter(&ctx, |_, sp| {
+        let mut extra = [0u64; 8];
+        let mut i = 0;
+        while i < STACK_WORDS {
+            extra[i] = read_user_u64(sp + 8 * (i as u64 + 1));
+            i += 1;
+        }
+        extra
+    })
+}
+
+#[uprobe]
+pub fn cuda_enter_launch_config(ctx: ProbeContext) -> u32 {
+    enter(&ctx, |args, _| gather(args[0], &layout::LAUNCH_CONFIG))
+}
+
+#[uprobe]
+pub fn cuda_enter_memcpy2d(ctx: ProbeContext) -> u32 {
+    enter(&ctx, |args, _| gather(args[0], &layout::MEMCPY2D))
+}
+
+#[uprobe]
+pub fn cuda_enter_memcpy3d(ctx: ProbeContext) -> u32 {
+    enter(&ctx, |args, _| gather(args[0], &layout::MEMCPY3D))
+}
+
+#[uretprobe]
+pub fn cuda_return(ctx: RetProbeContext) -> u32 {
+    let (tid, tgid) = current();
+    // SAFETY: plain helper call on our own context.
+    let cookie = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) };
+    let key = pending_key(tid, cookie);
+    let Some(pending) = CUDA_PENDING.get_ptr(key) else {
+        if is_target(tgid) {
+            cuda_bump(stat::UNPAIRED_RETURNS);
+        }
+        return 0;
+    };
+    let result: u64 = ctx.ret();
+    let result = result as u32;
+    // SAFETY: `pending` points into a live map value until removed below.
+    let args = unsafe { (*pending).args };
+    let out_value = match cookie::out_arg(cookie) {
+        Some(i) if i < args.len() => read_user_u64(args[i]),
+        _ => 0,
+    };
+    match EVENTS.reserve::<CudaCall>(0) {
+        Some(mut entry) => {
+            let rec = entry.as_mut_ptr();
+            // SAFETY: `rec` is a reserved record of the right size; every
+            // field is written before the submit.
+            unsafe {
+                (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCall>());
+                (*rec).tid = tid;
+                (*rec).tgid = tgid;
+                (*rec).start_ns = (*pending).start_ns;
+                (*rec).function = cookie::function(cookie);
+                (*rec)._pad = 0;
+                (*rec).result = result;
+                (*rec).args = args;
+                (*rec).extra = (*pending).extra;
+                (*rec).out_value = out_value;
+            }
+            entry.submit(submit_flags());
+            bump(tracer_common::stat::SUBMITTED);
+        }
+        None => bump(tracer_common::stat::DROPPED_RINGBUF_FULL),
+    }
+    let _ = CUDA_PENDING.remove(key);
+    if let Some(i) = cookie::name_arg(cookie)
+        && i < args.len()
+        && result == 0
+    {
+        emit_symbol(tid, tgid, out_value, args[i]);
+    }
+    0
+}
+
+/// Sends a looked-up handle with its name, copied straight into the ring
+/// (the name does not fit on the BPF stack).
+#[inline(always)]
+fn emit_symbol(tid: u32, tgid: u32, handle: u64, name: u64) {
+    let Some(mut entry) = EVENTS.reserve::<CudaSymbol>(0) else {
+        bump(tracer_common::stat::DROPPED_RINGBUF_FULL);
+        return;
+    };
+    let rec = entry.as_mut_ptr();
+    // SAFETY: `rec` is a reserved record of the right size; the helper
+    // writes at most CUDA_NAME_LEN bytes into `name`.
+    unsafe {
+        (*rec).header = header(RecordKind::CudaSymbol, size_of::<CudaSymbol>());
+        (*rec).tid = tid;
+        (*rec).tgid = tgid;
+        (*rec).handle = handle;
+        let copied = bpf_probe_read_user_str(
+            (*rec).name.as_mut_ptr().cast::<c_void>(),
+            CUDA_NAME_LEN as u32,
+            name as *const c_void,
+        );
+        (*rec).len = if copied > 0 { copied as u32 } else { 0 };
+        // A full buffer is a cut name unless the NUL fell on its last byte.
+        let cut = copied as usize == CUDA_NAME_LEN
+            && bpf_probe_read_user((name + CUDA_NAME_LEN as u64 - 1) as *const u8).unwrap_or(0)
+                != 0;
+        (*rec).truncated = u32::from(cut);
+        if cut {
+            cuda_bump(stat::NAMES_TRUNCATED);
+        }
+    }
+    entry.submit(submit_flags());
+    bump(tracer_common::stat::SUBMITTED);
+}

@@ -1,0 +1,352 @@
+//! Finding the `libcuda.so.1` a process uses, or the one it would load,
+//! and the file offsets of the functions it exports.
+//!
+//! A process that has loaded the driver shows it in `/proc/PID/maps`. One
+//! that has not (the CUDA runtime `dlopen`s it on first use) gets the file
+//! its loader would pick: `LD_LIBRARY_PATH` from its environment, its
+//! `ld.so.cache`, then the default directories, all looked up inside its
+//! own root (`/proc/PID/root`), so containers work. A uprobe set on that
+//! file's inode fires as soon as the process maps it.
+
+use std::{
+    collections::HashMap,
+    ffi::OsStr,
+    fs,
+    os::unix::{ffi::OsStrExt as _, fs::MetadataExt as _},
+    path::{Path, PathBuf},
+};
+
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+/// The name the CUDA runtime (and every framework) `dlopen`s.
+pub const SONAME: &str = "libcuda.so.1";
+
+/// Directories the loader searches after `LD_LIBRARY_PATH` and the cache.
+const DEFAULT_DIRS: &[&str] = &[
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+    "/usr/lib/wsl/lib",
+];
+
+/// How the library was found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Mapped into the process already.
+    Mapped,
+    /// Not loaded yet; this is the file a `dlopen("libcuda.so.1")` would load.
+    LoaderSearch {
+        /// Where it was found: `LD_LIBRARY_PATH`, `ld.so.cache` or `default directories`.
+        via: &'static str,
+    },
+}
+
+/// The driver library of one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Library {
+    /// Path as the process sees it.
+    pub path: PathBuf,
+    /// Path that names the same file from here (through `/proc/PID/root`
+    /// or `/proc/PID/map_files`): what the uprobes attach to.
+    pub attach_path: PathBuf,
+    pub source: Source,
+}
+
+/// Finds the driver library of `pid`, or `None` if it has none mapped and
+/// none on its library path.
+pub fn locate(pid: u32) -> Option<Library> {
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    if let Ok(maps) = fs::read_to_string(proc_dir.join("maps"))
+        && let Some(lib) = find_mapped(&proc_dir, &maps)
+    {
+        return Some(lib);
+    }
+    let root = proc_dir.join("root");
+    let environ = fs::read(proc_dir.join("environ")).unwrap_or_default();
+    let cache = fs::read(root.join("etc/ld.so.cache")).unwrap_or_default();
+    let (path, via) = search(&root, &environ, &cache)?;
+    Some(Library {
+        attach_path: in_root(&root, &path),
+        path,
+        source: Source::LoaderSearch { via },
+    })
+}
+
+/// Whether a mapped file is the driver (`libcuda.so.1` or the versioned
+/// file it links to, never `libcudart`).
+fn is_driver_file(name: &str) -> bool {
+    name == SONAME || name.starts_with("libcuda.so.")
+}
+
+/// The driver among the file mappings of `/proc/PID/maps`.
+fn find_mapped(proc_dir: &Path, maps: &str) -> Option<Library> {
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(_perms), Some(_offset), Some(_dev), Some(inode)) = (
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+            fields.next(),
+        ) else {
+            continue;
+        };
+        let rest: Vec<&str> = fields.collect();
+        let Some(path) = rest.first().filter(|p| p.starts_with('/')) else {
+            continue;
+        };
+        let path = Path::new(path);
+        if !path
+            .file_name()
+            .and_then(OsStr::to_str)
+            .is_some_and(is_driver_file)
+        {
+            continue;
+        }
+        let inode: u64 = inode.parse().unwrap_or(0);
+        // The same path inside the process's root is the mapped file unless
+        // it was replaced or deleted since; map_files always is.
+        let via_root = in_root(&proc_dir.join("root"), path);
+        let attach_path = match fs::metadata(&via_root) {
+            Ok(m) if m.ino() == inode && rest.len() == 1 => via_root,
+            _ => proc_dir.join("map_files").join(range),
+        };
+        return Some(Library {
+            path: path.to_path_buf(),
+            attach_path,
+            source: Source::Mapped,
+        });
+    }
+    None
+}
+
+/// `path` (absolute, in the process's mount namespace) seen from here.
+fn in_root(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+/// The loader's search for [`SONAME`] in a process with root `root`,
+/// environment `environ` (NUL-separated) and `ld.so.cache` bytes `cache`.
+fn search(root: &Path, environ: &[u8], cache: &[u8]) -> Option<(PathBuf, &'static str)> {
+    let exists = |p: &Path| resolve_links(root, p).is_some_and(|p| in_root(root, &p).is_file());
+    let library_path = environ
+        .split(|&b| b == 0)
+        .find_map(|var| var.strip_prefix(b"LD_LIBRARY_PATH="))
+        .unwrap_or_default();
+    for dir in library_path.split(|&b| b == b':' || b == b';') {
+        let dir = Path::new(OsStr::from_bytes(dir));
+        // Relative entries depend on the process's working directory at
+        // dlopen time; the loader itself discourages them.
+        if !dir.is_absolute() {
+            continue;
+        }
+        let candidate = dir.join(SONAME);
+        if exists(&candidate) {
+            return Some((candidate, "LD_LIBRARY_PATH"));
+        }
+    }
+    if let Some(candidate) = ld_so_cache_lookup(cache, SONAME)
+        && exists(&candidate)
+    {
+        return Some((candidate, "ld.so.cache"));
+    }
+    DEFAULT_DIRS
+        .iter()
+        .map(|d| Path::new(d).join(SONAME))
+        .find(|p| exists(p))
+        .map(|p| (p, "default directories"))
+}
+
+/// Follows symbolic links of the last component of `path` within `root`
+/// (an absolute link target is relative to the process's root, not ours).
+fn resolve_links(root: &Path, path: &Path) -> Option<PathBuf> {
+    let mut path = path.to_path_buf();
+    for _ in 0..16 {
+        match fs::read_link(in_root(root, &path)) {
+            Ok(target) if target.is_absolute() => path = target,
+            Ok(target) => path = path.parent()?.join(target),
+            Err(_) => return Some(path),
+        }
+    }
+    None
+}
+
+/// Looks `name` up in a glibc `ld.so.cache` (the "glibc-ld.so.cache1.1"
+/// format, alone or after the old one), x86-64 entries only.
+pub fn ld_so_cache_lookup(cache: &[u8], name: &str) -> Option<PathBuf> {
+    const MAGIC: &[u8] = b"glibc-ld.so.cache1.1";
+    const HEADER: usize = 48;
+    const ENTRY: usize = 24;
+    const FLAG_ELF_LIBC6: i32 = 0x0003;
+    const FLAG_X8664_LIB64: i32 = 0x0300;
+    let start = cache.windows(MAGIC.len()).position(|w| w == MAGIC)?;
+    let new = &cache[start..];
+    let u32_at =
+        |o: usize| -> Option<u32> { Some(u32::from_le_bytes(new.get(o..o + 4)?.try_into().ok()?)) };
+    // Strings are offsets from the start of the new-format header.
+    let string_at = |o: u32| -> Option<&[u8]> {
+        let s = new.get(o as usize..)?;
+        Some(&s[..s.iter().position(|&b| b == 0)?])
+    };
+    let count = u32_at(MAGIC.len())? as usize;
+    for i in 0..count {
+        let e = HEADER + i * ENTRY;
+        let flags = u32_at(e)? as i32;
+        if flags & 0xff != FLAG_ELF_LIBC6 || flags & 0xff00 != FLAG_X8664_LIB64 {
+            continue;
+        }
+        if string_at(u32_at(e + 4)?)? == name.as_bytes() {
+            let value = string_at(u32_at(e + 8)?)?;
+            return Some(PathBuf::from(OsStr::from_bytes(value)));
+        }
+    }
+    None
+}
+
+/// Why a function cannot be probed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unprobeable {
+    /// Its first instruction has a `lock` prefix: the kernel refuses a
+    /// uprobe there (and a return probe must sit on the first instruction).
+    LockPrefix,
+}
+
+/// File offsets of the exported functions of an ELF file, for the names
+/// in `wanted`; a name it does not export is left out.
+pub fn function_offsets(
+    path: &Path,
+    wanted: &[&str],
+) -> std::io::Result<HashMap<String, Result<u64, Unprobeable>>> {
+    let data = fs::read(path)?;
+    let file = object::File::parse(data.as_slice()).map_err(std::io::Error::other)?;
+    let segments: Vec<(u64, u64, u64)> = file
+        .segments()
+        .map(|s| {
+            let (offset, size) = s.file_range();
+            (s.address(), offset, size)
+        })
+        .collect();
+    let mut found = HashMap::new();
+    for sym in file.dynamic_symbols() {
+        if sym.is_undefined() || sym.kind() != object::SymbolKind::Text {
+            continue;
+        }
+        let Ok(name) = sym.name() else { continue };
+        if !wanted.contains(&name) {
+            continue;
+        }
+        let addr = sym.address();
+        let Some(offset) = segments
+            .iter()
+            .find(|(va, _, size)| (*va..*va + *size).contains(&addr))
+            .map(|(va, off, _)| addr - va + off)
+        else {
+            continue;
+        };
+        let first_byte = data.get(offset as usize).copied();
+        let entry = if first_byte == Some(0xf0) {
+            Err(Unprobeable::LockPrefix)
+        } else {
+            Ok(offset)
+        };
+        found.insert(name.to_string(), entry);
+    }
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal new-format cache with one x86-64 and one i386 entry.
+    fn cache(entries: &[(i32, &str, &str)]) -> Vec<u8> {
+        let mut strings = Vec::new();
+        let header = 48 + entries.len() * 24;
+        let mut body = Vec::new();
+        for (flags, key, value) in entries {
+            let k = header + strings.len();
+            strings.extend_from_slice(key.as_bytes());
+            strings.push(0);
+            let v = header + strings.len();
+            strings.extend_from_slice(value.as_bytes());
+            strings.push(0);
+            body.extend_from_slice(&flags.to_le_bytes());
+            body.extend_from_slice(&(k as u32).to_le_bytes());
+            body.extend_from_slice(&(v as u32).to_le_bytes());
+            body.extend_from_slice(&0u32.to_le_bytes());
+            body.extend_from_slice(&0u64.to_le_bytes());
+        }
+        let mut out = b"glibc-ld.so.cache1.1".to_vec();
+        out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(strings.len() as u32).to_le_bytes());
+        out.resize(48, 0);
+        out.extend(body);
+        out.extend(strings);
+        out
+    }
+
+    #[test]
+    fn cache_lookup_takes_the_x86_64_entry() {
+        let c = cache(&[
+            (0x0003, "libcuda.so.1", "/usr/lib32/libcuda.so.1"),
+            (
+                0x0303,
+                "libcuda.so.1",
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+            ),
+        ]);
+        assert_eq!(
+            ld_so_cache_lookup(&c, "libcuda.so.1"),
+            Some(PathBuf::from("/usr/lib/x86_64-linux-gnu/libcuda.so.1"))
+        );
+        assert_eq!(ld_so_cache_lookup(&c, "libfoo.so"), None);
+        assert_eq!(ld_so_cache_lookup(b"garbage", "libcuda.so.1"), None);
+    }
+
+    #[test]
+    fn this_machines_cache_finds_libc() {
+        let Ok(bytes) = fs::read("/etc/ld.so.cache") else {
+            return;
+        };
+        let libc = ld_so_cache_lookup(&bytes, "libc.so.6").expect("libc.so.6 in ld.so.cache");
+        assert!(libc.exists(), "{}", libc.display());
+    }
+
+    #[test]
+    fn driver_files_are_told_from_the_runtime() {
+        assert!(is_driver_file("libcuda.so.1"));
+        assert!(is_driver_file("libcuda.so.550.54.15"));
+        assert!(!is_driver_file("libcudart.so.12"));
+        assert!(!is_driver_file("libcuda.so"));
+    }
+
+    #[test]
+    fn search_prefers_ld_library_path() {
+        let dir = std::env::temp_dir().join(format!("ebtrace-libcuda-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("libcuda.so.550.1"), b"").unwrap();
+        let _ = fs::remove_file(dir.join(SONAME));
+        std::os::unix::fs::symlink("libcuda.so.550.1", dir.join(SONAME)).unwrap();
+        let environ = format!("A=1\0LD_LIBRARY_PATH=relative:{}\0", dir.display());
+        let found = search(Path::new("/"), environ.as_bytes(), b"");
+        assert_eq!(found, Some((dir.join(SONAME), "LD_LIBRARY_PATH")));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn offsets_of_this_test_binarys_libc() {
+        // libc's dynamic symbols stand in for the driver's.
+        let maps = fs::read_to_string("/proc/self/maps").unwrap();
+        let libc = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .find(|p| p.contains("libc.so"))
+            .expect("libc mapped");
+        let found = function_offsets(Path::new(libc), &["malloc", "not_a_symbol"]).unwrap();
+        assert!(matches!(found.get("malloc"), Some(Ok(o)) if *o > 0));
+        assert!(!found.contains_key("not_a_symbol"));
+    }
+}

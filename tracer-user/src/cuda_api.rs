@@ -1,0 +1,537 @@
+//! The CUDA driver API as ebtrace sees it: which `libcuda.so.1` functions
+//! are probed, where their arguments are, and what each call means.
+//!
+//! A function's index in [`FUNCTIONS`] is its id in the attach cookie and
+//! in every `CudaCall` record, so attach (`attach::cuda`) and decoding
+//! (`timeline::cuda`) read the same table. Signatures follow `cuda.h` (CUDA
+//! 12); `_ptsz`/`_ptds` are the per-thread-default-stream builds of the same
+//! function, whose NULL stream is the calling thread's own default stream.
+
+use tracer_common::cuda::shape;
+
+/// Which entry program saves a function's arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// The six register arguments.
+    Registers,
+    /// Registers and the stack arguments 7..9 (`cuLaunchKernel`).
+    Stack,
+    /// Registers and the `CUlaunchConfig` that argument 0 points to.
+    LaunchConfig,
+    /// Registers and the `CUDA_MEMCPY2D` that argument 0 points to.
+    Memcpy2D,
+    /// Registers and the `CUDA_MEMCPY3D` that argument 0 points to.
+    Memcpy3D,
+}
+
+impl Shape {
+    /// The eBPF program that implements this shape.
+    pub fn program(self) -> &'static str {
+        match self {
+            Shape::Registers => shape::REGISTERS,
+            Shape::Stack => shape::STACK,
+            Shape::LaunchConfig => shape::LAUNCH_CONFIG,
+            Shape::Memcpy2D => shape::MEMCPY2D,
+            Shape::Memcpy3D => shape::MEMCPY3D,
+        }
+    }
+}
+
+/// Direction of a copy as the function's name states it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKind {
+    HtoD,
+    DtoH,
+    DtoD,
+    /// Between the memories of two devices (contexts).
+    Peer,
+    /// `cuMemcpy`/`cuMemcpyAsync`: the driver infers it from the pointers.
+    Inferred,
+    /// 2D/3D copies: read from the struct's memory types.
+    FromStruct,
+}
+
+/// How many elements a memset writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemsetExtent {
+    /// `(dst, value, N[, stream])`.
+    Linear,
+    /// `(dst, pitch, value, width, height[, stream])`.
+    Pitched,
+}
+
+/// What kind of memory an allocation or free is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Device,
+    /// Pitched device memory: `(dptr*, pitch*, width, height, elem)`.
+    DevicePitched,
+    Managed,
+    /// Page-locked host memory.
+    Host,
+}
+
+/// What a call does, with the argument indices that matter (registers
+/// 0..6; stack and struct words are in the record's `extra`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `(f, gx, gy, gz, bx, by | bz, shmem, stream, ...)`: the last three on the stack.
+    Launch,
+    /// `(const CUlaunchConfig *, f, params, extra)`.
+    LaunchEx,
+    /// `(CUgraphExec, stream)`.
+    GraphLaunch,
+    /// `(dst, src, bytes[, stream])`, peer: `(dst, dstCtx, src, srcCtx, bytes[, stream])`.
+    Memcpy {
+        kind: CopyKind,
+        bytes: usize,
+        stream: Option<usize>,
+    },
+    /// `(const CUDA_MEMCPY2D/3D *[, stream])`.
+    MemcpyStruct {
+        three_d: bool,
+        stream: Option<usize>,
+    },
+    Memset {
+        element_bytes: u64,
+        extent: MemsetExtent,
+        stream: Option<usize>,
+    },
+    /// `(ptr *out, bytes, ...[, stream])`.
+    Alloc {
+        memory: Memory,
+        stream: Option<usize>,
+    },
+    /// `(ptr[, stream])`.
+    Free {
+        memory: Memory,
+        stream: Option<usize>,
+    },
+    /// `(stream)`.
+    StreamSynchronize,
+    /// `()`.
+    CtxSynchronize,
+    /// `(event)`.
+    EventSynchronize,
+    /// `(stream, event, flags)`.
+    StreamWaitEvent,
+    /// `(CUdevice *out, int ordinal)`.
+    DeviceGet,
+    /// `(CUcontext *out, ..., CUdevice dev)` with `dev` at this index; the
+    /// new context becomes the thread's current one.
+    CtxCreate { device: usize },
+    /// `(CUcontext *out, CUdevice dev)`.
+    PrimaryCtxRetain,
+    /// `(CUcontext)`.
+    CtxSetCurrent,
+    /// `(CUcontext)`.
+    CtxPushCurrent,
+    /// `(CUcontext *out)`.
+    CtxPopCurrent,
+    /// `(CUcontext *out)`.
+    CtxGetCurrent,
+    /// `(CUdevice *out)`.
+    CtxGetDevice,
+    /// `(CUcontext)`.
+    CtxDestroy,
+    /// `(CUstream *out, flags[, priority])`.
+    StreamCreate,
+    /// `(stream, CUcontext *out)`.
+    StreamGetCtx,
+    /// `(stream)`.
+    StreamDestroy,
+    /// `(CUfunction/CUkernel *out, module/library, const char *name)`.
+    GetFunction,
+    /// `(CUfunction *out, CUkernel)`.
+    KernelGetFunction,
+}
+
+/// One probed driver function.
+#[derive(Clone, Copy, Debug)]
+pub struct DriverFunction {
+    pub name: &'static str,
+    pub op: Op,
+}
+
+impl DriverFunction {
+    pub fn shape(&self) -> Shape {
+        match self.op {
+            Op::Launch => Shape::Stack,
+            Op::LaunchEx => Shape::LaunchConfig,
+            Op::MemcpyStruct { three_d: false, .. } => Shape::Memcpy2D,
+            Op::MemcpyStruct { three_d: true, .. } => Shape::Memcpy3D,
+            _ => Shape::Registers,
+        }
+    }
+
+    /// The argument the return probe dereferences (8 bytes).
+    pub fn out_arg(&self) -> Option<u8> {
+        match self.op {
+            Op::Alloc { .. }
+            | Op::DeviceGet
+            | Op::CtxCreate { .. }
+            | Op::PrimaryCtxRetain
+            | Op::CtxPopCurrent
+            | Op::CtxGetCurrent
+            | Op::CtxGetDevice
+            | Op::StreamCreate
+            | Op::GetFunction
+            | Op::KernelGetFunction => Some(0),
+            Op::StreamGetCtx => Some(1),
+            _ => None,
+        }
+    }
+
+    /// The `const char *` name argument copied after a successful call.
+    pub fn name_arg(&self) -> Option<u8> {
+        matches!(self.op, Op::GetFunction).then_some(2)
+    }
+
+    /// Built for per-thread default streams: NULL means the thread's own stream.
+    pub fn per_thread_stream(&self) -> bool {
+        self.name.ends_with("_ptsz") || self.name.ends_with("_ptds")
+    }
+}
+
+const fn f(name: &'static str, op: Op) -> DriverFunction {
+    DriverFunction { name, op }
+}
+
+const fn copy(kind: CopyKind, bytes: usize, stream: Option<usize>) -> Op {
+    Op::Memcpy {
+        kind,
+        bytes,
+        stream,
+    }
+}
+
+const fn set(element_bytes: u64, extent: MemsetExtent, stream: Option<usize>) -> Op {
+    Op::Memset {
+        element_bytes,
+        extent,
+        stream,
+    }
+}
+
+use CopyKind::{DtoD, DtoH, HtoD, Inferred, Peer};
+use MemsetExtent::{Linear, Pitched};
+
+/// Every probed function; a name the library does not export is skipped.
+pub static FUNCTIONS: &[DriverFunction] = &[
+    f("cuLaunchKernel", Op::Launch),
+    f("cuLaunchKernel_ptsz", Op::Launch),
+    f("cuLaunchCooperativeKernel", Op::Launch),
+    f("cuLaunchCooperativeKernel_ptsz", Op::Launch),
+    f("cuLaunchKernelEx", Op::LaunchEx),
+    f("cuLaunchKernelEx_ptsz", Op::LaunchEx),
+    f("cuGraphLaunch", Op::GraphLaunch),
+    f("cuGraphLaunch_ptsz", Op::GraphLaunch),
+    f("cuMemcpy", copy(Inferred, 2, None)),
+    f("cuMemcpy_ptds", copy(Inferred, 2, None)),
+    f("cuMemcpyAsync", copy(Inferred, 2, Some(3))),
+    f("cuMemcpyAsync_ptsz", copy(Inferred, 2, Some(3))),
+    f("cuMemcpyHtoD_v2", copy(HtoD, 2, None)),
+    f("cuMemcpyHtoD_v2_ptds", copy(HtoD, 2, None)),
+    f("cuMemcpyDtoH_v2", copy(DtoH, 2, None)),
+    f("cuMemcpyDtoH_v2_ptds", copy(DtoH, 2, None)),
+    f("cuMemcpyDtoD_v2", copy(DtoD, 2, None)),
+    f("cuMemcpyDtoD_v2_ptds", copy(DtoD, 2, None)),
+    f("cuMemcpyHtoDAsync_v2", copy(HtoD, 2, Some(3))),
+    f("cuMemcpyHtoDAsync_v2_ptsz", copy(HtoD, 2, Some(3))),
+    f("cuMemcpyDtoHAsync_v2", copy(DtoH, 2, Some(3))),
+    f("cuMemcpyDtoHAsync_v2_ptsz", copy(DtoH, 2, Some(3))),
+    f("cuMemcpyDtoDAsync_v2", copy(DtoD, 2, Some(3))),
+    f("cuMemcpyDtoDAsync_v2_ptsz", copy(DtoD, 2, Some(3))),
+    f("cuMemcpyPeer", copy(Peer, 4, None)),
+    f("cuMemcpyPeer_ptds", copy(Peer, 4, None)),
+    f("cuMemcpyPeerAsync", copy(Peer, 4, Some(5))),
+    f("cuMemcpyPeerAsync_ptsz", copy(Peer, 4, Some(5))),
+    f(
+        "cuMemcpy2D_v2",
+        Op::MemcpyStruct {
+            three_d: false,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemcpy2D_v2_ptds",
+        Op::MemcpyStruct {
+            three_d: false,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemcpy2DUnaligned_v2",
+        Op::MemcpyStruct {
+            three_d: false,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemcpy2DUnaligned_v2_ptds",
+        Op::MemcpyStruct {
+            three_d: false,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemcpy2DAsync_v2",
+        Op::MemcpyStruct {
+            three_d: false,
+            stream: Some(1),
+        },
+    ),
+    f(
+        "cuMemcpy2DAsync_v2_ptsz",
+        Op::MemcpyStruct {
+            three_d: false,
+            stream: Some(1),
+        },
+    ),
+    f(
+        "cuMemcpy3D_v2",
+        Op::MemcpyStruct {
+            three_d: true,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemcpy3D_v2_ptds",
+        Op::MemcpyStruct {
+            three_d: true,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemcpy3DAsync_v2",
+        Op::MemcpyStruct {
+            three_d: true,
+            stream: Some(1),
+        },
+    ),
+    f(
+        "cuMemcpy3DAsync_v2_ptsz",
+        Op::MemcpyStruct {
+            three_d: true,
+            stream: Some(1),
+        },
+    ),
+    f("cuMemsetD8_v2", set(1, Linear, None)),
+    f("cuMemsetD8_v2_ptds", set(1, Linear, None)),
+    f("cuMemsetD16_v2", set(2, Linear, None)),
+    f("cuMemsetD16_v2_ptds", set(2, Linear, None)),
+    f("cuMemsetD32_v2", set(4, Linear, None)),
+    f("cuMemsetD32_v2_ptds", set(4, Linear, None)),
+    f("cuMemsetD8Async", set(1, Linear, Some(3))),
+    f("cuMemsetD8Async_ptsz", set(1, Linear, Some(3))),
+    f("cuMemsetD16Async", set(2, Linear, Some(3))),
+    f("cuMemsetD16Async_ptsz", set(2, Linear, Some(3))),
+    f("cuMemsetD32Async", set(4, Linear, Some(3))),
+    f("cuMemsetD32Async_ptsz", set(4, Linear, Some(3))),
+    f("cuMemsetD2D8_v2", set(1, Pitched, None)),
+    f("cuMemsetD2D8_v2_ptds", set(1, Pitched, None)),
+    f("cuMemsetD2D16_v2", set(2, Pitched, None)),
+    f("cuMemsetD2D16_v2_ptds", set(2, Pitched, None)),
+    f("cuMemsetD2D32_v2", set(4, Pitched, None)),
+    f("cuMemsetD2D32_v2_ptds", set(4, Pitched, None)),
+    f("cuMemsetD2D8Async", set(1, Pitched, Some(5))),
+    f("cuMemsetD2D8Async_ptsz", set(1, Pitched, Some(5))),
+    f("cuMemsetD2D16Async", set(2, Pitched, Some(5))),
+    f("cuMemsetD2D16Async_ptsz", set(2, Pitched, Some(5))),
+    f("cuMemsetD2D32Async", set(4, Pitched, Some(5))),
+    f("cuMemsetD2D32Async_ptsz", set(4, Pitched, Some(5))),
+    f(
+        "cuMemAlloc_v2",
+        Op::Alloc {
+            memory: Memory::Device,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemAllocPitch_v2",
+        Op::Alloc {
+            memory: Memory::DevicePitched,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemAllocManaged",
+        Op::Alloc {
+            memory: Memory::Managed,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemAllocHost_v2",
+        Op::Alloc {
+            memory: Memory::Host,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemHostAlloc",
+        Op::Alloc {
+            memory: Memory::Host,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemAllocAsync",
+        Op::Alloc {
+            memory: Memory::Device,
+            stream: Some(2),
+        },
+    ),
+    f(
+        "cuMemAllocAsync_ptsz",
+        Op::Alloc {
+            memory: Memory::Device,
+            stream: Some(2),
+        },
+    ),
+    f(
+        "cuMemAllocFromPoolAsync",
+        Op::Alloc {
+            memory: Memory::Device,
+            stream: Some(3),
+        },
+    ),
+    f(
+        "cuMemAllocFromPoolAsync_ptsz",
+        Op::Alloc {
+            memory: Memory::Device,
+            stream: Some(3),
+        },
+    ),
+    f(
+        "cuMemFree_v2",
+        Op::Free {
+            memory: Memory::Device,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemFreeHost",
+        Op::Free {
+            memory: Memory::Host,
+            stream: None,
+        },
+    ),
+    f(
+        "cuMemFreeAsync",
+        Op::Free {
+            memory: Memory::Device,
+            stream: Some(1),
+        },
+    ),
+    f(
+        "cuMemFreeAsync_ptsz",
+        Op::Free {
+            memory: Memory::Device,
+            stream: Some(1),
+        },
+    ),
+    f("cuStreamSynchronize", Op::StreamSynchronize),
+    f("cuStreamSynchronize_ptsz", Op::StreamSynchronize),
+    f("cuCtxSynchronize", Op::CtxSynchronize),
+    f("cuEventSynchronize", Op::EventSynchronize),
+    f("cuStreamWaitEvent", Op::StreamWaitEvent),
+    f("cuStreamWaitEvent_ptsz", Op::StreamWaitEvent),
+    f("cuDeviceGet", Op::DeviceGet),
+    f("cuCtxCreate_v2", Op::CtxCreate { device: 2 }),
+    f("cuCtxCreate_v3", Op::CtxCreate { device: 4 }),
+    f("cuCtxCreate_v4", Op::CtxCreate { device: 3 }),
+    f("cuDevicePrimaryCtxRetain", Op::PrimaryCtxRetain),
+    f("cuCtxSetCurrent", Op::CtxSetCurrent),
+    f("cuCtxPushCurrent_v2", Op::CtxPushCurrent),
+    f("cuCtxPopCurrent_v2", Op::CtxPopCurrent),
+    f("cuCtxGetCurrent", Op::CtxGetCurrent),
+    f("cuCtxGetDevice", Op::CtxGetDevice),
+    f("cuCtxDestroy_v2", Op::CtxDestroy),
+    f("cuStreamCreate", Op::StreamCreate),
+    f("cuStreamCreateWithPriority", Op::StreamCreate),
+    f("cuStreamGetCtx", Op::StreamGetCtx),
+    f("cuStreamGetCtx_ptsz", Op::StreamGetCtx),
+    f("cuStreamDestroy_v2", Op::StreamDestroy),
+    f("cuModuleGetFunction", Op::GetFunction),
+    f("cuLibraryGetKernel", Op::GetFunction),
+    f("cuKernelGetFunction", Op::KernelGetFunction),
+];
+
+/// The function with table index `id`.
+pub fn function(id: u16) -> Option<&'static DriverFunction> {
+    FUNCTIONS.get(usize::from(id))
+}
+
+/// `CUresult` names of the codes a trace is likely to show.
+pub fn result_name(code: u32) -> Option<&'static str> {
+    Some(match code {
+        0 => "CUDA_SUCCESS",
+        1 => "CUDA_ERROR_INVALID_VALUE",
+        2 => "CUDA_ERROR_OUT_OF_MEMORY",
+        3 => "CUDA_ERROR_NOT_INITIALIZED",
+        4 => "CUDA_ERROR_DEINITIALIZED",
+        34 => "CUDA_ERROR_STUB_LIBRARY",
+        46 => "CUDA_ERROR_DEVICE_UNAVAILABLE",
+        100 => "CUDA_ERROR_NO_DEVICE",
+        101 => "CUDA_ERROR_INVALID_DEVICE",
+        200 => "CUDA_ERROR_INVALID_IMAGE",
+        201 => "CUDA_ERROR_INVALID_CONTEXT",
+        209 => "CUDA_ERROR_NO_BINARY_FOR_GPU",
+        400 => "CUDA_ERROR_INVALID_HANDLE",
+        500 => "CUDA_ERROR_NOT_FOUND",
+        600 => "CUDA_ERROR_NOT_READY",
+        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+        701 => "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+        702 => "CUDA_ERROR_LAUNCH_TIMEOUT",
+        719 => "CUDA_ERROR_LAUNCH_FAILED",
+        720 => "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
+        900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        999 => "CUDA_ERROR_UNKNOWN",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_ids_fit_the_cookie() {
+        let names: HashSet<&str> = FUNCTIONS.iter().map(|f| f.name).collect();
+        assert_eq!(names.len(), FUNCTIONS.len());
+        assert!(FUNCTIONS.len() < usize::from(u16::MAX));
+    }
+
+    #[test]
+    fn every_per_thread_variant_has_its_legacy_twin() {
+        for f in FUNCTIONS.iter().filter(|f| f.per_thread_stream()) {
+            let base = &f.name[..f.name.len() - 5];
+            let twin = FUNCTIONS
+                .iter()
+                .find(|g| g.name == base)
+                .unwrap_or_else(|| panic!("{} has no {base}", f.name));
+            assert_eq!(twin.op, f.op, "{}", f.name);
+        }
+    }
+
+    #[test]
+    fn argument_indices_are_registers() {
+        for f in FUNCTIONS {
+            let indices: Vec<usize> = match f.op {
+                Op::Memcpy { bytes, stream, .. } => {
+                    [Some(bytes), stream].into_iter().flatten().collect()
+                }
+                Op::MemcpyStruct { stream, .. }
+                | Op::Memset { stream, .. }
+                | Op::Alloc { stream, .. }
+                | Op::Free { stream, .. } => stream.into_iter().collect(),
+                Op::CtxCreate { device } => vec![device],
+                _ => vec![],
+            };
+            assert!(indices.iter().all(|&i| i < 6), "{}", f.name);
+        }
+    }
+}

@@ -1,0 +1,1039 @@
+//! `CudaTimelineBuilder`: CUDA driver calls become spans on the calling
+//! thread, and the work they submit becomes events on per-stream lines of
+//! the GPU it went to.
+//!
+//! Device events are **host-observed**: each spans the driver call that
+//! submitted the work, not the GPU's execution, which only CUPTI can time.
+//! Each submission gets a correlation id shared by its host span and its
+//! device event, from which XProf draws the launch arrows.
+//!
+//! What the driver API reveals, and so what this module knows:
+//! - kernel names, from the `cuModuleGetFunction` / `cuLibraryGetKernel`
+//!   lookups seen during the capture (`cuKernelGetFunction` carries a
+//!   kernel's name to its function); a handle looked up before is named
+//!   `<unresolved 0x…>`;
+//! - a context's device, from `cuCtxCreate*`, `cuDevicePrimaryCtxRetain`
+//!   and `cuCtxGetDevice`; a thread's current context from
+//!   `cuCtxSetCurrent` / `cuCtxPushCurrent` / `cuCtxPopCurrent` /
+//!   `cuCtxGetCurrent` / `cuCtxCreate`; a stream's context from
+//!   `cuStreamCreate*` on a thread with a known context, or
+//!   `cuStreamGetCtx`. Work whose device stays unknown is shown on GPU 0
+//!   and says so in its `device_ordinal_source` stat.
+//!
+//! Records must be fed in return-time order (the header time).
+
+use std::collections::{BTreeMap, HashMap};
+
+use tracer_common::cuda::{CudaCall, CudaSymbol};
+
+use super::{Span, Value};
+use crate::cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op};
+
+/// `CU_STREAM_LEGACY`: the context's legacy default stream, by name.
+const STREAM_LEGACY: u64 = 0x1;
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream, by name.
+const STREAM_PER_THREAD: u64 = 0x2;
+
+/// Work submitted to one GPU, as the host saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceTrack {
+    pub ordinal: u32,
+    /// Lines by stream id.
+    pub streams: BTreeMap<i64, StreamTrack>,
+}
+
+/// One stream's submissions, in order; events never overlap.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StreamTrack {
+    /// 0 for the legacy default stream, then 1, 2, ... in order of first use.
+    pub id: i64,
+    /// What the stream is: its handle, or which default stream.
+    pub label: String,
+    pub events: Vec<Span>,
+}
+
+/// Which stream a submission went to, within one process and device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum StreamKey {
+    Legacy,
+    PerThread(u32),
+    Handle(u64),
+}
+
+#[derive(Clone, Debug)]
+struct Symbol {
+    /// Demangled where possible.
+    name: String,
+    mangled: Option<String>,
+}
+
+/// How a submission's device was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OrdinalSource {
+    Context,
+    Thread,
+    Unknown,
+}
+
+impl OrdinalSource {
+    fn describe(self) -> &'static str {
+        match self {
+            OrdinalSource::Context => "context",
+            OrdinalSource::Thread => "cuCtxGetDevice on the calling thread",
+            OrdinalSource::Unknown => "unknown (context set before the capture); shown on GPU 0",
+        }
+    }
+}
+
+/// The CUDA part of a timeline.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CudaTimeline {
+    /// Host spans by tid, with the thread's pid; they nest.
+    pub spans: HashMap<u32, (u32, Vec<Span>)>,
+    pub devices: BTreeMap<u32, DeviceTrack>,
+    /// Driver calls in the window.
+    pub calls: u64,
+}
+
+impl CudaTimeline {
+    /// Adds the spans to their threads and the GPUs to `timeline`.
+    pub fn add_to(self, timeline: &mut super::Timeline) {
+        for (tid, (pid, spans)) in self.spans {
+            let track = timeline
+                .threads
+                .entry(tid)
+                .or_insert_with(|| super::ThreadTrack {
+                    tid,
+                    pid,
+                    name: format!("thread {tid}"),
+                    slices: Vec::new(),
+                    marks: Vec::new(),
+                    spans: Vec::new(),
+                    counters: super::ThreadCounters::default(),
+                });
+            track.spans.extend(spans);
+            track
+                .spans
+                .sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
+        }
+        timeline.devices.extend(self.devices);
+        timeline.stats.records += self.calls;
+    }
+}
+
+#[derive(Default)]
+pub struct CudaTimelineBuilder {
+    start_ns: u64,
+    stop_ns: u64,
+    /// `(pid, CUfunction or CUkernel)` → name.
+    symbols: HashMap<(u32, u64), Symbol>,
+    /// `(pid, CUdevice)` → ordinal, from `cuDeviceGet`.
+    device_ordinals: HashMap<(u32, u64), u32>,
+    /// `(pid, CUcontext)` → device ordinal.
+    ctx_device: HashMap<(u32, u64), u32>,
+    /// tid → context stack (last = current).
+    thread_ctx: HashMap<u32, Vec<u64>>,
+    /// tid → device of its current context, when only `cuCtxGetDevice` said.
+    thread_device: HashMap<u32, u32>,
+    /// `(pid, CUstream)` → context.
+    stream_ctx: HashMap<(u32, u64), u64>,
+    /// `(ordinal, pid, stream)` → line id.
+    stream_ids: HashMap<(u32, u32, StreamKey), i64>,
+    next_correlation: u64,
+    out: CudaTimeline,
+}
+
+fn hex(v: u64) -> Value {
+    Value::Str(format!("{v:#x}"))
+}
+
+fn dims(x: u64, y: u64, z: u64) -> Value {
+    Value::Str(format!("{},{},{}", x as u32, y as u32, z as u32))
+}
+
+/// Splits a word holding two `unsigned int` struct fields.
+fn halves(word: u64) -> (u64, u64) {
+    (word & 0xffff_ffff, word >> 32)
+}
+
+/// A name copied by the probe: up to the NUL, marked when cut short.
+fn symbol_from(rec: &CudaSymbol) -> Option<Symbol> {
+    let len = (rec.len as usize).min(rec.name.len());
+    let bytes = &rec.name[..len];
+    let bytes = &bytes[..bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len())];
+    if bytes.is_empty() {
+        return None;
+    }
+    let raw = String::from_utf8_lossy(bytes).into_owned();
+    if rec.truncated != 0 {
+        return Some(Symbol {
+            name: format!("{raw}…"),
+            mangled: Some(raw),
+        });
+    }
+    Some(match demangle(&raw) {
+        Some(name) => Symbol {
+            name,
+            mangled: Some(raw),
+        },
+        None => Symbol {
+            name: raw,
+            mangled: None,
+        },
+    })
+}
+
+/// Demangles an Itanium C++ name (`_Z...`); `None` for C names.
+pub fn demangle(name: &str) -> Option<String> {
+    if !name.starts_with("_Z") {
+        return None;
+    }
+    cpp_demangle::Symbol::new(name)
+        .ok()?
+        .demangle(&cpp_demangle::DemangleOptions::default())
+        .ok()
+}
+
+fn copy_name(kind: &str) -> String {
+    match kind {
+        "HtoD" => "MemcpyH2D",
+        "DtoH" => "MemcpyD2H",
+        "DtoD" => "MemcpyD2D",
+        "Peer" => "MemcpyP2P",
+        _ => "Memcpy",
+    }
+    .to_string()
+}
+
+/// Direction of a 2D/3D copy from its `CUmemorytype`s.
+fn struct_direction(src: u64, dst: u64) -> &'static str {
+    let side = |t: u64| match t {
+        1 => 'H',
+        2 | 4 => 'D',
+        3 => 'A',
+        _ => '?',
+    };
+    match (side(src), side(dst)) {
+        ('H', 'D') | ('H', 'A') => "HtoD",
+        ('D', 'H') | ('A', 'H') => "DtoH",
+        ('D', 'D') | ('D', 'A') | ('A', 'D') | ('A', 'A') => "DtoD",
+        ('H', 'H') => "HtoH",
+        _ => "unknown",
+    }
+}
+
+/// What a call submitted to a stream.
+struct Work {
+    name: String,
+    stream: u64,
+    stats: Vec<(String, Value)>,
+}
+
+impl CudaTimelineBuilder {
+    /// `start_ns..stop_ns` is the capture window (monotonic ns).
+    pub fn new(start_ns: u64, stop_ns: u64) -> Self {
+        CudaTimelineBuilder {
+            start_ns,
+            stop_ns,
+            next_correlation: 1,
+            ..Default::default()
+        }
+    }
+
+    pub fn push_symbol(&mut self, rec: &CudaSymbol) {
+        if let Some(symbol) = symbol_from(rec) {
+            self.symbols.insert((rec.tgid, rec.handle), symbol);
+        }
+    }
+
+    fn current_ctx(&self, tid: u32) -> Option<u64> {
+        self.thread_ctx.get(&tid).and_then(|s| s.last().copied())
+    }
+
+    fn ordinal_of_device(&self, pid: u32, device: u64) -> u32 {
+        // A CUdevice is its ordinal in every driver so far; cuDeviceGet confirms.
+        self.device_ordinals
+            .get(&(pid, device))
+            .copied()
+            .unwrap_or(device as u32)
+    }
+
+    fn kernel_name(&self, pid: u32, handle: u64) -> (String, Option<String>) {
+        match self.symbols.get(&(pid, handle)) {
+            Some(s) => (s.name.clone(), s.mangled.clone()),
+            None => (format!("<unresolved {handle:#x}>"), None),
+        }
+    }
+
+    /// The device of work on `stream` submitted by `tid`.
+    fn ordinal(&self, pid: u32, tid: u32, stream: u64) -> (u32, OrdinalSource) {
+        let ctx = match stream {
+            0 | STREAM_LEGACY | STREAM_PER_THREAD => self.current_ctx(tid),
+            s => self
+                .stream_ctx
+                .get(&(pid, s))
+                .copied()
+                .or_else(|| self.current_ctx(tid)),
+        };
+        if let Some(ordinal) = ctx.and_then(|c| self.ctx_device.get(&(pid, c))) {
+            return (*ordinal, OrdinalSource::Context);
+        }
+        if let Some(ordinal) = self.thread_device.get(&tid) {
+            return (*ordinal, OrdinalSource::Thread);
+        }
+        (0, OrdinalSource::Unknown)
+    }
+
+    /// Updates what is known about contexts, streams and names.
+    fn learn(&mut self, rec: &CudaCall, function: &DriverFunction) {
+        let (pid, tid, a, out) = (rec.tgid, rec.tid, rec.args, rec.out_value);
+        match function.op {
+            Op::DeviceGet => {
+                self.device_ordinals
+                    .insert((pid, out & 0xffff_ffff), a[1] as u32);
+            }
+            Op::CtxCreate { device } => {
+                let ordinal = self.ordinal_of_device(pid, a[device] & 0xffff_ffff);
+                self.ctx_device.insert((pid, out), ordinal);
+                self.thread_ctx.entry(tid).or_default().push(out);
+            }
+            Op::PrimaryCtxRetain => {
+                let ordinal = self.ordinal_of_device(pid, a[1] & 0xffff_ffff);
+                self.ctx_device.insert((pid, out), ordinal);
+            }
+            Op::CtxSetCurrent => {
+                let stack = self.thread_ctx.entry(tid).or_default();
+                stack.pop();
+                if a[0] != 0 {
+                    stack.push(a[0]);
+                }
+                self.thread_device.remove(&tid);
+            }
+            Op::CtxPushCurrent => {
+                self.thread_ctx.entry(tid).or_default().push(a[0]);
+                self.thread_device.remove(&tid);
+            }
+            Op::CtxPopCurrent => {
+                self.thread_ctx.entry(tid).or_default().pop();
+                self.thread_device.remove(&tid);
+            }
+            Op::CtxGetCurrent => {
+                let stack = self.thread_ctx.entry(tid).or_default();
+                if stack.last() != Some(&out) {
+                    stack.pop();
+                    if out != 0 {
+                        stack.push(out);
+                    }
+                }
+            }
+            Op::CtxGetDevice => {
+                let ordinal = self.ordinal_of_device(pid, out & 0xffff_ffff);
+                match self.current_ctx(tid) {
+                    Some(ctx) => {
+                        self.ctx_device.insert((pid, ctx), ordinal);
+                    }
+                    None => {
+                        self.thread_device.insert(tid, ordinal);
+                    }
+                }
+            }
+            Op::CtxDestroy => {
+                self.ctx_device.remove(&(pid, a[0]));
+            }
+            Op::StreamCreate => {
+                if let Some(ctx) = self.current_ctx(tid) {
+                    self.stream_ctx.insert((pid, out), ctx);
+                }
+            }
+            Op::StreamGetCtx => {
+                self.stream_ctx.insert((pid, a[0]), out);
+            }
+            Op::StreamDestroy => {
+                self.stream_ctx.remove(&(pid, a[0]));
+            }
+            Op::KernelGetFunction => {
+                if let Some(symbol) = self.symbols.get(&(pid, a[1])).cloned() {
+                    self.symbols.insert((pid, out), symbol);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The call's own stats, and the work it submitted to a stream if any.
+    fn describe(
+        &mut self,
+        rec: &CudaCall,
+        function: &DriverFunction,
+    ) -> (Vec<(String, Value)>, Option<Work>) {
+        let (pid, a, x, out) = (rec.tgid, rec.args, rec.extra, rec.out_value);
+        let mut stats: Vec<(String, Value)> = Vec::new();
+        let work = match function.op {
+            Op::Launch | Op::LaunchEx => {
+                let (f, grid, block, shared, stream) = if function.op == Op::Launch {
+                    (
+                        a[0],
+                        dims(a[1], a[2], a[3]),
+                        dims(a[4], a[5], x[0]),
+                        x[1] & 0xffff_ffff,
+                        x[2],
+                    )
+                } else {
+                    let (gx, gy) = halves(x[0]);
+                    let (gz, bx) = halves(x[1]);
+                    let (by, bz) = halves(x[2]);
+                    (
+                        a[1],
+                        dims(gx, gy, gz),
+                        dims(bx, by, bz),
+                        halves(x[3]).0,
+                        x[4],
+                    )
+                };
+                let (name, mangled) = self.kernel_name(pid, f);
+                let mut details = vec![
+                    ("kernel".to_string(), Value::Str(name.clone())),
+                    ("grid".to_string(), grid),
+                    ("block".to_string(), block),
+                    ("shared_memory_bytes".to_string(), Value::U64(shared)),
+                ];
+                if let Some(m) = mangled {
+                    details.push(("mangled_name".to_string(), Value::Str(m)));
+                }
+                details.push(("function_handle".to_string(), hex(f)));
+                stats.extend(details.iter().cloned());
+                Some(Work {
+                    name,
+                    stream,
+                    stats: details,
+                })
+            }
+            Op::GraphLaunch => {
+                put(&mut stats, "graph_exec", hex(a[0]));
+                Some(Work {
+                    name: "Graph launch".into(),
+                    stream: a[1],
+                    stats: vec![("graph_exec".into(), hex(a[0]))],
+                })
+            }
+            Op::Memcpy {
+                kind,
+                bytes,
+                stream,
+            } => {
+                let direction = match kind {
+                    CopyKind::HtoD => "HtoD",
+                    CopyKind::DtoH => "DtoH",
+                    CopyKind::DtoD => "DtoD",
+                    CopyKind::Peer => "Peer",
+                    CopyKind::Inferred | CopyKind::FromStruct => "inferred by the driver",
+                };
+                let (dst, src) = match kind {
+                    CopyKind::Peer => (a[0], a[2]),
+                    _ => (a[0], a[1]),
+                };
+                let details = vec![
+                    ("bytes".to_string(), Value::U64(a[bytes])),
+                    ("direction".to_string(), Value::Str(direction.into())),
+                    ("async".to_string(), Value::I64(i64::from(stream.is_some()))),
+                    ("dst".to_string(), hex(dst)),
+                    ("src".to_string(), hex(src)),
+                ];
+                stats.extend(details.iter().cloned());
+                Some(Work {
+                    name: copy_name(direction),
+                    stream: stream.map_or(0, |i| a[i]),
+                    stats: details,
+                })
+            }
+            Op::MemcpyStruct { three_d, stream } => {
+                let (depth, width, height) = if three_d {
+                    (x[6], x[4], x[5])
+                } else {
+                    (1, x[4], x[5])
+                };
+                let direction = struct_direction(x[0], x[2]);
+                let details = vec![
+                    (
+                        "bytes".to_string(),
+                        Value::U64(width.saturating_mul(height).saturating_mul(depth)),
+                    ),
+                    ("direction".to_string(), Value::Str(direction.into())),
+                    ("async".to_string(), Value::I64(i64::from(stream.is_some()))),
+                    ("width_bytes".to_string(), Value::U64(width)),
+                    ("height".to_string(), Value::U64(height)),
+                    ("depth".to_string(), Value::U64(depth)),
+                ];
+                stats.extend(details.iter().cloned());
+                Some(Work {
+                    name: copy_name(direction),
+                    stream: stream.map_or(0, |i| a[i]),
+                    stats: details,
+                })
+            }
+            Op::Memset {
+                element_bytes,
+                extent,
+                stream,
+            } => {
+                let elements = match extent {
+                    MemsetExtent::Linear => a[2],
+                    MemsetExtent::Pitched => a[3].saturating_mul(a[4]),
+                };
+                let details = vec![
+                    (
+                        "bytes".to_string(),
+                        Value::U64(elements.saturating_mul(element_bytes)),
+                    ),
+                    ("element_bytes".to_string(), Value::U64(element_bytes)),
+                    ("async".to_string(), Value::I64(i64::from(stream.is_some()))),
+                    ("dst".to_string(), hex(a[0])),
+                ];
+                stats.extend(details.iter().cloned());
+                Some(Work {
+                    name: "Memset".into(),
+                    stream: stream.map_or(0, |i| a[i]),
+                    stats: details,
+                })
+            }
+            Op::Alloc { memory, stream } => {
+                let bytes = match memory {
+                    Memory::DevicePitched => a[2].saturating_mul(a[3]),
+                    _ => a[1],
+                };
+                put(&mut stats, "bytes", Value::U64(bytes));
+                put(&mut stats, "memory", Value::Str(memory_name(memory).into()));
+                if rec.result == 0 {
+                    put(&mut stats, "address", hex(out));
+                }
+                if let Some(i) = stream {
+                    put(&mut stats, "stream", self.stream_value(a[i], function));
+                }
+                None
+            }
+            Op::Free { memory, stream } => {
+                put(&mut stats, "address", hex(a[0]));
+                put(&mut stats, "memory", Value::Str(memory_name(memory).into()));
+                if let Some(i) = stream {
+                    put(&mut stats, "stream", self.stream_value(a[i], function));
+                }
+                None
+            }
+            Op::StreamSynchronize => {
+                put(&mut stats, "stream", self.stream_value(a[0], function));
+                None
+            }
+            Op::EventSynchronize => {
+                put(&mut stats, "event", hex(a[0]));
+                None
+            }
+            Op::StreamWaitEvent => {
+                put(&mut stats, "event", hex(a[1]));
+                Some(Work {
+                    name: "StreamWaitEvent".into(),
+                    stream: a[0],
+                    stats: vec![("event".into(), hex(a[1]))],
+                })
+            }
+            Op::CtxSynchronize => None,
+            Op::DeviceGet => {
+                put(&mut stats, "ordinal", Value::I64(i64::from(a[1] as i32)));
+                None
+            }
+            Op::CtxCreate { device } => {
+                put(
+                    &mut stats,
+                    "device",
+                    Value::I64(i64::from(a[device] as i32)),
+                );
+                put(&mut stats, "context", hex(out));
+                None
+            }
+            Op::PrimaryCtxRetain => {
+                put(&mut stats, "device", Value::I64(i64::from(a[1] as i32)));
+                put(&mut stats, "context", hex(out));
+                None
+            }
+            Op::CtxSetCurrent | Op::CtxPushCurrent | Op::CtxDestroy => {
+                put(&mut stats, "context", hex(a[0]));
+                None
+            }
+            Op::CtxPopCurrent | Op::CtxGetCurrent => {
+                put(&mut stats, "context", hex(out));
+                None
+            }
+            Op::CtxGetDevice => {
+                put(&mut stats, "device", Value::I64(i64::from(out as i32)));
+                None
+            }
+            Op::StreamCreate => {
+                put(&mut stats, "stream", hex(out));
+                None
+            }
+            Op::StreamGetCtx => {
+                put(&mut stats, "stream", hex(a[0]));
+                put(&mut stats, "context", hex(out));
+                None
+            }
+            Op::StreamDestroy => {
+                put(&mut stats, "stream", hex(a[0]));
+                None
+            }
+            Op::GetFunction => {
+                if rec.result == 0 {
+                    let (name, _) = self.kernel_name(pid, out);
+                    put(&mut stats, "kernel", Value::Str(name));
+                    put(&mut stats, "handle", hex(out));
+                }
+                None
+            }
+            Op::KernelGetFunction => {
+                let (name, _) = self.kernel_name(pid, a[1]);
+                put(&mut stats, "kernel", Value::Str(name));
+                put(&mut stats, "kernel_handle", hex(a[1]));
+                put(&mut stats, "function_handle", hex(out));
+                None
+            }
+        };
+        (stats, work)
+    }
+
+    fn stream_value(&self, stream: u64, function: &DriverFunction) -> Value {
+        Value::Str(describe_stream(stream, function.per_thread_stream()))
+    }
+
+    /// Feeds one driver call (records in return-time order).
+    pub fn push_call(&mut self, rec: &CudaCall) {
+        let Some(function) = cuda_api::function(rec.function) else {
+            return;
+        };
+        let ok = rec.result == 0;
+        if ok {
+            self.learn(rec, function);
+        }
+        let end = rec.header.ts_ns;
+        if end < self.start_ns || rec.start_ns > self.stop_ns {
+            return;
+        }
+        let (start, end) = (
+            rec.start_ns.max(self.start_ns),
+            end.min(self.stop_ns).max(rec.start_ns.max(self.start_ns)),
+        );
+        self.out.calls += 1;
+        let (mut stats, work) = self.describe(rec, function);
+        stats.push((
+            "result_code".into(),
+            Value::I64(i64::from(rec.result as i32)),
+        ));
+        stats.push((
+            "result".into(),
+            Value::Str(
+                cuda_api::result_name(rec.result)
+                    .map_or_else(|| format!("CUresult {}", rec.result), str::to_string),
+            ),
+        ));
+        if let Some(work) = work.filter(|_| ok) {
+            let correlation = self.next_correlation;
+            self.next_correlation += 1;
+            let (ordinal, source) = self.ordinal(rec.tgid, rec.tid, work.stream);
+            let key = match work.stream {
+                0 if function.per_thread_stream() => StreamKey::PerThread(rec.tid),
+                0 | STREAM_LEGACY => StreamKey::Legacy,
+                STREAM_PER_THREAD => StreamKey::PerThread(rec.tid),
+                h => StreamKey::Handle(h),
+            };
+            let line = self.stream_line(ordinal, rec.tgid, key, work.stream);
+            stats.push(("stream".into(), Value::Str(line.1.clone())));
+            stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
+            stats.push(("correlation_id".into(), Value::U64(correlation)));
+            let mut device_stats = work.stats;
+            device_stats.extend([
+                ("correlation_id".to_string(), Value::U64(correlation)),
+                ("stream".to_string(), Value::Str(line.1)),
+                ("submitted_by".to_string(), Value::Str(function.name.into())),
+                ("tid".to_string(), Value::I64(i64::from(rec.tid))),
+                ("pid".to_string(), Value::I64(i64::from(rec.tgid))),
+                (
+                    "device_ordinal_source".to_string(),
+                    Value::Str(source.describe().into()),
+                ),
+            ]);
+            self.out
+                .devices
+                .get_mut(&ordinal)
+                .and_then(|d| d.streams.get_mut(&line.0))
+                .expect("stream_line created the line")
+                .events
+                .push(Span {
+                    start_ns: start,
+                    end_ns: end,
+                    name: work.name,
+                    stats: device_stats,
+                });
+        }
+        self.out
+            .spans
+            .entry(rec.tid)
+            .or_insert_with(|| (rec.tgid, Vec::new()))
+            .1
+            .push(Span {
+                start_ns: start,
+                end_ns: end,
+                name: function.name.to_string(),
+                stats,
+            });
+    }
+
+    /// The line of a stream on a device (created on first use): its id and label.
+    fn stream_line(
+        &mut self,
+        ordinal: u32,
+        pid: u32,
+        key: StreamKey,
+        handle: u64,
+    ) -> (i64, String) {
+        let device = self
+            .out
+            .devices
+            .entry(ordinal)
+            .or_insert_with(|| DeviceTrack {
+                ordinal,
+                streams: BTreeMap::new(),
+            });
+        let next = device.streams.keys().max().map_or(1, |m| m + 1).max(1);
+        // Line 0 is the first process's legacy stream; another process's
+        // legacy stream on the same device is a stream of its own.
+        let legacy_free = !device.streams.contains_key(&0);
+        let id = *self
+            .stream_ids
+            .entry((ordinal, pid, key))
+            .or_insert(match key {
+                StreamKey::Legacy if legacy_free => 0,
+                _ => next,
+            });
+        let label = match key {
+            StreamKey::Legacy => format!("legacy default stream of pid {pid}"),
+            StreamKey::PerThread(tid) => format!("per-thread default stream of tid {tid}"),
+            StreamKey::Handle(_) => format!("{handle:#x}"),
+        };
+        device.streams.entry(id).or_insert_with(|| StreamTrack {
+            id,
+            label: label.clone(),
+            events: Vec::new(),
+        });
+        (id, label)
+    }
+
+    /// Host spans nest, device events follow each other on their stream.
+    pub fn finish(mut self) -> CudaTimeline {
+        for (_, spans) in self.out.spans.values_mut() {
+            nest(spans);
+        }
+        for device in self.out.devices.values_mut() {
+            for stream in device.streams.values_mut() {
+                serialize(&mut stream.events);
+            }
+        }
+        self.out
+    }
+}
+
+fn put(stats: &mut Vec<(String, Value)>, name: &str, value: Value) {
+    stats.push((name.to_string(), value));
+}
+
+fn memory_name(memory: Memory) -> &'static str {
+    match memory {
+        Memory::Device => "device",
+        Memory::DevicePitched => "device (pitched)",
+        Memory::Managed => "managed",
+        Memory::Host => "page-locked host",
+    }
+}
+
+/// A stream argument in words: a handle, or which default stream.
+fn describe_stream(stream: u64, per_thread_build: bool) -> String {
+    match stream {
+        0 if per_thread_build => "per-thread default".into(),
+        0 | STREAM_LEGACY => "legacy default".into(),
+        STREAM_PER_THREAD => "per-thread default".into(),
+        h => format!("{h:#x}"),
+    }
+}
+
+/// Sorts spans parents-first and cuts any that would partially overlap the
+/// span enclosing its start (driver calls on one thread nest or follow).
+fn nest(spans: &mut [Span]) {
+    spans.sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
+    let mut open: Vec<u64> = Vec::new();
+    for s in spans.iter_mut() {
+        while open.last().is_some_and(|&end| end <= s.start_ns) {
+            open.pop();
+        }
+        if let Some(&end) = open.last() {
+            s.end_ns = s.end_ns.min(end);
+        }
+        open.push(s.end_ns);
+    }
+}
+
+/// Work on one stream runs in submission order: an event that starts
+/// before the previous one ends is moved to start at that end.
+fn serialize(events: &mut [Span]) {
+    events.sort_by_key(|e| (e.start_ns, e.end_ns));
+    let mut last_end = 0;
+    for e in events.iter_mut() {
+        e.start_ns = e.start_ns.max(last_end);
+        e.end_ns = e.end_ns.max(e.start_ns);
+        last_end = e.end_ns;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::{RecordHeader, RecordKind, cuda::CUDA_NAME_LEN};
+
+    use super::*;
+
+    const PID: u32 = 50;
+
+    fn id(name: &str) -> u16 {
+        cuda_api::FUNCTIONS
+            .iter()
+            .position(|f| f.name == name)
+            .unwrap_or_else(|| panic!("{name} not in the table")) as u16
+    }
+
+    fn call(
+        name: &str,
+        tid: u32,
+        t: (u64, u64),
+        args: &[u64],
+        extra: &[u64],
+        out: u64,
+    ) -> CudaCall {
+        let mut a = [0; 6];
+        a[..args.len()].copy_from_slice(args);
+        let mut x = [0; 8];
+        x[..extra.len()].copy_from_slice(extra);
+        CudaCall {
+            header: RecordHeader::new(RecordKind::CudaCall, 160, 0, t.1),
+            tid,
+            tgid: PID,
+            start_ns: t.0,
+            function: id(name),
+            _pad: 0,
+            result: 0,
+            args: a,
+            extra: x,
+            out_value: out,
+        }
+    }
+
+    fn symbol(handle: u64, name: &str) -> CudaSymbol {
+        let mut rec = CudaSymbol {
+            header: RecordHeader::new(RecordKind::CudaSymbol, 40 + CUDA_NAME_LEN, 0, 0),
+            tid: 1,
+            tgid: PID,
+            handle,
+            len: name.len() as u32 + 1,
+            truncated: 0,
+            name: [0; CUDA_NAME_LEN],
+        };
+        rec.name[..name.len()].copy_from_slice(name.as_bytes());
+        rec
+    }
+
+    fn stat<'a>(span: &'a Span, name: &str) -> &'a Value {
+        &span
+            .stats
+            .iter()
+            .find(|(k, _)| k == name)
+            .unwrap_or_else(|| panic!("no stat {name} in {span:?}"))
+            .1
+    }
+
+    #[test]
+    fn launch_on_a_created_stream_of_device_1() {
+        let mut b = CudaTimelineBuilder::new(100, 10_000);
+        b.push_call(&call("cuDeviceGet", 7, (100, 110), &[0, 1], &[], 1));
+        b.push_call(&call(
+            "cuCtxCreate_v2",
+            7,
+            (120, 130),
+            &[0, 0, 1],
+            &[],
+            0xc1,
+        ));
+        b.push_call(&call("cuStreamCreate", 7, (140, 150), &[0, 0], &[], 0x5a));
+        b.push_symbol(&symbol(0xf00, "_Z6vecAddPKfS0_Pfi"));
+        b.push_call(&call(
+            "cuLaunchKernel",
+            7,
+            (200, 260),
+            &[0xf00, 16, 2, 1, 256, 1],
+            &[1, 48, 0x5a],
+            0,
+        ));
+        let tl = b.finish();
+        let spans = &tl.spans[&7].1;
+        let launch = spans.iter().find(|s| s.name == "cuLaunchKernel").unwrap();
+        assert_eq!(
+            stat(launch, "kernel"),
+            &Value::Str("vecAdd(float const*, float const*, float*, int)".into())
+        );
+        assert_eq!(stat(launch, "grid"), &Value::Str("16,2,1".into()));
+        assert_eq!(stat(launch, "block"), &Value::Str("256,1,1".into()));
+        assert_eq!(stat(launch, "shared_memory_bytes"), &Value::U64(48));
+        assert_eq!(stat(launch, "correlation_id"), &Value::U64(1));
+        let gpu1 = &tl.devices[&1];
+        let line = &gpu1.streams[&1];
+        assert_eq!(line.label, "0x5a");
+        assert_eq!(line.events.len(), 1);
+        assert_eq!((line.events[0].start_ns, line.events[0].end_ns), (200, 260));
+        assert_eq!(stat(&line.events[0], "correlation_id"), &Value::U64(1));
+        assert_eq!(
+            stat(&line.events[0], "device_ordinal_source"),
+            &Value::Str("context".into())
+        );
+        assert_eq!(tl.calls, 5 - 1);
+    }
+
+    #[test]
+    fn unknown_handles_and_failed_launches_are_honest() {
+        let mut b = CudaTimelineBuilder::new(0, 10_000);
+        let mut failed = call(
+            "cuLaunchKernel_ptsz",
+            3,
+            (10, 20),
+            &[0xabc, 0, 1, 1, 1, 1],
+            &[1, 0, 0],
+            0,
+        );
+        failed.result = 1;
+        b.push_call(&failed);
+        b.push_call(&call(
+            "cuLaunchKernel_ptsz",
+            3,
+            (30, 40),
+            &[0xabc, 1, 1, 1, 1, 1],
+            &[1, 0, 0],
+            0,
+        ));
+        let tl = b.finish();
+        let spans = &tl.spans[&3].1;
+        assert_eq!(
+            stat(&spans[0], "result"),
+            &Value::Str("CUDA_ERROR_INVALID_VALUE".into())
+        );
+        assert_eq!(
+            stat(&spans[0], "kernel"),
+            &Value::Str("<unresolved 0xabc>".into())
+        );
+        assert!(spans[0].stats.iter().all(|(k, _)| k != "correlation_id"));
+        // Only the successful launch reached the GPU: the per-thread stream of tid 3.
+        let gpu0 = &tl.devices[&0];
+        assert_eq!(gpu0.streams.len(), 1);
+        let line = gpu0.streams.values().next().unwrap();
+        assert_eq!(line.label, "per-thread default stream of tid 3");
+        assert_eq!(line.events.len(), 1);
+        assert_eq!(
+            stat(&line.events[0], "device_ordinal_source"),
+            &Value::Str(OrdinalSource::Unknown.describe().into())
+        );
+    }
+
+    #[test]
+    fn launch_config_and_memcpy_struct_words_decode() {
+        let mut b = CudaTimelineBuilder::new(0, 10_000);
+        b.push_call(&call(
+            "cuLaunchKernelEx",
+            4,
+            (1, 2),
+            &[0x7000, 0xf1],
+            &[8 | 2 << 32, 1 | 128 << 32, 1 | 1 << 32, 1024, 0x77],
+            0,
+        ));
+        b.push_call(&call(
+            "cuMemcpy2DAsync_v2",
+            4,
+            (3, 4),
+            &[0x7100, 0x77],
+            &[1, 0, 2, 0xd0, 64, 3],
+            0,
+        ));
+        let tl = b.finish();
+        let spans = &tl.spans[&4].1;
+        assert_eq!(stat(&spans[0], "grid"), &Value::Str("8,2,1".into()));
+        assert_eq!(stat(&spans[0], "block"), &Value::Str("128,1,1".into()));
+        assert_eq!(stat(&spans[0], "shared_memory_bytes"), &Value::U64(1024));
+        assert_eq!(stat(&spans[1], "bytes"), &Value::U64(192));
+        assert_eq!(stat(&spans[1], "direction"), &Value::Str("HtoD".into()));
+        let line = &tl.devices[&0].streams[&1];
+        let names: Vec<&str> = line.events.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["<unresolved 0xf1>", "MemcpyH2D"]);
+    }
+
+    #[test]
+    fn legacy_streams_of_two_processes_get_two_lines() {
+        let mut b = CudaTimelineBuilder::new(0, 100);
+        let mut other = call("cuMemsetD32_v2", 9, (3, 4), &[0xd0, 0, 16], &[], 0);
+        other.tgid = PID + 1;
+        b.push_call(&call("cuMemsetD32_v2", 8, (1, 2), &[0xd0, 0, 16], &[], 0));
+        b.push_call(&other);
+        let tl = b.finish();
+        let labels: Vec<(i64, &str)> = tl.devices[&0]
+            .streams
+            .values()
+            .map(|s| (s.id, s.label.as_str()))
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                (0, "legacy default stream of pid 50"),
+                (1, "legacy default stream of pid 51")
+            ]
+        );
+    }
+
+    #[test]
+    fn kernel_names_carry_over_to_functions_and_get_cut_marks() {
+        let mut b = CudaTimelineBuilder::new(0, 100);
+        b.push_symbol(&symbol(0x10, "plain_c_kernel"));
+        b.push_call(&call(
+            "cuKernelGetFunction",
+            1,
+            (1, 2),
+            &[0, 0x10],
+            &[],
+            0x20,
+        ));
+        let mut cut = symbol(0x30, "_Z3fooi");
+        cut.truncated = 1;
+        b.push_symbol(&cut);
+        assert_eq!(b.kernel_name(PID, 0x20).0, "plain_c_kernel");
+        assert_eq!(b.kernel_name(PID, 0x30).0, "_Z3fooi…");
+    }
+
+    #[test]
+    fn overlapping_spans_are_made_to_nest_and_streams_to_follow() {
+        let mut spans = vec![
+            Span {
+                start_ns: 10,
+                end_ns: 50,
+                name: "a".into(),
+                stats: vec![],
+            },
+            Span {
+                start_ns: 20,
+                end_ns: 70,
+                name: "b".into(),
+                stats: vec![],
+            },
+        ];
+        nest(&mut spans);
+        assert_eq!((spans[1].start_ns, spans[1].end_ns), (20, 50));
+        serialize(&mut spans);
+        assert_eq!((spans[1].start_ns, spans[1].end_ns), (50, 50));
+    }
+}

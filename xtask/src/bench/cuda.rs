@@ -1,0 +1,391 @@
+//! `cargo xtask bench --only cuda`: what a traced `cuLaunchKernel` costs.
+//!
+//! The target is `tests/fixtures/cuda_workload --bench-seconds S`: after
+//! setting up a context, stream and kernel, it waits for a line on stdin,
+//! then calls `cuLaunchKernel` of the stand-in `libcuda.so.1` in a loop for
+//! S seconds and prints its ns per call. Each round runs it untraced, under
+//! ebtrace (entry + return probe, one record per call) and under an
+//! equivalent bpftrace uprobe + uretprobe (saves the start time and the
+//! function argument per thread, sums durations at return). A second part
+//! runs ebtrace with one launching thread per CPU, for the highest launch
+//! rate it records, and says whether it dropped anything.
+
+use std::{
+    fmt::Write as _,
+    io::{BufRead as _, BufReader, Write as _},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{report::thousands, tracer::Traced};
+use crate::util::{self, median, run, say};
+
+/// Flags that give the stand-in's exported functions the real driver's
+/// prologue (`push %rbp` first); the tests build it the same way
+/// (`tests/src/cuda.rs`, `STANDIN_CFLAGS`).
+const STANDIN_CFLAGS: &[&str] = &[
+    "-O2",
+    "-g",
+    "-Wall",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-fno-omit-frame-pointer",
+    "-fno-shrink-wrap",
+    "-fno-optimize-sibling-calls",
+    "-fcf-protection=none",
+    "-Wl,-soname,libcuda.so.1",
+];
+
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub rounds: usize,
+    /// Seconds of launching per run.
+    pub seconds: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Config {
+    Untraced,
+    Ebtrace,
+    Bpftrace,
+}
+
+impl Config {
+    const ALL: [Config; 3] = [Config::Untraced, Config::Ebtrace, Config::Bpftrace];
+
+    fn label(self) -> &'static str {
+        match self {
+            Config::Untraced => "untraced",
+            Config::Ebtrace => "ebtrace",
+            Config::Bpftrace => "bpftrace",
+        }
+    }
+}
+
+/// What the workload reported about one run.
+#[derive(Clone, Copy, Debug)]
+struct Launches {
+    launches: u64,
+    threads: u64,
+    elapsed_s: f64,
+    ns_per_launch: f64,
+}
+
+#[derive(Clone, Debug)]
+struct Run {
+    config: Config,
+    launches: Launches,
+    /// ebtrace's records and drops.
+    recorded: Option<(u64, u64)>,
+    /// Calls bpftrace counted.
+    counted: Option<u64>,
+}
+
+struct Bench {
+    ebtrace: PathBuf,
+    lib_dir: PathBuf,
+    workload: PathBuf,
+    seconds: f64,
+}
+
+pub fn run_bench(root: &Path, ebtrace: &Path, opts: Options) -> Result<String> {
+    let (lib_dir, workload) = build_fixtures(root)?;
+    let bench = Bench {
+        ebtrace: ebtrace.to_path_buf(),
+        lib_dir,
+        workload,
+        seconds: opts.seconds,
+    };
+    let started = Instant::now();
+    let mut runs = Vec::new();
+    for round in 0..opts.rounds {
+        for i in 0..Config::ALL.len() {
+            let config = Config::ALL[(round + i) % Config::ALL.len()];
+            let run = bench.run(config, 1)?;
+            say(format!(
+                "cuda round {}/{} {:<8} {:>7.0} ns per cuLaunchKernel",
+                round + 1,
+                opts.rounds,
+                config.label(),
+                run.launches.ns_per_launch
+            ));
+            runs.push(run);
+        }
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut rate_runs = Vec::new();
+    for threads in [1, cpus] {
+        let run = bench.run(Config::Ebtrace, threads)?;
+        say(format!(
+            "cuda ebtrace, {threads} launching thread(s): {:.0} launches/s, {} dropped",
+            run.launches.launches as f64 / run.launches.elapsed_s,
+            run.recorded.map_or(0, |r| r.1)
+        ));
+        rate_runs.push(run);
+    }
+    Ok(render(&runs, &rate_runs, opts, started.elapsed()))
+}
+
+/// Builds the stand-in driver and the workload into `target/fixtures`.
+fn build_fixtures(root: &Path) -> Result<(PathBuf, PathBuf)> {
+    let fixtures = root.join("tests/fixtures");
+    let lib_dir = root.join("target/fixtures/cuda-lib");
+    std::fs::create_dir_all(&lib_dir).with_context(|| format!("creating {}", lib_dir.display()))?;
+    let lib = lib_dir.join("libcuda.so.1");
+    let tmp = lib_dir.join(format!("libcuda.xtask-{}", std::process::id()));
+    run(Command::new("cc")
+        .args(STANDIN_CFLAGS)
+        .arg("-I")
+        .arg(&fixtures)
+        .arg("-o")
+        .arg(&tmp)
+        .arg(fixtures.join("libcuda_standin.c")))?;
+    std::fs::rename(&tmp, &lib)?;
+    let workload = root.join("target/fixtures/cuda_workload");
+    let tmp = root.join(format!(
+        "target/fixtures/cuda_workload.xtask-{}",
+        std::process::id()
+    ));
+    run(Command::new("cc")
+        .args(["-O2", "-g", "-Wall", "-pthread", "-I"])
+        .arg(&fixtures)
+        .arg("-o")
+        .arg(&tmp)
+        .arg(fixtures.join("cuda_workload.c"))
+        .arg("-ldl"))?;
+    std::fs::rename(&tmp, &workload)?;
+    Ok((lib_dir, workload))
+}
+
+/// The workload, set up and waiting for its start line.
+struct Workload {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<std::process::ChildStdout>,
+    pid: u32,
+}
+
+impl Workload {
+    fn start(bench: &Bench, threads: usize) -> Result<Self> {
+        let mut child = Command::new(&bench.workload)
+            .args(["--bench-seconds", &bench.seconds.to_string()])
+            .args(["--bench-threads", &threads.to_string()])
+            .env("LD_LIBRARY_PATH", &bench.lib_dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting cuda_workload")?;
+        let stdin = child.stdin.take();
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut first = String::new();
+        stdout.read_line(&mut first)?;
+        let v: serde_json::Value =
+            serde_json::from_str(&first).with_context(|| format!("start line {first:?}"))?;
+        let pid = v["pid"].as_u64().context("no pid")? as u32;
+        Ok(Workload {
+            child,
+            stdin,
+            stdout,
+            pid,
+        })
+    }
+
+    fn go(mut self) -> Result<Launches> {
+        let mut stdin = self.stdin.take().expect("once");
+        stdin.write_all(b"go\n")?;
+        drop(stdin);
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        let status = self.child.wait()?;
+        util::check_status("cuda_workload", status)?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("result line {line:?}"))?;
+        let num = |k: &str| v[k].as_f64().with_context(|| format!("no {k} in {line:?}"));
+        Ok(Launches {
+            launches: num("launches")? as u64,
+            threads: num("threads")? as u64,
+            elapsed_s: num("elapsed_s")?,
+            ns_per_launch: num("ns_per_launch")?,
+        })
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Bench {
+    fn run(&self, config: Config, threads: usize) -> Result<Run> {
+        let workload = Workload::start(self, threads)?;
+        let logdir = std::env::temp_dir().join(format!("ebtrace-cuda-bench-{}", workload.pid));
+        let mut tracer = match config {
+            Config::Untraced => None,
+            Config::Ebtrace => {
+                let mut cmd = Command::new(&self.ebtrace);
+                cmd.args(["--pid", &workload.pid.to_string()])
+                    .args(["--duration", &format!("{}s", self.seconds.ceil() + 60.0)])
+                    .arg("--logdir")
+                    .arg(&logdir);
+                let mut t = Traced::spawn(cmd)?;
+                t.wait_line(|l| l.contains("probes attached"), Duration::from_secs(60))?;
+                Some(t)
+            }
+            Config::Bpftrace => {
+                let lib = self.lib_dir.join("libcuda.so.1");
+                let program = format!(
+                    "BEGIN {{ printf(\"xtask: bpftrace ready\\n\"); }}\n\
+                     uprobe:{lib}:cuLaunchKernel {{ @start[tid] = nsecs; @function[tid] = arg0; }}\n\
+                     uretprobe:{lib}:cuLaunchKernel /@start[tid]/ {{ @calls = count(); \
+                     @ns = sum(nsecs - @start[tid]); delete(@start[tid]); delete(@function[tid]); }}\n",
+                    lib = lib.display()
+                );
+                let mut cmd = Command::new("bpftrace");
+                cmd.args(["-p", &workload.pid.to_string(), "-e", &program]);
+                let mut t = Traced::spawn(cmd)?;
+                t.wait_line(
+                    |l| l.contains("xtask: bpftrace ready"),
+                    Duration::from_secs(60),
+                )?;
+                Some(t)
+            }
+        };
+        let launches = workload.go()?;
+        let mut run = Run {
+            config,
+            launches,
+            recorded: None,
+            counted: None,
+        };
+        match (config, tracer.as_mut()) {
+            (Config::Ebtrace, Some(t)) => {
+                let e = t.finish_ebtrace()?;
+                run.recorded = Some((e.records, e.dropped));
+                let _ = std::fs::remove_dir_all(&logdir);
+            }
+            (Config::Bpftrace, Some(t)) => {
+                run.counted = Some(t.finish_bpftrace_map("calls")?);
+            }
+            _ => {}
+        }
+        if let (Some((records, _)), true) = (run.recorded, threads == 1)
+            && records < launches.launches
+        {
+            bail!(
+                "ebtrace recorded {records} records for {} launches",
+                launches.launches
+            );
+        }
+        Ok(run)
+    }
+}
+
+fn render(runs: &[Run], rate_runs: &[Run], opts: Options, took: Duration) -> String {
+    let mut md = String::new();
+    let date = util::stdout_of(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]));
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let bpftrace = util::stdout_of(Command::new("bpftrace").arg("--version"));
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let _ = writeln!(
+        md,
+        "## CUDA driver benchmark ({})\n\n- machine: {cpus} CPUs, kernel {}; {}",
+        date.unwrap_or_default(),
+        kernel.trim(),
+        bpftrace.unwrap_or_default()
+    );
+    let _ = writeln!(
+        md,
+        "- target: `cuda_workload --bench-seconds {}`: one thread \
+         calls `cuLaunchKernel` of the stand-in `libcuda.so.1` in a loop; {} rounds of \
+         untraced / ebtrace / bpftrace (order rotated each round); took {:.0} s",
+        opts.seconds,
+        opts.rounds,
+        took.as_secs_f64()
+    );
+    let _ = writeln!(
+        md,
+        "\n### a. ns per cuLaunchKernel call\n\n| configuration | ns per call (median) | each \
+         round | added by the probes |\n|---|---:|---|---:|"
+    );
+    let ns = |c: Config| -> Vec<f64> {
+        runs.iter()
+            .filter(|r| r.config == c)
+            .map(|r| r.launches.ns_per_launch)
+            .collect()
+    };
+    let base = median(&ns(Config::Untraced));
+    for c in Config::ALL {
+        let v = ns(c);
+        let what = match c {
+            Config::Untraced => "untraced",
+            Config::Ebtrace => {
+                "ebtrace (entry + return uprobe, one 160-byte record per call, all driver \
+                 functions probed)"
+            }
+            Config::Bpftrace => {
+                "bpftrace (uprobe + uretprobe on cuLaunchKernel: saves time and argument, \
+                 sums durations)"
+            }
+        };
+        let each: Vec<String> = v.iter().map(|x| format!("{x:.0}")).collect();
+        let _ = writeln!(
+            md,
+            "| {what} | {:.0} | {} | {:+.0} ns |",
+            median(&v),
+            each.join(" / "),
+            median(&v) - base
+        );
+    }
+    let counted: Vec<String> = runs
+        .iter()
+        .filter_map(|r| Some(format!("{}/{}", r.counted?, r.launches.launches)))
+        .collect();
+    let _ = writeln!(
+        md,
+        "\nbpftrace counted / launches made: {}.",
+        counted.join(", ")
+    );
+    let _ = writeln!(
+        md,
+        "\n### b. Launch rate recorded by ebtrace\n\n| launching threads | launches/s | records \
+         | dropped |\n|---:|---:|---:|---:|"
+    );
+    let mut best: Option<f64> = None;
+    for r in rate_runs {
+        let rate = r.launches.launches as f64 / r.launches.elapsed_s;
+        let (records, dropped) = r.recorded.unwrap_or_default();
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} |",
+            r.launches.threads,
+            thousands(rate),
+            thousands(records as f64),
+            thousands(dropped as f64)
+        );
+        if dropped == 0 {
+            best = Some(best.map_or(rate, |b: f64| b.max(rate)));
+        }
+    }
+    match best {
+        Some(b) => {
+            let _ = writeln!(
+                md,
+                "\nHighest launch rate with zero drops: **{} launches/s** (default 16 MiB ring \
+                 buffer); the probes themselves bound the rate.",
+                thousands(b)
+            );
+        }
+        None => {
+            let _ = writeln!(md, "\nEvery rate run dropped records.");
+        }
+    }
+    md
+}
