@@ -7,6 +7,7 @@
 //! is a failure.
 
 pub mod fixture;
+pub mod traceme;
 pub mod xspace;
 
 use std::{

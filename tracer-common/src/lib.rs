@@ -10,6 +10,10 @@
 //! userspace converts them to wall-clock time in one place (`ClockSync`).
 #![no_std]
 
+pub mod traceme;
+
+pub use traceme::TraceMeRecord;
+
 /// Names of the maps and globals defined by the eBPF object.
 pub mod names {
     /// Ring buffer every program writes its records into.
@@ -115,6 +119,8 @@ pub enum RecordKind {
     ProcessFork = 4,
     TaskExit = 5,
     TaskRename = 6,
+    /// A [`TraceMeRecord`] (variable size).
+    TraceMe = 7,
 }
 
 impl RecordKind {
@@ -126,6 +132,7 @@ impl RecordKind {
             4 => Self::ProcessFork,
             5 => Self::TaskExit,
             6 => Self::TaskRename,
+            7 => Self::TraceMe,
             _ => return None,
         })
     }
@@ -254,6 +261,7 @@ mod pod {
     unsafe impl aya::Pod for ProcessFork {}
     unsafe impl aya::Pod for TaskExit {}
     unsafe impl aya::Pod for TaskRename {}
+    unsafe impl aya::Pod for TraceMeRecord {}
 }
 
 #[cfg(test)]
@@ -270,14 +278,22 @@ mod tests {
         assert_eq!(size_of::<ProcessFork>(), 32);
         assert_eq!(size_of::<TaskExit>(), 48);
         assert_eq!(size_of::<TaskRename>(), 40);
+        assert_eq!(traceme::TRACEME_PREFIX, 56);
+        assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
+        assert_eq!(traceme::traceme_record_size(0), 56);
+        assert_eq!(traceme::traceme_record_size(1), 64);
+        assert_eq!(
+            traceme::traceme_record_size(traceme::NAME_CAP),
+            size_of::<TraceMeRecord>()
+        );
     }
 
     #[test]
     fn kinds_round_trip() {
-        for k in 1..=6u16 {
+        for k in 1..=7u16 {
             assert_eq!(RecordKind::from_u16(k).map(|k| k as u16), Some(k));
         }
         assert!(RecordKind::from_u16(0).is_none());
-        assert!(RecordKind::from_u16(7).is_none());
+        assert!(RecordKind::from_u16(8).is_none());
     }
 }

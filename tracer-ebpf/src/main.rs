@@ -8,6 +8,7 @@
 #![no_main]
 
 mod sched;
+mod traceme;
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
@@ -66,6 +67,24 @@ pub(crate) fn emit<T: 'static>(record: T) {
             bump(stat::SUBMITTED);
         }
         None => bump(stat::DROPPED_RINGBUF_FULL),
+    }
+}
+
+/// Like [`emit`], for a record whose size is only known at run time
+/// (at most the size of the map value it is copied from).
+#[inline(always)]
+pub(crate) fn emit_bytes(record: &[u8]) {
+    // SAFETY: globals are read-only after load.
+    let threshold = unsafe { core::ptr::read_volatile(&WAKEUP_THRESHOLD) };
+    let flags = if EVENTS.query(BPF_RB_AVAIL_DATA as u64) + record.len() as u64 >= threshold {
+        bump(stat::FORCED_WAKEUPS);
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    };
+    match EVENTS.output::<[u8]>(record, flags as u64) {
+        Ok(()) => bump(stat::SUBMITTED),
+        Err(_) => bump(stat::DROPPED_RINGBUF_FULL),
     }
 }
 

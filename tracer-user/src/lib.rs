@@ -8,6 +8,7 @@
 //! - [`sink`]: XSpace encoding and the XProf log directory layout;
 //! - [`capture`]: one capture from checks to timeline;
 //! - [`procfs`]: what `/proc` says about the targets;
+//! - [`symbols`]: ELF symbol lookup and addresses inside running processes;
 //! - [`cli`]: the `ebtrace` command line.
 
 pub mod attach;
@@ -18,6 +19,7 @@ pub mod collect;
 pub mod error;
 pub mod procfs;
 pub mod sink;
+pub mod symbols;
 pub mod timeline;
 
 pub use error::{Error, Result};

@@ -2,14 +2,18 @@
 //!
 //! [`probe_set`] owns the loaded object and its shared maps; one module per
 //! probe family attaches its programs on it: [`sched`] for the scheduler
-//! tracepoints. [`tracefs`] finds and checks the kernel's tracepoints first.
+//! tracepoints, [`traceme`] for TraceMe events of jaxlib / TensorFlow /
+//! libtpu processes. [`tracefs`] finds and checks the kernel's tracepoints
+//! first.
 
 pub mod probe_set;
 pub mod sched;
 pub mod tracefs;
+pub mod traceme;
 
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
 pub use sched::SchedProbe;
+pub use traceme::{TraceMeOptions, TraceMeProbe};
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP`).
 pub(crate) static EBPF_OBJECT: &[u8] =

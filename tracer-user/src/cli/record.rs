@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{RecordArgs, summary};
 use crate::{
-    attach::ProbeSetConfig,
+    attach::{ProbeSetConfig, TraceMeOptions},
     capture::{Capture, CaptureOptions, check_privileges, open_targets},
     error::Result,
     sink::{logdir, xspace},
@@ -27,9 +27,14 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     check_privileges()?;
     logdir::check_writable(&args.logdir)?;
 
-    // Ctrl-C and SIGTERM end the capture; the trace is still written.
+    // Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is
+    // still written and the targets' TraceMe levels are restored.
     let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .map_err(|e| crate::error::Error::io("installing signal handlers", e))?;
     }
@@ -38,6 +43,10 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
             ..ProbeSetConfig::default()
+        },
+        traceme: TraceMeOptions {
+            level: args.host_tracer_level,
+            max_events: args.max_events,
         },
     };
     let session = logdir::session_name(chrono::Local::now());
@@ -54,6 +63,9 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         humantime::format_duration(args.duration),
         capture.attach_time,
     );
+    for note in capture.traceme_notes() {
+        eprintln!("ebtrace: {note}");
+    }
 
     let bar = if args.quiet {
         ProgressBar::hidden()

@@ -370,6 +370,13 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
     if let Some(why) = &timeline.stats.ended_early {
         warnings.push(format!("ebtrace: capture ended early: {why}"));
     }
+    warnings.extend(
+        timeline
+            .stats
+            .warnings
+            .iter()
+            .map(|w| format!("ebtrace: {w}")),
+    );
     XSpace {
         planes: vec![host.build(), env.build()],
         errors: vec![],

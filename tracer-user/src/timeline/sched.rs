@@ -195,6 +195,8 @@ impl SchedTimelineBuilder {
             Record::Rename(r) => {
                 self.thread(r.tid, r.tgid).name = Some(comm_to_string(&r.comm));
             }
+            // Spans, not scheduling: see `timeline::traceme`.
+            Record::TraceMe(_) => {}
         }
     }
 
