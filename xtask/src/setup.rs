@@ -15,12 +15,20 @@ const BPF_LINKER_VERSION: &str = "0.10.2";
 const XPROF_VERSION: &str = "2.24.2";
 /// The module the interop check imports; if it loads, the venv is complete.
 const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
+/// The jax release whose jaxlib the TraceMe interop test traces (CPU
+/// wheels: about 80 MB to download, 380 MB installed).
+const JAX_VERSION: &str = "0.10.2";
 
 /// Debian packages: (package, why).
 const APT_BASE: &[(&str, &str)] = &[
     ("gcc", "compiles the C test fixtures"),
     ("libc6-dev", "headers for the C test fixtures"),
     ("python3-venv", "creates the XProf virtual environment"),
+    ("g++", "compiles the TraceMe test fixture against libstdc++"),
+    ("clang", "compiles the TraceMe test fixture against libc++"),
+    ("libc++-dev", "libc++ for the TraceMe test fixture"),
+    ("libc++abi-dev", "libc++abi for the TraceMe test fixture"),
+    ("binutils", "strip and nm for the TraceMe tests"),
 ];
 const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
 
@@ -40,6 +48,7 @@ pub fn run_setup(root: &Path, opts: Options) -> Result<()> {
     }
     apt_packages(&packages)?;
     xprof_venv(root)?;
+    jax_in_venv(root)?;
     say("setup: done");
     Ok(())
 }
@@ -133,6 +142,32 @@ fn apt_packages(packages: &[(&str, &str)]) -> Result<()> {
         .env("DEBIAN_FRONTEND", "noninteractive")
         .args(["install", "-y", "-q", "--no-install-recommends"])
         .args(missing.iter().map(|(p, _)| *p)))
+}
+
+/// jax and jaxlib in `<repo>/.venv`: a real process with TSL's TraceMe
+/// recorder for the TraceMe interop test.
+fn jax_in_venv(root: &Path) -> Result<()> {
+    let venv = root.join(".venv");
+    let probe = format!(
+        "import jax, jaxlib; assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'"
+    );
+    if succeeds(Command::new(venv.join("bin/python")).args(["-c", &probe])) {
+        say(format!("ok: {} has jax {JAX_VERSION}", venv.display()));
+        return Ok(());
+    }
+    run(Command::new(venv.join("bin/pip")).args([
+        "install",
+        "--quiet",
+        &format!("jax=={JAX_VERSION}"),
+        &format!("jaxlib=={JAX_VERSION}"),
+    ]))?;
+    if !succeeds(Command::new(venv.join("bin/python")).args(["-c", &probe])) {
+        bail!(
+            "jax {JAX_VERSION} installed into {} but does not import",
+            venv.display()
+        );
+    }
+    Ok(())
 }
 
 fn dpkg_installed(package: &str) -> bool {

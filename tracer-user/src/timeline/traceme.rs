@@ -395,7 +395,10 @@ mod tests {
         }
     }
 
-    fn spans(tl: &Timeline, tid: u32) -> Vec<(String, u64, u64, Vec<(String, Value)>)> {
+    /// A span as (name, start, end, stats).
+    type Flat = (String, u64, u64, Vec<(String, Value)>);
+
+    fn spans(tl: &Timeline, tid: u32) -> Vec<Flat> {
         tl.threads[&tid]
             .spans
             .iter()
