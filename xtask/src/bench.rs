@@ -5,6 +5,7 @@
 //! takes to attach. Results go to stdout and `target/bench/sched.md`.
 
 mod report;
+mod traceme;
 mod tracer;
 
 use std::{
@@ -32,6 +33,17 @@ pub struct Options {
     pub long_seconds: f64,
     /// CPU the target is pinned to (None: unpinned).
     pub target_cpu: Option<usize>,
+    /// Which benchmarks to run.
+    pub suite: Suite,
+}
+
+/// `cargo xtask bench --suite`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Suite {
+    /// Scheduling, then TraceMe.
+    All,
+    Sched,
+    Traceme,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,6 +130,9 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
         target_cpu: opts.target_cpu,
     };
     let env = report::Environment::probe(root, &ebtrace, &bpftrace_version, opts);
+    if opts.suite == Suite::Traceme {
+        return traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds);
+    }
     say(format!(
         "bench: {} rounds x {:?}, {}s each, then one {}s ebtrace capture",
         opts.rounds,
@@ -162,6 +177,9 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     std::fs::create_dir_all(out.parent().expect("has a parent"))?;
     std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
     println!("\nwritten to {}", out.display());
+    if opts.suite == Suite::All {
+        traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds)?;
+    }
     Ok(())
 }
 

@@ -38,8 +38,9 @@ enum Task {
         #[arg(last = true)]
         libtest_args: Vec<String>,
     },
-    /// The scheduling benchmark: overhead against bpftrace, event rate,
-    /// memory and attach time; writes target/bench/sched.md (as root).
+    /// The benchmarks: scheduling (overhead against bpftrace, event rate,
+    /// memory and attach time; target/bench/sched.md), then TraceMe
+    /// (target/bench/traceme.md); as root.
     Bench {
         /// Rounds of untraced / ebtrace / bpftrace runs.
         #[arg(long, default_value_t = 3)]
@@ -58,6 +59,10 @@ enum Task {
         /// pong on one CPU or on two give rates 5x apart).
         #[arg(long)]
         unpinned: bool,
+        /// Which benchmarks: all, sched or traceme (TraceMe cost per event
+        /// against bpftrace, event rate, memory; writes target/bench/traceme.md).
+        #[arg(long, value_enum, default_value_t = bench::Suite::All)]
+        suite: bench::Suite,
     },
 }
 
@@ -83,6 +88,7 @@ fn run() -> Result<()> {
             long_seconds,
             target_cpu,
             unpinned,
+            suite,
         } => bench::run_bench(
             &root,
             bench::Options {
@@ -90,6 +96,7 @@ fn run() -> Result<()> {
                 seconds,
                 long_seconds,
                 target_cpu: (!unpinned).then_some(target_cpu),
+                suite,
             },
         ),
     }
