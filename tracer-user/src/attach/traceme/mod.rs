@@ -21,6 +21,10 @@ use tracer_common::traceme::{names, stat};
 use super::ProbeSet;
 use crate::error::{Error, Result};
 
+/// How long a TraceMe that passed the level check just before the level
+/// was restored may take to reach `Record` (a preempted thread).
+const IN_FLIGHT_GRACE: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// What the user asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TraceMeOptions {
@@ -174,12 +178,21 @@ impl TraceMeProbe {
         }
     }
 
-    /// Puts every level ebtrace switched on back to -1.
+    /// Puts every level ebtrace switched on back to -1, then gives the
+    /// TraceMes already past the gate time to reach `Record` while the
+    /// probes are still attached.
     pub fn restore(&mut self) {
+        let mut restored = false;
         for r in &mut self.recorders {
-            if let Some(w) = r.switch.as_mut().and_then(|s| s.restore(false)) {
-                self.warnings.push(w);
+            if let Some(s) = r.switch.as_mut() {
+                restored |= matches!(s.state(), LevelState::Enabled { .. });
+                if let Some(w) = s.restore(false) {
+                    self.warnings.push(w);
+                }
             }
+        }
+        if restored {
+            std::thread::sleep(IN_FLIGHT_GRACE);
         }
     }
 
