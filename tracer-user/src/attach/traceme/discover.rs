@@ -87,7 +87,8 @@ pub struct LayoutVotes {
 const VOTES_NEEDED: usize = 64;
 
 impl LayoutVotes {
-    fn count(&mut self, name: &[u8], cxx11: &Finder, libcxx: &Finder) -> bool {
+    fn count(&mut self, name: &[u8], finders: &NamespaceFinders) -> bool {
+        let NamespaceFinders { cxx11, libcxx, ndk } = finders;
         if cxx11.find(name).is_some() {
             self.libstdcxx += 1;
         }
@@ -101,7 +102,7 @@ impl LayoutVotes {
             } else {
                 self.libcxx_alternate += 1;
             }
-        } else if name.windows(9).any(|w| w == b"St6__ndk1") {
+        } else if ndk.find(name).is_some() {
             self.libcxx += 1;
         }
         self.libstdcxx.max(self.libcxx).max(self.libcxx_alternate) < VOTES_NEEDED
@@ -118,6 +119,26 @@ impl LayoutVotes {
             Some(StringLayout::Libcxx)
         } else {
             Some(StringLayout::LibcxxAlternate)
+        }
+    }
+}
+
+/// Searchers for the `std::` inline namespaces in mangled names.
+struct NamespaceFinders {
+    /// `St7__cxx11`: libstdc++.
+    cxx11: Finder<'static>,
+    /// `St3__`: a one-character libc++ namespace follows.
+    libcxx: Finder<'static>,
+    /// `St6__ndk1`: the Android NDK's libc++.
+    ndk: Finder<'static>,
+}
+
+impl NamespaceFinders {
+    fn new() -> Self {
+        NamespaceFinders {
+            cxx11: Finder::new(b"St7__cxx11"),
+            libcxx: Finder::new(b"St3__"),
+            ndk: Finder::new(b"St6__ndk1"),
         }
     }
 }
@@ -204,11 +225,10 @@ fn inspect(object: &MappedObject) -> Result<Option<Recorder>, String> {
         .iter()
         .flat_map(|n| [n.record, n.trace_level])
         .collect();
-    let cxx11 = Finder::new(b"St7__cxx11");
-    let libcxx = Finder::new(b"St3__");
+    let finders = NamespaceFinders::new();
     let mut votes = LayoutVotes::default();
     let scan = elf
-        .scan(&wanted, |name| votes.count(name, &cxx11, &libcxx))
+        .scan(&wanted, |name| votes.count(name, &finders))
         .map_err(|e| e.to_string())?;
     let Some((names, record, trace_level)) = NAMESPACES
         .iter()
@@ -245,11 +265,10 @@ mod tests {
     use super::*;
 
     fn votes(names: &[&str]) -> LayoutVotes {
-        let cxx11 = Finder::new(b"St7__cxx11");
-        let libcxx = Finder::new(b"St3__");
+        let finders = NamespaceFinders::new();
         let mut v = LayoutVotes::default();
         for n in names {
-            v.count(n.as_bytes(), &cxx11, &libcxx);
+            v.count(n.as_bytes(), &finders);
         }
         v
     }

@@ -109,8 +109,16 @@ impl TraceMeProbe {
             return Ok(probe);
         }
         for &pid in pids {
-            let found =
-                discover(pid).map_err(|e| Error::io(format!("reading /proc/{pid}/maps"), e))?;
+            let found = match discover(pid) {
+                Ok(found) => found,
+                Err(e) => {
+                    probe.notes.push(format!(
+                        "pid {pid}: cannot look for a TraceMe recorder (/proc/{pid}/maps: {e}); \
+                         tracing scheduling only"
+                    ));
+                    continue;
+                }
+            };
             for u in &found.unusable {
                 probe.notes.push(format!(
                     "pid {pid}: TraceMe recorder in {} not usable: {}",
