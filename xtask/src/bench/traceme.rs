@@ -88,6 +88,7 @@ struct Run {
 struct JaxRun {
     steps_per_s_untraced: f64,
     steps_per_s_traced: f64,
+    steps_per_s_in_process: f64,
     events: u64,
     rss_control_kib: i64,
     rss_traced_kib: i64,
@@ -415,6 +416,13 @@ impl Bench {
         ebtrace.wait_exit(Duration::from_secs(300))?;
         let rss2 = rss()?;
         let events = traceme_events(ebtrace.lines()).context("no TraceMe summary line")?;
+        // jax's own profiler session, recording the same (host tracer
+        // level 2, no Python tracer), for comparison.
+        signal(pid, libc::SIGUSR1);
+        rate_until(Instant::now() + Duration::from_millis(500), &mut last);
+        let in_process = rate_until(Instant::now() + Duration::from_secs(JAX_SECONDS), &mut last);
+        signal(pid, libc::SIGUSR2);
+        rate_until(Instant::now() + Duration::from_secs(2), &mut last);
         signal(pid, libc::SIGTERM);
         let _ = child.wait();
         let _ = reader.join();
@@ -425,6 +433,7 @@ impl Bench {
         Ok(Some(JaxRun {
             steps_per_s_untraced: untraced,
             steps_per_s_traced: traced,
+            steps_per_s_in_process: in_process,
             events,
             rss_control_kib: rss1 - rss0,
             rss_traced_kib: rss2 - rss1,
@@ -574,14 +583,19 @@ fn render(
                 net / j.events as f64
             );
             let _ = writeln!(md, "\n#### d. jaxlib under ebtrace\n");
+            let ratio = |r: f64| r / j.steps_per_s_untraced.max(1e-9);
             let _ = writeln!(
                 md,
-                "- steps/s untraced {:.0}, during the ebtrace capture {:.0} ({:.2}x; {:.0} TraceMe \
-                 events per step)",
+                "- steps/s ({JAX_SECONDS} s windows, one after the other): untraced {:.0}; during \
+                 the ebtrace capture {:.0} ({:.2}x; {:.0} TraceMe events per step); in jax's own \
+                 profiler session (`jax.profiler.start_trace`, host tracer level 2, no Python \
+                 tracer) {:.0} ({:.2}x)",
                 j.steps_per_s_untraced,
                 j.steps_per_s_traced,
-                j.steps_per_s_traced / j.steps_per_s_untraced.max(1e-9),
-                j.events as f64 / (j.steps_per_s_traced * JAX_SECONDS as f64).max(1.0)
+                ratio(j.steps_per_s_traced),
+                j.events as f64 / (j.steps_per_s_traced * JAX_SECONDS as f64).max(1.0),
+                j.steps_per_s_in_process,
+                ratio(j.steps_per_s_in_process)
             );
             let _ = writeln!(md, "- ebtrace: `{}`", j.discovery_line);
             let _ = writeln!(

@@ -163,6 +163,9 @@ pub struct Recorder {
     /// Symbols looked at, and how long the lookup took.
     pub symbols: usize,
     pub lookup_time: Duration,
+    /// Files the process had mapped, and how long searching them all took.
+    pub objects: usize,
+    pub search_time: Duration,
 }
 
 impl Recorder {
@@ -207,6 +210,10 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
         }
     }
     found.elapsed = began.elapsed();
+    for r in &mut found.recorders {
+        r.objects = found.objects;
+        r.search_time = found.elapsed;
+    }
     Ok(found)
 }
 
@@ -257,6 +264,8 @@ fn inspect(object: &MappedObject) -> Result<Option<Recorder>, String> {
         trace_level_address: trace_level.map(|s| bias.wrapping_add(s.vaddr)),
         symbols: scan.symbols,
         lookup_time: scan.elapsed,
+        objects: 0,
+        search_time: Duration::ZERO,
     }))
 }
 

@@ -71,13 +71,16 @@ impl AttachedRecorder {
             None => "no g_trace_level symbol: observing only".to_string(),
         };
         format!(
-            "pid {}: TraceMe recorder in {} ({}::profiler, {}; {} symbols searched in {:.0?}); {level}",
+            "pid {}: TraceMe recorder in {} ({}::profiler, {}; {} symbols searched in {:.0?}, \
+             {} mapped files in {:.0?}); {level}",
             r.pid,
             r.file_name(),
             r.namespace,
             r.layout.describe(),
             r.symbols,
             r.lookup_time,
+            r.objects,
+            r.search_time,
         )
     }
 }
