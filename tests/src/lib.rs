@@ -9,6 +9,7 @@
 pub mod cuda;
 pub mod fixture;
 pub mod serve;
+pub mod traceme;
 pub mod xprof;
 pub mod xspace;
 

@@ -11,6 +11,9 @@
 #![no_std]
 
 pub mod cuda;
+pub mod traceme;
+
+pub use traceme::TraceMeRecord;
 
 /// Names of the maps and globals defined by the eBPF object.
 pub mod names {
@@ -121,6 +124,8 @@ pub enum RecordKind {
     CudaCall = 20,
     /// A kernel handle and its name ([`cuda::CudaSymbol`]).
     CudaSymbol = 21,
+    /// A [`TraceMeRecord`] (variable size).
+    TraceMe = 7,
 }
 
 impl RecordKind {
@@ -134,6 +139,7 @@ impl RecordKind {
             6 => Self::TaskRename,
             20 => Self::CudaCall,
             21 => Self::CudaSymbol,
+            7 => Self::TraceMe,
             _ => return None,
         })
     }
@@ -262,6 +268,7 @@ mod pod {
     unsafe impl aya::Pod for ProcessFork {}
     unsafe impl aya::Pod for TaskExit {}
     unsafe impl aya::Pod for TaskRename {}
+    unsafe impl aya::Pod for TraceMeRecord {}
 }
 
 #[cfg(test)]
@@ -278,14 +285,22 @@ mod tests {
         assert_eq!(size_of::<ProcessFork>(), 32);
         assert_eq!(size_of::<TaskExit>(), 48);
         assert_eq!(size_of::<TaskRename>(), 40);
+        assert_eq!(traceme::TRACEME_PREFIX, 56);
+        assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
+        assert_eq!(traceme::traceme_record_size(0), 56);
+        assert_eq!(traceme::traceme_record_size(1), 64);
+        assert_eq!(
+            traceme::traceme_record_size(traceme::NAME_CAP),
+            size_of::<TraceMeRecord>()
+        );
     }
 
     #[test]
     fn kinds_round_trip() {
-        for k in 1..=6u16 {
+        for k in 1..=7u16 {
             assert_eq!(RecordKind::from_u16(k).map(|k| k as u16), Some(k));
         }
         assert!(RecordKind::from_u16(0).is_none());
-        assert!(RecordKind::from_u16(7).is_none());
+        assert!(RecordKind::from_u16(8).is_none());
     }
 }

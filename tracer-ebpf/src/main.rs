@@ -9,6 +9,7 @@
 
 mod cuda;
 mod sched;
+mod traceme;
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
@@ -75,6 +76,16 @@ pub(crate) fn submit_flags() -> u64 {
         BPF_RB_NO_WAKEUP
     };
     flags as u64
+}
+
+/// Like [`emit`], for a record whose size is only known at run time
+/// (at most the size of the map value it is copied from).
+#[inline(always)]
+pub(crate) fn emit_bytes(record: &[u8]) {
+    match EVENTS.output::<[u8]>(record, submit_flags()) {
+        Ok(()) => bump(stat::SUBMITTED),
+        Err(_) => bump(stat::DROPPED_RINGBUF_FULL),
+    }
 }
 
 #[inline(always)]

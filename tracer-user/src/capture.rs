@@ -13,12 +13,18 @@ use std::{
 };
 
 use crate::{
-    attach::{CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, cuda, tracefs},
+    attach::{
+        CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions, TraceMeProbe,
+        cuda, tracefs,
+    },
     clock::{ClockSync, monotonic_ns},
-    collect::{Collector, Record},
+    collect::{Collector, Record, TraceMeEvent},
     error::{Error, Result},
     procfs::{self, TargetProcess},
-    timeline::{CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder, Timeline},
+    timeline::{
+        CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder, Timeline,
+        add_traceme_spans,
+    },
 };
 
 const CAP_SYS_ADMIN: u32 = 21;
@@ -59,6 +65,8 @@ pub fn open_targets(pids: &[u32]) -> Result<Vec<TargetProcess>> {
 pub struct CaptureOptions {
     pub probe: ProbeSetConfig,
     pub families: ProbeFamilies,
+    /// TraceMe settings; the level itself comes from `families`.
+    pub traceme: TraceMeOptions,
 }
 
 /// Which probe families a capture attaches. Each family has one switch
@@ -70,6 +78,8 @@ pub struct ProbeFamilies {
     pub sched: bool,
     /// CUDA driver API uprobes: launches, copies, syncs, GPU stream lines.
     pub cuda: bool,
+    /// TraceMe uprobes at this `host_tracer_level` (0: none).
+    pub traceme_level: u32,
 }
 
 impl Default for ProbeFamilies {
@@ -77,6 +87,7 @@ impl Default for ProbeFamilies {
         ProbeFamilies {
             sched: true,
             cuda: true,
+            traceme_level: 2,
         }
     }
 }
@@ -86,6 +97,7 @@ impl ProbeFamilies {
     pub const NONE: ProbeFamilies = ProbeFamilies {
         sched: false,
         cuda: false,
+        traceme_level: 0,
     };
 
     pub fn is_empty(&self) -> bool {
@@ -102,6 +114,10 @@ pub struct PollStatus {
 }
 
 pub struct Capture {
+    /// Declared before `probe`: dropped first, it switches the targets'
+    /// TraceMe recording off while the probes still see it.
+    traceme: TraceMeProbe,
+    traceme_events: Vec<TraceMeEvent>,
     probe: ProbeSet,
     collector: Collector,
     targets: Vec<TargetProcess>,
@@ -166,10 +182,20 @@ impl Capture {
             .iter()
             .flat_map(|c| c.targets.iter().map(cuda::describe))
             .collect();
+        let pids: Vec<u32> = targets.iter().map(|t| t.pid).collect();
+        let traceme_options = TraceMeOptions {
+            level: options.families.traceme_level,
+            ..options.traceme
+        };
+        let mut traceme = TraceMeProbe::attach(&mut probe, &pids, traceme_options)?;
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());
+        // After the window opened: every event recorded starts inside it.
+        traceme.enable();
         Ok(Capture {
+            traceme,
+            traceme_events: Vec::new(),
             probe,
             collector,
             targets,
@@ -197,10 +223,34 @@ impl Capture {
         self.families
     }
 
+    /// What the TraceMe probes found in the targets, one line each.
+    pub fn traceme_notes(&self) -> Vec<String> {
+        let mut lines = self.traceme.notes.clone();
+        lines.extend(self.traceme.recorders.iter().map(|r| r.describe()));
+        lines
+    }
+
+    /// Drains the ring buffer; TraceMe events go to their own list.
+    fn drain(&mut self) {
+        let before = self.records.len();
+        self.collector.drain(&mut self.records);
+        let mut traceme = 0;
+        for r in self.records.drain(before..).collect::<Vec<_>>() {
+            match r {
+                Record::TraceMe(e) => {
+                    self.traceme_events.push(*e);
+                    traceme += 1;
+                }
+                other => self.records.push(other),
+            }
+        }
+        self.traceme.count_events(traceme);
+    }
+
     /// Waits up to `timeout` for data, drains it, and reports progress.
     pub fn poll(&mut self, timeout: Duration) -> PollStatus {
         self.collector.wait(timeout);
-        self.collector.drain(&mut self.records);
+        self.drain();
         PollStatus {
             records: self.records.len(),
             alive: self.targets.iter().filter(|t| t.is_alive()).count(),
@@ -226,8 +276,10 @@ impl Capture {
     /// whole capture.
     pub fn finish(mut self, ended_early: Option<String>) -> Result<(Timeline, ProbeStats)> {
         let stop_ns = monotonic_ns();
+        self.traceme.restore();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
+        let traceme_kernel = TraceMeProbe::stats(&mut self.probe);
         // Programs still attached ignore the targets from now on. The
         // scheduler's few links go first: releasing uprobe links is slow
         // and holds a kernel mutex they would wait for (see `attach::cuda`),
@@ -244,7 +296,13 @@ impl Capture {
             dropped_by_family: self.family_drops()?,
             ..self.probe.stats()?
         };
-        self.collector.drain(&mut self.records);
+        self.drain();
+        if traceme_kernel.event_unreadable + traceme_kernel.name_unreadable > 0 {
+            self.traceme.warn(format!(
+                "{} TraceMe events could not be read from the target, {} were recorded without their name",
+                traceme_kernel.event_unreadable, traceme_kernel.name_unreadable
+            ));
+        }
         let timeline = self.timeline_between(self.start_ns, stop_ns, stats.dropped(), ended_early);
         Ok((timeline, stats))
     }
@@ -291,13 +349,35 @@ impl Capture {
             malformed: self.collector.malformed,
             inconsistencies: 0,
             ended_early,
+            notes: Vec::new(),
+            warnings: self.traceme.warnings().to_vec(),
         };
         let mut timeline = builder.finish(self.clock, &names, capture_stats);
         if !self.families.sched {
             without_scheduling(&mut timeline);
         }
         cuda.finish().add_to(&mut timeline);
+        self.add_traceme(&mut timeline);
         timeline
+    }
+
+    /// Lays the TraceMe events on the threads' lines and says how it went.
+    fn add_traceme(&self, timeline: &mut Timeline) {
+        if self.traceme.recorders.is_empty() {
+            return;
+        }
+        let spans = add_traceme_spans(timeline, &self.traceme_events);
+        let notes = &mut timeline.stats.notes;
+        notes.extend(self.traceme.recorders.iter().map(|r| r.describe()));
+        notes.push(format!(
+            "TraceMe: {} events recorded, {} spans on the thread lines \
+             ({} outside the window, {} unpaired activity halves, {} cut to nest)",
+            self.traceme_events.len(),
+            spans.spans,
+            spans.outside_window,
+            spans.unpaired_activity_halves,
+            spans.clipped
+        ));
     }
 }
 

@@ -10,6 +10,7 @@
 //! - [`capture`]: one capture from checks to timeline;
 //! - [`procfs`]: what `/proc` says about the targets;
 //! - [`server`]: `ebtrace serve`, the gRPC ProfilerService;
+//! - [`symbols`]: ELF symbol lookup and addresses inside running processes;
 //! - [`cli`]: the `ebtrace` command line.
 
 pub mod attach;
@@ -22,6 +23,7 @@ pub mod error;
 pub mod procfs;
 pub mod server;
 pub mod sink;
+pub mod symbols;
 pub mod timeline;
 
 pub use error::{Error, Result};

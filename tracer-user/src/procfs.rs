@@ -154,6 +154,16 @@ pub fn clock_ticks_per_second() -> u64 {
     if v > 0 { v as u64 } else { 100 }
 }
 
+/// When the process started (`starttime`, field 22 of `/proc/PID/stat`, in
+/// clock ticks since boot): with the pid, it names one process instance,
+/// even after the pid is reused.
+pub fn start_time_ticks(pid: u32) -> Option<u64> {
+    let stat = fs::read_to_string(proc_root().join(pid.to_string()).join("stat")).ok()?;
+    let after_comm = &stat[stat.rfind(')')? + 1..];
+    // Field 3 (state) is the first after the name; field 22 the 20th.
+    after_comm.split_whitespace().nth(19)?.parse().ok()
+}
+
 fn read_tgid(pid: u32) -> Option<u32> {
     let status = fs::read_to_string(proc_root().join(pid.to_string()).join("status")).ok()?;
     status
@@ -196,6 +206,9 @@ mod tests {
         assert_eq!(target.pid, me);
         assert!(target.threads().contains_key(&me));
         assert!(target.is_alive());
+        let started = start_time_ticks(me).unwrap();
+        assert!(started > 0);
+        assert_eq!(start_time_ticks(me), Some(started));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 mod cuda;
 mod report;
 pub mod serve;
+mod traceme;
 mod tracer;
 
 use std::{
@@ -37,15 +38,19 @@ pub struct Options {
     /// CPU the target is pinned to (None: unpinned).
     pub target_cpu: Option<usize>,
     /// Which benchmarks to run.
-    pub suites: Suites,
+    pub suite: Suite,
     /// Seconds of launching per CUDA run.
     pub cuda_seconds: f64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Suites {
-    pub sched: bool,
-    pub cuda: bool,
+/// `cargo xtask bench --suite`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Suite {
+    /// Scheduling, then TraceMe, then CUDA.
+    All,
+    Sched,
+    Traceme,
+    Cuda,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,10 +122,10 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     }
     setup::run_setup(root, setup::Options { bench: true })?;
     let ebtrace = util::build_release(root)?;
-    if opts.suites.sched {
+    if opts.suite != Suite::Cuda {
         run_sched(root, &ebtrace, opts)?;
     }
-    if opts.suites.cuda {
+    if matches!(opts.suite, Suite::All | Suite::Cuda) {
         let md = cuda::run_bench(
             root,
             &ebtrace,
@@ -161,6 +166,9 @@ fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
         target_cpu: opts.target_cpu,
     };
     let env = report::Environment::probe(root, &ebtrace, &bpftrace_version, opts);
+    if opts.suite == Suite::Traceme {
+        return traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds);
+    }
     say(format!(
         "bench: {} rounds x {:?}, {}s each, then one {}s ebtrace capture",
         opts.rounds,
@@ -199,7 +207,11 @@ fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
     let _ = std::fs::remove_dir_all(&bench.scratch);
 
     let md = report::render(&env, &runs, started.elapsed());
-    write_report(root, "sched.md", &md)
+    write_report(root, "sched.md", &md)?;
+    if opts.suite == Suite::All {
+        traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds)?;
+    }
+    Ok(())
 }
 
 /// Parses "bpftrace v0.17.0" and compares with major.minor.

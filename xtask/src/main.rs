@@ -39,8 +39,9 @@ enum Task {
         libtest_args: Vec<String>,
     },
     /// The benchmarks: scheduling (overhead against bpftrace, event rate,
-    /// memory and attach time; target/bench/sched.md) and CUDA (ns per
-    /// traced cuLaunchKernel, launch rate; target/bench/cuda.md). As root.
+    /// memory and attach time; target/bench/sched.md), TraceMe
+    /// (target/bench/traceme.md) and CUDA (ns per traced cuLaunchKernel,
+    /// launch rate; target/bench/cuda.md). As root.
     Bench {
         /// Rounds of untraced / ebtrace / bpftrace runs.
         #[arg(long, default_value_t = 3)]
@@ -64,10 +65,11 @@ enum Task {
         /// --rounds and the target pinning).
         #[arg(long)]
         serve: bool,
-        /// Run only one benchmark: `sched` (scheduling) or `cuda` (ns per
-        /// traced cuLaunchKernel against bpftrace, launch rate).
-        #[arg(long, value_parser = ["sched", "cuda"])]
-        only: Option<String>,
+        /// Which benchmarks: all, sched, traceme (TraceMe cost per event
+        /// against bpftrace, event rate, memory) or cuda (ns per traced
+        /// cuLaunchKernel against bpftrace, launch rate).
+        #[arg(long, value_enum, default_value_t = bench::Suite::All)]
+        suite: bench::Suite,
         /// Seconds of launching per CUDA run.
         #[arg(long, default_value_t = 3.0)]
         cuda_seconds: f64,
@@ -110,8 +112,7 @@ fn run() -> Result<()> {
             target_cpu,
             unpinned,
             serve: false,
-
-            only,
+            suite,
             cuda_seconds,
         } => bench::run_bench(
             &root,
@@ -120,10 +121,7 @@ fn run() -> Result<()> {
                 seconds,
                 long_seconds,
                 target_cpu: (!unpinned).then_some(target_cpu),
-                suites: bench::Suites {
-                    sched: only.as_deref() != Some("cuda"),
-                    cuda: only.as_deref() != Some("sched"),
-                },
+                suite,
                 cuda_seconds,
             },
         ),

@@ -15,11 +15,12 @@ const BPF_LINKER_VERSION: &str = "0.10.2";
 const XPROF_VERSION: &str = "2.24.2";
 /// The module the interop check imports; if it loads, the venv is complete.
 const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
-/// The JAX release (CPU jaxlib) whose `jax.collect_profile` the
-/// `ebtrace serve` interop tests run: about 90 MB of wheels, 40 s to
-/// install. It talks to the server through xprof's capture client, the same
-/// C++ code as TensorFlow's `client.trace`, so TensorFlow (600 MB) is not
-/// installed.
+/// The JAX release (CPU jaxlib) the interop tests run: `jax.collect_profile`
+/// against `ebtrace serve`, and a jax process whose TraceMe events are
+/// traced. About 135 MB of wheels with numpy and scipy (jaxlib 85 MB), 540 MB
+/// installed, 30-40 s. The serve tests talk to the server through xprof's
+/// capture client, the same C++ code as TensorFlow's `client.trace`, so
+/// TensorFlow (600 MB) is not installed.
 const JAX_VERSION: &str = "0.10.2";
 const JAX_PROBE_MODULE: &str = "jax.collect_profile";
 
@@ -28,6 +29,11 @@ const APT_BASE: &[(&str, &str)] = &[
     ("gcc", "compiles the C test fixtures"),
     ("libc6-dev", "headers for the C test fixtures"),
     ("python3-venv", "creates the XProf virtual environment"),
+    ("g++", "compiles the TraceMe test fixture against libstdc++"),
+    ("clang", "compiles the TraceMe test fixture against libc++"),
+    ("libc++-dev", "libc++ for the TraceMe test fixture"),
+    ("libc++abi-dev", "libc++abi for the TraceMe test fixture"),
+    ("binutils", "strip and nm for the TraceMe tests"),
 ];
 const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
 
@@ -47,6 +53,7 @@ pub fn run_setup(root: &Path, opts: Options) -> Result<()> {
     }
     apt_packages(&packages)?;
     xprof_venv(root)?;
+    jax_in_venv(root)?;
     say("setup: done");
     Ok(())
 }
@@ -140,6 +147,32 @@ fn apt_packages(packages: &[(&str, &str)]) -> Result<()> {
         .env("DEBIAN_FRONTEND", "noninteractive")
         .args(["install", "-y", "-q", "--no-install-recommends"])
         .args(missing.iter().map(|(p, _)| *p)))
+}
+
+/// jax and jaxlib in `<repo>/.venv`: a real process with TSL's TraceMe
+/// recorder for the TraceMe interop test.
+fn jax_in_venv(root: &Path) -> Result<()> {
+    let venv = root.join(".venv");
+    let probe = format!(
+        "import jax, jaxlib; assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'"
+    );
+    if succeeds(Command::new(venv.join("bin/python")).args(["-c", &probe])) {
+        say(format!("ok: {} has jax {JAX_VERSION}", venv.display()));
+        return Ok(());
+    }
+    run(Command::new(venv.join("bin/pip")).args([
+        "install",
+        "--quiet",
+        &format!("jax=={JAX_VERSION}"),
+        &format!("jaxlib=={JAX_VERSION}"),
+    ]))?;
+    if !succeeds(Command::new(venv.join("bin/python")).args(["-c", &probe])) {
+        bail!(
+            "jax {JAX_VERSION} installed into {} but does not import",
+            venv.display()
+        );
+    }
+    Ok(())
 }
 
 fn dpkg_installed(package: &str) -> bool {

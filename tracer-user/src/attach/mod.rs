@@ -3,7 +3,8 @@
 //! [`probe_set`] owns the loaded object and its shared maps; one module per
 //! probe family attaches its programs on it: [`sched`] for the scheduler
 //! tracepoints, [`cuda`] for the CUDA driver uprobes (with [`libcuda`]
-//! finding the library). [`tracefs`] finds and checks the kernel's
+//! finding the library), [`traceme`] for TraceMe events of jaxlib /
+//! TensorFlow / libtpu processes. [`tracefs`] finds and checks the kernel's
 //! tracepoints first.
 
 pub mod cuda;
@@ -11,10 +12,12 @@ pub mod libcuda;
 pub mod probe_set;
 pub mod sched;
 pub mod tracefs;
+pub mod traceme;
 
 pub use cuda::CudaProbe;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
 pub use sched::SchedProbe;
+pub use traceme::{TraceMeOptions, TraceMeProbe};
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP`).
 pub(crate) static EBPF_OBJECT: &[u8] =

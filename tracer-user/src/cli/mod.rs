@@ -68,6 +68,22 @@ pub struct RecordArgs {
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
     pub ring_buffer_mib: u32,
 
+    /// TraceMe events of jaxlib / TensorFlow / libtpu targets, at this
+    /// level (ProfileOptions' host_tracer_level): 0 none, 1 critical,
+    /// 2 info, 3 verbose. A target with no profiler session of its own is
+    /// switched to this level for the capture and back off after it; one
+    /// with a session is only observed, at the session's level.
+    #[arg(long, value_name = "LEVEL", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(0..=3))]
+    pub host_tracer_level: u32,
+
+    /// Switch TraceMe recording off again after this many events. The
+    /// target's recorder keeps every event it records in memory until a
+    /// profiler session of its own drains it (about 90 bytes each).
+    #[arg(long, value_name = "N", default_value_t = 1_000_000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_events: u64,
+
     /// Print only the trace's path (no progress, no summary).
     #[arg(short, long)]
     pub quiet: bool,
@@ -145,5 +161,30 @@ mod tests {
         assert!(
             Cli::try_parse_from(["ebtrace", "serve", "-p", "1", "--bind", "localhost:1"]).is_err()
         );
+    }
+
+    #[test]
+    fn traceme_flags() {
+        let cli = Cli::try_parse_from(["ebtrace", "-p", "1"]).unwrap();
+        assert_eq!(
+            (cli.record.host_tracer_level, cli.record.max_events),
+            (2, 1_000_000)
+        );
+        let cli = Cli::try_parse_from([
+            "ebtrace",
+            "-p",
+            "1",
+            "--host-tracer-level",
+            "0",
+            "--max-events",
+            "5",
+        ])
+        .unwrap();
+        assert_eq!(
+            (cli.record.host_tracer_level, cli.record.max_events),
+            (0, 5)
+        );
+        assert!(Cli::try_parse_from(["ebtrace", "-p", "1", "--host-tracer-level", "4"]).is_err());
+        assert!(Cli::try_parse_from(["ebtrace", "-p", "1", "--max-events", "0"]).is_err());
     }
 }

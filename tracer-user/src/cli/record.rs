@@ -13,8 +13,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{RecordArgs, summary};
 use crate::{
-    attach::ProbeSetConfig,
-    capture::{Capture, CaptureOptions, check_privileges, open_targets},
+    attach::{ProbeSetConfig, TraceMeOptions},
+    capture::{Capture, CaptureOptions, ProbeFamilies, check_privileges, open_targets},
     error::Result,
     sink::{logdir, xspace},
 };
@@ -27,9 +27,14 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     check_privileges()?;
     logdir::check_writable(&args.logdir)?;
 
-    // Ctrl-C and SIGTERM end the capture; the trace is still written.
+    // Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is
+    // still written and the targets' TraceMe levels are restored.
     let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .map_err(|e| crate::error::Error::io("installing signal handlers", e))?;
     }
@@ -39,7 +44,14 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
             ..ProbeSetConfig::default()
         },
-        ..CaptureOptions::default()
+        families: ProbeFamilies {
+            traceme_level: args.host_tracer_level,
+            ..ProbeFamilies::default()
+        },
+        traceme: TraceMeOptions {
+            level: args.host_tracer_level,
+            max_events: args.max_events,
+        },
     };
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;
@@ -60,6 +72,9 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     }
     for warning in &capture.warnings {
         eprintln!("ebtrace: warning: {warning}");
+    }
+    for note in capture.traceme_notes() {
+        eprintln!("ebtrace: {note}");
     }
 
     let bar = if args.quiet {

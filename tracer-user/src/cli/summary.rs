@@ -62,6 +62,12 @@ pub fn render(timeline: &Timeline, probe: &ProbeStats) -> String {
             device.streams.len()
         );
     }
+    for note in &timeline.stats.notes {
+        let _ = writeln!(out, "{note}");
+    }
+    for warning in &timeline.stats.warnings {
+        let _ = writeln!(out, "warning: {warning}");
+    }
     if let Some(why) = &timeline.stats.ended_early {
         let _ = writeln!(out, "capture ended early: {why}");
     }

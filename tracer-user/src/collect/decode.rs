@@ -3,7 +3,9 @@
 
 use tracer_common::{
     ProcessFork, RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew, TaskRename,
+    TraceMeRecord,
     cuda::{CudaCall, CudaSymbol},
+    traceme::{FLAG_NAME_UNREADABLE, TRACEME_PREFIX, traceme_record_size},
 };
 
 /// One record from the kernel, decoded. Large, rare records are boxed so
@@ -18,6 +20,29 @@ pub enum Record {
     Rename(TaskRename),
     CudaCall(Box<CudaCall>),
     CudaSymbol(Box<CudaSymbol>),
+    /// Boxed: it is much larger than the others and much rarer.
+    TraceMe(Box<TraceMeEvent>),
+}
+
+/// A `TraceMeRecorder::Record(Event&&)` call as the uprobe saw it.
+#[derive(Clone, Debug)]
+pub struct TraceMeEvent {
+    pub header: RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// Address of the probed `Record`: which recorder (loaded object).
+    pub site: u64,
+    /// `Event::start_time` and `end_time`, as the target wrote them.
+    pub start_time: i64,
+    pub end_time: i64,
+    /// The name, or its first `NAME_CAP` bytes (invalid UTF-8 replaced).
+    pub name: String,
+    /// The name was longer than what was copied.
+    pub truncated: bool,
+    /// Length in bytes of the whole name in the target.
+    pub name_len: u32,
+    /// The name's memory could not be read; `name` is empty.
+    pub name_unreadable: bool,
 }
 
 impl Record {
@@ -31,6 +56,7 @@ impl Record {
             Record::Rename(r) => &r.header,
             Record::CudaCall(r) => &r.header,
             Record::CudaSymbol(r) => &r.header,
+            Record::TraceMe(r) => &r.header,
         }
     }
 
@@ -87,6 +113,48 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         RecordKind::TaskRename => Record::Rename(read(bytes, kind, size)?),
         RecordKind::CudaCall => Record::CudaCall(Box::new(read(bytes, kind, size)?)),
         RecordKind::CudaSymbol => Record::CudaSymbol(Box::new(read(bytes, kind, size)?)),
+        RecordKind::TraceMe => Record::TraceMe(Box::new(read_traceme(bytes, size)?)),
+    })
+}
+
+/// A TraceMe record is its fixed part plus the copied name, rounded up to
+/// 8 bytes: both sizes must agree.
+fn read_traceme(bytes: &[u8], claimed: usize) -> Result<TraceMeEvent, DecodeError> {
+    let kind = RecordKind::TraceMe;
+    let full = size_of::<TraceMeRecord>();
+    if claimed < TRACEME_PREFIX || claimed > full || bytes.len() < claimed {
+        return Err(DecodeError::Size {
+            kind,
+            claimed,
+            expected: TRACEME_PREFIX,
+            got: bytes.len(),
+        });
+    }
+    let mut buf = [0u8; size_of::<TraceMeRecord>()];
+    buf[..claimed].copy_from_slice(&bytes[..claimed]);
+    // SAFETY: the buffer has the record's size; T is plain #[repr(C)] data.
+    let rec: TraceMeRecord = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
+    let copied = usize::from(rec.copied);
+    if traceme_record_size(copied) != claimed {
+        return Err(DecodeError::Size {
+            kind,
+            claimed,
+            expected: traceme_record_size(copied),
+            got: bytes.len(),
+        });
+    }
+    let name_unreadable = rec.flags & FLAG_NAME_UNREADABLE != 0;
+    Ok(TraceMeEvent {
+        header: rec.header,
+        tid: rec.tid,
+        tgid: rec.tgid,
+        site: rec.site,
+        start_time: rec.start_time,
+        end_time: rec.end_time,
+        name: String::from_utf8_lossy(&rec.name[..copied]).into_owned(),
+        truncated: !name_unreadable && rec.name_len as usize > copied,
+        name_len: rec.name_len,
+        name_unreadable,
     })
 }
 
@@ -136,5 +204,46 @@ mod tests {
             DecodeError::UnknownKind(77)
         );
         assert_eq!(decode(&[0u8; 3]).unwrap_err(), DecodeError::Short(3));
+    }
+
+    fn traceme_bytes(name: &[u8], name_len: u32) -> Vec<u8> {
+        let size = traceme_record_size(name.len());
+        let mut rec = TraceMeRecord {
+            header: RecordHeader::new(RecordKind::TraceMe, size, 0, 5),
+            tid: 7,
+            tgid: 6,
+            site: 0x1000,
+            start_time: 100,
+            end_time: 200,
+            name_len,
+            copied: name.len() as u16,
+            flags: 0,
+            name: [0; tracer_common::traceme::NAME_CAP],
+        };
+        rec.name[..name.len()].copy_from_slice(name);
+        bytes_of(&rec)[..size].to_vec()
+    }
+
+    #[test]
+    fn decodes_variable_size_traceme_records() {
+        let Record::TraceMe(ev) = decode(&traceme_bytes(b"step#step_num=3#", 16)).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!(ev.name, "step#step_num=3#");
+        assert_eq!((ev.tid, ev.tgid, ev.site), (7, 6, 0x1000));
+        assert_eq!((ev.start_time, ev.end_time, ev.header.ts_ns), (100, 200, 5));
+        assert!(!ev.truncated && !ev.name_unreadable);
+
+        let Record::TraceMe(cut) = decode(&traceme_bytes(b"abc", 5000)).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert!(cut.truncated);
+        assert_eq!(cut.name_len, 5000);
+
+        // A size that disagrees with the copied length is refused.
+        let mut bad = traceme_bytes(b"abcdefghij", 10);
+        bad[2] = 56;
+        bad.truncate(56);
+        assert!(matches!(decode(&bad), Err(DecodeError::Size { .. })));
     }
 }

@@ -440,6 +440,7 @@ impl Hub {
             let options = CaptureOptions {
                 probe: self.config.probe.clone(),
                 families,
+                ..CaptureOptions::default()
             };
             let c = Capture::start(targets.clone(), &options)
                 .map_err(|e| SessionError::Attach(e.to_string()))?;

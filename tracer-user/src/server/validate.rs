@@ -60,12 +60,14 @@ impl TracerLevels {
 }
 
 /// Which probe families a request's tracer levels switch on. Scheduler
-/// data is host data: `host_tracer_level` 0 turns it off. CUDA driver
-/// calls are what TSL's device tracer records: `device_tracer_level`.
+/// data and TraceMe events are host data: `host_tracer_level` 0 turns them
+/// off, and its value is the TraceMe level. CUDA driver calls are what
+/// TSL's device tracer records: `device_tracer_level`.
 pub fn families_for(levels: TracerLevels) -> ProbeFamilies {
     ProbeFamilies {
         sched: levels.host >= 1,
         cuda: levels.device >= 1,
+        traceme_level: levels.host,
     }
 }
 

@@ -410,6 +410,13 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
     if let Some(why) = &timeline.stats.ended_early {
         warnings.push(format!("ebtrace: capture ended early: {why}"));
     }
+    warnings.extend(
+        timeline
+            .stats
+            .warnings
+            .iter()
+            .map(|w| format!("ebtrace: {w}")),
+    );
     let mut out = XSpace {
         planes: vec![],
         errors: vec![],

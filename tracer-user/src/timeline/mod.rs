@@ -15,11 +15,13 @@
 
 pub mod cuda;
 mod sched;
+pub mod traceme;
 
 use std::collections::BTreeMap;
 
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTrack};
 pub use sched::{InitialState, SchedTimelineBuilder};
+pub use traceme::{TraceMeSpanStats, add_traceme_spans};
 
 use crate::clock::ClockSync;
 
@@ -236,6 +238,10 @@ pub struct CaptureStats {
     pub inconsistencies: u64,
     /// Why the capture ended before its duration, if it did.
     pub ended_early: Option<String>,
+    /// Lines about other sources for the end-of-capture summary.
+    pub notes: Vec<String>,
+    /// Problems the trace itself should state (XSpace warnings).
+    pub warnings: Vec<String>,
 }
 
 /// The whole capture.

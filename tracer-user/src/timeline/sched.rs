@@ -195,8 +195,9 @@ impl SchedTimelineBuilder {
             Record::Rename(r) => {
                 self.thread(r.tid, r.tgid).name = Some(comm_to_string(&r.comm));
             }
-            // Other probe families' records are built by their own builders.
-            Record::CudaCall(_) | Record::CudaSymbol(_) => {}
+            // Other probe families' records are built by their own builders
+            // (`timeline::cuda`, `timeline::traceme`).
+            Record::CudaCall(_) | Record::CudaSymbol(_) | Record::TraceMe(_) => {}
         }
     }
 

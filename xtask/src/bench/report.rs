@@ -20,6 +20,36 @@ pub struct Environment {
 }
 
 impl Environment {
+    /// The machine and tool lines of a report's header.
+    pub fn header_lines(&self) -> String {
+        format!(
+            "- machine: {} CPUs ({}), {}, kernel {}\n- tools: {} ({}), {}\n",
+            self.cpus,
+            self.cpu_model,
+            if self.virtual_machine {
+                "virtual machine"
+            } else {
+                "no hypervisor flag"
+            },
+            self.kernel,
+            self.ebtrace_version,
+            self.revision,
+            self.bpftrace_version
+        )
+    }
+
+    pub fn date(&self) -> &str {
+        &self.date
+    }
+
+    pub fn virtual_machine(&self) -> bool {
+        self.virtual_machine
+    }
+
+    pub fn target_cpu(&self) -> Option<usize> {
+        self.opts.target_cpu
+    }
+
     pub fn probe(root: &Path, ebtrace: &Path, bpftrace_version: &str, opts: Options) -> Self {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let field = |name: &str| {

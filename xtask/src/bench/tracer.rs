@@ -94,9 +94,18 @@ impl Traced {
         }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Every output line seen so far.
+    pub fn lines(&self) -> &[String] {
+        &self.lines
+    }
+
     /// Waits for the process to exit (killing it past `timeout`), collects
     /// the rest of its output, and returns its peak RSS in KiB.
-    fn wait_exit(&mut self, timeout: Duration) -> Result<u64> {
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<u64> {
         let pid = self.child.id() as libc::pid_t;
         let start = Instant::now();
         let mut status = 0;

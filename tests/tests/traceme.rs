@@ -1,0 +1,499 @@
+//! TraceMe events from a process that carries TSL's TraceMe recorder,
+//! checked event by event against the recorder's own log: the fixture
+//! (`tests/fixtures/traceme/`) mirrors TSL's ABI with each C++ library, and
+//! dumps every event its recorders queued when it exits.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    io::{BufRead as _, BufReader},
+    process::Output,
+    time::Duration,
+};
+
+use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
+use ebtrace_tests::{
+    TempDir,
+    fixture::SchedWorkload,
+    require_root, run_ebtrace, serial, signal, spawn_ebtrace,
+    traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans},
+    wait_with_deadline, xplane_files,
+    xspace::{self, Event, Stat, assert_lines_nest, line_events, plane},
+};
+
+/// Names the scheduler part of the trace uses on thread lines.
+const SCHED_EVENTS: [&str; 8] = [
+    "Running",
+    "Runnable",
+    "Blocked",
+    "Unknown",
+    "Wakeup",
+    "Thread created",
+    "Process forked",
+    "Thread exit",
+];
+
+/// Bytes of a name ebtrace copies.
+const NAME_CAP: usize = 1024;
+
+fn trace(dir: &TempDir) -> XSpace {
+    let files = xplane_files(dir.path());
+    assert_eq!(files.len(), 1, "expected one trace, found {files:?}");
+    xspace::load(&files[0])
+}
+
+fn run_capture(pid: u32, dir: &TempDir, extra: &[&str]) -> Output {
+    let pid = pid.to_string();
+    let mut args = vec!["-p", &pid, "--logdir", dir.path().to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = run_ebtrace(&args);
+    assert!(
+        out.status.success(),
+        "ebtrace failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A TraceMe span read back from the trace, in epoch ns.
+#[derive(Debug)]
+struct Got {
+    tid: u32,
+    start: i64,
+    end: i64,
+    /// How much ebtrace cut to make it nest (`ebtrace_clipped_ns`).
+    clipped: i64,
+    event: Event,
+}
+
+fn traceme_spans(space: &XSpace, tids: impl IntoIterator<Item = u32>) -> Vec<Got> {
+    let host = plane(space, "/host:CPU");
+    let (start, _) = xspace::profile_window(space);
+    let mut out = Vec::new();
+    for tid in tids {
+        if !host.lines.iter().any(|l| l.id == i64::from(tid)) {
+            continue;
+        }
+        for e in line_events(host, tid.into()) {
+            if SCHED_EVENTS.contains(&e.name.as_str()) {
+                continue;
+            }
+            let s = start as i64 + e.start_ns.round() as i64;
+            let clipped = e.stats.get("ebtrace_clipped_ns").map_or(0, Stat::as_i64);
+            out.push(Got {
+                tid,
+                start: s,
+                end: s + e.duration_ns.round() as i64,
+                clipped,
+                event: e,
+            });
+        }
+    }
+    out.sort_by_key(|g| (g.tid, g.start, g.end + g.clipped, g.event.name.clone()));
+    out
+}
+
+/// The name TSL shows for a recorded name, and its metadata as text.
+fn split_name(raw: &str) -> (String, Vec<(String, String)>) {
+    if raw.len() > NAME_CAP {
+        let cut = &raw[..NAME_CAP];
+        let name = cut.split('#').next().unwrap().to_string();
+        return (name, Vec::new());
+    }
+    match raw.strip_suffix('#').and_then(|b| b.split_once('#')) {
+        Some((name, meta)) => (
+            name.to_string(),
+            meta.split(',')
+                .map(|kv| {
+                    let (k, v) = kv.split_once('=').unwrap();
+                    (k.to_string(), v.to_string())
+                })
+                .collect(),
+        ),
+        None => (raw.to_string(), Vec::new()),
+    }
+}
+
+/// Checks that the trace holds exactly the spans the log implies, with
+/// their names, stats and times; returns how many per library.
+fn assert_matches_log(
+    space: &XSpace,
+    log: &[LoggedEvent],
+    tids: &BTreeMap<String, u32>,
+) -> BTreeMap<String, usize> {
+    let (start, stop) = xspace::profile_window(space);
+    let expected: Vec<ExpectedSpan> = expected_spans(log, start as i64, stop as i64);
+    let got = traceme_spans(space, tids.values().copied());
+    let mut expected = expected;
+    expected.sort_by(|a, b| {
+        let (na, _) = split_name(&a.raw_name);
+        let (nb, _) = split_name(&b.raw_name);
+        (a.tid, a.start, a.end, na).cmp(&(b.tid, b.start, b.end, nb))
+    });
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "trace has {} TraceMe spans, the fixture's log implies {}",
+        got.len(),
+        expected.len()
+    );
+    let mut per_lib = BTreeMap::new();
+    for (g, x) in got.iter().zip(&expected) {
+        let (name, meta) = split_name(&x.raw_name);
+        assert_eq!(
+            (g.tid, g.start, g.end + g.clipped, g.event.name.as_str()),
+            (x.tid, x.start, x.end, name.as_str()),
+            "span differs from the logged event {x:?}"
+        );
+        for (k, v) in &meta {
+            let stat = g
+                .event
+                .stats
+                .get(k)
+                .unwrap_or_else(|| panic!("{name}: no stat {k} in {:?}", g.event.stats));
+            let same = match stat {
+                Stat::I64(i) => v.parse::<i64>() == Ok(*i),
+                Stat::U64(u) => v.parse::<i64>().is_err() && v.parse::<u64>() == Ok(*u),
+                Stat::F64(f) => v.parse::<u64>().is_err() && v.parse::<f64>() == Ok(*f),
+                Stat::Str(s) => v.parse::<f64>().is_err() && s == v,
+                Stat::Bytes(_) => false,
+            };
+            assert!(same, "{name}: stat {k} = {stat:?}, logged {v:?}");
+        }
+        if x.raw_name.len() > NAME_CAP {
+            assert_eq!(
+                g.event.stats["ebtrace_name_truncated_from"].as_i64(),
+                x.raw_name.len() as i64
+            );
+        }
+        *per_lib.entry(x.lib.clone()).or_insert(0) += 1;
+    }
+    per_lib
+}
+
+fn names_on(space: &XSpace, tids: impl IntoIterator<Item = u32>) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for g in traceme_spans(space, tids) {
+        *counts.entry(g.event.name).or_insert(0) += 1;
+    }
+    counts
+}
+
+#[test]
+fn traceme_events_match_the_recorders_own_log() {
+    if !require_root("traceme_events_match_the_recorders_own_log") {
+        return;
+    }
+    let _serial = serial();
+    // One process, three recorders (libstdc++, libc++, libc++ alternate),
+    // as a Python process holds jaxlib's and libtpu's.
+    let workload = TraceMeWorkload::start(&Toolchain::ALL, &[]);
+    for t in Toolchain::ALL {
+        assert_eq!(workload.lib(t).abi, t.layout(), "fixture built as intended");
+        assert_eq!(workload.trace_level(t), -1);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let dir = TempDir::new("traceme");
+    let out = run_capture(workload.pid, &dir, &["-d", "1s"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "(tsl::profiler, libstdc++;",
+        "(tensorflow::profiler, libc++;",
+        "(tsl::profiler, libc++ alternate layout;",
+    ] {
+        assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
+    }
+    assert_eq!(
+        stderr.matches("level 2 set by ebtrace").count(),
+        3,
+        "{stderr}"
+    );
+    for t in Toolchain::ALL {
+        assert_eq!(workload.trace_level(t), -1, "{t:?} level not restored");
+    }
+    let tids = workload.threads.clone();
+    let (_, log) = workload.stop();
+
+    // Every Record call happened while probed (before the level was
+    // switched on there was none; it is switched off before detaching).
+    assert!(
+        stdout.contains(&format!("TraceMe: {} events recorded", log.len())),
+        "{} logged; {stdout}",
+        log.len()
+    );
+    assert!(stdout.contains(", 0 dropped"), "{stdout}");
+    let space = trace(&dir);
+    let host = plane(&space, "/host:CPU");
+    assert_lines_nest(host);
+    let per_lib = assert_matches_log(&space, &log, &tids);
+    for t in Toolchain::ALL {
+        let n = per_lib.get(t.tag()).copied().unwrap_or(0);
+        assert!(n > 2_000, "{n} spans from the {t:?} recorder");
+    }
+
+    let names = names_on(&space, tids.values().copied());
+    for present in [
+        "train_step",
+        "matmul",
+        "info_detail",
+        "host_compute",
+        "async_copy",
+        "checkpoint",
+        "cross_thread",
+    ] {
+        assert!(
+            names.get(present).copied().unwrap_or(0) > 0,
+            "no {present}: {names:?}"
+        );
+    }
+    assert!(
+        !names.contains_key("verbose_detail"),
+        "level 3 event at level 2"
+    );
+    assert!(
+        names
+            .keys()
+            .any(|n| n.starts_with("long_name_xxx") && n.len() == NAME_CAP)
+    );
+
+    let got = traceme_spans(&space, tids.values().copied());
+    let main = tids["tm-main"];
+    assert!(
+        got.iter()
+            .any(|g| g.tid == main && g.event.name == "cross_thread")
+    );
+    for g in got.iter().filter(|g| g.event.name == "checkpoint") {
+        assert_eq!(g.end, g.start, "instant");
+    }
+    // The activity that ends inside a scope begun after it is cut at that
+    // scope's start; the scope keeps its full extent.
+    for copy in got.iter().filter(|g| g.event.name == "async_copy") {
+        assert!(copy.clipped > 0, "{copy:?}");
+        assert!(
+            got.iter().any(|h| h.tid == copy.tid
+                && h.event.name == "host_compute"
+                && h.start == copy.end
+                && h.clipped == 0),
+            "{copy:?}"
+        );
+        assert_eq!(copy.event.stats["bytes"], Stat::I64(4096));
+    }
+    let step = got.iter().find(|g| g.event.name == "train_step").unwrap();
+    assert_eq!(step.event.stats["loss"], Stat::F64(0.25));
+    assert_eq!(step.event.stats["phase"], Stat::Str("warm".into()));
+    assert_eq!(step.event.stats["big"], Stat::U64(u64::MAX));
+    // The scheduling view is still there, beside the spans.
+    let worker = line_events(host, tids["tm-worker-0"].into());
+    assert!(worker.iter().any(|e| e.name == "Running"));
+    assert!(worker.iter().any(|e| e.name == "Blocked"));
+}
+
+#[test]
+fn levels_follow_host_tracer_level_and_sessions_are_only_observed() {
+    if !require_root("levels_follow_host_tracer_level_and_sessions_are_only_observed") {
+        return;
+    }
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let critical = TempDir::new("traceme-l1");
+    run_capture(
+        workload.pid,
+        &critical,
+        &["-d", "500ms", "--host-tracer-level", "1"],
+    );
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    let verbose = TempDir::new("traceme-l3");
+    run_capture(
+        workload.pid,
+        &verbose,
+        &["-d", "500ms", "--host-tracer-level", "3"],
+    );
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    let off = TempDir::new("traceme-l0");
+    let out = run_capture(
+        workload.pid,
+        &off,
+        &["-d", "300ms", "--host-tracer-level", "0"],
+    );
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("TraceMe"));
+    let tids = workload.threads.clone();
+    let (_, log) = workload.stop();
+
+    let space = trace(&critical);
+    assert_matches_log(&space, &log, &tids);
+    let names = names_on(&space, tids.values().copied());
+    assert!(names.contains_key("train_step"));
+    assert!(!names.contains_key("info_detail") && !names.contains_key("verbose_detail"));
+    let space = trace(&verbose);
+    assert_matches_log(&space, &log, &tids);
+    let names = names_on(&space, tids.values().copied());
+    assert!(names.contains_key("info_detail") && names.contains_key("verbose_detail"));
+    assert!(names_on(&trace(&off), tids.values().copied()).is_empty());
+
+    // A process with its own session at level 3: ebtrace (asking for 2)
+    // only observes, and sees what the session records.
+    let session = TraceMeWorkload::start(&[Toolchain::Libcxx], &["--in-process-level", "3"]);
+    assert_eq!(session.trace_level(Toolchain::Libcxx), 3);
+    let dir = TempDir::new("traceme-session");
+    let out = run_capture(session.pid, &dir, &["-d", "500ms"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("a profiler session in the process has level 3; observing only"),
+        "{stderr}"
+    );
+    assert_eq!(
+        session.trace_level(Toolchain::Libcxx),
+        3,
+        "ebtrace wrote a session's level"
+    );
+    let tids = session.threads.clone();
+    let (_, log) = session.stop();
+    let space = trace(&dir);
+    assert_matches_log(&space, &log, &tids);
+    assert!(names_on(&space, tids.values().copied()).contains_key("verbose_detail"));
+}
+
+/// Starts a long capture and waits until ebtrace says it switched the level on.
+fn start_long_capture(pid: u32, dir: &TempDir) -> (std::process::Child, Vec<String>) {
+    let pid = pid.to_string();
+    let mut child = spawn_ebtrace(&[
+        "-p",
+        &pid,
+        "-d",
+        "60s",
+        "--logdir",
+        dir.path().to_str().unwrap(),
+    ]);
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = Vec::new();
+    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        let done = line.contains("TraceMe recorder in");
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    (child, lines)
+}
+
+#[test]
+fn sigterm_mid_capture_restores_the_level() {
+    if !require_root("sigterm_mid_capture_restores_the_level") {
+        return;
+    }
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::LibcxxAlternate], &[]);
+    let dir = TempDir::new("traceme-sigterm");
+    let (child, lines) = start_long_capture(workload.pid, &dir);
+    assert!(
+        lines.last().unwrap().contains("level 2 set by ebtrace"),
+        "{lines:?}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(workload.trace_level(Toolchain::LibcxxAlternate), 2);
+    signal(child.id(), libc::SIGTERM);
+    let out = wait_with_deadline(child, Duration::from_secs(20));
+    assert!(out.status.success(), "{:?}", out.status);
+    assert_eq!(workload.trace_level(Toolchain::LibcxxAlternate), -1);
+    let tids = workload.threads.clone();
+    let (_, log) = workload.stop();
+    let space = trace(&dir);
+    assert!(space.warnings.iter().any(|w| w.contains("interrupted")));
+    let per_lib = assert_matches_log(&space, &log, &tids);
+    assert!(per_lib["libcxx-alt"] > 0);
+}
+
+#[test]
+fn a_killed_ebtrace_leaves_the_level_on_and_the_next_run_restores_it() {
+    if !require_root("a_killed_ebtrace_leaves_the_level_on_and_the_next_run_restores_it") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let dir = TempDir::new("traceme-sigkill");
+    let (mut child, _) = start_long_capture(workload.pid, &dir);
+    std::thread::sleep(Duration::from_millis(300));
+    signal(child.id(), libc::SIGKILL);
+    let _ = child.wait();
+    // The target runs on, still recording into its own queues.
+    let queued_before = workload.progress();
+    assert!(workload.wait_progress(queued_before, Duration::from_secs(5)));
+    assert!(workload.is_running());
+    assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
+    assert!(xplane_files(dir.path()).is_empty());
+
+    // The next capture recognizes ebtrace's own level and restores it.
+    let next = TempDir::new("traceme-after-kill");
+    let out = run_capture(workload.pid, &next, &["-d", "300ms"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("left on by an ebtrace that was killed"),
+        "{stderr}"
+    );
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    assert!(workload.is_running());
+    let tids = workload.threads.clone();
+    let (_, log) = workload.stop();
+    let space = trace(&next);
+    assert_matches_log(&space, &log, &tids);
+    // Until then, the target queued events nobody collected.
+    let (next_start, _) = xspace::profile_window(&space);
+    assert!(
+        log.iter()
+            .any(|e| e.start > 0 && (e.start as u64) < next_start)
+    );
+}
+
+#[test]
+fn max_events_switches_recording_off_early() {
+    if !require_root("max_events_switches_recording_off_early") {
+        return;
+    }
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let dir = TempDir::new("traceme-max");
+    let out = run_capture(workload.pid, &dir, &["-d", "1s", "--max-events", "2000"]);
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("restored to -1 early (--max-events reached)"),
+        "{stdout}"
+    );
+    let tids = workload.threads.clone();
+    let (_, log) = workload.stop();
+    // Recording stopped within one drain interval of the limit.
+    assert!(
+        (2_000..8_000).contains(&log.len()),
+        "{} events recorded",
+        log.len()
+    );
+    let space = trace(&dir);
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains("--max-events 2000")),
+        "{:?}",
+        space.warnings
+    );
+    assert_matches_log(&space, &log, &tids);
+}
+
+#[test]
+fn a_process_without_traceme_gets_one_info_line() {
+    if !require_root("a_process_without_traceme_gets_one_info_line") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let dir = TempDir::new("traceme-none");
+    let out = run_capture(workload.pid, &dir, &["-d", "300ms"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let info: Vec<&str> = stderr.lines().filter(|l| l.contains("TraceMe")).collect();
+    assert_eq!(info.len(), 1, "{stderr}");
+    assert!(info[0].contains("no TraceMe recorder"), "{}", info[0]);
+    drop(workload);
+    let space = trace(&dir);
+    let host: &XPlane = plane(&space, "/host:CPU");
+    assert!(host.lines.iter().any(|l| l.events.len() > 1));
+}

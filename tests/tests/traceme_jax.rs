@@ -1,0 +1,234 @@
+//! ebtrace on a real jax process (jax and jaxlib 0.10.2 from PyPI, CPU
+//! backend, installed into `.venv` by `cargo xtask setup`): jaxlib's own
+//! TraceMe recorder, found in its local `.symtab` symbols, switched on from
+//! outside, read back, and switched off again.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+};
+
+use ebtrace_tests::{
+    TempDir, require_root, run_ebtrace, serial, signal,
+    traceme::read_i32,
+    workspace_root, xplane_files,
+    xspace::{self, Stat, assert_lines_nest, line_events, plane},
+};
+
+/// The venv Python with jax, or `None` to skip (a failure when
+/// `EBTRACE_REQUIRE_INTEROP=1`).
+fn jax_python() -> Option<PathBuf> {
+    let required = std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() == Ok("1");
+    let python = std::env::var_os("EBTRACE_PYTHON").map(PathBuf::from);
+    let ok = python.as_ref().is_some_and(|p| {
+        Command::new(p)
+            .args(["-c", "import jax, jaxlib, xprof.convert.raw_to_tool_data"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    match (ok, required) {
+        (true, _) => python,
+        (false, true) => {
+            panic!("EBTRACE_PYTHON={python:?} cannot import jax (run `cargo xtask setup`)")
+        }
+        (false, false) => {
+            eprintln!(
+                "skipping: set EBTRACE_PYTHON to a Python with jax and xprof (cargo xtask setup)"
+            );
+            None
+        }
+    }
+}
+
+/// The running jax workload, stopped when dropped.
+struct JaxWorkload {
+    child: Child,
+    pid: u32,
+}
+
+impl JaxWorkload {
+    fn start(python: &Path) -> Self {
+        let mut child = Command::new(python)
+            .arg(workspace_root().join("tests/fixtures/traceme/jax_workload.py"))
+            .env("JAX_PLATFORMS", "cpu")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the jax workload");
+        let mut first = String::new();
+        BufReader::new(child.stdout.as_mut().expect("piped"))
+            .read_line(&mut first)
+            .expect("read start line");
+        let v: serde_json::Value = serde_json::from_str(&first)
+            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
+        JaxWorkload {
+            pid: v["pid"].as_u64().expect("pid") as u32,
+            child,
+        }
+    }
+}
+
+impl Drop for JaxWorkload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Address of jaxlib's `g_trace_level` in `pid`, found with binutils'
+/// `nm` (not with ebtrace's own lookup): its value in the file plus the
+/// address the shared object's first page (file offset 0, virtual address
+/// 0) is mapped at.
+fn jaxlib_trace_level_address(pid: u32) -> u64 {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    let (start, path) = maps
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 6 && f[5].ends_with("/libjax_common.so") && f[2] == "00000000").then(|| {
+                let start = u64::from_str_radix(f[0].split('-').next().unwrap(), 16).unwrap();
+                (start, f[5].to_string())
+            })
+        })
+        .expect("libjax_common.so is mapped");
+    let nm = Command::new("nm")
+        .arg("--defined-only")
+        .arg(&path)
+        .output()
+        .expect("run nm");
+    let vaddr = String::from_utf8_lossy(&nm.stdout)
+        .lines()
+        .find(|l| l.ends_with(" _ZN3tsl8profiler8internal13g_trace_levelE"))
+        .and_then(|l| u64::from_str_radix(l.split_whitespace().next()?, 16).ok())
+        .expect("g_trace_level in nm's output");
+    start + vaddr
+}
+
+const XPROF_EVENTS: &str = r#"
+import json, os, shutil, sys, tempfile
+from xprof.convert import raw_to_tool_data as r
+d = tempfile.mkdtemp()
+src = os.path.join(d, os.path.basename(sys.argv[1]))
+shutil.copy(sys.argv[1], src)
+data, _ = r.xspace_to_tool_data([src], "trace_viewer@", {})
+shutil.rmtree(d)
+counts = {}
+for e in json.loads(data)["traceEvents"]:
+    if e.get("ph") == "X" and e.get("tid") == int(sys.argv[2]):
+        counts[e["name"]] = counts.get(e["name"], 0) + 1
+print(json.dumps(counts))
+"#;
+
+#[test]
+fn jax_traceme_events_appear_and_the_level_is_restored() {
+    if !require_root("jax_traceme_events_appear_and_the_level_is_restored") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = JaxWorkload::start(&python);
+    let level_at = jaxlib_trace_level_address(workload.pid);
+    assert_eq!(
+        read_i32(workload.pid, level_at),
+        -1,
+        "no session in the process"
+    );
+
+    let dir = TempDir::new("traceme-jax");
+    let pid = workload.pid.to_string();
+    let out = run_ebtrace(&[
+        "-p",
+        &pid,
+        "-d",
+        "2s",
+        "--logdir",
+        dir.path().to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TraceMe recorder in libjax_common.so (tsl::profiler, libstdc++;"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("level 2 set by ebtrace"), "{stderr}");
+    assert_eq!(read_i32(workload.pid, level_at), -1, "level not restored");
+    signal(workload.pid, libc::SIGTERM);
+
+    let files = xplane_files(dir.path());
+    assert_eq!(files.len(), 1);
+    let space = xspace::load(&files[0]);
+    let host = plane(&space, "/host:CPU");
+    assert_lines_nest(host);
+    // The Python thread: its steps, with their step_num, around jaxlib's
+    // dispatch and execution events, beside its scheduling.
+    let main = line_events(host, workload.pid.into());
+    let steps: Vec<_> = main.iter().filter(|e| e.name == "ebtrace_step").collect();
+    assert!(steps.len() >= 50, "{} steps", steps.len());
+    let nums: Vec<i64> = steps.iter().map(|e| e.stats["step_num"].as_i64()).collect();
+    assert!(
+        nums.windows(2).all(|w| w[1] == w[0] + 1),
+        "step_num not consecutive: {nums:?}"
+    );
+    assert!(matches!(steps[0].stats["step_num"], Stat::I64(_)));
+    let inside = steps
+        .iter()
+        .filter(|s| {
+            main.iter().any(|e| {
+                e.name == "PjitFunction(step)"
+                    && e.start_ns >= s.start_ns
+                    && e.end_ns() <= s.end_ns()
+            })
+        })
+        .count();
+    assert!(
+        inside * 10 >= steps.len() * 9,
+        "{inside} of {} steps hold a dispatch",
+        steps.len()
+    );
+    assert!(main.iter().any(|e| e.name == "Running"));
+
+    let all: Vec<String> = host
+        .lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .map(|e| e.name)
+        .collect();
+    let count = |pred: &dyn Fn(&str) -> bool| all.iter().filter(|n| pred(n)).count();
+    assert!(
+        count(&|n| n.contains("PjRtLoadedExecutable::Execute")) >= 50,
+        "no PjRt execution events"
+    );
+    assert!(count(&|n| n.starts_with("ThunkExecutor::Execute")) >= 50);
+    assert!(
+        count(&|n| n == "PjRtCpuClient::Compile" || n == "backend_compile_and_load") >= 1,
+        "no compilation events"
+    );
+
+    // XProf's own trace viewer shows them on the Python thread.
+    let conv = Command::new(&python)
+        .args(["-c", XPROF_EVENTS])
+        .arg(&files[0])
+        .arg(&pid)
+        .output()
+        .expect("run xprof");
+    assert!(
+        conv.status.success(),
+        "{}",
+        String::from_utf8_lossy(&conv.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&conv.stdout);
+    let shown: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        shown["ebtrace_step"].as_u64(),
+        Some(steps.len() as u64),
+        "{shown}"
+    );
+    assert!(
+        shown["PjitFunction(step)"].as_u64().unwrap_or(0) >= 50,
+        "{shown}"
+    );
+}

@@ -1,0 +1,314 @@
+//! Finding the TraceMe recorders in a process: every mapped ELF object
+//! that defines `TraceMeRecorder::Record(Event&&)` (TSL's `tsl::profiler`
+//! or TensorFlow's older `tensorflow::profiler` copy), with its trace-level
+//! gate and the C++ string layout its `Event` uses.
+//!
+//! A process may hold several copies (jaxlib and libtpu each carry one);
+//! each is a separate [`Recorder`].
+
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use memchr::memmem::Finder;
+
+use crate::symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size};
+
+/// The recorder's symbols, per namespace.
+struct Names {
+    namespace: &'static str,
+    record: &'static str,
+    trace_level: &'static str,
+}
+
+const NAMESPACES: [Names; 2] = [
+    Names {
+        namespace: "tsl",
+        record: "_ZN3tsl8profiler15TraceMeRecorder6RecordEONS1_5EventE",
+        trace_level: "_ZN3tsl8profiler8internal13g_trace_levelE",
+    },
+    Names {
+        namespace: "tensorflow",
+        record: "_ZN10tensorflow8profiler15TraceMeRecorder6RecordEONS1_5EventE",
+        trace_level: "_ZN10tensorflow8profiler8internal13g_trace_levelE",
+    },
+];
+
+/// Common to both `Record` names: objects whose string tables lack it are
+/// skipped without a symbol pass.
+const RECORD_NEEDLE: &[u8] = b"15TraceMeRecorder6RecordEONS1_5EventE";
+
+/// How the object's `std::string` (the event name) is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StringLayout {
+    /// libstdc++ (C++11 ABI): 32-byte string, `Event` of 48 bytes.
+    Libstdcxx,
+    /// libc++ default layout (`std::__1`): 24-byte string, `Event` of 40.
+    Libcxx,
+    /// libc++ alternate layout (ABI v2 or a private ABI namespace such as
+    /// libtpu's `std::__u`): 24-byte string, `Event` of 40.
+    LibcxxAlternate,
+}
+
+impl StringLayout {
+    /// The eBPF program that reads events of this layout.
+    pub fn program(self) -> &'static str {
+        use tracer_common::traceme::names;
+        match self {
+            StringLayout::Libstdcxx => names::PROGRAM_LIBSTDCXX,
+            StringLayout::Libcxx => names::PROGRAM_LIBCXX,
+            StringLayout::LibcxxAlternate => names::PROGRAM_LIBCXX_ALTERNATE,
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            StringLayout::Libstdcxx => "libstdc++",
+            StringLayout::Libcxx => "libc++",
+            StringLayout::LibcxxAlternate => "libc++ alternate layout",
+        }
+    }
+}
+
+/// Evidence of the C++ library an object was built with, from the
+/// `std::` inline namespaces in its symbol names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayoutVotes {
+    /// `std::__cxx11::` (libstdc++'s C++11 ABI).
+    pub libstdcxx: usize,
+    /// `std::__1::` or `std::__ndk1::` (libc++, default layout).
+    pub libcxx: usize,
+    /// `std::__2::`, `std::__u::`, ... (libc++, alternate layout).
+    pub libcxx_alternate: usize,
+}
+
+/// Enough evidence to stop looking.
+const VOTES_NEEDED: usize = 64;
+
+impl LayoutVotes {
+    fn count(&mut self, name: &[u8], finders: &NamespaceFinders) -> bool {
+        let NamespaceFinders { cxx11, libcxx, ndk } = finders;
+        if cxx11.find(name).is_some() {
+            self.libstdcxx += 1;
+        }
+        // `St3__X`: std::__X, a one-character libc++ ABI namespace.
+        if let Some(at) = libcxx.find(name)
+            && let Some(&ns) = name.get(at + 5)
+            && ns.is_ascii_alphanumeric()
+        {
+            if ns == b'1' {
+                self.libcxx += 1;
+            } else {
+                self.libcxx_alternate += 1;
+            }
+        } else if ndk.find(name).is_some() {
+            self.libcxx += 1;
+        }
+        self.libstdcxx.max(self.libcxx).max(self.libcxx_alternate) < VOTES_NEEDED
+    }
+
+    /// The layout with the most evidence, if there is any.
+    pub fn layout(&self) -> Option<StringLayout> {
+        let best = self.libstdcxx.max(self.libcxx).max(self.libcxx_alternate);
+        if best == 0 {
+            None
+        } else if best == self.libstdcxx {
+            Some(StringLayout::Libstdcxx)
+        } else if best == self.libcxx {
+            Some(StringLayout::Libcxx)
+        } else {
+            Some(StringLayout::LibcxxAlternate)
+        }
+    }
+}
+
+/// Searchers for the `std::` inline namespaces in mangled names.
+struct NamespaceFinders {
+    /// `St7__cxx11`: libstdc++.
+    cxx11: Finder<'static>,
+    /// `St3__`: a one-character libc++ namespace follows.
+    libcxx: Finder<'static>,
+    /// `St6__ndk1`: the Android NDK's libc++.
+    ndk: Finder<'static>,
+}
+
+impl NamespaceFinders {
+    fn new() -> Self {
+        NamespaceFinders {
+            cxx11: Finder::new(b"St7__cxx11"),
+            libcxx: Finder::new(b"St3__"),
+            ndk: Finder::new(b"St6__ndk1"),
+        }
+    }
+}
+
+/// One TraceMe recorder in a process.
+#[derive(Clone, Debug)]
+pub struct Recorder {
+    pub pid: u32,
+    /// The object's path as the process sees it.
+    pub object: String,
+    /// Where ebtrace opens (and attaches to) that very file.
+    pub open_path: PathBuf,
+    /// `tsl` or `tensorflow`.
+    pub namespace: &'static str,
+    pub layout: StringLayout,
+    /// File offset of `Record` (where the uprobe goes).
+    pub record_offset: u64,
+    /// Address of `Record` in the process (a record's `site`).
+    pub record_address: u64,
+    /// Address of `g_trace_level` in the process, if the object has it.
+    pub trace_level_address: Option<u64>,
+    /// Symbols looked at, and how long the lookup took.
+    pub symbols: usize,
+    pub lookup_time: Duration,
+    /// Files the process had mapped, and how long searching them all took.
+    pub objects: usize,
+    pub search_time: Duration,
+}
+
+impl Recorder {
+    pub fn file_name(&self) -> &str {
+        self.object.rsplit('/').next().unwrap_or(&self.object)
+    }
+}
+
+/// An object that has a recorder ebtrace cannot use, and why.
+#[derive(Clone, Debug)]
+pub struct Unusable {
+    pub object: String,
+    pub reason: String,
+}
+
+/// What [`discover`] found in one process.
+#[derive(Clone, Debug, Default)]
+pub struct Discovery {
+    pub recorders: Vec<Recorder>,
+    pub unusable: Vec<Unusable>,
+    /// Objects mapped in the process (all were looked at).
+    pub objects: usize,
+    pub elapsed: Duration,
+}
+
+/// Looks for TraceMe recorders in every object `pid` has mapped.
+pub fn discover(pid: u32) -> std::io::Result<Discovery> {
+    let began = Instant::now();
+    let objects = mapped_objects(pid)?;
+    let mut found = Discovery {
+        objects: objects.len(),
+        ..Discovery::default()
+    };
+    for object in &objects {
+        match inspect(object) {
+            Ok(Some(recorder)) => found.recorders.push(recorder),
+            Ok(None) => {}
+            Err(reason) => found.unusable.push(Unusable {
+                object: object.path.clone(),
+                reason,
+            }),
+        }
+    }
+    found.elapsed = began.elapsed();
+    for r in &mut found.recorders {
+        r.objects = found.objects;
+        r.search_time = found.elapsed;
+    }
+    Ok(found)
+}
+
+/// The recorder in one object: `Ok(None)` if it has none, `Err(why)` if it
+/// has one that cannot be used.
+fn inspect(object: &MappedObject) -> Result<Option<Recorder>, String> {
+    let path = object.open_path();
+    // Unreadable or non-ELF mappings (fonts, caches, ...) cannot hold one.
+    let Ok(elf) = ElfObject::open(&path, Some(object.inode)) else {
+        return Ok(None);
+    };
+    if !elf.strings_contain(RECORD_NEEDLE) {
+        return Ok(None);
+    }
+    let wanted: Vec<&str> = NAMESPACES
+        .iter()
+        .flat_map(|n| [n.record, n.trace_level])
+        .collect();
+    let finders = NamespaceFinders::new();
+    let mut votes = LayoutVotes::default();
+    let scan = elf
+        .scan(&wanted, |name| votes.count(name, &finders))
+        .map_err(|e| e.to_string())?;
+    let Some((names, record, trace_level)) = NAMESPACES
+        .iter()
+        .enumerate()
+        .find_map(|(i, n)| Some((n, scan.found[2 * i]?, scan.found[2 * i + 1])))
+    else {
+        return Ok(None);
+    };
+    let layout = votes.layout().ok_or_else(|| {
+        "cannot tell which C++ library it was built with (no std:: symbols)".to_string()
+    })?;
+    let bias = object
+        .load_bias(elf.segments(), page_size())
+        .ok_or_else(|| "cannot find where it is loaded".to_string())?;
+    let record_offset = elf
+        .file_offset(record.vaddr)
+        .ok_or_else(|| "TraceMeRecorder::Record is outside its loaded segments".to_string())?;
+    Ok(Some(Recorder {
+        pid: object.pid,
+        object: object.path.clone(),
+        open_path: path,
+        namespace: names.namespace,
+        layout,
+        record_offset,
+        record_address: bias.wrapping_add(record.vaddr),
+        trace_level_address: trace_level.map(|s| bias.wrapping_add(s.vaddr)),
+        symbols: scan.symbols,
+        lookup_time: scan.elapsed,
+        objects: 0,
+        search_time: Duration::ZERO,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn votes(names: &[&str]) -> LayoutVotes {
+        let finders = NamespaceFinders::new();
+        let mut v = LayoutVotes::default();
+        for n in names {
+            v.count(n.as_bytes(), &finders);
+        }
+        v
+    }
+
+    #[test]
+    fn tells_string_layouts_from_std_namespaces() {
+        let gnu = votes(&[
+            "_ZNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEE9_M_createERmm",
+            "_ZNSt8__detail15_List_node_base7_M_hookEPS0_",
+        ]);
+        assert_eq!(gnu.layout(), Some(StringLayout::Libstdcxx));
+        let llvm =
+            votes(&["_ZNSt3__112basic_stringIcNS_11char_traitsIcEENS_9allocatorIcEEE6appendEPKc"]);
+        assert_eq!(llvm.layout(), Some(StringLayout::Libcxx));
+        let tpu = votes(&[
+            "_ZNSt3__u12basic_stringIcNS_11char_traitsIcEENS_9allocatorIcEEE6resizeEmc",
+            "_ZNSt3__u6vectorIiNS_9allocatorIiEEE7reserveEm",
+        ]);
+        assert_eq!(tpu.layout(), Some(StringLayout::LibcxxAlternate));
+        assert_eq!(votes(&["_ZN3foo3barEv", "main"]).layout(), None);
+        assert_eq!(
+            votes(&["_ZNSt6__ndk112basic_stringIcEE"]).layout(),
+            Some(StringLayout::Libcxx)
+        );
+    }
+
+    #[test]
+    fn this_process_has_no_recorder() {
+        let found = discover(std::process::id()).unwrap();
+        assert!(found.objects > 0);
+        assert!(found.recorders.is_empty());
+        assert!(found.unusable.is_empty());
+    }
+}

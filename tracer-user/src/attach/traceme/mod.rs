@@ -1,0 +1,270 @@
+//! `TraceMeProbe`: TraceMe events from unmodified jaxlib / TensorFlow /
+//! libtpu processes.
+//!
+//! For every traced process: [`discover`] finds each loaded object that
+//! carries a TraceMe recorder; a uprobe on its `TraceMeRecorder::Record`
+//! (one program per C++ string layout, scoped to that process) copies
+//! every event; [`level`] switches recording on where no profiler session
+//! in the process has it on, and back off at the end. A process without a
+//! recorder is simply traced without TraceMe events.
+
+pub mod discover;
+pub mod level;
+
+use std::num::NonZeroU32;
+
+use aya::programs::{UProbe, uprobe::UProbeScope};
+pub use discover::{Discovery, Recorder, StringLayout, discover};
+pub use level::{LevelState, TraceLevelSwitch};
+use tracer_common::traceme::{names, stat};
+
+use super::ProbeSet;
+use crate::error::{Error, Result};
+
+/// How long a TraceMe that passed the level check just before the level
+/// was restored may take to reach `Record` (a preempted thread).
+const IN_FLIGHT_GRACE: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// What the user asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceMeOptions {
+    /// ProfileOptions' `host_tracer_level`: 0 collects no TraceMe events;
+    /// 1 critical, 2 info (the default), 3 verbose.
+    pub level: u32,
+    /// Stop switching recording on after this many events (the target
+    /// keeps every event ebtrace makes it record until a session of its
+    /// own drains them).
+    pub max_events: u64,
+}
+
+impl Default for TraceMeOptions {
+    fn default() -> Self {
+        TraceMeOptions {
+            level: 2,
+            max_events: 1_000_000,
+        }
+    }
+}
+
+/// Kernel-side TraceMe counters, summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceMeProbeStats {
+    pub hits: u64,
+    pub event_unreadable: u64,
+    pub name_unreadable: u64,
+}
+
+/// One attached recorder and the switch of its trace level.
+#[derive(Debug)]
+pub struct AttachedRecorder {
+    pub recorder: Recorder,
+    /// `None` when the object has no `g_trace_level` to switch.
+    pub switch: Option<TraceLevelSwitch>,
+}
+
+impl AttachedRecorder {
+    /// One line about it, for the user.
+    pub fn describe(&self) -> String {
+        let r = &self.recorder;
+        let level = match &self.switch {
+            Some(s) => s.state().describe(),
+            None => "no g_trace_level symbol: observing only".to_string(),
+        };
+        format!(
+            "pid {}: TraceMe recorder in {} ({}::profiler, {}; {} symbols searched in {:.0?}, \
+             {} mapped files in {:.0?}); {level}",
+            r.pid,
+            r.file_name(),
+            r.namespace,
+            r.layout.describe(),
+            r.symbols,
+            r.lookup_time,
+            r.objects,
+            r.search_time,
+        )
+    }
+}
+
+/// The TraceMe probe family.
+#[derive(Debug, Default)]
+pub struct TraceMeProbe {
+    pub recorders: Vec<AttachedRecorder>,
+    /// Lines for the user: what was found, or why nothing was.
+    pub notes: Vec<String>,
+    /// Events seen so far, and whether enabling stopped early.
+    events: u64,
+    max_events: u64,
+    level: i32,
+    stopped_early: bool,
+    warnings: Vec<String>,
+}
+
+impl TraceMeProbe {
+    /// Finds the recorders of every process in `pids` and attaches their
+    /// uprobes. Recording is not switched on yet: see [`enable`](Self::enable).
+    pub fn attach(set: &mut ProbeSet, pids: &[u32], options: TraceMeOptions) -> Result<Self> {
+        let mut probe = TraceMeProbe {
+            max_events: options.max_events,
+            level: options.level.min(i32::MAX as u32) as i32,
+            ..TraceMeProbe::default()
+        };
+        if options.level == 0 {
+            return Ok(probe);
+        }
+        for &pid in pids {
+            let found = match discover(pid) {
+                Ok(found) => found,
+                Err(e) => {
+                    probe.notes.push(format!(
+                        "pid {pid}: cannot look for a TraceMe recorder (/proc/{pid}/maps: {e}); \
+                         tracing scheduling only"
+                    ));
+                    continue;
+                }
+            };
+            for u in &found.unusable {
+                probe.notes.push(format!(
+                    "pid {pid}: TraceMe recorder in {} not usable: {}",
+                    u.object, u.reason
+                ));
+            }
+            if found.recorders.is_empty() {
+                probe.notes.push(format!(
+                    "pid {pid}: no TraceMe recorder (jaxlib, TensorFlow or libtpu) loaded in its {} \
+                     mapped files; tracing scheduling only",
+                    found.objects
+                ));
+            }
+            for recorder in found.recorders {
+                match attach_one(set, &recorder) {
+                    Ok(()) => probe.recorders.push(AttachedRecorder {
+                        recorder,
+                        switch: None,
+                    }),
+                    Err(e) => probe.notes.push(format!(
+                        "pid {pid}: cannot probe the TraceMe recorder in {}: {e}",
+                        recorder.file_name()
+                    )),
+                }
+            }
+        }
+        Ok(probe)
+    }
+
+    /// Switches recording on in every recorder that has it off.
+    pub fn enable(&mut self) {
+        for r in &mut self.recorders {
+            if let Some(address) = r.recorder.trace_level_address {
+                r.switch = Some(TraceLevelSwitch::engage(
+                    r.recorder.pid,
+                    address,
+                    self.level,
+                ));
+            }
+        }
+    }
+
+    /// Counts `new_events` events; past `max_events`, stops enabling.
+    pub fn count_events(&mut self, new_events: u64) {
+        self.events += new_events;
+        if self.events >= self.max_events && !self.stopped_early {
+            self.stopped_early = true;
+            let mut restored = false;
+            for r in &mut self.recorders {
+                if let Some(s) = r.switch.as_mut()
+                    && matches!(s.state(), LevelState::Enabled { .. })
+                {
+                    restored = true;
+                    if let Some(w) = s.restore(true) {
+                        self.warnings.push(w);
+                    }
+                }
+            }
+            if restored {
+                self.warnings.push(format!(
+                    "TraceMe recording switched off after {} events (--max-events {}); later events are missing",
+                    self.events, self.max_events
+                ));
+            }
+        }
+    }
+
+    /// Puts every level ebtrace switched on back to -1, then gives the
+    /// TraceMes already past the gate time to reach `Record` while the
+    /// probes are still attached.
+    pub fn restore(&mut self) {
+        let mut restored = false;
+        for r in &mut self.recorders {
+            if let Some(s) = r.switch.as_mut() {
+                restored |= matches!(s.state(), LevelState::Enabled { .. });
+                if let Some(w) = s.restore(false) {
+                    self.warnings.push(w);
+                }
+            }
+        }
+        if restored {
+            std::thread::sleep(IN_FLIGHT_GRACE);
+        }
+    }
+
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
+    /// Adds a problem the trace should mention.
+    pub fn warn(&mut self, warning: String) {
+        self.warnings.push(warning);
+    }
+
+    /// Problems the trace should mention.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// The kernel-side counters.
+    pub fn stats(set: &mut ProbeSet) -> TraceMeProbeStats {
+        let Some(map) = set.ebpf().map(names::STATS) else {
+            return TraceMeProbeStats::default();
+        };
+        let Ok(array) = aya::maps::PerCpuArray::<_, u64>::try_from(map) else {
+            return TraceMeProbeStats::default();
+        };
+        let sum = |i: u32| array.get(&i, 0).map_or(0, |v| v.iter().sum());
+        TraceMeProbeStats {
+            hits: sum(stat::HITS),
+            event_unreadable: sum(stat::EVENT_UNREADABLE),
+            name_unreadable: sum(stat::NAME_UNREADABLE),
+        }
+    }
+}
+
+fn attach_one(set: &mut ProbeSet, recorder: &Recorder) -> Result<()> {
+    let name = recorder.layout.program();
+    let program: &mut UProbe = set
+        .ebpf()
+        .program_mut(name)
+        .expect("program is in the object")
+        .try_into()
+        .expect("program is a uprobe");
+    if program.fd().is_err() {
+        program.load().map_err(|source| Error::Attach {
+            what: format!("program {name} (verifier)"),
+            source: Box::new(source),
+        })?;
+    }
+    let pid = NonZeroU32::new(recorder.pid).expect("pids are non-zero");
+    program
+        .attach(
+            recorder.record_offset,
+            &recorder.open_path,
+            UProbeScope::OneProcess(pid),
+        )
+        .map_err(|source| Error::Attach {
+            what: format!(
+                "uprobe on TraceMeRecorder::Record in {}",
+                recorder.open_path.display()
+            ),
+            source: Box::new(source),
+        })?;
+    Ok(())
+}

@@ -1,0 +1,303 @@
+//! A memory-mapped 64-bit little-endian ELF object and the symbol lookups
+//! ebtrace needs from it.
+//!
+//! Libraries like jaxlib's `libjax_common.so` (350 MB, 740k symbols) are
+//! searched in one linear pass over the raw symbol tables, comparing names
+//! by length first; a prefilter over the string tables skips the pass for
+//! objects that cannot contain any wanted name.
+
+use std::{
+    fs::File,
+    io,
+    os::fd::AsRawFd as _,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use object::{
+    Endianness,
+    elf::{PT_LOAD, SHT_DYNSYM, SHT_SYMTAB},
+    read::elf::{FileHeader as _, ProgramHeader as _, SectionHeader as _, Sym as _},
+};
+
+type FileHeader = object::elf::FileHeader64<Endianness>;
+
+/// A read-only private mapping of a whole file.
+struct Mmap {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+impl Mmap {
+    fn map(file: &File) -> io::Result<Self> {
+        let len = usize::try_from(file.metadata()?.len())
+            .map_err(|_| io::Error::other("file too large to map"))?;
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "empty file"));
+        }
+        // SAFETY: a fresh read-only private mapping of an open file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mmap { ptr, len })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping lives as long as self and is never written.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
+    }
+}
+
+impl Drop for Mmap {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what map() mapped.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
+/// A `PT_LOAD` segment: where a range of the file goes in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadSegment {
+    pub vaddr: u64,
+    pub memsz: u64,
+    pub offset: u64,
+    pub filesz: u64,
+    pub executable: bool,
+}
+
+/// A defined symbol found by [`ElfObject::scan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FoundSymbol {
+    /// Virtual address in the object file (`st_value`).
+    pub vaddr: u64,
+    pub size: u64,
+    /// Found in `.dynsym` (exported) rather than only in `.symtab`.
+    pub exported: bool,
+}
+
+/// Result of one pass over an object's symbol tables.
+#[derive(Clone, Debug, Default)]
+pub struct SymbolScan {
+    /// One entry per wanted name, in the order asked.
+    pub found: Vec<Option<FoundSymbol>>,
+    /// Symbols looked at (both tables).
+    pub symbols: usize,
+    pub elapsed: Duration,
+}
+
+/// A mapped ELF object.
+pub struct ElfObject {
+    path: PathBuf,
+    map: Mmap,
+    segments: Vec<LoadSegment>,
+}
+
+fn invalid(path: &Path, what: impl std::fmt::Display) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{}: {what}", path.display()),
+    )
+}
+
+impl ElfObject {
+    /// Maps `path`; fails unless it is a 64-bit little-endian ELF file.
+    /// With `expected_inode`, also fails if the file opened is not that one
+    /// (the path was replaced since it was mapped).
+    pub fn open(path: &Path, expected_inode: Option<u64>) -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        let file = File::open(path)?;
+        if let Some(inode) = expected_inode
+            && file.metadata()?.ino() != inode
+        {
+            return Err(invalid(path, "is not the file the process mapped"));
+        }
+        let map = Mmap::map(&file)?;
+        let bytes = map.bytes();
+        if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+            return Err(invalid(path, "not a 64-bit little-endian ELF object"));
+        }
+        let header = FileHeader::parse(bytes).map_err(|e| invalid(path, e))?;
+        let endian = header.endian().map_err(|e| invalid(path, e))?;
+        let segments = header
+            .program_headers(endian, bytes)
+            .map_err(|e| invalid(path, e))?
+            .iter()
+            .filter(|p| p.p_type(endian) == PT_LOAD)
+            .map(|p| LoadSegment {
+                vaddr: p.p_vaddr(endian),
+                memsz: p.p_memsz(endian),
+                offset: p.p_offset(endian),
+                filesz: p.p_filesz(endian),
+                executable: p.p_flags(endian) & object::elf::PF_X != 0,
+            })
+            .collect();
+        Ok(ElfObject {
+            path: path.to_path_buf(),
+            map,
+            segments,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn segments(&self) -> &[LoadSegment] {
+        &self.segments
+    }
+
+    /// Offset in the file of the byte loaded at `vaddr` (what a uprobe is
+    /// attached by), if a segment's file contents cover it.
+    pub fn file_offset(&self, vaddr: u64) -> Option<u64> {
+        self.segments
+            .iter()
+            .find(|s| vaddr >= s.vaddr && vaddr - s.vaddr < s.filesz)
+            .map(|s| vaddr - s.vaddr + s.offset)
+    }
+
+    /// True if any string table of the object contains `needle`: a quick
+    /// test before a full [`scan`](Self::scan).
+    pub fn strings_contain(&self, needle: &[u8]) -> bool {
+        let finder = memchr::memmem::Finder::new(needle);
+        self.string_tables()
+            .iter()
+            .any(|s| finder.find(s).is_some())
+    }
+
+    fn string_tables(&self) -> Vec<&[u8]> {
+        let bytes = self.map.bytes();
+        let Ok(header) = FileHeader::parse(bytes) else {
+            return Vec::new();
+        };
+        let Ok(endian) = header.endian() else {
+            return Vec::new();
+        };
+        let Ok(sections) = header.sections(endian, bytes) else {
+            return Vec::new();
+        };
+        [SHT_SYMTAB, SHT_DYNSYM]
+            .into_iter()
+            .filter_map(|kind| {
+                let table = sections.symbols(endian, bytes, kind).ok()?;
+                let strings = sections.section(table.string_section()).ok()?;
+                strings.data(endian, bytes).ok()
+            })
+            .collect()
+    }
+
+    /// One pass over `.symtab` and `.dynsym`: finds the defined symbols
+    /// named in `wanted`, and shows every symbol name (defined or not) to
+    /// `visit` until it returns false.
+    pub fn scan(
+        &self,
+        wanted: &[&str],
+        mut visit: impl FnMut(&[u8]) -> bool,
+    ) -> io::Result<SymbolScan> {
+        let began = Instant::now();
+        let bytes = self.map.bytes();
+        let header = FileHeader::parse(bytes).map_err(|e| invalid(&self.path, e))?;
+        let endian = header.endian().map_err(|e| invalid(&self.path, e))?;
+        let sections = header
+            .sections(endian, bytes)
+            .map_err(|e| invalid(&self.path, e))?;
+        let mut scan = SymbolScan {
+            found: vec![None; wanted.len()],
+            ..SymbolScan::default()
+        };
+        let mut visiting = true;
+        for kind in [SHT_SYMTAB, SHT_DYNSYM] {
+            let table = sections
+                .symbols(endian, bytes, kind)
+                .map_err(|e| invalid(&self.path, e))?;
+            let strings = table.strings();
+            scan.symbols += table.len();
+            for sym in table.iter().skip(1) {
+                let Ok(name) = sym.name(endian, strings) else {
+                    continue;
+                };
+                if visiting {
+                    visiting = visit(name);
+                }
+                if sym.is_undefined(endian) {
+                    continue;
+                }
+                for (slot, w) in scan.found.iter_mut().zip(wanted) {
+                    if slot.is_none() && name.len() == w.len() && name == w.as_bytes() {
+                        *slot = Some(FoundSymbol {
+                            vaddr: sym.st_value(endian),
+                            size: sym.st_size(endian),
+                            exported: kind == SHT_DYNSYM,
+                        });
+                    }
+                }
+            }
+        }
+        scan.elapsed = began.elapsed();
+        Ok(scan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This test binary itself is an ELF object with symbols.
+    fn self_object() -> ElfObject {
+        let exe = std::env::current_exe().unwrap();
+        ElfObject::open(&exe, None).unwrap()
+    }
+
+    #[test]
+    fn finds_own_main_and_maps_it_to_a_file_offset() {
+        let obj = self_object();
+        assert!(obj.strings_contain(b"main"));
+        assert!(!obj.strings_contain(b"no-such-symbol-\x01\x02"));
+        let scan = obj.scan(&["main", "no_such_symbol"], |_| true).unwrap();
+        let main = scan.found[0].expect("main is defined");
+        assert!(scan.found[1].is_none());
+        assert!(scan.symbols > 100);
+        let offset = obj.file_offset(main.vaddr).expect("main is in a segment");
+        assert!(
+            obj.segments()
+                .iter()
+                .any(|s| s.executable && main.vaddr >= s.vaddr && main.vaddr < s.vaddr + s.memsz)
+        );
+        assert!(offset < std::fs::metadata(obj.path()).unwrap().len());
+    }
+
+    #[test]
+    fn visit_stops_when_asked() {
+        let obj = self_object();
+        let mut seen = 0;
+        obj.scan(&[], |_| {
+            seen += 1;
+            seen < 10
+        })
+        .unwrap();
+        assert_eq!(seen, 10);
+    }
+
+    #[test]
+    fn rejects_non_elf_and_replaced_files() {
+        let dir = std::env::temp_dir().join(format!("ebtrace-elf-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = dir.join("not-elf");
+        std::fs::write(&text, vec![b'x'; 100]).unwrap();
+        let err = ElfObject::open(&text, None).err().unwrap();
+        assert!(err.to_string().contains("not a 64-bit"), "{err}");
+        let exe = std::env::current_exe().unwrap();
+        let err = ElfObject::open(&exe, Some(1)).err().unwrap();
+        assert!(err.to_string().contains("not the file"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

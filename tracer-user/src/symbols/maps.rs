@@ -1,0 +1,260 @@
+//! The objects a process has mapped, from `/proc/PID/maps`, and where each
+//! was loaded.
+
+use std::{
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+use super::elf::LoadSegment;
+
+/// One line of `/proc/PID/maps`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    /// Offset in the file of `start`.
+    pub offset: u64,
+    pub dev: String,
+    pub inode: u64,
+    /// File path, `[heap]`-style name, or empty.
+    pub path: String,
+    /// The file was deleted (or replaced) after it was mapped.
+    pub deleted: bool,
+}
+
+/// Parses one line of `/proc/PID/maps`; paths may contain spaces.
+pub fn parse_maps_line(line: &str) -> Option<Mapping> {
+    let mut rest = line;
+    let mut field = || {
+        let trimmed = rest.trim_start();
+        let end = trimmed.find(' ').unwrap_or(trimmed.len());
+        let (f, r) = trimmed.split_at(end);
+        rest = r;
+        f
+    };
+    let (range, perms, offset, dev, inode) = (field(), field(), field(), field(), field());
+    let (start, end) = range.split_once('-')?;
+    let path = rest.trim_start();
+    let (path, deleted) = match path.strip_suffix(" (deleted)") {
+        Some(p) => (p, true),
+        None => (path, false),
+    };
+    Some(Mapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        perms: perms.to_string(),
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        dev: dev.to_string(),
+        inode: inode.parse().ok()?,
+        path: path.to_string(),
+        deleted,
+    })
+}
+
+/// A file mapped into a process, with all its mappings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MappedObject {
+    pub pid: u32,
+    /// The path as the process sees it.
+    pub path: String,
+    pub dev: String,
+    pub inode: u64,
+    pub mappings: Vec<Mapping>,
+}
+
+impl MappedObject {
+    /// A path under which this process's file can be opened from here (and
+    /// attached to): through the process's root, so that containers work,
+    /// or, if the file was deleted or replaced, through its mapping.
+    pub fn open_path(&self) -> PathBuf {
+        let first = &self.mappings[0];
+        if first.deleted {
+            PathBuf::from(format!(
+                "/proc/{}/map_files/{:x}-{:x}",
+                self.pid, first.start, first.end
+            ))
+        } else {
+            Path::new(&format!("/proc/{}/root", self.pid)).join(self.path.trim_start_matches('/'))
+        }
+    }
+
+    /// The file name, for messages.
+    pub fn file_name(&self) -> &str {
+        self.path.rsplit('/').next().unwrap_or(&self.path)
+    }
+
+    /// Difference between addresses in the process and virtual addresses in
+    /// the file. The loader maps all segments with one bias; it is found
+    /// from the first segment's mapping, confirmed by the executable
+    /// segment landing on an executable mapping (a file may also be mapped
+    /// as plain data).
+    pub fn load_bias(&self, segments: &[LoadSegment], page_size: u64) -> Option<u64> {
+        let first = segments.iter().min_by_key(|s| s.vaddr)?;
+        let page = |v: u64| v & !(page_size - 1);
+        let exec = segments.iter().find(|s| s.executable);
+        let candidates = self
+            .mappings
+            .iter()
+            .filter(|m| m.offset == page(first.offset))
+            .filter_map(|m| m.start.checked_sub(page(first.vaddr)));
+        let mut fallback = None;
+        for bias in candidates {
+            fallback.get_or_insert(bias);
+            let Some(exec) = exec else {
+                return Some(bias);
+            };
+            let at = bias.wrapping_add(exec.vaddr);
+            if self
+                .mappings
+                .iter()
+                .any(|m| m.perms.contains('x') && m.start <= at && at < m.end)
+            {
+                return Some(bias);
+            }
+        }
+        fallback
+    }
+}
+
+/// Reads and parses `/proc/PID/maps`.
+pub fn read_maps(pid: u32) -> io::Result<Vec<Mapping>> {
+    let text = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    Ok(text.lines().filter_map(parse_maps_line).collect())
+}
+
+/// The files a process has mapped (one entry per file, in address order).
+pub fn mapped_objects(pid: u32) -> io::Result<Vec<MappedObject>> {
+    let mut objects: Vec<MappedObject> = Vec::new();
+    for m in read_maps(pid)? {
+        if m.inode == 0 || !m.path.starts_with('/') {
+            continue;
+        }
+        match objects
+            .iter_mut()
+            .find(|o| o.inode == m.inode && o.dev == m.dev)
+        {
+            Some(o) => o.mappings.push(m),
+            None => objects.push(MappedObject {
+                pid,
+                path: m.path.clone(),
+                dev: m.dev.clone(),
+                inode: m.inode,
+                mappings: vec![m],
+            }),
+        }
+    }
+    Ok(objects)
+}
+
+/// The system page size.
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if v > 0 { v as u64 } else { 4096 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_lines_with_spaces_and_deleted_files() {
+        let m = parse_maps_line(
+            "7f0000001000-7f0000002000 r-xp 00001000 fd:01 1234   /opt/my lib/libx.so (deleted)",
+        )
+        .unwrap();
+        assert_eq!(
+            (m.start, m.end, m.offset, m.inode),
+            (0x7f0000001000, 0x7f0000002000, 0x1000, 1234)
+        );
+        assert_eq!(m.path, "/opt/my lib/libx.so");
+        assert!(m.deleted);
+        assert_eq!(m.perms, "r-xp");
+        let anon = parse_maps_line("7ffd0000-7ffd1000 rw-p 00000000 00:00 0").unwrap();
+        assert_eq!(anon.path, "");
+        assert!(parse_maps_line("garbage").is_none());
+    }
+
+    fn mapping(start: u64, end: u64, perms: &str, offset: u64) -> Mapping {
+        Mapping {
+            start,
+            end,
+            perms: perms.into(),
+            offset,
+            dev: "fd:01".into(),
+            inode: 7,
+            path: "/lib/x.so".into(),
+            deleted: false,
+        }
+    }
+
+    #[test]
+    fn load_bias_uses_the_mapping_the_loader_made() {
+        // jaxlib-like layout: R at 0, RX at file 0x38d7f80 / vaddr 0x38d8f80.
+        let segments = [
+            LoadSegment {
+                vaddr: 0,
+                memsz: 0x38d7f68,
+                offset: 0,
+                filesz: 0x38d7f68,
+                executable: false,
+            },
+            LoadSegment {
+                vaddr: 0x38d8f80,
+                memsz: 0x1000,
+                offset: 0x38d7f80,
+                filesz: 0x1000,
+                executable: true,
+            },
+        ];
+        let base = 0x7f00_0000_0000;
+        let object = MappedObject {
+            pid: 1,
+            path: "/lib/x.so".into(),
+            dev: "fd:01".into(),
+            inode: 7,
+            mappings: vec![
+                // A plain data mapping of the same file, first in address order.
+                mapping(0x5000_0000, 0x5000_1000, "r--s", 0),
+                mapping(base, base + 0x38d8000, "r--p", 0),
+                mapping(
+                    base + 0x38d8000,
+                    base + 0x38d9000 + 0x1000,
+                    "r-xp",
+                    0x38d7000,
+                ),
+            ],
+        };
+        assert_eq!(object.load_bias(&segments, 4096), Some(base));
+        assert_eq!(object.file_name(), "x.so");
+        assert_eq!(object.open_path(), PathBuf::from("/proc/1/root/lib/x.so"));
+    }
+
+    /// A function whose address the test knows at run time.
+    #[unsafe(no_mangle)]
+    #[inline(never)]
+    extern "C" fn ebtrace_symbols_test_marker() -> u32 {
+        7
+    }
+
+    #[test]
+    fn symbol_plus_bias_is_the_runtime_address() {
+        assert_eq!(ebtrace_symbols_test_marker(), 7);
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let objects = mapped_objects(std::process::id()).unwrap();
+        let me = objects
+            .iter()
+            .find(|o| Path::new(&o.path) == exe)
+            .expect("own executable is mapped");
+        let elf = crate::symbols::ElfObject::open(&me.open_path(), Some(me.inode)).unwrap();
+        let bias = me.load_bias(elf.segments(), page_size()).unwrap();
+        let scan = elf
+            .scan(&["ebtrace_symbols_test_marker"], |_| true)
+            .unwrap();
+        let marker = scan.found[0].expect("marker symbol");
+        let runtime = ebtrace_symbols_test_marker as extern "C" fn() -> u32 as usize as u64;
+        assert_eq!(bias + marker.vaddr, runtime);
+    }
+}

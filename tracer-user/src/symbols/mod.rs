@@ -1,0 +1,15 @@
+//! Symbol resolution: the one place that reads ELF symbol tables and turns
+//! an object file's addresses into addresses inside a running process.
+//!
+//! - [`elf`]: a memory-mapped ELF object; finds named symbols in `.symtab`
+//!   and `.dynsym` (real wheels keep the ones we need as local `.symtab`
+//!   symbols only) and maps virtual addresses to file offsets (uprobes are
+//!   attached by file offset);
+//! - [`maps`]: the objects a process has mapped (`/proc/PID/maps`), how to
+//!   open the very file that is mapped, and where it was loaded.
+
+pub mod elf;
+pub mod maps;
+
+pub use elf::{ElfObject, FoundSymbol, LoadSegment, SymbolScan};
+pub use maps::{MappedObject, Mapping, mapped_objects};

@@ -1,0 +1,509 @@
+//! TraceMe events → spans on the threads' lines, the way TSL's host tracer
+//! turns its recorder's events into `/host:CPU` events:
+//!
+//! - a complete event (`start_time`, `end_time` > 0; equal for an instant)
+//!   is one span on the thread that recorded it;
+//! - an activity is recorded twice, `{name, now, -id}` when it starts and
+//!   `{"", -id, now}` when it ends, possibly on another thread: the pair
+//!   becomes one span on the thread that ended it, named by the start;
+//!   halves without their partner are dropped, as TSL drops them;
+//! - `name#k=v,...#` names are split into the event name and typed stats
+//!   (int64, else uint64, else double, else string), as TSL parses them;
+//! - times are wall-clock epoch ns, mapped onto the capture's monotonic
+//!   timeline with its `ClockSync`; events not wholly inside the capture
+//!   window are dropped (TSL drops those that began before its session).
+//!
+//! Spans of one thread must nest. Scoped TraceMes nest by construction;
+//! activities need not, so partial overlaps are resolved deterministically:
+//! a scoped event always keeps its true extent, and the activity it
+//! overlaps is cut (at the scoped event's start when the activity began
+//! first, else at its enclosing event's end); two overlapping events of the
+//! same kind cut the later one. A cut span says by how much in its
+//! `ebtrace_clipped_ns` stat.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::{Span, ThreadCounters, ThreadTrack, Timeline, Value};
+use crate::collect::TraceMeEvent;
+
+/// Stat on a span whose end was moved to make it nest: nanoseconds cut.
+pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
+/// Stat on a span whose name was longer than ebtrace copies: its length.
+pub const TRUNCATED_STAT: &str = "ebtrace_name_truncated_from";
+/// Name of an event whose name could not be read from the target.
+pub const UNREADABLE_NAME: &str = "(TraceMe name unreadable)";
+
+/// What became of the TraceMe events of a capture.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceMeSpanStats {
+    /// Spans added to the timeline.
+    pub spans: u64,
+    /// Activity starts and ends whose partner was not recorded.
+    pub unpaired_activity_halves: u64,
+    /// Events not wholly inside the capture window.
+    pub outside_window: u64,
+    /// Spans cut to make them nest.
+    pub clipped: u64,
+    /// Records with impossible times.
+    pub malformed: u64,
+}
+
+/// An event name split into its name and its `#k=v,...#` metadata.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedName {
+    pub name: String,
+    pub stats: Vec<(String, Value)>,
+}
+
+/// A metadata value, typed as TSL's `ParseAndAddStatValue` types it.
+pub fn parse_stat_value(value: &str) -> Value {
+    if let Ok(v) = value.parse::<i64>() {
+        Value::I64(v)
+    } else if let Ok(v) = value.parse::<u64>() {
+        Value::U64(v)
+    } else if let Ok(v) = value.parse::<f64>() {
+        Value::F64(v)
+    } else {
+        Value::Str(value.to_string())
+    }
+}
+
+/// Splits metadata at commas outside quotes and brackets (TSL's
+/// `SplitPairs`); pieces shorter than two characters are skipped.
+fn split_pairs(metadata: &str) -> Vec<&str> {
+    let mut pairs = Vec::new();
+    let mut open: Vec<u8> = Vec::new();
+    let mut start = 0;
+    for (i, c) in metadata.bytes().enumerate() {
+        match c {
+            b'"' | b'\'' => {
+                if open.last() == Some(&c) {
+                    open.pop();
+                } else {
+                    open.push(c);
+                }
+            }
+            b'{' | b'(' | b'[' => open.push(c),
+            b'}' | b')' | b']' => {
+                let opener = match c {
+                    b'}' => b'{',
+                    b')' => b'(',
+                    _ => b'[',
+                };
+                if open.last() == Some(&opener) {
+                    open.pop();
+                }
+            }
+            b',' if open.is_empty() => {
+                if i - start > 1 {
+                    pairs.push(&metadata[start..i]);
+                }
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if metadata.len() - start > 1 {
+        pairs.push(&metadata[start..]);
+    }
+    pairs
+}
+
+fn parse_metadata(metadata: &str) -> Vec<(String, Value)> {
+    split_pairs(metadata)
+        .into_iter()
+        .filter_map(|pair| {
+            let (k, v) = pair.split_once('=')?;
+            let (k, v) = (k.trim(), v.trim());
+            (!k.is_empty() && !v.is_empty()).then(|| (k.to_string(), parse_stat_value(v)))
+        })
+        .collect()
+}
+
+/// Parses a TraceMe name as TSL's `ParseAnnotation` does. A `truncated`
+/// name lost its closing `#`: its name is still what precedes the first
+/// `#`, and its metadata the pairs complete before the cut.
+pub fn parse_traceme_name(raw: &str, truncated: bool) -> ParsedName {
+    if truncated {
+        return match raw.split_once('#') {
+            Some((name, metadata)) => {
+                let mut stats = parse_metadata(metadata);
+                // The last pair may have been cut.
+                if !metadata.ends_with(',') {
+                    stats.pop();
+                }
+                ParsedName {
+                    name: name.trim().to_string(),
+                    stats,
+                }
+            }
+            None => ParsedName {
+                name: raw.trim().to_string(),
+                stats: Vec::new(),
+            },
+        };
+    }
+    let Some(body) = raw.strip_suffix('#') else {
+        return ParsedName {
+            name: raw.trim().to_string(),
+            stats: Vec::new(),
+        };
+    };
+    let mut parts = body.splitn(3, '#');
+    let name = parts.next().unwrap_or_default().trim().to_string();
+    let stats = parts.next().map(parse_metadata).unwrap_or_default();
+    ParsedName { name, stats }
+}
+
+/// A span being placed, with what the nesting rules need to know.
+struct Candidate {
+    span: Span,
+    /// Activities may be cut in favour of scoped events.
+    activity: bool,
+    clipped_ns: u64,
+}
+
+/// Makes one thread's spans nest (see the module doc).
+fn nest(mut items: Vec<Candidate>) -> (Vec<Span>, u64) {
+    items.sort_by(|a, b| {
+        (
+            a.span.start_ns,
+            std::cmp::Reverse(a.span.end_ns),
+            a.activity,
+        )
+            .cmp(&(
+                b.span.start_ns,
+                std::cmp::Reverse(b.span.end_ns),
+                b.activity,
+            ))
+    });
+    let mut open: Vec<usize> = Vec::new();
+    for i in 0..items.len() {
+        let start = items[i].span.start_ns;
+        loop {
+            while open.last().is_some_and(|&t| items[t].span.end_ns <= start) {
+                open.pop();
+            }
+            let Some(&top) = open.last() else { break };
+            let end = items[i].span.end_ns;
+            if end <= items[top].span.end_ns {
+                break;
+            }
+            if items[top].activity && !items[i].activity {
+                // Keep the scoped event whole: the activity ends where it starts.
+                let cut = items[top].span.end_ns - start;
+                items[top].clipped_ns += cut;
+                items[top].span.end_ns = start;
+                open.pop();
+                continue;
+            }
+            let cut = end - items[top].span.end_ns;
+            items[i].clipped_ns += cut;
+            items[i].span.end_ns = items[top].span.end_ns;
+            break;
+        }
+        open.push(i);
+    }
+    let mut clipped = 0;
+    let spans = items
+        .into_iter()
+        .map(|mut c| {
+            if c.clipped_ns > 0 {
+                clipped += 1;
+                c.span
+                    .stats
+                    .push((CLIPPED_STAT.to_string(), Value::I64(c.clipped_ns as i64)));
+            }
+            c.span
+        })
+        .collect();
+    (spans, clipped)
+}
+
+/// Builds each thread's spans from the TraceMe events of a capture (any
+/// order) and adds them to `timeline`, converting times with its clock.
+pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> TraceMeSpanStats {
+    let clock = timeline.clock;
+    let mut stats = TraceMeSpanStats::default();
+    // Activity starts by (process, recorder, id).
+    let mut starts: HashMap<(u32, u64, i64), &TraceMeEvent> = HashMap::new();
+    for e in events {
+        if e.start_time > 0 && e.end_time < 0 {
+            starts.insert((e.tgid, e.site, -e.end_time), e);
+        }
+    }
+    let mut per_thread: BTreeMap<u32, (u32, Vec<Candidate>)> = BTreeMap::new();
+    let mut paired = 0u64;
+    for e in events {
+        let (named, start, end, activity) = if e.start_time > 0 && e.end_time > 0 {
+            (e, e.start_time, e.end_time, false)
+        } else if e.start_time < 0 && e.end_time > 0 {
+            match starts.get(&(e.tgid, e.site, -e.start_time)) {
+                Some(s) => {
+                    paired += 1;
+                    (*s, s.start_time, e.end_time, true)
+                }
+                None => {
+                    stats.unpaired_activity_halves += 1;
+                    continue;
+                }
+            }
+        } else if e.start_time > 0 && e.end_time < 0 {
+            continue;
+        } else {
+            stats.malformed += 1;
+            continue;
+        };
+        if end < start {
+            stats.malformed += 1;
+            continue;
+        }
+        let start_ns = clock.to_monotonic_ns(start as u64);
+        let end_ns = clock.to_monotonic_ns(end as u64);
+        if start_ns < timeline.start_ns || end_ns > timeline.stop_ns {
+            stats.outside_window += 1;
+            continue;
+        }
+        let mut span = if named.name_unreadable {
+            Span {
+                start_ns,
+                end_ns,
+                name: UNREADABLE_NAME.to_string(),
+                stats: Vec::new(),
+            }
+        } else {
+            let parsed = parse_traceme_name(&named.name, named.truncated);
+            Span {
+                start_ns,
+                end_ns,
+                name: parsed.name,
+                stats: parsed.stats,
+            }
+        };
+        if named.truncated {
+            span.stats.push((
+                TRUNCATED_STAT.to_string(),
+                Value::I64(i64::from(named.name_len)),
+            ));
+        }
+        per_thread
+            .entry(e.tid)
+            .or_insert_with(|| (e.tgid, Vec::new()))
+            .1
+            .push(Candidate {
+                span,
+                activity,
+                clipped_ns: 0,
+            });
+    }
+    stats.unpaired_activity_halves += starts.len() as u64 - paired.min(starts.len() as u64);
+    for (tid, (pid, candidates)) in per_thread {
+        let (spans, clipped) = nest(candidates);
+        stats.clipped += clipped;
+        stats.spans += spans.len() as u64;
+        let track = timeline.threads.entry(tid).or_insert_with(|| ThreadTrack {
+            tid,
+            pid,
+            name: format!("thread {tid}"),
+            slices: Vec::new(),
+            marks: Vec::new(),
+            spans: Vec::new(),
+            counters: ThreadCounters::default(),
+        });
+        track.spans.extend(spans);
+        track
+            .spans
+            .sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
+    }
+    stats
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use tracer_common::{RecordHeader, RecordKind};
+
+    use super::*;
+    use crate::{clock::ClockSync, timeline::CaptureStats};
+
+    #[test]
+    fn names_and_metadata_parse_like_tsl() {
+        let p = parse_traceme_name(
+            "train#step_num=3,lr=0.5,tag=warm,big=18446744073709551615#",
+            false,
+        );
+        assert_eq!(p.name, "train");
+        assert_eq!(
+            p.stats,
+            vec![
+                ("step_num".into(), Value::I64(3)),
+                ("lr".into(), Value::F64(0.5)),
+                ("tag".into(), Value::Str("warm".into())),
+                ("big".into(), Value::U64(u64::MAX)),
+            ]
+        );
+        // No closing '#': no metadata.
+        assert_eq!(parse_traceme_name("a#b=1", false).name, "a#b=1");
+        // Commas inside brackets and quotes stay in the value; blanks trimmed;
+        // empty keys or values and a third '#' part are ignored.
+        let p = parse_traceme_name(" op #shape=[1,2], s='x,y',=3,k=,n = -7#extra#", false);
+        assert_eq!(p.name, "op");
+        assert_eq!(
+            p.stats,
+            vec![
+                ("shape".into(), Value::Str("[1,2]".into())),
+                ("s".into(), Value::Str("'x,y'".into())),
+                ("n".into(), Value::I64(-7)),
+            ]
+        );
+        assert_eq!(parse_traceme_name("plain", false).stats, vec![]);
+        // A cut name keeps its name and the pairs before the cut.
+        let p = parse_traceme_name("step#a=1,b=2,c=12", true);
+        assert_eq!(p.name, "step");
+        assert_eq!(
+            p.stats,
+            vec![("a".into(), Value::I64(1)), ("b".into(), Value::I64(2))]
+        );
+        assert_eq!(parse_traceme_name("xxxx", true).name, "xxxx");
+    }
+
+    fn event(tid: u32, start: i64, end: i64, name: &str) -> TraceMeEvent {
+        TraceMeEvent {
+            header: RecordHeader::new(RecordKind::TraceMe, 64, 0, 0),
+            tid,
+            tgid: 1,
+            site: 0x1000,
+            start_time: start,
+            end_time: end,
+            name: name.to_string(),
+            truncated: false,
+            name_len: name.len() as u32,
+            name_unreadable: false,
+        }
+    }
+
+    fn timeline() -> Timeline {
+        Timeline {
+            start_ns: 1_000,
+            stop_ns: 10_000,
+            clock: ClockSync::from_offset(1_000_000),
+            processes: BTreeMap::new(),
+            threads: BTreeMap::new(),
+            devices: BTreeMap::new(),
+            cpus: BTreeMap::new(),
+            stats: CaptureStats::default(),
+        }
+    }
+
+    /// A span as (name, start, end, stats).
+    type Flat = (String, u64, u64, Vec<(String, Value)>);
+
+    fn spans(tl: &Timeline, tid: u32) -> Vec<Flat> {
+        tl.threads[&tid]
+            .spans
+            .iter()
+            .map(|s| (s.name.clone(), s.start_ns, s.end_ns, s.stats.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn pairs_activities_across_threads_and_resolves_overlaps() {
+        let w = 1_000_000; // wall = mono + offset
+        let events = vec![
+            event(7, w + 2_000, w + 9_000, "step#step_num=1#"),
+            // Activity starts on 7 at 3000, ends on 7 at 5000, inside a
+            // scoped event [4000, 6000] that began after it.
+            event(7, w + 3_000, -42, "copy"),
+            event(7, w + 4_000, w + 6_000, "host"),
+            event(7, -42, w + 5_000, ""),
+            // An activity started on 7 and ended on 8.
+            event(7, w + 3_500, -43, "cross#bytes=8#"),
+            event(8, -43, w + 7_000, ""),
+            // Instant, unpaired end, unpaired start, before the window.
+            event(7, w + 8_000, w + 8_000, "tick"),
+            event(8, -99, w + 7_500, ""),
+            event(8, w + 7_600, -98, "never ended"),
+            event(8, w + 500, w + 1_500, "early"),
+        ];
+        let mut tl = timeline();
+        let stats = add_traceme_spans(&mut tl, &events);
+        assert_eq!(
+            spans(&tl, 7),
+            vec![
+                (
+                    "step".into(),
+                    2_000,
+                    9_000,
+                    vec![("step_num".into(), Value::I64(1))]
+                ),
+                (
+                    "copy".into(),
+                    3_000,
+                    4_000,
+                    vec![(CLIPPED_STAT.into(), Value::I64(1_000))]
+                ),
+                ("host".into(), 4_000, 6_000, vec![]),
+                ("tick".into(), 8_000, 8_000, vec![]),
+            ]
+        );
+        assert_eq!(
+            spans(&tl, 8),
+            vec![(
+                "cross".into(),
+                3_500,
+                7_000,
+                vec![("bytes".into(), Value::I64(8))]
+            )]
+        );
+        assert_eq!(
+            stats,
+            TraceMeSpanStats {
+                spans: 5,
+                unpaired_activity_halves: 2,
+                outside_window: 1,
+                clipped: 1,
+                malformed: 0,
+            }
+        );
+    }
+
+    #[test]
+    fn same_kind_overlaps_cut_the_later_event() {
+        let w = 1_000_000;
+        let events = vec![
+            event(7, w + 2_000, w + 5_000, "a"),
+            event(7, w + 3_000, w + 6_000, "b"),
+            event(7, w + 3_000, w + 4_000, "c"),
+        ];
+        let mut tl = timeline();
+        add_traceme_spans(&mut tl, &events);
+        let got = spans(&tl, 7);
+        assert_eq!(got[0].0, "a");
+        assert_eq!((got[1].0.as_str(), got[1].1, got[1].2), ("b", 3_000, 5_000));
+        assert_eq!(got[1].3, vec![(CLIPPED_STAT.into(), Value::I64(1_000))]);
+        assert_eq!((got[2].0.as_str(), got[2].1, got[2].2), ("c", 3_000, 4_000));
+    }
+
+    #[test]
+    fn truncated_and_unreadable_names_are_marked() {
+        let w = 1_000_000;
+        let mut cut = event(7, w + 2_000, w + 3_000, "long#a=1,b=2");
+        cut.truncated = true;
+        cut.name_len = 5000;
+        let mut lost = event(7, w + 4_000, w + 5_000, "");
+        lost.name_unreadable = true;
+        let mut tl = timeline();
+        add_traceme_spans(&mut tl, &[cut, lost]);
+        let got = spans(&tl, 7);
+        assert_eq!(got[0].0, "long");
+        assert_eq!(
+            got[0].3,
+            vec![
+                ("a".into(), Value::I64(1)),
+                (TRUNCATED_STAT.into(), Value::I64(5000))
+            ]
+        );
+        assert_eq!(got[1].0, UNREADABLE_NAME);
+    }
+}
