@@ -140,8 +140,8 @@ fn recorded_client_requests_get_the_fixture_threads_back() {
 }
 
 #[test]
-fn host_tracer_level_zero_runs_no_probe_and_answers_empty() {
-    if !require_root("host_tracer_level_zero_runs_no_probe_and_answers_empty") {
+fn tracer_levels_zero_run_no_probe_and_answer_empty() {
+    if !require_root("tracer_levels_zero_run_no_probe_and_answer_empty") {
         return;
     }
     let _serial = serial();
@@ -151,7 +151,9 @@ fn host_tracer_level_zero_runs_no_probe_and_answers_empty() {
         let mut client = server.client().await;
         assert_eq!(server.probe_fds(), 0);
         let mut req = request(600);
+        // Host data (scheduler, TraceMe) and device data (CUDA) both off.
         req.opts.as_mut().unwrap().host_tracer_level = 0;
+        req.opts.as_mut().unwrap().device_tracer_level = 0;
         let call = tokio::spawn(async move { client.profile(req).await });
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(server.probe_fds(), 0, "probes were attached");
