@@ -16,9 +16,10 @@ const XPROF_VERSION: &str = "2.24.2";
 /// The module the interop check imports; if it loads, the venv is complete.
 const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
 /// The JAX release (CPU jaxlib) whose `jax.collect_profile` the
-/// `ebtrace serve` interop tests run: about 90 MB of wheels, 40 s to
-/// install. It talks to the server through xprof's capture client, the same
-/// C++ code as TensorFlow's `client.trace`, so TensorFlow (600 MB) is not
+/// `ebtrace serve` interop tests run: jax and jaxlib are 88 MB of wheels
+/// (plus scipy), and the whole venv installs in about 40 s. It talks to the
+/// server through xprof's capture client, the same C++ code as
+/// TensorFlow's `client.trace`, so TensorFlow (a 274 MB wheel) is not
 /// installed.
 const JAX_VERSION: &str = "0.10.2";
 const JAX_PROBE_MODULE: &str = "jax.collect_profile";
