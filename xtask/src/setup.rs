@@ -17,10 +17,11 @@ const XPROF_VERSION: &str = "2.24.2";
 const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
 /// The JAX release (CPU jaxlib) the interop tests run: `jax.collect_profile`
 /// against `ebtrace serve`, and a jax process whose TraceMe events are
-/// traced. About 135 MB of wheels with numpy and scipy (jaxlib 85 MB), 540 MB
-/// installed, 30-40 s. The serve tests talk to the server through xprof's
-/// capture client, the same C++ code as TensorFlow's `client.trace`, so
-/// TensorFlow (600 MB) is not installed.
+/// traced. jax and jaxlib are 88 MB of wheels (plus numpy and scipy; 540 MB
+/// installed), and the whole venv installs in about 40 s. The serve tests
+/// talk to the server through xprof's capture client, the same C++ code as
+/// TensorFlow's `client.trace`, so TensorFlow (a 274 MB wheel) is not
+/// installed.
 const JAX_VERSION: &str = "0.10.2";
 const JAX_PROBE_MODULE: &str = "jax.collect_profile";
 

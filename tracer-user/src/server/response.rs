@@ -45,27 +45,27 @@ pub fn respond(
     spec: &SessionSpec,
     guard: Option<&WriteGuard>,
 ) -> Result<(ProfileResponse, Delivered), String> {
+    // The timeline knows whether any line will have an event: no need to
+    // decode what the sink encodes.
+    let events = timeline.event_count();
+    let empty = events == 0;
     let building = std::time::Instant::now();
-    let space = xspace::timeline_to_xspace(timeline, &spec.hostname);
+    let bytes = xspace::timeline_to_xspace_bytes(timeline, &spec.hostname);
     let built = building.elapsed();
-    let empty = is_empty(&space);
-    let events = space
-        .planes
-        .iter()
-        .flat_map(|p| &p.lines)
-        .map(|l| l.events.len())
-        .sum();
     let mut delivered = Delivered {
         built,
         encoded: std::time::Duration::ZERO,
         events,
-        bytes: 0,
+        bytes: bytes.len(),
         empty,
         saved: None,
     };
     let response = match spec.delivery {
         Delivery::Inline => {
-            delivered.bytes = space.encoded_len();
+            let encoding = std::time::Instant::now();
+            let space = XSpace::decode(bytes.as_slice())
+                .map_err(|e| format!("re-reading the XSpace failed: {e}"))?;
+            delivered.encoded = encoding.elapsed();
             ProfileResponse {
                 tool_data: vec![],
                 empty_trace: empty,
@@ -73,11 +73,6 @@ pub fn respond(
             }
         }
         Delivery::ToolData => {
-            let encoding = std::time::Instant::now();
-            let bytes = space.encode_to_vec();
-            delivered.encoded = encoding.elapsed();
-            drop(space);
-            delivered.bytes = bytes.len();
             if let (Some(destination), Some(guard), false) = (&spec.save_to, guard, empty) {
                 let path = guard.write(destination, &bytes).map_err(|e| {
                     format!(

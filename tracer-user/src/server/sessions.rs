@@ -46,6 +46,9 @@ const TICK: Duration = Duration::from_millis(50);
 const ATTACH_LEAD_NS: u64 = 250_000_000;
 /// Longest the hub sleeps with nothing running.
 const IDLE_WAIT: Duration = Duration::from_secs(1);
+/// How long after the last session the hub trims the allocator once more
+/// (responses are freed by the gRPC side after they were sent).
+const TRIM_AFTER_IDLE: Duration = Duration::from_secs(2);
 /// Captures detached in the background at once; past this the hub
 /// detaches itself, which slows it down instead of piling them up.
 const MAX_DETACHING: usize = 8;
@@ -163,6 +166,7 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
         running: Vec::new(),
         delivering: Vec::new(),
         detaching: Vec::new(),
+        trim_at: None,
         shutting_down: false,
     };
     let thread = std::thread::Builder::new()
@@ -212,6 +216,8 @@ struct Hub {
     delivering: Vec<JoinHandle<()>>,
     /// Workers dropping (detaching) captures nobody uses any more.
     detaching: Vec<JoinHandle<()>>,
+    /// When to give freed memory back once idle (after a session ended).
+    trim_at: Option<Instant>,
     shutting_down: bool,
 }
 
@@ -329,8 +335,8 @@ impl Hub {
         if self.running.iter().any(|r| r.capture.is_some()) {
             wait = wait.min(TICK);
         }
-        if let Some(scan) = self.watched.next_scan() {
-            wait = wait.min(scan.saturating_duration_since(Instant::now()));
+        for at in self.watched.next_scan().into_iter().chain(self.trim_at) {
+            wait = wait.min(at.saturating_duration_since(Instant::now()));
         }
         wait.min(IDLE_WAIT)
     }
@@ -352,6 +358,15 @@ impl Hub {
         self.running = busy;
         for r in idle {
             self.detach(r);
+            self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
+        }
+        if self.trim_at.is_some_and(|at| at <= Instant::now()) {
+            if self.in_progress() == 0 {
+                self.trim_at = None;
+                release_free_memory();
+            } else {
+                self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
+            }
         }
         if self.shutting_down {
             for s in self.waiting.drain(..) {
