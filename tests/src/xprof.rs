@@ -6,32 +6,43 @@ use std::{
     process::Command,
 };
 
+/// The module the conversions use.
+pub const XPROF_MODULE: &str = "xprof.convert.raw_to_tool_data";
+
 /// The Python that has `xprof` installed, or `None` to skip (unless
 /// `EBTRACE_REQUIRE_INTEROP=1`, where a skip is a failure).
 pub fn python() -> Option<PathBuf> {
+    python_with(&[XPROF_MODULE])
+}
+
+/// `EBTRACE_PYTHON` if it can import every module, or `None` to skip
+/// (unless `EBTRACE_REQUIRE_INTEROP=1`, where a skip is a failure).
+pub fn python_with(modules: &[&str]) -> Option<PathBuf> {
     let required = std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() == Ok("1");
     let python = std::env::var_os("EBTRACE_PYTHON").map(PathBuf::from);
+    let import = format!("import {}", modules.join(", "));
     let ok = python.as_ref().is_some_and(|p| {
         Command::new(p)
-            .args(["-c", "import xprof.convert.raw_to_tool_data"])
+            .args(["-c", &import])
             .output()
             .is_ok_and(|o| o.status.success())
     });
     match (ok, required) {
         (true, _) => python,
         (false, true) => {
-            panic!("EBTRACE_PYTHON={python:?} cannot import xprof (run `cargo xtask setup`)")
+            panic!("EBTRACE_PYTHON={python:?} cannot `{import}` (run `cargo xtask setup`)")
         }
         (false, false) => {
-            eprintln!("skipping: set EBTRACE_PYTHON to a Python with xprof (cargo xtask setup)");
+            eprintln!("skipping: set EBTRACE_PYTHON to a Python that can `{import}`");
             None
         }
     }
 }
 
 /// Converts with `xspace_to_tool_data(..., "trace_viewer@")` and prints:
-/// process names by pid, thread names by "pid/tid", complete-event counts
-/// by "pid/tid/name", and per flow category the flow ids that leave
+/// process names by pid, thread names by "pid/tid" (and by "tid" alone in
+/// `rows`), complete-event counts by "pid/tid/name" (and by "tid/name" in
+/// `row_events`), and per flow category the flow ids that leave
 /// (`flow_out`) and enter (`flow_in`) events.
 const SUMMARIZE: &str = r#"
 import json, shutil, sys, tempfile, os
@@ -43,16 +54,19 @@ shutil.copy(sys.argv[1], src)
 data, content_type = r.xspace_to_tool_data([src], "trace_viewer@", {})
 shutil.rmtree(d)
 j = json.loads(data)
-out = {"processes": {}, "threads": {}, "events": {}, "flows": {}}
+out = {"processes": {}, "threads": {}, "events": {}, "flows": {}, "rows": {}, "row_events": {}}
 for e in j["traceEvents"]:
     ph = e.get("ph")
     if ph == "M" and e.get("name") == "process_name":
         out["processes"][str(e["pid"])] = e["args"]["name"]
     elif ph == "M" and e.get("name") == "thread_name":
         out["threads"][str(e["pid"]) + "/" + str(e["tid"])] = e["args"]["name"]
+        out["rows"][str(e["tid"])] = e["args"]["name"]
     elif ph == "X":
         key = str(e["pid"]) + "/" + str(e["tid"]) + "/" + e["name"]
         out["events"][key] = out["events"].get(key, 0) + 1
+        row = str(e["tid"]) + "/" + e["name"]
+        out["row_events"][row] = out["row_events"].get(row, 0) + 1
     if "bind_id" in e:
         f = out["flows"].setdefault(e.get("cat", ""), {"out": [], "in": []})
         if e.get("flow_out"):
@@ -77,4 +91,29 @@ pub fn trace_viewer_summary(python: &Path, xplane: &Path) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&conv.stdout);
     serde_json::from_str(stdout.lines().last().unwrap_or_default())
         .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"))
+}
+
+/// Checks that XProf shows the `sched_workload` fixture's threads in
+/// `xplane`, with the burner running and the sleeper's 10 ms blocks (the
+/// capture is at least a second long).
+pub fn assert_shows_sched_workload(
+    python: &Path,
+    xplane: &Path,
+    workload: &crate::fixture::SchedWorkload,
+) {
+    let json = trace_viewer_summary(python, xplane);
+    for name in ["cpu-burner", "sleeper-10ms", "ping", "pong"] {
+        let tid = workload.tid(name).to_string();
+        let shown = json["rows"][&tid]
+            .as_str()
+            .unwrap_or_else(|| panic!("no row for {name}: {json}"));
+        assert!(shown.starts_with(name), "row {shown:?} for {name}");
+    }
+    let count = |thread: &str, event: &str| {
+        json["row_events"][format!("{}/{event}", workload.tid(thread))]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    assert!(count("cpu-burner", "Running") >= 1, "{json}");
+    assert!(count("sleeper-10ms", "Blocked") >= 50, "{json}");
 }

@@ -4,39 +4,15 @@
 //! what they wrote.
 
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Output, Stdio},
     time::Duration,
 };
 
 use ebtrace_tests::{
     TempDir, fixture::SchedWorkload, require_root, serial, serve::ServeProcess, wait_with_deadline,
-    xplane_files,
+    xplane_files, xprof,
 };
-
-/// The Python that can import `modules`, or `None` to skip (unless
-/// `EBTRACE_REQUIRE_INTEROP=1`, where a skip is a failure).
-fn python_with(modules: &[&str]) -> Option<PathBuf> {
-    let required = std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() == Ok("1");
-    let python = std::env::var_os("EBTRACE_PYTHON").map(PathBuf::from);
-    let import = format!("import {}", modules.join(", "));
-    let ok = python.as_ref().is_some_and(|p| {
-        Command::new(p)
-            .args(["-c", &import])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    match (ok, required) {
-        (true, _) => python,
-        (false, true) => {
-            panic!("EBTRACE_PYTHON={python:?} cannot `{import}` (run `cargo xtask setup`)")
-        }
-        (false, false) => {
-            eprintln!("skipping: set EBTRACE_PYTHON to a Python that can `{import}`");
-            None
-        }
-    }
-}
 
 /// Runs a Python command with a deadline, stdout and stderr captured.
 fn run_python(python: &Path, args: &[&str], deadline: Duration) -> Output {
@@ -50,66 +26,13 @@ fn run_python(python: &Path, args: &[&str], deadline: Duration) -> Output {
     wait_with_deadline(child, deadline)
 }
 
-/// XProf's trace-viewer conversion of an `.xplane.pb`: thread rows by tid
-/// and event counts by "tid/name".
-const CONVERT: &str = r#"
-import json, shutil, sys, tempfile, os
-from xprof.convert import raw_to_tool_data as r
-# xprof writes side files next to its input: convert a copy.
-d = tempfile.mkdtemp()
-src = os.path.join(d, os.path.basename(sys.argv[1]))
-shutil.copy(sys.argv[1], src)
-data, _ = r.xspace_to_tool_data([src], "trace_viewer@", {})
-shutil.rmtree(d)
-j = json.loads(data)
-out = {"threads": {}, "events": {}}
-for e in j["traceEvents"]:
-    if e.get("ph") == "M" and e.get("name") == "thread_name":
-        out["threads"][str(e["tid"])] = e["args"]["name"]
-    elif e.get("ph") == "X":
-        key = str(e["tid"]) + "/" + e["name"]
-        out["events"][key] = out["events"].get(key, 0) + 1
-print(json.dumps(out))
-"#;
-
-/// Checks that XProf shows the fixture's threads in `file`.
-fn assert_xprof_shows_the_fixture(python: &Path, file: &Path, workload: &SchedWorkload) {
-    let conv = run_python(
-        python,
-        &["-c", CONVERT, file.to_str().unwrap()],
-        Duration::from_secs(120),
-    );
-    assert!(
-        conv.status.success(),
-        "xprof failed: {}",
-        String::from_utf8_lossy(&conv.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&conv.stdout);
-    let json: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap())
-        .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"));
-    for name in ["cpu-burner", "sleeper-10ms", "ping", "pong"] {
-        let tid = workload.tid(name).to_string();
-        let shown = json["threads"][&tid]
-            .as_str()
-            .unwrap_or_else(|| panic!("no row for {name}: {json}"));
-        assert!(shown.starts_with(name), "row {shown:?} for {name}");
-    }
-    let count = |thread: &str, event: &str| {
-        json["events"][format!("{}/{event}", workload.tid(thread))]
-            .as_u64()
-            .unwrap_or(0)
-    };
-    assert!(count("cpu-burner", "Running") >= 1, "{json}");
-    // 10 ms sleeps over a one-second capture.
-    assert!(count("sleeper-10ms", "Blocked") >= 50, "{json}");
-}
-
 #[test]
 fn jax_collect_profile_captures_an_unmodified_process() {
     if !require_root("jax_collect_profile_captures_an_unmodified_process") {
         return;
     }
-    let Some(python) = python_with(&["jax.collect_profile", "xprof.convert.raw_to_tool_data"])
+    let Some(python) =
+        xprof::python_with(&["jax.collect_profile", "xprof.convert.raw_to_tool_data"])
     else {
         return;
     };
@@ -153,7 +76,7 @@ fn jax_collect_profile_captures_an_unmodified_process() {
     );
     // jax read the file back and converted it itself.
     assert!(run.join("remote.trace.json.gz").exists());
-    assert_xprof_shows_the_fixture(&python, file, &workload);
+    xprof::assert_shows_sched_workload(&python, file, &workload);
     assert_eq!(server.count_lines("ebtrace: session "), 1);
 }
 
@@ -179,7 +102,7 @@ fn xprof_capture_button_captures_and_retries_on_empty_traces() {
     if !require_root("xprof_capture_button_captures_and_retries_on_empty_traces") {
         return;
     }
-    let Some(python) = python_with(&[
+    let Some(python) = xprof::python_with(&[
         "xprof.convert._pywrap_profiler_plugin",
         "xprof.convert.raw_to_tool_data",
     ]) else {
@@ -217,7 +140,7 @@ fn xprof_capture_button_captures_and_retries_on_empty_traces() {
         files[0].file_name().unwrap().to_str().unwrap(),
         format!("localhost_{}.xplane.pb", server.port())
     );
-    assert_xprof_shows_the_fixture(&python, &files[0], &workload);
+    xprof::assert_shows_sched_workload(&python, &files[0], &workload);
 
     // host_tracer_level 0: no probe runs, every answer is an empty trace,
     // and the client retries each of its attempts, then gives up with
