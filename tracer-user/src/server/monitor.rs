@@ -1,6 +1,7 @@
 //! `Monitor`: a human-readable summary of the watched processes over a
 //! window, from `/proc` read at both ends of it (no probes attached). What
-//! ebtrace has no source for yet is written as n/a, never as zero.
+//! needs probes (driver calls, TraceMe events) is written as n/a, never as
+//! zero.
 
 use std::{fmt::Write as _, time::Duration};
 
@@ -50,8 +51,8 @@ pub fn render(samples: &[Sample], window: Duration, header: Option<String>) -> S
             out,
             "pid {} ({}): {} threads\n  CPU use: {cpu:.1}% of one core\n  context switches: \
              {:.0}/s ({vol:.0}/s voluntary, {invol:.0}/s involuntary; live threads)\n  \
-             kernel launches: n/a (ebtrace has no CUDA probes yet)\n  \
-             TraceMe events: n/a (ebtrace has no TraceMe probes yet)",
+             kernel launches: n/a (Monitor reads /proc only; a Profile capture has them)\n  \
+             TraceMe events: n/a (Monitor reads /proc only; a Profile capture has them)",
             s.pid,
             s.name,
             a.threads,
