@@ -79,7 +79,7 @@ pub struct RecordArgs {
 
     /// Switch TraceMe recording off again after this many events. The
     /// target's recorder keeps every event it records in memory until a
-    /// profiler session of its own drains it (about 90 bytes each).
+    /// profiler session of its own drains it (jaxlib: about 140 bytes each).
     #[arg(long, value_name = "N", default_value_t = 1_000_000,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_events: u64,

@@ -130,11 +130,25 @@ fn read_traceme(bytes: &[u8], claimed: usize) -> Result<TraceMeEvent, DecodeErro
             got: bytes.len(),
         });
     }
-    let mut buf = [0u8; size_of::<TraceMeRecord>()];
-    buf[..claimed].copy_from_slice(&bytes[..claimed]);
-    // SAFETY: the buffer has the record's size; T is plain #[repr(C)] data.
-    let rec: TraceMeRecord = unsafe { std::ptr::read_unaligned(buf.as_ptr().cast()) };
-    let copied = usize::from(rec.copied);
+    // Only the fixed part is copied out; the name is read in place.
+    let mut fixed = std::mem::MaybeUninit::<TraceMeRecord>::uninit();
+    let p = fixed.as_mut_ptr();
+    // SAFETY: `bytes` holds at least TRACEME_PREFIX bytes, which cover every
+    // field before `name`; only those fields are read, through raw pointers.
+    let (header, tid, tgid, site, start_time, end_time, name_len, copied, flags) = unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.cast::<u8>(), TRACEME_PREFIX);
+        (
+            (&raw const (*p).header).read(),
+            (&raw const (*p).tid).read(),
+            (&raw const (*p).tgid).read(),
+            (&raw const (*p).site).read(),
+            (&raw const (*p).start_time).read(),
+            (&raw const (*p).end_time).read(),
+            (&raw const (*p).name_len).read(),
+            usize::from((&raw const (*p).copied).read()),
+            (&raw const (*p).flags).read(),
+        )
+    };
     if traceme_record_size(copied) != claimed {
         return Err(DecodeError::Size {
             kind,
@@ -143,17 +157,17 @@ fn read_traceme(bytes: &[u8], claimed: usize) -> Result<TraceMeEvent, DecodeErro
             got: bytes.len(),
         });
     }
-    let name_unreadable = rec.flags & FLAG_NAME_UNREADABLE != 0;
+    let name_unreadable = flags & FLAG_NAME_UNREADABLE != 0;
     Ok(TraceMeEvent {
-        header: rec.header,
-        tid: rec.tid,
-        tgid: rec.tgid,
-        site: rec.site,
-        start_time: rec.start_time,
-        end_time: rec.end_time,
-        name: String::from_utf8_lossy(&rec.name[..copied]).into_owned(),
-        truncated: !name_unreadable && rec.name_len as usize > copied,
-        name_len: rec.name_len,
+        header,
+        tid,
+        tgid,
+        site,
+        start_time,
+        end_time,
+        name: String::from_utf8_lossy(&bytes[TRACEME_PREFIX..TRACEME_PREFIX + copied]).into_owned(),
+        truncated: !name_unreadable && name_len as usize > copied,
+        name_len,
         name_unreadable,
     })
 }

@@ -23,8 +23,9 @@ use crate::util::{self, Workload, median, say, signal};
 
 /// Seconds each fixture run lets the target run.
 const RUN_SECONDS: f64 = 2.0;
-/// Seconds of the jax control and traced windows.
-const JAX_SECONDS: u64 = 5;
+/// Seconds of each jax measurement window, and rounds of them.
+const JAX_SECONDS: u64 = 3;
+const JAX_ROUNDS: usize = 3;
 const RECORD_SYMBOL: &str = "_ZN3tsl8profiler15TraceMeRecorder6RecordEONS1_5EventE";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +75,9 @@ struct EbtraceRun {
 struct Run {
     config: Config,
     traceme_per_s: f64,
+    /// On-CPU ns of the target thread per TraceMe (the uprobe's kernel
+    /// time included): unlike the rate, hardly moved by other load.
+    cpu_ns_per_traceme: f64,
     /// Seconds the target ran (traced, for a traced run).
     run_s: f64,
     /// Events the fixture's recorder queued, and its RSS at the end.
@@ -83,13 +87,40 @@ struct Run {
     bpftrace_records: Option<u64>,
 }
 
-/// The jax measurement: step rates and the memory jaxlib's recorder keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum JaxConfig {
+    Untraced,
+    Ebtrace,
+    InProcess,
+}
+
+impl JaxConfig {
+    const ALL: [JaxConfig; 3] = [
+        JaxConfig::Untraced,
+        JaxConfig::Ebtrace,
+        JaxConfig::InProcess,
+    ];
+
+    fn describe(self) -> &'static str {
+        match self {
+            JaxConfig::Untraced => "untraced",
+            JaxConfig::Ebtrace => "ebtrace capture (level 2 switched on from outside)",
+            JaxConfig::InProcess => {
+                "jax's own profiler session (`jax.profiler.start_trace`, host tracer level 2, \
+                 no Python tracer)"
+            }
+        }
+    }
+}
+
+/// The jax measurement: windows of (configuration, steps/s, CPU ns per
+/// step), and the memory jaxlib's recorder keeps.
 #[derive(Clone, Debug)]
 struct JaxRun {
-    steps_per_s_untraced: f64,
-    steps_per_s_traced: f64,
-    steps_per_s_in_process: f64,
+    windows: Vec<(JaxConfig, f64, f64)>,
+    /// Events of the first ebtrace capture, and per step.
     events: u64,
+    events_per_step: f64,
     rss_control_kib: i64,
     rss_traced_kib: i64,
     discovery_line: String,
@@ -160,10 +191,11 @@ pub fn run_traceme_bench(
             let config = Config::ALL[(round + i) % Config::ALL.len()];
             let run = bench.run(config)?;
             say(format!(
-                "traceme round {}/{rounds} {:<10} {:>12} TraceMe/s",
+                "traceme round {}/{rounds} {:<10} {:>12} TraceMe/s, {:>7.1} CPU ns per TraceMe",
                 round + 1,
                 config.label(),
-                thousands(run.traceme_per_s)
+                thousands(run.traceme_per_s),
+                run.cpu_ns_per_traceme
             ));
             runs.push((round, run));
         }
@@ -271,9 +303,11 @@ impl Bench {
         let events = counters["burst_events"].as_f64().context("burst_events")?;
         let elapsed_s = counters["elapsed_s"].as_f64().context("elapsed_s")?;
         let run_s = (elapsed_s - paused_s).max(1e-3);
+        let cpu_s = counters["worker_cpu_s"].as_f64().context("worker_cpu_s")?;
         let mut run = Run {
             config,
             traceme_per_s: events / run_s,
+            cpu_ns_per_traceme: cpu_s * 1e9 / events.max(1.0),
             run_s,
             queued: counters["queued"]["gcc"].as_u64().unwrap_or(0),
             vm_rss_kib: counters["vm_rss_kib"].as_u64().unwrap_or(0),
@@ -292,21 +326,28 @@ impl Bench {
                 let _ = std::fs::remove_dir_all(&logdir);
             }
             (Config::Bpftrace, Some(t)) => {
+                // Its count is a cross-check only: a bpftrace that does not
+                // exit (seen once in a loaded VM) does not void the run.
                 signal(t.pid(), libc::SIGINT);
-                t.wait_exit(Duration::from_secs(60))?;
-                run.bpftrace_records = t
-                    .lines()
-                    .iter()
-                    .find_map(|l| l.strip_prefix("@records: ")?.trim().parse().ok());
+                match t.wait_exit(Duration::from_secs(60)) {
+                    Ok(_) => {
+                        run.bpftrace_records = t
+                            .lines()
+                            .iter()
+                            .find_map(|l| l.strip_prefix("@records: ")?.trim().parse().ok());
+                    }
+                    Err(e) => say(format!("warning: {e:#}")),
+                }
             }
             _ => {}
         }
         Ok(run)
     }
 
-    /// jaxlib: step rate untraced and under ebtrace, and the memory its
-    /// recorder keeps for the events ebtrace made it record. Skipped
-    /// without jax in `.venv` (`cargo xtask setup` installs it).
+    /// jaxlib: cost per step untraced, under ebtrace and in jax's own
+    /// profiler session, and the memory its recorder keeps for the events
+    /// ebtrace made it record. Skipped without jax in `.venv` (`cargo xtask
+    /// setup` installs it).
     fn jax(&self, root: &Path) -> Result<Option<JaxRun>> {
         let python = root.join(".venv/bin/python");
         if !util::succeeds(Command::new(&python).args(["-c", "import jax"])) {
@@ -355,92 +396,139 @@ impl Bench {
                 })
                 .context("VmRSS")
         };
-        // Progress lines: (steps, monotonic time); the rate between two.
-        let mut last: Option<(f64, f64)> = None;
-        let rate_until = |deadline: Instant, last: &mut Option<(f64, f64)>| -> f64 {
-            let mut from: Option<(f64, f64)> = *last;
-            let mut to = from;
+        // Between the first and the last progress line of a window: steps
+        // per second, and on-CPU time of all its threads per step.
+        let window = |length: Duration| -> (f64, f64) {
+            let deadline = Instant::now() + length;
+            let mut first: Option<(f64, f64, u64)> = None;
+            let mut last = first;
             while Instant::now() < deadline {
                 if let Ok(v) = rx.recv_timeout(Duration::from_millis(100))
                     && let (Some(s), Some(t)) = (v["steps"].as_f64(), v["time"].as_f64())
                 {
-                    from.get_or_insert((s, t));
-                    to = Some((s, t));
+                    let cpu = process_cpu_ns(pid);
+                    first.get_or_insert((s, t, cpu));
+                    last = Some((s, t, cpu));
                 }
             }
-            *last = to;
-            match (from, to) {
-                (Some(a), Some(b)) if b.1 > a.1 => (b.0 - a.0) / (b.1 - a.1),
-                _ => 0.0,
+            match (first, last) {
+                (Some(a), Some(b)) if b.0 > a.0 && b.1 > a.1 => {
+                    ((b.0 - a.0) / (b.1 - a.1), (b.2 - a.2) as f64 / (b.0 - a.0))
+                }
+                _ => (0.0, 0.0),
             }
         };
-        // Let it settle, then a control window, then a traced one.
-        rate_until(Instant::now() + Duration::from_secs(2), &mut last);
-        let rss0 = rss()?;
-        let untraced = rate_until(Instant::now() + Duration::from_secs(JAX_SECONDS), &mut last);
-        let rss1 = rss()?;
-        let logdir = self.scratch.join("jax-logs");
-        let mut ebtrace = Traced::spawn({
-            let mut c = Command::new(&self.ebtrace);
-            c.args([
-                "--pid",
-                &pid.to_string(),
-                "--duration",
-                &format!("{JAX_SECONDS}s"),
-            ])
-            .args(["--max-events", "100000000", "--logdir"])
-            .arg(&logdir);
-            c
-        })?;
-        let discovery_line = ebtrace
-            .wait_line(
-                |l| l.contains("TraceMe recorder in"),
-                Duration::from_secs(60),
-            )?
-            .trim_start_matches("ebtrace: ")
-            .to_string();
-        let attach = ebtrace
-            .lines()
-            .iter()
-            .find_map(|l| {
-                Some(
-                    l.split("probes attached in ")
-                        .nth(1)?
-                        .split(')')
-                        .next()?
-                        .to_string(),
-                )
-            })
-            .unwrap_or_default();
-        let traced = rate_until(Instant::now() + Duration::from_secs(JAX_SECONDS), &mut last);
-        ebtrace.wait_exit(Duration::from_secs(300))?;
-        let rss2 = rss()?;
-        let events = traceme_events(ebtrace.lines()).context("no TraceMe summary line")?;
-        // jax's own profiler session, recording the same (host tracer
-        // level 2, no Python tracer), for comparison.
-        signal(pid, libc::SIGUSR1);
-        rate_until(Instant::now() + Duration::from_millis(500), &mut last);
-        let in_process = rate_until(Instant::now() + Duration::from_secs(JAX_SECONDS), &mut last);
-        signal(pid, libc::SIGUSR2);
-        rate_until(Instant::now() + Duration::from_secs(2), &mut last);
+        // Waits for the workload's {"session": state} line.
+        let session = |state: &str| -> Result<()> {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while Instant::now() < deadline {
+                if let Ok(v) = rx.recv_timeout(Duration::from_millis(100))
+                    && v["session"].as_str() == Some(state)
+                {
+                    return Ok(());
+                }
+            }
+            bail!("the jax workload's profiler session never {state}")
+        };
+        let length = Duration::from_secs(JAX_SECONDS);
+        window(Duration::from_secs(2));
+        let mut windows = Vec::new();
+        let mut memory = None;
+        let mut discovery_line = String::new();
+        let mut attach = String::new();
+        for round in 0..JAX_ROUNDS {
+            let rss0 = rss()?;
+            let (rate, cpu) = window(length);
+            windows.push((JaxConfig::Untraced, rate, cpu));
+            let rss1 = rss()?;
+
+            let logdir = self.scratch.join("jax-logs");
+            let mut ebtrace = Traced::spawn({
+                let mut c = Command::new(&self.ebtrace);
+                c.args(["--pid", &pid.to_string()])
+                    .args(["--duration", &format!("{}s", JAX_SECONDS + 1)])
+                    .args(["--max-events", "100000000", "--logdir"])
+                    .arg(&logdir);
+                c
+            })?;
+            discovery_line = ebtrace
+                .wait_line(
+                    |l| l.contains("TraceMe recorder in"),
+                    Duration::from_secs(60),
+                )?
+                .trim_start_matches("ebtrace: ")
+                .to_string();
+            attach = ebtrace
+                .lines()
+                .iter()
+                .find_map(|l| {
+                    Some(
+                        l.split("probes attached in ")
+                            .nth(1)?
+                            .split(')')
+                            .next()?
+                            .to_string(),
+                    )
+                })
+                .unwrap_or_default();
+            let (rate, cpu) = window(length);
+            windows.push((JaxConfig::Ebtrace, rate, cpu));
+            ebtrace.wait_exit(Duration::from_secs(300))?;
+            let events = traceme_events(ebtrace.lines()).context("no TraceMe summary line")?;
+            let _ = std::fs::remove_dir_all(&logdir);
+            if events == 0 {
+                bail!("ebtrace recorded no TraceMe events from jax");
+            }
+            if round == 0 {
+                // Before an in-process session drains the recorder.
+                memory = Some((rss1 - rss0, rss()? - rss1, events, rate));
+            }
+
+            // jax's own profiler session, recording the same (host tracer
+            // level 2, no Python tracer).
+            signal(pid, libc::SIGUSR1);
+            session("started")?;
+            window(Duration::from_millis(500));
+            let (rate, cpu) = window(length);
+            windows.push((JaxConfig::InProcess, rate, cpu));
+            // Stopping writes the session's trace, which takes a while.
+            signal(pid, libc::SIGUSR2);
+            session("stopped")?;
+            window(Duration::from_secs(1));
+        }
         signal(pid, libc::SIGTERM);
         let _ = child.wait();
         let _ = reader.join();
-        let _ = std::fs::remove_dir_all(&logdir);
-        if events == 0 {
-            bail!("ebtrace recorded no TraceMe events from jax");
-        }
+        let (rss_control_kib, rss_traced_kib, events, traced_rate) =
+            memory.context("no ebtrace window")?;
         Ok(Some(JaxRun {
-            steps_per_s_untraced: untraced,
-            steps_per_s_traced: traced,
-            steps_per_s_in_process: in_process,
+            windows,
             events,
-            rss_control_kib: rss1 - rss0,
-            rss_traced_kib: rss2 - rss1,
+            events_per_step: events as f64 / (traced_rate * JAX_SECONDS as f64).max(1.0),
+            rss_control_kib,
+            rss_traced_kib,
             discovery_line,
             attach,
         }))
     }
+}
+
+/// On-CPU time of all threads of `pid` so far (`/proc/PID/task/*/schedstat`).
+fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }
 
 fn render(
@@ -475,33 +563,38 @@ fn render(
     let _ = writeln!(md, "\n#### a. Cost per TraceMe\n");
     let _ = writeln!(
         md,
-        "| configuration | TraceMe/s (median) | each round | ns per TraceMe | added to in-process |"
+        "CPU time of the target thread per TraceMe (kernel time of a probe hit included), median \
+         of the rounds, and the wall-clock rate. The CPU time is what to compare: the rate also \
+         moves with other load on the machine.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| configuration | CPU ns per TraceMe | each round | added to in-process | TraceMe/s (wall, median) |"
     );
     let _ = writeln!(md, "|---|---:|---|---:|---:|");
-    let rate = |c: Config| -> Vec<f64> {
+    let of = |c: Config, f: fn(&Run) -> f64| -> Vec<f64> {
         runs.iter()
             .filter(|(_, r)| r.config == c)
-            .map(|(_, r)| r.traceme_per_s)
+            .map(|(_, r)| f(r))
             .collect()
     };
-    let in_process_ns = 1e9 / median(&rate(Config::InProcess));
+    let in_process_ns = median(&of(Config::InProcess, |r| r.cpu_ns_per_traceme));
     for c in Config::ALL {
-        let rates = rate(c);
-        let m = median(&rates);
-        let ns = 1e9 / m;
+        let cpu = of(c, |r| r.cpu_ns_per_traceme);
+        let m = median(&cpu);
         let added = if matches!(c, Config::Ebtrace | Config::Bpftrace) {
-            format!("{:+.0} ns", ns - in_process_ns)
+            format!("{:+.0} ns", m - in_process_ns)
         } else {
-            "".to_string()
+            String::new()
         };
-        let each: Vec<String> = rates.iter().map(|r| thousands(*r)).collect();
+        let each: Vec<String> = cpu.iter().map(|v| format!("{v:.0}")).collect();
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {:.1} | {added} |",
+            "| {} | {:.1} | {} | {added} | {} |",
             c.describe(),
-            thousands(m),
+            m,
             each.join(" / "),
-            ns
+            thousands(median(&of(c, |r| r.traceme_per_s)))
         );
     }
     let _ = writeln!(md, "\n#### b. Events ebtrace recorded\n");
@@ -583,20 +676,41 @@ fn render(
                 net / j.events as f64
             );
             let _ = writeln!(md, "\n#### d. jaxlib under ebtrace\n");
-            let ratio = |r: f64| r / j.steps_per_s_untraced.max(1e-9);
             let _ = writeln!(
                 md,
-                "- steps/s ({JAX_SECONDS} s windows, one after the other): untraced {:.0}; during \
-                 the ebtrace capture {:.0} ({:.2}x; {:.0} TraceMe events per step); in jax's own \
-                 profiler session (`jax.profiler.start_trace`, host tracer level 2, no Python \
-                 tracer) {:.0} ({:.2}x)",
-                j.steps_per_s_untraced,
-                j.steps_per_s_traced,
-                ratio(j.steps_per_s_traced),
-                j.events as f64 / (j.steps_per_s_traced * JAX_SECONDS as f64).max(1.0),
-                j.steps_per_s_in_process,
-                ratio(j.steps_per_s_in_process)
+                "{JAX_ROUNDS} rounds of {JAX_SECONDS} s windows (untraced, ebtrace, jax's own \
+                 session) of `jax_workload.py --bench`; on-CPU time of all the process's threads \
+                 per step, and steps per second (wall). ebtrace recorded {:.0} TraceMe events per \
+                 step.\n",
+                j.events_per_step
             );
+            let _ = writeln!(
+                md,
+                "| configuration | CPU µs per step (median) | each round | vs untraced | steps/s (median) |"
+            );
+            let _ = writeln!(md, "|---|---:|---|---:|---:|");
+            let of = |c: JaxConfig, cpu: bool| -> Vec<f64> {
+                j.windows
+                    .iter()
+                    .filter(|w| w.0 == c)
+                    .map(|w| if cpu { w.2 / 1e3 } else { w.1 })
+                    .collect()
+            };
+            let base = median(&of(JaxConfig::Untraced, true));
+            for c in JaxConfig::ALL {
+                let cpu = of(c, true);
+                let each: Vec<String> = cpu.iter().map(|v| format!("{v:.1}")).collect();
+                let _ = writeln!(
+                    md,
+                    "| {} | {:.1} | {} | {:.2}x | {:.0} |",
+                    c.describe(),
+                    median(&cpu),
+                    each.join(" / "),
+                    median(&cpu) / base.max(1e-9),
+                    median(&of(c, false))
+                );
+            }
+            let _ = writeln!(md);
             let _ = writeln!(md, "- ebtrace: `{}`", j.discovery_line);
             let _ = writeln!(
                 md,

@@ -164,6 +164,30 @@ impl Marker {
     }
 }
 
+/// Removes the markers of processes that no longer exist (a target that
+/// exited while a killed ebtrace's level was on leaves one behind).
+fn prune_markers(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("traceme-")) else {
+            continue;
+        };
+        let mut fields = rest.split('-');
+        let (Some(pid), Some(started)) = (
+            fields.next().and_then(|p| p.parse::<u32>().ok()),
+            fields.next().and_then(|s| s.parse::<u64>().ok()),
+        ) else {
+            continue;
+        };
+        if start_time_ticks(pid) != Some(started) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// Creates `path` holding `marker`; false if it already exists.
 fn create_marker(path: &Path, marker: &Marker) -> io::Result<bool> {
     if let Some(dir) = path.parent() {
@@ -236,6 +260,7 @@ impl TraceLevelSwitch {
     }
 
     fn try_engage(&mut self, level: i32) -> io::Result<LevelState> {
+        prune_markers(&self.marker_dir);
         let current = read_level(self.pid, self.address)?;
         let path = self.marker_path()?;
         let mine = Marker::mine(level)
@@ -346,6 +371,26 @@ mod tests {
         let d = std::env::temp_dir().join(format!("ebtrace-level-{tag}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn markers_of_gone_processes_are_pruned() {
+        let dir = marker_dir("prune");
+        fs::create_dir_all(&dir).unwrap();
+        let me = std::process::id();
+        let live = dir.join(format!(
+            "traceme-{me}-{}-1000",
+            start_time_ticks(me).unwrap()
+        ));
+        let reused_pid = dir.join(format!("traceme-{me}-1-1000"));
+        let other = dir.join("unrelated");
+        for p in [&live, &reused_pid, &other] {
+            fs::write(p, "x").unwrap();
+        }
+        prune_markers(&dir);
+        assert!(live.exists() && other.exists());
+        assert!(!reused_pid.exists());
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
