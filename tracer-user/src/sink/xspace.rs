@@ -135,6 +135,45 @@ impl XPlaneBuilder {
         }
     }
 
+    /// A string stat as `ref_value`, without allocating once both names are
+    /// interned (the hot path: one or more per scheduling event).
+    pub fn stat_ref(&mut self, name: &str, value: &str) -> XStat {
+        XStat {
+            metadata_id: self.stat_metadata(name),
+            value: Some(x_stat::Value::RefValue(self.stat_metadata(value) as u64)),
+        }
+    }
+
+    pub fn stat_i64(&mut self, name: &str, value: i64) -> XStat {
+        XStat {
+            metadata_id: self.stat_metadata(name),
+            value: Some(x_stat::Value::Int64Value(value)),
+        }
+    }
+
+    pub fn stat_u64(&mut self, name: &str, value: u64) -> XStat {
+        XStat {
+            metadata_id: self.stat_metadata(name),
+            value: Some(x_stat::Value::Uint64Value(value)),
+        }
+    }
+
+    /// An event whose stats are already built.
+    pub fn event_with_stats(
+        &mut self,
+        name: &str,
+        offset_ps: i64,
+        duration_ps: i64,
+        stats: Vec<XStat>,
+    ) -> XEvent {
+        XEvent {
+            metadata_id: self.event_metadata(name),
+            duration_ps,
+            stats,
+            data: Some(x_event::Data::OffsetPs(offset_ps)),
+        }
+    }
+
     pub fn add_plane_stat(&mut self, name: &str, value: StatValue) {
         let stat = self.stat(name, value);
         self.plane.stats.push(stat);
@@ -213,36 +252,29 @@ fn state_event_name(state: &ThreadState) -> &'static str {
     }
 }
 
-fn state_stats(state: &ThreadState) -> Vec<(&'static str, StatValue)> {
+fn state_stats(plane: &mut XPlaneBuilder, state: &ThreadState) -> Vec<XStat> {
     match *state {
-        ThreadState::Running { cpu } => vec![("cpu", StatValue::I64(cpu.into()))],
+        ThreadState::Running { cpu } => vec![plane.stat_i64("cpu", cpu.into())],
         ThreadState::Runnable { cause } => match cause {
             RunnableCause::Woken {
                 waker_tid,
                 waker_pid,
                 flow_id,
             } => vec![
-                ("cause", StatValue::Str("woken".into())),
-                ("waker_tid", StatValue::I64(waker_tid.into())),
-                ("waker_pid", StatValue::I64(waker_pid.into())),
-                (
-                    "flow",
-                    StatValue::U64(flow_stat_value(flow_id, FlowDirection::In)),
-                ),
+                plane.stat_ref("cause", "woken"),
+                plane.stat_i64("waker_tid", waker_tid.into()),
+                plane.stat_i64("waker_pid", waker_pid.into()),
+                plane.stat_u64("flow", flow_stat_value(flow_id, FlowDirection::In)),
             ],
-            RunnableCause::Preempted => vec![("cause", StatValue::Str("preempted".into()))],
-            RunnableCause::Yielded => vec![("cause", StatValue::Str("yielded".into()))],
-            RunnableCause::Created => vec![("cause", StatValue::Str("new thread".into()))],
-            RunnableCause::AtStart => {
-                vec![("cause", StatValue::Str("runnable at capture start".into()))]
-            }
+            RunnableCause::Preempted => vec![plane.stat_ref("cause", "preempted")],
+            RunnableCause::Yielded => vec![plane.stat_ref("cause", "yielded")],
+            RunnableCause::Created => vec![plane.stat_ref("cause", "new thread")],
+            RunnableCause::AtStart => vec![plane.stat_ref("cause", "runnable at capture start")],
         },
-        ThreadState::Blocked { state } => {
-            vec![("prev_state", StatValue::Str(state.describe().into()))]
-        }
-        ThreadState::Unknown => vec![(
+        ThreadState::Blocked { state } => vec![plane.stat_ref("prev_state", state.describe())],
+        ThreadState::Unknown => vec![plane.stat_ref(
             "reason",
-            StatValue::Str("the kernel reported no scheduler event for this interval".into()),
+            "the kernel reported no scheduler event for this interval",
         )],
     }
 }
@@ -279,14 +311,16 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
         edges.sort_unstable();
         edges.dedup();
         for s in &t.slices {
+            let name = state_event_name(&s.state);
+            if edges.is_empty() {
+                let stats = state_stats(&mut host, &s.state);
+                let (from, to) = (ps(s.start_ns), ps(s.end_ns));
+                events.push(host.event_with_stats(name, from, to - from, stats));
+                continue;
+            }
             for (from, to) in split_at(s.start_ns, s.end_ns, &edges) {
-                let stats = state_stats(&s.state);
-                events.push(host.event(
-                    state_event_name(&s.state),
-                    ps(from),
-                    ps(to) - ps(from),
-                    stats,
-                ));
+                let stats = state_stats(&mut host, &s.state);
+                events.push(host.event_with_stats(name, ps(from), ps(to) - ps(from), stats));
             }
         }
         for span in &t.spans {
@@ -307,24 +341,21 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
                 MarkKind::Wakeup { tid, pid, flow_id } => (
                     "Wakeup",
                     vec![
-                        ("woken_tid", StatValue::I64(tid.into())),
-                        ("woken_pid", StatValue::I64(pid.into())),
-                        (
-                            "flow",
-                            StatValue::U64(flow_stat_value(flow_id, FlowDirection::Out)),
-                        ),
+                        host.stat_i64("woken_tid", tid.into()),
+                        host.stat_i64("woken_pid", pid.into()),
+                        host.stat_u64("flow", flow_stat_value(flow_id, FlowDirection::Out)),
                     ],
                 ),
                 MarkKind::ThreadCreated { tid } => {
-                    ("Thread created", vec![("tid", StatValue::I64(tid.into()))])
+                    ("Thread created", vec![host.stat_i64("tid", tid.into())])
                 }
                 MarkKind::ProcessForked { pid } => (
                     "Process forked",
-                    vec![("child_pid", StatValue::I64(pid.into()))],
+                    vec![host.stat_i64("child_pid", pid.into())],
                 ),
                 MarkKind::Exited => ("Thread exit", vec![]),
             };
-            events.push(host.event(name, ps(m.ts_ns), 0, stats));
+            events.push(host.event_with_stats(name, ps(m.ts_ns), 0, stats));
         }
         let process = timeline
             .processes
@@ -338,19 +369,17 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
         let events = slices
             .iter()
             .map(|s| {
-                let name = timeline
-                    .threads
-                    .get(&s.tid)
-                    .map_or_else(|| format!("thread {}", s.tid), |t| t.name.clone());
-                host.event(
-                    &name,
-                    ps(s.start_ns),
-                    ps(s.end_ns) - ps(s.start_ns),
-                    vec![
-                        ("tid", StatValue::I64(s.tid.into())),
-                        ("pid", StatValue::I64(s.pid.into())),
-                    ],
-                )
+                let stats = vec![
+                    host.stat_i64("tid", s.tid.into()),
+                    host.stat_i64("pid", s.pid.into()),
+                ];
+                let (from, to) = (ps(s.start_ns), ps(s.end_ns));
+                match timeline.threads.get(&s.tid) {
+                    Some(t) => host.event_with_stats(&t.name, from, to - from, stats),
+                    None => {
+                        host.event_with_stats(&format!("thread {}", s.tid), from, to - from, stats)
+                    }
+                }
             })
             .collect();
         let name = format!("CPU {cpu}");
