@@ -22,8 +22,8 @@ use crate::{
     error::{Error, Result},
     procfs::{self, TargetProcess},
     timeline::{
-        CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder, Timeline,
-        add_traceme_spans,
+        CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
+        Timeline, add_traceme_spans, nest_spans,
     },
 };
 
@@ -358,6 +358,17 @@ impl Capture {
         }
         cuda.finish().add_to(&mut timeline);
         self.add_traceme(&mut timeline);
+        let cut: u64 = timeline
+            .threads
+            .values_mut()
+            .map(|t| nest_spans(&mut t.spans))
+            .sum();
+        if cut > 0 {
+            timeline.stats.notes.push(format!(
+                "{cut} spans from different sources overlapped and were cut to nest \
+                 (stat {CLIPPED_STAT})"
+            ));
+        }
         timeline
     }
 

@@ -178,6 +178,37 @@ pub struct Span {
     pub stats: Vec<(String, Value)>,
 }
 
+/// Stat on a span that had to be shortened to nest: the ns cut off.
+pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
+
+/// Makes one thread's spans nest, whatever sources they came from: sorted
+/// by start (longest first), a span that outlives the span enclosing its
+/// start is cut at that span's end and says so in [`CLIPPED_STAT`]. Each
+/// source nests its own spans first; this pass only catches overlaps
+/// between sources (e.g. a driver call and a TraceMe whose clocks differ by
+/// a microsecond). Returns how many spans were cut.
+pub fn nest_spans(spans: &mut [Span]) -> u64 {
+    spans.sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
+    let mut open: Vec<u64> = Vec::new();
+    let mut cut = 0;
+    for span in spans.iter_mut() {
+        while open.last().is_some_and(|&end| end <= span.start_ns) {
+            open.pop();
+        }
+        if let Some(&end) = open.last()
+            && span.end_ns > end
+        {
+            let clipped = span.end_ns - end;
+            span.end_ns = end;
+            span.stats
+                .push((CLIPPED_STAT.to_string(), Value::I64(clipped as i64)));
+            cut += 1;
+        }
+        open.push(span.end_ns);
+    }
+    cut
+}
+
 /// Per-thread totals over the capture window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ThreadCounters {
@@ -277,5 +308,50 @@ impl Timeline {
                 .flat_map(|d| d.streams.values())
                 .map(|s| s.events.len())
                 .sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(name: &str, start_ns: u64, end_ns: u64) -> Span {
+        Span {
+            start_ns,
+            end_ns,
+            name: name.into(),
+            stats: vec![],
+        }
+    }
+
+    #[test]
+    fn spans_from_two_sources_are_made_to_nest() {
+        let mut spans = vec![
+            span("traceme", 100, 200),
+            // A driver call that ends 3 ns after the TraceMe enclosing it.
+            span("cuLaunchKernel", 150, 203),
+            span("inner", 160, 170),
+            span("after", 200, 250),
+            span("instant", 200, 200),
+        ];
+        assert_eq!(nest_spans(&mut spans), 1);
+        let got: Vec<(&str, u64, u64)> = spans
+            .iter()
+            .map(|s| (s.name.as_str(), s.start_ns, s.end_ns))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("traceme", 100, 200),
+                ("cuLaunchKernel", 150, 200),
+                ("inner", 160, 170),
+                ("after", 200, 250),
+                ("instant", 200, 200),
+            ]
+        );
+        assert_eq!(
+            spans[1].stats,
+            vec![(CLIPPED_STAT.to_string(), Value::I64(3))]
+        );
     }
 }

@@ -27,7 +27,7 @@ use super::{Span, ThreadCounters, ThreadTrack, Timeline, Value};
 use crate::collect::TraceMeEvent;
 
 /// Stat on a span whose end was moved to make it nest: nanoseconds cut.
-pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
+pub use super::CLIPPED_STAT;
 /// Stat on a span whose name was longer than ebtrace copies: its length.
 pub const TRUNCATED_STAT: &str = "ebtrace_name_truncated_from";
 /// Name of an event whose name could not be read from the target.
