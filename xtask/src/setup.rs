@@ -53,8 +53,7 @@ pub fn run_setup(root: &Path, opts: Options) -> Result<()> {
         packages.extend_from_slice(APT_BENCH);
     }
     apt_packages(&packages)?;
-    xprof_venv(root)?;
-    jax_in_venv(root)?;
+    python_venv(root)?;
     say("setup: done");
     Ok(())
 }
@@ -150,32 +149,6 @@ fn apt_packages(packages: &[(&str, &str)]) -> Result<()> {
         .args(missing.iter().map(|(p, _)| *p)))
 }
 
-/// jax and jaxlib in `<repo>/.venv`: a real process with TSL's TraceMe
-/// recorder for the TraceMe interop test.
-fn jax_in_venv(root: &Path) -> Result<()> {
-    let venv = root.join(".venv");
-    let probe = format!(
-        "import jax, jaxlib; assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'"
-    );
-    if succeeds(Command::new(venv.join("bin/python")).args(["-c", &probe])) {
-        say(format!("ok: {} has jax {JAX_VERSION}", venv.display()));
-        return Ok(());
-    }
-    run(Command::new(venv.join("bin/pip")).args([
-        "install",
-        "--quiet",
-        &format!("jax=={JAX_VERSION}"),
-        &format!("jaxlib=={JAX_VERSION}"),
-    ]))?;
-    if !succeeds(Command::new(venv.join("bin/python")).args(["-c", &probe])) {
-        bail!(
-            "jax {JAX_VERSION} installed into {} but does not import",
-            venv.display()
-        );
-    }
-    Ok(())
-}
-
 fn dpkg_installed(package: &str) -> bool {
     // `dpkg -s` also succeeds for removed-but-configured packages; the
     // Status line tells.
@@ -184,13 +157,20 @@ fn dpkg_installed(package: &str) -> bool {
 }
 
 /// `<repo>/.venv` with XProf, used to prove that XProf reads our traces,
-/// and JAX, whose capture client the `ebtrace serve` tests run.
-fn xprof_venv(root: &Path) -> Result<()> {
+/// and JAX: its capture client runs against `ebtrace serve`, and its jaxlib
+/// is the real TraceMe recorder the TraceMe interop test traces.
+fn python_venv(root: &Path) -> Result<()> {
     let venv = root.join(".venv");
     let python = venv.join("bin/python");
-    let import = format!("import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}");
+    let import = format!(
+        "import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}, jax, jaxlib; \
+         assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'"
+    );
     if succeeds(Command::new(&python).args(["-c", &import])) {
-        say(format!("ok: {} has xprof and jax", venv.display()));
+        say(format!(
+            "ok: {} has xprof and jax {JAX_VERSION}",
+            venv.display()
+        ));
         return Ok(());
     }
     if !python.exists() {
