@@ -65,6 +65,8 @@ pub struct SchedWorkload {
     pub pid: u32,
     /// Thread name -> tid, as the fixture reported them.
     pub threads: BTreeMap<String, u32>,
+    /// Counter name -> address of its `long` in the fixture's memory.
+    pub counter_addrs: BTreeMap<String, u64>,
     lines: Arc<Mutex<Vec<String>>>,
     reader: Option<JoinHandle<()>>,
 }
@@ -98,6 +100,12 @@ impl SchedWorkload {
             .iter()
             .map(|(k, v)| (k.clone(), v.as_u64().expect("tid") as u32))
             .collect();
+        let counter_addrs = v["counters"]
+            .as_object()
+            .expect("counters")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().expect("address")))
+            .collect();
         let lines = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&lines);
         let reader = std::thread::spawn(move || {
@@ -109,6 +117,7 @@ impl SchedWorkload {
             child,
             pid,
             threads,
+            counter_addrs,
             lines,
             reader: Some(reader),
         }
@@ -116,6 +125,17 @@ impl SchedWorkload {
 
     pub fn tid(&self, name: &str) -> u32 {
         self.threads[name]
+    }
+
+    pub fn counter_addr(&self, name: &str) -> u64 {
+        self.counter_addrs[name]
+    }
+
+    /// The current value of one of the fixture's counters.
+    pub fn counter(&self, name: &str) -> u64 {
+        let mem =
+            std::fs::File::open(format!("/proc/{}/mem", self.pid)).expect("open /proc/PID/mem");
+        read_counter(&mem, self.counter_addr(name))
     }
 
     /// Waits for a JSON line from the fixture that has `key`.
@@ -167,22 +187,37 @@ impl Drop for SchedWorkload {
     }
 }
 
-/// Samples `/proc/PID/task/TID/schedstat` (on-CPU ns) with wall-clock
-/// timestamps, in the background, so a test can read the value at any
-/// instant of a capture window by interpolation.
+/// Samples `/proc/PID/task/TID/schedstat` (on-CPU ns), and optionally some
+/// of the fixture's own `long` counters (read through `/proc/PID/mem`), with
+/// wall-clock timestamps, in the background, so a test can read the values
+/// at any instant of a capture window by interpolation.
 pub struct SchedstatSampler {
     stop: Arc<std::sync::atomic::AtomicBool>,
     handle: Option<JoinHandle<Vec<Sample>>>,
 }
 
-/// A wall-clock time and every thread's schedstat then.
-type Sample = (u64, BTreeMap<u32, Schedstat>);
+/// One sampling instant.
+struct Sample {
+    wall_ns: u64,
+    schedstat: BTreeMap<u32, Schedstat>,
+    /// Values of the sampled counters, in the order their addresses were given.
+    counters: Vec<u64>,
+}
 
 /// `/proc/PID/task/TID/schedstat`: on-CPU ns and number of times run.
 #[derive(Clone, Copy, Debug)]
 pub struct Schedstat {
     pub on_cpu_ns: u64,
     pub timeslices: u64,
+}
+
+/// Reads an 8-byte counter at `addr` through an open `/proc/PID/mem`.
+fn read_counter(mem: &std::fs::File, addr: u64) -> u64 {
+    use std::os::unix::fs::FileExt as _;
+    let mut b = [0u8; 8];
+    mem.read_exact_at(&mut b, addr)
+        .expect("read a fixture counter");
+    u64::from_ne_bytes(b)
 }
 
 pub fn read_schedstat(pid: u32, tid: u32) -> Option<Schedstat> {
@@ -198,19 +233,30 @@ pub fn read_schedstat(pid: u32, tid: u32) -> Option<Schedstat> {
 }
 
 impl SchedstatSampler {
-    pub fn start(pid: u32, tids: Vec<u32>, every: Duration) -> Self {
+    /// Samples the `tids` of `pid` and the 8-byte counters at
+    /// `counter_addrs` in its memory, every `every`.
+    pub fn start(pid: u32, tids: Vec<u32>, counter_addrs: Vec<u64>, every: Duration) -> Self {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = Arc::clone(&stop);
+        let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("open /proc/PID/mem");
         let handle = std::thread::spawn(move || {
             let mut samples = Vec::new();
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 let before = crate::realtime_ns();
-                let values: BTreeMap<u32, Schedstat> = tids
+                let schedstat = tids
                     .iter()
                     .filter_map(|&t| read_schedstat(pid, t).map(|v| (t, v)))
                     .collect();
+                let counters = counter_addrs
+                    .iter()
+                    .map(|&addr| read_counter(&mem, addr))
+                    .collect();
                 let after = crate::realtime_ns();
-                samples.push((before / 2 + after / 2, values));
+                samples.push(Sample {
+                    wall_ns: before / 2 + after / 2,
+                    schedstat,
+                    counters,
+                });
                 std::thread::sleep(every);
             }
             samples
@@ -233,21 +279,26 @@ pub struct SchedstatSeries(Vec<Sample>);
 impl SchedstatSeries {
     /// On-CPU ns of `tid` at wall time `t` (linear interpolation).
     pub fn at(&self, tid: u32, t: u64) -> u64 {
-        self.interpolate(tid, t, |s| s.on_cpu_ns)
+        self.interpolate(t, |s| s.schedstat.get(&tid).map(|v| v.on_cpu_ns))
     }
 
     /// Times `tid` was switched in, up to wall time `t` (interpolated).
     pub fn timeslices_at(&self, tid: u32, t: u64) -> u64 {
-        self.interpolate(tid, t, |s| s.timeslices)
+        self.interpolate(t, |s| s.schedstat.get(&tid).map(|v| v.timeslices))
     }
 
-    fn interpolate(&self, tid: u32, t: u64, field: impl Fn(&Schedstat) -> u64) -> u64 {
+    /// Value of the `i`-th sampled counter at wall time `t` (interpolated).
+    pub fn counter_at(&self, i: usize, t: u64) -> u64 {
+        self.interpolate(t, |s| s.counters.get(i).copied())
+    }
+
+    fn interpolate(&self, t: u64, field: impl Fn(&Sample) -> Option<u64>) -> u64 {
         let pts: Vec<(u64, u64)> = self
             .0
             .iter()
-            .filter_map(|(ts, m)| m.get(&tid).map(|v| (*ts, field(v))))
+            .filter_map(|s| field(s).map(|v| (s.wall_ns, v)))
             .collect();
-        assert!(pts.len() >= 2, "too few schedstat samples for {tid}");
+        assert!(pts.len() >= 2, "too few samples");
         assert!(
             pts[0].0 <= t && t <= pts[pts.len() - 1].0,
             "time {t} outside sampled range {}..{}",

@@ -58,8 +58,8 @@ pub const TRACEPOINT_FIELDS: &[(&str, &str, &str, usize)] = &[
     ("sched", "sched_switch", "prev_pid", tp::SWITCH_PREV_PID),
     ("sched", "sched_switch", "prev_state", tp::SWITCH_PREV_STATE),
     ("sched", "sched_switch", "next_pid", tp::SWITCH_NEXT_PID),
-    ("sched", "sched_wakeup", "pid", tp::WAKEUP_PID),
-    ("sched", "sched_wakeup", "target_cpu", tp::WAKEUP_TARGET_CPU),
+    ("sched", "sched_waking", "pid", tp::WAKEUP_PID),
+    ("sched", "sched_waking", "target_cpu", tp::WAKEUP_TARGET_CPU),
     ("sched", "sched_wakeup_new", "pid", tp::WAKEUP_PID),
     (
         "sched",
@@ -189,17 +189,23 @@ pub struct SchedSwitch {
 /// `prev_state` value the kernel reports for a preempted task (`TASK_REPORT_MAX`).
 pub const PREEMPTED: u64 = 0x100;
 
-/// `sched:sched_wakeup` / `sched:sched_wakeup_new` of a traced thread.
+/// `sched:sched_waking` / `sched:sched_wakeup_new` of a traced thread.
+///
+/// `sched_waking` rather than `sched_wakeup`: it fires in the waker's
+/// context, while `sched_wakeup` of a remote wake-up fires on the woken
+/// task's CPU, in whatever task runs there.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct SchedWakeup {
     pub header: RecordHeader,
     pub tid: u32,
     pub tgid: u32,
-    /// Task that issued the wake-up (the current task when the tracepoint fired).
+    /// Task that issued the wake-up (the current task when the tracepoint
+    /// fired; for a wake-up from an interrupt, the task it interrupted).
     pub waker_tid: u32,
     pub waker_tgid: u32,
-    /// CPU whose run queue the woken task was put on.
+    /// For `sched_waking`, the CPU the task last ran on; for
+    /// `sched_wakeup_new`, the CPU it was placed on.
     pub target_cpu: u32,
     /// [`WAKEUP_NEW`] for `sched_wakeup_new` (first wake-up of a new task).
     pub flags: u32,

@@ -76,8 +76,10 @@ fn wakeup(ctx: &TracePointContext, flags: u32) -> u32 {
     0
 }
 
-#[tracepoint(category = "sched", name = "sched_wakeup")]
-pub fn sched_wakeup(ctx: TracePointContext) -> u32 {
+/// `sched_waking`, not `sched_wakeup`: only the former is sure to fire in the
+/// waker's context (see `tracer_common::SchedWakeup`).
+#[tracepoint(category = "sched", name = "sched_waking")]
+pub fn sched_waking(ctx: TracePointContext) -> u32 {
     wakeup(&ctx, 0)
 }
 

@@ -309,7 +309,7 @@ impl Bench {
             "BEGIN {{ printf(\"xtask: bpftrace ready\\n\"); }}\n\
              tracepoint:sched:sched_switch /pid == {pid} || {a}next_pid == {ping} || {a}next_pid == {pong}/ \
              {{ @switch[cpu] = count(); }}\n\
-             tracepoint:sched:sched_wakeup /{a}pid == {ping} || {a}pid == {pong}/ \
+             tracepoint:sched:sched_waking /{a}pid == {ping} || {a}pid == {pong}/ \
              {{ @wakeup[cpu] = count(); }}\n",
             pid = w.pid
         );

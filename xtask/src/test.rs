@@ -34,6 +34,7 @@ pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
     let ebtrace = util::build_release(root)?;
 
     say("running the tests (BPF and XProf interop required: no skipping)");
+    // --no-fail-fast: one failing test binary must not hide the others'.
     run(cargo()
         .current_dir(root)
         .env("EBTRACE_REQUIRE_BPF", "1")
@@ -43,6 +44,7 @@ pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
         .args([
             "test",
             "--release",
+            "--no-fail-fast",
             "--workspace",
             "--exclude",
             "tracer-ebpf",

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 /// Tracepoints attached after the thread-creation one, in this order.
 const SCHED_PROGRAMS: [(&str, &str, &str); 6] = [
     ("sched_switch", "sched", "sched_switch"),
-    ("sched_wakeup", "sched", "sched_wakeup"),
+    ("sched_waking", "sched", "sched_waking"),
     ("sched_wakeup_new", "sched", "sched_wakeup_new"),
     ("sched_process_fork", "sched", "sched_process_fork"),
     ("sched_process_exit", "sched", "sched_process_exit"),
