@@ -12,11 +12,11 @@ use std::{
     collections::HashMap,
     ffi::OsStr,
     fs,
-    os::unix::{ffi::OsStrExt as _, fs::MetadataExt as _},
+    os::unix::ffi::OsStrExt as _,
     path::{Path, PathBuf},
 };
 
-use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+use crate::symbols::{ElfObject, mapped_objects};
 
 /// The name the CUDA runtime (and every framework) `dlopen`s.
 pub const SONAME: &str = "libcuda.so.1";
@@ -58,12 +58,10 @@ pub struct Library {
 /// Finds the driver library of `pid`, or `None` if it has none mapped and
 /// none on its library path.
 pub fn locate(pid: u32) -> Option<Library> {
-    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-    if let Ok(maps) = fs::read_to_string(proc_dir.join("maps"))
-        && let Some(lib) = find_mapped(&proc_dir, &maps)
-    {
+    if let Some(lib) = find_mapped(pid) {
         return Some(lib);
     }
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
     let root = proc_dir.join("root");
     let environ = fs::read(proc_dir.join("environ")).unwrap_or_default();
     let cache = fs::read(root.join("etc/ld.so.cache")).unwrap_or_default();
@@ -81,46 +79,17 @@ fn is_driver_file(name: &str) -> bool {
     name == SONAME || name.starts_with("libcuda.so.")
 }
 
-/// The driver among the file mappings of `/proc/PID/maps`.
-fn find_mapped(proc_dir: &Path, maps: &str) -> Option<Library> {
-    for line in maps.lines() {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some(_perms), Some(_offset), Some(_dev), Some(inode)) = (
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-            fields.next(),
-        ) else {
-            continue;
-        };
-        let rest: Vec<&str> = fields.collect();
-        let Some(path) = rest.first().filter(|p| p.starts_with('/')) else {
-            continue;
-        };
-        let path = Path::new(path);
-        if !path
-            .file_name()
-            .and_then(OsStr::to_str)
-            .is_some_and(is_driver_file)
-        {
-            continue;
-        }
-        let inode: u64 = inode.parse().unwrap_or(0);
-        // The same path inside the process's root is the mapped file unless
-        // it was replaced or deleted since; map_files always is.
-        let via_root = in_root(&proc_dir.join("root"), path);
-        let attach_path = match fs::metadata(&via_root) {
-            Ok(m) if m.ino() == inode && rest.len() == 1 => via_root,
-            _ => proc_dir.join("map_files").join(range),
-        };
-        return Some(Library {
-            path: path.to_path_buf(),
-            attach_path,
-            source: Source::Mapped,
-        });
-    }
-    None
+/// The driver among the files `pid` has mapped.
+fn find_mapped(pid: u32) -> Option<Library> {
+    let object = mapped_objects(pid)
+        .ok()?
+        .into_iter()
+        .find(|o| is_driver_file(o.file_name()))?;
+    Some(Library {
+        attach_path: object.open_path(),
+        path: PathBuf::from(object.path),
+        source: Source::Mapped,
+    })
 }
 
 /// `path` (absolute, in the process's mount namespace) seen from here.
@@ -220,34 +189,17 @@ pub fn function_offsets(
     path: &Path,
     wanted: &[&str],
 ) -> std::io::Result<HashMap<String, Result<u64, Unprobeable>>> {
-    let data = fs::read(path)?;
-    let file = object::File::parse(data.as_slice()).map_err(std::io::Error::other)?;
-    let segments: Vec<(u64, u64, u64)> = file
-        .segments()
-        .map(|s| {
-            let (offset, size) = s.file_range();
-            (s.address(), offset, size)
-        })
-        .collect();
+    let elf = ElfObject::open(path, None)?;
+    let scan = elf.scan(wanted, |_| false)?;
     let mut found = HashMap::new();
-    for sym in file.dynamic_symbols() {
-        if sym.is_undefined() || sym.kind() != object::SymbolKind::Text {
-            continue;
-        }
-        let Ok(name) = sym.name() else { continue };
-        if !wanted.contains(&name) {
-            continue;
-        }
-        let addr = sym.address();
-        let Some(offset) = segments
-            .iter()
-            .find(|(va, _, size)| (*va..*va + *size).contains(&addr))
-            .map(|(va, off, _)| addr - va + off)
-        else {
+    for (name, symbol) in wanted.iter().zip(scan.found) {
+        let Some(symbol) = symbol.filter(|s| s.exported && s.function) else {
             continue;
         };
-        let first_byte = data.get(offset as usize).copied();
-        let entry = if first_byte == Some(0xf0) {
+        let Some(offset) = elf.file_offset(symbol.vaddr) else {
+            continue;
+        };
+        let entry = if elf.byte_at(offset) == Some(0xf0) {
             Err(Unprobeable::LockPrefix)
         } else {
             Ok(offset)

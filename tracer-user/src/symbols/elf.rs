@@ -16,7 +16,7 @@ use std::{
 
 use object::{
     Endianness,
-    elf::{PT_LOAD, SHT_DYNSYM, SHT_SYMTAB},
+    elf::{PT_LOAD, SHT_DYNSYM, SHT_SYMTAB, STT_FUNC, STT_GNU_IFUNC},
     read::elf::{FileHeader as _, ProgramHeader as _, SectionHeader as _, Sym as _},
 };
 
@@ -83,6 +83,8 @@ pub struct FoundSymbol {
     pub size: u64,
     /// Found in `.dynsym` (exported) rather than only in `.symtab`.
     pub exported: bool,
+    /// A function (`STT_FUNC` or `STT_GNU_IFUNC`), not data.
+    pub function: bool,
 }
 
 /// Result of one pass over an object's symbol tables.
@@ -165,6 +167,11 @@ impl ElfObject {
             .map(|s| vaddr - s.vaddr + s.offset)
     }
 
+    /// The file's byte at `offset`, if the file has one there.
+    pub fn byte_at(&self, offset: u64) -> Option<u8> {
+        self.map.bytes().get(usize::try_from(offset).ok()?).copied()
+    }
+
     /// True if any string table of the object contains `needle`: a quick
     /// test before a full [`scan`](Self::scan).
     pub fn strings_contain(&self, needle: &[u8]) -> bool {
@@ -232,12 +239,21 @@ impl ElfObject {
                     continue;
                 }
                 for (slot, w) in scan.found.iter_mut().zip(wanted) {
-                    if slot.is_none() && name.len() == w.len() && name == w.as_bytes() {
-                        *slot = Some(FoundSymbol {
-                            vaddr: sym.st_value(endian),
-                            size: sym.st_size(endian),
-                            exported: kind == SHT_DYNSYM,
-                        });
+                    if name.len() != w.len() || name != w.as_bytes() {
+                        continue;
+                    }
+                    match slot {
+                        // `.symtab` comes first; the same name in `.dynsym`
+                        // says the symbol is also exported.
+                        Some(found) => found.exported |= kind == SHT_DYNSYM,
+                        None => {
+                            *slot = Some(FoundSymbol {
+                                vaddr: sym.st_value(endian),
+                                size: sym.st_size(endian),
+                                exported: kind == SHT_DYNSYM,
+                                function: matches!(sym.st_type(), STT_FUNC | STT_GNU_IFUNC),
+                            })
+                        }
                     }
                 }
             }
@@ -264,6 +280,7 @@ mod tests {
         assert!(!obj.strings_contain(b"no-such-symbol-\x01\x02"));
         let scan = obj.scan(&["main", "no_such_symbol"], |_| true).unwrap();
         let main = scan.found[0].expect("main is defined");
+        assert!(main.function);
         assert!(scan.found[1].is_none());
         assert!(scan.symbols > 100);
         let offset = obj.file_offset(main.vaddr).expect("main is in a segment");

@@ -67,16 +67,20 @@ pub struct MappedObject {
 impl MappedObject {
     /// A path under which this process's file can be opened from here (and
     /// attached to): through the process's root, so that containers work,
-    /// or, if the file was deleted or replaced, through its mapping.
+    /// or, if the file there is gone or another one, through its mapping.
     pub fn open_path(&self) -> PathBuf {
+        use std::os::unix::fs::MetadataExt as _;
         let first = &self.mappings[0];
-        if first.deleted {
+        let via_root =
+            Path::new(&format!("/proc/{}/root", self.pid)).join(self.path.trim_start_matches('/'));
+        let same_file = || fs::metadata(&via_root).is_ok_and(|m| m.ino() == self.inode);
+        if !first.deleted && same_file() {
+            via_root
+        } else {
             PathBuf::from(format!(
                 "/proc/{}/map_files/{:x}-{:x}",
                 self.pid, first.start, first.end
             ))
-        } else {
-            Path::new(&format!("/proc/{}/root", self.pid)).join(self.path.trim_start_matches('/'))
         }
     }
 
@@ -229,7 +233,11 @@ mod tests {
         };
         assert_eq!(object.load_bias(&segments, 4096), Some(base));
         assert_eq!(object.file_name(), "x.so");
-        assert_eq!(object.open_path(), PathBuf::from("/proc/1/root/lib/x.so"));
+        // No such file under pid 1's root: the mapping itself is opened.
+        assert_eq!(
+            object.open_path(),
+            PathBuf::from("/proc/1/map_files/50000000-50001000")
+        );
     }
 
     /// A function whose address the test knows at run time.
@@ -248,6 +256,11 @@ mod tests {
             .iter()
             .find(|o| Path::new(&o.path) == exe)
             .expect("own executable is mapped");
+        assert_eq!(
+            me.open_path(),
+            Path::new(&format!("/proc/{}/root", std::process::id()))
+                .join(exe.strip_prefix("/").unwrap())
+        );
         let elf = crate::symbols::ElfObject::open(&me.open_path(), Some(me.inode)).unwrap();
         let bias = me.load_bias(elf.segments(), page_size()).unwrap();
         let scan = elf
