@@ -13,7 +13,7 @@ use crate::workspace_root;
 
 /// Compiler flags that give every exported function of the stand-in the
 /// prologue the real driver's functions have (`push %rbp` first).
-pub const STANDIN_CFLAGS: &[&str] = &[
+const STANDIN_CFLAGS: &[&str] = &[
     "-O2",
     "-g",
     "-Wall",

@@ -127,7 +127,6 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     }
     if matches!(opts.suite, Suite::All | Suite::Cuda) {
         let md = cuda::run_bench(
-            root,
             &ebtrace,
             cuda::Options {
                 rounds: opts.rounds,
@@ -151,7 +150,7 @@ fn write_report(root: &Path, name: &str, md: &str) -> Result<()> {
 
 fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
     let ebtrace = ebtrace.to_path_buf();
-    let fixture = util::build_fixture(root)?;
+    let fixture = util::build_fixture();
     let bpftrace_version = util::stdout_of(Command::new("bpftrace").arg("--version"))
         .context("bpftrace --version failed")?;
     let bench = Bench {

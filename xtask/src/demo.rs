@@ -43,7 +43,7 @@ pub fn run_demo(root: &Path) -> Result<()> {
     util::require_root("demo")?;
     setup::run_setup(root, setup::Options::default())?;
     let ebtrace = util::build_release(root)?;
-    let fixture = util::build_fixture(root)?;
+    let fixture = util::build_fixture();
 
     say("starting the fixture: sched_workload --mode mixed (runs until stopped)");
     let mut cmd = Command::new(&fixture);

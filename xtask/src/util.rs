@@ -119,25 +119,9 @@ pub fn build_release(root: &Path) -> Result<PathBuf> {
     Ok(bin)
 }
 
-/// Compiles the scheduling fixture into `target/fixtures/` unless it is
-/// newer than its source (the tests crate builds the same file).
-pub fn build_fixture(root: &Path) -> Result<PathBuf> {
-    let src = root.join("tests/fixtures/sched_workload.c");
-    let dir = root.join("target/fixtures");
-    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let bin = dir.join("sched_workload");
-    let mtime = |p: &Path| fs::metadata(p).and_then(|m| m.modified()).ok();
-    if mtime(&bin).is_some() && mtime(&bin) >= mtime(&src) {
-        return Ok(bin);
-    }
-    // Build to a private name and rename: a test run may build it too.
-    let tmp = dir.join(format!("sched_workload.xtask-{}", std::process::id()));
-    run(Command::new("cc")
-        .args(["-O2", "-pthread", "-o"])
-        .arg(&tmp)
-        .arg(&src))?;
-    fs::rename(&tmp, &bin).with_context(|| format!("renaming to {}", bin.display()))?;
-    Ok(bin)
+/// The scheduling fixture, built as the tests build it.
+pub fn build_fixture() -> PathBuf {
+    ebtrace_tests::fixture::build_c("sched_workload")
 }
 
 pub fn signal(pid: u32, sig: libc::c_int) {

@@ -21,24 +21,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 use super::{report::thousands, tracer::Traced};
-use crate::util::{self, median, run, say};
-
-/// Flags that give the stand-in's exported functions the real driver's
-/// prologue (`push %rbp` first); the tests build it the same way
-/// (`tests/src/cuda.rs`, `STANDIN_CFLAGS`).
-const STANDIN_CFLAGS: &[&str] = &[
-    "-O2",
-    "-g",
-    "-Wall",
-    "-fPIC",
-    "-shared",
-    "-fvisibility=hidden",
-    "-fno-omit-frame-pointer",
-    "-fno-shrink-wrap",
-    "-fno-optimize-sibling-calls",
-    "-fcf-protection=none",
-    "-Wl,-soname,libcuda.so.1",
-];
+use crate::util::{self, median, say};
 
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
@@ -92,8 +75,8 @@ struct Bench {
     seconds: f64,
 }
 
-pub fn run_bench(root: &Path, ebtrace: &Path, opts: Options) -> Result<String> {
-    let (lib_dir, workload) = build_fixtures(root)?;
+pub fn run_bench(ebtrace: &Path, opts: Options) -> Result<String> {
+    let (lib_dir, workload) = ebtrace_tests::cuda::build();
     let bench = Bench {
         ebtrace: ebtrace.to_path_buf(),
         lib_dir,
@@ -128,37 +111,6 @@ pub fn run_bench(root: &Path, ebtrace: &Path, opts: Options) -> Result<String> {
         rate_runs.push(run);
     }
     Ok(render(&runs, &rate_runs, opts, started.elapsed()))
-}
-
-/// Builds the stand-in driver and the workload into `target/fixtures`.
-fn build_fixtures(root: &Path) -> Result<(PathBuf, PathBuf)> {
-    let fixtures = root.join("tests/fixtures");
-    let lib_dir = root.join("target/fixtures/cuda-lib");
-    std::fs::create_dir_all(&lib_dir).with_context(|| format!("creating {}", lib_dir.display()))?;
-    let lib = lib_dir.join("libcuda.so.1");
-    let tmp = lib_dir.join(format!("libcuda.xtask-{}", std::process::id()));
-    run(Command::new("cc")
-        .args(STANDIN_CFLAGS)
-        .arg("-I")
-        .arg(&fixtures)
-        .arg("-o")
-        .arg(&tmp)
-        .arg(fixtures.join("libcuda_standin.c")))?;
-    std::fs::rename(&tmp, &lib)?;
-    let workload = root.join("target/fixtures/cuda_workload");
-    let tmp = root.join(format!(
-        "target/fixtures/cuda_workload.xtask-{}",
-        std::process::id()
-    ));
-    run(Command::new("cc")
-        .args(["-O2", "-g", "-Wall", "-pthread", "-I"])
-        .arg(&fixtures)
-        .arg("-o")
-        .arg(&tmp)
-        .arg(fixtures.join("cuda_workload.c"))
-        .arg("-ldl"))?;
-    std::fs::rename(&tmp, &workload)?;
-    Ok((lib_dir, workload))
 }
 
 /// The workload, set up and waiting for its start line.

@@ -273,7 +273,7 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
     util::require_root("bench --serve")?;
     setup::run_setup(root, setup::Options::default())?;
     let ebtrace = util::build_release(root)?;
-    let fixture = util::build_fixture(root)?;
+    let fixture = util::build_fixture();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

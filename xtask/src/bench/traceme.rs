@@ -135,48 +135,16 @@ struct Bench {
     target_cpu: Option<usize>,
 }
 
-/// Builds the fixture program and its g++ library (stripped: the
-/// recorder's symbols are in `.dynsym`, where bpftrace finds them too).
-fn build_fixture(root: &Path) -> Result<(PathBuf, PathBuf)> {
-    let src = root.join("tests/fixtures/traceme");
-    let dir = root.join("target/fixtures/traceme-bench");
-    std::fs::create_dir_all(&dir)?;
-    let program = dir.join("traceme_workload");
-    let lib = dir.join("libtraceme-gcc.so");
-    util::run(
-        Command::new("cc")
-            .args(["-O2", "-pthread", "-o"])
-            .arg(&program)
-            .arg(src.join("traceme_workload.c"))
-            .arg("-ldl"),
-    )?;
-    util::run(
-        Command::new("g++")
-            .args([
-                "-std=c++17",
-                "-O2",
-                "-fno-omit-frame-pointer",
-                "-fPIC",
-                "-shared",
-                "-fvisibility=hidden",
-                "-DTM_EXPORT_TSL=1",
-                "-o",
-            ])
-            .arg(&lib)
-            .arg(src.join("tsl_profiler.cc"))
-            .arg(src.join("workload.cc")),
-    )?;
-    util::run(Command::new("strip").arg("--strip-all").arg(&lib))?;
-    Ok((program, lib))
-}
-
 pub fn run_traceme_bench(
     root: &Path,
     ebtrace: &Path,
     env: &Environment,
     rounds: usize,
 ) -> Result<()> {
-    let (program, lib) = build_fixture(root)?;
+    // The g++ library is stripped: the recorder's symbols are in `.dynsym`,
+    // where bpftrace finds them too.
+    let program = ebtrace_tests::traceme::build_program();
+    let lib = ebtrace_tests::traceme::build_library(ebtrace_tests::traceme::Toolchain::Gcc);
     let bench = Bench {
         ebtrace: ebtrace.to_path_buf(),
         program,
