@@ -11,6 +11,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use rustc_hash::FxHashMap;
+
 use tracer_common::{CLONE_THREAD, PREEMPTED, WAKEUP_NEW};
 
 use super::{
@@ -50,7 +52,8 @@ pub struct SchedTimelineBuilder {
     stop_ns: u64,
     targets: BTreeSet<u32>,
     initial: HashMap<u32, InitialState>,
-    threads: HashMap<u32, ThreadBuild>,
+    /// Looked up several times per record: a fast hash for small keys.
+    threads: FxHashMap<u32, ThreadBuild>,
     processes: BTreeMap<u32, ProcessInfo>,
     next_flow_id: u64,
     records: u64,
@@ -84,7 +87,7 @@ impl SchedTimelineBuilder {
             stop_ns,
             targets: processes.keys().copied().collect(),
             initial,
-            threads: HashMap::new(),
+            threads: FxHashMap::default(),
             processes,
             next_flow_id: 1,
             records: 0,

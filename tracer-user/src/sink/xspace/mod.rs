@@ -1,0 +1,532 @@
+//! The XSpace sink: the timeline model as an XProf `XSpace`.
+//!
+//! Layout (conventions from TSL's `xplane_schema`):
+//! - `/host:CPU`: one line per traced thread (id = tid, name = thread name)
+//!   and one per CPU that ran a traced thread (id = [`CPU_LINE_BASE`] + cpu,
+//!   above any tid the kernel hands out and below XProf's derived-line ids).
+//! - `/device:GPU:<ordinal>` (plane id = ordinal): one line per stream (id =
+//!   stream id, named `Stream #<id>`) with the work the host submitted to
+//!   it; host-observed times, as the plane's `ebtrace_timing` stat says.
+//! - `Task Environment`: `profile_start_time` / `profile_stop_time` (epoch
+//!   ns) and ebtrace's capture accounting.
+//!
+//! Line timestamps are relative to the profile start (absolute epoch values
+//! overflow XProf's trace viewer). Events on a line must nest and never
+//! partially overlap: scheduling states partition a thread's time, so they
+//! are leaves; instants sit inside them; spans from other sources (TraceMe,
+//! CUDA calls) are laid above them, and [`split_at`] cuts a state slice at
+//! every span boundary so both fit on one line.
+
+use std::collections::HashMap;
+
+use rustc_hash::FxHashMap;
+
+use ebtrace_proto::tensorflow::profiler::XSpace;
+use prost::Message as _;
+
+use crate::timeline::{DeviceTrack, MarkKind, RunnableCause, ThreadState, Timeline};
+
+pub const HOST_CPU_PLANE: &str = "/host:CPU";
+pub const TASK_ENV_PLANE: &str = "Task Environment";
+/// Prefix of the GPU planes; the device ordinal follows.
+pub const GPU_PLANE_PREFIX: &str = "/device:GPU:";
+/// Says, on each GPU plane, what its times are.
+pub const HOST_OBSERVED_TIMING: &str = "host-observed: each event spans the driver call that \
+     submitted the work, not its execution on the GPU (which needs CUPTI)";
+/// First line id of the per-CPU lines (pid_max is at most 2^22).
+pub const CPU_LINE_BASE: i64 = 0xFFFF_0000;
+
+/// XProf flow stat: 2-bit direction, 56-bit id, 6-bit context type.
+pub fn flow_stat_value(id: u64, direction: FlowDirection) -> u64 {
+    const GENERIC_CONTEXT: u64 = 0;
+    (direction as u64) | ((id & ((1 << 56) - 1)) << 2) | (GENERIC_CONTEXT << 58)
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(u64)]
+pub enum FlowDirection {
+    In = 1,
+    Out = 2,
+}
+
+mod plane;
+
+pub use plane::{Encoded, Stat, XPlaneBuilder};
+
+/// Stat values are the timeline's values.
+pub use crate::timeline::Value as StatValue;
+
+/// Cuts `[start, end)` at every boundary strictly inside it.
+pub fn split_at(start: u64, end: u64, sorted_boundaries: &[u64]) -> Vec<(u64, u64)> {
+    let first = sorted_boundaries.partition_point(|&b| b <= start);
+    let mut pieces = Vec::new();
+    let mut from = start;
+    for &b in sorted_boundaries[first..].iter().take_while(|&&b| b < end) {
+        if b > from {
+            pieces.push((from, b));
+            from = b;
+        }
+    }
+    pieces.push((from, end));
+    pieces
+}
+
+/// The ids of the names every scheduling event uses, interned once per
+/// plane instead of once per event.
+struct SchedIds {
+    running: i64,
+    runnable: i64,
+    blocked: i64,
+    unknown: i64,
+    wakeup: i64,
+    cpu: i64,
+    cause: i64,
+    waker_tid: i64,
+    waker_pid: i64,
+    flow: i64,
+    woken_tid: i64,
+    woken_pid: i64,
+    woken: i64,
+    preempted: i64,
+    /// `prev_state` and its descriptions, interned on first use.
+    prev_state: i64,
+    task_states: HashMap<&'static str, i64>,
+}
+
+impl SchedIds {
+    fn new(plane: &mut XPlaneBuilder) -> Self {
+        SchedIds {
+            running: plane.event_metadata("Running"),
+            runnable: plane.event_metadata("Runnable"),
+            blocked: plane.event_metadata("Blocked"),
+            unknown: plane.event_metadata("Unknown"),
+            wakeup: plane.event_metadata("Wakeup"),
+            cpu: plane.stat_metadata("cpu"),
+            cause: plane.stat_metadata("cause"),
+            waker_tid: plane.stat_metadata("waker_tid"),
+            waker_pid: plane.stat_metadata("waker_pid"),
+            flow: plane.stat_metadata("flow"),
+            woken_tid: plane.stat_metadata("woken_tid"),
+            woken_pid: plane.stat_metadata("woken_pid"),
+            woken: plane.stat_metadata("woken"),
+            preempted: plane.stat_metadata("preempted"),
+            prev_state: plane.stat_metadata("prev_state"),
+            task_states: HashMap::new(),
+        }
+    }
+
+    /// The event name and stats of a scheduling state.
+    fn state(&mut self, plane: &mut XPlaneBuilder, state: &ThreadState) -> (i64, StateStats) {
+        let one = |s: Stat| StateStats::new(&[s]);
+        match *state {
+            ThreadState::Running { cpu } => (self.running, one(Stat::i64(self.cpu, cpu.into()))),
+            ThreadState::Runnable { cause } => {
+                let cause_is = |id| Stat::reference(self.cause, id);
+                let stats = match cause {
+                    RunnableCause::Woken {
+                        waker_tid,
+                        waker_pid,
+                        flow_id,
+                    } => StateStats::new(&[
+                        cause_is(self.woken),
+                        Stat::i64(self.waker_tid, waker_tid.into()),
+                        Stat::i64(self.waker_pid, waker_pid.into()),
+                        Stat::u64(self.flow, flow_stat_value(flow_id, FlowDirection::In)),
+                    ]),
+                    RunnableCause::Preempted => one(cause_is(self.preempted)),
+                    RunnableCause::Yielded => one(cause_is(plane.stat_metadata("yielded"))),
+                    RunnableCause::Created => one(cause_is(plane.stat_metadata("new thread"))),
+                    RunnableCause::AtStart => {
+                        one(cause_is(plane.stat_metadata("runnable at capture start")))
+                    }
+                };
+                (self.runnable, stats)
+            }
+            ThreadState::Blocked { state } => {
+                let text = state.describe();
+                let id = *self
+                    .task_states
+                    .entry(text)
+                    .or_insert_with(|| plane.stat_metadata(text));
+                (self.blocked, one(Stat::reference(self.prev_state, id)))
+            }
+            ThreadState::Unknown => {
+                let reason = plane.stat_metadata("reason");
+                let why =
+                    plane.stat_metadata("the kernel reported no scheduler event for this interval");
+                (self.unknown, one(Stat::reference(reason, why)))
+            }
+        }
+    }
+}
+
+/// Up to four stats, without allocating.
+#[derive(Clone, Copy)]
+struct StateStats {
+    len: usize,
+    stats: [Stat; 4],
+}
+
+impl StateStats {
+    fn new(stats: &[Stat]) -> Self {
+        let mut out = StateStats {
+            len: stats.len(),
+            stats: [Stat::i64(0, 0); 4],
+        };
+        out.stats[..stats.len()].copy_from_slice(stats);
+        out
+    }
+
+    fn as_slice(&self) -> &[Stat] {
+        &self.stats[..self.len]
+    }
+}
+
+/// Queues a span (its stats interned) on the plane's current line.
+fn push_span(
+    plane: &mut XPlaneBuilder,
+    name: &str,
+    start: i64,
+    end: i64,
+    stats: &[(String, StatValue)],
+) {
+    let id = plane.event_metadata(name);
+    let stats: Vec<Stat> = stats.iter().map(|(k, v)| plane.stat(k, v)).collect();
+    plane.push_event(id, start, end - start, &stats);
+}
+
+/// Host name to record in the XSpace (XProf matches it to the file name).
+pub fn local_hostname() -> String {
+    hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Converts a timeline into an XSpace for `hostname` (decoded form; sinks
+/// that only write should use [`timeline_to_xspace_bytes`]).
+pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
+    XSpace::decode(timeline_to_xspace_bytes(timeline, hostname).as_slice())
+        .expect("we encode valid XSpaces")
+}
+
+/// Converts a timeline into an encoded XSpace for `hostname`.
+pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> {
+    let start = timeline.start_ns;
+    let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
+    let mut host = XPlaneBuilder::new(0, HOST_CPU_PLANE);
+    let mut ids = SchedIds::new(&mut host);
+
+    for t in timeline.threads.values() {
+        // Spans sit above the states: cut each state at every span edge.
+        let mut edges: Vec<u64> = t
+            .spans
+            .iter()
+            .flat_map(|s| [s.start_ns, s.end_ns])
+            .collect();
+        edges.sort_unstable();
+        edges.dedup();
+        for s in &t.slices {
+            let (name, stats) = ids.state(&mut host, &s.state);
+            if edges.is_empty() {
+                let (from, to) = (ps(s.start_ns), ps(s.end_ns));
+                host.push_event(name, from, to - from, stats.as_slice());
+                continue;
+            }
+            for (from, to) in split_at(s.start_ns, s.end_ns, &edges) {
+                host.push_event(name, ps(from), ps(to) - ps(from), stats.as_slice());
+            }
+        }
+        for span in &t.spans {
+            push_span(
+                &mut host,
+                &span.name,
+                ps(span.start_ns),
+                ps(span.end_ns),
+                &span.stats,
+            );
+        }
+        for m in &t.marks {
+            let at = ps(m.ts_ns);
+            match m.kind {
+                MarkKind::Wakeup { tid, pid, flow_id } => host.push_event(
+                    ids.wakeup,
+                    at,
+                    0,
+                    &[
+                        Stat::i64(ids.woken_tid, tid.into()),
+                        Stat::i64(ids.woken_pid, pid.into()),
+                        Stat::u64(ids.flow, flow_stat_value(flow_id, FlowDirection::Out)),
+                    ],
+                ),
+                MarkKind::ThreadCreated { tid } => {
+                    let name = host.event_metadata("Thread created");
+                    let stat = Stat::i64(host.stat_metadata("tid"), tid.into());
+                    host.push_event(name, at, 0, &[stat]);
+                }
+                MarkKind::ProcessForked { pid } => {
+                    let name = host.event_metadata("Process forked");
+                    let stat = Stat::i64(host.stat_metadata("child_pid"), pid.into());
+                    host.push_event(name, at, 0, &[stat]);
+                }
+                MarkKind::Exited => {
+                    let name = host.event_metadata("Thread exit");
+                    host.push_event(name, at, 0, &[]);
+                }
+            }
+        }
+        let process = timeline
+            .processes
+            .get(&t.pid)
+            .map_or(String::new(), |p| p.name.clone());
+        let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
+        host.finish_line(t.tid.into(), &t.name, &display);
+    }
+
+    // Each CPU slice is named after the thread it ran.
+    let mut thread_event: FxHashMap<u32, i64> = FxHashMap::default();
+    let (tid_stat, pid_stat) = (host.stat_metadata("tid"), host.stat_metadata("pid"));
+    for (cpu, slices) in &timeline.cpus {
+        for s in slices {
+            let name =
+                *thread_event
+                    .entry(s.tid)
+                    .or_insert_with(|| match timeline.threads.get(&s.tid) {
+                        Some(t) => host.event_metadata(&t.name),
+                        None => host.event_metadata(&format!("thread {}", s.tid)),
+                    });
+            let (from, to) = (ps(s.start_ns), ps(s.end_ns));
+            let stats = [
+                Stat::i64(tid_stat, s.tid.into()),
+                Stat::i64(pid_stat, s.pid.into()),
+            ];
+            host.push_event(name, from, to - from, &stats);
+        }
+        let name = format!("CPU {cpu}");
+        host.finish_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name);
+    }
+
+    let devices = timeline
+        .devices
+        .values()
+        .map(|d| device_plane(d, &ps))
+        .collect::<Vec<_>>();
+
+    let mut env = XPlaneBuilder::new(1, TASK_ENV_PLANE);
+    env.add_plane_stat(
+        "profile_start_time",
+        &StatValue::U64(timeline.clock.to_wall_ns(timeline.start_ns)),
+    );
+    env.add_plane_stat(
+        "profile_stop_time",
+        &StatValue::U64(timeline.clock.to_wall_ns(timeline.stop_ns)),
+    );
+    env.add_plane_stat(
+        "ebtrace_version",
+        &StatValue::Str(env!("CARGO_PKG_VERSION").into()),
+    );
+    env.add_plane_stat("ebtrace_records", &StatValue::U64(timeline.stats.records));
+    env.add_plane_stat(
+        "ebtrace_dropped_records",
+        &StatValue::U64(timeline.stats.dropped),
+    );
+    env.add_plane_stat(
+        "ebtrace_unreported_transitions",
+        &StatValue::U64(timeline.stats.inconsistencies),
+    );
+    let pids = timeline
+        .processes
+        .keys()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    env.add_plane_stat("ebtrace_pids", &StatValue::Str(pids));
+
+    let mut warnings = Vec::new();
+    if timeline.stats.dropped > 0 {
+        warnings.push(format!(
+            "ebtrace: {} records were dropped (ring buffer full); this trace is partial",
+            timeline.stats.dropped
+        ));
+    }
+    if timeline.stats.inconsistencies > 0 {
+        warnings.push(format!(
+            "ebtrace: {} scheduler transitions were not reported by the kernel; \
+             the intervals they leave unexplained are marked Unknown",
+            timeline.stats.inconsistencies
+        ));
+    }
+    if let Some(why) = &timeline.stats.ended_early {
+        warnings.push(format!("ebtrace: capture ended early: {why}"));
+    }
+    warnings.extend(
+        timeline
+            .stats
+            .warnings
+            .iter()
+            .map(|w| format!("ebtrace: {w}")),
+    );
+    // The host plane is by far the largest: its buffer becomes the output
+    // (fields may come in any order; XSpace's own follow its planes).
+    let mut out = host.into_field(1);
+    for device in devices {
+        out.extend_from_slice(&device.into_field(1));
+    }
+    out.extend_from_slice(&env.into_field(1));
+    XSpace {
+        planes: vec![],
+        errors: vec![],
+        warnings,
+        hostnames: vec![hostname.to_string()],
+    }
+    .encode(&mut out)
+    .expect("a Vec grows as needed");
+    out
+}
+
+/// A GPU plane: one line per stream, events as recorded (they neither
+/// overlap nor nest on a stream).
+fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder {
+    let mut plane = XPlaneBuilder::new(
+        i64::from(device.ordinal),
+        &format!("{GPU_PLANE_PREFIX}{}", device.ordinal),
+    );
+    plane.add_plane_stat("device_ordinal", &StatValue::I64(device.ordinal.into()));
+    plane.add_plane_stat(
+        "ebtrace_timing",
+        &StatValue::Str(HOST_OBSERVED_TIMING.into()),
+    );
+    for stream in device.streams.values() {
+        for e in &stream.events {
+            push_span(&mut plane, &e.name, ps(e.start_ns), ps(e.end_ns), &e.stats);
+        }
+        let name = format!("Stream #{}", stream.id);
+        let display = format!("{name} ({}; host-observed)", stream.label);
+        plane.finish_line(stream.id, &name, &display);
+    }
+    plane
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+
+    use ebtrace_proto::tensorflow::profiler::{XEvent, x_event, x_stat};
+
+    use super::*;
+    use crate::{
+        clock::ClockSync,
+        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters, ThreadTrack},
+    };
+
+    fn offset_ps(e: &XEvent) -> i64 {
+        match e.data {
+            Some(x_event::Data::OffsetPs(o)) => o,
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn split_cuts_only_inside() {
+        assert_eq!(split_at(10, 20, &[]), vec![(10, 20)]);
+        assert_eq!(split_at(10, 20, &[5, 10, 20, 25]), vec![(10, 20)]);
+        assert_eq!(
+            split_at(10, 20, &[12, 12, 15]),
+            vec![(10, 12), (12, 15), (15, 20)]
+        );
+    }
+
+    #[test]
+    fn flow_bits() {
+        assert_eq!(flow_stat_value(5, FlowDirection::Out), (5 << 2) | 2);
+        assert_eq!(flow_stat_value(5, FlowDirection::In) & 3, 1);
+    }
+
+    #[test]
+    fn builds_relative_lines_and_task_environment() {
+        let slices = vec![
+            StateSlice {
+                start_ns: 1_000,
+                end_ns: 1_500,
+                state: ThreadState::Running { cpu: 1 },
+            },
+            StateSlice {
+                start_ns: 1_500,
+                end_ns: 2_000,
+                state: ThreadState::Blocked {
+                    state: TaskState::Sleeping,
+                },
+            },
+        ];
+        let mut threads = BTreeMap::new();
+        threads.insert(
+            42,
+            ThreadTrack {
+                tid: 42,
+                pid: 42,
+                name: "worker".into(),
+                slices,
+                marks: vec![],
+                spans: vec![crate::timeline::Span {
+                    start_ns: 1_200,
+                    end_ns: 1_700,
+                    name: "step".into(),
+                    stats: vec![("step_num".into(), StatValue::I64(3))],
+                }],
+                counters: ThreadCounters::default(),
+            },
+        );
+        let tl = Timeline {
+            start_ns: 1_000,
+            stop_ns: 2_000,
+            clock: ClockSync::from_offset(1_000_000),
+            processes: BTreeMap::new(),
+            threads,
+            cpus: BTreeMap::new(),
+            devices: BTreeMap::new(),
+            stats: CaptureStats::default(),
+        };
+        let xs = timeline_to_xspace(&tl, "host");
+        assert_eq!(xs.hostnames, vec!["host"]);
+        let cpu = &xs.planes[0];
+        assert_eq!(cpu.name, HOST_CPU_PLANE);
+        let line = &cpu.lines[0];
+        assert_eq!(
+            (line.id, line.name.as_str(), line.timestamp_ns),
+            (42, "worker", 0)
+        );
+        let names: HashMap<i64, &str> = cpu
+            .event_metadata
+            .values()
+            .map(|m| (m.id, m.name.as_str()))
+            .collect();
+        let ev: Vec<(&str, i64, i64)> = line
+            .events
+            .iter()
+            .map(|e| (names[&e.metadata_id], offset_ps(e), e.duration_ps))
+            .collect();
+        // The span sits above the states, which are cut at its edges.
+        assert_eq!(
+            ev,
+            vec![
+                ("Running", 0, 200_000),
+                ("step", 200_000, 500_000),
+                ("Running", 200_000, 300_000),
+                ("Blocked", 500_000, 200_000),
+                ("Blocked", 700_000, 300_000),
+            ]
+        );
+        let env = &xs.planes[1];
+        let stat_names: HashMap<i64, &str> = env
+            .stat_metadata
+            .values()
+            .map(|m| (m.id, m.name.as_str()))
+            .collect();
+        let start = env
+            .stats
+            .iter()
+            .find(|s| stat_names[&s.metadata_id] == "profile_start_time")
+            .unwrap();
+        assert_eq!(start.value, Some(x_stat::Value::Uint64Value(1_001_000)));
+    }
+}

@@ -1,0 +1,435 @@
+//! `XPlaneBuilder`: one `XPlane`, encoded as it is built.
+//!
+//! Event and stat metadata are numbered from 1, like TSL's `XPlaneBuilder`,
+//! and interned by name; string stat values are interned too and written as
+//! `ref_value`, as TSL does. A line's events are queued in a compact form
+//! (their stats in one shared buffer), sorted, and encoded straight into
+//! the plane's bytes when the line is finished, so a capture's events never
+//! exist twice in memory and an event costs no allocation. The bytes are
+//! exactly what prost would write for the same messages (a test checks).
+
+use ebtrace_proto::tensorflow::profiler::{XEventMetadata, XPlane, XStat, XStatMetadata, x_stat};
+use prost::{
+    Message as _,
+    encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len},
+};
+use rustc_hash::FxHashMap;
+
+use super::StatValue;
+
+/// A stat value as written: strings are interned, so a value is 8 bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Encoded {
+    I64(i64),
+    U64(u64),
+    F64(f64),
+    /// `ref_value`: the id of the stat metadata holding the string.
+    Ref(u64),
+}
+
+/// A stat ready to be written: its metadata id and value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stat {
+    pub metadata_id: i64,
+    pub value: Encoded,
+}
+
+impl Stat {
+    pub fn i64(metadata_id: i64, v: i64) -> Self {
+        Stat {
+            metadata_id,
+            value: Encoded::I64(v),
+        }
+    }
+
+    pub fn u64(metadata_id: i64, v: u64) -> Self {
+        Stat {
+            metadata_id,
+            value: Encoded::U64(v),
+        }
+    }
+
+    /// A string stat whose string is the stat metadata `ref_id`.
+    pub fn reference(metadata_id: i64, ref_id: i64) -> Self {
+        Stat {
+            metadata_id,
+            value: Encoded::Ref(ref_id as u64),
+        }
+    }
+
+    fn as_proto(self) -> XStat {
+        let value = match self.value {
+            Encoded::I64(v) => x_stat::Value::Int64Value(v),
+            Encoded::U64(v) => x_stat::Value::Uint64Value(v),
+            Encoded::F64(v) => x_stat::Value::DoubleValue(v),
+            Encoded::Ref(v) => x_stat::Value::RefValue(v),
+        };
+        XStat {
+            metadata_id: self.metadata_id,
+            value: Some(value),
+        }
+    }
+
+    /// `XStat`: metadata_id = 1; the value oneof: double 2, uint64 3,
+    /// int64 4, ref 7 (a oneof member is written even when zero).
+    fn body_len(&self) -> usize {
+        let id = int64_len(1, self.metadata_id);
+        id + match self.value {
+            Encoded::I64(v) => key_len(4) + encoded_len_varint(v as u64),
+            Encoded::U64(v) => key_len(3) + encoded_len_varint(v),
+            Encoded::F64(_) => key_len(2) + 8,
+            Encoded::Ref(v) => key_len(7) + encoded_len_varint(v),
+        }
+    }
+
+    fn encode_body(&self, out: &mut Vec<u8>) {
+        encode_int64(1, self.metadata_id, out);
+        match self.value {
+            Encoded::I64(v) => {
+                out.push(key_byte(4, WireType::Varint));
+                put_varint(v as u64, out);
+            }
+            Encoded::U64(v) => {
+                out.push(key_byte(3, WireType::Varint));
+                put_varint(v, out);
+            }
+            Encoded::F64(v) => {
+                out.push(key_byte(2, WireType::SixtyFourBit));
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Encoded::Ref(v) => {
+                out.push(key_byte(7, WireType::Varint));
+                put_varint(v, out);
+            }
+        }
+    }
+}
+
+/// A varint, written without prost's per-byte buffer checks (the hot path:
+/// several per event).
+#[inline]
+fn put_varint(mut v: u64, out: &mut Vec<u8>) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// The one-byte key of a field with a tag below 16 (all tags written here).
+#[inline]
+const fn key_byte(tag: u32, wire_type: WireType) -> u8 {
+    ((tag << 3) | wire_type as u32) as u8
+}
+
+fn string_len(tag: u32, s: &str) -> usize {
+    if s.is_empty() {
+        0
+    } else {
+        key_len(tag) + encoded_len_varint(s.len() as u64) + s.len()
+    }
+}
+
+/// Length of a proto3 `int64` field (absent when zero).
+fn int64_len(tag: u32, v: i64) -> usize {
+    if v == 0 {
+        0
+    } else {
+        key_len(tag) + encoded_len_varint(v as u64)
+    }
+}
+
+fn encode_int64(tag: u32, v: i64, out: &mut Vec<u8>) {
+    if v != 0 {
+        out.push(key_byte(tag, WireType::Varint));
+        put_varint(v as u64, out);
+    }
+}
+
+fn encode_string(tag: u32, s: &str, out: &mut Vec<u8>) {
+    if !s.is_empty() {
+        out.push(key_byte(tag, WireType::LengthDelimited));
+        put_varint(s.len() as u64, out);
+        out.extend_from_slice(s.as_bytes());
+    }
+}
+
+/// An event of the line being built; its stats are
+/// `stats[stats_start..stats_start + stats_len]` of the builder.
+#[derive(Clone, Copy, Debug)]
+struct QueuedEvent {
+    offset_ps: i64,
+    duration_ps: i64,
+    metadata_id: i64,
+    stats_start: u32,
+    stats_len: u32,
+}
+
+impl QueuedEvent {
+    fn stats<'a>(&self, all: &'a [Stat]) -> &'a [Stat] {
+        &all[self.stats_start as usize..][..self.stats_len as usize]
+    }
+
+    /// Length of the `XEvent` message.
+    fn body_len(&self, all: &[Stat]) -> usize {
+        let stats: usize = self
+            .stats(all)
+            .iter()
+            .map(|s| {
+                let len = s.body_len();
+                key_len(4) + encoded_len_varint(len as u64) + len
+            })
+            .sum();
+        int64_len(1, self.metadata_id)
+            + key_len(2)
+            + encoded_len_varint(self.offset_ps as u64)
+            + int64_len(3, self.duration_ps)
+            + stats
+    }
+}
+
+pub struct XPlaneBuilder {
+    /// Id, name, metadata and plane stats; the lines are in `lines`.
+    plane: XPlane,
+    events_by_name: FxHashMap<String, i64>,
+    stats_by_name: FxHashMap<String, i64>,
+    /// [`FIELD_ROOM`] bytes kept for the plane's own key and length, then
+    /// the encoded `lines` fields (field 3), in order.
+    lines: Vec<u8>,
+    /// The line being built.
+    queued: Vec<QueuedEvent>,
+    stats: Vec<Stat>,
+}
+
+impl XPlaneBuilder {
+    pub fn new(id: i64, name: &str) -> Self {
+        XPlaneBuilder {
+            plane: XPlane {
+                id,
+                name: name.to_string(),
+                ..Default::default()
+            },
+            events_by_name: FxHashMap::default(),
+            stats_by_name: FxHashMap::default(),
+            lines: vec![0; FIELD_ROOM],
+            queued: Vec::new(),
+            stats: Vec::new(),
+        }
+    }
+
+    /// The id of the event metadata named `name`, created if new.
+    pub fn event_metadata(&mut self, name: &str) -> i64 {
+        if let Some(&id) = self.events_by_name.get(name) {
+            return id;
+        }
+        let id = self.events_by_name.len() as i64 + 1;
+        self.plane.event_metadata.insert(
+            id,
+            XEventMetadata {
+                id,
+                name: name.to_string(),
+                ..Default::default()
+            },
+        );
+        self.events_by_name.insert(name.to_string(), id);
+        id
+    }
+
+    /// The id of the stat metadata named `name` (a stat's name, or a string
+    /// value referred to by `ref_value`), created if new.
+    pub fn stat_metadata(&mut self, name: &str) -> i64 {
+        if let Some(&id) = self.stats_by_name.get(name) {
+            return id;
+        }
+        let id = self.stats_by_name.len() as i64 + 1;
+        self.plane.stat_metadata.insert(
+            id,
+            XStatMetadata {
+                id,
+                name: name.to_string(),
+                ..Default::default()
+            },
+        );
+        self.stats_by_name.insert(name.to_string(), id);
+        id
+    }
+
+    /// A stat named `name` with a timeline value (strings interned).
+    pub fn stat(&mut self, name: &str, value: &StatValue) -> Stat {
+        let value = match value {
+            StatValue::I64(v) => Encoded::I64(*v),
+            StatValue::U64(v) => Encoded::U64(*v),
+            StatValue::F64(v) => Encoded::F64(*v),
+            StatValue::Str(s) => Encoded::Ref(self.stat_metadata(s) as u64),
+        };
+        Stat {
+            metadata_id: self.stat_metadata(name),
+            value,
+        }
+    }
+
+    pub fn add_plane_stat(&mut self, name: &str, value: &StatValue) {
+        let stat = self.stat(name, value).as_proto();
+        self.plane.stats.push(stat);
+    }
+
+    /// Queues an event on the line being built.
+    pub fn push_event(
+        &mut self,
+        metadata_id: i64,
+        offset_ps: i64,
+        duration_ps: i64,
+        stats: &[Stat],
+    ) {
+        let stats_start = u32::try_from(self.stats.len()).expect("under 4G stats per line");
+        self.stats.extend_from_slice(stats);
+        self.queued.push(QueuedEvent {
+            offset_ps,
+            duration_ps,
+            metadata_id,
+            stats_start,
+            stats_len: stats.len() as u32,
+        });
+    }
+
+    /// Ends the line being built: its events, sorted so that parents
+    /// precede children, are encoded as line `id`.
+    pub fn finish_line(&mut self, id: i64, name: &str, display_name: &str) {
+        // Stable: equal events keep the order they were queued in.
+        self.queued
+            .sort_by_key(|e| (e.offset_ps, std::cmp::Reverse(e.duration_ps)));
+        // XLine: id = 1, name = 2, events = 4, display_name = 11 (prost
+        // writes fields in tag order; timestamp_ns stays 0: relative times).
+        // The events are sized first, so that they are encoded in place.
+        let events_len: usize = self
+            .queued
+            .iter()
+            .map(|e| {
+                let len = e.body_len(&self.stats);
+                key_len(4) + encoded_len_varint(len as u64) + len
+            })
+            .sum();
+        let line_len =
+            int64_len(1, id) + string_len(2, name) + events_len + string_len(11, display_name);
+        let out = &mut self.lines;
+        out.reserve(key_len(3) + encoded_len_varint(line_len as u64) + line_len);
+        out.push(key_byte(3, WireType::LengthDelimited));
+        put_varint(line_len as u64, out);
+        encode_int64(1, id, out);
+        encode_string(2, name, out);
+        for e in &self.queued {
+            let stats = e.stats(&self.stats);
+            out.push(key_byte(4, WireType::LengthDelimited));
+            put_varint(e.body_len(&self.stats) as u64, out);
+            // XEvent: metadata_id = 1, offset_ps = 2 (oneof: always
+            // written), duration_ps = 3, stats = 4.
+            encode_int64(1, e.metadata_id, out);
+            out.push(key_byte(2, WireType::Varint));
+            put_varint(e.offset_ps as u64, out);
+            encode_int64(3, e.duration_ps, out);
+            for s in stats {
+                out.push(key_byte(4, WireType::LengthDelimited));
+                put_varint(s.body_len() as u64, out);
+                s.encode_body(out);
+            }
+        }
+        encode_string(11, display_name, out);
+        self.queued.clear();
+        self.stats.clear();
+    }
+
+    /// The plane encoded as field `field` of the enclosing message.
+    ///
+    /// Protobuf allows a message's fields in any order, so the plane's id,
+    /// name, metadata and stats follow its lines, and the key and length go
+    /// in the room kept before them: the lines are never copied into
+    /// another buffer (only moved down by the few bytes left over).
+    pub fn into_field(self, field: u32) -> Vec<u8> {
+        let mut out = self.lines;
+        self.plane.encode(&mut out).expect("a Vec grows as needed");
+        let len = out.len() - FIELD_ROOM;
+        let mut key_and_len = Vec::with_capacity(FIELD_ROOM);
+        encode_key(field, WireType::LengthDelimited, &mut key_and_len);
+        encode_varint(len as u64, &mut key_and_len);
+        let from = FIELD_ROOM - key_and_len.len();
+        out[from..FIELD_ROOM].copy_from_slice(&key_and_len);
+        out.drain(..from);
+        out
+    }
+}
+
+/// Room for a field's key (up to 5 bytes) and a length (up to 10).
+const FIELD_ROOM: usize = 15;
+
+#[cfg(test)]
+mod tests {
+    use ebtrace_proto::tensorflow::profiler::{XEvent, XLine, XSpace, x_event};
+
+    use super::*;
+
+    /// The hand-written encoding is byte for byte prost's.
+    #[test]
+    fn lines_encode_as_prost_does() {
+        let mut b = XPlaneBuilder::new(0, "p");
+        let running = b.event_metadata("Running");
+        let step = b.event_metadata("step");
+        let cpu = b.stat_metadata("cpu");
+        let cause = b.stat("cause", &StatValue::Str("woken".into()));
+        let stats_a = [Stat::i64(cpu, -3), cause, Stat::u64(cpu, u64::MAX)];
+        let stats_b = [
+            Stat {
+                metadata_id: cpu,
+                value: Encoded::F64(1.5),
+            },
+            Stat::i64(cpu, 0),
+        ];
+        // Queued out of order; sorted by start, longest first.
+        b.push_event(running, 500, 0, &stats_b);
+        b.push_event(step, 0, 1_000, &[]);
+        b.push_event(running, 0, 400, &stats_a);
+        b.finish_line(42, "worker", "worker [42]");
+        b.finish_line(7, "", "");
+
+        let event = |metadata_id, offset, duration_ps, stats: &[Stat]| XEvent {
+            metadata_id,
+            duration_ps,
+            stats: stats.iter().map(|s| s.as_proto()).collect(),
+            data: Some(x_event::Data::OffsetPs(offset)),
+        };
+        let mut expected = Vec::new();
+        prost::encoding::message::encode(
+            3,
+            &XLine {
+                id: 42,
+                name: "worker".into(),
+                display_name: "worker [42]".into(),
+                events: vec![
+                    event(step, 0, 1_000, &[]),
+                    event(running, 0, 400, &stats_a),
+                    event(running, 500, 0, &stats_b),
+                ],
+                ..Default::default()
+            },
+            &mut expected,
+        );
+        prost::encoding::message::encode(
+            3,
+            &XLine {
+                id: 7,
+                ..Default::default()
+            },
+            &mut expected,
+        );
+        assert_eq!(b.lines[FIELD_ROOM..], expected);
+
+        // As a plane of an XSpace, lines first.
+        b.add_plane_stat("note", &StatValue::Str("hello".into()));
+        let space = XSpace::decode(b.into_field(1).as_slice()).unwrap();
+        let plane = &space.planes[0];
+        assert_eq!((plane.id, plane.name.as_str()), (0, "p"));
+        assert_eq!(plane.lines.len(), 2);
+        assert_eq!(plane.lines[0].events.len(), 3);
+        assert_eq!(plane.stats.len(), 1);
+        assert_eq!(plane.event_metadata.len(), 2);
+    }
+}
