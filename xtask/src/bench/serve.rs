@@ -232,8 +232,7 @@ fn ask(
             .http2_adaptive_window(true)
             .connect()
             .await?;
-        let mut client =
-            ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX);
+        let mut client = ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX);
         let response = client.profile(request(max_events)).await?;
         anyhow::Ok(response.into_inner())
     })?;

@@ -11,7 +11,7 @@
 use ebtrace_proto::tensorflow::profiler::{XEventMetadata, XPlane, XStat, XStatMetadata, x_stat};
 use prost::{
     Message as _,
-    encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len},
+    encoding::{WireType, encode_key, encode_varint},
 };
 use rustc_hash::FxHashMap;
 
@@ -72,16 +72,6 @@ impl Stat {
 
     /// `XStat`: metadata_id = 1; the value oneof: double 2, uint64 3,
     /// int64 4, ref 7 (a oneof member is written even when zero).
-    fn body_len(&self) -> usize {
-        let id = int64_len(1, self.metadata_id);
-        id + match self.value {
-            Encoded::I64(v) => key_len(4) + encoded_len_varint(v as u64),
-            Encoded::U64(v) => key_len(3) + encoded_len_varint(v),
-            Encoded::F64(_) => key_len(2) + 8,
-            Encoded::Ref(v) => key_len(7) + encoded_len_varint(v),
-        }
-    }
-
     fn encode_body(&self, out: &mut Vec<u8>) {
         encode_int64(1, self.metadata_id, out);
         match self.value {
@@ -122,23 +112,6 @@ const fn key_byte(tag: u32, wire_type: WireType) -> u8 {
     ((tag << 3) | wire_type as u32) as u8
 }
 
-fn string_len(tag: u32, s: &str) -> usize {
-    if s.is_empty() {
-        0
-    } else {
-        key_len(tag) + encoded_len_varint(s.len() as u64) + s.len()
-    }
-}
-
-/// Length of a proto3 `int64` field (absent when zero).
-fn int64_len(tag: u32, v: i64) -> usize {
-    if v == 0 {
-        0
-    } else {
-        key_len(tag) + encoded_len_varint(v as u64)
-    }
-}
-
 fn encode_int64(tag: u32, v: i64, out: &mut Vec<u8>) {
     if v != 0 {
         out.push(key_byte(tag, WireType::Varint));
@@ -154,6 +127,81 @@ fn encode_string(tag: u32, s: &str, out: &mut Vec<u8>) {
     }
 }
 
+/// An event's stats: a few inline, or borrowed.
+#[derive(Clone, Copy, Debug)]
+pub enum EventStats<'a> {
+    Inline { len: u8, stats: [Stat; 4] },
+    Shared(&'a [Stat]),
+}
+
+impl<'a> EventStats<'a> {
+    /// Up to four stats, copied.
+    pub fn inline(stats: &[Stat]) -> Self {
+        let mut out = [Stat::i64(0, 0); 4];
+        out[..stats.len()].copy_from_slice(stats);
+        EventStats::Inline {
+            len: stats.len() as u8,
+            stats: out,
+        }
+    }
+
+    pub fn as_slice(&self) -> &[Stat] {
+        match self {
+            EventStats::Inline { len, stats } => &stats[..usize::from(*len)],
+            EventStats::Shared(stats) => stats,
+        }
+    }
+}
+
+/// One event of a line, as [`XPlaneBuilder::write_line`] writes it.
+#[derive(Clone, Copy, Debug)]
+pub struct LineEvent<'a> {
+    pub metadata_id: i64,
+    pub offset_ps: i64,
+    pub duration_ps: i64,
+    pub stats: EventStats<'a>,
+}
+
+impl LineEvent<'_> {
+    /// Parents before children: by start, then longest first.
+    pub fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
+        (self.offset_ps, std::cmp::Reverse(self.duration_ps))
+    }
+
+    /// Writes the `events` field (4) of an `XLine` holding this event.
+    ///
+    /// Lengths are written after what they measure: one byte is kept for
+    /// each, which is enough for any stat and for all but unusually large
+    /// events (those are moved up to make room).
+    fn encode_field(&self, out: &mut Vec<u8>) {
+        out.push(key_byte(4, WireType::LengthDelimited));
+        let length_at = out.len();
+        out.push(0);
+        // XEvent: metadata_id = 1, offset_ps = 2 (oneof: always written),
+        // duration_ps = 3, stats = 4.
+        encode_int64(1, self.metadata_id, out);
+        out.push(key_byte(2, WireType::Varint));
+        put_varint(self.offset_ps as u64, out);
+        encode_int64(3, self.duration_ps, out);
+        for s in self.stats.as_slice() {
+            out.push(key_byte(4, WireType::LengthDelimited));
+            let stat_at = out.len();
+            out.push(0);
+            s.encode_body(out);
+            // At most 22 bytes: two keys and two varints.
+            out[stat_at] = (out.len() - stat_at - 1) as u8;
+        }
+        let len = out.len() - length_at - 1;
+        if len < 0x80 {
+            out[length_at] = len as u8;
+        } else {
+            let mut length = Vec::with_capacity(10);
+            put_varint(len as u64, &mut length);
+            out.splice(length_at..=length_at, length);
+        }
+    }
+}
+
 /// An event of the line being built; its stats are
 /// `stats[stats_start..stats_start + stats_len]` of the builder.
 #[derive(Clone, Copy, Debug)]
@@ -166,25 +214,13 @@ struct QueuedEvent {
 }
 
 impl QueuedEvent {
-    fn stats<'a>(&self, all: &'a [Stat]) -> &'a [Stat] {
-        &all[self.stats_start as usize..][..self.stats_len as usize]
-    }
-
-    /// Length of the `XEvent` message.
-    fn body_len(&self, all: &[Stat]) -> usize {
-        let stats: usize = self
-            .stats(all)
-            .iter()
-            .map(|s| {
-                let len = s.body_len();
-                key_len(4) + encoded_len_varint(len as u64) + len
-            })
-            .sum();
-        int64_len(1, self.metadata_id)
-            + key_len(2)
-            + encoded_len_varint(self.offset_ps as u64)
-            + int64_len(3, self.duration_ps)
-            + stats
+    fn as_line_event<'a>(&self, all: &'a [Stat]) -> LineEvent<'a> {
+        LineEvent {
+            metadata_id: self.metadata_id,
+            offset_ps: self.offset_ps,
+            duration_ps: self.duration_ps,
+            stats: EventStats::Shared(&all[self.stats_start as usize..][..self.stats_len as usize]),
+        }
     }
 }
 
@@ -292,50 +328,64 @@ impl XPlaneBuilder {
         });
     }
 
-    /// Ends the line being built: its events, sorted so that parents
-    /// precede children, are encoded as line `id`.
+    /// Ends the line being built (with [`push_event`](Self::push_event)):
+    /// its events, sorted so that parents precede children, are written as
+    /// line `id`.
     pub fn finish_line(&mut self, id: i64, name: &str, display_name: &str) {
+        let mut queued = std::mem::take(&mut self.queued);
+        let mut stats = std::mem::take(&mut self.stats);
         // Stable: equal events keep the order they were queued in.
-        self.queued
-            .sort_by_key(|e| (e.offset_ps, std::cmp::Reverse(e.duration_ps)));
+        queued.sort_by_key(|e| (e.offset_ps, std::cmp::Reverse(e.duration_ps)));
+        self.write_line(
+            id,
+            name,
+            display_name,
+            queued.iter().map(|e| e.as_line_event(&stats)),
+        );
+        queued.clear();
+        stats.clear();
+        self.queued = queued;
+        self.stats = stats;
+    }
+
+    /// Writes line `id` with `events`, which must come sorted by
+    /// [`LineEvent::order_key`] (parents before children). They are encoded
+    /// in place, as they come: nothing is held per event.
+    pub fn write_line<'a>(
+        &mut self,
+        id: i64,
+        name: &str,
+        display_name: &str,
+        events: impl IntoIterator<Item = LineEvent<'a>>,
+    ) {
+        let events = events.into_iter();
+        let out = &mut self.lines;
+        // A typical event takes about 30 bytes.
+        out.reserve(64 + name.len() + display_name.len() + 32 * events.size_hint().0);
+        // The line's length is known once it is written: room is kept for
+        // the longest length varint, and the line moved down onto it after.
+        out.push(key_byte(3, WireType::LengthDelimited));
+        let length_at = out.len();
+        out.extend_from_slice(&[0; LINE_LENGTH_ROOM]);
+        let body_at = out.len();
         // XLine: id = 1, name = 2, events = 4, display_name = 11 (prost
         // writes fields in tag order; timestamp_ns stays 0: relative times).
-        // The events are sized first, so that they are encoded in place.
-        let events_len: usize = self
-            .queued
-            .iter()
-            .map(|e| {
-                let len = e.body_len(&self.stats);
-                key_len(4) + encoded_len_varint(len as u64) + len
-            })
-            .sum();
-        let line_len =
-            int64_len(1, id) + string_len(2, name) + events_len + string_len(11, display_name);
-        let out = &mut self.lines;
-        out.reserve(key_len(3) + encoded_len_varint(line_len as u64) + line_len);
-        out.push(key_byte(3, WireType::LengthDelimited));
-        put_varint(line_len as u64, out);
         encode_int64(1, id, out);
         encode_string(2, name, out);
-        for e in &self.queued {
-            let stats = e.stats(&self.stats);
-            out.push(key_byte(4, WireType::LengthDelimited));
-            put_varint(e.body_len(&self.stats) as u64, out);
-            // XEvent: metadata_id = 1, offset_ps = 2 (oneof: always
-            // written), duration_ps = 3, stats = 4.
-            encode_int64(1, e.metadata_id, out);
-            out.push(key_byte(2, WireType::Varint));
-            put_varint(e.offset_ps as u64, out);
-            encode_int64(3, e.duration_ps, out);
-            for s in stats {
-                out.push(key_byte(4, WireType::LengthDelimited));
-                put_varint(s.body_len() as u64, out);
-                s.encode_body(out);
-            }
+        let mut last = None;
+        for e in events {
+            debug_assert!(last <= Some(e.order_key()), "events out of order");
+            last = Some(e.order_key());
+            e.encode_field(out);
         }
         encode_string(11, display_name, out);
-        self.queued.clear();
-        self.stats.clear();
+        let body_len = out.len() - body_at;
+        let mut length = Vec::with_capacity(LINE_LENGTH_ROOM);
+        put_varint(body_len as u64, &mut length);
+        assert!(length.len() <= LINE_LENGTH_ROOM, "a line over 32 GiB");
+        out.copy_within(body_at.., length_at + length.len());
+        out[length_at..length_at + length.len()].copy_from_slice(&length);
+        out.truncate(length_at + length.len() + body_len);
     }
 
     /// The plane encoded as field `field` of the enclosing message.
@@ -361,6 +411,9 @@ impl XPlaneBuilder {
 /// Room for a field's key (up to 5 bytes) and a length (up to 10).
 const FIELD_ROOM: usize = 15;
 
+/// Room for a line's length: 5 varint bytes hold up to 32 GiB.
+const LINE_LENGTH_ROOM: usize = 5;
+
 #[cfg(test)]
 mod tests {
     use ebtrace_proto::tensorflow::profiler::{XEvent, XLine, XSpace, x_event};
@@ -383,8 +436,11 @@ mod tests {
             },
             Stat::i64(cpu, 0),
         ];
+        // More than 127 bytes: a two-byte length.
+        let stats_c = [Stat::u64(cpu, u64::MAX); 10];
         // Queued out of order; sorted by start, longest first.
         b.push_event(running, 500, 0, &stats_b);
+        b.push_event(step, 900, -1, &stats_c);
         b.push_event(step, 0, 1_000, &[]);
         b.push_event(running, 0, 400, &stats_a);
         b.finish_line(42, "worker", "worker [42]");
@@ -407,6 +463,7 @@ mod tests {
                     event(step, 0, 1_000, &[]),
                     event(running, 0, 400, &stats_a),
                     event(running, 500, 0, &stats_b),
+                    event(step, 900, -1, &stats_c),
                 ],
                 ..Default::default()
             },
@@ -428,7 +485,7 @@ mod tests {
         let plane = &space.planes[0];
         assert_eq!((plane.id, plane.name.as_str()), (0, "p"));
         assert_eq!(plane.lines.len(), 2);
-        assert_eq!(plane.lines[0].events.len(), 3);
+        assert_eq!(plane.lines[0].events.len(), 4);
         assert_eq!(plane.stats.len(), 1);
         assert_eq!(plane.event_metadata.len(), 2);
     }
