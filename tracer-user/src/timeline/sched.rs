@@ -51,7 +51,7 @@ pub struct SchedTimelineBuilder {
     start_ns: u64,
     stop_ns: u64,
     targets: BTreeSet<u32>,
-    initial: HashMap<u32, InitialState>,
+    initial: FxHashMap<u32, InitialState>,
     /// Looked up several times per record: a fast hash for small keys.
     threads: FxHashMap<u32, ThreadBuild>,
     processes: BTreeMap<u32, ProcessInfo>,
@@ -86,7 +86,7 @@ impl SchedTimelineBuilder {
             start_ns,
             stop_ns,
             targets: processes.keys().copied().collect(),
-            initial,
+            initial: initial.into_iter().collect(),
             threads: FxHashMap::default(),
             processes,
             next_flow_id: 1,

@@ -1,0 +1,396 @@
+//! The `/host:CPU` plane: one line per traced thread, its scheduling
+//! states with the spans of other sources laid above them and its instants
+//! (wake-ups, thread creation, exit), and one line per CPU.
+//!
+//! Every line is streamed into the plane: a thread's three sources are each
+//! sorted already, so they are merged as they are encoded.
+
+use rustc_hash::FxHashMap;
+
+use super::{
+    CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent, Stat, XPlaneBuilder,
+    flow_stat_value,
+};
+use crate::timeline::{
+    MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
+};
+
+/// Builds the host plane; `ps` turns a timeline time into picoseconds from
+/// the profile start.
+pub(super) fn host_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder {
+    let mut host = XPlaneBuilder::new(0, HOST_CPU_PLANE);
+    let mut ids = SchedIds::new(&mut host);
+
+    for t in timeline.threads.values() {
+        ids.prepare(&mut host, t);
+        let spans = InternedSpans::new(&mut host, &t.spans);
+        // Spans sit above the states: cut each state at every span edge.
+        let mut edges: Vec<u64> = t
+            .spans
+            .iter()
+            .flat_map(|s| [s.start_ns, s.end_ns])
+            .collect();
+        edges.sort_unstable();
+        edges.dedup();
+        let ids = &ids;
+        let events = {
+            let states = StateEvents {
+                slices: t.slices.iter(),
+                edges: &edges,
+                ids,
+                ps,
+                current: None,
+            };
+            let spans = spans.order.iter().map(|&i| {
+                let span = &t.spans[i];
+                LineEvent {
+                    metadata_id: spans.names[i],
+                    offset_ps: ps(span.start_ns),
+                    duration_ps: ps(span.end_ns) - ps(span.start_ns),
+                    stats: EventStats::Shared(&spans.stats[spans.ranges[i].clone()]),
+                }
+            });
+            let marks = t.marks.iter().map(|m| {
+                let (name, stats) = ids.mark(&m.kind);
+                LineEvent {
+                    metadata_id: name,
+                    offset_ps: ps(m.ts_ns),
+                    duration_ps: 0,
+                    stats,
+                }
+            });
+            merge(merge(states, spans), marks)
+        };
+        let process = timeline
+            .processes
+            .get(&t.pid)
+            .map_or(String::new(), |p| p.name.clone());
+        let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
+        host.write_line(t.tid.into(), &t.name, &display, events);
+    }
+
+    // Each CPU slice is named after the thread it ran.
+    let (tid_stat, pid_stat) = (host.stat_metadata(TID), host.stat_metadata("pid"));
+    let mut thread_event: FxHashMap<u32, i64> = FxHashMap::default();
+    for slices in timeline.cpus.values() {
+        for s in slices {
+            thread_event
+                .entry(s.tid)
+                .or_insert_with(|| match timeline.threads.get(&s.tid) {
+                    Some(t) => host.event_metadata(&t.name),
+                    None => host.event_metadata(&format!("thread {}", s.tid)),
+                });
+        }
+    }
+    for (cpu, slices) in &timeline.cpus {
+        let events = {
+            slices.iter().map(|s| LineEvent {
+                metadata_id: thread_event[&s.tid],
+                offset_ps: ps(s.start_ns),
+                duration_ps: ps(s.end_ns) - ps(s.start_ns),
+                stats: EventStats::inline(&[
+                    Stat::i64(tid_stat, s.tid.into()),
+                    Stat::i64(pid_stat, s.pid.into()),
+                ]),
+            })
+        };
+        let name = format!("CPU {cpu}");
+        host.write_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
+    }
+
+    host
+}
+
+/// Merges two event streams sorted by [`LineEvent::order_key`]; on equal
+/// keys `a`'s event comes first (as a stable sort of `a` then `b` would).
+struct Merge<'a, A: Iterator<Item = LineEvent<'a>>, B: Iterator<Item = LineEvent<'a>>> {
+    a: std::iter::Peekable<A>,
+    b: std::iter::Peekable<B>,
+}
+
+fn merge<'a, A, B>(a: A, b: B) -> Merge<'a, A, B>
+where
+    A: Iterator<Item = LineEvent<'a>>,
+    B: Iterator<Item = LineEvent<'a>>,
+{
+    Merge {
+        a: a.peekable(),
+        b: b.peekable(),
+    }
+}
+
+impl<'a, A, B> Iterator for Merge<'a, A, B>
+where
+    A: Iterator<Item = LineEvent<'a>>,
+    B: Iterator<Item = LineEvent<'a>>,
+{
+    type Item = LineEvent<'a>;
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.a.size_hint().0 + self.b.size_hint().0, None)
+    }
+
+    #[inline]
+    fn next(&mut self) -> Option<LineEvent<'a>> {
+        let Some(y) = self.b.peek() else {
+            return self.a.next();
+        };
+        match self.a.peek() {
+            Some(x) if y.order_key() < x.order_key() => self.b.next(),
+            Some(_) => self.a.next(),
+            None => self.b.next(),
+        }
+    }
+}
+
+/// A thread's scheduling states as events, each cut at every span edge
+/// inside it (`edges` sorted, without repeats). States partition time, so
+/// the edges are walked once.
+struct StateEvents<'a, P: Fn(u64) -> i64> {
+    slices: std::slice::Iter<'a, StateSlice>,
+    edges: &'a [u64],
+    ids: &'a SchedIds,
+    ps: P,
+    /// The state being cut: its name, stats, where the next piece starts
+    /// and where the state ends.
+    current: Option<(i64, EventStats<'static>, u64, u64)>,
+}
+
+impl<'a, P: Fn(u64) -> i64> Iterator for StateEvents<'a, P> {
+    type Item = LineEvent<'a>;
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.slices.len(), None)
+    }
+
+    #[inline]
+    fn next(&mut self) -> Option<LineEvent<'a>> {
+        let (name, stats, from, end) = match self.current.take() {
+            Some(c) => c,
+            None => {
+                let s = self.slices.next()?;
+                let (name, stats) = self.ids.state(&s.state);
+                (name, stats, s.start_ns, s.end_ns)
+            }
+        };
+        while self.edges.first().is_some_and(|&e| e <= from) {
+            self.edges = &self.edges[1..];
+        }
+        let to = match self.edges.first() {
+            Some(&e) if e < end => {
+                self.current = Some((name, stats, e, end));
+                e
+            }
+            _ => end,
+        };
+        Some(LineEvent {
+            metadata_id: name,
+            offset_ps: (self.ps)(from),
+            duration_ps: (self.ps)(to) - (self.ps)(from),
+            stats,
+        })
+    }
+}
+
+/// The ids of the names scheduling events use, interned once per plane;
+/// [`prepare`](Self::prepare) interns those a thread's events need, so the
+/// events can then be produced (twice: see [`XPlaneBuilder::write_line`])
+/// without touching the plane.
+struct SchedIds {
+    running: i64,
+    runnable: i64,
+    blocked: i64,
+    wakeup: i64,
+    cpu: i64,
+    cause: i64,
+    waker_tid: i64,
+    waker_pid: i64,
+    flow: i64,
+    woken_tid: i64,
+    woken_pid: i64,
+    woken: i64,
+    preempted: i64,
+    prev_state: i64,
+    /// Names used by fewer events, interned on first use.
+    rare: FxHashMap<&'static str, i64>,
+}
+
+/// The rarer names: why a thread was runnable, blocked states, instants.
+const YIELDED: &str = "yielded";
+const NEW_THREAD: &str = "new thread";
+const AT_START: &str = "runnable at capture start";
+const UNKNOWN: &str = "Unknown";
+const REASON: &str = "reason";
+const NO_EVENT: &str = "the kernel reported no scheduler event for this interval";
+const THREAD_CREATED: &str = "Thread created";
+const PROCESS_FORKED: &str = "Process forked";
+const THREAD_EXIT: &str = "Thread exit";
+const TID: &str = "tid";
+const CHILD_PID: &str = "child_pid";
+
+impl SchedIds {
+    fn new(plane: &mut XPlaneBuilder) -> Self {
+        SchedIds {
+            running: plane.event_metadata("Running"),
+            runnable: plane.event_metadata("Runnable"),
+            blocked: plane.event_metadata("Blocked"),
+            wakeup: plane.event_metadata("Wakeup"),
+            cpu: plane.stat_metadata("cpu"),
+            cause: plane.stat_metadata("cause"),
+            waker_tid: plane.stat_metadata("waker_tid"),
+            waker_pid: plane.stat_metadata("waker_pid"),
+            flow: plane.stat_metadata("flow"),
+            woken_tid: plane.stat_metadata("woken_tid"),
+            woken_pid: plane.stat_metadata("woken_pid"),
+            woken: plane.stat_metadata("woken"),
+            preempted: plane.stat_metadata("preempted"),
+            prev_state: plane.stat_metadata("prev_state"),
+            rare: FxHashMap::default(),
+        }
+    }
+
+    /// Interns the rarer names `thread`'s events use.
+    fn prepare(&mut self, plane: &mut XPlaneBuilder, thread: &ThreadTrack) {
+        let mut need = |name: &'static str, event: bool| {
+            self.rare.entry(name).or_insert_with(|| {
+                if event {
+                    plane.event_metadata(name)
+                } else {
+                    plane.stat_metadata(name)
+                }
+            });
+        };
+        for s in &thread.slices {
+            match s.state {
+                ThreadState::Runnable {
+                    cause: RunnableCause::Yielded,
+                } => need(YIELDED, false),
+                ThreadState::Runnable {
+                    cause: RunnableCause::Created,
+                } => need(NEW_THREAD, false),
+                ThreadState::Runnable {
+                    cause: RunnableCause::AtStart,
+                } => need(AT_START, false),
+                ThreadState::Blocked { state } => need(state.describe(), false),
+                ThreadState::Unknown => {
+                    need(UNKNOWN, true);
+                    need(REASON, false);
+                    need(NO_EVENT, false);
+                }
+                _ => {}
+            }
+        }
+        for m in &thread.marks {
+            match m.kind {
+                MarkKind::ThreadCreated { .. } => {
+                    need(THREAD_CREATED, true);
+                    need(TID, false);
+                }
+                MarkKind::ProcessForked { .. } => {
+                    need(PROCESS_FORKED, true);
+                    need(CHILD_PID, false);
+                }
+                MarkKind::Exited => need(THREAD_EXIT, true),
+                MarkKind::Wakeup { .. } => {}
+            }
+        }
+    }
+
+    /// A name [`prepare`](Self::prepare) interned.
+    fn rare(&self, name: &str) -> i64 {
+        self.rare[name]
+    }
+
+    /// The event name and stats of a scheduling state.
+    fn state(&self, state: &ThreadState) -> (i64, EventStats<'static>) {
+        let one = |s: Stat| EventStats::inline(&[s]);
+        match *state {
+            ThreadState::Running { cpu } => (self.running, one(Stat::i64(self.cpu, cpu.into()))),
+            ThreadState::Runnable { cause } => {
+                let cause_is = |id| Stat::reference(self.cause, id);
+                let stats = match cause {
+                    RunnableCause::Woken {
+                        waker_tid,
+                        waker_pid,
+                        flow_id,
+                    } => EventStats::inline(&[
+                        cause_is(self.woken),
+                        Stat::i64(self.waker_tid, waker_tid.into()),
+                        Stat::i64(self.waker_pid, waker_pid.into()),
+                        Stat::u64(self.flow, flow_stat_value(flow_id, FlowDirection::In)),
+                    ]),
+                    RunnableCause::Preempted => one(cause_is(self.preempted)),
+                    RunnableCause::Yielded => one(cause_is(self.rare(YIELDED))),
+                    RunnableCause::Created => one(cause_is(self.rare(NEW_THREAD))),
+                    RunnableCause::AtStart => one(cause_is(self.rare(AT_START))),
+                };
+                (self.runnable, stats)
+            }
+            ThreadState::Blocked { state } => {
+                let text = self.rare(state.describe());
+                (self.blocked, one(Stat::reference(self.prev_state, text)))
+            }
+            ThreadState::Unknown => {
+                let why = Stat::reference(self.rare(REASON), self.rare(NO_EVENT));
+                (self.rare(UNKNOWN), one(why))
+            }
+        }
+    }
+
+    /// The event name and stats of an instant.
+    fn mark(&self, kind: &MarkKind) -> (i64, EventStats<'static>) {
+        match *kind {
+            MarkKind::Wakeup { tid, pid, flow_id } => (
+                self.wakeup,
+                EventStats::inline(&[
+                    Stat::i64(self.woken_tid, tid.into()),
+                    Stat::i64(self.woken_pid, pid.into()),
+                    Stat::u64(self.flow, flow_stat_value(flow_id, FlowDirection::Out)),
+                ]),
+            ),
+            MarkKind::ThreadCreated { tid } => (
+                self.rare(THREAD_CREATED),
+                EventStats::inline(&[Stat::i64(self.rare(TID), tid.into())]),
+            ),
+            MarkKind::ProcessForked { pid } => (
+                self.rare(PROCESS_FORKED),
+                EventStats::inline(&[Stat::i64(self.rare(CHILD_PID), pid.into())]),
+            ),
+            MarkKind::Exited => (self.rare(THREAD_EXIT), EventStats::inline(&[])),
+        }
+    }
+}
+
+/// A thread's spans with their names and stats interned: the stats of span
+/// `i` are `stats[ranges[i]]`.
+struct InternedSpans {
+    names: Vec<i64>,
+    ranges: Vec<std::ops::Range<usize>>,
+    stats: Vec<Stat>,
+    /// Span indices in [`LineEvent::order_key`] order.
+    order: Vec<usize>,
+}
+
+impl InternedSpans {
+    fn new(plane: &mut XPlaneBuilder, spans: &[Span]) -> Self {
+        let mut out = InternedSpans {
+            names: Vec::with_capacity(spans.len()),
+            ranges: Vec::with_capacity(spans.len()),
+            stats: Vec::new(),
+            order: (0..spans.len()).collect(),
+        };
+        for span in spans {
+            out.names.push(plane.event_metadata(&span.name));
+            let from = out.stats.len();
+            for (k, v) in &span.stats {
+                let stat = plane.stat(k, v);
+                out.stats.push(stat);
+            }
+            out.ranges.push(from..out.stats.len());
+        }
+        // Timelines come with their spans nested and sorted (`nest_spans`).
+        out.order
+            .sort_by_key(|&i| (spans[i].start_ns, std::cmp::Reverse(spans[i].end_ns)));
+        out
+    }
+}
