@@ -4,6 +4,7 @@ use clap::Parser as _;
 use ebtrace::cli::{Cli, Command, record, serve};
 
 fn main() {
+    large_buffers_from_mmap();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),
@@ -40,5 +41,18 @@ fn main() {
         }
         eprintln!("{line}");
         std::process::exit(err.exit_code());
+    }
+}
+
+/// Serves allocations of 1 MiB and more (records, timelines, XSpaces) with
+/// their own mappings: freeing one gives its memory back at once, so an idle
+/// `ebtrace serve` does not keep a finished capture's pages, and growing one
+/// remaps it instead of copying. (glibc otherwise raises this threshold as
+/// large blocks are freed, up to 32 MiB, and keeps what falls below it.)
+fn large_buffers_from_mmap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: a plain allocator setting, made before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
 }

@@ -225,14 +225,9 @@ fn ask(
     let url = format!("http://{}", server.addr);
     let sent = Instant::now();
     let response = runtime.block_on(async {
-        // gRPC C++ (behind jax.collect_profile, TensorFlow and XProf)
-        // sizes its flow-control windows from the measured bandwidth-delay
-        // product; hyper's adaptive window does the same.
-        let channel = tonic::transport::Endpoint::from_shared(url)?
-            .http2_adaptive_window(true)
-            .connect()
-            .await?;
-        let mut client = ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX);
+        let mut client = ProfilerServiceClient::connect(url)
+            .await?
+            .max_decoding_message_size(usize::MAX);
         let response = client.profile(request(max_events)).await?;
         anyhow::Ok(response.into_inner())
     })?;
