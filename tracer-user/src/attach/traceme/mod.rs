@@ -1,7 +1,7 @@
 //! `TraceMeProbe`: TraceMe events from unmodified jaxlib / TensorFlow /
 //! libtpu processes.
 //!
-//! For every traced process: [`discover`] finds each loaded object that
+//! For every traced process: [`discover()`] finds each loaded object that
 //! carries a TraceMe recorder; a uprobe on its `TraceMeRecorder::Record`
 //! (one program per C++ string layout, scoped to that process) copies
 //! every event; [`level`] switches recording on where no profiler session

@@ -83,17 +83,15 @@ pub(super) fn host_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> XPlan
         }
     }
     for (cpu, slices) in &timeline.cpus {
-        let events = {
-            slices.iter().map(|s| LineEvent {
-                metadata_id: thread_event[&s.tid],
-                offset_ps: ps(s.start_ns),
-                duration_ps: ps(s.end_ns) - ps(s.start_ns),
-                stats: EventStats::inline(&[
-                    Stat::i64(tid_stat, s.tid.into()),
-                    Stat::i64(pid_stat, s.pid.into()),
-                ]),
-            })
-        };
+        let events = slices.iter().map(|s| LineEvent {
+            metadata_id: thread_event[&s.tid],
+            offset_ps: ps(s.start_ns),
+            duration_ps: ps(s.end_ns) - ps(s.start_ns),
+            stats: EventStats::inline(&[
+                Stat::i64(tid_stat, s.tid.into()),
+                Stat::i64(pid_stat, s.pid.into()),
+            ]),
+        });
         let name = format!("CPU {cpu}");
         host.write_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
     }

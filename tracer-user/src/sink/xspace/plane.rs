@@ -2,11 +2,13 @@
 //!
 //! Event and stat metadata are numbered from 1, like TSL's `XPlaneBuilder`,
 //! and interned by name; string stat values are interned too and written as
-//! `ref_value`, as TSL does. A line's events are queued in a compact form
-//! (their stats in one shared buffer), sorted, and encoded straight into
-//! the plane's bytes when the line is finished, so a capture's events never
-//! exist twice in memory and an event costs no allocation. The bytes are
-//! exactly what prost would write for the same messages (a test checks).
+//! `ref_value`, as TSL does. Lines are encoded straight into the plane's
+//! bytes: [`XPlaneBuilder::write_line`] takes events already in order and
+//! holds nothing per event (the host plane's large lines); for sources not
+//! in order, [`XPlaneBuilder::push_event`] queues events in a compact form
+//! and [`XPlaneBuilder::finish_line`] sorts and writes them. An event costs
+//! no allocation, and a line's bytes are exactly what prost would write for
+//! the same `XLine` (a test checks).
 
 use ebtrace_proto::tensorflow::profiler::{XEventMetadata, XPlane, XStat, XStatMetadata, x_stat};
 use prost::{
