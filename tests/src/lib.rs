@@ -118,6 +118,29 @@ pub fn run_ebtrace(args: &[&str]) -> Output {
         .expect("spawn ebtrace")
 }
 
+/// The arguments of a capture: `-p PID -d DURATION`, `extra`, `--logdir DIR`.
+fn capture_args<'a>(
+    pid: &'a str,
+    duration: &'a str,
+    logdir: &'a TempDir,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec!["-p", pid, "-d", duration];
+    args.extend_from_slice(extra);
+    args.extend(["--logdir", logdir.path().to_str().expect("UTF-8 temp path")]);
+    args
+}
+
+/// Runs a capture of `pid` into `logdir` to its end (see [`capture_args`]).
+pub fn record(pid: &str, duration: &str, logdir: &TempDir, extra: &[&str]) -> Output {
+    run_ebtrace(&capture_args(pid, duration, logdir, extra))
+}
+
+/// Starts a capture of `pid` into `logdir`, stdout and stderr piped.
+pub fn spawn_record(pid: &str, duration: &str, logdir: &TempDir, extra: &[&str]) -> Child {
+    spawn_ebtrace(&capture_args(pid, duration, logdir, extra))
+}
+
 /// Starts `ebtrace` with `args`, stdout and stderr piped.
 pub fn spawn_ebtrace(args: &[&str]) -> Child {
     Command::new(ebtrace_bin())

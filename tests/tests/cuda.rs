@@ -15,7 +15,7 @@ use ebtrace_tests::{
     TempDir,
     cuda::{CudaWorkload, cxxfilt},
     fixture::SchedWorkload,
-    require_root, run_ebtrace, serial, spawn_ebtrace, wait_with_deadline, xplane_files, xprof,
+    record, require_root, serial, spawn_record, wait_with_deadline, xplane_files, xprof,
     xspace::{self, Event, Stat, line_events, plane, plane_stats},
 };
 use serde_json::Value;
@@ -38,14 +38,7 @@ fn trace_workload(args: &[&str]) -> Traced {
     let workload = CudaWorkload::start(args);
     let logdir = TempDir::new("cuda");
     let pid = workload.pid.to_string();
-    let mut ebtrace = spawn_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "60s",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let mut ebtrace = spawn_record(&pid, "60s", &logdir, &[]);
     let stderr = ebtrace.stderr.take().expect("piped");
     let (tx, rx) = mpsc::channel();
     let reader = std::thread::spawn(move || {
@@ -451,14 +444,7 @@ fn a_process_without_the_driver_gets_one_warning_and_the_rest_is_traced() {
     let workload = SchedWorkload::start(&[]);
     let logdir = TempDir::new("nocuda");
     let pid = workload.pid.to_string();
-    let out = run_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "300ms",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let out = record(&pid, "300ms", &logdir, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let mentions: Vec<&str> = stderr.lines().filter(|l| l.contains("libcuda")).collect();

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use ebtrace_tests::{
-    TempDir, fixture::SchedWorkload, require_root, run_ebtrace, serial, xplane_files, xprof,
+    TempDir, fixture::SchedWorkload, record, require_root, serial, xplane_files, xprof,
 };
 
 #[test]
@@ -20,15 +20,7 @@ fn xprof_converts_the_trace_to_trace_viewer_json() {
     std::thread::sleep(Duration::from_millis(100));
     let logdir = TempDir::new("interop");
     let pid = workload.pid.to_string();
-    let out = run_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "1s",
-        "-q",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let out = record(&pid, "1s", &logdir, &["-q"]);
     assert!(
         out.status.success(),
         "{}",

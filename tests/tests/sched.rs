@@ -7,7 +7,7 @@ use std::{collections::HashSet, time::Duration};
 use ebtrace_tests::{
     TempDir,
     fixture::{SchedWorkload, SchedstatSampler},
-    require_root, run_ebtrace, serial, spawn_ebtrace, wait_with_deadline, xplane_files,
+    record, require_root, run_ebtrace, serial, spawn_record, wait_with_deadline, xplane_files,
     xspace::{self, Event, line_events, plane},
 };
 
@@ -253,15 +253,7 @@ fn threads_created_during_the_capture_are_followed() {
     let workload = SchedWorkload::start(&["--late-thread-ms", "700"]);
     let logdir = TempDir::new("late");
     let pid = workload.pid.to_string();
-    let out = run_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "2s",
-        "-q",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let out = record(&pid, "2s", &logdir, &["-q"]);
     assert!(
         out.status.success(),
         "{}",
@@ -314,14 +306,7 @@ fn a_target_exiting_mid_capture_keeps_the_trace() {
     let logdir = TempDir::new("exit");
     let pid = workload.pid.to_string();
     let started = std::time::Instant::now();
-    let child = spawn_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "30s",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let child = spawn_record(&pid, "30s", &logdir, &[]);
     let out = wait_with_deadline(child, Duration::from_secs(10));
     assert!(
         started.elapsed() < Duration::from_secs(5),
@@ -362,14 +347,7 @@ fn ctrl_c_ends_the_capture_and_writes_the_trace() {
     let workload = SchedWorkload::start(&[]);
     let logdir = TempDir::new("sigint");
     let pid = workload.pid.to_string();
-    let mut child = spawn_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "60s",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let mut child = spawn_record(&pid, "60s", &logdir, &[]);
     // Wait until it says it is attached, then interrupt after one second.
     let stderr = child.stderr.take().unwrap();
     let mut reader = std::io::BufReader::new(stderr);

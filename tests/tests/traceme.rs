@@ -14,7 +14,7 @@ use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
 use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
-    require_root, run_ebtrace, serial, signal, spawn_ebtrace,
+    require_root, run_ebtrace, serial, signal, spawn_record,
     traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans},
     wait_with_deadline, xplane_files,
     xspace::{self, Event, Stat, assert_lines_nest, line_events, plane},
@@ -356,14 +356,7 @@ fn levels_follow_host_tracer_level_and_sessions_are_only_observed() {
 /// Starts a long capture and waits until ebtrace says it switched the level on.
 fn start_long_capture(pid: u32, dir: &TempDir) -> (std::process::Child, Vec<String>) {
     let pid = pid.to_string();
-    let mut child = spawn_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "60s",
-        "--logdir",
-        dir.path().to_str().unwrap(),
-    ]);
+    let mut child = spawn_record(&pid, "60s", dir, &[]);
     let stderr = child.stderr.take().unwrap();
     let mut lines = Vec::new();
     for line in BufReader::new(stderr).lines().map_while(Result::ok) {

@@ -10,7 +10,7 @@ use std::{
 };
 
 use ebtrace_tests::{
-    TempDir, require_root, run_ebtrace, serial, signal,
+    TempDir, record, require_root, serial, signal,
     traceme::read_i32,
     workspace_root, xplane_files,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
@@ -140,14 +140,7 @@ fn jax_traceme_events_appear_and_the_level_is_restored() {
 
     let dir = TempDir::new("traceme-jax");
     let pid = workload.pid.to_string();
-    let out = run_ebtrace(&[
-        "-p",
-        &pid,
-        "-d",
-        "2s",
-        "--logdir",
-        dir.path().to_str().unwrap(),
-    ]);
+    let out = record(&pid, "2s", &dir, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
