@@ -1,7 +1,7 @@
-//! Decodes the real captures in `shared/fixtures/real/` with our own `.proto` files.
+//! Decodes the real captures in `tests/fixtures/real/` with our own `.proto` files.
 //!
 //! The fixtures were recorded from jaxlib 0.10.2, TensorFlow 2.21 and XProf 2.24 (see
-//! `shared/docs/clients.md`). prost drops unknown fields silently, so each test also re-encodes
+//! `tests/fixtures/real/README.md`). prost drops unknown fields silently, so each test also re-encodes
 //! what it decoded: equal bytes (or an equal length where maps make the order vary) prove that
 //! our schema knows every field the real producers wrote.
 
@@ -12,18 +12,13 @@ use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_stat};
 use ebtrace_proto::tensorflow::{ProfileOptions, ProfileRequest};
 use prost::Message;
 
-/// Reads a fixture, failing (never skipping) when the shared checkout is missing.
+/// Reads one of the recorded fixtures the repository carries.
 fn fixture(name: &str) -> Vec<u8> {
-    let dir = PathBuf::from(concat!(
+    let path = PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/fixtures/real"
-    ));
-    assert!(
-        dir.is_dir(),
-        "fixture directory {} is missing: these tests need the shared checkout next to the repo",
-        dir.display()
-    );
-    let path = dir.join(name);
+        "/../tests/fixtures/real"
+    ))
+    .join(name);
     std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read fixture {}: {e}", path.display()))
 }
 

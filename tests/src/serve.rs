@@ -243,7 +243,7 @@ pub fn with_advanced(
     req
 }
 
-/// One of the recorded client requests in `shared/fixtures/real/`.
+/// One of the recorded client requests in `tests/fixtures/real/`.
 pub fn real_request(name: &str) -> (Vec<u8>, ProfileRequest) {
     let path = real_fixture(name);
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -251,15 +251,11 @@ pub fn real_request(name: &str) -> (Vec<u8>, ProfileRequest) {
     (bytes, req)
 }
 
-/// A file of `shared/fixtures/real/` (the shared checkout beside the repo).
+/// A file of `tests/fixtures/real/` (recorded from the real clients).
 pub fn real_fixture(name: &str) -> PathBuf {
-    let dir = crate::workspace_root().join("../shared/fixtures/real");
-    assert!(
-        dir.is_dir(),
-        "{} is missing: these tests need the shared checkout beside the repo",
-        dir.display()
-    );
-    dir.join(name)
+    crate::workspace_root()
+        .join("tests/fixtures/real")
+        .join(name)
 }
 
 /// The XSpace a response carries in `tool_data { name: "xplane.pb" }`,

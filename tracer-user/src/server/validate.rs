@@ -272,9 +272,9 @@ mod tests {
     };
 
     fn fixture(name: &str) -> ProfileRequest {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/real/");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/real/");
         let bytes = std::fs::read(format!("{path}{name}"))
-            .unwrap_or_else(|e| panic!("fixture {name} (shared checkout beside the repo): {e}"));
+            .unwrap_or_else(|e| panic!("fixture {path}{name}: {e}"));
         ProfileRequest::decode(bytes.as_slice()).expect("a ProfileRequest")
     }
 
