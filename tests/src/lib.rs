@@ -8,6 +8,7 @@
 
 pub mod cuda;
 pub mod fixture;
+pub mod killed;
 pub mod serve;
 pub mod traceme;
 pub mod xprof;

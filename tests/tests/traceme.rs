@@ -7,15 +7,16 @@ use std::{
     collections::{BTreeMap, HashMap},
     io::{BufRead as _, BufReader},
     process::Output,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
 use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
-    require_root, run_ebtrace, serial, signal, spawn_record,
-    traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans},
+    killed::{guards_running, kill_mid_capture},
+    record, require_root, run_ebtrace, serial, signal, spawn_record,
+    traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans, read_i32},
     wait_with_deadline, xplane_files,
     xspace::{self, Event, Stat, assert_lines_nest, line_events, plane},
 };
@@ -397,44 +398,114 @@ fn sigterm_mid_capture_restores_the_level() {
 }
 
 #[test]
-fn a_killed_ebtrace_leaves_the_level_on_and_the_next_run_restores_it() {
-    if !require_root("a_killed_ebtrace_leaves_the_level_on_and_the_next_run_restores_it") {
+fn a_killed_ebtrace_has_the_level_restored_within_a_second() {
+    if !require_root("a_killed_ebtrace_has_the_level_restored_within_a_second") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = TraceMeWorkload::start(&[Toolchain::Gcc], &["--mode", "burst"]);
+    let (pid, level_at) = (workload.pid, workload.lib(Toolchain::Gcc).trace_level_addr);
+    let after = kill_mid_capture(
+        pid,
+        &["--max-events", "1000000000"],
+        "TraceMe recorder in",
+        || i64::from(read_i32(pid, level_at)),
+        -1,
+        Duration::from_millis(500),
+    );
+    assert!(
+        after
+            .stderr
+            .last()
+            .unwrap()
+            .contains("level 2 set by ebtrace"),
+        "{:?}",
+        after.stderr
+    );
+    let restored_in = after.restored_in.unwrap_or_else(|| {
+        panic!(
+            "level still {} 1 s after ebtrace's SIGKILL",
+            read_i32(pid, level_at)
+        )
+    });
+    eprintln!("level restored {restored_in:?} after the SIGKILL; {after:?}");
+    // The recorder's queues grew while recording was on, and stopped.
+    assert!(
+        after.growth_recording > 1 << 20,
+        "resident memory grew only {} bytes while recording",
+        after.growth_recording
+    );
+    assert!(
+        after.growth_after * 10 < after.growth_recording,
+        "still growing after the restore: {} bytes (recording: {})",
+        after.growth_after,
+        after.growth_recording
+    );
+    assert!(workload.is_running());
+    assert!(no_marker_names(pid), "a marker of pid {pid} is left");
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while !guards_running().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        guards_running(),
+        Vec::<u32>::new(),
+        "the guard outlived its job"
+    );
+    workload.stop();
+}
+
+/// True if no marker under /run/ebtrace names `pid`.
+fn no_marker_names(pid: u32) -> bool {
+    std::fs::read_dir("/run/ebtrace").map_or(true, |entries| {
+        !entries.flatten().any(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(&format!("traceme-{pid}-")))
+        })
+    })
+}
+
+#[test]
+fn a_level_left_on_by_a_killed_ebtrace_and_guard_is_restored_by_any_next_start() {
+    if !require_root("a_level_left_on_by_a_killed_ebtrace_and_guard_is_restored_by_any_next_start")
+    {
         return;
     }
     let _serial = serial();
     let mut workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
     let dir = TempDir::new("traceme-sigkill");
     let (mut child, _) = start_long_capture(workload.pid, &dir);
-    std::thread::sleep(Duration::from_millis(300));
+    let guards = guards_running();
+    assert_eq!(guards.len(), 1, "one guard per ebtrace: {guards:?}");
+    // Both gone at once: nothing of ebtrace's runs to restore the level.
+    signal(guards[0], libc::SIGKILL);
     signal(child.id(), libc::SIGKILL);
     let _ = child.wait();
-    // The target runs on, still recording into its own queues.
-    let queued_before = workload.progress();
-    assert!(workload.wait_progress(queued_before, Duration::from_secs(5)));
-    assert!(workload.is_running());
+    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
     assert!(xplane_files(dir.path()).is_empty());
 
-    // The next capture recognizes ebtrace's own level and restores it.
+    // Any next ebtrace, whatever it traces, puts it back at its start.
+    let mut other = std::process::Command::new("sleep")
+        .arg("5")
+        .spawn()
+        .expect("sleep");
     let next = TempDir::new("traceme-after-kill");
-    let out = run_capture(workload.pid, &next, &["-d", "300ms"]);
+    let out = record(&other.id().to_string(), "100ms", &next, &[]);
+    let _ = other.kill();
+    let _ = other.wait();
     let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("left on by an ebtrace that was killed"),
+        stderr.contains(&format!("pid {}: TraceMe gate", workload.pid))
+            && stderr.contains("by an ebtrace that died"),
         "{stderr}"
     );
     assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    assert!(no_marker_names(workload.pid));
     assert!(workload.is_running());
-    let tids = workload.threads.clone();
-    let (_, log) = workload.stop();
-    let space = trace(&next);
-    assert_matches_log(&space, &log, &tids);
-    // Until then, the target queued events nobody collected.
-    let (next_start, _) = xspace::profile_window(&space);
-    assert!(
-        log.iter()
-            .any(|e| e.start > 0 && (e.start as u64) < next_start)
-    );
+    workload.stop();
 }
 
 #[test]

@@ -380,6 +380,7 @@ impl Capture {
         let spans = add_traceme_spans(timeline, &self.traceme_events);
         let notes = &mut timeline.stats.notes;
         notes.extend(self.traceme.recorders.iter().map(|r| r.describe()));
+        notes.extend(self.traceme.left_in_targets());
         notes.push(format!(
             "TraceMe: {} events recorded, {} spans on the thread lines \
              ({} outside the window, {} unpaired activity halves, {} cut to nest)",

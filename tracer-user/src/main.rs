@@ -26,6 +26,9 @@ fn main() {
     let result = match &cli.command {
         Some(Command::Record(args)) => record::run(args),
         Some(Command::Serve(args)) => serve::run(args),
+        Some(Command::RestoreGuard { lifeline_fd }) => {
+            std::process::exit(ebtrace::attach::traceme::guard::run(*lifeline_fd))
+        }
         None => record::run(&cli.record),
     };
     if let Err(err) = result {

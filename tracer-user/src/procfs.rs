@@ -164,6 +164,15 @@ pub fn start_time_ticks(pid: u32) -> Option<u64> {
     after_comm.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Resident memory of a process in bytes (`/proc/PID/statm`).
+pub fn resident_bytes(pid: u32) -> Option<u64> {
+    let statm = fs::read_to_string(proc_root().join(pid.to_string()).join("statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).unwrap_or(4096))
+}
+
 fn read_tgid(pid: u32) -> Option<u32> {
     let status = fs::read_to_string(proc_root().join(pid.to_string()).join("status")).ok()?;
     status

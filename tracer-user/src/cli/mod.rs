@@ -37,6 +37,14 @@ pub enum Command {
     /// that jax.collect_profile, tf.profiler and XProf's "Capture profile"
     /// can capture them.
     Serve(serve::ServeArgs),
+    /// Internal: the process that puts back the TraceMe gates ebtrace
+    /// switched on if ebtrace dies without doing it (started by ebtrace).
+    #[command(name = "restore-guard", hide = true)]
+    RestoreGuard {
+        /// The lifeline ebtrace holds (a memfd descriptor).
+        #[arg(long = "lifeline-fd")]
+        lifeline_fd: Option<i32>,
+    },
 }
 
 #[derive(Debug, Clone, Args)]

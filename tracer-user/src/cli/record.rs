@@ -25,6 +25,7 @@ const TICK: Duration = Duration::from_millis(50);
 pub fn run(args: &RecordArgs) -> Result<()> {
     let targets = open_targets(&args.pids)?;
     check_privileges()?;
+    crate::attach::traceme::prepare_gates();
     logdir::check_writable(&args.logdir)?;
 
     // Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is

@@ -72,6 +72,7 @@ fn parse_bind(s: &str) -> Result<SocketAddr, String> {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
+    crate::attach::traceme::prepare_gates();
     let watch = if args.discover {
         WatchMode::Discover {
             interval: args.discover_interval,

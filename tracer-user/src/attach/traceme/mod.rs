@@ -9,13 +9,14 @@
 //! recorder is simply traced without TraceMe events.
 
 pub mod discover;
-pub mod level;
+pub mod guard;
+pub mod switch;
 
 use std::num::NonZeroU32;
 
 use aya::programs::{UProbe, uprobe::UProbeScope};
 pub use discover::{Discovery, Recorder, StringLayout, discover};
-pub use level::{LevelState, TraceLevelSwitch};
+pub use switch::{LevelState, TraceLevelSwitch};
 use tracer_common::traceme::{names, stat};
 
 use super::ProbeSet;
@@ -24,6 +25,18 @@ use crate::error::{Error, Result};
 /// How long a TraceMe that passed the level check just before the level
 /// was restored may take to reach `Record` (a preempted thread).
 const IN_FLIGHT_GRACE: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Run at every start, whatever is traced, before any probe is attached:
+/// cleans up after ebtraces that died and whose guard died too (see
+/// [`switch::sweep_markers`]), printing one line per gate put back, and
+/// starts this run's [`guard`].
+pub fn prepare_gates() {
+    for line in switch::sweep_markers(std::path::Path::new(switch::MARKER_DIR)) {
+        eprintln!("ebtrace: {line}");
+    }
+    // A failure shows again, with its consequence, when a gate is to be set.
+    let _ = guard::start();
+}
 
 /// What the user asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +110,9 @@ pub struct TraceMeProbe {
     level: i32,
     stopped_early: bool,
     warnings: Vec<String>,
+    /// Resident memory of each process ebtrace switched recording on in,
+    /// when it did, and when it switched it off again.
+    resident: std::collections::BTreeMap<u32, (u64, Option<u64>)>,
 }
 
 impl TraceMeProbe {
@@ -155,13 +171,44 @@ impl TraceMeProbe {
     pub fn enable(&mut self) {
         for r in &mut self.recorders {
             if let Some(address) = r.recorder.trace_level_address {
-                r.switch = Some(TraceLevelSwitch::engage(
-                    r.recorder.pid,
-                    address,
-                    self.level,
-                ));
+                let pid = r.recorder.pid;
+                let switch = TraceLevelSwitch::engage(pid, address, self.level);
+                if matches!(switch.state(), LevelState::Enabled { .. }) {
+                    let now = crate::procfs::resident_bytes(pid).unwrap_or(0);
+                    self.resident.entry(pid).or_insert((now, None));
+                }
+                r.switch = Some(switch);
             }
         }
+    }
+
+    /// Notes resident memory where recording was just switched off.
+    fn measure_left_behind(&mut self) {
+        for (pid, (_, after)) in &mut self.resident {
+            if after.is_none() {
+                *after = crate::procfs::resident_bytes(*pid);
+            }
+        }
+    }
+
+    /// One line per process ebtrace made record: what stays in its memory.
+    pub fn left_in_targets(&self) -> Vec<String> {
+        let events = self.events;
+        self.resident
+            .iter()
+            .map(|(pid, (before, after))| {
+                let growth = match after {
+                    Some(after) => format!(
+                        "its resident memory grew by {:.1} MiB while recording was on",
+                        (*after as f64 - *before as f64) / (1024.0 * 1024.0)
+                    ),
+                    None => "recording is still on".to_string(),
+                };
+                format!(
+                    "pid {pid}: the TraceMe events ebtrace had it record ({events} in all                      targets) stay in its memory until a profiler session of its own drains                      them; {growth} (--max-events bounds this)"
+                )
+            })
+            .collect()
     }
 
     /// Counts `new_events` events; past `max_events`, stops enabling.
@@ -181,6 +228,7 @@ impl TraceMeProbe {
                 }
             }
             if restored {
+                self.measure_left_behind();
                 self.warnings.push(format!(
                     "TraceMe recording switched off after {} events (--max-events {}); later events are missing",
                     self.events, self.max_events
@@ -203,6 +251,7 @@ impl TraceMeProbe {
             }
         }
         if restored {
+            self.measure_left_behind();
             std::thread::sleep(IN_FLIGHT_GRACE);
         }
     }
