@@ -7,10 +7,13 @@ use std::{
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    time::Duration,
 };
 
 use ebtrace_tests::{
-    TempDir, record, require_root, serial, signal,
+    TempDir,
+    killed::kill_mid_capture,
+    record, require_root, serial, signal,
     traceme::read_i32,
     workspace_root, xplane_files,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
@@ -167,6 +170,16 @@ fn jax_traceme_events_appear_and_the_level_is_restored() {
         "step_num not consecutive: {nums:?}"
     );
     assert!(matches!(steps[0].stats["step_num"], Stat::I64(_)));
+    // StepTraceAnnotation around each: the same steps, marked `_r=1`.
+    let train: Vec<i64> = main
+        .iter()
+        .filter(|e| e.name == "train")
+        .map(|e| e.stats["step_num"].as_i64())
+        .collect();
+    assert!(
+        train.len() + 1 >= steps.len() && train.iter().all(|n| nums.contains(n)),
+        "StepTraceAnnotation steps {train:?} vs TraceAnnotation steps {nums:?}"
+    );
     let inside = steps
         .iter()
         .filter(|s| {
@@ -224,4 +237,54 @@ fn jax_traceme_events_appear_and_the_level_is_restored() {
         shown["PjitFunction(step)"].as_u64().unwrap_or(0) >= 50,
         "{shown}"
     );
+}
+
+#[test]
+fn a_killed_ebtrace_leaves_jax_as_it_found_it() {
+    if !require_root("a_killed_ebtrace_leaves_jax_as_it_found_it") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = JaxWorkload::start(&python);
+    let pid = workload.pid;
+    let level_at = jaxlib_trace_level_address(pid);
+    let after = kill_mid_capture(
+        pid,
+        &["--max-events", "1000000000"],
+        "TraceMe recorder in libjax_common.so",
+        || i64::from(read_i32(pid, level_at)),
+        -1,
+        Duration::from_secs(1),
+    );
+    assert!(
+        after
+            .stderr
+            .last()
+            .unwrap()
+            .contains("level 2 set by ebtrace"),
+        "{:?}",
+        after.stderr
+    );
+    assert!(
+        after.restored_in.is_some(),
+        "level still {} 1 s after ebtrace's SIGKILL",
+        read_i32(pid, level_at)
+    );
+    eprintln!("{after:?}");
+    // jaxlib's recorder grew while recording was on, and stopped.
+    assert!(
+        after.growth_recording > 256 << 10,
+        "resident memory grew only {} bytes while recording",
+        after.growth_recording
+    );
+    assert!(
+        after.growth_after * 4 < after.growth_recording,
+        "still growing after the restore: {} bytes (recording: {})",
+        after.growth_after,
+        after.growth_recording
+    );
+    signal(pid, libc::SIGTERM);
 }

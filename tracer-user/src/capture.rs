@@ -227,6 +227,7 @@ impl Capture {
     pub fn traceme_notes(&self) -> Vec<String> {
         let mut lines = self.traceme.notes.clone();
         lines.extend(self.traceme.recorders.iter().map(|r| r.describe()));
+        lines.extend(self.traceme.python_gates.iter().map(|g| g.describe()));
         lines
     }
 
@@ -380,6 +381,7 @@ impl Capture {
         let spans = add_traceme_spans(timeline, &self.traceme_events);
         let notes = &mut timeline.stats.notes;
         notes.extend(self.traceme.recorders.iter().map(|r| r.describe()));
+        notes.extend(self.traceme.python_gates.iter().map(|g| g.describe()));
         notes.extend(self.traceme.left_in_targets());
         notes.push(format!(
             "TraceMe: {} events recorded, {} spans on the thread lines \

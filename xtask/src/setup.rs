@@ -20,10 +20,16 @@ const XPROF_PROBE_MODULE: &str = "xprof.convert.raw_to_tool_data";
 /// traced. jax and jaxlib are 88 MB of wheels (plus numpy and scipy; 540 MB
 /// installed), and the whole venv installs in about 40 s. The serve tests
 /// talk to the server through xprof's capture client, the same C++ code as
-/// TensorFlow's `client.trace`, so TensorFlow (a 274 MB wheel) is not
-/// installed.
+/// TensorFlow's `client.trace`.
 const JAX_VERSION: &str = "0.10.2";
 const JAX_PROBE_MODULE: &str = "jax.collect_profile";
+/// The TensorFlow release (CPU build) whose TraceMe gates the TraceMe
+/// interop test switches: `tf.profiler.experimental.Trace` steps of an
+/// unmodified TensorFlow process. A 274 MB wheel, 1.4 GB installed, about
+/// a minute to install. Its version is checked through the package
+/// metadata: importing TensorFlow takes seconds.
+const TENSORFLOW_PACKAGE: &str = "tensorflow-cpu";
+const TENSORFLOW_VERSION: &str = "2.21.0";
 
 /// Debian packages: (package, why).
 const APT_BASE: &[(&str, &str)] = &[
@@ -163,12 +169,13 @@ fn python_venv(root: &Path) -> Result<()> {
     let venv = root.join(".venv");
     let python = venv.join("bin/python");
     let import = format!(
-        "import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}, jax, jaxlib; \
-         assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'"
+        "import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}, jax, jaxlib, importlib.metadata; \
+         assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'; \
+         assert importlib.metadata.version('{TENSORFLOW_PACKAGE}') == '{TENSORFLOW_VERSION}'"
     );
     if succeeds(Command::new(&python).args(["-c", &import])) {
         say(format!(
-            "ok: {} has xprof and jax {JAX_VERSION}",
+            "ok: {} has xprof, jax {JAX_VERSION} and TensorFlow {TENSORFLOW_VERSION}",
             venv.display()
         ));
         return Ok(());
@@ -182,10 +189,12 @@ fn python_venv(root: &Path) -> Result<()> {
         &format!("xprof=={XPROF_VERSION}"),
         &format!("jax=={JAX_VERSION}"),
         &format!("jaxlib=={JAX_VERSION}"),
+        &format!("{TENSORFLOW_PACKAGE}=={TENSORFLOW_VERSION}"),
     ]))?;
     if !succeeds(Command::new(&python).args(["-c", &import])) {
         bail!(
-            "xprof {XPROF_VERSION} and jax {JAX_VERSION} installed into {} but `{import}` fails",
+            "xprof {XPROF_VERSION}, jax {JAX_VERSION} and TensorFlow {TENSORFLOW_VERSION} \
+             installed into {} but `{import}` fails",
             venv.display()
         );
     }

@@ -5,6 +5,16 @@
 //!
 //! A process may hold several copies (jaxlib and libtpu each carry one);
 //! each is a separate [`Recorder`].
+//!
+//! Besides the level, TensorFlow 2.21 gates its Python-level TraceMes
+//! (`tf.profiler.experimental.Trace`, `tf.function` calls) with an exported
+//! `std::atomic<bool>`, `xla::profiler::traceme_enabled`, that its own
+//! profiler session sets; it lives in `lib_pywrap_tensorflow_common.so`,
+//! not in the object of the recorder those events reach, so every object
+//! is searched for it too ([`PythonGate`]). jaxlib carries an unexported
+//! copy nothing reads (its `TraceAnnotation` checks the level alone), and
+//! libtpu none. TensorFlow up to 2.20 kept that gate in a Python module
+//! variable, which cannot be written from outside: such a process is noted.
 
 use std::{
     path::PathBuf,
@@ -38,6 +48,18 @@ const NAMESPACES: [Names; 2] = [
 /// Common to both `Record` names: objects whose string tables lack it are
 /// skipped without a symbol pass.
 const RECORD_NEEDLE: &[u8] = b"15TraceMeRecorder6RecordEONS1_5EventE";
+
+/// `tsl::profiler::internal::g_trace_filter_bitmap`: a TraceMe records only
+/// if its filter mask meets it; all ones unless a session set a mask.
+const FILTER_BITMAP: &str = "_ZN3tsl8profiler8internal21g_trace_filter_bitmapE";
+
+/// `xla::profiler::traceme_enabled`, the Python-level TraceMe gate.
+const PYTHON_GATE: &str = "_ZN3xla8profiler15traceme_enabledE";
+/// `xla::profiler::PythonHookContext::EnableTraceMe(bool)`: where the gate
+/// was a Python module variable (TensorFlow up to 2.20).
+const PYTHON_GATE_IN_PYTHON: &str = "_ZN3xla8profiler17PythonHookContext13EnableTraceMeEb";
+/// Common to both: objects without it need no symbol pass for the gate.
+const PYTHON_GATE_NEEDLE: &[u8] = b"_ZN3xla8profiler";
 
 /// How the object's `std::string` (the event name) is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -160,6 +182,8 @@ pub struct Recorder {
     pub record_address: u64,
     /// Address of `g_trace_level` in the process, if the object has it.
     pub trace_level_address: Option<u64>,
+    /// Address of `g_trace_filter_bitmap` in the process, if it has it.
+    pub filter_bitmap_address: Option<u64>,
     /// Symbols looked at, and how long the lookup took.
     pub symbols: usize,
     pub lookup_time: Duration,
@@ -169,6 +193,22 @@ pub struct Recorder {
 }
 
 impl Recorder {
+    pub fn file_name(&self) -> &str {
+        self.object.rsplit('/').next().unwrap_or(&self.object)
+    }
+}
+
+/// The Python-level TraceMe gate of a process (TensorFlow 2.21 and later).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PythonGate {
+    pub pid: u32,
+    /// The object's path as the process sees it.
+    pub object: String,
+    /// Address of `xla::profiler::traceme_enabled` (one byte).
+    pub address: u64,
+}
+
+impl PythonGate {
     pub fn file_name(&self) -> &str {
         self.object.rsplit('/').next().unwrap_or(&self.object)
     }
@@ -186,6 +226,11 @@ pub struct Unusable {
 pub struct Discovery {
     pub recorders: Vec<Recorder>,
     pub unusable: Vec<Unusable>,
+    /// Exported Python TraceMe gates, to switch with the level.
+    pub python_gates: Vec<PythonGate>,
+    /// Objects that gate Python TraceMes in Python itself (older
+    /// TensorFlow): those events cannot be switched on from outside.
+    pub python_gates_in_python: Vec<String>,
     /// Objects mapped in the process (all were looked at).
     pub objects: usize,
     pub elapsed: Duration,
@@ -200,7 +245,12 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
         ..Discovery::default()
     };
     for object in &objects {
-        match inspect(object) {
+        let path = object.open_path();
+        // Unreadable or non-ELF mappings (fonts, caches, ...) hold neither.
+        let Ok(elf) = ElfObject::open(&path, Some(object.inode)) else {
+            continue;
+        };
+        match inspect(object, &elf, path) {
             Ok(Some(recorder)) => found.recorders.push(recorder),
             Ok(None) => {}
             Err(reason) => found.unusable.push(Unusable {
@@ -208,6 +258,7 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
                 reason,
             }),
         }
+        inspect_python_gate(object, &elf, &mut found);
     }
     found.elapsed = began.elapsed();
     for r in &mut found.recorders {
@@ -217,21 +268,45 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
     Ok(found)
 }
 
+/// The exported Python TraceMe gate in one object, if it has one.
+fn inspect_python_gate(object: &MappedObject, elf: &ElfObject, found: &mut Discovery) {
+    if !elf.strings_contain(PYTHON_GATE_NEEDLE) {
+        return;
+    }
+    let Ok(scan) = elf.scan(&[PYTHON_GATE, PYTHON_GATE_IN_PYTHON], |_| false) else {
+        return;
+    };
+    match (&scan.found[0], &scan.found[1]) {
+        // Unexported copies (jaxlib's) have no reader outside their object.
+        (Some(gate), _) if gate.exported && !gate.function => {
+            if let Some(bias) = object.load_bias(elf.segments(), page_size()) {
+                found.python_gates.push(PythonGate {
+                    pid: object.pid,
+                    object: object.path.clone(),
+                    address: bias.wrapping_add(gate.vaddr),
+                });
+            }
+        }
+        (None, Some(_)) => found.python_gates_in_python.push(object.path.clone()),
+        _ => {}
+    }
+}
+
 /// The recorder in one object: `Ok(None)` if it has none, `Err(why)` if it
 /// has one that cannot be used.
-fn inspect(object: &MappedObject) -> Result<Option<Recorder>, String> {
-    let path = object.open_path();
-    // Unreadable or non-ELF mappings (fonts, caches, ...) cannot hold one.
-    let Ok(elf) = ElfObject::open(&path, Some(object.inode)) else {
-        return Ok(None);
-    };
+fn inspect(
+    object: &MappedObject,
+    elf: &ElfObject,
+    path: PathBuf,
+) -> Result<Option<Recorder>, String> {
     if !elf.strings_contain(RECORD_NEEDLE) {
         return Ok(None);
     }
-    let wanted: Vec<&str> = NAMESPACES
+    let mut wanted: Vec<&str> = NAMESPACES
         .iter()
         .flat_map(|n| [n.record, n.trace_level])
         .collect();
+    wanted.push(FILTER_BITMAP);
     let finders = NamespaceFinders::new();
     let mut votes = LayoutVotes::default();
     let scan = elf
@@ -262,6 +337,11 @@ fn inspect(object: &MappedObject) -> Result<Option<Recorder>, String> {
         record_offset,
         record_address: bias.wrapping_add(record.vaddr),
         trace_level_address: trace_level.map(|s| bias.wrapping_add(s.vaddr)),
+        // Only TSL's copy has a filter.
+        filter_bitmap_address: (names.namespace == "tsl")
+            .then(|| scan.found[2 * NAMESPACES.len()])
+            .flatten()
+            .map(|s| bias.wrapping_add(s.vaddr)),
         symbols: scan.symbols,
         lookup_time: scan.elapsed,
         objects: 0,
@@ -310,5 +390,6 @@ mod tests {
         assert!(found.objects > 0);
         assert!(found.recorders.is_empty());
         assert!(found.unusable.is_empty());
+        assert!(found.python_gates.is_empty() && found.python_gates_in_python.is_empty());
     }
 }

@@ -319,10 +319,14 @@ impl Ledger {
         }
     }
 
-    /// ebtrace is gone: restores what it left armed.
+    /// ebtrace is gone: restores what it left armed, Python gates (one
+    /// byte) before levels, as ebtrace itself does.
     fn restore_all(&self) -> Vec<String> {
-        self.armed
-            .values()
+        let (flags, levels): (Vec<&Armed>, Vec<&Armed>) =
+            self.armed.values().partition(|a| a.cell.width == 1);
+        flags
+            .into_iter()
+            .chain(levels)
             .filter_map(Armed::restore_if_ours)
             .collect()
     }

@@ -15,7 +15,7 @@ pub mod switch;
 use std::num::NonZeroU32;
 
 use aya::programs::{UProbe, uprobe::UProbeScope};
-pub use discover::{Discovery, Recorder, StringLayout, discover};
+pub use discover::{Discovery, PythonGate, Recorder, StringLayout, discover};
 pub use switch::{LevelState, TraceLevelSwitch};
 use tracer_common::traceme::{names, stat};
 
@@ -98,10 +98,47 @@ impl AttachedRecorder {
     }
 }
 
+/// A process's Python TraceMe gate and its switch.
+#[derive(Debug)]
+pub struct AttachedPythonGate {
+    pub gate: PythonGate,
+    /// `None` until recording is switched on; never engaged where ebtrace
+    /// did not switch the process's level on itself.
+    pub switch: Option<TraceLevelSwitch>,
+    /// Times a session of the process's own cleared it under ebtrace.
+    pub cleared: u64,
+}
+
+impl AttachedPythonGate {
+    pub fn describe(&self) -> String {
+        let g = &self.gate;
+        let state = match self.switch.as_ref().map(TraceLevelSwitch::state) {
+            None => "left alone (ebtrace did not switch this process's level on)".to_string(),
+            Some(LevelState::Enabled { .. }) => "set by ebtrace".to_string(),
+            Some(LevelState::Restored { .. }) => "set by ebtrace, restored".to_string(),
+            Some(LevelState::InProcess { .. }) => "already set by the process".to_string(),
+            Some(other) => other.describe(),
+        };
+        let mut line = format!(
+            "pid {}: Python TraceMe gate xla::profiler::traceme_enabled in {}: {state}",
+            g.pid,
+            g.file_name()
+        );
+        if self.cleared > 0 {
+            line.push_str(&format!(
+                "; a profiler session of the process's own cleared it {} times, ebtrace set it again",
+                self.cleared
+            ));
+        }
+        line
+    }
+}
+
 /// The TraceMe probe family.
 #[derive(Debug, Default)]
 pub struct TraceMeProbe {
     pub recorders: Vec<AttachedRecorder>,
+    pub python_gates: Vec<AttachedPythonGate>,
     /// Lines for the user: what was found, or why nothing was.
     pub notes: Vec<String>,
     /// Events seen so far, and whether enabling stopped early.
@@ -138,6 +175,25 @@ impl TraceMeProbe {
                     continue;
                 }
             };
+            for object in &found.python_gates_in_python {
+                probe.notes.push(format!(
+                    "pid {pid}: {object} gates Python TraceMes (tf.profiler.experimental.Trace) in \
+                     a Python variable that cannot be set from outside (TensorFlow 2.20 or older): \
+                     those events are missing unless a profiler session of the process's own runs"
+                ));
+            }
+            probe
+                .python_gates
+                .extend(
+                    found
+                        .python_gates
+                        .into_iter()
+                        .map(|gate| AttachedPythonGate {
+                            gate,
+                            switch: None,
+                            cleared: 0,
+                        }),
+                );
             for u in &found.unusable {
                 probe.notes.push(format!(
                     "pid {pid}: TraceMe recorder in {} not usable: {}",
@@ -180,6 +236,50 @@ impl TraceMeProbe {
                 r.switch = Some(switch);
             }
         }
+        // The Python gate after the level, and only where ebtrace took the
+        // level itself: otherwise a session of the process's own runs, and
+        // it set the gate already.
+        let enabled: Vec<u32> = self.resident.keys().copied().collect();
+        for g in &mut self.python_gates {
+            if enabled.contains(&g.gate.pid) {
+                g.switch = Some(TraceLevelSwitch::engage_flag(g.gate.pid, g.gate.address));
+            }
+        }
+        for r in &self.recorders {
+            if let Some(address) = r.recorder.filter_bitmap_address
+                && let Some(w) = check_filter(r.recorder.pid, address)
+            {
+                self.warnings.push(w);
+            }
+        }
+    }
+
+    /// A profiler session of the process's own that stops clears the
+    /// Python gate whoever set it, while ebtrace still holds the level (a
+    /// session cannot start while ebtrace holds it): set it again.
+    fn keep_python_gates(&mut self) {
+        for g in &mut self.python_gates {
+            if let Some(s) = &g.switch
+                && matches!(s.state(), LevelState::Enabled { .. })
+                && s.cell().read().ok() == Some(0)
+                && s.cell().write(1).is_ok()
+            {
+                g.cleared += 1;
+            }
+        }
+    }
+
+    /// Puts the Python gates back before the levels: a session of the
+    /// process's own that starts once the level is free sets its gate, and
+    /// must not find it cleared afterwards.
+    fn restore_python_gates(&mut self, early: bool) {
+        for g in &mut self.python_gates {
+            if let Some(s) = g.switch.as_mut()
+                && let Some(w) = s.restore(early)
+            {
+                self.warnings.push(w);
+            }
+        }
     }
 
     /// Notes resident memory where recording was just switched off.
@@ -214,8 +314,12 @@ impl TraceMeProbe {
     /// Counts `new_events` events; past `max_events`, stops enabling.
     pub fn count_events(&mut self, new_events: u64) {
         self.events += new_events;
+        if !self.stopped_early {
+            self.keep_python_gates();
+        }
         if self.events >= self.max_events && !self.stopped_early {
             self.stopped_early = true;
+            self.restore_python_gates(true);
             let mut restored = false;
             for r in &mut self.recorders {
                 if let Some(s) = r.switch.as_mut()
@@ -241,6 +345,7 @@ impl TraceMeProbe {
     /// TraceMes already past the gate time to reach `Record` while the
     /// probes are still attached.
     pub fn restore(&mut self) {
+        self.restore_python_gates(false);
         let mut restored = false;
         for r in &mut self.recorders {
             if let Some(s) = r.switch.as_mut() {
@@ -284,6 +389,26 @@ impl TraceMeProbe {
             event_unreadable: sum(stat::EVENT_UNREADABLE),
             name_unreadable: sum(stat::NAME_UNREADABLE),
         }
+    }
+}
+
+/// A warning if `g_trace_filter_bitmap` (all ones unless a session of the
+/// process's own set a filter mask, which outlives that session) keeps
+/// TraceMes out.
+fn check_filter(pid: u32, address: u64) -> Option<String> {
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
+    let mut bytes = [0u8; 8];
+    std::os::unix::fs::FileExt::read_exact_at(&mem, &mut bytes, address).ok()?;
+    match u64::from_ne_bytes(bytes) {
+        u64::MAX => None,
+        0 => Some(format!(
+            "pid {pid}: its TraceMe filter (g_trace_filter_bitmap) is 0, set by an earlier \
+             profiler session of its own: it records no TraceMe at all"
+        )),
+        mask => Some(format!(
+            "pid {pid}: its TraceMe filter (g_trace_filter_bitmap) is {mask:#x}, set by an \
+             earlier profiler session of its own: TraceMes outside that mask are missing"
+        )),
     }
 }
 

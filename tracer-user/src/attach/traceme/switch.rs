@@ -251,7 +251,15 @@ pub fn sweep_markers(dir: &Path) -> Vec<String> {
     let Ok(entries) = fs::read_dir(dir) else {
         return restored;
     };
-    for entry in entries.flatten() {
+    // Python gates (one byte) before levels, as ebtrace itself restores.
+    let mut entries: Vec<fs::DirEntry> = entries.flatten().collect();
+    entries.sort_by_key(|e| {
+        fs::read_to_string(e.path())
+            .ok()
+            .and_then(|t| Marker::parse(&t))
+            .map_or(0, |m| m.width)
+    });
+    for entry in entries {
         let name = entry.file_name();
         let Some((pid, started, address)) = name.to_str().and_then(parse_marker_name) else {
             continue;
