@@ -14,6 +14,7 @@ pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
     setup::run_setup(root, setup::Options::default())?;
 
     // Cheapest checks first: a formatting slip fails in a second.
+    self_contained(root)?;
     say("checking formatting");
     run(cargo().current_dir(root).args(["fmt", "--all", "--check"]))?;
     say("running clippy");
@@ -52,5 +53,37 @@ pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
         ])
         .args(libtest_args))?;
     say("all checks passed");
+    Ok(())
+}
+
+/// A clone of the repository must pass on its own: no source, test or
+/// script may read files from outside it (a `shared/` checkout beside it,
+/// say). The recorded fixtures live in `tests/fixtures/`.
+fn self_contained(root: &Path) -> Result<()> {
+    let out = std::process::Command::new("git")
+        .current_dir(root)
+        .args([
+            "grep",
+            "-n",
+            "-E",
+            r"\.\./(\.\./)?shared/",
+            "--",
+            "*.rs",
+            "*.py",
+            "*.sh",
+            "*.toml",
+            ".ci/*",
+        ])
+        .output();
+    let Ok(out) = out else {
+        return Ok(());
+    };
+    let found = String::from_utf8_lossy(&out.stdout);
+    if let Some(first) = found.lines().next() {
+        anyhow::bail!(
+            "the repository reads files outside itself ({first}): copy what the tests need into \
+             tests/fixtures/ and read it from there"
+        );
+    }
     Ok(())
 }
