@@ -305,7 +305,9 @@ impl TraceMeProbe {
                     None => "recording is still on".to_string(),
                 };
                 format!(
-                    "pid {pid}: the TraceMe events ebtrace had it record ({events} in all                      targets) stay in its memory until a profiler session of its own drains                      them; {growth} (--max-events bounds this)"
+                    "pid {pid}: the TraceMe events recorded while ebtrace had recording on \
+                     ({events} in this capture) stay in its memory until a profiler session of \
+                     its own drains them; {growth} (--max-events bounds this)"
                 )
             })
             .collect()
