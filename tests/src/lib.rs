@@ -11,6 +11,7 @@ pub mod fixture;
 pub mod killed;
 pub mod serve;
 pub mod traceme;
+pub mod viewer;
 pub mod xprof;
 pub mod xspace;
 
@@ -69,27 +70,43 @@ pub fn ebtrace_bin() -> PathBuf {
     bin
 }
 
-/// A fresh, empty temporary directory, removed when dropped.
-pub struct TempDir(PathBuf);
+/// A fresh, empty temporary directory, removed when dropped (unless made
+/// with [`TempDir::kept`]).
+pub struct TempDir {
+    path: PathBuf,
+    keep: bool,
+}
 
 impl TempDir {
     pub fn new(tag: &str) -> Self {
         static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let p = std::env::temp_dir().join(format!("ebtrace-test-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).expect("create temp dir");
-        TempDir(p)
+        Self::fresh(p, false)
+    }
+
+    /// The directory `base/tag`, emptied, and kept after the test for a
+    /// person to look at (`base`: the test's `CARGO_TARGET_TMPDIR`).
+    pub fn kept(base: &str, tag: &str) -> Self {
+        Self::fresh(Path::new(base).join(tag), true)
+    }
+
+    fn fresh(path: PathBuf, keep: bool) -> Self {
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir { path, keep }
     }
 
     pub fn path(&self) -> &Path {
-        &self.0
+        &self.path
     }
 }
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
 

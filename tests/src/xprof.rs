@@ -40,8 +40,10 @@ pub fn python_with(modules: &[&str]) -> Option<PathBuf> {
 }
 
 /// Converts with `xspace_to_tool_data(..., "trace_viewer@")` and prints:
-/// process names by pid, thread names by "pid/tid" (and by "tid" alone in
-/// `rows`), complete-event counts by "pid/tid/name" (and by "tid/name" in
+/// process names by pid (and their thread counts, which decide whether the
+/// trace viewer opens them, in `thread_counts`), thread names by "pid/tid"
+/// (and by "tid" alone in `rows`, with the pid in `row_pids`),
+/// complete-event counts by "pid/tid/name" (and by "tid/name" in
 /// `row_events`), and per flow category the flow ids that leave
 /// (`flow_out`) and enter (`flow_in`) events.
 const SUMMARIZE: &str = r#"
@@ -54,14 +56,17 @@ shutil.copy(sys.argv[1], src)
 data, content_type = r.xspace_to_tool_data([src], "trace_viewer@", {})
 shutil.rmtree(d)
 j = json.loads(data)
-out = {"processes": {}, "threads": {}, "events": {}, "flows": {}, "rows": {}, "row_events": {}}
+out = {"processes": {}, "thread_counts": {}, "threads": {}, "events": {}, "flows": {},
+       "rows": {}, "row_pids": {}, "row_events": {}}
 for e in j["traceEvents"]:
     ph = e.get("ph")
     if ph == "M" and e.get("name") == "process_name":
         out["processes"][str(e["pid"])] = e["args"]["name"]
+        out["thread_counts"][str(e["pid"])] = e.get("thread_count")
     elif ph == "M" and e.get("name") == "thread_name":
         out["threads"][str(e["pid"]) + "/" + str(e["tid"])] = e["args"]["name"]
         out["rows"][str(e["tid"])] = e["args"]["name"]
+        out["row_pids"][str(e["tid"])] = e["pid"]
     elif ph == "X":
         key = str(e["pid"]) + "/" + str(e["tid"]) + "/" + e["name"]
         out["events"][key] = out["events"].get(key, 0) + 1

@@ -228,15 +228,18 @@ fn thread_states_match_schedstat_and_fixture() {
         assert_eq!(matched, wakeups.len(), "every wake-up has its flow");
     }
 
-    // Per-CPU lines mirror the threads' running slices.
+    // Per-CPU lines, on their own plane, mirror the threads' running
+    // slices.
+    assert!(host.lines.iter().all(|l| l.id < CPU_LINE_BASE));
+    let cpus = plane(&space, "/host:CPU per CPU");
     let burner_tid = i64::from(tid_of("cpu-burner"));
-    let on_cpu_lines: f64 = host
+    let on_cpu_lines: f64 = cpus
         .lines
         .iter()
-        .filter(|l| l.id >= CPU_LINE_BASE)
         .flat_map(|l| {
+            assert!(l.id >= CPU_LINE_BASE, "{}", l.id);
             assert!(l.name.starts_with("CPU "), "{}", l.name);
-            line_events(host, l.id)
+            line_events(cpus, l.id)
         })
         .filter(|e| e.stats["tid"].as_i64() == burner_tid)
         .map(|e| e.duration_ns)

@@ -41,6 +41,14 @@ const APT_BASE: &[(&str, &str)] = &[
     ("libc++-dev", "libc++ for the TraceMe test fixture"),
     ("libc++abi-dev", "libc++abi for the TraceMe test fixture"),
     ("binutils", "strip and nm for the TraceMe tests"),
+    (
+        "chromium",
+        "headless browser: the interop test opens XProf's trace viewer and screenshots it",
+    ),
+    (
+        "fonts-liberation",
+        "text in the headless browser's screenshots",
+    ),
 ];
 const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
 

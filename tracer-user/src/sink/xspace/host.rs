@@ -1,29 +1,91 @@
-//! The `/host:CPU` plane: one line per traced thread, its scheduling
-//! states with the spans of other sources laid above them and its instants
-//! (wake-ups, thread creation, exit), and one line per CPU.
+//! The host planes: `/host:CPU`, one line per traced thread with its
+//! scheduling states, the spans of other sources laid above them and its
+//! instants (wake-ups, thread creation, exit); the threads that stayed
+//! blocked through the whole capture, on a plane of their own; and one line
+//! per CPU, on another.
 //!
-//! Every line is streamed into the plane: a thread's three sources are each
+//! Every line is streamed into its plane: a thread's three sources are each
 //! sorted already, so they are merged as they are encoded.
 
 use rustc_hash::FxHashMap;
 
 use super::{
-    CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent, Stat, XPlaneBuilder,
-    flow_stat_value,
+    BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent,
+    PER_CPU_PLANE, Stat, XPlaneBuilder, flow_stat_value,
 };
 use crate::timeline::{
     MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
 };
 
-/// Builds the host plane; `ps` turns a timeline time into picoseconds from
-/// the profile start.
-pub(super) fn host_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder {
-    let mut host = XPlaneBuilder::new(0, HOST_CPU_PLANE);
-    let mut ids = SchedIds::new(&mut host);
-
+/// Builds the host planes, `/host:CPU` first, then those of the per-CPU
+/// lines and of the threads blocked throughout when they have lines; `ps`
+/// turns a timeline time into picoseconds from the profile start.
+///
+/// XProf's trace viewer shows each plane named `/host:CPU...` as a process
+/// of its own, and opens a process of more than 20 lines collapsed into
+/// one grey bar. A process's idle pool threads and the CPUs would take it
+/// past that; kept apart, `/host:CPU` holds the threads that ran, about
+/// those a profiler inside the process shows.
+pub(super) fn host_planes(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> Vec<XPlaneBuilder> {
+    let mut host = HostThreads::new(0, HOST_CPU_PLANE);
+    let mut blocked = HostThreads::new(3, BLOCKED_THREADS_PLANE);
     for t in timeline.threads.values() {
-        ids.prepare(&mut host, t);
-        let spans = InternedSpans::new(&mut host, &t.spans);
+        let process = timeline
+            .processes
+            .get(&t.pid)
+            .map_or("", |p| p.name.as_str());
+        let to = if blocked_throughout(t) {
+            &mut blocked
+        } else {
+            &mut host
+        };
+        to.write(t, process, ps);
+    }
+    let mut planes = vec![host.plane];
+    if let Some(cpus) = per_cpu_plane(timeline, ps) {
+        planes.push(cpus);
+    }
+    if blocked.lines > 0 {
+        planes.push(blocked.plane);
+    }
+    planes
+}
+
+/// Whether the capture saw `thread` do nothing: blocked from start to end,
+/// without a span or an instant.
+fn blocked_throughout(thread: &ThreadTrack) -> bool {
+    !thread.slices.is_empty()
+        && thread
+            .slices
+            .iter()
+            .all(|s| matches!(s.state, ThreadState::Blocked { .. }))
+        && thread.spans.is_empty()
+        && thread.marks.is_empty()
+}
+
+/// A plane of thread lines.
+struct HostThreads {
+    plane: XPlaneBuilder,
+    ids: SchedIds,
+    lines: usize,
+}
+
+impl HostThreads {
+    fn new(id: i64, name: &str) -> Self {
+        let mut plane = XPlaneBuilder::new(id, name);
+        let ids = SchedIds::new(&mut plane);
+        HostThreads {
+            plane,
+            ids,
+            lines: 0,
+        }
+    }
+
+    /// Writes `t`'s line (`process` is its process's name).
+    fn write(&mut self, t: &ThreadTrack, process: &str, ps: &impl Fn(u64) -> i64) {
+        let host = &mut self.plane;
+        self.ids.prepare(host, t);
+        let spans = InternedSpans::new(host, &t.spans);
         // Spans sit above the states: cut each state at every span edge.
         let mut edges: Vec<u64> = t
             .spans
@@ -32,7 +94,7 @@ pub(super) fn host_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> XPlan
             .collect();
         edges.sort_unstable();
         edges.dedup();
-        let ids = &ids;
+        let ids = &self.ids;
         let events = {
             let states = StateEvents {
                 slices: t.slices.iter(),
@@ -61,24 +123,28 @@ pub(super) fn host_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> XPlan
             });
             merge(merge(states, spans), marks)
         };
-        let process = timeline
-            .processes
-            .get(&t.pid)
-            .map_or(String::new(), |p| p.name.clone());
         let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
         host.write_line(t.tid.into(), &t.name, &display, events);
+        self.lines += 1;
     }
+}
 
-    // Each CPU slice is named after the thread it ran.
-    let (tid_stat, pid_stat) = (host.stat_metadata(TID), host.stat_metadata("pid"));
+/// The per-CPU lines, each slice named after the thread it ran; `None`
+/// when no CPU ran a traced thread.
+fn per_cpu_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> Option<XPlaneBuilder> {
+    if timeline.cpus.values().all(Vec::is_empty) {
+        return None;
+    }
+    let mut plane = XPlaneBuilder::new(2, PER_CPU_PLANE);
+    let (tid_stat, pid_stat) = (plane.stat_metadata(TID), plane.stat_metadata("pid"));
     let mut thread_event: FxHashMap<u32, i64> = FxHashMap::default();
     for slices in timeline.cpus.values() {
         for s in slices {
             thread_event
                 .entry(s.tid)
                 .or_insert_with(|| match timeline.threads.get(&s.tid) {
-                    Some(t) => host.event_metadata(&t.name),
-                    None => host.event_metadata(&format!("thread {}", s.tid)),
+                    Some(t) => plane.event_metadata(&t.name),
+                    None => plane.event_metadata(&format!("thread {}", s.tid)),
                 });
         }
     }
@@ -93,10 +159,9 @@ pub(super) fn host_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> XPlan
             ]),
         });
         let name = format!("CPU {cpu}");
-        host.write_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
+        plane.write_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
     }
-
-    host
+    Some(plane)
 }
 
 /// Merges two event streams sorted by [`LineEvent::order_key`]; on equal

@@ -1,9 +1,12 @@
 //! The XSpace sink: the timeline model as an XProf `XSpace`.
 //!
 //! Layout (conventions from TSL's `xplane_schema`):
-//! - `/host:CPU`: one line per traced thread (id = tid, name = thread name)
-//!   and one per CPU that ran a traced thread (id = [`CPU_LINE_BASE`] + cpu,
-//!   above any tid the kernel hands out and below XProf's derived-line ids).
+//! - `/host:CPU`: one line per traced thread (id = tid, name = thread name),
+//!   except those blocked through the whole capture, which have the same
+//!   lines on [`BLOCKED_THREADS_PLANE`].
+//! - [`PER_CPU_PLANE`]: one line per CPU that ran a traced thread (id =
+//!   [`CPU_LINE_BASE`] + cpu, above any tid the kernel hands out and below
+//!   XProf's derived-line ids).
 //! - `/device:GPU:<ordinal>` (plane id = ordinal): one line per stream (id =
 //!   stream id, named `Stream #<id>`) with the work the host submitted to
 //!   it; host-observed times, as the plane's `ebtrace_timing` stat says.
@@ -23,6 +26,13 @@ use prost::Message as _;
 use crate::timeline::{DeviceTrack, Timeline};
 
 pub const HOST_CPU_PLANE: &str = "/host:CPU";
+/// The per-CPU lines. XProf's trace viewer (2.22.3 and later) shows every
+/// plane whose name starts with `/host:CPU` as a process, in name order.
+pub const PER_CPU_PLANE: &str = "/host:CPU per CPU";
+/// The lines of the threads that stayed blocked through the whole capture:
+/// apart, they leave `/host:CPU` under the trace viewer's 20 lines past
+/// which it opens a process collapsed.
+pub const BLOCKED_THREADS_PLANE: &str = "/host:CPU threads blocked throughout";
 pub const TASK_ENV_PLANE: &str = "Task Environment";
 /// Prefix of the GPU planes; the device ordinal follows.
 pub const GPU_PLANE_PREFIX: &str = "/device:GPU:";
@@ -85,7 +95,7 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
 pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> {
     let start = timeline.start_ns;
     let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
-    let host = host::host_plane(timeline, &ps);
+    let host = host::host_planes(timeline, &ps);
 
     let devices = timeline
         .devices
@@ -149,7 +159,11 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
     );
     // The host plane is by far the largest: its buffer becomes the output
     // (fields may come in any order; XSpace's own follow its planes).
-    let mut out = host.into_field(1);
+    let mut host = host.into_iter();
+    let mut out = host.next().expect("/host:CPU comes first").into_field(1);
+    for plane in host {
+        out.extend_from_slice(&plane.into_field(1));
+    }
     for device in devices {
         out.extend_from_slice(&device.into_field(1));
     }
@@ -197,7 +211,9 @@ mod tests {
     use super::*;
     use crate::{
         clock::ClockSync,
-        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters, ThreadState, ThreadTrack},
+        timeline::{
+            CaptureStats, CpuSlice, StateSlice, TaskState, ThreadCounters, ThreadState, ThreadTrack,
+        },
     };
 
     fn offset_ps(e: &XEvent) -> i64 {
@@ -299,5 +315,101 @@ mod tests {
             .find(|s| stat_names[&s.metadata_id] == "profile_start_time")
             .unwrap();
         assert_eq!(start.value, Some(x_stat::Value::Uint64Value(1_001_000)));
+    }
+
+    fn thread(tid: u32, slices: Vec<StateSlice>) -> ThreadTrack {
+        ThreadTrack {
+            tid,
+            pid: 7,
+            name: format!("t{tid}"),
+            slices,
+            marks: vec![],
+            spans: vec![],
+            counters: ThreadCounters::default(),
+        }
+    }
+
+    #[test]
+    fn idle_threads_and_cpus_get_planes_of_their_own() {
+        let slice = |start_ns, end_ns, state| StateSlice {
+            start_ns,
+            end_ns,
+            state,
+        };
+        let blocked = ThreadState::Blocked {
+            state: TaskState::DiskSleep,
+        };
+        let mut threads = BTreeMap::new();
+        threads.insert(
+            7,
+            thread(
+                7,
+                vec![
+                    slice(1_000, 1_500, ThreadState::Running { cpu: 3 }),
+                    slice(1_500, 2_000, blocked),
+                ],
+            ),
+        );
+        threads.insert(8, thread(8, vec![slice(1_000, 2_000, blocked)]));
+        let mut cpus = BTreeMap::new();
+        cpus.insert(
+            3,
+            vec![CpuSlice {
+                start_ns: 1_000,
+                end_ns: 1_500,
+                tid: 7,
+                pid: 7,
+            }],
+        );
+        let tl = Timeline {
+            start_ns: 1_000,
+            stop_ns: 2_000,
+            clock: ClockSync::from_offset(0),
+            processes: BTreeMap::new(),
+            threads,
+            cpus,
+            devices: BTreeMap::new(),
+            stats: CaptureStats::default(),
+        };
+        let xs = timeline_to_xspace(&tl, "host");
+        let names: Vec<&str> = xs.planes.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                HOST_CPU_PLANE,
+                PER_CPU_PLANE,
+                BLOCKED_THREADS_PLANE,
+                TASK_ENV_PLANE
+            ]
+        );
+        let lines = |i: usize| -> Vec<(i64, &str)> {
+            xs.planes[i]
+                .lines
+                .iter()
+                .map(|l| (l.id, l.display_name.as_str()))
+                .collect()
+        };
+        assert_eq!(lines(0), [(7, "t7 [7] ( 7)")]);
+        assert_eq!(lines(1), [(CPU_LINE_BASE + 3, "CPU 3")]);
+        assert_eq!(lines(2), [(8, "t8 [8] ( 7)")]);
+        // The idle thread keeps its state, with its stats.
+        let idle = &xs.planes[2];
+        let event = &idle.lines[0].events[0];
+        assert_eq!(
+            (offset_ps(event), event.duration_ps),
+            (0, 1_000_000),
+            "spans the capture"
+        );
+        let name = |id: &i64| idle.event_metadata[id].name.as_str();
+        assert_eq!(name(&event.metadata_id), "Blocked");
+        let stat = &event.stats[0];
+        assert_eq!(idle.stat_metadata[&stat.metadata_id].name, "prev_state");
+        let Some(x_stat::Value::RefValue(text)) = stat.value else {
+            panic!("{stat:?}");
+        };
+        assert_eq!(
+            idle.stat_metadata[&(text as i64)].name,
+            TaskState::DiskSleep.describe()
+        );
     }
 }
