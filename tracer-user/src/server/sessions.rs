@@ -79,7 +79,7 @@ pub enum SessionError {
     NothingWatched(String),
     PidNotWatched { pid: u32, watched: Vec<u32> },
     Attach(String),
-    Save(String),
+    Response(String),
     ShuttingDown,
 }
 
@@ -102,7 +102,7 @@ impl fmt::Display for SessionError {
                     .join(", ")
             ),
             SessionError::Attach(e) => write!(f, "attaching the probes failed: {e}"),
-            SessionError::Save(e) => f.write_str(e),
+            SessionError::Response(e) => f.write_str(e),
             SessionError::ShuttingDown => f.write_str("the server is shutting down"),
         }
     }
@@ -383,7 +383,8 @@ impl Hub {
             if closed {
                 eprintln!(
                     "ebtrace: session {} for {}: the client went away; capture dropped",
-                    s.spec.session_id, s.spec.client
+                    s.spec.session_id.escape_debug(),
+                    s.spec.client
                 );
             }
             !closed
@@ -420,7 +421,7 @@ impl Hub {
                 None => match self.start_capture(s.spec.families) {
                     Ok(i) => i,
                     Err(e) => {
-                        eprintln!("ebtrace: session {}: {e}", s.spec.session_id);
+                        eprintln!("ebtrace: session {}: {e}", s.spec.session_id.escape_debug());
                         let _ = s.reply.send(Err(e));
                         continue;
                     }
@@ -544,8 +545,11 @@ impl Hub {
                         let _ = session.reply.send(Ok(response));
                     }
                     Err(e) => {
-                        eprintln!("ebtrace: session {}: {e}", session.spec.session_id);
-                        let _ = session.reply.send(Err(SessionError::Save(e)));
+                        eprintln!(
+                            "ebtrace: session {}: {e}",
+                            session.spec.session_id.escape_debug()
+                        );
+                        let _ = session.reply.send(Err(SessionError::Response(e)));
                     }
                 }
                 drop(timeline);
@@ -570,14 +574,17 @@ fn end_reason(s: &Session, shutting_down: bool) -> String {
     if shutting_down {
         "the server is shutting down".into()
     } else if s.terminated {
-        format!("Terminate({}) was received", s.spec.session_id)
+        format!(
+            "Terminate({}) was received",
+            s.spec.session_id.escape_debug()
+        )
     } else {
         "every traced process exited".into()
     }
 }
 
-/// The session's window of a running capture, restricted to the pids it
-/// asked for and cut short if it holds more than `max_events` events.
+/// The session's window of a running capture: its pids, at most its
+/// `max_events` events.
 fn session_timeline(
     r: &mut Running,
     s: &Session,
@@ -651,6 +658,11 @@ fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, D
     }
     if let Some(p) = &d.saved {
         line.push_str(&format!(", saved to {}", p.display()));
+    }
+    if let Some(why) = &d.not_saved {
+        line.push_str(&format!(
+            ", not saved on this server ({why}; the client saves it from the response)"
+        ));
     }
     if let Some(why) = &tl.stats.ended_early {
         line.push_str(&format!("; ended early: {why}"));
