@@ -127,6 +127,13 @@ impl CudaWorkload {
         }
     }
 
+    /// Lets it run its calls without waiting for them (for `--bench-seconds`,
+    /// which keeps launching until then, or until it is dropped).
+    pub fn go(&mut self) {
+        let mut stdin = self.stdin.take().expect("started once");
+        stdin.write_all(b"go\n").expect("signal the workload");
+    }
+
     /// Lets it run its calls, waits for it to exit and returns its report.
     pub fn run(mut self, deadline: Duration) -> serde_json::Value {
         let mut stdin = self.stdin.take().expect("started once");

@@ -1,6 +1,6 @@
 //! Running `ebtrace serve` under test: start it on a loopback port chosen
-//! by the kernel, talk to it with a real gRPC client, watch its log, its
-//! open descriptors and its memory.
+//! by the kernel, talk to it with a real gRPC client (or put raw bytes on
+//! the wire), watch its log, its open descriptors and its memory.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -16,8 +16,16 @@ use ebtrace_proto::tensorflow::{
     ProfileOptions, ProfileRequest, ProfileResponse, profile_options::AdvancedConfigValue,
     profiler::XSpace, profiler_service_client::ProfilerServiceClient,
 };
-use prost::Message as _;
-use tonic::transport::Channel;
+use prost::{
+    Message as _,
+    bytes::{Buf as _, BufMut as _},
+};
+use tonic::{
+    Status,
+    codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
+    codegen::http::uri::PathAndQuery,
+    transport::Channel,
+};
 
 use crate::ebtrace_bin;
 
@@ -177,6 +185,29 @@ impl ServeProcess {
             .max_decoding_message_size(usize::MAX)
     }
 
+    /// Its exit status, if it has exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().expect("try_wait")
+    }
+
+    /// Calls `method` of the service (e.g. `Profile`) with `body` as its
+    /// message, whatever it holds; answers the response's raw bytes.
+    pub async fn raw_call(&self, method: &str, body: Vec<u8>) -> Result<Vec<u8>, Status> {
+        let url = format!("http://{}", self.addrs[0]);
+        let channel = Channel::from_shared(url)
+            .expect("a valid URL")
+            .connect()
+            .await
+            .expect("connect to ebtrace serve");
+        let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
+        grpc.ready().await.expect("channel ready");
+        let path = format!("/tensorflow.ProfilerService/{method}");
+        let path = PathAndQuery::try_from(path).expect("a valid path");
+        grpc.unary(tonic::Request::new(body), path, RawCodec)
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
     /// Sends `sig` and waits for the exit (panics after `deadline`).
     pub fn signal_and_wait(&mut self, sig: i32, deadline: Duration) -> ExitStatus {
         crate::signal(self.pid(), sig);
@@ -200,6 +231,44 @@ impl Drop for ServeProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A gRPC codec for messages as raw bytes: sends them unchanged, so a
+/// test can put anything where a protobuf message belongs.
+pub struct RawCodec;
+
+impl Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = Status;
+
+    fn encode(&mut self, item: Vec<u8>, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
     }
 }
 

@@ -1,6 +1,9 @@
 //! Reading back the XSpace files ebtrace writes, with names resolved.
 
-use std::{collections::HashMap, path::Path};
+use std::{
+    collections::{BTreeSet, HashMap},
+    path::Path,
+};
 
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event, x_stat};
 use prost::Message as _;
@@ -163,4 +166,43 @@ pub fn profile_window(space: &XSpace) -> (u64, u64) {
         env["profile_start_time"].as_u64(),
         env["profile_stop_time"].as_u64(),
     )
+}
+
+/// The links between events that a viewer draws as arrows: wake-up flows
+/// (the `flow` stat, by direction) and CUDA correlation ids (on the host
+/// plane's driver calls, on the GPU planes' submitted work).
+#[derive(Clone, Debug, Default)]
+pub struct Links {
+    pub flows_out: BTreeSet<u64>,
+    pub flows_in: BTreeSet<u64>,
+    pub calls: BTreeSet<u64>,
+    pub submitted: BTreeSet<u64>,
+}
+
+/// Every link in `space`.
+pub fn links(space: &XSpace) -> Links {
+    let mut out = Links::default();
+    for plane in &space.planes {
+        let device = plane.name.starts_with("/device:GPU:");
+        let names: HashMap<i64, &str> = plane
+            .stat_metadata
+            .values()
+            .map(|m| (m.id, m.name.as_str()))
+            .collect();
+        for e in plane.lines.iter().flat_map(|l| &l.events) {
+            for s in &e.stats {
+                let Some(x_stat::Value::Uint64Value(v)) = s.value else {
+                    continue;
+                };
+                match names.get(&s.metadata_id) {
+                    Some(&"flow") if v & 3 == 2 => out.flows_out.insert(v >> 2),
+                    Some(&"flow") if v & 3 == 1 => out.flows_in.insert(v >> 2),
+                    Some(&"correlation_id") if device => out.submitted.insert(v),
+                    Some(&"correlation_id") => out.calls.insert(v),
+                    _ => false,
+                };
+            }
+        }
+    }
+    out
 }

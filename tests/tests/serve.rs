@@ -13,6 +13,7 @@ use ebtrace_proto::tensorflow::{
 };
 use ebtrace_tests::{
     TempDir,
+    cuda::CudaWorkload,
     fixture::{SchedWorkload, build_c_shared},
     require_root, serial,
     serve::{ServeProcess, event_count, now_ns, real_request, request, with_advanced, xspace_of},
@@ -572,6 +573,9 @@ fn the_server_saves_only_inside_the_allowed_directory() {
             );
         }
 
+        // Anywhere else the server writes nothing, says so, and still
+        // answers: the client saves the trace itself, as it would without
+        // --allow-write-under.
         let a = allowed.to_str().unwrap();
         let escapes = [
             (format!("{a}/../outside/plugins/profile"), "run", "h:1"),
@@ -581,17 +585,27 @@ fn the_server_saves_only_inside_the_allowed_directory() {
             (format!("{a}/logs"), "run", "../../h"),
             ("logs/relative".to_string(), "run", "h:1"),
         ];
-        for (root, session, host) in escapes {
+        for (i, (root, session, host)) in escapes.iter().enumerate() {
             let mut req = request(200);
             req.repository_root = root.clone();
-            req.session_id = session.into();
-            req.host_name = host.into();
-            let status = client.profile(req).await.unwrap_err();
-            assert_eq!(
-                status.code(),
-                Code::InvalidArgument,
-                "{root} {session} {host}: {status}"
-            );
+            req.session_id = session.to_string();
+            req.host_name = host.to_string();
+            let response = client
+                .profile(req)
+                .await
+                .unwrap_or_else(|s| panic!("{root} {session} {host}: {s}"))
+                .into_inner();
+            assert!(!response.empty_trace);
+            assert!(event_count(&xspace_of(&response)) > 0);
+            let said = Instant::now();
+            while server.count_lines("not saved on this server") <= i {
+                assert!(
+                    said.elapsed() < Duration::from_secs(5),
+                    "{root} {session} {host}: {:?}",
+                    server.lines()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
         assert!(xplane_files(&outside).is_empty());
         assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
@@ -608,6 +622,75 @@ fn the_server_saves_only_inside_the_allowed_directory() {
             .into_owned();
         client.profile(req).await.expect("profile");
         assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    });
+}
+
+/// Checks that every arrow a trace's events draw has both its ends.
+fn assert_links_have_both_ends(space: &XSpace, what: &str) {
+    let links = xspace::links(space);
+    assert_eq!(links.flows_out, links.flows_in, "{what}: wake-up flows");
+    assert_eq!(links.calls, links.submitted, "{what}: correlation ids");
+}
+
+#[test]
+fn max_events_bounds_the_answer_across_thread_and_gpu_tracks() {
+    if !require_root("max_events_bounds_the_answer_across_thread_and_gpu_tracks") {
+        return;
+    }
+    let _serial = serial();
+    block_on(async {
+        // Launches as fast as the stand-in driver takes them: about as many
+        // GPU stream events as driver calls on the launching thread.
+        let mut cuda = CudaWorkload::start(&["--bench-seconds", "120"]);
+        cuda.go();
+        let server = ServeProcess::loopback(&["--pid", &cuda.pid.to_string()]);
+        let mut client = server.client().await;
+        let whole = xspace_of(
+            &client
+                .profile(request(300))
+                .await
+                .expect("profile")
+                .into_inner(),
+        );
+        let total = event_count(&whole);
+        let on_gpu: usize = whole
+            .planes
+            .iter()
+            .filter(|p| p.name.starts_with("/device:GPU:"))
+            .flat_map(|p| &p.lines)
+            .map(|l| l.events.len())
+            .sum();
+        assert!(on_gpu > 1000, "{on_gpu} GPU events of {total}");
+        assert_links_have_both_ends(&whole, "whole window");
+
+        // Limits below the count of the thread lines alone, between it and
+        // the total, and near the total, asked at once (one set of probes).
+        let limits = [1, 300, 2 * total / 5, 3 * total / 4];
+        let mut calls = Vec::new();
+        for max in limits {
+            let mut client = server.client().await;
+            let mut req = request(300);
+            req.max_events = max as u64;
+            calls.push(tokio::spawn(
+                async move { (max, client.profile(req).await) },
+            ));
+        }
+        for call in calls {
+            let (max, answer) = call.await.unwrap();
+            let response = answer.unwrap_or_else(|s| panic!("max_events {max}: {s}"));
+            let space = xspace_of(&response.into_inner());
+            let events = event_count(&space);
+            assert!(events <= max, "max_events {max}: {events} events");
+            let cut = space.warnings.iter().any(|w| w.contains("max_events"));
+            assert!(cut || max > 300, "max_events {max}: {:?}", space.warnings);
+            for p in &space.planes {
+                xspace::assert_lines_nest(p);
+            }
+            assert_links_have_both_ends(&space, &format!("max_events {max}"));
+        }
+        // Still serving.
+        let after = client.profile(request(100)).await.expect("a capture after");
+        assert!(!after.into_inner().empty_trace);
     });
 }
 

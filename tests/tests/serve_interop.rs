@@ -80,6 +80,94 @@ fn jax_collect_profile_captures_an_unmodified_process() {
     assert_eq!(server.count_lines("ebtrace: session "), 1);
 }
 
+#[test]
+fn clients_succeed_against_a_server_allowed_to_write_elsewhere() {
+    if !require_root("clients_succeed_against_a_server_allowed_to_write_elsewhere") {
+        return;
+    }
+    let Some(python) = xprof::python_with(&[
+        "jax.collect_profile",
+        "xprof.convert._pywrap_profiler_plugin",
+        "xprof.convert.raw_to_tool_data",
+    ]) else {
+        return;
+    };
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let scratch = TempDir::new("serve-elsewhere");
+    let allowed = scratch.path().join("srv-xprof-logs");
+    std::fs::create_dir_all(&allowed).unwrap();
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--allow-write-under",
+        allowed.to_str().unwrap(),
+    ]);
+    let port = server.port().to_string();
+
+    // jax.collect_profile, its log directory outside the allowed one.
+    let mine = scratch.path().join("mine");
+    let out = run_python(
+        &python,
+        &[
+            "-m",
+            "jax.collect_profile",
+            &port,
+            "1000",
+            "--log_dir",
+            mine.to_str().unwrap(),
+            "--no_perfetto_link",
+        ],
+        Duration::from_secs(120),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "jax.collect_profile failed: {stdout}\n{}\nserver: {:?}",
+        String::from_utf8_lossy(&out.stderr),
+        server.lines()
+    );
+    let files = xplane_files(&mine);
+    assert_eq!(files.len(), 1, "{files:?}");
+    xprof::assert_shows_sched_workload(&python, &files[0], &workload);
+
+    // XProf's capture button, likewise.
+    let theirs = scratch.path().join("theirs");
+    let out = run_python(
+        &python,
+        &[
+            "-c",
+            CAPTURE_BUTTON,
+            &format!("localhost:{port}"),
+            theirs.to_str().unwrap(),
+            "2",
+            "1",
+        ],
+        Duration::from_secs(120),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains(r#""ok": true"#), "{stdout} {:?}", out);
+    assert_eq!(xplane_files(&theirs).len(), 1);
+
+    // One capture each (no retry), and the server wrote nothing itself.
+    assert_eq!(server.count_lines("ebtrace: session "), 2);
+    assert_eq!(
+        server.count_lines("not saved on this server"),
+        2,
+        "{:?}",
+        server.lines()
+    );
+    assert!(
+        server
+            .lines()
+            .iter()
+            .any(|l| l.contains(&format!("{:?}", mine.join("plugins/profile")))),
+        "{:?}",
+        server.lines()
+    );
+    assert_eq!(std::fs::read_dir(&allowed).unwrap().count(), 0);
+}
+
 /// What `xprof.profile_plugin`'s capture route (the web UI's "Capture
 /// profile" button) calls, with its defaults: levels 2/1/0, delay 0,
 /// `num_retry` 0 (one attempt). argv: address, logdir, host level,

@@ -3,7 +3,8 @@
 //! ping-pong (two threads of one process waking each other on one CPU, the
 //! serve benchmark's target) of `EBTRACE_BENCH_RECORDS` records (default
 //! 1,000,000), through the same stages a capture runs: sorting the records,
-//! the scheduling timeline, span nesting and the XSpace sink.
+//! the scheduling timeline, span nesting, its window (as `ebtrace record`
+//! applies it: no `max_events`) and the XSpace sink.
 //!
 //! Prints the median of `EBTRACE_BENCH_ROUNDS` rounds (default 5) per stage.
 
@@ -16,7 +17,7 @@ use ebtrace::{
     clock::ClockSync,
     collect::Record,
     sink::xspace::timeline_to_xspace_bytes,
-    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, nest_spans},
+    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Window, nest_spans},
 };
 use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
 
@@ -109,7 +110,8 @@ fn main() {
         })
         .collect();
 
-    let (mut sort, mut timeline, mut xspace) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut sort, mut timeline, mut window, mut xspace) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut events, mut bytes) = (0, 0);
     for _ in 0..rounds {
         let mut records = source.clone();
@@ -134,20 +136,23 @@ fn main() {
             nest_spans(&mut t.spans);
         }
         let t2 = Instant::now();
-        let encoded = timeline_to_xspace_bytes(&tl, "bench-host");
+        Window::between(START_NS, stop_ns).apply(&mut tl);
         let t3 = Instant::now();
-        events = tl
-            .threads
-            .values()
-            .map(|t| t.slices.len() + t.marks.len())
-            .sum::<usize>()
-            + tl.cpus.values().map(Vec::len).sum::<usize>();
+        let encoded = timeline_to_xspace_bytes(&tl, "bench-host");
+        let t4 = Instant::now();
+        events = tl.event_count();
         bytes = encoded.len();
         sort.push(t1 - t0);
         timeline.push(t2 - t1);
-        xspace.push(t3 - t2);
+        window.push(t3 - t2);
+        xspace.push(t4 - t3);
     }
-    let (sort, timeline, xspace) = (median(sort), median(timeline), median(xspace));
+    let (sort, timeline, window, xspace) = (
+        median(sort),
+        median(timeline),
+        median(window),
+        median(xspace),
+    );
     let per = |d: Duration, k: usize| d.as_nanos() as f64 / k.max(1) as f64;
     println!(
         "pipeline: {n} records -> {events} events, XSpace {:.1} MB (median of {rounds})",
@@ -164,13 +169,18 @@ fn main() {
         per(timeline, n)
     );
     println!(
+        "  window           {:>8.1} ms  {:>6.1} ns/record",
+        window.as_secs_f64() * 1e3,
+        per(window, n)
+    );
+    println!(
         "  XSpace (encoded) {:>8.1} ms  {:>6.1} ns/event",
         xspace.as_secs_f64() * 1e3,
         per(xspace, events)
     );
     println!(
         "  total            {:>8.1} ms",
-        (sort + timeline + xspace).as_secs_f64() * 1e3
+        (sort + timeline + window + xspace).as_secs_f64() * 1e3
     );
     assert!(events > 0 && bytes > 0);
 }

@@ -23,7 +23,7 @@ use crate::{
     procfs::{self, TargetProcess},
     timeline::{
         CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
-        Timeline, add_traceme_spans, nest_spans,
+        Timeline, Window, add_traceme_spans, nest_spans,
     },
 };
 
@@ -304,20 +304,21 @@ impl Capture {
                 traceme_kernel.event_unreadable, traceme_kernel.name_unreadable
             ));
         }
-        let timeline = self.timeline_between(self.start_ns, stop_ns, stats.dropped(), ended_early);
+        let window = Window::between(self.start_ns, stop_ns);
+        let timeline = self.timeline_of(&window, stats.dropped(), ended_early);
         Ok((timeline, stats))
     }
 
-    /// Builds the timeline of `[start_ns, stop_ns]` (monotonic) from what
-    /// has been drained so far, leaving the capture running: overlapping
-    /// windows can share one set of probes. `dropped` is reported as is.
-    pub fn timeline_between(
+    /// Builds the timeline `window` shows from what has been drained so
+    /// far, leaving the capture running: overlapping windows can share one
+    /// set of probes. `dropped` is reported as is.
+    pub fn timeline_of(
         &mut self,
-        start_ns: u64,
-        stop_ns: u64,
+        window: &Window,
         dropped: u64,
         ended_early: Option<String>,
     ) -> Timeline {
+        let stop_ns = window.stop_ns;
         // One ring buffer is shared by all CPUs; reservations are ordered,
         // timestamps taken just before them are not quite.
         self.records.sort_by_key(Record::ts);
@@ -327,7 +328,7 @@ impl Capture {
                 names.insert(tid, stat.comm);
             }
         }
-        let window_start = start_ns.max(self.start_ns);
+        let window_start = window.start_ns.max(self.start_ns);
         let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
         let mut builder = SchedTimelineBuilder::new(
             window_start,
@@ -370,6 +371,7 @@ impl Capture {
                  (stat {CLIPPED_STAT})"
             ));
         }
+        window.apply(&mut timeline);
         timeline
     }
 

@@ -66,12 +66,13 @@ impl ClockSync {
 
     /// Converts a monotonic timestamp (eBPF record time) to epoch ns.
     pub fn to_wall_ns(&self, monotonic_ns: u64) -> u64 {
-        (monotonic_ns as i64 + self.offset_ns) as u64
+        (monotonic_ns as i64).wrapping_add(self.offset_ns) as u64
     }
 
-    /// Converts an epoch-ns timestamp (e.g. a TraceMe time) to monotonic ns.
+    /// Converts an epoch-ns timestamp (e.g. a TraceMe time, which the
+    /// traced process writes: any value) to monotonic ns.
     pub fn to_monotonic_ns(&self, wall_ns: u64) -> u64 {
-        (wall_ns as i64 - self.offset_ns) as u64
+        (wall_ns as i64).wrapping_sub(self.offset_ns) as u64
     }
 
     pub fn uncertainty_ns(&self) -> u64 {

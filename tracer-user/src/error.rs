@@ -99,6 +99,9 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    #[error("stopped after an internal error: {0}")]
+    Panicked(String),
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -121,9 +124,11 @@ impl Error {
             | Error::Bind { .. }
             | Error::AllowWriteUnder { .. }
             | Error::NoEbpfObject => EXIT_USAGE,
-            Error::Load(_) | Error::Attach { .. } | Error::Map { .. } | Error::Io { .. } => {
-                EXIT_FAILURE
-            }
+            Error::Load(_)
+            | Error::Attach { .. }
+            | Error::Map { .. }
+            | Error::Panicked(_)
+            | Error::Io { .. } => EXIT_FAILURE,
         }
     }
 

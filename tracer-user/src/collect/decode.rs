@@ -260,4 +260,61 @@ mod tests {
         bad.truncate(56);
         assert!(matches!(decode(&bad), Err(DecodeError::Size { .. })));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
+        /// Whatever the ring buffer holds, decoding answers.
+        #[test]
+        fn any_bytes_decode_or_are_refused(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1200),
+            kind in 0u16..12,
+            size in proptest::prelude::any::<u16>(),
+        ) {
+            let _ = decode(&bytes);
+            // The same bytes behind a header of a real kind and any size.
+            let mut framed = bytes_of(&RecordHeader::new(RecordKind::SchedSwitch, 0, 0, 0));
+            framed[..2].copy_from_slice(&kind.to_ne_bytes());
+            framed[2..4].copy_from_slice(&size.to_ne_bytes());
+            framed.extend_from_slice(&bytes);
+            let _ = decode(&framed);
+        }
+
+        /// A TraceMe record whose target wrote any name and any lengths:
+        /// decoded as written when its sizes agree, refused otherwise.
+        #[test]
+        fn traceme_records_from_a_hostile_target(
+            name in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..=1024),
+            name_len in proptest::prelude::any::<u32>(),
+            copied in proptest::prelude::any::<u16>(),
+            flags in proptest::prelude::any::<u16>(),
+            keep in 0usize..1200,
+        ) {
+            let mut bytes = traceme_bytes(&name, name_len);
+            let copied_at = std::mem::offset_of!(TraceMeRecord, copied);
+            let flags_at = std::mem::offset_of!(TraceMeRecord, flags);
+            bytes[flags_at..flags_at + 2].copy_from_slice(&flags.to_ne_bytes());
+            let honest = decode(&bytes);
+            let Ok(Record::TraceMe(ev)) = honest else {
+                panic!("a well-formed record was refused: {honest:?}");
+            };
+            proptest::prop_assert_eq!(&ev.name, &String::from_utf8_lossy(&name));
+            let unreadable = flags & FLAG_NAME_UNREADABLE != 0;
+            proptest::prop_assert_eq!(ev.name_unreadable, unreadable);
+            proptest::prop_assert_eq!(ev.truncated, !unreadable && name_len as usize > name.len());
+
+            // A lying `copied`, or a record cut short: never read past it.
+            bytes[copied_at..copied_at + 2].copy_from_slice(&copied.to_ne_bytes());
+            bytes.truncate(keep);
+            if let Ok(Record::TraceMe(ev)) = decode(&bytes) {
+                // Invalid UTF-8 bytes become three-byte replacement characters.
+                proptest::prop_assert!(ev.name.len() <= 3 * usize::from(copied));
+                proptest::prop_assert!(usize::from(copied) <= tracer_common::traceme::NAME_CAP);
+                proptest::prop_assert_eq!(
+                    traceme_record_size(usize::from(copied)),
+                    usize::from(ev.header.size)
+                );
+            }
+        }
+    }
 }

@@ -9,9 +9,12 @@
 //! - [`response`]: a finished timeline → `ProfileResponse`;
 //! - [`write_guard`]: server-side saving, confined to `--allow-write-under`;
 //! - [`watch`]: the watched processes (`--pid` or `--discover`);
-//! - [`monitor`]: the `Monitor` summary.
+//! - [`monitor`]: the `Monitor` summary;
+//! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
+//!   half alive.
 
 pub mod monitor;
+pub mod panics;
 pub mod response;
 pub mod service;
 pub mod sessions;
@@ -28,9 +31,10 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::{
     attach::{ProbeSet, ProbeSetConfig, tracefs},
     capture::check_privileges,
-    error::{Error, Result},
+    error::{EXIT_FAILURE, Error, Result},
     sink::xspace::local_hostname,
 };
+use panics::PanicWatch;
 use service::ProfilerServer;
 use sessions::HubConfig;
 use validate::Limits;
@@ -50,10 +54,14 @@ pub struct ServeConfig {
 
 /// How long in-flight captures get to finish after SIGTERM/SIGINT.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// After a panic, the process exits by then even if stopping hangs.
+const PANIC_EXIT_DEADLINE: Duration = Duration::from_secs(45);
 
 /// Runs the server until SIGTERM or SIGINT; in-flight captures are then
 /// answered with what they recorded so far, and every probe is detached.
+/// A panic in any thread stops it the same way, with an error.
 pub fn run(config: ServeConfig) -> Result<()> {
+    let panics = panics::watch();
     check_privileges()?;
     // What every capture needs is checked once, before listening.
     let root = tracefs::locate()?;
@@ -75,10 +83,14 @@ pub fn run(config: ServeConfig) -> Result<()> {
         .enable_all()
         .build()
         .map_err(|e| Error::io("starting the async runtime", e))?;
-    runtime.block_on(serve(config, guard))
+    runtime.block_on(serve(config, guard, panics))
 }
 
-async fn serve(config: ServeConfig, guard: Option<Arc<WriteGuard>>) -> Result<()> {
+async fn serve(
+    config: ServeConfig,
+    guard: Option<Arc<WriteGuard>>,
+    mut panics: PanicWatch,
+) -> Result<()> {
     // Bind first: a taken address is reported before anything else runs.
     let mut listeners = Vec::new();
     for addr in &config.binds {
@@ -149,6 +161,10 @@ async fn serve(config: ServeConfig, guard: Option<Arc<WriteGuard>>) -> Result<()
     let failure = tokio::select! {
         _ = terminate.recv() => None,
         _ = interrupt.recv() => None,
+        _ = panics.panicked() => {
+            exit_anyway_after(PANIC_EXIT_DEADLINE);
+            None
+        }
         Some(ended) = servers.join_next() => match ended {
             Ok((addr, Err(e))) => Some(format!("the server on {addr} failed: {e}")),
             Ok((addr, Ok(()))) => Some(format!("the server on {addr} stopped")),
@@ -173,9 +189,30 @@ async fn serve(config: ServeConfig, guard: Option<Arc<WriteGuard>>) -> Result<()
     }
     let _ = tokio::task::spawn_blocking(move || hub_thread.join()).await;
     eprintln!("ebtrace: stopped; every probe is detached");
+    if let Some(why) = panics.seen() {
+        return Err(Error::Panicked(why));
+    }
     match failure {
         Some(why) => Err(Error::io(why, std::io::Error::other("server stopped"))),
         None => Ok(()),
+    }
+}
+
+/// Ends the process with [`EXIT_FAILURE`] after `deadline`, whatever the
+/// other threads are doing by then.
+fn exit_anyway_after(deadline: Duration) {
+    let watchdog = std::thread::Builder::new()
+        .name("ebtrace-exit".into())
+        .spawn(move || {
+            std::thread::sleep(deadline);
+            eprintln!(
+                "ebtrace: error: still stopping {}s after an internal error; exiting now",
+                deadline.as_secs()
+            );
+            std::process::exit(EXIT_FAILURE);
+        });
+    if watchdog.is_err() {
+        std::process::exit(EXIT_FAILURE);
     }
 }
 

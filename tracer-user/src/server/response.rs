@@ -4,13 +4,14 @@
 //! own machine) or inline in `xspace` when the request set `emit_xspace`;
 //! `empty_trace` exactly when no line of any plane has an event (TSL's
 //! `IsEmpty`); and, where the operator allowed it, a copy saved by the
-//! server.
+//! server. That copy is extra: when it cannot be made, the client still
+//! gets its trace and the server's log says why there is no copy.
 
 use ebtrace_proto::tensorflow::{ProfileResponse, ProfileToolData, profiler::XSpace};
 use prost::Message as _;
 
 use super::{
-    validate::{Delivery, SessionSpec},
+    validate::{Delivery, ServerCopy, SessionSpec},
     write_guard::WriteGuard,
 };
 use crate::{sink::xspace, timeline::Timeline};
@@ -28,6 +29,8 @@ pub struct Delivered {
     pub bytes: usize,
     pub empty: bool,
     pub saved: Option<std::path::PathBuf>,
+    /// Why a copy the request asked the server for was not saved.
+    pub not_saved: Option<String>,
 }
 
 /// TSL's `IsEmpty(XSpace)`: no line of any plane has an event.
@@ -38,8 +41,7 @@ pub fn is_empty(space: &XSpace) -> bool {
         .all(|p| p.lines.iter().all(|l| l.events.is_empty()))
 }
 
-/// Builds the response; saving fails the session (the client is told why)
-/// rather than answering as if the file were there.
+/// Builds the response, and the server's copy where there is to be one.
 pub fn respond(
     timeline: &Timeline,
     spec: &SessionSpec,
@@ -59,6 +61,7 @@ pub fn respond(
         bytes: bytes.len(),
         empty,
         saved: None,
+        not_saved: None,
     };
     let response = match spec.delivery {
         Delivery::Inline => {
@@ -73,14 +76,22 @@ pub fn respond(
             }
         }
         Delivery::ToolData => {
-            if let (Some(destination), Some(guard), false) = (&spec.save_to, guard, empty) {
-                let path = guard.write(destination, &bytes).map_err(|e| {
-                    format!(
-                        "saving the trace to {} failed: {e}",
-                        guard.path_of(destination).display()
-                    )
-                })?;
-                delivered.saved = Some(path);
+            // Clients save no empty trace: neither does the server.
+            match (&spec.server_copy, guard) {
+                _ if empty => {}
+                (ServerCopy::Save(destination), Some(guard)) => {
+                    match guard.write(destination, &bytes) {
+                        Ok(path) => delivered.saved = Some(path),
+                        Err(e) => {
+                            delivered.not_saved = Some(format!(
+                                "writing {} failed: {e}",
+                                guard.path_of(destination).display()
+                            ))
+                        }
+                    }
+                }
+                (ServerCopy::Refused(why), _) => delivered.not_saved = Some(why.clone()),
+                (ServerCopy::NotAsked | ServerCopy::Save(_), _) => {}
             }
             ProfileResponse {
                 tool_data: vec![ProfileToolData {

@@ -34,7 +34,7 @@ fn status_of(e: SessionError) -> Status {
         SessionError::Busy { .. } => Status::resource_exhausted(message),
         SessionError::PidNotWatched { .. } => Status::invalid_argument(message),
         SessionError::NothingWatched(_) => Status::failed_precondition(message),
-        SessionError::Attach(_) | SessionError::Save(_) => Status::internal(message),
+        SessionError::Attach(_) | SessionError::Response(_) => Status::internal(message),
         SessionError::ShuttingDown => Status::unavailable(message),
     }
 }

@@ -7,7 +7,7 @@
 //! no longer ago than twice the longest allowed capture, which bounds the
 //! records one capture holds), or starts one a little before its requested
 //! start. The hub drains every capture on one tick and builds each
-//! session's timeline for its own window with [`Capture::timeline_between`];
+//! session's timeline for its own [`Window`] with [`Capture::timeline_of`];
 //! a capture with no session left is dropped, which detaches its probes.
 //! Turning a timeline into the response (XSpace encoding, saving) and
 //! detaching (the kernel waits for an RCU grace period per program, tens
@@ -36,7 +36,7 @@ use crate::{
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock::{self, ClockSync},
     procfs::TargetProcess,
-    timeline::{CaptureStats, ProcessInfo, Timeline},
+    timeline::{CaptureStats, ProcessInfo, Timeline, Window},
 };
 
 /// How often running captures are drained.
@@ -79,7 +79,7 @@ pub enum SessionError {
     NothingWatched(String),
     PidNotWatched { pid: u32, watched: Vec<u32> },
     Attach(String),
-    Save(String),
+    Response(String),
     ShuttingDown,
 }
 
@@ -102,7 +102,7 @@ impl fmt::Display for SessionError {
                     .join(", ")
             ),
             SessionError::Attach(e) => write!(f, "attaching the probes failed: {e}"),
-            SessionError::Save(e) => f.write_str(e),
+            SessionError::Response(e) => f.write_str(e),
             SessionError::ShuttingDown => f.write_str("the server is shutting down"),
         }
     }
@@ -383,7 +383,8 @@ impl Hub {
             if closed {
                 eprintln!(
                     "ebtrace: session {} for {}: the client went away; capture dropped",
-                    s.spec.session_id, s.spec.client
+                    s.spec.session_id.escape_debug(),
+                    s.spec.client
                 );
             }
             !closed
@@ -420,7 +421,7 @@ impl Hub {
                 None => match self.start_capture(s.spec.families) {
                     Ok(i) => i,
                     Err(e) => {
-                        eprintln!("ebtrace: session {}: {e}", s.spec.session_id);
+                        eprintln!("ebtrace: session {}: {e}", s.spec.session_id.escape_debug());
                         let _ = s.reply.send(Err(e));
                         continue;
                     }
@@ -544,8 +545,11 @@ impl Hub {
                         let _ = session.reply.send(Ok(response));
                     }
                     Err(e) => {
-                        eprintln!("ebtrace: session {}: {e}", session.spec.session_id);
-                        let _ = session.reply.send(Err(SessionError::Save(e)));
+                        eprintln!(
+                            "ebtrace: session {}: {e}",
+                            session.spec.session_id.escape_debug()
+                        );
+                        let _ = session.reply.send(Err(SessionError::Response(e)));
                     }
                 }
                 drop(timeline);
@@ -570,14 +574,17 @@ fn end_reason(s: &Session, shutting_down: bool) -> String {
     if shutting_down {
         "the server is shutting down".into()
     } else if s.terminated {
-        format!("Terminate({}) was received", s.spec.session_id)
+        format!(
+            "Terminate({}) was received",
+            s.spec.session_id.escape_debug()
+        )
     } else {
         "every traced process exited".into()
     }
 }
 
-/// The session's window of a running capture, restricted to the pids it
-/// asked for and cut short if it holds more than `max_events` events.
+/// The session's window of a running capture: its pids, at most its
+/// `max_events` events.
 fn session_timeline(
     r: &mut Running,
     s: &Session,
@@ -585,52 +592,19 @@ fn session_timeline(
     stop: u64,
     ended_early: Option<String>,
 ) -> Timeline {
+    let window = Window {
+        start_ns: start,
+        stop_ns: stop,
+        pids: s.spec.pids.clone(),
+        max_events: s.spec.max_events,
+    };
     let Some(capture) = r.capture.as_mut() else {
-        return empty_timeline(start, stop, &r.targets, r.clock, ended_early);
+        let mut tl = empty_timeline(start, stop, &r.targets, r.clock, ended_early);
+        window.apply(&mut tl);
+        return tl;
     };
     let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
-    let mut tl = capture.timeline_between(start, stop, dropped, ended_early);
-    restrict_to(&mut tl, s.spec.pids.as_ref());
-    if let Some(max) = s.spec.max_events
-        && let Some(cut) = event_cutoff(&tl, max)
-    {
-        let why = format!(
-            "max_events ({max}) was reached; the trace covers the first {:.0} ms of the \
-             window",
-            cut.saturating_sub(start) as f64 / 1e6
-        );
-        tl.stats.ended_early = Some(match tl.stats.ended_early.take() {
-            Some(e) => format!("{e}; {why}"),
-            None => why,
-        });
-        truncate(&mut tl, cut);
-    }
-    tl
-}
-
-/// Ends the timeline at `cut`: what starts later goes, what runs across it
-/// is cut there (which keeps nesting intact). Per-thread counters keep
-/// their whole-window values.
-fn truncate(tl: &mut Timeline, cut: u64) {
-    tl.stop_ns = cut;
-    for t in tl.threads.values_mut() {
-        t.slices.retain(|x| x.start_ns < cut);
-        for x in &mut t.slices {
-            x.end_ns = x.end_ns.min(cut);
-        }
-        t.marks.retain(|m| m.ts_ns < cut);
-        t.spans.retain(|x| x.start_ns < cut);
-        for x in &mut t.spans {
-            x.end_ns = x.end_ns.min(cut);
-        }
-    }
-    for slices in tl.cpus.values_mut() {
-        slices.retain(|x| x.start_ns < cut);
-        for x in slices.iter_mut() {
-            x.end_ns = x.end_ns.min(cut);
-        }
-    }
-    tl.cpus.retain(|_, slices| !slices.is_empty());
+    capture.timeline_of(&window, dropped, ended_early)
 }
 
 /// A trace of the window with no probe data (no family was asked for).
@@ -668,42 +642,12 @@ fn empty_timeline(
     }
 }
 
-/// Keeps only the processes in `pids` (all when `None`).
-fn restrict_to(tl: &mut Timeline, pids: Option<&BTreeSet<u32>>) {
-    let Some(pids) = pids else {
-        return;
-    };
-    tl.processes.retain(|pid, _| pids.contains(pid));
-    tl.threads.retain(|_, t| pids.contains(&t.pid));
-    for slices in tl.cpus.values_mut() {
-        slices.retain(|s| pids.contains(&s.pid));
-    }
-    tl.cpus.retain(|_, slices| !slices.is_empty());
-}
-
-/// The time before which at most `max` events start, if the timeline has
-/// more than `max` events.
-fn event_cutoff(tl: &Timeline, max: usize) -> Option<u64> {
-    if tl.event_count() <= max {
-        return None;
-    }
-    let mut starts: Vec<u64> = Vec::with_capacity(tl.event_count());
-    for t in tl.threads.values() {
-        starts.extend(t.slices.iter().map(|s| s.start_ns));
-        starts.extend(t.marks.iter().map(|m| m.ts_ns));
-        starts.extend(t.spans.iter().map(|s| s.start_ns));
-    }
-    starts.extend(tl.cpus.values().flatten().map(|s| s.start_ns));
-    let (_, nth, _) = starts.select_nth_unstable(max);
-    Some(*nth)
-}
-
 /// One line per answered session; `timing` is (timeline built in, response
 /// built in).
 fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, Duration)) {
     let mut line = format!(
         "ebtrace: session {} for {}: {:.0} ms window, {} events, {} bytes",
-        s.spec.session_id,
+        s.spec.session_id.escape_debug(),
         s.spec.client,
         tl.duration_ns() as f64 / 1e6,
         d.events,
@@ -714,6 +658,11 @@ fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, D
     }
     if let Some(p) = &d.saved {
         line.push_str(&format!(", saved to {}", p.display()));
+    }
+    if let Some(why) = &d.not_saved {
+        line.push_str(&format!(
+            ", not saved on this server ({why}; the client saves it from the response)"
+        ));
     }
     if let Some(why) = &tl.stats.ended_early {
         line.push_str(&format!("; ended early: {why}"));
@@ -728,80 +677,4 @@ fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, D
         d.encoded.as_millis()
     ));
     eprintln!("{line}");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::timeline::{CpuSlice, StateSlice, ThreadCounters, ThreadState, ThreadTrack};
-
-    fn timeline() -> Timeline {
-        let mut tl = empty_timeline(0, 1000, &[], ClockSync::from_offset(0), None);
-        for (tid, pid) in [(1, 1), (2, 1), (3, 3)] {
-            tl.threads.insert(
-                tid,
-                ThreadTrack {
-                    tid,
-                    pid,
-                    name: format!("t{tid}"),
-                    slices: (0..10)
-                        .map(|i| StateSlice {
-                            start_ns: i * 100,
-                            end_ns: (i + 1) * 100,
-                            state: ThreadState::Running { cpu: 0 },
-                        })
-                        .collect(),
-                    marks: vec![],
-                    spans: vec![],
-                    counters: ThreadCounters::default(),
-                },
-            );
-        }
-        tl.cpus.insert(
-            0,
-            vec![
-                CpuSlice {
-                    start_ns: 0,
-                    end_ns: 5,
-                    tid: 1,
-                    pid: 1,
-                },
-                CpuSlice {
-                    start_ns: 5,
-                    end_ns: 9,
-                    tid: 3,
-                    pid: 3,
-                },
-            ],
-        );
-        tl
-    }
-
-    #[test]
-    fn restricting_keeps_only_the_asked_processes() {
-        let mut tl = timeline();
-        restrict_to(&mut tl, Some(&BTreeSet::from([3])));
-        assert_eq!(tl.threads.keys().copied().collect::<Vec<_>>(), vec![3]);
-        assert_eq!(tl.cpus[&0].len(), 1);
-        let mut all = timeline();
-        restrict_to(&mut all, None);
-        assert_eq!(all, timeline());
-    }
-
-    #[test]
-    fn cutoff_keeps_at_most_max_events() {
-        let mut tl = timeline();
-        assert_eq!(tl.event_count(), 32);
-        assert_eq!(event_cutoff(&tl, 32), None);
-        let cut = event_cutoff(&tl, 10).unwrap();
-        assert!(cut > 0);
-        truncate(&mut tl, cut);
-        assert!(tl.event_count() <= 10, "{} events", tl.event_count());
-        assert!(tl.event_count() >= 6, "{} events", tl.event_count());
-        assert_eq!(tl.stop_ns, cut);
-        for t in tl.threads.values() {
-            let last = t.slices.last().unwrap();
-            assert!(last.end_ns <= cut && last.start_ns < last.end_ns);
-        }
-    }
 }

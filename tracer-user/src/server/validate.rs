@@ -80,6 +80,20 @@ pub enum Delivery {
     Inline,
 }
 
+/// Whether the server saves a copy of a trace itself. Where it may not,
+/// the request is still answered: TSL's clients save the trace from the
+/// response, as they do from any server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerCopy {
+    /// Not asked for (no `repository_root`, or `emit_xspace`), or this
+    /// server saves nothing (no `--allow-write-under`).
+    NotAsked,
+    /// A place inside the allowed directory.
+    Save(Destination),
+    /// Asked for where this server may not write: why, for its log.
+    Refused(String),
+}
+
 /// A checked request: everything the session needs, nothing unchecked.
 #[derive(Clone, Debug)]
 pub struct SessionSpec {
@@ -97,9 +111,8 @@ pub struct SessionSpec {
     /// Host name recorded in the XSpace.
     pub hostname: String,
     pub delivery: Delivery,
-    /// Where the server itself saves the XSpace, if it was asked to and
-    /// may.
-    pub save_to: Option<Destination>,
+    /// Whether the server itself saves the XSpace.
+    pub server_copy: ServerCopy,
     /// Who asked (for the server's log).
     pub client: String,
 }
@@ -180,19 +193,21 @@ pub fn profile_request(
     };
 
     // The server saves a file only where the operator allowed it, and only
-    // if the request names a repository (as TSL's clients always do).
-    let save_to = match guard {
+    // if the request names a repository (as TSL's clients always do). A
+    // path it may not write to costs the client nothing: it gets the trace
+    // and saves it itself, as it would with any other server.
+    let server_copy = match guard {
         Some(guard) if !req.repository_root.is_empty() && delivery == Delivery::ToolData => {
             let file_host = override_hostname
                 .clone()
                 .or_else(|| (!req.host_name.is_empty()).then(|| req.host_name.clone()))
                 .unwrap_or_else(|| local_host.to_string());
-            let destination = guard
-                .resolve(&req.repository_root, &session_id, &file_host)
-                .map_err(|refusal| Invalid(refusal.to_string()))?;
-            Some(destination)
+            match guard.resolve(&req.repository_root, &session_id, &file_host) {
+                Ok(destination) => ServerCopy::Save(destination),
+                Err(refusal) => ServerCopy::Refused(refusal.to_string()),
+            }
         }
-        _ => None,
+        _ => ServerCopy::NotAsked,
     };
 
     Ok(SessionSpec {
@@ -205,7 +220,7 @@ pub fn profile_request(
         pids,
         hostname: override_hostname.unwrap_or_else(|| local_host.to_string()),
         delivery,
-        save_to,
+        server_copy,
         client,
     })
 }
@@ -260,7 +275,10 @@ fn requested_pids(opts: Option<&ProfileOptions>) -> Result<Option<BTreeSet<u32>>
 mod tests {
     use std::collections::HashMap;
 
+    use std::path::PathBuf;
+
     use ebtrace_proto::tensorflow::profile_options::AdvancedConfigValue;
+    use proptest::prelude::*;
     use prost::Message as _;
 
     use super::*;
@@ -307,7 +325,11 @@ mod tests {
             assert_eq!(spec.session_id, req.session_id);
             assert_eq!(spec.delivery, Delivery::ToolData);
             assert_eq!(spec.hostname, "box");
-            assert!(spec.save_to.is_none(), "no directory allowed, no saving");
+            assert_eq!(
+                spec.server_copy,
+                ServerCopy::NotAsked,
+                "no directory allowed, no saving"
+            );
             assert_eq!(spec.pids, None);
         }
     }
@@ -393,5 +415,152 @@ mod tests {
         let spec = check(&req).unwrap();
         assert_eq!(spec.hostname, "worker-3");
         assert_eq!(spec.delivery, Delivery::Inline);
+    }
+
+    /// What a client may put in a string field: path-like, control
+    /// characters, anything.
+    fn any_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(String::new()),
+            "[a-z0-9_:.]{1,12}",
+            "(/|\\.\\./|\\./|[a-z]{1,4}/){0,6}[a-z.]{0,6}",
+            "\\PC{0,24}",
+            ".{0,24}",
+        ]
+    }
+
+    fn any_value() -> impl proptest::strategy::Strategy<Value = advanced_config_value::Value> {
+        use advanced_config_value::Value;
+        use proptest::prelude::*;
+        prop_oneof![
+            any::<i64>().prop_map(Value::Int64Value),
+            (0i64..5).prop_map(Value::Int64Value),
+            any::<bool>().prop_map(Value::BoolValue),
+            "[0-9, ]{0,12}|-?[0-9]{1,12}|\\PC{0,8}".prop_map(Value::StringValue),
+        ]
+    }
+
+    fn any_u64() -> impl proptest::strategy::Strategy<Value = u64> {
+        use proptest::prelude::*;
+        prop_oneof![Just(0u64), 1u64..70_000, any::<u64>(), Just(u64::MAX)]
+    }
+
+    prop_compose! {
+        fn any_request()(
+            duration_ms in any_u64(),
+            opts_duration_ms in any_u64(),
+            start in prop_oneof![Just(0u64), NOW - 10..NOW + 120_000_000_000, any_u64()],
+            version in 0u32..3,
+            levels in (any_u64(), any_u64(), any_u64()),
+            with_opts in proptest::prelude::any::<bool>(),
+            advanced in proptest::collection::hash_map(
+                prop_oneof![Just(PIDS_KEY.to_string()), Just("override_hostname".to_string()), any_text()],
+                proptest::option::of(any_value()),
+                0..3,
+            ),
+            override_hostname in any_text(),
+            session_id in any_text(),
+            opts_session_id in any_text(),
+            repository_root in any_text(),
+            host_name in any_text(),
+            max_events in any_u64(),
+            emit_xspace in proptest::prelude::any::<bool>(),
+        ) -> ProfileRequest {
+            ProfileRequest {
+                duration_ms,
+                max_events,
+                repository_root,
+                session_id,
+                host_name,
+                emit_xspace,
+                opts: with_opts.then(|| ProfileOptions {
+                    duration_ms: opts_duration_ms,
+                    start_timestamp_ns: start,
+                    version,
+                    host_tracer_level: levels.0 as u32,
+                    device_tracer_level: levels.1 as u32,
+                    python_tracer_level: levels.2 as u32,
+                    override_hostname,
+                    session_id: opts_session_id,
+                    advanced_configuration: advanced
+                        .into_iter()
+                        .map(|(k, value)| (k, AdvancedConfigValue { value }))
+                        .collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }
+        }
+    }
+
+    /// The documented rules, written out independently: a duration in
+    /// 1..=max (opts first, then the request's), a start at most
+    /// max_start_delay ahead, and pids that are pids.
+    fn respects_the_limits(req: &ProfileRequest) -> bool {
+        let opts = req.opts.as_ref();
+        let duration = match opts.map_or(0, |o| o.duration_ms) {
+            0 => req.duration_ms,
+            ms => ms,
+        };
+        let start = opts.map_or(0, |o| o.start_timestamp_ns);
+        let pids_ok = match opts
+            .and_then(|o| o.advanced_configuration.get(PIDS_KEY))
+            .and_then(|v| v.value.as_ref())
+        {
+            None => true,
+            Some(advanced_config_value::Value::Int64Value(v)) => {
+                (1..=i64::from(u32::MAX)).contains(v)
+            }
+            Some(advanced_config_value::Value::StringValue(s)) => s
+                .split(',')
+                .all(|p| p.trim().parse::<u32>().is_ok_and(|p| p > 0)),
+            Some(advanced_config_value::Value::BoolValue(_)) => false,
+        };
+        (1..=LIMITS.max_duration.as_millis() as u64).contains(&duration)
+            && start.saturating_sub(NOW) <= LIMITS.max_start_delay.as_nanos() as u64
+            && pids_ok
+    }
+
+    /// The temporary directory as the allowed one (nothing is written).
+    fn scratch_guard() -> &'static (PathBuf, WriteGuard) {
+        static GUARD: std::sync::OnceLock<(PathBuf, WriteGuard)> = std::sync::OnceLock::new();
+        GUARD.get_or_init(|| {
+            let dir = std::fs::canonicalize(std::env::temp_dir()).unwrap();
+            let guard = WriteGuard::open(&dir).unwrap();
+            (dir, guard)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// A request is accepted exactly when it respects the documented
+        /// limits; where it asks the server to save, the path never decides
+        /// whether it is answered, and a copy is only ever planned inside
+        /// the allowed directory.
+        #[test]
+        fn accepts_exactly_what_respects_the_limits(req in any_request(), allowed in proptest::prelude::any::<bool>()) {
+            let (dir, guard) = scratch_guard();
+            let guard = allowed.then_some(guard);
+            let result = profile_request(&req, &LIMITS, guard, NOW, "box", "test".into());
+            prop_assert_eq!(result.is_ok(), respects_the_limits(&req), "{:?}", result);
+            let Ok(spec) = result else { return Ok(()) };
+            prop_assert!(spec.duration > Duration::ZERO && spec.duration <= LIMITS.max_duration);
+            prop_assert_eq!(spec.max_events, (req.max_events > 0).then_some(req.max_events as usize));
+            prop_assert!(spec.pids.iter().flatten().all(|&p| p > 0));
+            match &spec.server_copy {
+                ServerCopy::Save(destination) => {
+                    let guard = guard.expect("saving needs a directory");
+                    let path = guard.path_of(destination);
+                    prop_assert!(path.starts_with(dir));
+                    prop_assert!(path.components().all(|c| matches!(c, std::path::Component::Normal(_) | std::path::Component::RootDir)));
+                }
+                ServerCopy::Refused(why) => prop_assert!(guard.is_some() && !why.is_empty()),
+                ServerCopy::NotAsked => prop_assert!(
+                    guard.is_none() || req.repository_root.is_empty() || req.emit_xspace
+                ),
+            }
+        }
     }
 }

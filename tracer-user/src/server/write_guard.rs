@@ -54,7 +54,7 @@ impl fmt::Display for Refused {
 fn plain_component(what: &str, value: &str) -> Result<(), Refused> {
     if value.is_empty() || value == "." || value == ".." || value.contains(['/', '\0']) {
         return Err(Refused(format!(
-            "{what} {value:?} is not a plain file name; refusing to save there"
+            "{what} {value:?} is not a plain file name"
         )));
     }
     Ok(())
@@ -105,7 +105,7 @@ impl WriteGuard {
         let outside = || {
             Refused(format!(
                 "repository_root {repository_root:?} is outside {} (the directory this server may \
-                 write under, --allow-write-under); the XSpace still comes back in the response",
+                 write under, --allow-write-under)",
                 self.root.display()
             ))
         };

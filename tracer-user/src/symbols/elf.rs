@@ -164,7 +164,7 @@ impl ElfObject {
         self.segments
             .iter()
             .find(|s| vaddr >= s.vaddr && vaddr - s.vaddr < s.filesz)
-            .map(|s| vaddr - s.vaddr + s.offset)
+            .and_then(|s| (vaddr - s.vaddr).checked_add(s.offset))
     }
 
     /// The file's byte at `offset`, if the file has one there.
@@ -316,5 +316,67 @@ mod tests {
         let err = ElfObject::open(&exe, Some(1)).err().unwrap();
         assert!(err.to_string().contains("not the file"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Where a mutation lands: mostly in the headers and tables that
+    /// parsing follows (ELF header, program headers, and the section
+    /// headers and tables at the end), sometimes anywhere.
+    fn mutation(len: usize) -> impl proptest::strategy::Strategy<Value = (usize, u8)> {
+        use proptest::prelude::*;
+        let tail = len.saturating_sub(4096);
+        (
+            prop_oneof![0..64usize, 64..1024usize.min(len), tail..len, 0..len],
+            any::<u8>(),
+        )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(384))]
+
+        /// A damaged or hostile ELF object (a traced process maps what it
+        /// likes) is read or refused, never a panic.
+        #[test]
+        fn mutated_elf_objects_are_read_or_refused(
+            mutations in proptest::collection::vec(mutation(real_elf().len()), 1..24),
+            keep in proptest::prelude::any::<proptest::sample::Index>(),
+            truncate in proptest::prelude::any::<bool>(),
+        ) {
+            let mut bytes = real_elf().to_vec();
+            for (at, value) in mutations {
+                bytes[at] = value;
+            }
+            if truncate {
+                bytes.truncate(keep.index(bytes.len() + 1));
+            }
+            let path = scratch_file(&bytes);
+            if let Ok(obj) = ElfObject::open(&path, None) {
+                obj.strings_contain(b"main");
+                let scan = obj.scan(&["main", "_start", "__libc_start_main"], |_| true);
+                for found in scan.into_iter().flat_map(|s| s.found).flatten() {
+                    if let Some(offset) = obj.file_offset(found.vaddr) {
+                        obj.byte_at(offset);
+                    }
+                }
+                for seg in obj.segments() {
+                    obj.file_offset(seg.vaddr.wrapping_add(seg.filesz / 2));
+                }
+            }
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    /// A small real ELF executable.
+    fn real_elf() -> &'static [u8] {
+        static BYTES: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+        BYTES.get_or_init(|| std::fs::read("/bin/true").expect("read /bin/true"))
+    }
+
+    fn scratch_file(bytes: &[u8]) -> PathBuf {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("ebtrace-elf-prop-{}-{n}", std::process::id()));
+        std::fs::write(&path, bytes).unwrap();
+        path
     }
 }

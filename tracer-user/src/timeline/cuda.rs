@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
-use super::{Span, Value};
+use super::{CORRELATION_STAT, Span, Value};
 use crate::cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op};
 
 /// `CU_STREAM_LEGACY`: the context's legacy default stream, by name.
@@ -47,6 +47,8 @@ pub struct DeviceTrack {
 pub struct StreamTrack {
     /// 0 for the legacy default stream, then 1, 2, ... in order of first use.
     pub id: i64,
+    /// The process whose work it holds.
+    pub pid: u32,
     /// What the stream is: its handle, or which default stream.
     pub label: String,
     pub events: Vec<Span>,
@@ -645,10 +647,10 @@ impl CudaTimelineBuilder {
             let line = self.stream_line(ordinal, rec.tgid, key, work.stream);
             stats.push(("stream".into(), Value::Str(line.1.clone())));
             stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
-            stats.push(("correlation_id".into(), Value::U64(correlation)));
+            stats.push((CORRELATION_STAT.into(), Value::U64(correlation)));
             let mut device_stats = work.stats;
             device_stats.extend([
-                ("correlation_id".to_string(), Value::U64(correlation)),
+                (CORRELATION_STAT.to_string(), Value::U64(correlation)),
                 ("stream".to_string(), Value::Str(line.1)),
                 ("submitted_by".to_string(), Value::Str(function.name.into())),
                 ("tid".to_string(), Value::I64(i64::from(rec.tid))),
@@ -718,6 +720,7 @@ impl CudaTimelineBuilder {
         };
         device.streams.entry(id).or_insert_with(|| StreamTrack {
             id,
+            pid,
             label: label.clone(),
             events: Vec::new(),
         });
@@ -1035,5 +1038,81 @@ mod tests {
         assert_eq!((spans[1].start_ns, spans[1].end_ns), (20, 50));
         serialize(&mut spans);
         assert_eq!((spans[1].start_ns, spans[1].end_ns), (50, 50));
+    }
+
+    /// A driver call as a hostile (or buggy) process may make it: any
+    /// function, any arguments, any result, times around the window.
+    fn any_call() -> impl proptest::strategy::Strategy<Value = CudaCall> {
+        use proptest::prelude::*;
+        let small = prop_oneof![0u64..4, any::<u64>()];
+        (
+            (1u32..4, 0u64..12_000, 0u64..3_000),
+            0..cuda_api::FUNCTIONS.len() as u16 + 2,
+            prop_oneof![Just(0u32), any::<u32>()],
+            proptest::array::uniform6(small.clone()),
+            proptest::array::uniform8(small.clone()),
+            small,
+        )
+            .prop_map(
+                |((tid, start, len), function, result, args, extra, out)| CudaCall {
+                    header: RecordHeader::new(RecordKind::CudaCall, 160, 0, start + len),
+                    tid,
+                    tgid: PID,
+                    start_ns: start,
+                    function,
+                    _pad: 0,
+                    result,
+                    args,
+                    extra,
+                    out_value: out,
+                },
+            )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Whatever calls the target makes, host spans nest, each stream's
+        /// work follows itself, and the window keeps everything inside it.
+        #[test]
+        fn any_calls_make_a_well_formed_timeline(
+            mut calls in proptest::collection::vec(any_call(), 0..60),
+        ) {
+            calls.sort_by_key(|c| c.header.ts_ns);
+            let mut b = CudaTimelineBuilder::new(1_000, 10_000);
+            for c in &calls {
+                b.push_call(c);
+            }
+            let cuda = b.finish();
+            for (_, spans) in cuda.spans.values() {
+                for (i, a) in spans.iter().enumerate() {
+                    for x in &spans[i + 1..] {
+                        let apart = a.end_ns <= x.start_ns || x.end_ns <= a.start_ns;
+                        let nested = (a.start_ns <= x.start_ns && x.end_ns <= a.end_ns)
+                            || (x.start_ns <= a.start_ns && a.end_ns <= x.end_ns);
+                        proptest::prop_assert!(apart || nested, "{a:?} / {x:?}");
+                    }
+                }
+            }
+            for stream in cuda.devices.values().flat_map(|d| d.streams.values()) {
+                proptest::prop_assert!(stream.events.windows(2).all(|w| w[0].end_ns <= w[1].start_ns));
+                proptest::prop_assert!(stream.events.iter().all(|e| e.start_ns <= e.end_ns));
+            }
+            let mut tl = crate::timeline::Timeline {
+                start_ns: 1_000,
+                stop_ns: 10_000,
+                clock: crate::clock::ClockSync::from_offset(0),
+                processes: BTreeMap::new(),
+                threads: BTreeMap::new(),
+                cpus: BTreeMap::new(),
+                devices: BTreeMap::new(),
+                stats: Default::default(),
+            };
+            cuda.add_to(&mut tl);
+            crate::timeline::Window::between(1_000, 10_000).apply(&mut tl);
+            for e in tl.device_events() {
+                proptest::prop_assert!(1_000 <= e.start_ns && e.end_ns <= 10_000);
+            }
+        }
     }
 }

@@ -11,17 +11,21 @@
 //!   scheduling states.
 //!
 //! Per GPU (`devices`) it keeps the work the host submitted to each stream
-//! (see [`cuda`]).
+//! (see [`cuda`]). A trace shows the part of it a [`Window`] selects.
 
+#[cfg(test)]
+pub(crate) mod arbitrary;
 pub mod cuda;
 mod sched;
 pub mod traceme;
+pub mod window;
 
 use std::collections::BTreeMap;
 
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTrack};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
+pub use window::Window;
 
 use crate::clock::ClockSync;
 
@@ -51,8 +55,9 @@ pub enum RunnableCause {
     Woken {
         waker_tid: u32,
         waker_pid: u32,
-        /// Links the waker's [`MarkKind::Wakeup`] to this slice.
-        flow_id: u64,
+        /// Links the waker's [`MarkKind::Wakeup`] to this slice; `None`
+        /// when the trace does not show the waker's side.
+        flow_id: Option<u64>,
     },
     /// First wake-up of a newly created thread.
     Created,
@@ -148,8 +153,13 @@ pub struct Mark {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MarkKind {
-    /// This thread woke `tid`; `flow_id` matches the woken thread's slice.
-    Wakeup { tid: u32, pid: u32, flow_id: u64 },
+    /// This thread woke `tid`; `flow_id` matches the woken thread's slice
+    /// (`None` when the trace does not show that slice).
+    Wakeup {
+        tid: u32,
+        pid: u32,
+        flow_id: Option<u64>,
+    },
     /// This thread created a thread of its own process.
     ThreadCreated { tid: u32 },
     /// This thread forked a new process.
@@ -180,6 +190,9 @@ pub struct Span {
 
 /// Stat on a span that had to be shortened to nest: the ns cut off.
 pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
+/// Stat (u64) shared by a CUDA driver call's span and the device event of
+/// the work it submitted; XProf draws an arrow from one to the other.
+pub const CORRELATION_STAT: &str = "correlation_id";
 
 /// Makes one thread's spans nest, whatever sources they came from: sorted
 /// by start (longest first), a span that outlives the span enclosing its
@@ -239,6 +252,39 @@ pub struct ThreadTrack {
     pub counters: ThreadCounters,
 }
 
+impl ThreadTrack {
+    /// Shows `visit` the start of every event a sink writes on this
+    /// thread's line: its marks, its spans, and its scheduling states cut
+    /// at every span edge inside them (spans are laid above the states,
+    /// and the events of a line must nest).
+    pub fn line_event_starts(&self, mut visit: impl FnMut(u64)) {
+        self.marks.iter().for_each(|m| visit(m.ts_ns));
+        self.spans.iter().for_each(|s| visit(s.start_ns));
+        let mut edges: Vec<u64> = self
+            .spans
+            .iter()
+            .flat_map(|s| [s.start_ns, s.end_ns])
+            .collect();
+        edges.sort_unstable();
+        edges.dedup();
+        let mut rest = edges.as_slice();
+        for s in &self.slices {
+            visit(s.start_ns);
+            while let Some((&e, after)) = rest.split_first()
+                && e <= s.start_ns
+            {
+                rest = after;
+            }
+            while let Some((&e, after)) = rest.split_first()
+                && e < s.end_ns
+            {
+                visit(e);
+                rest = after;
+            }
+        }
+    }
+}
+
 /// Which traced thread ran on a CPU, `[start_ns, end_ns)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CpuSlice {
@@ -295,19 +341,40 @@ impl Timeline {
         self.stop_ns - self.start_ns
     }
 
-    /// Number of events a sink will write (slices, marks, CPU slices).
+    /// Shows `visit` the start of every event a sink writes: thread lines
+    /// (see [`ThreadTrack::line_event_starts`]), CPU lines, GPU streams.
+    pub fn event_starts(&self, mut visit: impl FnMut(u64)) {
+        for t in self.threads.values() {
+            t.line_event_starts(&mut visit);
+        }
+        self.cpus.values().flatten().for_each(|s| visit(s.start_ns));
+        self.device_events().for_each(|e| visit(e.start_ns));
+    }
+
+    /// Number of events a sink writes.
     pub fn event_count(&self) -> usize {
+        let mut n = 0;
+        self.event_starts(|_| n += 1);
+        n
+    }
+
+    /// At least [`event_count`](Self::event_count), without cutting the
+    /// scheduling states (each span adds at most two cuts).
+    pub fn event_count_bound(&self) -> usize {
         self.threads
             .values()
-            .map(|t| t.slices.len() + t.marks.len() + t.spans.len())
+            .map(|t| t.slices.len() + t.marks.len() + 3 * t.spans.len())
             .sum::<usize>()
             + self.cpus.values().map(Vec::len).sum::<usize>()
-            + self
-                .devices
-                .values()
-                .flat_map(|d| d.streams.values())
-                .map(|s| s.events.len())
-                .sum::<usize>()
+            + self.device_events().count()
+    }
+
+    /// The work on every GPU stream.
+    pub fn device_events(&self) -> impl Iterator<Item = &Span> {
+        self.devices
+            .values()
+            .flat_map(|d| d.streams.values())
+            .flat_map(|s| &s.events)
     }
 }
 

@@ -325,13 +325,17 @@ impl SchedTimelineBuilder {
             if self.targets.contains(&waker_pid) && (self.start_ns..=self.stop_ns).contains(&ts) {
                 self.thread(waker_tid, waker_pid).marks.push(Mark {
                     ts_ns: ts,
-                    kind: MarkKind::Wakeup { tid, pid, flow_id },
+                    kind: MarkKind::Wakeup {
+                        tid,
+                        pid,
+                        flow_id: Some(flow_id),
+                    },
                 });
             }
             RunnableCause::Woken {
                 waker_tid,
                 waker_pid,
-                flow_id,
+                flow_id: Some(flow_id),
             }
         };
         if self.threads[&tid].born_ns.is_some() && self.threads[&tid].cur.is_none() {

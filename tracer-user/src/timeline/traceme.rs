@@ -226,10 +226,10 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
     let clock = timeline.clock;
     let mut stats = TraceMeSpanStats::default();
     // Activity starts by (process, recorder, id).
-    let mut starts: HashMap<(u32, u64, i64), &TraceMeEvent> = HashMap::new();
+    let mut starts: HashMap<(u32, u64, u64), &TraceMeEvent> = HashMap::new();
     for e in events {
         if e.start_time > 0 && e.end_time < 0 {
-            starts.insert((e.tgid, e.site, -e.end_time), e);
+            starts.insert((e.tgid, e.site, e.end_time.unsigned_abs()), e);
         }
     }
     let mut per_thread: BTreeMap<u32, (u32, Vec<Candidate>)> = BTreeMap::new();
@@ -238,7 +238,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
         let (named, start, end, activity) = if e.start_time > 0 && e.end_time > 0 {
             (e, e.start_time, e.end_time, false)
         } else if e.start_time < 0 && e.end_time > 0 {
-            match starts.get(&(e.tgid, e.site, -e.start_time)) {
+            match starts.get(&(e.tgid, e.site, e.start_time.unsigned_abs())) {
                 Some(s) => {
                     paired += 1;
                     (*s, s.start_time, e.end_time, true)
@@ -260,7 +260,8 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
         }
         let start_ns = clock.to_monotonic_ns(start as u64);
         let end_ns = clock.to_monotonic_ns(end as u64);
-        if start_ns < timeline.start_ns || end_ns > timeline.stop_ns {
+        // A time before the monotonic clock's origin wraps: outside too.
+        if start_ns < timeline.start_ns || end_ns > timeline.stop_ns || start_ns > end_ns {
             stats.outside_window += 1;
             continue;
         }
@@ -505,5 +506,81 @@ mod tests {
             ]
         );
         assert_eq!(got[1].0, UNREADABLE_NAME);
+    }
+
+    /// A time as a hostile target may write it: anything, but often near
+    /// the window (wall = mono + 1_000_000) or at the extremes.
+    fn any_time() -> impl proptest::strategy::Strategy<Value = i64> {
+        use proptest::prelude::*;
+        prop_oneof![
+            1_000_000i64..1_011_000,
+            -20i64..20,
+            Just(i64::MIN),
+            Just(i64::MAX),
+            any::<i64>(),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn any_name_parses(raw in "\\PC{0,80}|[a-z#=,'\\[\\](){} ]{0,40}", truncated in proptest::prelude::any::<bool>()) {
+            let parsed = parse_traceme_name(&raw, truncated);
+            proptest::prop_assert!(parsed.name.len() <= raw.len());
+            proptest::prop_assert!(parsed.stats.len() <= raw.len());
+        }
+
+        /// `name#k=v,...#` gives that name and those pairs, typed as TSL
+        /// types them.
+        #[test]
+        fn well_formed_metadata_round_trips(
+            name in "[a-zA-Z0-9_:/ ]{0,20}",
+            pairs in proptest::collection::vec(("[a-z_][a-z0-9_]{0,8}", "[a-zA-Z0-9_.+-]{1,12}"), 0..6),
+        ) {
+            let metadata: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let raw = format!("{name}#{}#", metadata.join(","));
+            let parsed = parse_traceme_name(&raw, false);
+            proptest::prop_assert_eq!(parsed.name, name.trim());
+            let expected: Vec<(String, Value)> =
+                pairs.iter().map(|(k, v)| (k.clone(), parse_stat_value(v))).collect();
+            proptest::prop_assert_eq!(parsed.stats, expected);
+        }
+
+        /// Whatever times and names the target's recorder holds, the spans
+        /// lie inside the window and nest on every thread.
+        #[test]
+        fn hostile_events_become_nested_spans_inside_the_window(
+            raw in proptest::collection::vec(
+                (1u32..4, any_time(), any_time(), "[a-z#=,]{0,12}", proptest::prelude::any::<bool>()),
+                0..40,
+            ),
+        ) {
+            let events: Vec<TraceMeEvent> = raw
+                .iter()
+                .map(|(tid, start, end, name, unreadable)| TraceMeEvent {
+                    name_unreadable: *unreadable,
+                    truncated: name.len() % 3 == 0,
+                    ..event(*tid, *start, *end, name)
+                })
+                .collect();
+            let mut tl = timeline();
+            let stats = add_traceme_spans(&mut tl, &events);
+            let mut total = 0;
+            for t in tl.threads.values() {
+                for (i, a) in t.spans.iter().enumerate() {
+                    proptest::prop_assert!(tl.start_ns <= a.start_ns);
+                    proptest::prop_assert!(a.start_ns <= a.end_ns && a.end_ns <= tl.stop_ns);
+                    for b in &t.spans[i + 1..] {
+                        let apart = a.end_ns <= b.start_ns || b.end_ns <= a.start_ns;
+                        let nested = (a.start_ns <= b.start_ns && b.end_ns <= a.end_ns)
+                            || (b.start_ns <= a.start_ns && a.end_ns <= b.end_ns);
+                        proptest::prop_assert!(apart || nested, "{a:?} / {b:?}");
+                    }
+                }
+                total += t.spans.len() as u64;
+            }
+            proptest::prop_assert_eq!(stats.spans, total);
+        }
     }
 }

@@ -376,12 +376,15 @@ impl SchedIds {
                         waker_tid,
                         waker_pid,
                         flow_id,
-                    } => EventStats::inline(&[
-                        cause_is(self.woken),
-                        Stat::i64(self.waker_tid, waker_tid.into()),
-                        Stat::i64(self.waker_pid, waker_pid.into()),
-                        Stat::u64(self.flow, flow_stat_value(flow_id, FlowDirection::In)),
-                    ]),
+                    } => {
+                        let stats = [
+                            cause_is(self.woken),
+                            Stat::i64(self.waker_tid, waker_tid.into()),
+                            Stat::i64(self.waker_pid, waker_pid.into()),
+                            self.flow(flow_id, FlowDirection::In),
+                        ];
+                        EventStats::inline(&stats[..if flow_id.is_some() { 4 } else { 3 }])
+                    }
                     RunnableCause::Preempted => one(cause_is(self.preempted)),
                     RunnableCause::Yielded => one(cause_is(self.rare(YIELDED))),
                     RunnableCause::Created => one(cause_is(self.rare(NEW_THREAD))),
@@ -400,17 +403,23 @@ impl SchedIds {
         }
     }
 
+    /// The flow stat of a linked wake-up (unused when there is no link).
+    fn flow(&self, flow_id: Option<u64>, direction: FlowDirection) -> Stat {
+        Stat::u64(self.flow, flow_stat_value(flow_id.unwrap_or(0), direction))
+    }
+
     /// The event name and stats of an instant.
     fn mark(&self, kind: &MarkKind) -> (i64, EventStats<'static>) {
         match *kind {
-            MarkKind::Wakeup { tid, pid, flow_id } => (
-                self.wakeup,
-                EventStats::inline(&[
+            MarkKind::Wakeup { tid, pid, flow_id } => {
+                let stats = [
                     Stat::i64(self.woken_tid, tid.into()),
                     Stat::i64(self.woken_pid, pid.into()),
-                    Stat::u64(self.flow, flow_stat_value(flow_id, FlowDirection::Out)),
-                ]),
-            ),
+                    self.flow(flow_id, FlowDirection::Out),
+                ];
+                let n = if flow_id.is_some() { 3 } else { 2 };
+                (self.wakeup, EventStats::inline(&stats[..n]))
+            }
             MarkKind::ThreadCreated { tid } => (
                 self.rare(THREAD_CREATED),
                 EventStats::inline(&[Stat::i64(self.rare(TID), tid.into())]),
