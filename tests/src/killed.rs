@@ -23,6 +23,48 @@ pub struct AfterKill {
     /// was on, and over the same time once the gate was back off.
     pub growth_recording: i64,
     pub growth_after: i64,
+    /// The guard ebtrace had started.
+    pub guards: Vec<u32>,
+}
+
+impl AfterKill {
+    /// Asserts that ebtrace said `set` last before the kill, that the gate
+    /// was restored within the deadline, and that the target's memory grew
+    /// by more than `min_growth` bytes while recording and by less than
+    /// 1/`ratio` of that afterwards (its recorder stopped queueing).
+    /// And that the guard did its job and exited.
+    pub fn assert_restored_and_quiet(&self, set: &str, min_growth: i64, ratio: i64) {
+        assert_eq!(self.guards.len(), 1, "one guard per ebtrace: {self:?}");
+        assert!(
+            self.stderr.last().is_some_and(|l| l.contains(set)),
+            "{:?}",
+            self.stderr
+        );
+        assert!(
+            self.restored_in.is_some(),
+            "gate not restored 1 s after ebtrace's SIGKILL: {self:?}"
+        );
+        eprintln!("{self:?}");
+        assert!(
+            self.growth_recording > min_growth,
+            "resident memory grew only {} bytes while recording",
+            self.growth_recording
+        );
+        assert!(
+            self.growth_after * ratio < self.growth_recording,
+            "still growing after the restore: {} bytes (recording: {})",
+            self.growth_after,
+            self.growth_recording
+        );
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while self.guards.iter().any(|g| is_running(*g)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(
+            !self.guards.iter().any(|g| is_running(*g)),
+            "the guard outlived its job: {self:?}"
+        );
+    }
 }
 
 /// Resident memory of `pid` in bytes.
@@ -81,6 +123,7 @@ pub fn kill_mid_capture(
         "ebtrace never said {ready:?}: {stderr:?}"
     );
     let growth_recording = growth_over(pid, window);
+    let guards = guards_of(child.id());
     // SAFETY: plain syscall; the group is the one ebtrace leads.
     unsafe { libc::kill(-group, libc::SIGKILL) };
     let killed = Instant::now();
@@ -102,11 +145,12 @@ pub fn kill_mid_capture(
         restored_in,
         growth_recording,
         growth_after,
+        guards,
     }
 }
 
-/// Processes running `ebtrace restore-guard`.
-pub fn guards_running() -> Vec<u32> {
+/// The `ebtrace restore-guard` processes `ebtrace_pid` started.
+pub fn guards_of(ebtrace_pid: u32) -> Vec<u32> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
         let Some(pid) = entry
@@ -116,15 +160,28 @@ pub fn guards_running() -> Vec<u32> {
         else {
             continue;
         };
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        let (Ok(cmdline), Ok(stat)) = (
+            std::fs::read(format!("/proc/{pid}/cmdline")),
+            std::fs::read_to_string(format!("/proc/{pid}/stat")),
+        ) else {
             continue;
         };
-        if cmdline
-            .split(|b| *b == 0)
-            .any(|arg| arg == b"restore-guard")
+        let parent = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        if parent == Some(ebtrace_pid) && cmdline.split(|b| *b == 0).any(|a| a == b"restore-guard")
         {
             found.push(pid);
         }
     }
     found
+}
+
+/// True while `pid` runs (a zombie has exited).
+pub fn is_running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z")
+    })
 }

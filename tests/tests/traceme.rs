@@ -7,14 +7,14 @@ use std::{
     collections::{BTreeMap, HashMap},
     io::{BufRead as _, BufReader},
     process::Output,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
 use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
-    killed::{guards_running, kill_mid_capture},
+    killed::{guards_of, kill_mid_capture},
     record, require_root, run_ebtrace, serial, signal, spawn_record,
     traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans, read_i32},
     wait_with_deadline, xplane_files,
@@ -413,45 +413,9 @@ fn a_killed_ebtrace_has_the_level_restored_within_a_second() {
         -1,
         Duration::from_millis(500),
     );
-    assert!(
-        after
-            .stderr
-            .last()
-            .unwrap()
-            .contains("level 2 set by ebtrace"),
-        "{:?}",
-        after.stderr
-    );
-    let restored_in = after.restored_in.unwrap_or_else(|| {
-        panic!(
-            "level still {} 1 s after ebtrace's SIGKILL",
-            read_i32(pid, level_at)
-        )
-    });
-    eprintln!("level restored {restored_in:?} after the SIGKILL; {after:?}");
-    // The recorder's queues grew while recording was on, and stopped.
-    assert!(
-        after.growth_recording > 1 << 20,
-        "resident memory grew only {} bytes while recording",
-        after.growth_recording
-    );
-    assert!(
-        after.growth_after * 10 < after.growth_recording,
-        "still growing after the restore: {} bytes (recording: {})",
-        after.growth_after,
-        after.growth_recording
-    );
+    after.assert_restored_and_quiet("level 2 set by ebtrace", 1 << 20, 10);
     assert!(workload.is_running());
     assert!(no_marker_names(pid), "a marker of pid {pid} is left");
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while !guards_running().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(
-        guards_running(),
-        Vec::<u32>::new(),
-        "the guard outlived its job"
-    );
     workload.stop();
 }
 
@@ -476,7 +440,7 @@ fn a_level_left_on_by_a_killed_ebtrace_and_guard_is_restored_by_any_next_start()
     let mut workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
     let dir = TempDir::new("traceme-sigkill");
     let (mut child, _) = start_long_capture(workload.pid, &dir);
-    let guards = guards_running();
+    let guards = guards_of(child.id());
     assert_eq!(guards.len(), 1, "one guard per ebtrace: {guards:?}");
     // Both gone at once: nothing of ebtrace's runs to restore the level.
     signal(guards[0], libc::SIGKILL);

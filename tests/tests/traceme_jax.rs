@@ -4,115 +4,42 @@
 //! outside, read back, and switched off again.
 
 use std::{
-    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::Command,
     time::Duration,
 };
 
 use ebtrace_tests::{
     TempDir,
     killed::kill_mid_capture,
+    python::{PythonWorkload, symbol_address},
     record, require_root, serial, signal,
     traceme::read_i32,
     viewer::{self, TraceViewerPage},
-    workspace_root, xplane_files, xprof,
+    xplane_files, xprof,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
 };
 
-/// The venv Python with jax, or `None` to skip (a failure when
+/// The venv Python with jax and xprof, or `None` to skip (a failure when
 /// `EBTRACE_REQUIRE_INTEROP=1`).
 fn jax_python() -> Option<PathBuf> {
-    let required = std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() == Ok("1");
-    let python = std::env::var_os("EBTRACE_PYTHON").map(PathBuf::from);
-    let ok = python.as_ref().is_some_and(|p| {
-        Command::new(p)
-            .args(["-c", "import jax, jaxlib, xprof.convert.raw_to_tool_data"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    });
-    match (ok, required) {
-        (true, _) => python,
-        (false, true) => {
-            panic!("EBTRACE_PYTHON={python:?} cannot import jax (run `cargo xtask setup`)")
-        }
-        (false, false) => {
-            eprintln!(
-                "skipping: set EBTRACE_PYTHON to a Python with jax and xprof (cargo xtask setup)"
-            );
-            None
-        }
-    }
+    xprof::python_with(&["jax", "jaxlib", xprof::XPROF_MODULE])
 }
 
-/// The running jax workload, stopped when dropped.
-struct JaxWorkload {
-    child: Child,
-    pid: u32,
+/// The jax workload (`jax_workload.py`) on the CPU backend, with `env`.
+fn start_jax(python: &Path, env: &[(&str, &str)]) -> PythonWorkload {
+    let mut all = vec![("JAX_PLATFORMS", "cpu")];
+    all.extend_from_slice(env);
+    PythonWorkload::start(python, "jax_workload.py", &all)
 }
 
-impl JaxWorkload {
-    fn start(python: &Path) -> Self {
-        Self::start_with_env(python, &[])
-    }
-
-    fn start_with_env(python: &Path, env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(python)
-            .arg(workspace_root().join("tests/fixtures/traceme/jax_workload.py"))
-            .env("JAX_PLATFORMS", "cpu")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the jax workload");
-        let mut first = String::new();
-        BufReader::new(child.stdout.as_mut().expect("piped"))
-            .read_line(&mut first)
-            .expect("read start line");
-        let v: serde_json::Value = serde_json::from_str(&first)
-            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
-        JaxWorkload {
-            pid: v["pid"].as_u64().expect("pid") as u32,
-            child,
-        }
-    }
-}
-
-impl Drop for JaxWorkload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Address of jaxlib's `g_trace_level` in `pid`, found with binutils'
-/// `nm` (not with ebtrace's own lookup): its value in the file plus the
-/// address the shared object's first page (file offset 0, virtual address
-/// 0) is mapped at.
+/// Address of jaxlib's `g_trace_level` in `pid` (a local `.symtab` symbol).
 fn jaxlib_trace_level_address(pid: u32) -> u64 {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
-    let (start, path) = maps
-        .lines()
-        .find_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() >= 6 && f[5].ends_with("/libjax_common.so") && f[2] == "00000000").then(|| {
-                let start = u64::from_str_radix(f[0].split('-').next().unwrap(), 16).unwrap();
-                (start, f[5].to_string())
-            })
-        })
-        .expect("libjax_common.so is mapped");
-    let nm = Command::new("nm")
-        .arg("--defined-only")
-        .arg(&path)
-        .output()
-        .expect("run nm");
-    let vaddr = String::from_utf8_lossy(&nm.stdout)
-        .lines()
-        .find(|l| l.ends_with(" _ZN3tsl8profiler8internal13g_trace_levelE"))
-        .and_then(|l| u64::from_str_radix(l.split_whitespace().next()?, 16).ok())
-        .expect("g_trace_level in nm's output");
-    start + vaddr
+    symbol_address(
+        pid,
+        "/libjax_common.so",
+        "_ZN3tsl8profiler8internal13g_trace_levelE",
+    )
 }
 
 const XPROF_EVENTS: &str = r#"
@@ -139,7 +66,7 @@ fn jax_traceme_events_appear_and_the_level_is_restored() {
         return;
     };
     let _serial = serial();
-    let workload = JaxWorkload::start(&python);
+    let workload = start_jax(&python, &[]);
     let level_at = jaxlib_trace_level_address(workload.pid);
     assert_eq!(
         read_i32(workload.pid, level_at),
@@ -270,7 +197,7 @@ fn xprof_opens_a_jax_capture_with_its_threads_shown() {
         return;
     };
     let _serial = serial();
-    let workload = JaxWorkload::start_with_env(&python, &[EIGHT_HOST_DEVICES]);
+    let workload = start_jax(&python, &[EIGHT_HOST_DEVICES]);
     let tids: Vec<u32> = std::fs::read_dir(format!("/proc/{}/task", workload.pid))
         .expect("list the workload's threads")
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
@@ -366,7 +293,7 @@ fn a_killed_ebtrace_leaves_jax_as_it_found_it() {
         return;
     };
     let _serial = serial();
-    let workload = JaxWorkload::start(&python);
+    let workload = start_jax(&python, &[]);
     let pid = workload.pid;
     let level_at = jaxlib_trace_level_address(pid);
     let after = kill_mid_capture(
@@ -377,32 +304,7 @@ fn a_killed_ebtrace_leaves_jax_as_it_found_it() {
         -1,
         Duration::from_secs(1),
     );
-    assert!(
-        after
-            .stderr
-            .last()
-            .unwrap()
-            .contains("level 2 set by ebtrace"),
-        "{:?}",
-        after.stderr
-    );
-    assert!(
-        after.restored_in.is_some(),
-        "level still {} 1 s after ebtrace's SIGKILL",
-        read_i32(pid, level_at)
-    );
-    eprintln!("{after:?}");
     // jaxlib's recorder grew while recording was on, and stopped.
-    assert!(
-        after.growth_recording > 256 << 10,
-        "resident memory grew only {} bytes while recording",
-        after.growth_recording
-    );
-    assert!(
-        after.growth_after * 4 < after.growth_recording,
-        "still growing after the restore: {} bytes (recording: {})",
-        after.growth_after,
-        after.growth_recording
-    );
+    after.assert_restored_and_quiet("level 2 set by ebtrace", 256 << 10, 4);
     signal(pid, libc::SIGTERM);
 }

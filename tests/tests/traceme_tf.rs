@@ -6,85 +6,18 @@
 //! `xla::profiler::traceme_enabled` in `lib_pywrap_tensorflow_common.so`.
 //! ebtrace must switch both on, and both back, also when it is killed.
 
-use std::{
-    io::{BufRead as _, BufReader},
-    path::Path,
-    process::{Child, Command, Stdio},
-    time::Duration,
-};
+use std::time::Duration;
 
 use ebtrace_tests::{
     TempDir,
     killed::kill_mid_capture,
+    python::{PythonWorkload, symbol_address},
     record, require_root, serial, signal,
     traceme::read_i32,
-    workspace_root, xplane_files,
+    xplane_files,
     xprof::python_with,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
 };
-
-/// The running TensorFlow workload, stopped when dropped.
-struct TfWorkload {
-    child: Child,
-    pid: u32,
-}
-
-impl TfWorkload {
-    fn start(python: &Path) -> Self {
-        let mut child = Command::new(python)
-            .arg(workspace_root().join("tests/fixtures/traceme/tf_workload.py"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the TensorFlow workload");
-        let mut first = String::new();
-        BufReader::new(child.stdout.as_mut().expect("piped"))
-            .read_line(&mut first)
-            .expect("read start line");
-        let v: serde_json::Value = serde_json::from_str(&first)
-            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
-        TfWorkload {
-            pid: v["pid"].as_u64().expect("pid") as u32,
-            child,
-        }
-    }
-}
-
-impl Drop for TfWorkload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Where `symbol` of the mapped object whose path ends in `suffix` is in
-/// `pid`, found with binutils' `nm -D` (not ebtrace's own lookup): its
-/// value plus the address the object's first page is mapped at.
-fn exported_address(pid: u32, suffix: &str, symbol: &str) -> u64 {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
-    let (start, path) = maps
-        .lines()
-        .find_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() >= 6 && f[5].ends_with(suffix) && f[2] == "00000000").then(|| {
-                let start = u64::from_str_radix(f[0].split('-').next().unwrap(), 16).unwrap();
-                (start, f[5].to_string())
-            })
-        })
-        .unwrap_or_else(|| panic!("{suffix} is not mapped"));
-    let nm = Command::new("nm")
-        .args(["-D", "--defined-only"])
-        .arg(&path)
-        .output()
-        .expect("run nm");
-    let vaddr = String::from_utf8_lossy(&nm.stdout)
-        .lines()
-        .find(|l| l.ends_with(&format!(" {symbol}")))
-        .and_then(|l| u64::from_str_radix(l.split_whitespace().next()?, 16).ok())
-        .unwrap_or_else(|| panic!("{symbol} not in nm -D of {path}"));
-    start + vaddr
-}
 
 fn read_u8(pid: u32, address: u64) -> u8 {
     let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("open mem");
@@ -106,10 +39,10 @@ fn tensorflow_trace_steps_appear_and_both_gates_are_restored_even_after_sigkill(
         return;
     };
     let _serial = serial();
-    let workload = TfWorkload::start(&python);
+    let workload = PythonWorkload::start(&python, "tf_workload.py", &[]);
     let pid = workload.pid;
-    let level_at = exported_address(pid, "/libtensorflow_framework.so.2", LEVEL);
-    let gate_at = exported_address(pid, "/lib_pywrap_tensorflow_common.so", PYTHON_GATE);
+    let level_at = symbol_address(pid, "/libtensorflow_framework.so.2", LEVEL);
+    let gate_at = symbol_address(pid, "/lib_pywrap_tensorflow_common.so", PYTHON_GATE);
     assert_eq!(read_i32(pid, level_at), -1, "no session in the process");
     assert_eq!(read_u8(pid, gate_at), 0);
 

@@ -1,0 +1,87 @@
+//! Python workloads of real frameworks (jax, TensorFlow) from the venv of
+//! `cargo xtask setup`, and where their libraries' symbols sit in them.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::Path,
+    process::{Child, Command, Stdio},
+};
+
+use crate::workspace_root;
+
+/// A running `tests/fixtures/traceme/<script>`, killed when dropped. The
+/// script prints `{"pid": N}` once warmed up.
+pub struct PythonWorkload {
+    child: Child,
+    pub pid: u32,
+}
+
+impl PythonWorkload {
+    /// Starts `script` with `python` and extra environment `env`; waits for
+    /// its start line.
+    pub fn start(python: &Path, script: &str, env: &[(&str, &str)]) -> Self {
+        let mut child = Command::new(python)
+            .arg(workspace_root().join("tests/fixtures/traceme").join(script))
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {script}: {e}"));
+        let mut first = String::new();
+        BufReader::new(child.stdout.as_mut().expect("piped"))
+            .read_line(&mut first)
+            .expect("read start line");
+        let v: serde_json::Value = serde_json::from_str(&first)
+            .unwrap_or_else(|e| panic!("bad start line of {script} {first:?}: {e}"));
+        PythonWorkload {
+            pid: v["pid"].as_u64().expect("pid") as u32,
+            child,
+        }
+    }
+}
+
+impl Drop for PythonWorkload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Address of `symbol` (mangled) of the object mapped in `pid` whose path
+/// ends in `suffix`, found with binutils' `nm` (not with ebtrace's own
+/// lookup): its value in the file plus the address the object's first page
+/// (file offset 0, virtual address 0) is mapped at. Looks in `.symtab`,
+/// then in `.dynsym`.
+pub fn symbol_address(pid: u32, suffix: &str, symbol: &str) -> u64 {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    let (start, path) = maps
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 6 && f[5].ends_with(suffix) && f[2] == "00000000").then(|| {
+                let start = u64::from_str_radix(f[0].split('-').next().unwrap(), 16).unwrap();
+                (start, f[5].to_string())
+            })
+        })
+        .unwrap_or_else(|| panic!("{suffix} is not mapped in {pid}"));
+    let in_table = |dynamic: bool| {
+        let mut nm = Command::new("nm");
+        if dynamic {
+            nm.arg("-D");
+        }
+        let out = nm
+            .arg("--defined-only")
+            .arg(&path)
+            .output()
+            .expect("run nm");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.ends_with(&format!(" {symbol}")))
+            .and_then(|l| u64::from_str_radix(l.split_whitespace().next()?, 16).ok())
+    };
+    let vaddr = in_table(false)
+        .or_else(|| in_table(true))
+        .unwrap_or_else(|| panic!("{symbol} not in nm's output for {path}"));
+    start + vaddr
+}
