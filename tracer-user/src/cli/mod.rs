@@ -92,6 +92,12 @@ pub struct RecordArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_events: u64,
 
+    /// Also write Perfetto's native trace, perfetto_trace.pb, beside the
+    /// .xplane.pb (open it in ui.perfetto.dev): CPU tracks, thread states
+    /// and wake-ups drawn the way Perfetto draws its own captures.
+    #[arg(long)]
+    pub perfetto: bool,
+
     /// Print only the trace's path (no progress, no summary).
     #[arg(short, long)]
     pub quiet: bool,
