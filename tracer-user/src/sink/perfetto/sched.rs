@@ -113,15 +113,16 @@ pub(super) fn write_sched<W: Write>(
             .get(&tid)
             .map_or_else(String::new, |t| t.name.clone())
     };
-    let switch = |ts: u64, prev: Option<(u32, i64)>, next: Option<u32>| FtraceEvent {
+    // pid 0 is what ftrace calls the idle task of each CPU.
+    let switch = |cpu: u32, ts: u64, prev: Option<(u32, i64)>, next: Option<u32>| FtraceEvent {
         timestamp: Some(clocks.boot(ts)),
         pid: Some(prev.map_or(0, |p| p.0)),
         event: Some(ftrace_event::Event::SchedSwitch(SchedSwitchFtraceEvent {
-            prev_comm: Some(prev.map_or_else(String::new, |p| comm(p.0))),
+            prev_comm: Some(prev.map_or_else(|| format!("swapper/{cpu}"), |p| comm(p.0))),
             prev_pid: Some(prev.map_or(0, |p| p.0 as i32)),
             prev_prio: Some(PRIO),
             prev_state: Some(prev.map_or(0, |p| p.1)),
-            next_comm: Some(next.map_or_else(String::new, comm)),
+            next_comm: Some(next.map_or_else(|| format!("swapper/{cpu}"), comm)),
             next_pid: Some(next.map_or(0, |n| n as i32)),
             next_prio: Some(PRIO),
         })),
@@ -138,7 +139,7 @@ pub(super) fn write_sched<W: Write>(
         for (i, slice) in slices.iter().enumerate() {
             // Switched in from the previous traced thread, or from idle.
             if prev_end.is_none_or(|(end, _)| end != slice.start_ns) {
-                b.push(switch(slice.start_ns, None, Some(slice.tid)))?;
+                b.push(switch(cpu, slice.start_ns, None, Some(slice.tid)))?;
                 switches += 1;
             }
             let Some(thread) = timeline.threads.get(&slice.tid) else {
@@ -155,6 +156,7 @@ pub(super) fn write_sched<W: Write>(
                 .filter(|n| n.start_ns == slice.end_ns)
                 .map(|n| n.tid);
             b.push(switch(
+                cpu,
                 slice.end_ns,
                 Some((slice.tid, prev_state(after))),
                 next,

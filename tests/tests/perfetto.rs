@@ -1,0 +1,163 @@
+//! `--perfetto`: the Perfetto trace written beside the XSpace, read back
+//! with Perfetto's own schema and checked against the XSpace of the same
+//! capture.
+
+use std::{collections::HashMap, path::PathBuf, time::Duration};
+
+use ebtrace_proto::tensorflow::profiler::XSpace;
+use ebtrace_tests::{
+    TempDir,
+    fixture::SchedWorkload,
+    perfetto, record, require_root, serial,
+    traceme::{Toolchain, TraceMeWorkload},
+    xplane_files,
+    xspace::{self, line_events, plane},
+};
+use serde_json::Value;
+
+/// Names the scheduler part of the XSpace uses on thread lines.
+const SCHED_EVENTS: [&str; 8] = [
+    "Running",
+    "Runnable",
+    "Blocked",
+    "Unknown",
+    "Wakeup",
+    "Thread created",
+    "Process forked",
+    "Thread exit",
+];
+
+const BOOTTIME: &str = "6";
+const MONOTONIC: &str = "3";
+const REALTIME: &str = "1";
+
+/// Records `pid` with `--perfetto`; returns the XSpace and the Perfetto file.
+fn capture(pid: u32, duration: &str, dir: &TempDir) -> (XSpace, PathBuf) {
+    let out = record(&pid.to_string(), duration, dir, &["--perfetto"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "ebtrace failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let files = xplane_files(dir.path());
+    assert_eq!(files.len(), 1, "expected one trace, found {files:?}");
+    let pb = files[0].with_file_name("perfetto_trace.pb");
+    assert!(pb.exists(), "no {} beside the XSpace", pb.display());
+    assert!(
+        stdout.contains(&pb.display().to_string()),
+        "the Perfetto file is not named in {stdout}"
+    );
+    (xspace::load(&files[0]), pb)
+}
+
+fn count(summary: &Value, key: &str, tid: u32) -> u64 {
+    summary[key][tid.to_string()].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn scheduling_threads_and_clocks_match_the_xspace() {
+    if !require_root("scheduling_threads_and_clocks_match_the_xspace") {
+        return;
+    }
+    let Some(python) = perfetto::python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let dir = TempDir::new("perfetto-sched");
+    let (space, pb) = capture(workload.pid, "1s", &dir);
+    let threads = workload.threads.clone();
+    workload.stop();
+    let summary = perfetto::summarize(&python, &pb);
+
+    let host = plane(&space, "/host:CPU");
+    for name in ["cpu-burner", "sleeper-10ms", "ping", "pong"] {
+        let tid = threads[name];
+        let thread = &summary["threads"][tid.to_string()];
+        assert_eq!(thread["name"], name, "{summary}");
+        assert_eq!(thread["pid"], workload_pid(&threads, &summary, tid));
+        // Each time the XSpace shows the thread running, Perfetto has it
+        // switched in.
+        let runs = line_events(host, tid.into())
+            .iter()
+            .filter(|e| e.name == "Running")
+            .count() as u64;
+        assert!(runs > 0, "{name} never ran");
+        assert_eq!(count(&summary, "switch_in", tid), runs, "{name}");
+        let woken = line_events(host, tid.into())
+            .iter()
+            .filter(|e| e.name == "Runnable" && e.stats.contains_key("waker_tid"))
+            .count() as u64;
+        assert_eq!(count(&summary, "wakings", tid), woken, "{name}");
+    }
+    assert!(count(&summary, "wakings", threads["ping"]) > 0);
+    assert_eq!(summary["unbalanced"], 0);
+
+    // The clock snapshot ties boot time to the wall clock at the start of
+    // the capture window the XSpace states.
+    let clocks = &summary["clocks"];
+    for id in [BOOTTIME, MONOTONIC, REALTIME] {
+        assert!(clocks[id].is_u64(), "clock {id} missing: {clocks}");
+    }
+    let (start, _) = xspace::profile_window(&space);
+    let realtime = clocks[REALTIME].as_u64().unwrap();
+    assert!(
+        realtime.abs_diff(start) < 1_000_000,
+        "snapshot realtime {realtime}, XSpace start {start}"
+    );
+    assert!(clocks[BOOTTIME].as_u64() >= clocks[MONOTONIC].as_u64());
+}
+
+/// The pid the summary's process descriptors give the thread's process.
+fn workload_pid(
+    threads: &std::collections::BTreeMap<String, u32>,
+    summary: &Value,
+    tid: u32,
+) -> Value {
+    let pid = summary["threads"][tid.to_string()]["pid"].clone();
+    assert!(
+        summary["processes"][pid.to_string()].is_string(),
+        "no process descriptor for {pid} ({threads:?})"
+    );
+    pid
+}
+
+#[test]
+fn traceme_spans_keep_their_names() {
+    if !require_root("traceme_spans_keep_their_names") {
+        return;
+    }
+    let Some(python) = perfetto::python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    std::thread::sleep(Duration::from_millis(100));
+    let dir = TempDir::new("perfetto-traceme");
+    let (space, pb) = capture(workload.pid, "1s", &dir);
+    let tids: Vec<u32> = workload.threads.values().copied().collect();
+    workload.stop();
+    let summary = perfetto::summarize(&python, &pb);
+
+    let host = plane(&space, "/host:CPU");
+    let mut total = 0;
+    for tid in tids {
+        if !host.lines.iter().any(|l| l.id == i64::from(tid)) {
+            continue;
+        }
+        let mut want: HashMap<String, u64> = HashMap::new();
+        for e in line_events(host, tid.into()) {
+            if !SCHED_EVENTS.contains(&e.name.as_str()) {
+                *want.entry(e.name).or_default() += 1;
+            }
+        }
+        let got: HashMap<String, u64> =
+            serde_json::from_value(summary["spans"][tid.to_string()].clone()).unwrap_or_default();
+        assert_eq!(got, want, "TraceMe spans of thread {tid}");
+        total += want.values().sum::<u64>();
+    }
+    assert!(total > 0, "the fixture recorded no TraceMe spans");
+    assert_eq!(summary["unbalanced"], 0);
+}
