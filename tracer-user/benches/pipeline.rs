@@ -3,7 +3,8 @@
 //! ping-pong (two threads of one process waking each other on one CPU, the
 //! serve benchmark's target) of `EBTRACE_BENCH_RECORDS` records (default
 //! 1,000,000), through the same stages a capture runs: sorting the records,
-//! the scheduling timeline, span nesting and the XSpace sink.
+//! the scheduling timeline, span nesting and the XSpace sink, then the
+//! Perfetto sink (`--perfetto`) on the same timeline.
 //!
 //! Prints the median of `EBTRACE_BENCH_ROUNDS` rounds (default 5) per stage.
 
@@ -15,7 +16,10 @@ use std::{
 use ebtrace::{
     clock::ClockSync,
     collect::Record,
-    sink::xspace::timeline_to_xspace_bytes,
+    sink::{
+        perfetto::{PerfettoClocks, write_timeline},
+        xspace::timeline_to_xspace_bytes,
+    },
     timeline::{CaptureStats, InitialState, SchedTimelineBuilder, nest_spans},
 };
 use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
@@ -110,7 +114,11 @@ fn main() {
         .collect();
 
     let (mut sort, mut timeline, mut xspace) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut events, mut bytes) = (0, 0);
+    let mut perfetto = Vec::new();
+    let (mut events, mut bytes, mut perfetto_bytes) = (0, 0, 0);
+    let clocks = PerfettoClocks {
+        boot_minus_mono_ns: 0,
+    };
     for _ in 0..rounds {
         let mut records = source.clone();
         let t0 = Instant::now();
@@ -135,19 +143,27 @@ fn main() {
         }
         let t2 = Instant::now();
         let encoded = timeline_to_xspace_bytes(&tl, "bench-host");
+        bytes = encoded.len();
         let t3 = Instant::now();
+        drop(encoded);
+        let mut out = Vec::new();
+        let t4 = Instant::now();
+        let written = write_timeline(&tl, clocks, &mut out).expect("writing to a Vec");
+        let t5 = Instant::now();
+        perfetto_bytes = written.bytes as usize;
+        perfetto.push(t5 - t4);
         events = tl
             .threads
             .values()
             .map(|t| t.slices.len() + t.marks.len())
             .sum::<usize>()
             + tl.cpus.values().map(Vec::len).sum::<usize>();
-        bytes = encoded.len();
         sort.push(t1 - t0);
         timeline.push(t2 - t1);
         xspace.push(t3 - t2);
     }
     let (sort, timeline, xspace) = (median(sort), median(timeline), median(xspace));
+    let perfetto = median(perfetto);
     let per = |d: Duration, k: usize| d.as_nanos() as f64 / k.max(1) as f64;
     println!(
         "pipeline: {n} records -> {events} events, XSpace {:.1} MB (median of {rounds})",
@@ -172,5 +188,11 @@ fn main() {
         "  total            {:>8.1} ms",
         (sort + timeline + xspace).as_secs_f64() * 1e3
     );
-    assert!(events > 0 && bytes > 0);
+    println!(
+        "  Perfetto (--perfetto, same timeline) {:>8.1} ms  {:>6.1} ns/event, {:.1} MB",
+        perfetto.as_secs_f64() * 1e3,
+        per(perfetto, events),
+        perfetto_bytes as f64 / 1e6
+    );
+    assert!(events > 0 && bytes > 0 && perfetto_bytes > 0);
 }
