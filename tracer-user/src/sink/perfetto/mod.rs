@@ -305,3 +305,6 @@ fn annotation((name, value): &(String, Value)) -> DebugAnnotation {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests;
