@@ -21,8 +21,10 @@ pub fn python() -> Option<PathBuf> {
 /// events that wake it (`wakings`), the clock snapshots' clocks
 /// (`clocks`: id → ts), per tid the track-event names begun or instant on
 /// its thread track (`spans`: tid → name → count), the number of track
-/// event tracks whose begins and ends do not pair (`unbalanced`), and the
-/// flow ids that leave (`flow_out`) and end (`flow_in`) on events.
+/// event tracks whose begins and ends do not pair (`unbalanced`), the
+/// flow ids that leave (`flow_out`) and end (`flow_in`) on events, and per
+/// named track, as "parent name/name", the events begun or instant on it
+/// (`named`).
 const SUMMARIZE: &str = r#"
 import json, sys, collections
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
@@ -31,8 +33,10 @@ with open(sys.argv[1], "rb") as f:
     t.ParseFromString(f.read())
 out = {"processes": {}, "threads": {}, "switch_in": collections.Counter(),
        "switch_out": collections.Counter(), "wakings": collections.Counter(),
-       "clocks": {}, "spans": {}, "unbalanced": 0, "flow_out": [], "flow_in": []}
+       "clocks": {}, "spans": {}, "unbalanced": 0, "flow_out": [], "flow_in": [],
+       "named": collections.Counter()}
 track_tid = {}
+track_name = {}
 depth = collections.Counter()
 for p in t.packet:
     kind = p.WhichOneof("data")
@@ -46,6 +50,10 @@ for p in t.packet:
         if d.HasField("thread"):
             out["threads"][str(d.thread.tid)] = {"name": d.thread.thread_name, "pid": d.thread.pid}
             track_tid[d.uuid] = str(d.thread.tid)
+        if d.HasField("name"):
+            parent = track_name.get(d.parent_uuid, "") if d.HasField("parent_uuid") else ""
+            track_name[d.uuid] = d.name
+            track_name[d.uuid, "key"] = parent + "/" + d.name
     elif kind == "ftrace_events":
         for e in p.ftrace_events.event:
             ev = e.WhichOneof("event")
@@ -69,6 +77,9 @@ for p in t.packet:
             if tid is not None:
                 names = out["spans"].setdefault(tid, {})
                 names[e.name] = names.get(e.name, 0) + 1
+            key = track_name.get((e.track_uuid, "key"))
+            if key is not None:
+                out["named"][key] += 1
         out["flow_out"] += list(e.flow_ids)
         out["flow_in"] += list(e.terminating_flow_ids)
 out["unbalanced"] += sum(1 for v in depth.values() if v != 0)

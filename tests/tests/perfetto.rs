@@ -8,9 +8,9 @@ use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
-    perfetto, record, require_root, serial,
+    perfetto, record, require_root, run_ebtrace, serial,
     traceme::{Toolchain, TraceMeWorkload},
-    xplane_files,
+    workspace_root, xplane_files,
     xspace::{self, line_events, plane},
 };
 use serde_json::Value;
@@ -159,5 +159,47 @@ fn traceme_spans_keep_their_names() {
         total += want.values().sum::<u64>();
     }
     assert!(total > 0, "the fixture recorded no TraceMe spans");
+    assert_eq!(summary["unbalanced"], 0);
+}
+
+#[test]
+fn converting_a_jaxlib_xspace_keeps_its_threads_and_events() {
+    let Some(python) = perfetto::python() else {
+        return;
+    };
+    let input = workspace_root().join("tests/fixtures/real/jax_cpu_matmul.xplane.pb");
+    let dir = TempDir::new("perfetto-convert");
+    let output = dir.path().join("out.pb");
+    let out = run_ebtrace(&[
+        "convert",
+        input.to_str().unwrap(),
+        "--to",
+        "perfetto",
+        "-o",
+        output.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "convert failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary = perfetto::summarize(&python, &output);
+
+    let space = xspace::load(&input);
+    let mut want: HashMap<String, u64> = HashMap::new();
+    for plane in &space.planes {
+        for line in &plane.lines {
+            let name = if line.display_name.is_empty() {
+                &line.name
+            } else {
+                &line.display_name
+            };
+            *want.entry(format!("{}/{name}", plane.name)).or_default() += line.events.len() as u64;
+        }
+    }
+    want.retain(|_, n| *n > 0);
+    assert!(want.keys().any(|k| k.starts_with("/host:CPU/")), "{want:?}");
+    let got: HashMap<String, u64> = serde_json::from_value(summary["named"].clone()).unwrap();
+    assert_eq!(got, want);
     assert_eq!(summary["unbalanced"], 0);
 }

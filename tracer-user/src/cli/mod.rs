@@ -2,6 +2,7 @@
 //! (those of `serve` in [`serve`]); [`record`] runs a capture with progress
 //! and summary, [`serve`] the ProfilerService.
 
+pub mod convert;
 pub mod record;
 pub mod serve;
 pub mod summary;
@@ -37,6 +38,9 @@ pub enum Command {
     /// that jax.collect_profile, tf.profiler and XProf's "Capture profile"
     /// can capture them.
     Serve(serve::ServeArgs),
+    /// Convert a trace already written (e.g. an .xplane.pb from ebtrace or
+    /// from jax's own profiler) to another format.
+    Convert(convert::ConvertArgs),
     /// Internal: the process that puts back the TraceMe gates ebtrace
     /// switched on if ebtrace dies without doing it (started by ebtrace).
     #[command(name = "restore-guard", hide = true)]

@@ -15,6 +15,7 @@
 //! a clock snapshot ties it to `CLOCK_MONOTONIC` (the records' clock) and
 //! `CLOCK_REALTIME`, so the trace lines up with other traces of the host.
 
+pub mod convert;
 mod sched;
 
 use std::io::{self, Write};
@@ -92,10 +93,23 @@ struct PacketWriter<W: Write> {
     out: W,
     buf: Vec<u8>,
     sequence_started: bool,
+    /// Clock of the track events' timestamps; `None` is the trace's
+    /// (boot time).
+    clock_id: Option<u32>,
     stats: PerfettoStats,
 }
 
 impl<W: Write> PacketWriter<W> {
+    fn new(out: W, clock_id: Option<u32>) -> Self {
+        PacketWriter {
+            out,
+            buf: Vec::with_capacity(64 * 1024),
+            sequence_started: false,
+            clock_id,
+            stats: PerfettoStats::default(),
+        }
+    }
+
     fn packet(&mut self, packet: TracePacket) -> io::Result<()> {
         self.buf.clear();
         Trace {
@@ -114,6 +128,7 @@ impl<W: Write> PacketWriter<W> {
         let first = !std::mem::replace(&mut self.sequence_started, true);
         self.packet(TracePacket {
             timestamp: ts_ns,
+            timestamp_clock_id: ts_ns.and(self.clock_id),
             data: Some(data),
             optional_trusted_packet_sequence_id: Some(
                 trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(SEQUENCE_ID),
@@ -141,12 +156,7 @@ pub fn write_timeline<W: Write>(
     clocks: PerfettoClocks,
     out: W,
 ) -> io::Result<PerfettoStats> {
-    let mut w = PacketWriter {
-        out,
-        buf: Vec::with_capacity(64 * 1024),
-        sequence_started: false,
-        stats: PerfettoStats::default(),
-    };
+    let mut w = PacketWriter::new(out, None);
     let t0 = timeline.start_ns;
     let clock = |id: BuiltinClock, ts: u64| clock_snapshot::Clock {
         clock_id: Some(id as u32),
