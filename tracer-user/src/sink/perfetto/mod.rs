@@ -136,7 +136,6 @@ impl<W: Write> PacketWriter<W> {
             sequence_flags: first
                 .then_some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32),
             first_packet_on_sequence: first.then_some(true),
-            ..Default::default()
         })
     }
 

@@ -208,17 +208,12 @@ fn scheduling_spans_and_flows_come_out_as_perfetto_models_them() {
     );
 }
 
+/// The stats `write_timeline` reports, checked against what it wrote.
 fn stats_of(bytes: &[u8]) -> PerfettoStats {
-    write_timeline(
-        &timeline(),
-        PerfettoClocks {
-            boot_minus_mono_ns: 1_000_000,
-        },
-        Vec::new(),
-    )
-    .map(|s| {
-        assert_eq!(s.bytes as usize, bytes.len());
-        s
-    })
-    .unwrap()
+    let clocks = PerfettoClocks {
+        boot_minus_mono_ns: 1_000_000,
+    };
+    let stats = write_timeline(&timeline(), clocks, Vec::new()).unwrap();
+    assert_eq!(stats.bytes as usize, bytes.len());
+    stats
 }
