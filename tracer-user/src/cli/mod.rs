@@ -102,7 +102,8 @@ pub struct RecordArgs {
     #[arg(long)]
     pub perfetto: bool,
 
-    /// Print only the trace's path (no progress, no summary).
+    /// Print only the trace's path (and the Perfetto trace's, with
+    /// --perfetto): no progress, no summary.
     #[arg(short, long)]
     pub quiet: bool,
 }

@@ -81,10 +81,15 @@ impl PerfettoClocks {
 /// What a written trace holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PerfettoStats {
+    /// Trace packets written.
     pub packets: u64,
+    /// `sched_switch` events in the ftrace bundles.
     pub sched_switches: u64,
+    /// `sched_waking` events in the ftrace bundles.
     pub sched_wakings: u64,
+    /// Track events (slice begins and ends, instants).
     pub track_events: u64,
+    /// Encoded size of the trace.
     pub bytes: u64,
 }
 
