@@ -22,7 +22,8 @@ pub fn python() -> Option<PathBuf> {
 /// (`clocks`: id → ts), per tid the track-event names begun or instant on
 /// its thread track (`spans`: tid → name → count), the number of track
 /// event tracks whose begins and ends do not pair (`unbalanced`), the
-/// flow ids that leave (`flow_out`) and end (`flow_in`) on events, and per
+/// flows that leave (`flow_out`) and end (`flow_in`) on events, as [id,
+/// track] (the track as in `named`, or "tid:TID"), and per
 /// named track, as "parent name/name", the events begun or instant on it
 /// (`named`).
 const SUMMARIZE: &str = r#"
@@ -80,8 +81,9 @@ for p in t.packet:
             key = track_name.get((e.track_uuid, "key"))
             if key is not None:
                 out["named"][key] += 1
-        out["flow_out"] += list(e.flow_ids)
-        out["flow_in"] += list(e.terminating_flow_ids)
+        where = track_name.get((e.track_uuid, "key")) or "tid:" + str(track_tid.get(e.track_uuid))
+        out["flow_out"] += [[i, where] for i in e.flow_ids]
+        out["flow_in"] += [[i, where] for i in e.terminating_flow_ids]
 out["unbalanced"] += sum(1 for v in depth.values() if v != 0)
 print(json.dumps(out))
 "#;

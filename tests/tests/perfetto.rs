@@ -2,15 +2,21 @@
 //! with Perfetto's own schema and checked against the XSpace of the same
 //! capture.
 
-use std::{collections::HashMap, path::PathBuf, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    io::{BufRead as _, BufReader},
+    path::PathBuf,
+    time::Duration,
+};
 
 use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
     TempDir,
+    cuda::CudaWorkload,
     fixture::SchedWorkload,
-    perfetto, record, require_root, run_ebtrace, serial,
+    perfetto, record, require_root, run_ebtrace, serial, spawn_record,
     traceme::{Toolchain, TraceMeWorkload},
-    workspace_root, xplane_files,
+    wait_with_deadline, workspace_root, xplane_files,
     xspace::{self, line_events, plane},
 };
 use serde_json::Value;
@@ -202,4 +208,94 @@ fn converting_a_jaxlib_xspace_keeps_its_threads_and_events() {
     let got: HashMap<String, u64> = serde_json::from_value(summary["named"].clone()).unwrap();
     assert_eq!(got, want);
     assert_eq!(summary["unbalanced"], 0);
+}
+
+#[test]
+fn gpu_stream_work_is_linked_to_its_launches() {
+    if !require_root("gpu_stream_work_is_linked_to_its_launches") {
+        return;
+    }
+    let Some(python) = perfetto::python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = CudaWorkload::start(&[]);
+    let dir = TempDir::new("perfetto-cuda");
+    let mut ebtrace = spawn_record(&workload.pid.to_string(), "60s", &dir, &["--perfetto"]);
+    // Read stderr to its end (ebtrace must be able to write it), telling
+    // the test when the probes are attached.
+    let stderr = BufReader::new(ebtrace.stderr.take().expect("piped"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            if line.contains("probes attached") {
+                let _ = tx.send(());
+            }
+            seen.push(line);
+        }
+        seen
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("ebtrace did not attach");
+    workload.run(Duration::from_secs(60));
+    let out = wait_with_deadline(ebtrace, Duration::from_secs(180));
+    let seen = reader.join().expect("stderr reader");
+    assert!(out.status.success(), "ebtrace failed: {seen:?}");
+    let files = xplane_files(dir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    let space = xspace::load(&files[0]);
+    let summary = perfetto::summarize(&python, &files[0].with_file_name("perfetto_trace.pb"));
+
+    // Every kernel or copy the XSpace shows on a GPU ends a flow that
+    // starts on a driver call.
+    let mut device_work = 0u64;
+    let mut device_events = 0u64;
+    for p in space
+        .planes
+        .iter()
+        .filter(|p| p.name.starts_with("/device:GPU:"))
+    {
+        for line in &p.lines {
+            for e in line_events(p, line.id) {
+                device_events += 1;
+                device_work += u64::from(e.stats.contains_key("correlation_id"));
+            }
+        }
+    }
+    assert!(device_work > 0, "the workload submitted no GPU work");
+    // (flow id, track) pairs.
+    let flows = |key: &str| -> Vec<(u64, String)> {
+        summary[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| (f[0].as_u64().unwrap(), f[1].as_str().unwrap().to_string()))
+            .collect()
+    };
+    let (from, into) = (flows("flow_out"), flows("flow_in"));
+    assert_eq!(into.len() as u64, device_work);
+    assert!(
+        into.iter().all(
+            |(_, track)| track.starts_with("GPU 0/Stream") || track.starts_with("GPU 1/Stream")
+        ),
+        "{into:?}"
+    );
+    assert!(
+        from.iter().all(|(_, track)| track.starts_with("tid:")),
+        "{from:?}"
+    );
+    let launches: HashSet<u64> = from.into_iter().map(|(id, _)| id).collect();
+    assert!(
+        into.iter().all(|(id, _)| launches.contains(id)),
+        "{summary}"
+    );
+    let on_streams: u64 = summary["named"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("GPU "))
+        .map(|(_, n)| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(on_streams, device_events);
 }
