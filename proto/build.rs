@@ -11,6 +11,7 @@ const PROTOS: &[&str] = &[
     "tensorflow/profiler_options.proto",
     "tensorflow/profiler_service.proto",
     "tensorflow/profiler_analysis.proto",
+    "perfetto/perfetto_trace.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -4,6 +4,8 @@
 //! - [`tensorflow`]: `ProfileOptions`, the `ProfilerService` gRPC service that `jax.collect_profile`,
 //!   `tf.profiler.experimental.client.trace` and XProf's capture button call, and the Cloud TPU
 //!   `ProfileAnalysis` service, each with client and server stubs.
+//! - [`perfetto::protos`]: Perfetto's native trace format (`perfetto_trace.pb`), pruned to the
+//!   packets ebtrace writes; field numbers are Perfetto's own.
 //!
 //! The `.proto` sources under `proto/` are our own, written from the published field numbers of
 //! the TSL profiler protos; `build.rs` compiles them with `protox`, so no `protoc` is needed.
@@ -15,5 +17,13 @@ pub mod tensorflow {
     /// Package `tensorflow.profiler`: the XSpace trace container.
     pub mod profiler {
         tonic::include_proto!("tensorflow.profiler");
+    }
+}
+
+/// Package `perfetto.protos`: the Perfetto trace (`Trace` of `TracePacket`s).
+pub mod perfetto {
+    /// Perfetto's trace packets, pruned to the fields ebtrace writes.
+    pub mod protos {
+        tonic::include_proto!("perfetto.protos");
     }
 }

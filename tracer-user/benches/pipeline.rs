@@ -4,7 +4,8 @@
 //! serve benchmark's target) of `EBTRACE_BENCH_RECORDS` records (default
 //! 1,000,000), through the same stages a capture runs: sorting the records,
 //! the scheduling timeline, span nesting, its window (as `ebtrace record`
-//! applies it: no `max_events`) and the XSpace sink.
+//! applies it: no `max_events`) and the XSpace sink, then the Perfetto sink
+//! (`--perfetto`) on the same timeline.
 //!
 //! Prints the median of `EBTRACE_BENCH_ROUNDS` rounds (default 5) per stage.
 
@@ -16,7 +17,10 @@ use std::{
 use ebtrace::{
     clock::ClockSync,
     collect::Record,
-    sink::xspace::timeline_to_xspace_bytes,
+    sink::{
+        perfetto::{PerfettoClocks, write_timeline},
+        xspace::timeline_to_xspace_bytes,
+    },
     timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Window, nest_spans},
 };
 use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
@@ -112,7 +116,11 @@ fn main() {
 
     let (mut sort, mut timeline, mut window, mut xspace) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut events, mut bytes) = (0, 0);
+    let mut perfetto = Vec::new();
+    let (mut events, mut bytes, mut perfetto_bytes) = (0, 0, 0);
+    let clocks = PerfettoClocks {
+        boot_minus_mono_ns: 0,
+    };
     for _ in 0..rounds {
         let mut records = source.clone();
         let t0 = Instant::now();
@@ -142,6 +150,12 @@ fn main() {
         let t4 = Instant::now();
         events = tl.event_count();
         bytes = encoded.len();
+        drop(encoded);
+        let mut out = Vec::new();
+        let t5 = Instant::now();
+        let written = write_timeline(&tl, clocks, &mut out).expect("writing to a Vec");
+        perfetto.push(t5.elapsed());
+        perfetto_bytes = written.bytes as usize;
         sort.push(t1 - t0);
         timeline.push(t2 - t1);
         window.push(t3 - t2);
@@ -153,6 +167,7 @@ fn main() {
         median(window),
         median(xspace),
     );
+    let perfetto = median(perfetto);
     let per = |d: Duration, k: usize| d.as_nanos() as f64 / k.max(1) as f64;
     println!(
         "pipeline: {n} records -> {events} events, XSpace {:.1} MB (median of {rounds})",
@@ -182,5 +197,11 @@ fn main() {
         "  total            {:>8.1} ms",
         (sort + timeline + window + xspace).as_secs_f64() * 1e3
     );
-    assert!(events > 0 && bytes > 0);
+    println!(
+        "  Perfetto (--perfetto, same timeline) {:>8.1} ms  {:>6.1} ns/event, {:.1} MB",
+        perfetto.as_secs_f64() * 1e3,
+        per(perfetto, events),
+        perfetto_bytes as f64 / 1e6
+    );
+    assert!(events > 0 && bytes > 0 && perfetto_bytes > 0);
 }

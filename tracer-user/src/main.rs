@@ -1,7 +1,7 @@
 //! The `ebtrace` binary: parse the command line, run, map errors to exit codes.
 
 use clap::Parser as _;
-use ebtrace::cli::{Cli, Command, record, serve};
+use ebtrace::cli::{Cli, Command, convert, record, serve};
 
 fn main() {
     large_buffers_from_mmap();
@@ -26,6 +26,7 @@ fn main() {
     let result = match &cli.command {
         Some(Command::Record(args)) => record::run(args),
         Some(Command::Serve(args)) => serve::run(args),
+        Some(Command::Convert(args)) => convert::run(args),
         Some(Command::RestoreGuard { lifeline_fd }) => {
             std::process::exit(ebtrace::attach::traceme::guard::run(*lifeline_fd))
         }

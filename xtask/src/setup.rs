@@ -30,6 +30,9 @@ const JAX_PROBE_MODULE: &str = "jax.collect_profile";
 /// metadata: importing TensorFlow takes seconds.
 const TENSORFLOW_PACKAGE: &str = "tensorflow-cpu";
 const TENSORFLOW_VERSION: &str = "2.21.0";
+/// Perfetto's Python package: its `perfetto_trace_pb2` is the independent
+/// schema the Perfetto output tests parse `perfetto_trace.pb` with.
+const PERFETTO_VERSION: &str = "0.59.1";
 
 /// Debian packages: (package, why).
 const APT_BASE: &[(&str, &str)] = &[
@@ -179,7 +182,8 @@ fn python_venv(root: &Path) -> Result<()> {
     let import = format!(
         "import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}, jax, jaxlib, importlib.metadata; \
          assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'; \
-         assert importlib.metadata.version('{TENSORFLOW_PACKAGE}') == '{TENSORFLOW_VERSION}'"
+         assert importlib.metadata.version('{TENSORFLOW_PACKAGE}') == '{TENSORFLOW_VERSION}'; \
+         assert importlib.metadata.version('perfetto') == '{PERFETTO_VERSION}'"
     );
     if succeeds(Command::new(&python).args(["-c", &import])) {
         say(format!(
@@ -198,6 +202,7 @@ fn python_venv(root: &Path) -> Result<()> {
         &format!("jax=={JAX_VERSION}"),
         &format!("jaxlib=={JAX_VERSION}"),
         &format!("{TENSORFLOW_PACKAGE}=={TENSORFLOW_VERSION}"),
+        &format!("perfetto=={PERFETTO_VERSION}"),
     ]))?;
     if !succeeds(Command::new(&python).args(["-c", &import])) {
         bail!(

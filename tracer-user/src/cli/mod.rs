@@ -2,6 +2,7 @@
 //! (those of `serve` in [`serve`]); [`record`] runs a capture with progress
 //! and summary, [`serve`] the ProfilerService.
 
+pub mod convert;
 pub mod record;
 pub mod serve;
 pub mod summary;
@@ -37,6 +38,9 @@ pub enum Command {
     /// that jax.collect_profile, tf.profiler and XProf's "Capture profile"
     /// can capture them.
     Serve(serve::ServeArgs),
+    /// Convert a trace already written (e.g. an .xplane.pb from ebtrace or
+    /// from jax's own profiler) to another format.
+    Convert(convert::ConvertArgs),
     /// Internal: the process that puts back the TraceMe gates ebtrace
     /// switched on if ebtrace dies without doing it (started by ebtrace).
     #[command(name = "restore-guard", hide = true)]
@@ -92,7 +96,14 @@ pub struct RecordArgs {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_events: u64,
 
-    /// Print only the trace's path (no progress, no summary).
+    /// Also write Perfetto's native trace, perfetto_trace.pb, beside the
+    /// .xplane.pb (open it in ui.perfetto.dev): CPU tracks, thread states
+    /// and wake-ups drawn the way Perfetto draws its own captures.
+    #[arg(long)]
+    pub perfetto: bool,
+
+    /// Print only the trace's path (and the Perfetto trace's, with
+    /// --perfetto): no progress, no summary.
     #[arg(short, long)]
     pub quiet: bool,
 }

@@ -16,7 +16,7 @@ use crate::{
     attach::{ProbeSetConfig, TraceMeOptions},
     capture::{Capture, CaptureOptions, ProbeFamilies, check_privileges, open_targets},
     error::Result,
-    sink::{logdir, xspace},
+    sink::{logdir, perfetto, xspace},
 };
 
 /// How often the loop wakes to drain and to check the stop conditions.
@@ -110,17 +110,35 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     let host = xspace::local_hostname();
     let summary = summary::render(&timeline, &probe_stats);
     let bytes = xspace::timeline_to_xspace_bytes(&timeline, &host);
+    let perfetto_bytes = args.perfetto.then(|| {
+        perfetto::timeline_to_perfetto_bytes(&timeline, perfetto::PerfettoClocks::measure())
+    });
     drop(timeline);
     let path = logdir::write_run(&args.logdir, &session, &host, &bytes)?;
+    let perfetto_path = match perfetto_bytes {
+        Some(bytes) => {
+            let p = path.with_file_name(perfetto::FILE_NAME);
+            logdir::write_atomically(&p, &bytes)
+                .map_err(|e| crate::error::Error::io(format!("writing {}", p.display()), e))?;
+            Some(p)
+        }
+        None => None,
+    };
     if !args.quiet {
         print!("{summary}");
         println!("trace: {}", path.display());
+        if let Some(p) = &perfetto_path {
+            println!("trace: {}   (open in https://ui.perfetto.dev)", p.display());
+        }
         println!(
             "view:  xprof --logdir {0}   (or: tensorboard --logdir {0})",
             args.logdir.display()
         );
     } else {
         println!("{}", path.display());
+        if let Some(p) = &perfetto_path {
+            println!("{}", p.display());
+        }
     }
     Ok(())
 }

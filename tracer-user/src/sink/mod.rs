@@ -1,7 +1,9 @@
 //! Sinks: where a finished timeline goes.
 //!
 //! [`xspace`] turns the timeline into XProf's `XSpace`; [`logdir`] writes
-//! it where XProf and TensorBoard look for runs.
+//! it where XProf and TensorBoard look for runs. [`perfetto`] writes
+//! Perfetto's native trace beside it.
 
 pub mod logdir;
+pub mod perfetto;
 pub mod xspace;
