@@ -253,13 +253,9 @@ pub struct ThreadTrack {
 }
 
 impl ThreadTrack {
-    /// Shows `visit` the start of every event a sink writes on this
-    /// thread's line: its marks, its spans, and its scheduling states cut
-    /// at every span edge inside them (spans are laid above the states,
-    /// and the events of a line must nest).
-    pub fn line_event_starts(&self, mut visit: impl FnMut(u64)) {
-        self.marks.iter().for_each(|m| visit(m.ts_ns));
-        self.spans.iter().for_each(|s| visit(s.start_ns));
+    /// Every span start and end, sorted, once each: where a sink cuts the
+    /// scheduling states so that they nest under the spans.
+    pub fn span_edges(&self) -> Vec<u64> {
         let mut edges: Vec<u64> = self
             .spans
             .iter()
@@ -267,6 +263,17 @@ impl ThreadTrack {
             .collect();
         edges.sort_unstable();
         edges.dedup();
+        edges
+    }
+
+    /// Shows `visit` the start of every event a sink writes on this
+    /// thread's line: its marks, its spans, and its scheduling states cut
+    /// at every span edge inside them (spans are laid above the states,
+    /// and the events of a line must nest).
+    pub fn line_event_starts(&self, mut visit: impl FnMut(u64)) {
+        self.marks.iter().for_each(|m| visit(m.ts_ns));
+        self.spans.iter().for_each(|s| visit(s.start_ns));
+        let edges = self.span_edges();
         let mut rest = edges.as_slice();
         for s in &self.slices {
             visit(s.start_ns);

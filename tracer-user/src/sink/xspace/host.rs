@@ -87,13 +87,7 @@ impl HostThreads {
         self.ids.prepare(host, t);
         let spans = InternedSpans::new(host, &t.spans);
         // Spans sit above the states: cut each state at every span edge.
-        let mut edges: Vec<u64> = t
-            .spans
-            .iter()
-            .flat_map(|s| [s.start_ns, s.end_ns])
-            .collect();
-        edges.sort_unstable();
-        edges.dedup();
+        let edges = t.span_edges();
         let ids = &self.ids;
         let events = {
             let states = StateEvents {
