@@ -272,6 +272,17 @@ impl Decoder for RawCodec {
     }
 }
 
+/// Runs a test body on a multi-threaded runtime: the gRPC connections keep
+/// going while the body blocks (waiting on the server's state).
+pub fn block_on<F: std::future::Future>(body: F) -> F::Output {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+        .block_on(body)
+}
+
 /// `CLOCK_REALTIME` now, epoch ns (the clock of `start_timestamp_ns`).
 pub fn now_ns() -> u64 {
     crate::realtime_ns()

@@ -16,24 +16,16 @@ use ebtrace_tests::{
     cuda::CudaWorkload,
     fixture::{SchedWorkload, build_c_shared},
     require_root, serial,
-    serve::{ServeProcess, event_count, now_ns, real_request, request, with_advanced, xspace_of},
+    serve::{
+        ServeProcess, block_on, event_count, now_ns, real_request, request, with_advanced,
+        xspace_of,
+    },
     xplane_files,
     xspace::{self, line_events, plane, plane_stats},
 };
 use tonic::Code;
 
 const HOST_CPU: &str = "/host:CPU";
-
-/// Runs a test body on a multi-threaded runtime: the gRPC connections keep
-/// going while the body blocks (waiting on the server's state).
-fn block_on<F: std::future::Future>(body: F) -> F::Output {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(body)
-}
 
 fn pid_arg(w: &SchedWorkload) -> String {
     w.pid.to_string()

@@ -26,7 +26,7 @@ use ebtrace_tests::{
     cuda::CudaWorkload,
     fixture::SchedWorkload,
     require_root, serial,
-    serve::{ServeProcess, event_count, now_ns, real_request},
+    serve::{ServeProcess, block_on, event_count, now_ns, real_request},
     xspace::links,
 };
 use proptest::{
@@ -359,15 +359,6 @@ fn calls(ctx: &Context, seed: u64) -> Vec<Call> {
             strategy.new_tree(&mut runner).expect("a value").current()
         })
         .collect()
-}
-
-fn block_on<F: std::future::Future>(body: F) -> F::Output {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-        .block_on(body)
 }
 
 /// The trace a response carries, where it carries one.
