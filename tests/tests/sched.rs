@@ -118,7 +118,10 @@ fn thread_states_match_schedstat_and_fixture() {
             kernel / 1e6
         );
         if *name == "cpu-burner" {
-            assert!((on_cpu - kernel).abs() <= 0.05 * kernel + slack, "{report}");
+            // An interval the kernel reported no switch for is Unknown:
+            // the burner ran for some of it, or none.
+            assert!(on_cpu <= 1.05 * kernel + slack, "{report}");
+            assert!(kernel <= 1.05 * (on_cpu + unknown) + slack, "{report}");
         } else {
             // When a wake-up preempts the current task the kernel skips
             // the next run-queue clock update, so schedstat starts counting
