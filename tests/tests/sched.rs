@@ -212,11 +212,13 @@ fn thread_states_match_schedstat_and_fixture() {
             n >= 0.95 * expected - 3.0 && n <= 1.05 * expected + 3.0,
             "{woken} woken by {waker} {n} times, the fixture counted {expected}"
         );
+        // A wake-up whose other end fell outside the window has lost its
+        // flow (the window prunes dangling links): at most one per edge.
         let out_flows: HashSet<u64> = line_events(host, i64::from(waker_tid))
             .iter()
             .filter(|e| e.name == "Wakeup" && e.stats["woken_tid"].as_i64() == i64::from(woken_tid))
-            .map(|e| {
-                let f = e.stats["flow"].as_u64();
+            .filter_map(|e| e.stats.get("flow").map(|f| f.as_u64()))
+            .map(|f| {
                 assert_eq!(f & 3, 2, "waker side is an outgoing flow");
                 f >> 2
             })
@@ -224,11 +226,17 @@ fn thread_states_match_schedstat_and_fixture() {
         let matched = wakeups
             .iter()
             .filter(|e| {
-                let f = e.stats["flow"].as_u64();
-                f & 3 == 1 && out_flows.contains(&(f >> 2))
+                e.stats.get("flow").map(|f| f.as_u64()).is_some_and(|f| {
+                    assert_eq!(f & 3, 1, "woken side is an incoming flow");
+                    out_flows.contains(&(f >> 2))
+                })
             })
             .count();
-        assert_eq!(matched, wakeups.len(), "every wake-up has its flow");
+        assert!(
+            matched + 1 >= wakeups.len(),
+            "{matched} of {} wake-ups of {woken} have their flow",
+            wakeups.len()
+        );
     }
 
     // Per-CPU lines, on their own plane, mirror the threads' running
