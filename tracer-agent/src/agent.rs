@@ -1,0 +1,204 @@
+//! The agent's thread: answers ebtrace's requests on the control socket and,
+//! when ebtrace's end closes, stops whatever ebtrace started and ends.
+
+use core::{
+    ffi::{c_int, c_void},
+    sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering},
+};
+
+use crate::{
+    protocol::{self, Header, SessionLevels},
+    python::{Session, Text},
+    sys,
+};
+
+/// The control socket, owned by whoever swaps it out first: the thread
+/// when it ends on its own, or `detach` (which closes it after the join).
+static CONTROL_FD: AtomicI32 = AtomicI32::new(-1);
+/// The agent's thread, while it has not been joined.
+static THREAD: AtomicU64 = AtomicU64::new(0);
+static THREAD_EXISTS: AtomicBool = AtomicBool::new(false);
+
+/// Starts the agent's thread on the control socket `fd`; 0 or -errno.
+pub fn attach(fd: c_int) -> c_int {
+    if fd < 0 {
+        return -sys::EINVAL;
+    }
+    if THREAD_EXISTS
+        .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return -sys::EBUSY;
+    }
+    CONTROL_FD.store(fd, Ordering::Release);
+    let mut thread: sys::PthreadT = 0;
+    // SAFETY: a valid out pointer, default attributes, and a start routine
+    // that takes the fd by value.
+    let rc = unsafe {
+        sys::pthread_create(
+            &mut thread,
+            core::ptr::null(),
+            thread_main,
+            fd as usize as *mut c_void,
+        )
+    };
+    if rc != 0 {
+        CONTROL_FD.store(-1, Ordering::Release);
+        THREAD_EXISTS.store(false, Ordering::Release);
+        return -rc;
+    }
+    THREAD.store(thread, Ordering::Release);
+    0
+}
+
+/// Ends the agent's thread (waking it if it still waits for a request)
+/// and joins it; 0 or -errno. Nothing to do when no thread exists.
+pub fn detach() -> c_int {
+    if !THREAD_EXISTS.load(Ordering::Acquire) {
+        return 0;
+    }
+    let fd = CONTROL_FD.swap(-1, Ordering::AcqRel);
+    if fd >= 0 {
+        // SAFETY: `fd` is the control socket, still open: the thread
+        // closes it only if it swaps it out first.
+        unsafe { sys::shutdown(fd, sys::SHUT_RDWR) };
+    }
+    // SAFETY: the thread was created joinable and is joined once.
+    let rc = unsafe { sys::pthread_join(THREAD.load(Ordering::Acquire), core::ptr::null_mut()) };
+    if fd >= 0 {
+        // SAFETY: ours since the swap; the thread no longer uses it.
+        unsafe { sys::close(fd) };
+    }
+    THREAD_EXISTS.store(false, Ordering::Release);
+    -rc
+}
+
+extern "C" fn thread_main(arg: *mut c_void) -> *mut c_void {
+    let fd = arg as usize as c_int;
+    let mut all = sys::SigSet::empty();
+    // SAFETY: valid set pointers; the program's signals are for its own
+    // threads, never this one. The name is a NUL-terminated string.
+    unsafe {
+        sys::sigfillset(&mut all);
+        sys::pthread_sigmask(sys::SIG_SETMASK, &all, core::ptr::null_mut());
+        sys::prctl(sys::PR_SET_NAME, c"ebtrace-agent".as_ptr() as _, 0, 0, 0);
+    }
+    serve(fd);
+    if CONTROL_FD
+        .compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        // SAFETY: swapped out above, so no one else closes it.
+        unsafe { sys::close(fd) };
+    }
+    core::ptr::null_mut()
+}
+
+/// Answers requests until a SHUTDOWN or until ebtrace's end closes.
+fn serve(fd: c_int) {
+    // SAFETY: getpid cannot fail.
+    let pid = unsafe { sys::getpid() } as u32;
+    let mut hello = [0u8; 8];
+    hello[..4].copy_from_slice(&protocol::VERSION.to_le_bytes());
+    hello[4..].copy_from_slice(&pid.to_le_bytes());
+    send_frame(fd, protocol::HELLO, &hello);
+
+    let mut session: Option<Session> = None;
+    loop {
+        let mut h = [0u8; protocol::HEADER_LEN];
+        if !read_exact(fd, &mut h) {
+            break;
+        }
+        let header = Header::decode(&h);
+        let mut payload = [0u8; 64];
+        let Some(payload) = payload.get_mut(..header.len as usize) else {
+            break;
+        };
+        if !read_exact(fd, payload) {
+            break;
+        }
+        match header.kind {
+            protocol::PING => {
+                send_frame(fd, protocol::PONG, &[]);
+            }
+            protocol::START => {
+                let reply = match (&session, <&[u8; SessionLevels::LEN]>::try_from(&*payload)) {
+                    (Some(_), _) => Err(Text::new("a profiler session is already running")),
+                    (None, Err(_)) => Err(Text::new("malformed START request")),
+                    (None, Ok(levels)) => Session::start(&SessionLevels::decode(levels)),
+                };
+                match reply {
+                    Ok((s, framework)) => {
+                        session = Some(s);
+                        send_frame(fd, protocol::STARTED, framework.as_bytes())
+                    }
+                    Err(why) => send_frame(fd, protocol::FAILED, why.as_bytes()),
+                };
+            }
+            protocol::STOP => match session.take() {
+                None => {
+                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                }
+                Some(s) => {
+                    if let Err(why) = s.stop(|xspace| {
+                        send_frame(fd, protocol::XSPACE, xspace);
+                    }) {
+                        send_frame(fd, protocol::FAILED, why.as_bytes());
+                    }
+                }
+            },
+            protocol::SHUTDOWN => {
+                if let Some(s) = session.take() {
+                    let _ = s.stop(|_| {});
+                }
+                send_frame(fd, protocol::BYE, &[]);
+                return;
+            }
+            _ => {
+                send_frame(fd, protocol::FAILED, b"unknown request");
+            }
+        }
+    }
+    // ebtrace is gone (or spoke nonsense): stop what it started.
+    if let Some(s) = session.take() {
+        let _ = s.stop(|_| {});
+    }
+}
+
+/// Fills `buf`; false at end of stream or on an error.
+fn read_exact(fd: c_int, mut buf: &mut [u8]) -> bool {
+    while !buf.is_empty() {
+        // SAFETY: reads into the remaining part of `buf`.
+        let n = unsafe { sys::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n > 0 {
+            buf = &mut buf[n as usize..];
+        } else if n == 0 || sys::errno() != sys::EINTR {
+            return false;
+        }
+    }
+    true
+}
+
+/// Sends one frame; false if ebtrace's end is gone.
+fn send_frame(fd: c_int, kind: u32, payload: &[u8]) -> bool {
+    let header = Header {
+        kind,
+        len: payload.len() as u32,
+    }
+    .encode();
+    send_all(fd, &header) && send_all(fd, payload)
+}
+
+fn send_all(fd: c_int, mut buf: &[u8]) -> bool {
+    while !buf.is_empty() {
+        // SAFETY: sends from the remaining part of `buf`; MSG_NOSIGNAL keeps
+        // a closed peer from raising SIGPIPE in the target.
+        let n = unsafe { sys::send(fd, buf.as_ptr().cast(), buf.len(), sys::MSG_NOSIGNAL) };
+        if n > 0 {
+            buf = &buf[n as usize..];
+        } else if n == 0 || sys::errno() != sys::EINTR {
+            return false;
+        }
+    }
+    true
+}

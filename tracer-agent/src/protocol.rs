@@ -1,0 +1,120 @@
+//! The control channel between ebtrace and the agent: a stream socket
+//! carrying frames of `[kind: u32][len: u32][payload]`, little-endian.
+//!
+//! ebtrace asks, the agent answers each request with exactly one frame.
+//! When ebtrace's end closes (exit, SIGKILL, crash), the agent stops
+//! whatever it started and its thread ends: the socket is its watchdog.
+
+/// Version of this protocol, sent in [`HELLO`].
+pub const VERSION: u32 = 1;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 8;
+/// Longest payload ebtrace accepts from an agent (an XSpace).
+pub const MAX_PAYLOAD: u32 = 1 << 30;
+
+/// ebtrace → agent: answer [`PONG`].
+pub const PING: u32 = 1;
+/// ebtrace → agent: start the framework's profiler session; payload:
+/// [`SessionLevels`]. Answer: [`STARTED`] or [`FAILED`].
+pub const START: u32 = 2;
+/// ebtrace → agent: stop the session; answer: [`XSPACE`] or [`FAILED`].
+pub const STOP: u32 = 3;
+/// ebtrace → agent: stop everything and end the agent's thread; answer:
+/// [`BYE`], the last frame.
+pub const SHUTDOWN: u32 = 4;
+
+/// agent → ebtrace, first frame after attaching: [`VERSION`] and the pid.
+pub const HELLO: u32 = 100;
+/// agent → ebtrace: the session runs; payload: what runs it (UTF-8).
+pub const STARTED: u32 = 101;
+/// agent → ebtrace: the request failed; payload: why, one line (UTF-8).
+pub const FAILED: u32 = 102;
+/// agent → ebtrace: the session's serialized XSpace.
+pub const XSPACE: u32 = 103;
+/// agent → ebtrace: everything stopped; the thread ends.
+pub const BYE: u32 = 104;
+/// agent → ebtrace: answer to [`PING`].
+pub const PONG: u32 = 105;
+
+/// A frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// One of the kinds above.
+    pub kind: u32,
+    /// Payload bytes that follow.
+    pub len: u32,
+}
+
+impl Header {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0; HEADER_LEN];
+        b[..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[4..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Reads a header.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Self {
+        Header {
+            kind: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            len: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+        }
+    }
+}
+
+/// What a [`START`] asks the framework's profiler to record (the
+/// `ProfileOptions` tracer levels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionLevels {
+    /// TraceMe level: 0 none, 1 critical, 2 info, 3 verbose.
+    pub host: u32,
+    /// Python function tracing: 0 off, 1 on.
+    pub python: u32,
+    /// Device tracers (GPU/TPU activity): 0 off, 1 on.
+    pub device: u32,
+}
+
+impl SessionLevels {
+    /// Bytes of an encoded [`SessionLevels`].
+    pub const LEN: usize = 12;
+
+    /// The payload of a [`START`].
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0; Self::LEN];
+        b[..4].copy_from_slice(&self.host.to_le_bytes());
+        b[4..8].copy_from_slice(&self.python.to_le_bytes());
+        b[8..].copy_from_slice(&self.device.to_le_bytes());
+        b
+    }
+
+    /// Reads a [`START`] payload.
+    pub fn decode(b: &[u8; Self::LEN]) -> Self {
+        let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        SessionLevels {
+            host: word(0),
+            python: word(4),
+            device: word(8),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let h = Header {
+            kind: XSPACE,
+            len: 0x0102_0304,
+        };
+        assert_eq!(Header::decode(&h.encode()), h);
+        let l = SessionLevels {
+            host: 2,
+            python: 0,
+            device: 1,
+        };
+        assert_eq!(SessionLevels::decode(&l.encode()), l);
+    }
+}

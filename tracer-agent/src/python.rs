@@ -1,0 +1,370 @@
+//! The framework's own profiler session, driven through the target's
+//! Python from the agent's thread.
+//!
+//! The agent's thread takes the GIL with `PyGILState_Ensure` like any
+//! foreign thread (never the thread ebtrace interrupted, which may be in the
+//! middle of anything), and runs short scripts in a dictionary of its own:
+//! nothing is added to the program's modules or namespaces, and only
+//! frameworks the program already imported are used.
+
+use core::ffi::{CStr, c_char, c_int, c_long, c_void};
+
+use crate::sys;
+
+type PyObject = c_void;
+
+/// `Py_file_input`: run the source as a module body.
+const PY_FILE_INPUT: c_int = 257;
+
+/// Starts jax's or TensorFlow's `ProfilerSession`; sets `session`,
+/// `framework` (what runs it) or `status` (why not).
+const START_SOURCE: &CStr = c"
+import sys as _sys
+status = None
+session = None
+framework = None
+def _first_line(e):
+    return (str(e).splitlines() or [type(e).__name__])[0]
+_jax_lib = _sys.modules.get('jax._src.lib')
+_prof = getattr(_jax_lib, '_profiler', None)
+if _prof is not None:
+    _state = getattr(_sys.modules.get('jax._src.profiler'), '_profile_state', None)
+    if getattr(_state, 'profile_session', None) is not None:
+        status = 'the process runs a jax profiler session of its own'
+    else:
+        _opts = _prof.ProfileOptions()
+        _opts.host_tracer_level = host_level
+        _opts.python_tracer_level = python_level
+        _opts.raise_error_on_start_failure = True
+        try:
+            session = _prof.ProfilerSession(_opts)
+            _version = getattr(_sys.modules.get('jax.version'), '__version__', '?')
+            framework = 'jax ' + _version + ' ProfilerSession'
+        except Exception as _e:
+            if 'ALREADY_EXISTS' in str(_e):
+                status = 'the process runs a profiler session of its own'
+            else:
+                status = 'jax ProfilerSession did not start: ' + _first_line(_e)
+elif 'tensorflow' in _sys.modules:
+    try:
+        from tensorflow.python.profiler.internal import _pywrap_profiler as _tfp
+        session = _tfp.ProfilerSession()
+        session.start('', {'host_tracer_level': host_level,
+                           'python_tracer_level': python_level,
+                           'device_tracer_level': device_level})
+        framework = 'TensorFlow ProfilerSession'
+    except Exception as _e:
+        session = None
+        if 'ALREADY_EXISTS' in str(_e) or 'Another profiling session' in str(_e):
+            status = 'the process runs a profiler session of its own'
+        else:
+            status = 'TensorFlow ProfilerSession did not start: ' + _first_line(_e)
+else:
+    status = 'neither jax nor TensorFlow is loaded in this Python process'
+";
+
+/// Stops the session; sets `xspace` (bytes) or `status`.
+const STOP_SOURCE: &CStr = c"
+xspace = None
+try:
+    xspace = bytes(session.stop())
+except Exception as _e:
+    status = 'the profiler session did not stop cleanly: ' + _first_line(_e)
+session = None
+";
+
+/// A short UTF-8 message, copied out of Python before the GIL is released.
+pub struct Text {
+    buf: [u8; 400],
+    len: usize,
+}
+
+impl Text {
+    /// A message from a constant.
+    pub fn new(s: &str) -> Self {
+        let mut t = Text {
+            buf: [0; 400],
+            len: 0,
+        };
+        t.push(s.as_bytes());
+        t
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        let room = self.buf.len() - self.len;
+        let n = bytes.len().min(room);
+        self.buf[self.len..self.len + n].copy_from_slice(&bytes[..n]);
+        self.len += n;
+    }
+
+    /// The message's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// The Python C API functions the agent calls, found in the target.
+struct Api {
+    is_initialized: unsafe extern "C" fn() -> c_int,
+    is_finalizing: Option<unsafe extern "C" fn() -> c_int>,
+    gil_ensure: unsafe extern "C" fn() -> c_int,
+    gil_release: unsafe extern "C" fn(c_int),
+    dict_new: unsafe extern "C" fn() -> *mut PyObject,
+    dict_get: unsafe extern "C" fn(*mut PyObject, *const c_char) -> *mut PyObject,
+    dict_set: unsafe extern "C" fn(*mut PyObject, *const c_char, *mut PyObject) -> c_int,
+    long_from: unsafe extern "C" fn(c_long) -> *mut PyObject,
+    run: unsafe extern "C" fn(
+        *const c_char,
+        c_int,
+        *mut PyObject,
+        *mut PyObject,
+        *mut c_void,
+    ) -> *mut PyObject,
+    incref: unsafe extern "C" fn(*mut PyObject),
+    decref: unsafe extern "C" fn(*mut PyObject),
+    err_clear: unsafe extern "C" fn(),
+    bytes_data: unsafe extern "C" fn(*mut PyObject, *mut *mut c_char, *mut isize) -> c_int,
+    unicode_utf8: unsafe extern "C" fn(*mut PyObject, *mut isize) -> *const c_char,
+    none: *mut PyObject,
+}
+
+/// Looks `name` up in the target's global scope (the executable, when it
+/// exports the API, or its libpython).
+fn symbol(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: RTLD_DEFAULT (null) and a NUL-terminated name.
+    let p = unsafe { sys::dlsym(core::ptr::null_mut(), name.as_ptr()) };
+    (!p.is_null()).then_some(p)
+}
+
+/// The function pointer `F` at `p`.
+///
+/// # Safety
+/// `F` is a function pointer type matching the C signature of the
+/// function at `p`.
+unsafe fn function_at<F: Copy>(p: *mut c_void) -> F {
+    const { assert!(size_of::<F>() == size_of::<*mut c_void>()) };
+    // SAFETY: same size (checked above); validity per the contract.
+    unsafe { core::mem::transmute_copy::<*mut c_void, F>(&p) }
+}
+
+macro_rules! function {
+    ($name:literal) => {
+        // SAFETY: the symbol is the Python C API function of that name,
+        // whose C signature the field's type spells out.
+        unsafe { function_at(symbol($name)?) }
+    };
+}
+
+impl Api {
+    fn find() -> Option<Api> {
+        Some(Api {
+            is_initialized: function!(c"Py_IsInitialized"),
+            is_finalizing: symbol(c"Py_IsFinalizing")
+                .or_else(|| symbol(c"_Py_IsFinalizing"))
+                // SAFETY: `int (void)` in every Python that exports it.
+                .map(|p| unsafe { function_at(p) }),
+            gil_ensure: function!(c"PyGILState_Ensure"),
+            gil_release: function!(c"PyGILState_Release"),
+            dict_new: function!(c"PyDict_New"),
+            dict_get: function!(c"PyDict_GetItemString"),
+            dict_set: function!(c"PyDict_SetItemString"),
+            long_from: function!(c"PyLong_FromLong"),
+            run: function!(c"PyRun_StringFlags"),
+            incref: function!(c"Py_IncRef"),
+            decref: function!(c"Py_DecRef"),
+            err_clear: function!(c"PyErr_Clear"),
+            bytes_data: function!(c"PyBytes_AsStringAndSize"),
+            unicode_utf8: function!(c"PyUnicode_AsUTF8AndSize"),
+            none: symbol(c"_Py_NoneStruct")?,
+        })
+    }
+
+    /// Whether Python can run code now (initialized, not shutting down:
+    /// a thread taking the GIL during shutdown is ended by Python).
+    fn usable(&self) -> bool {
+        // SAFETY: both take no argument and only read interpreter state.
+        unsafe { (self.is_initialized)() != 0 && self.is_finalizing.is_none_or(|f| f() == 0) }
+    }
+}
+
+/// Holds the GIL while alive.
+struct Gil<'a> {
+    api: &'a Api,
+    state: c_int,
+}
+
+impl<'a> Gil<'a> {
+    fn take(api: &'a Api) -> Self {
+        // SAFETY: the interpreter is initialized (checked by the caller);
+        // any thread may take the GIL this way.
+        let state = unsafe { (api.gil_ensure)() };
+        Gil { api, state }
+    }
+}
+
+impl Drop for Gil<'_> {
+    fn drop(&mut self) {
+        // SAFETY: releases what `take` acquired, on the same thread.
+        unsafe { (self.api.gil_release)(self.state) }
+    }
+}
+
+/// A running profiler session and the dictionary its scripts run in.
+///
+/// Errors are [`Text`] by value: the agent has no allocator to box them.
+pub struct Session {
+    api: Api,
+    globals: *mut PyObject,
+}
+
+impl Session {
+    /// Starts the framework's profiler session at `levels`; the error is
+    /// one line saying why not.
+    #[allow(clippy::result_large_err)]
+    pub fn start(levels: &crate::protocol::SessionLevels) -> Result<(Session, Text), Text> {
+        let api = Api::find().ok_or_else(|| Text::new("not a Python process"))?;
+        if !api.usable() {
+            return Err(Text::new(
+                "Python is not running (starting or shutting down)",
+            ));
+        }
+        let gil = Gil::take(&api);
+        // SAFETY: the GIL is held; every object pointer is checked for null
+        // before use and each new reference is released.
+        let outcome = unsafe {
+            let globals = (api.dict_new)();
+            if globals.is_null() {
+                (api.err_clear)();
+                return Err(Text::new("Python could not allocate a dictionary"));
+            }
+            for (key, value) in [
+                (c"host_level", levels.host),
+                (c"python_level", levels.python),
+                (c"device_level", levels.device),
+            ] {
+                let v = (api.long_from)(c_long::from(value.min(i32::MAX as u32) as i32));
+                if !v.is_null() {
+                    (api.dict_set)(globals, key.as_ptr(), v);
+                    (api.decref)(v);
+                }
+            }
+            let ran = run(&api, START_SOURCE, globals);
+            let session = (api.dict_get)(globals, c"session".as_ptr());
+            if ran && !session.is_null() && session != api.none {
+                Ok((globals, text_of(&api, globals, c"framework")))
+            } else {
+                let why = if ran {
+                    text_of(&api, globals, c"status")
+                } else {
+                    Text::new("the start script raised")
+                };
+                (api.decref)(globals);
+                Err(why)
+            }
+        };
+        drop(gil);
+        let (globals, framework) = outcome?;
+        Ok((Session { api, globals }, framework))
+    }
+
+    /// Stops the session and hands its serialized XSpace to `deliver`
+    /// without holding the GIL (the bytes are kept alive meanwhile).
+    #[allow(clippy::result_large_err)]
+    pub fn stop(self, deliver: impl FnOnce(&[u8])) -> Result<(), Text> {
+        let api = &self.api;
+        if !api.usable() {
+            return Err(Text::new("Python is shutting down; the session is lost"));
+        }
+        let gil = Gil::take(api);
+        // SAFETY: the GIL is held; `xspace` is checked to be bytes by
+        // PyBytes_AsStringAndSize and kept alive by an extra reference.
+        let found = unsafe {
+            let ran = run(api, STOP_SOURCE, self.globals);
+            let xspace = (api.dict_get)(self.globals, c"xspace".as_ptr());
+            let mut data: *mut c_char = core::ptr::null_mut();
+            let mut len: isize = 0;
+            if ran
+                && !xspace.is_null()
+                && xspace != api.none
+                && (api.bytes_data)(xspace, &mut data, &mut len) == 0
+                && !data.is_null()
+                && len >= 0
+            {
+                (api.incref)(xspace);
+                Ok((xspace, data, len as usize))
+            } else {
+                (api.err_clear)();
+                Err(if ran {
+                    text_of(api, self.globals, c"status")
+                } else {
+                    Text::new("the stop script raised")
+                })
+            }
+        };
+        drop(gil);
+        let result = match found {
+            Ok((xspace, data, len)) => {
+                // SAFETY: a bytes object's buffer is immutable and lives as
+                // long as the reference taken above.
+                deliver(unsafe { core::slice::from_raw_parts(data as *const u8, len) });
+                let _gil = Gil::take(api);
+                // SAFETY: the GIL is held; drops the reference taken above.
+                unsafe { (api.decref)(xspace) };
+                Ok(())
+            }
+            Err(why) => Err(why),
+        };
+        let _gil = Gil::take(api);
+        // SAFETY: the GIL is held; the dictionary is ours.
+        unsafe { (api.decref)(self.globals) };
+        result
+    }
+}
+
+/// Runs `source` in `globals`; false if it raised (the error is cleared:
+/// nothing is printed in the target).
+///
+/// # Safety
+/// The GIL is held and `globals` is a dictionary.
+unsafe fn run(api: &Api, source: &CStr, globals: *mut PyObject) -> bool {
+    // SAFETY: per the function's contract.
+    unsafe {
+        let r = (api.run)(
+            source.as_ptr(),
+            PY_FILE_INPUT,
+            globals,
+            globals,
+            core::ptr::null_mut(),
+        );
+        if r.is_null() {
+            (api.err_clear)();
+            return false;
+        }
+        (api.decref)(r);
+        true
+    }
+}
+
+/// The string value of `key` in `globals`, or a placeholder.
+///
+/// # Safety
+/// The GIL is held and `globals` is a dictionary.
+unsafe fn text_of(api: &Api, globals: *mut PyObject, key: &CStr) -> Text {
+    // SAFETY: per the function's contract; the UTF-8 buffer belongs to the
+    // string, which the dictionary keeps alive while it is copied.
+    unsafe {
+        let v = (api.dict_get)(globals, key.as_ptr());
+        if v.is_null() || v == api.none {
+            return Text::new("(no reason given)");
+        }
+        let mut len: isize = 0;
+        let p = (api.unicode_utf8)(v, &mut len);
+        if p.is_null() || len < 0 {
+            (api.err_clear)();
+            return Text::new("(unreadable reason)");
+        }
+        let mut t = Text::new("");
+        t.push(core::slice::from_raw_parts(p as *const u8, len as usize));
+        t
+    }
+}
