@@ -634,6 +634,7 @@ fn empty_timeline(
             .collect(),
         threads: BTreeMap::new(),
         devices: BTreeMap::new(),
+        carried_planes: Vec::new(),
         cpus: BTreeMap::new(),
         stats: CaptureStats {
             ended_early,

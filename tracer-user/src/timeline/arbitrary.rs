@@ -170,6 +170,7 @@ pub fn timeline() -> impl Strategy<Value = Timeline> {
                 threads,
                 cpus: BTreeMap::new(),
                 devices: BTreeMap::new(),
+                carried_planes: Vec::new(),
                 stats: CaptureStats::default(),
             };
             for (cpu, cuts) in cpus {

@@ -1106,6 +1106,7 @@ mod tests {
                 threads: BTreeMap::new(),
                 cpus: BTreeMap::new(),
                 devices: BTreeMap::new(),
+                carried_planes: Vec::new(),
                 stats: Default::default(),
             };
             cuda.add_to(&mut tl);

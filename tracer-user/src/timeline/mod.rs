@@ -11,11 +11,13 @@
 //!   scheduling states.
 //!
 //! Per GPU (`devices`) it keeps the work the host submitted to each stream
-//! (see [`cuda`]). A trace shows the part of it a [`Window`] selects.
+//! (see [`cuda`]); a framework's own planes ride along (see [`framework`]).
+//! A trace shows the part of it a [`Window`] selects.
 
 #[cfg(test)]
 pub(crate) mod arbitrary;
 pub mod cuda;
+pub mod framework;
 mod sched;
 pub mod traceme;
 pub mod window;
@@ -23,6 +25,7 @@ pub mod window;
 use std::collections::BTreeMap;
 
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTrack};
+pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
 pub use window::Window;
@@ -340,6 +343,9 @@ pub struct Timeline {
     pub cpus: BTreeMap<u32, Vec<CpuSlice>>,
     /// GPUs by ordinal, with the work submitted to them.
     pub devices: BTreeMap<u32, DeviceTrack>,
+    /// Planes a framework's own profiler recorded that have no model here
+    /// (XLA's metadata, device planes): see [`framework`].
+    pub carried_planes: Vec<CarriedPlane>,
     pub stats: CaptureStats,
 }
 

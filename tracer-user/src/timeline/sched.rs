@@ -422,6 +422,7 @@ impl SchedTimelineBuilder {
             threads,
             cpus,
             devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
             stats,
         }
     }

@@ -392,6 +392,7 @@ mod tests {
             processes: BTreeMap::new(),
             threads: BTreeMap::new(),
             devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
             cpus: BTreeMap::new(),
             stats: CaptureStats::default(),
         }

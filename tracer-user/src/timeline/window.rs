@@ -71,6 +71,7 @@ fn restrict_to(tl: &mut Timeline, pids: &BTreeSet<u32>) {
     for device in tl.devices.values_mut() {
         device.streams.retain(|_, s| pids.contains(&s.pid));
     }
+    tl.carried_planes.retain(|p| pids.contains(&p.pid));
 }
 
 /// Keeps what lies inside `[tl.start_ns, tl.stop_ns]`, cutting what
@@ -107,6 +108,7 @@ fn clip(tl: &mut Timeline) {
             clip_spans(&mut stream.events, &inside);
         }
     }
+    super::framework::clip_carried(&mut tl.carried_planes, &inside);
     drop_empty_lines(tl);
 }
 
@@ -470,6 +472,7 @@ mod tests {
             threads: BTreeMap::new(),
             cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
             stats: CaptureStats::default(),
         };
         for (tid, pid) in [(1, 1), (2, 1), (3, 3)] {

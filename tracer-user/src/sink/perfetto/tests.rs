@@ -123,6 +123,7 @@ fn timeline() -> Timeline {
                 )]),
             },
         )]),
+        carried_planes: Vec::new(),
         stats: CaptureStats::default(),
     }
 }

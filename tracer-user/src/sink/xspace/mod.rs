@@ -20,7 +20,7 @@
 //! CUDA calls) are laid above them, and a state slice is cut at every span
 //! boundary so both fit on one line.
 
-use ebtrace_proto::tensorflow::profiler::XSpace;
+use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event};
 use prost::Message as _;
 
 use crate::timeline::{DeviceTrack, Timeline};
@@ -167,6 +167,14 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
     for device in devices {
         out.extend_from_slice(&device.into_field(1));
     }
+    for carried in &timeline.carried_planes {
+        XSpace {
+            planes: vec![relative_to(&carried.plane, start)],
+            ..XSpace::default()
+        }
+        .encode(&mut out)
+        .expect("a Vec grows as needed");
+    }
     out.extend_from_slice(&env.into_field(1));
     XSpace {
         planes: vec![],
@@ -177,6 +185,26 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
     .encode(&mut out)
     .expect("a Vec grows as needed");
     out
+}
+
+/// A carried plane with its times made relative to the trace's start, as
+/// every plane of the trace has them (a line starting before it keeps its
+/// events' times by moving them).
+fn relative_to(plane: &XPlane, start_ns: u64) -> XPlane {
+    let mut plane = plane.clone();
+    for line in &mut plane.lines {
+        let relative = line.timestamp_ns.saturating_sub(start_ns as i64);
+        line.timestamp_ns = relative.max(0);
+        if relative < 0 {
+            let shift_ps = relative.saturating_mul(1000);
+            for e in &mut line.events {
+                if let Some(x_event::Data::OffsetPs(o)) = &mut e.data {
+                    *o = o.saturating_add(shift_ps);
+                }
+            }
+        }
+    }
+    plane
 }
 
 /// A GPU plane: one line per stream, events as recorded (they neither
@@ -271,6 +299,7 @@ mod tests {
             threads,
             cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
             stats: CaptureStats::default(),
         };
         let xs = timeline_to_xspace(&tl, "host");
@@ -369,6 +398,7 @@ mod tests {
             threads,
             cpus,
             devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
             stats: CaptureStats::default(),
         };
         let xs = timeline_to_xspace(&tl, "host");

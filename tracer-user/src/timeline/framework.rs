@@ -1,0 +1,363 @@
+//! What a framework's own profiler session recorded inside a target (its
+//! XSpace, fetched by the agent), merged into the timeline:
+//!
+//! - the `/host:CPU` plane's events (TraceMe ranges, Python calls) become
+//!   spans on the traced threads' lines, above ebtrace's scheduling
+//!   states. TSL names a thread's line by its own thread id, libstdc++'s
+//!   hash of the thread's `pthread_t`; [`ThreadIds`] maps those to kernel
+//!   tids. A line whose thread ebtrace cannot name is dropped and counted;
+//! - the other planes (`/host:metadata` with XLA's HLO protos, device
+//!   planes) are carried as they are, their times moved onto the timeline's
+//!   monotonic clock; the framework's `Task Environment` gives way to
+//!   ebtrace's own.
+//!
+//! TSL writes times relative to its session's start
+//! (`profile_start_time`, wall-clock ns); [`ClockSync`] maps them to
+//! monotonic time. Everything read here comes from the target: any value.
+
+use std::collections::HashMap;
+
+use ebtrace_proto::tensorflow::profiler::{
+    XPlane, XSpace, XStat, XStatMetadata, x_event::Data, x_stat,
+};
+use prost::Message as _;
+
+use super::{Span, ThreadCounters, ThreadTrack, Timeline, Value};
+use crate::clock::ClockSync;
+
+/// The plane of host threads in TSL's XSpaces.
+pub const HOST_PLANE: &str = "/host:CPU";
+/// TSL's plane of capture-wide facts; ebtrace writes its own.
+pub const TASK_ENVIRONMENT_PLANE: &str = "Task Environment";
+
+/// TSL thread ids (line ids of its `/host:CPU` plane) → kernel tids.
+pub type ThreadIds = HashMap<i64, u32>;
+
+/// libstdc++'s `std::hash<std::thread::id>` of a thread whose `pthread_t`
+/// is `pthread_self` (`_Hash_bytes` of its 8 bytes, seed 0xc70f6907): the
+/// id TSL gives a thread when it cannot ask the kernel.
+pub fn tsl_thread_id(pthread_self: u64) -> i64 {
+    const MUL: u64 = (0xc6a4_a793 << 32) + 0x5bd1_e995;
+    const SEED: u64 = 0xc70f_6907;
+    let shift_mix = |v: u64| v ^ (v >> 47);
+    let mut hash = SEED ^ 8u64.wrapping_mul(MUL);
+    hash ^= shift_mix(pthread_self.wrapping_mul(MUL)).wrapping_mul(MUL);
+    hash = hash.wrapping_mul(MUL);
+    hash = shift_mix(hash).wrapping_mul(MUL);
+    shift_mix(hash) as i64
+}
+
+/// A plane of the framework's carried into the trace, its lines'
+/// `timestamp_ns` in monotonic ns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CarriedPlane {
+    /// The process whose session recorded it.
+    pub pid: u32,
+    pub plane: XPlane,
+}
+
+/// What became of a framework XSpace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrameworkMerge {
+    /// Events laid on thread lines as spans.
+    pub spans: u64,
+    /// Host lines whose thread ebtrace could not name, and their events.
+    pub unnamed_lines: u64,
+    pub unnamed_events: u64,
+    /// Planes carried over as they are.
+    pub planes: u64,
+}
+
+/// Merges the XSpace `bytes` that process `pid`'s framework recorded.
+pub fn merge_framework_space(
+    timeline: &mut Timeline,
+    pid: u32,
+    bytes: &[u8],
+    threads: &ThreadIds,
+) -> Result<FrameworkMerge, prost::DecodeError> {
+    let space = XSpace::decode(bytes)?;
+    let base_wall_ns = space
+        .planes
+        .iter()
+        .find(|p| p.name == TASK_ENVIRONMENT_PLANE)
+        .and_then(|p| plane_stat_u64(p, "profile_start_time"))
+        .unwrap_or(0);
+    let to_monotonic = TimeBase {
+        base_wall_ns,
+        clock: timeline.clock,
+    };
+    let mut merge = FrameworkMerge::default();
+    for plane in space.planes {
+        match plane.name.as_str() {
+            HOST_PLANE => add_host_plane(timeline, pid, &plane, threads, &to_monotonic, &mut merge),
+            TASK_ENVIRONMENT_PLANE => {}
+            _ => {
+                let mut plane = plane;
+                for line in &mut plane.lines {
+                    line.timestamp_ns = to_monotonic.line_start(line.timestamp_ns) as i64;
+                }
+                timeline.carried_planes.push(CarriedPlane { pid, plane });
+                merge.planes += 1;
+            }
+        }
+    }
+    Ok(merge)
+}
+
+/// Maps a session's relative times to monotonic ns.
+struct TimeBase {
+    base_wall_ns: u64,
+    clock: ClockSync,
+}
+
+impl TimeBase {
+    fn line_start(&self, line_timestamp_ns: i64) -> u64 {
+        let wall = (self.base_wall_ns as i64).saturating_add(line_timestamp_ns);
+        self.clock.to_monotonic_ns(wall.max(0) as u64)
+    }
+}
+
+fn add_host_plane(
+    timeline: &mut Timeline,
+    pid: u32,
+    plane: &XPlane,
+    threads: &ThreadIds,
+    time: &TimeBase,
+    merge: &mut FrameworkMerge,
+) {
+    for line in &plane.lines {
+        let Some(&tid) = threads.get(&line.id) else {
+            merge.unnamed_lines += 1;
+            merge.unnamed_events += line.events.len() as u64;
+            continue;
+        };
+        let line_start = time.line_start(line.timestamp_ns);
+        let track = timeline.threads.entry(tid).or_insert_with(|| ThreadTrack {
+            tid,
+            pid,
+            name: line.name.clone(),
+            slices: Vec::new(),
+            marks: Vec::new(),
+            spans: Vec::new(),
+            counters: ThreadCounters::default(),
+        });
+        for event in &line.events {
+            let Some(Data::OffsetPs(offset_ps)) = event.data else {
+                continue;
+            };
+            let start_ns = line_start.saturating_add_signed(offset_ps / 1000);
+            let end_ns = start_ns.saturating_add(event.duration_ps.max(0) as u64 / 1000);
+            let metadata = plane.event_metadata.get(&event.metadata_id);
+            let name = metadata
+                .map(|m| {
+                    if m.display_name.is_empty() {
+                        m.name.clone()
+                    } else {
+                        m.display_name.clone()
+                    }
+                })
+                .unwrap_or_default();
+            let stats = metadata
+                .into_iter()
+                .flat_map(|m| &m.stats)
+                .chain(&event.stats)
+                .filter_map(|s| stat(&plane.stat_metadata, s))
+                .collect();
+            track.spans.push(Span {
+                start_ns,
+                end_ns,
+                name,
+                stats,
+            });
+            merge.spans += 1;
+        }
+    }
+}
+
+/// Keeps the carried events `inside` accepts, cut as it says (the
+/// window's rule for every track).
+pub(super) fn clip_carried(
+    planes: &mut [CarriedPlane],
+    inside: &impl Fn(u64, u64) -> Option<(u64, u64)>,
+) {
+    for line in planes.iter_mut().flat_map(|p| &mut p.plane.lines) {
+        let line_start = line.timestamp_ns.max(0) as u64;
+        line.events.retain_mut(|e| {
+            let Some(Data::OffsetPs(offset_ps)) = e.data else {
+                return true;
+            };
+            let start = line_start.saturating_add_signed(offset_ps / 1000);
+            let end = start.saturating_add(e.duration_ps.max(0) as u64 / 1000);
+            let Some((a, b)) = inside(start, end) else {
+                return false;
+            };
+            e.data = Some(Data::OffsetPs(offset_ps + (a - start) as i64 * 1000));
+            if b - a != end - start {
+                e.duration_ps = (b - a) as i64 * 1000;
+            }
+            true
+        });
+    }
+}
+
+/// A stat as a timeline value; bytes (serialized protos) are left out.
+fn stat(metadata: &HashMap<i64, XStatMetadata>, s: &XStat) -> Option<(String, Value)> {
+    let name = metadata.get(&s.metadata_id)?.name.clone();
+    let value = match s.value.as_ref()? {
+        x_stat::Value::DoubleValue(v) => Value::F64(*v),
+        x_stat::Value::Uint64Value(v) => Value::U64(*v),
+        x_stat::Value::Int64Value(v) => Value::I64(*v),
+        x_stat::Value::StrValue(v) => Value::Str(v.clone()),
+        x_stat::Value::RefValue(id) => Value::Str(metadata.get(&(*id as i64))?.name.clone()),
+        x_stat::Value::BytesValue(_) => return None,
+    };
+    Some((name, value))
+}
+
+fn plane_stat_u64(plane: &XPlane, name: &str) -> Option<u64> {
+    let id = plane.stat_metadata.values().find(|m| m.name == name)?.id;
+    plane
+        .stats
+        .iter()
+        .find(|s| s.metadata_id == id)
+        .and_then(|s| match s.value {
+            Some(x_stat::Value::Uint64Value(v)) => Some(v),
+            Some(x_stat::Value::Int64Value(v)) => u64::try_from(v).ok(),
+            _ => None,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::timeline::{CaptureStats, Window};
+
+    /// An XSpace jaxlib's own ProfilerSession wrote (see its README).
+    fn jax_space() -> Vec<u8> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/real/jax_cpu_matmul.xplane.pb"
+        );
+        std::fs::read(path).expect("the jaxlib XSpace fixture")
+    }
+
+    fn empty_timeline(clock: ClockSync) -> Timeline {
+        Timeline {
+            start_ns: 0,
+            stop_ns: u64::MAX / 2,
+            clock,
+            processes: BTreeMap::new(),
+            threads: BTreeMap::new(),
+            cpus: BTreeMap::new(),
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats::default(),
+        }
+    }
+
+    #[test]
+    fn host_events_become_spans_of_the_named_threads_and_the_rest_is_carried() {
+        let bytes = jax_space();
+        let space = XSpace::decode(bytes.as_slice()).unwrap();
+        let host = space.planes.iter().find(|p| p.name == HOST_PLANE).unwrap();
+        let start = plane_stat_u64(
+            space
+                .planes
+                .iter()
+                .find(|p| p.name == TASK_ENVIRONMENT_PLANE)
+                .unwrap(),
+            "profile_start_time",
+        )
+        .unwrap();
+        // Name every line but the first.
+        let threads: ThreadIds = host
+            .lines
+            .iter()
+            .skip(1)
+            .enumerate()
+            .map(|(i, l)| (l.id, 1000 + i as u32))
+            .collect();
+        // Monotonic time 1 s before the session started.
+        let clock = ClockSync::from_offset(start as i64 - 1_000_000_000);
+        let mut tl = empty_timeline(clock);
+        let merge = merge_framework_space(&mut tl, 7, &bytes, &threads).unwrap();
+
+        let events: u64 = host.lines.iter().map(|l| l.events.len() as u64).sum();
+        assert_eq!(merge.unnamed_lines, 1);
+        assert_eq!(merge.unnamed_events, host.lines[0].events.len() as u64);
+        assert_eq!(merge.spans + merge.unnamed_events, events);
+        let line = &host.lines[1];
+        let track = &tl.threads[&1000];
+        assert_eq!((track.pid, track.spans.len()), (7, line.events.len()));
+        let first = &line.events[0];
+        let Some(Data::OffsetPs(offset_ps)) = first.data else {
+            panic!("an offset")
+        };
+        let span = &track.spans[0];
+        assert_eq!(
+            span.start_ns,
+            1_000_000_000 + line.timestamp_ns as u64 + offset_ps as u64 / 1000
+        );
+        assert_eq!(span.end_ns - span.start_ns, first.duration_ps as u64 / 1000);
+        assert_eq!(span.name, host.event_metadata[&first.metadata_id].name);
+
+        // Everything but the host plane and TSL's Task Environment rides
+        // along, on the monotonic clock.
+        let carried: Vec<&str> = tl
+            .carried_planes
+            .iter()
+            .map(|p| p.plane.name.as_str())
+            .collect();
+        let expected: Vec<&str> = space
+            .planes
+            .iter()
+            .map(|p| p.name.as_str())
+            .filter(|n| *n != HOST_PLANE && *n != TASK_ENVIRONMENT_PLANE)
+            .collect();
+        assert_eq!(carried, expected);
+        assert!(carried.contains(&"/host:metadata"));
+    }
+
+    #[test]
+    fn the_window_cuts_carried_events_like_every_other_track() {
+        let mut plane = XPlane {
+            name: "/device:TEST:0".into(),
+            ..XPlane::default()
+        };
+        plane
+            .lines
+            .push(ebtrace_proto::tensorflow::profiler::XLine {
+                timestamp_ns: 1_000,
+                events: [(0, 100), (400, 200), (900, 300)]
+                    .into_iter()
+                    .map(|(at, len)| ebtrace_proto::tensorflow::profiler::XEvent {
+                        data: Some(Data::OffsetPs(at * 1000)),
+                        duration_ps: len * 1000,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            });
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        tl.carried_planes.push(CarriedPlane { pid: 7, plane });
+        Window::between(1_450, 2_000).apply(&mut tl);
+        let kept: Vec<(i64, i64)> = tl.carried_planes[0].plane.lines[0]
+            .events
+            .iter()
+            .map(|e| match e.data {
+                Some(Data::OffsetPs(o)) => (o / 1000, e.duration_ps / 1000),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(kept, vec![(450, 150), (900, 100)]);
+    }
+
+    #[test]
+    fn thread_ids_are_libstdcxx_hashes_of_pthread_self() {
+        // Read from a jaxlib 0.10.2 session: the main thread's
+        // `threading.main_thread().ident` and its `/host:CPU` line id.
+        assert_eq!(tsl_thread_id(0x7f77_c405_9b80), 3_392_712_717_861_966_570);
+    }
+}
