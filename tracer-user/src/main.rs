@@ -30,6 +30,15 @@ fn main() {
         Some(Command::RestoreGuard { lifeline_fd }) => {
             std::process::exit(ebtrace::attach::traceme::guard::run(*lifeline_fd))
         }
+        Some(Command::InjectCheck {
+            pid,
+            cycles,
+            library,
+        }) => std::process::exit(ebtrace::attach::inject::check::run(
+            *pid,
+            *cycles,
+            library.as_deref(),
+        )),
         None => record::run(&cli.record),
     };
     if let Err(err) = result {

@@ -5,9 +5,11 @@
 //! tracepoints, [`cuda`] for the CUDA driver uprobes (with [`libcuda`]
 //! finding the library), [`traceme`] for TraceMe events of jaxlib /
 //! TensorFlow / libtpu processes. [`tracefs`] finds and checks the kernel's
-//! tracepoints first.
+//! tracepoints first. [`inject`] loads ebtrace's in-process agent into a
+//! running process with ptrace.
 
 pub mod cuda;
+pub mod inject;
 pub mod libcuda;
 pub mod probe_set;
 pub mod sched;

@@ -49,6 +49,21 @@ pub enum Command {
         #[arg(long = "lifeline-fd")]
         lifeline_fd: Option<i32>,
     },
+    /// Internal, for the tests and for diagnosis: loads the in-process
+    /// agent into a process, pings it and unloads it, N times, printing one
+    /// JSON line of timings per cycle.
+    #[command(name = "inject-check", hide = true)]
+    InjectCheck {
+        /// The process to load the agent into.
+        #[arg(long)]
+        pid: u32,
+        /// Load/ping/unload cycles.
+        #[arg(long, default_value_t = 1)]
+        cycles: u32,
+        /// A library to load instead of the agent ebtrace embeds.
+        #[arg(long, value_name = "PATH")]
+        library: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Args)]

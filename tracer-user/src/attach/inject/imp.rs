@@ -1,0 +1,414 @@
+//! The load, unload and leftover sessions, in terms of calls made in the
+//! target.
+
+use std::{
+    fs,
+    io::Write as _,
+    os::{
+        fd::{FromRawFd as _, OwnedFd},
+        unix::net::UnixStream,
+    },
+    time::Instant,
+};
+
+use super::{
+    AGENT_DETACH, AGENT_THREAD_PREFIX, InjectError, InjectReport, Injected, MEMFD_NAME,
+    process_alive,
+    session::Session,
+    symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
+};
+
+const SYS_MEMFD_CREATE: u64 = 319;
+
+/// Syscalls a thread can be taken out of and put back into without the
+/// program seeing a difference: the kernel restarts them (or resumes them
+/// through `restart_syscall`) after a stop. `read` (0), `poll` (7),
+/// `select` (23), `pause` (34), `nanosleep` (35), `wait4` (61),
+/// `clock_nanosleep` (230), `pselect6` (270), `ppoll` (271).
+/// (`epoll_wait` is not one: it fails with EINTR.)
+const RESTARTED: [i64; 9] = [0, 7, 23, 34, 35, 61, 230, 270, 271];
+const SYS_FUTEX: i64 = 202;
+
+/// The thread to make the calls on: preferably one blocked in a syscall
+/// the kernel restarts, then one waiting on a futex, then a running one;
+/// never one of the agent's.
+fn pick_thread(pid: u32) -> Result<u32, InjectError> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task"))
+        .map_err(|_| InjectError::NoSuchProcess { pid })?;
+    let mut best: Option<(u8, u32)> = None;
+    for entry in tasks.flatten() {
+        let Some(tid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let dir = entry.path();
+        let comm = fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.starts_with(AGENT_THREAD_PREFIX) {
+            continue;
+        }
+        let syscall = fs::read_to_string(dir.join("syscall")).unwrap_or_default();
+        let first = syscall.split_whitespace().next().unwrap_or("");
+        let tier = match first.parse::<i64>() {
+            Ok(nr) if RESTARTED.contains(&nr) => 0,
+            Ok(SYS_FUTEX) => 1,
+            _ if first == "running" => 2,
+            _ => 3,
+        };
+        if best.is_none_or(|b| (tier, tid) < b) {
+            best = Some((tier, tid));
+        }
+    }
+    best.map(|(_, tid)| tid)
+        .ok_or(InjectError::NoSuchProcess { pid })
+}
+
+fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
+    InjectError::Io {
+        context: context.into(),
+        source,
+    }
+}
+
+/// A descriptor of the target, duplicated into ebtrace (`pidfd_getfd`).
+fn take_fd(pid: u32, pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, InjectError> {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: pidfd_getfd on a pidfd we own; returns a new descriptor.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if r < 0 {
+        return Err(io_err(
+            format!("copying descriptor {fd} of pid {pid} (pidfd_getfd needs Linux 5.6+)"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+fn pidfd_open(pid: u32) -> Result<OwnedFd, InjectError> {
+    // SAFETY: plain syscall.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ESRCH) => InjectError::NoSuchProcess { pid },
+            _ => io_err(format!("pidfd_open of pid {pid} (needs Linux 5.3+)"), e),
+        });
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+/// Calls on the thread of a session, by function name.
+struct Calls<'a> {
+    s: &'a mut Session,
+    fns: TargetFns,
+}
+
+impl Calls<'_> {
+    fn pid(&self) -> u32 {
+        self.s.pid()
+    }
+
+    fn dlopen(&mut self, path: &str, flags: i32) -> Result<u64, InjectError> {
+        let p = self.s.put_str(path)?;
+        let mut mode = flags as u64;
+        if self.fns.dlerror.is_none() {
+            mode |= LIBC_DLOPEN_MODE_FLAG;
+        }
+        self.s.call("dlopen", self.fns.dlopen, &[p, mode])
+    }
+
+    fn dlsym(&mut self, handle: u64, name: &str) -> Result<u64, InjectError> {
+        let p = self.s.put_str(name)?;
+        self.s.call("dlsym", self.fns.dlsym, &[handle, p])
+    }
+
+    fn dlclose(&mut self, handle: u64) -> Result<(), InjectError> {
+        self.s
+            .call("dlclose", self.fns.dlclose, &[handle])
+            .map(drop)
+    }
+
+    fn close(&mut self, fd: i32) -> Result<(), InjectError> {
+        self.s.call("close", self.fns.close, &[fd as u64]).map(drop)
+    }
+
+    /// The target's `dlerror()` text.
+    fn dlerror(&mut self) -> String {
+        let Some(f) = self.fns.dlerror else {
+            return "no reason given (this C library has no dlerror)".into();
+        };
+        match self.s.call("dlerror", f, &[]) {
+            Ok(0) => "no reason given".into(),
+            Ok(p) => self
+                .s
+                .read_cstring(p)
+                .unwrap_or_else(|e| format!("(its message is unreadable: {e})")),
+            Err(e) => format!("(dlerror failed: {e})"),
+        }
+    }
+
+    fn memfd_create(&mut self) -> Result<i32, InjectError> {
+        let name = self.s.put_str(MEMFD_NAME)?;
+        let flags = libc::MFD_CLOEXEC as u64;
+        let fd = if self.fns.memfd_is_syscall {
+            self.s.call(
+                "syscall",
+                self.fns.memfd_create,
+                &[SYS_MEMFD_CREATE, name, flags],
+            )?
+        } else {
+            self.s
+                .call("memfd_create", self.fns.memfd_create, &[name, flags])?
+        } as i32;
+        if fd < 0 {
+            return Err(InjectError::TargetCall {
+                pid: self.pid(),
+                call: "memfd_create",
+                detail: "it returned -1 (out of descriptors or memory?)".into(),
+            });
+        }
+        Ok(fd)
+    }
+
+    fn socketpair(&mut self) -> Result<[i32; 2], InjectError> {
+        let slot = self.s.put(&[0xff; 8])?;
+        let kind = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+        let r = self.s.call(
+            "socketpair",
+            self.fns.socketpair,
+            &[libc::AF_UNIX as u64, kind, 0, slot],
+        )?;
+        let mut b = [0u8; 8];
+        self.s.read(slot, &mut b)?;
+        if r as i32 != 0 {
+            return Err(InjectError::TargetCall {
+                pid: self.pid(),
+                call: "socketpair",
+                detail: "it returned -1 (out of descriptors?)".into(),
+            });
+        }
+        let fd = |i: usize| i32::from_ne_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        Ok([fd(0), fd(4)])
+    }
+}
+
+/// What a load has set up so far in the target, to undo on failure.
+#[derive(Default)]
+struct Partial {
+    memfd: Option<i32>,
+    agent_fd: Option<i32>,
+    handle: Option<u64>,
+}
+
+impl Partial {
+    fn undo(&self, c: &mut Calls) {
+        if let Some(h) = self.handle {
+            let _ = c.dlclose(h);
+        }
+        for fd in [self.agent_fd, self.memfd].into_iter().flatten() {
+            let _ = c.close(fd);
+        }
+    }
+}
+
+pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStream), InjectError> {
+    let began = Instant::now();
+    if !process_alive(pid) {
+        return Err(InjectError::NoSuchProcess { pid });
+    }
+    unload_leftovers(pid, AGENT_DETACH)?;
+    let fns = symbols::resolve(pid)?;
+    let pidfd = pidfd_open(pid)?;
+    let tid = pick_thread(pid)?;
+    let mut s = Session::open(pid, tid, &fns)?;
+    let mut c = Calls { s: &mut s, fns };
+    let mut partial = Partial::default();
+    let loaded = load_calls(&mut c, &mut partial, &pidfd, library, entry);
+    if loaded.is_err() {
+        partial.undo(&mut c);
+    }
+    let diverted = s.close();
+    let (handle, ours) = loaded?;
+    let report = InjectReport {
+        thread_diverted: diverted?,
+        total: began.elapsed(),
+    };
+    let injected = Injected {
+        pid,
+        tid,
+        handle,
+        memfd: partial.memfd.expect("set by a successful load"),
+        report,
+    };
+    Ok((injected, UnixStream::from(ours)))
+}
+
+fn load_calls(
+    c: &mut Calls,
+    partial: &mut Partial,
+    pidfd: &OwnedFd,
+    library: &[u8],
+    entry: &str,
+) -> Result<(u64, OwnedFd), InjectError> {
+    let pid = c.pid();
+    let memfd = c.memfd_create()?;
+    partial.memfd = Some(memfd);
+    let mut file = fs::File::from(take_fd(pid, pidfd, memfd)?);
+    file.write_all(library).map_err(|e| {
+        io_err(
+            format!("writing the agent library into pid {pid}'s memfd"),
+            e,
+        )
+    })?;
+    drop(file);
+    let [agent_fd, our_fd] = c.socketpair()?;
+    partial.agent_fd = Some(agent_fd);
+    let ours = take_fd(pid, pidfd, our_fd);
+    c.close(our_fd)?;
+    let ours = ours?;
+    let handle = c.dlopen(
+        &format!("/proc/self/fd/{memfd}"),
+        libc::RTLD_NOW | libc::RTLD_LOCAL,
+    )?;
+    if handle == 0 {
+        let message = c.dlerror();
+        return Err(InjectError::Dlopen { pid, message });
+    }
+    partial.handle = Some(handle);
+    let f = c.dlsym(handle, entry)?;
+    if f == 0 {
+        let message = c.dlerror();
+        return Err(InjectError::MissingSymbol {
+            pid,
+            symbol: entry.to_string(),
+            message,
+        });
+    }
+    let r = c.s.call("agent entry", f, &[agent_fd as u64])? as i32;
+    if r != 0 {
+        return Err(InjectError::AgentFailed {
+            pid,
+            function: entry.to_string(),
+            code: if r < 0 { r } else { -libc::EIO },
+        });
+    }
+    // The agent owns its end of the socketpair now.
+    partial.agent_fd = None;
+    Ok((handle, ours))
+}
+
+pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectError> {
+    let began = Instant::now();
+    let pid = injected.pid;
+    if !process_alive(pid) {
+        return Err(InjectError::TargetExited { pid });
+    }
+    let fns = symbols::resolve(pid)?;
+    let tid = pick_thread(pid)?;
+    let mut s = Session::open(pid, tid, &fns)?;
+    let mut c = Calls { s: &mut s, fns };
+    let unloaded = unload_agent(&mut c, injected.handle, injected.memfd, exit);
+    let diverted = s.close();
+    unloaded?;
+    Ok(InjectReport {
+        thread_diverted: diverted?,
+        total: began.elapsed(),
+    })
+}
+
+/// `exit()`, then `dlclose` (`extra_refs` + 1 times) and `close(memfd)`.
+/// With an `exit()` that fails, the library stays: its code may run still.
+fn unload_agent(c: &mut Calls, handle: u64, memfd: i32, exit: &str) -> Result<(), InjectError> {
+    unload_agent_refs(c, handle, memfd, exit, 0)
+}
+
+fn unload_agent_refs(
+    c: &mut Calls,
+    handle: u64,
+    memfd: i32,
+    exit: &str,
+    extra_refs: usize,
+) -> Result<(), InjectError> {
+    let pid = c.pid();
+    let f = c.dlsym(handle, exit)?;
+    if f == 0 {
+        let message = c.dlerror();
+        return Err(InjectError::MissingSymbol {
+            pid,
+            symbol: exit.to_string(),
+            message,
+        });
+    }
+    let r = c.s.call("agent exit", f, &[])? as i32;
+    if r != 0 {
+        return Err(InjectError::AgentFailed {
+            pid,
+            function: exit.to_string(),
+            code: if r < 0 { r } else { -libc::EIO },
+        });
+    }
+    for _ in 0..=extra_refs {
+        c.dlclose(handle)?;
+    }
+    c.close(memfd)
+}
+
+/// Descriptors of `pid` that hold an agent's memfd.
+fn leftover_fds(pid: u32) -> Result<Vec<i32>, InjectError> {
+    let dir = fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => InjectError::NoSuchProcess { pid },
+        _ => io_err(format!("listing /proc/{pid}/fd"), e),
+    })?;
+    let wanted = format!("/memfd:{MEMFD_NAME} (deleted)");
+    let mut fds: Vec<i32> = dir
+        .flatten()
+        .filter(|e| fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == wanted.as_str()))
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort_unstable();
+    Ok(fds)
+}
+
+pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
+    let fds = leftover_fds(pid)?;
+    if fds.is_empty() {
+        return Ok(0);
+    }
+    let fns = symbols::resolve(pid)?;
+    let tid = pick_thread(pid)?;
+    let mut s = Session::open(pid, tid, &fns)?;
+    let mut c = Calls { s: &mut s, fns };
+    let mut unloaded = 0;
+    let mut result = Ok(());
+    for fd in fds {
+        let handle = match c.dlopen(
+            &format!("/proc/self/fd/{fd}"),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        ) {
+            Ok(h) => h,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
+        let done = if handle == 0 {
+            // Never loaded (ebtrace died before dlopen): only the memfd.
+            c.close(fd)
+        } else {
+            // Our NOLOAD reference, and the one the dead ebtrace left.
+            unload_agent_refs(&mut c, handle, fd, exit, 1).map(|()| unloaded += 1)
+        };
+        if let Err(e) = done {
+            result = Err(e);
+            break;
+        }
+    }
+    let diverted = s.close();
+    result?;
+    diverted?;
+    Ok(unloaded)
+}

@@ -1,0 +1,237 @@
+//! Loading a shared library (ebtrace's in-process agent) into a running
+//! process, without restarting it, and taking it out again.
+//!
+//! One thread of the target is seized with ptrace and made to call, in
+//! turn, `memfd_create`, `socketpair`, `dlopen`, `dlsym` and the library's
+//! entry point, through a trampoline ([`trampoline`]) that restores the
+//! thread's state by itself: if ebtrace dies at any moment, the thread
+//! finishes the call under way and returns to its own code (the only
+//! exceptions are the three single syscalls that map and unmap the
+//! trampoline). A thread interrupted in a syscall is set up exactly as the
+//! kernel's restart logic would ([`session::normalize`]), so an interrupted
+//! `read` or `nanosleep` is replayed and no EINTR reaches the program.
+//!
+//! The library is written to a memfd named `ebtrace-agent` that stays open
+//! in the target until [`Injected::unload`]; an ebtrace killed meanwhile
+//! leaves it behind, and [`unload_leftovers`] (which [`load`] runs first)
+//! takes such agents out. The agent's own threads must be named
+//! `ebtrace-agent…`: they are never the thread chosen to make the calls.
+//!
+//! Each of [`load`], [`Injected::unload`] and [`unload_leftovers`] runs
+//! its whole ptrace session on the calling thread (a tracer is a thread).
+//! x86-64 only.
+
+#[cfg(target_arch = "x86_64")]
+mod ptrace;
+#[cfg(target_arch = "x86_64")]
+mod session;
+#[cfg(target_arch = "x86_64")]
+mod symbols;
+#[cfg(target_arch = "x86_64")]
+mod trampoline;
+
+pub mod check;
+
+use std::{os::unix::net::UnixStream, time::Duration};
+
+/// The agent's function that stops it, called on leftovers by [`load`].
+pub const AGENT_DETACH: &str = "ebtrace_agent_detach";
+/// Name of the memfd that holds the library in the target.
+pub const MEMFD_NAME: &str = "ebtrace-agent";
+/// Threads whose name starts with this belong to the agent.
+pub const AGENT_THREAD_PREFIX: &str = "ebtrace-agent";
+
+/// A library loaded into a target by [`load`]; [`Injected::unload`] takes
+/// it out again.
+#[derive(Debug)]
+pub struct Injected {
+    pub pid: u32,
+    /// The thread that made the calls.
+    pub tid: u32,
+    /// The `dlopen` handle, in the target.
+    pub handle: u64,
+    /// The memfd holding the library, a descriptor number in the target.
+    pub memfd: i32,
+    pub report: InjectReport,
+}
+
+/// How long a load or unload took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InjectReport {
+    /// How long the hijacked thread was kept from its own code.
+    pub thread_diverted: Duration,
+    /// The whole operation, from ebtrace's side.
+    pub total: Duration,
+}
+
+/// Why a load or unload failed, one actionable line each.
+#[derive(Debug, thiserror::Error)]
+pub enum InjectError {
+    #[error("no process with pid {pid} (is it still running? check with `ps -p {pid}`)")]
+    NoSuchProcess { pid: u32 },
+
+    #[error("not permitted to attach to pid {pid} with ptrace: {why}")]
+    NotPermitted { pid: u32, why: String },
+
+    #[error("pid {pid} exited while ebtrace was loading or unloading its agent")]
+    TargetExited { pid: u32 },
+
+    #[error("loading the agent into an x86-64 Linux process is all ebtrace supports: {what}")]
+    UnsupportedArch { what: String },
+
+    #[error(
+        "pid {pid} maps no C library with dlopen (statically linked?); the in-process agent \
+         cannot be loaded into it"
+    )]
+    NoLoader { pid: u32 },
+
+    #[error("dlopen of the agent in pid {pid} failed: {message}")]
+    Dlopen { pid: u32, message: String },
+
+    #[error("the agent library in pid {pid} has no function `{symbol}`: {message}")]
+    MissingSymbol {
+        pid: u32,
+        symbol: String,
+        message: String,
+    },
+
+    #[error("the agent's {function}() in pid {pid} failed: {}", std::io::Error::from_raw_os_error(-code))]
+    AgentFailed {
+        pid: u32,
+        function: String,
+        code: i32,
+    },
+
+    #[error("{call}() in pid {pid} failed: {detail}")]
+    TargetCall {
+        pid: u32,
+        call: &'static str,
+        detail: String,
+    },
+
+    #[error(
+        "{call}() in pid {pid} crashed with signal {signal}; the call was abandoned and the \
+         thread's own state put back"
+    )]
+    TargetCrashed {
+        pid: u32,
+        call: &'static str,
+        signal: i32,
+    },
+
+    #[error("ptrace {what} of thread {tid} failed: {source}")]
+    Ptrace {
+        what: &'static str,
+        tid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Loads `library` into `pid` and calls its `entry(fd)` with one end of a
+/// new socketpair; returns the other end. Agents an earlier, killed ebtrace
+/// left loaded are taken out first.
+pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStream), InjectError> {
+    #[cfg(target_arch = "x86_64")]
+    return imp::load(pid, library, entry);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pid, library, entry);
+        Err(unsupported())
+    }
+}
+
+impl Injected {
+    /// Calls the agent's `exit()` (which stops its threads), then unloads
+    /// the library and closes its memfd. If `exit()` fails the library
+    /// stays loaded (its code may still run) and the error says why.
+    pub fn unload(self, exit: &str) -> Result<InjectReport, InjectError> {
+        #[cfg(target_arch = "x86_64")]
+        return imp::unload(&self, exit);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = exit;
+            Err(unsupported())
+        }
+    }
+}
+
+/// Takes out the agents that a killed ebtrace left loaded in `pid` (found
+/// by their memfd); returns how many were unloaded.
+pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
+    #[cfg(target_arch = "x86_64")]
+    return imp::unload_leftovers(pid, exit);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pid, exit);
+        Err(unsupported())
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn unsupported() -> InjectError {
+    InjectError::UnsupportedArch {
+        what: format!("this ebtrace was built for {}", std::env::consts::ARCH),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod imp;
+
+/// True while `pid` exists and is not a zombie.
+fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| crate::procfs::parse_stat(&s))
+        .is_some_and(|s| s.state != 'Z' && s.state != 'X')
+}
+
+/// The field `key` of `/proc/PID/status`.
+fn status_field(pid: &str, key: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.trim().to_string())
+}
+
+/// Why ptrace was refused, with what to do about it.
+fn why_not_permitted(pid: u32) -> String {
+    if let Some(tracer) = status_field(&pid.to_string(), "TracerPid").filter(|t| t != "0") {
+        let comm = std::fs::read_to_string(format!("/proc/{tracer}/comm")).unwrap_or_default();
+        return format!(
+            "it is already traced by pid {tracer} ({}), e.g. a debugger; detach that first",
+            comm.trim()
+        );
+    }
+    const CAP_SYS_PTRACE: u32 = 19;
+    let has_cap = status_field("self", "CapEff")
+        .and_then(|v| u64::from_str_radix(&v, 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_SYS_PTRACE) != 0);
+    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok());
+    match yama {
+        Some(3) => "kernel.yama.ptrace_scope is 3, which forbids ptrace for everyone until reboot"
+            .to_string(),
+        _ if !has_cap => format!(
+            "run ebtrace as root (or give it CAP_SYS_PTRACE){}",
+            match yama {
+                Some(n @ 1..) => format!(
+                    "; kernel.yama.ptrace_scope is {n} (`sysctl kernel.yama.ptrace_scope=0` \
+                     lets a user trace their own processes)"
+                ),
+                _ => String::new(),
+            }
+        ),
+        _ => "the kernel refused although ebtrace has CAP_SYS_PTRACE (a security module such \
+              as SELinux or AppArmor, or a container without that capability?)"
+            .to_string(),
+    }
+}

@@ -1,0 +1,333 @@
+//! The ptrace side of a session: seizing one thread, stopping it, its
+//! registers and memory, running it to the next syscall stop, and letting it
+//! go again with the signals that arrived meanwhile.
+//!
+//! Signals that reach the thread while it is held are suppressed and
+//! remembered; [`Tracee::detach`] delivers them again (the first with the
+//! detach itself, the others with `tgkill`), so the target loses none.
+
+use std::{fs::File, io, os::unix::fs::FileExt as _};
+
+use super::InjectError;
+
+const PTRACE_GETREGS: libc::c_long = 12;
+const PTRACE_SETREGS: libc::c_long = 13;
+const PTRACE_SYSCALL: libc::c_long = 24;
+const PTRACE_DETACH: libc::c_long = 17;
+const PTRACE_SEIZE: libc::c_long = 0x4206;
+const PTRACE_INTERRUPT: libc::c_long = 0x4207;
+const PTRACE_GET_SYSCALL_INFO: libc::c_long = 0x420e;
+const PTRACE_O_TRACESYSGOOD: libc::c_long = 1;
+const PTRACE_EVENT_STOP: i32 = 128;
+const SYSCALL_INFO_ENTRY: u8 = 1;
+const SYSCALL_INFO_EXIT: u8 = 2;
+
+/// The general-purpose registers, as `PTRACE_GETREGS` gives them.
+pub type Regs = libc::user_regs_struct;
+
+/// What stopped the thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// Entering a syscall: its number and the address after its `syscall`.
+    SyscallEntry { nr: u64, ip: u64 },
+    /// Leaving a syscall.
+    SyscallExit,
+    /// A signal is about to be delivered (it was suppressed and remembered).
+    Signal(i32),
+    /// `PTRACE_INTERRUPT` or a group stop.
+    Event,
+}
+
+/// One seized thread of a target process.
+pub struct Tracee {
+    pub pid: u32,
+    pub tid: u32,
+    mem: File,
+    /// Signals suppressed while the thread was held, in arrival order.
+    pending: Vec<i32>,
+    attached: bool,
+}
+
+fn ptrace(req: libc::c_long, tid: u32, addr: u64, data: u64) -> io::Result<libc::c_long> {
+    // SAFETY: a raw ptrace request; `addr`/`data` point into buffers the
+    // callers own and size for the request, or are plain values.
+    let r = unsafe { libc::syscall(libc::SYS_ptrace, req, tid as libc::c_long, addr, data) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+impl Tracee {
+    /// Seizes `tid` of `pid` and stops it. Nothing in the target changes if
+    /// ebtrace dies now: a tracer's exit lets its tracees go.
+    pub fn seize(pid: u32, tid: u32) -> Result<Self, InjectError> {
+        let mem = File::options()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/mem"))
+            .map_err(|e| open_error(pid, e))?;
+        ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACESYSGOOD as u64)
+            .map_err(|e| open_error(pid, e))?;
+        let mut t = Tracee {
+            pid,
+            tid,
+            mem,
+            pending: Vec::new(),
+            attached: true,
+        };
+        t.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
+        loop {
+            match t.wait()? {
+                Stop::Event => return Ok(t),
+                Stop::Signal(_) | Stop::SyscallEntry { .. } | Stop::SyscallExit => {
+                    // Suppressed (and remembered); the interrupt is still due.
+                    t.request(PTRACE_SYSCALL, 0, 0, "resume")?;
+                }
+            }
+        }
+    }
+
+    fn request(
+        &self,
+        req: libc::c_long,
+        addr: u64,
+        data: u64,
+        what: &'static str,
+    ) -> Result<(), InjectError> {
+        ptrace(req, self.tid, addr, data)
+            .map(drop)
+            .map_err(|e| self.ptrace_error(what, e))
+    }
+
+    fn ptrace_error(&self, what: &'static str, e: io::Error) -> InjectError {
+        if e.raw_os_error() == Some(libc::ESRCH) && !super::process_alive(self.pid) {
+            InjectError::TargetExited { pid: self.pid }
+        } else {
+            InjectError::Ptrace {
+                what,
+                tid: self.tid,
+                source: e,
+            }
+        }
+    }
+
+    /// Waits for the thread's next stop.
+    fn wait(&mut self) -> Result<Stop, InjectError> {
+        let mut status = 0;
+        loop {
+            // SAFETY: waits for our own tracee; `status` is a valid out pointer.
+            let r = unsafe { libc::waitpid(self.tid as i32, &mut status, libc::__WALL) };
+            if r >= 0 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                self.attached = false;
+                return Err(match e.raw_os_error() {
+                    Some(libc::ECHILD) => InjectError::TargetExited { pid: self.pid },
+                    _ => self.ptrace_error("wait", e),
+                });
+            }
+        }
+        if !libc::WIFSTOPPED(status) {
+            self.attached = false;
+            return Err(InjectError::TargetExited { pid: self.pid });
+        }
+        let sig = libc::WSTOPSIG(status);
+        if status >> 16 == PTRACE_EVENT_STOP {
+            return Ok(Stop::Event);
+        }
+        if sig == libc::SIGTRAP | 0x80 {
+            return self.syscall_stop();
+        }
+        self.pending.push(sig);
+        Ok(Stop::Signal(sig))
+    }
+
+    fn syscall_stop(&self) -> Result<Stop, InjectError> {
+        // struct ptrace_syscall_info: op, pad, arch, ip, sp, then nr for an
+        // entry stop.
+        let mut info = [0u64; 11];
+        self.request(
+            PTRACE_GET_SYSCALL_INFO,
+            std::mem::size_of_val(&info) as u64,
+            info.as_mut_ptr() as u64,
+            "syscall info",
+        )?;
+        Ok(match info[0] as u8 {
+            SYSCALL_INFO_ENTRY => Stop::SyscallEntry {
+                nr: info[3],
+                ip: info[1],
+            },
+            SYSCALL_INFO_EXIT => Stop::SyscallExit,
+            _ => Stop::Event,
+        })
+    }
+
+    /// Lets the thread run to its next stop (syscall entry or exit,
+    /// signal, event).
+    pub fn step(&mut self) -> Result<Stop, InjectError> {
+        self.request(PTRACE_SYSCALL, 0, 0, "resume")?;
+        self.wait()
+    }
+
+    /// Forgets the last remembered signal (it was a fault of our own call,
+    /// which is abandoned; delivering it again would kill the target).
+    pub fn drop_last_signal(&mut self) {
+        self.pending.pop();
+    }
+
+    pub fn regs(&self) -> Result<Regs, InjectError> {
+        // SAFETY: user_regs_struct is plain integers; all-zero is valid.
+        let mut regs: Regs = unsafe { std::mem::zeroed() };
+        self.request(
+            PTRACE_GETREGS,
+            0,
+            &mut regs as *mut Regs as u64,
+            "read registers",
+        )?;
+        Ok(regs)
+    }
+
+    pub fn set_regs(&self, regs: &Regs) -> Result<(), InjectError> {
+        self.request(
+            PTRACE_SETREGS,
+            0,
+            regs as *const Regs as u64,
+            "write registers",
+        )
+    }
+
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), InjectError> {
+        self.mem
+            .read_exact_at(buf, addr)
+            .map_err(|e| self.mem_error("read", addr, e))
+    }
+
+    pub fn write(&self, addr: u64, bytes: &[u8]) -> Result<(), InjectError> {
+        self.mem
+            .write_all_at(bytes, addr)
+            .map_err(|e| self.mem_error("write", addr, e))
+    }
+
+    pub fn read_u64(&self, addr: u64) -> Result<u64, InjectError> {
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b)?;
+        Ok(u64::from_ne_bytes(b))
+    }
+
+    /// A NUL-terminated string of at most `max` bytes (lossy UTF-8), read
+    /// page by page so that one ending before an unmapped page is read.
+    pub fn read_cstring(&self, mut addr: u64, max: usize) -> Result<String, InjectError> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let chunk = (4096 - (addr % 4096) as usize).min(max - out.len());
+            let mut buf = vec![0u8; chunk];
+            self.read(addr, &mut buf)?;
+            if let Some(end) = buf.iter().position(|&b| b == 0) {
+                out.extend_from_slice(&buf[..end]);
+                break;
+            }
+            out.extend_from_slice(&buf);
+            addr += chunk as u64;
+        }
+        Ok(String::from_utf8_lossy(&out).into_owned())
+    }
+
+    fn mem_error(&self, what: &'static str, addr: u64, e: io::Error) -> InjectError {
+        if !super::process_alive(self.pid) {
+            return InjectError::TargetExited { pid: self.pid };
+        }
+        InjectError::Io {
+            context: format!("{what} memory of pid {} at {addr:#x}", self.pid),
+            source: e,
+        }
+    }
+
+    /// Runs one syscall on the thread with `regs` (the thread's own state)
+    /// as the rest of its registers: `nr(args)` through the `syscall`
+    /// instruction at `insn`. Leaves the thread at the syscall's exit stop
+    /// with its registers changed; the caller puts them back.
+    pub fn raw_syscall(
+        &mut self,
+        regs: &Regs,
+        insn: u64,
+        nr: u64,
+        args: &[u64],
+    ) -> Result<i64, InjectError> {
+        let mut r = *regs;
+        r.rip = insn;
+        r.rax = nr;
+        r.orig_rax = u64::MAX;
+        let slots = [
+            &mut r.rdi, &mut r.rsi, &mut r.rdx, &mut r.r10, &mut r.r8, &mut r.r9,
+        ];
+        for (slot, &a) in slots.into_iter().zip(args) {
+            *slot = a;
+        }
+        self.set_regs(&r)?;
+        // Past any stop left over from before (e.g. the exit of a syscall
+        // this thread was stopped in), to the entry of ours, then its exit.
+        loop {
+            if let Stop::SyscallEntry { nr: n, ip } = self.step()?
+                && n == nr
+                && ip == insn + 2
+            {
+                break;
+            }
+        }
+        loop {
+            if self.step()? == Stop::SyscallExit {
+                return Ok(self.regs()?.rax as i64);
+            }
+        }
+    }
+
+    /// Lets the thread go with the state it is in, delivering the signals
+    /// that arrived meanwhile.
+    pub fn detach(&mut self) -> Result<(), InjectError> {
+        if !self.attached {
+            return Ok(());
+        }
+        self.attached = false;
+        let mut pending = std::mem::take(&mut self.pending).into_iter();
+        let first = pending.next().unwrap_or(0);
+        ptrace(PTRACE_DETACH, self.tid, 0, first as u64)
+            .map_err(|e| self.ptrace_error("detach", e))?;
+        for sig in pending {
+            // SAFETY: sends a signal to the thread that received it first.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_tgkill,
+                    self.pid as libc::c_long,
+                    self.tid as libc::c_long,
+                    sig as libc::c_long,
+                )
+            };
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Tracee {
+    fn drop(&mut self) {
+        let _ = self.detach();
+    }
+}
+
+/// The error for a failed open of `/proc/PID/mem` or `PTRACE_SEIZE`.
+fn open_error(pid: u32, e: io::Error) -> InjectError {
+    match e.raw_os_error() {
+        Some(libc::ENOENT | libc::ESRCH) => InjectError::NoSuchProcess { pid },
+        Some(libc::EPERM | libc::EACCES) => InjectError::NotPermitted {
+            pid,
+            why: super::why_not_permitted(pid),
+        },
+        _ => InjectError::Io {
+            context: format!("attaching to pid {pid}"),
+            source: e,
+        },
+    }
+}
