@@ -12,7 +12,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use tracer_agent::protocol::SessionLevels;
+
 use crate::{
+    agent::{FrameworkRecording, FrameworkSession},
     attach::{
         CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions, TraceMeProbe,
         cuda, tracefs,
@@ -23,7 +26,7 @@ use crate::{
     procfs::{self, TargetProcess},
     timeline::{
         CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
-        Timeline, Window, add_traceme_spans, nest_spans,
+        Timeline, Window, add_traceme_spans, merge_framework_space, nest_spans,
     },
 };
 
@@ -67,6 +70,45 @@ pub struct CaptureOptions {
     pub families: ProbeFamilies,
     /// TraceMe settings; the level itself comes from `families`.
     pub traceme: TraceMeOptions,
+    /// How each target's TraceMe events are collected.
+    pub route: TraceMeRoute,
+}
+
+/// How a target's TraceMe events are collected.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceMeRoute {
+    /// Through the agent where it works (a jax or TensorFlow process),
+    /// else through uprobes.
+    #[default]
+    Auto,
+    /// Only through the agent: the framework's own profiler session, run
+    /// inside the target (TraceMe at in-process cost, XLA's metadata and
+    /// device planes).
+    Agent,
+    /// Only through uprobes on the TraceMe recorder: nothing is loaded
+    /// into the target.
+    Uprobe,
+    /// No TraceMe events.
+    Off,
+}
+
+/// Whether `pid` runs a framework the agent can drive: the reason if not.
+fn framework_in(pid: u32) -> std::result::Result<(), String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+    let python = maps.contains("libpython")
+        || exe
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("python"));
+    let framework = ["jaxlib", "_pywrap_tensorflow", "libtensorflow"]
+        .iter()
+        .any(|lib| maps.contains(lib));
+    match (python, framework) {
+        (true, true) => Ok(()),
+        (false, _) => Err("not a Python process".into()),
+        (true, false) => Err("no jax or TensorFlow loaded".into()),
+    }
 }
 
 /// Which probe families a capture attaches. Each family has one switch
@@ -114,6 +156,11 @@ pub struct PollStatus {
 }
 
 pub struct Capture {
+    /// Framework sessions run by the agent; dropped first, which stops
+    /// them and takes the agent out of the targets.
+    framework: Vec<FrameworkSession>,
+    /// What those sessions recorded so far.
+    recordings: Vec<FrameworkRecording>,
     /// Declared before `probe`: dropped first, it switches the targets'
     /// TraceMe recording off while the probes still see it.
     traceme: TraceMeProbe,
@@ -143,6 +190,13 @@ impl Capture {
         let began = Instant::now();
         let tracefs_root = tracefs::locate()?;
         let check = tracefs::check_tracepoints(&tracefs_root)?;
+        // The agent goes in before the probes are loaded: its control
+        // socket then gets a low descriptor number, which a dying ebtrace
+        // closes before its many probe links (each takes a while), so the
+        // agent notices within milliseconds.
+        let level = options.families.traceme_level;
+        let (framework, uprobe_pids, mut notes) =
+            start_framework_sessions(&targets, level, options.route);
         let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
             ..options.probe.clone()
@@ -178,22 +232,23 @@ impl Capture {
         } else {
             (None, Vec::new())
         };
-        let notes = cuda
-            .iter()
-            .flat_map(|c| c.targets.iter().map(cuda::describe))
-            .collect();
-        let pids: Vec<u32> = targets.iter().map(|t| t.pid).collect();
+        notes.extend(
+            cuda.iter()
+                .flat_map(|c| c.targets.iter().map(cuda::describe)),
+        );
         let traceme_options = TraceMeOptions {
-            level: options.families.traceme_level,
+            level,
             ..options.traceme
         };
-        let mut traceme = TraceMeProbe::attach(&mut probe, &pids, traceme_options)?;
+        let mut traceme = TraceMeProbe::attach(&mut probe, &uprobe_pids, traceme_options)?;
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());
         // After the window opened: every event recorded starts inside it.
         traceme.enable();
         Ok(Capture {
+            framework,
+            recordings: Vec::new(),
             traceme,
             traceme_events: Vec::new(),
             probe,
@@ -277,6 +332,14 @@ impl Capture {
     /// whole capture.
     pub fn finish(mut self, ended_early: Option<String>) -> Result<(Timeline, ProbeStats)> {
         let stop_ns = monotonic_ns();
+        self.collect_framework(false);
+        for session in self.framework.drain(..) {
+            let pid = session.pid;
+            if let Err(why) = session.close() {
+                self.traceme
+                    .warn(format!("pid {pid}: taking the agent out: {why}"));
+            }
+        }
         self.traceme.restore();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
@@ -319,6 +382,7 @@ impl Capture {
         ended_early: Option<String>,
     ) -> Timeline {
         let stop_ns = window.stop_ns;
+        self.collect_framework(true);
         // One ring buffer is shared by all CPUs; reservations are ordered,
         // timestamps taken just before them are not quite.
         self.records.sort_by_key(Record::ts);
@@ -360,6 +424,7 @@ impl Capture {
         }
         cuda.finish().add_to(&mut timeline);
         self.add_traceme(&mut timeline);
+        self.add_framework(&mut timeline);
         let cut: u64 = timeline
             .threads
             .values_mut()
@@ -373,6 +438,46 @@ impl Capture {
         }
         window.apply(&mut timeline);
         timeline
+    }
+
+    /// Collects what the framework sessions recorded so far; with
+    /// `restart`, each session goes on recording in a new one.
+    fn collect_framework(&mut self, restart: bool) {
+        for session in &mut self.framework {
+            match session.collect(restart) {
+                Ok(r) => self.recordings.push(r),
+                Err(why) => self.traceme.warn(format!(
+                    "pid {}: the framework's profiler session: {why}",
+                    session.pid
+                )),
+            }
+        }
+    }
+
+    /// Merges what the framework sessions recorded and says how it went.
+    fn add_framework(&self, timeline: &mut Timeline) {
+        for r in &self.recordings {
+            match merge_framework_space(timeline, r.pid, &r.xspace, &r.threads) {
+                Ok(m) => {
+                    timeline.stats.notes.push(format!(
+                        "pid {}: the framework's own session: {} events on the thread lines, \
+                         {} planes carried over",
+                        r.pid, m.spans, m.planes
+                    ));
+                    if m.unnamed_lines > 0 {
+                        timeline.stats.warnings.push(format!(
+                            "pid {}: {} events of {} framework threads left out: those threads \
+                             ended before ebtrace could name them",
+                            r.pid, m.unnamed_events, m.unnamed_lines
+                        ));
+                    }
+                }
+                Err(e) => timeline.stats.warnings.push(format!(
+                    "pid {}: the framework's XSpace is unreadable ({e}); its events are missing",
+                    r.pid
+                )),
+            }
+        }
     }
 
     /// Lays the TraceMe events on the threads' lines and says how it went.
@@ -395,6 +500,51 @@ impl Capture {
             spans.clipped
         ));
     }
+}
+
+/// Starts the framework's own profiler session in every target the route
+/// and the agent allow; returns those sessions, the pids left to the
+/// TraceMe uprobes, and one line per target saying which route it got.
+fn start_framework_sessions(
+    targets: &[TargetProcess],
+    level: u32,
+    route: TraceMeRoute,
+) -> (Vec<FrameworkSession>, Vec<u32>, Vec<String>) {
+    let (mut sessions, mut uprobes, mut notes) = (Vec::new(), Vec::new(), Vec::new());
+    if level == 0 || route == TraceMeRoute::Off {
+        return (sessions, uprobes, notes);
+    }
+    let levels = SessionLevels {
+        host: level,
+        python: 0,
+        device: 1,
+    };
+    for t in targets {
+        let pid = t.pid;
+        if route == TraceMeRoute::Uprobe {
+            uprobes.push(pid);
+            continue;
+        }
+        let started = framework_in(pid).and_then(|()| FrameworkSession::start(pid, levels));
+        match started {
+            Ok(s) => {
+                notes.push(format!(
+                    "pid {pid}: TraceMe through ebtrace's agent: {} (agent loaded in {:.1?}, \
+                     one thread kept from its code for {:.1?})",
+                    s.framework, s.load.total, s.load.thread_diverted
+                ));
+                sessions.push(s);
+            }
+            Err(why) if route == TraceMeRoute::Auto => {
+                notes.push(format!(
+                    "pid {pid}: TraceMe through uprobes, not the agent: {why}"
+                ));
+                uprobes.push(pid);
+            }
+            Err(why) => notes.push(format!("pid {pid}: no TraceMe events: the agent: {why}")),
+        }
+    }
+    (sessions, uprobes, notes)
 }
 
 /// Without the scheduler probes the builder can only guess thread states

@@ -13,6 +13,7 @@
 //! - [`symbols`]: ELF symbol lookup and addresses inside running processes;
 //! - [`cli`]: the `ebtrace` command line.
 
+pub mod agent;
 pub mod attach;
 pub mod capture;
 pub mod cli;

@@ -11,6 +11,8 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::capture::TraceMeRoute;
+
 /// eBPF-assisted tracer for ML workloads: attaches to running processes and
 /// writes XProf (XSpace) timelines of their threads.
 #[derive(Debug, Parser)]
@@ -103,6 +105,19 @@ pub struct RecordArgs {
     #[arg(long, value_name = "LEVEL", default_value_t = 2,
           value_parser = clap::value_parser!(u32).range(0..=3))]
     pub host_tracer_level: u32,
+
+    /// How TraceMe events are collected. auto: through ebtrace's agent,
+    /// loaded into a jax or TensorFlow process without a restart, which
+    /// runs the framework's own profiler session (TraceMe at in-process
+    /// cost, XLA's metadata, device planes) and is taken out after; else
+    /// through uprobes. agent: only the agent. uprobe: only uprobes
+    /// (nothing is loaded into the target). off: none.
+    #[arg(long, value_enum, value_name = "ROUTE", default_value_t = TraceMeRoute::Auto)]
+    pub traceme: TraceMeRoute,
+
+    /// Never load ebtrace's agent into a target (same as --traceme uprobe).
+    #[arg(long, conflicts_with = "traceme")]
+    pub no_agent: bool,
 
     /// Switch TraceMe recording off again after this many events. The
     /// target's recorder keeps every event it records in memory until a

@@ -14,7 +14,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::{RecordArgs, summary};
 use crate::{
     attach::{ProbeSetConfig, TraceMeOptions},
-    capture::{Capture, CaptureOptions, ProbeFamilies, check_privileges, open_targets},
+    capture::{
+        Capture, CaptureOptions, ProbeFamilies, TraceMeRoute, check_privileges, open_targets,
+    },
     error::Result,
     sink::{logdir, perfetto, xspace},
 };
@@ -52,6 +54,11 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         traceme: TraceMeOptions {
             level: args.host_tracer_level,
             max_events: args.max_events,
+        },
+        route: if args.no_agent {
+            TraceMeRoute::Uprobe
+        } else {
+            args.traceme
         },
     };
     let session = logdir::session_name(chrono::Local::now());

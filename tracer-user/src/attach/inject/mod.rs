@@ -28,6 +28,8 @@ mod session;
 #[cfg(target_arch = "x86_64")]
 mod symbols;
 #[cfg(target_arch = "x86_64")]
+mod threads;
+#[cfg(target_arch = "x86_64")]
 mod trampoline;
 
 pub mod check;
@@ -171,6 +173,18 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (pid, exit);
+        Err(unsupported())
+    }
+}
+
+/// Kernel tid → `pthread_self()` of each thread of `pid` but the agent's
+/// (see [`threads::thread_pointers`]).
+pub fn thread_pointers(pid: u32) -> Result<std::collections::HashMap<u32, u64>, InjectError> {
+    #[cfg(target_arch = "x86_64")]
+    return threads::thread_pointers(pid);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = pid;
         Err(unsupported())
     }
 }

@@ -1,0 +1,183 @@
+//! The in-process agent, from ebtrace's side: load it into a target
+//! ([`crate::attach::inject`]), run the framework's own profiler session
+//! through it, collect the session's XSpace, take the agent out again.
+//!
+//! The wire protocol is `tracer_agent::protocol`. Everything the agent
+//! sends comes from inside the target and is read with limits.
+
+use std::{
+    collections::HashMap,
+    io::{Read, Write},
+    os::unix::net::UnixStream,
+    time::Duration,
+};
+
+use tracer_agent::protocol::{self, Header, SessionLevels};
+
+use crate::{
+    attach::inject::{self, InjectReport, Injected},
+    timeline::{ThreadIds, framework::tsl_thread_id},
+};
+
+/// The agent library (built from `tracer-agent` by the build script).
+pub static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libebtrace_agent.so"));
+/// The library's entry point.
+pub const ATTACH: &str = "ebtrace_agent_attach";
+
+/// How long the agent may take to answer a request that runs Python: it
+/// waits for the GIL, and stopping a session serializes its events.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A framework profiler session running in a target through the agent.
+pub struct FrameworkSession {
+    pub pid: u32,
+    levels: SessionLevels,
+    control: UnixStream,
+    injected: Option<Injected>,
+    /// What runs the session, e.g. `jax 0.10.2 ProfilerSession`.
+    pub framework: String,
+    /// How the agent was loaded.
+    pub load: InjectReport,
+    /// Kernel tid → `pthread_self()` of the target's threads.
+    thread_pointers: HashMap<u32, u64>,
+}
+
+/// What a session recorded.
+pub struct FrameworkRecording {
+    pub pid: u32,
+    /// The serialized XSpace, as the framework wrote it.
+    pub xspace: Vec<u8>,
+    /// Its host lines' thread ids → kernel tids.
+    pub threads: ThreadIds,
+}
+
+impl FrameworkSession {
+    /// Loads the agent into `pid` and starts the framework's own profiler
+    /// session at `levels`. The error is one line saying why not (the
+    /// agent is taken out again).
+    pub fn start(pid: u32, levels: SessionLevels) -> Result<Self, String> {
+        let (injected, control) = inject::load(pid, LIBRARY, ATTACH).map_err(|e| e.to_string())?;
+        let load = injected.report;
+        let mut session = FrameworkSession {
+            pid,
+            levels,
+            control,
+            injected: Some(injected),
+            framework: String::new(),
+            load,
+            thread_pointers: HashMap::new(),
+        };
+        let (kind, _) = session.receive()?;
+        if kind != protocol::HELLO {
+            return Err(format!("the agent in pid {pid} greeted with frame {kind}"));
+        }
+        session.framework = session.start_session()?;
+        session.read_thread_pointers();
+        Ok(session)
+    }
+
+    fn start_session(&mut self) -> Result<String, String> {
+        self.send(protocol::START, &self.levels.encode())?;
+        match self.receive()? {
+            (protocol::STARTED, p) => Ok(String::from_utf8_lossy(&p).into_owned()),
+            (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
+            (kind, _) => Err(format!("the agent answered START with frame {kind}")),
+        }
+    }
+
+    /// Stops the session and returns what it recorded; with `restart`, a
+    /// new session starts right away (a long capture served in windows).
+    pub fn collect(&mut self, restart: bool) -> Result<FrameworkRecording, String> {
+        self.read_thread_pointers();
+        self.send(protocol::STOP, &[])?;
+        let xspace = match self.receive()? {
+            (protocol::XSPACE, p) => p,
+            (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
+            (kind, _) => return Err(format!("the agent answered STOP with frame {kind}")),
+        };
+        if restart {
+            self.start_session()?;
+        }
+        Ok(FrameworkRecording {
+            pid: self.pid,
+            xspace,
+            threads: self
+                .thread_pointers
+                .iter()
+                .map(|(&tid, &pointer)| (tsl_thread_id(pointer), tid))
+                .collect(),
+        })
+    }
+
+    /// Stops everything the agent started and unloads it.
+    pub fn close(mut self) -> Result<InjectReport, String> {
+        self.shut_down()
+    }
+
+    fn shut_down(&mut self) -> Result<InjectReport, String> {
+        let Some(injected) = self.injected.take() else {
+            return Ok(InjectReport::default());
+        };
+        // BYE means the agent's thread is done with Python: unloading never
+        // waits for the GIL.
+        let bye = self
+            .send(protocol::SHUTDOWN, &[])
+            .and_then(|()| self.receive());
+        if let Err(why) = bye {
+            log::warn!("pid {}: the agent did not say goodbye: {why}", self.pid);
+        }
+        injected
+            .unload(inject::AGENT_DETACH)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Notes each live thread's `pthread_self()`, so that the framework's
+    /// thread ids can be named (threads that end before the session stops
+    /// are known from the earlier reading).
+    fn read_thread_pointers(&mut self) {
+        match inject::thread_pointers(self.pid) {
+            Ok(found) => self.thread_pointers.extend(found),
+            Err(e) => log::warn!("pid {}: threads not named: {e}", self.pid),
+        }
+    }
+
+    fn send(&mut self, kind: u32, payload: &[u8]) -> Result<(), String> {
+        let header = Header {
+            kind,
+            len: payload.len() as u32,
+        };
+        self.control
+            .write_all(&header.encode())
+            .and_then(|()| self.control.write_all(payload))
+            .map_err(|e| format!("the agent in pid {} is gone: {e}", self.pid))
+    }
+
+    fn receive(&mut self) -> Result<(u32, Vec<u8>), String> {
+        let pid = self.pid;
+        let lost = |e: std::io::Error| format!("no answer from the agent in pid {pid}: {e}");
+        self.control
+            .set_read_timeout(Some(ANSWER_TIMEOUT))
+            .map_err(lost)?;
+        let mut h = [0u8; protocol::HEADER_LEN];
+        self.control.read_exact(&mut h).map_err(lost)?;
+        let header = Header::decode(&h);
+        if header.len > protocol::MAX_PAYLOAD {
+            return Err(format!(
+                "the agent in pid {pid} sent a {} byte frame (at most {} accepted)",
+                header.len,
+                protocol::MAX_PAYLOAD
+            ));
+        }
+        let mut payload = vec![0; header.len as usize];
+        self.control.read_exact(&mut payload).map_err(lost)?;
+        Ok((header.kind, payload))
+    }
+}
+
+impl Drop for FrameworkSession {
+    fn drop(&mut self) {
+        if let Err(why) = self.shut_down() {
+            log::warn!("pid {}: unloading the agent: {why}", self.pid);
+        }
+    }
+}
