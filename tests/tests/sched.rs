@@ -290,11 +290,14 @@ fn threads_created_during_the_capture_are_followed() {
     assert_eq!(line.name, "late-starter");
     let events = line_events(host, late_tid);
     let on_cpu = sum_named(&events, "Running");
-    // It burns exactly 200 ms of CPU time (CLOCK_THREAD_CPUTIME_ID).
+    let unknown = sum_named(&events, "Unknown");
+    // It burns exactly 200 ms of CPU time (CLOCK_THREAD_CPUTIME_ID); time
+    // the kernel reported no switch for is Unknown, and may be on a CPU.
     assert!(
-        (190e6..215e6).contains(&on_cpu),
-        "late thread ran {:.1} ms",
-        on_cpu / 1e6
+        on_cpu < 215e6 && on_cpu + unknown >= 190e6,
+        "late thread ran {:.1} ms ({:.1} ms Unknown)",
+        on_cpu / 1e6,
+        unknown / 1e6
     );
     assert!(events.iter().any(|e| e.name == "Thread exit"));
     // Its life starts at creation, not at the window start.
