@@ -1,7 +1,8 @@
 //! ebtrace on a real jax process (jax and jaxlib 0.10.2 from PyPI, CPU
-//! backend, installed into `.venv` by `cargo xtask setup`): jaxlib's own
-//! TraceMe recorder, found in its local `.symtab` symbols, switched on from
-//! outside, read back, and switched off again.
+//! backend, installed into `.venv` by `cargo xtask setup`), TraceMe through
+//! uprobes (`--traceme uprobe`): jaxlib's own TraceMe recorder, found in its
+//! local `.symtab` symbols, switched on from outside, read back, and
+//! switched off again. The agent route is tested in `agent_jax.rs`.
 
 use std::{
     path::{Path, PathBuf},
@@ -76,7 +77,7 @@ fn jax_traceme_events_appear_and_the_level_is_restored() {
 
     let dir = TempDir::new("traceme-jax");
     let pid = workload.pid.to_string();
-    let out = record(&pid, "2s", &dir, &[]);
+    let out = record(&pid, "2s", &dir, &["--traceme", "uprobe"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
@@ -212,7 +213,7 @@ fn xprof_opens_a_jax_capture_with_its_threads_shown() {
     // person to look at after the run.
     let dir = TempDir::kept(env!("CARGO_TARGET_TMPDIR"), "trace-viewer-jax");
     let pid = workload.pid.to_string();
-    let out = record(&pid, "2s", &dir, &["-q"]);
+    let out = record(&pid, "2s", &dir, &["-q", "--traceme", "uprobe"]);
     assert!(
         out.status.success(),
         "{}",
@@ -298,7 +299,7 @@ fn a_killed_ebtrace_leaves_jax_as_it_found_it() {
     let level_at = jaxlib_trace_level_address(pid);
     let after = kill_mid_capture(
         pid,
-        &["--max-events", "1000000000"],
+        &["--max-events", "1000000000", "--traceme", "uprobe"],
         "TraceMe recorder in libjax_common.so",
         || i64::from(read_i32(pid, level_at)),
         -1,

@@ -47,7 +47,7 @@ fn tensorflow_trace_steps_appear_and_both_gates_are_restored_even_after_sigkill(
     assert_eq!(read_u8(pid, gate_at), 0);
 
     let dir = TempDir::new("traceme-tf");
-    let out = record(&pid.to_string(), "2s", &dir, &[]);
+    let out = record(&pid.to_string(), "2s", &dir, &["--traceme", "uprobe"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
@@ -85,7 +85,7 @@ fn tensorflow_trace_steps_appear_and_both_gates_are_restored_even_after_sigkill(
     // Killed mid-capture: the guard puts both gates back.
     let after = kill_mid_capture(
         pid,
-        &[],
+        &["--traceme", "uprobe"],
         "Python TraceMe gate",
         || i64::from(read_u8(pid, gate_at)),
         0,

@@ -1,0 +1,317 @@
+//! ebtrace's agent in a real jax process (jax and jaxlib 0.10.2 from PyPI,
+//! CPU backend): loaded without a restart, it runs jax's own profiler
+//! session for the capture; the trace holds what that session records and
+//! ebtrace's scheduling on the same thread lines; the agent leaves the
+//! process as it found it, also when ebtrace is killed.
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use ebtrace_tests::{
+    TempDir, ebtrace_bin,
+    python::PythonWorkload,
+    record, require_root, serial, signal, xplane_files, xprof,
+    xspace::{self, assert_lines_nest, line_events, plane},
+};
+
+fn jax_python() -> Option<PathBuf> {
+    xprof::python_with(&["jax", "jaxlib", xprof::XPROF_MODULE])
+}
+
+fn start_jax(python: &Path, env: &[(&str, &str)]) -> PythonWorkload {
+    let mut all = vec![("JAX_PLATFORMS", "cpu")];
+    all.extend_from_slice(env);
+    PythonWorkload::start(python, "jax_workload.py", &all)
+}
+
+/// What the agent leaves in the target: its mappings, its memfd, its
+/// thread (all empty when it is out).
+fn agent_traces(pid: u32) -> (usize, usize, usize) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mapped = maps.lines().filter(|l| l.contains("ebtrace-agent")).count();
+    let memfds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .is_ok_and(|l| l.to_string_lossy().contains("memfd:ebtrace-agent"))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    (mapped, memfds, agent_threads(pid))
+}
+
+fn agent_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    std::fs::read_to_string(e.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with("ebtrace-agent"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Event counts by name over all thread lines of `/host:CPU`.
+fn counts_by_name(host: &ebtrace_proto::tensorflow::profiler::XPlane) -> BTreeMap<String, u64> {
+    let mut counts = BTreeMap::new();
+    for line in &host.lines {
+        for e in line_events(host, line.id) {
+            *counts.entry(e.name).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+/// Waits for an `.xplane.pb` under `dir`, then for its size to settle.
+fn wait_for_trace(dir: &Path, deadline: Duration) -> PathBuf {
+    let start = Instant::now();
+    loop {
+        if let Some(f) = xplane_files(dir).into_iter().next() {
+            std::thread::sleep(Duration::from_millis(500));
+            return f;
+        }
+        assert!(start.elapsed() < deadline, "no trace in {}", dir.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs xprof's converter for `tool` on `xplane`; returns its output.
+fn xprof_tool(python: &Path, xplane: &Path, tool: &str) -> String {
+    const CONVERT: &str = r#"
+import os, shutil, sys, tempfile
+from xprof.convert import raw_to_tool_data as r
+d = tempfile.mkdtemp()
+src = os.path.join(d, os.path.basename(sys.argv[1]))
+shutil.copy(sys.argv[1], src)
+data, _ = r.xspace_to_tool_data([src], sys.argv[2], {})
+shutil.rmtree(d)
+sys.stdout.write(data if isinstance(data, str) else data.decode("utf-8", "replace"))
+"#;
+    let out = Command::new(python)
+        .args(["-c", CONVERT])
+        .arg(xplane)
+        .arg(tool)
+        .output()
+        .expect("run xprof");
+    assert!(
+        out.status.success(),
+        "xprof {tool}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn jax_own_session_runs_inside_the_target_and_merges_with_scheduling() {
+    if !require_root("jax_own_session_runs_inside_the_target_and_merges_with_scheduling") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let own = TempDir::new("jax-own-session");
+    let own_dir = own.path().to_str().unwrap().to_string();
+    let workload = start_jax(&python, &[("JAX_SESSION_LOGDIR", &own_dir)]);
+    let pid = workload.pid;
+
+    let dir = TempDir::new("agent-jax");
+    let out = record(&pid.to_string(), "2s", &dir, &["--traceme", "agent"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "pid {pid}: TraceMe through ebtrace's agent: jax 0.10.2 ProfilerSession"
+        )),
+        "{stderr}"
+    );
+    assert!(stdout.contains("the framework's own session:"), "{stdout}");
+    assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
+
+    let files = xplane_files(dir.path());
+    assert_eq!(files.len(), 1);
+    let space = xspace::load(&files[0]);
+    let host = plane(&space, "/host:CPU");
+    assert_lines_nest(host);
+    // jax's TraceMe events sit on the Python thread's line, above
+    // ebtrace's scheduling states of the same thread.
+    let main = line_events(host, pid.into());
+    let steps: Vec<i64> = main
+        .iter()
+        .filter(|e| e.name == "ebtrace_step")
+        .map(|e| e.stats["step_num"].as_i64())
+        .collect();
+    assert!(steps.len() >= 50, "{} steps", steps.len());
+    assert!(
+        steps.windows(2).all(|w| w[1] == w[0] + 1),
+        "step_num not consecutive: {steps:?}"
+    );
+    assert!(main.iter().any(|e| e.name == "Running"));
+    assert!(main.iter().any(|e| e.name == "PjitFunction(step)"));
+    // XLA's metadata rides along.
+    assert!(space.planes.iter().any(|p| p.name == "/host:metadata"));
+
+    // The same code under jax's own session, started by the process
+    // itself (which the agent left free to do so).
+    signal(pid, libc::SIGUSR1);
+    std::thread::sleep(Duration::from_secs(2));
+    signal(pid, libc::SIGUSR2);
+    let own_trace = wait_for_trace(own.path(), Duration::from_secs(30));
+    let own_space = xspace::load(&own_trace);
+    let own_host = plane(&own_space, "/host:CPU");
+
+    // Per step, each event jax's session records a whole number of times
+    // per step (the step's own work; how often a thread waits depends on
+    // timing) is as frequent in ebtrace's trace, within 1%.
+    let ours = counts_by_name(host);
+    let theirs = counts_by_name(own_host);
+    let (our_steps, their_steps) = (ours["ebtrace_step"] as f64, theirs["ebtrace_step"] as f64);
+    let frequent: Vec<&String> = theirs
+        .iter()
+        .filter(|(_, n)| {
+            let per_step = **n as f64 / their_steps;
+            per_step >= 0.99 && (per_step - per_step.round()).abs() <= 0.01
+        })
+        .map(|(name, _)| name)
+        .collect();
+    assert!(frequent.len() >= 4, "{theirs:?}");
+    for name in frequent {
+        let per_step = |counts: &BTreeMap<String, u64>, steps: f64| {
+            counts.get(name).copied().unwrap_or(0) as f64 / steps
+        };
+        let (a, b) = (per_step(&ours, our_steps), per_step(&theirs, their_steps));
+        assert!(
+            (a - b).abs() <= 0.01 * b,
+            "{name}: {a:.3} per step in ebtrace's trace, {b:.3} in jax's own"
+        );
+    }
+
+    // XProf reads it: the trace viewer, the overview page and the
+    // framework op stats all have data.
+    let trace = xprof_tool(&python, &files[0], "trace_viewer@");
+    assert!(trace.contains("ebtrace_step"), "trace viewer");
+    let overview = xprof_tool(&python, &files[0], "overview_page");
+    assert!(overview.len() > 100, "overview page: {overview}");
+    let op_stats = xprof_tool(&python, &files[0], "framework_op_stats");
+    assert!(
+        op_stats.contains("rows") || op_stats.len() > 100,
+        "{op_stats}"
+    );
+    signal(pid, libc::SIGTERM);
+}
+
+#[test]
+fn a_killed_ebtrace_leaves_no_session_and_the_next_one_cleans_up() {
+    if !require_root("a_killed_ebtrace_leaves_no_session_and_the_next_one_cleans_up") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let own = TempDir::new("jax-own-after-kill");
+    let own_dir = own.path().to_str().unwrap().to_string();
+    let workload = start_jax(&python, &[("JAX_SESSION_LOGDIR", &own_dir)]);
+    let pid = workload.pid;
+    let logdir = TempDir::new("agent-killed");
+    let mut child = Command::new(ebtrace_bin())
+        .args(["-p", &pid.to_string(), "-d", "60s", "--traceme", "agent"])
+        .arg("--logdir")
+        .arg(logdir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ebtrace");
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = Vec::new();
+    for line in stderr.lines().map_while(Result::ok) {
+        let ready = line.contains("TraceMe through ebtrace's agent");
+        seen.push(line);
+        if ready {
+            break;
+        }
+    }
+    assert!(agent_threads(pid) == 1, "the agent runs: {seen:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    child.kill().unwrap();
+    let killed = Instant::now();
+    while agent_threads(pid) > 0 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(1),
+            "the agent still runs 1 s after ebtrace was killed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.wait();
+    let state = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(state.contains("TracerPid:\t0"), "{state}");
+    assert!(!state.contains("State:\tt"), "{state}");
+
+    // jax's profiler is free: the process starts a session of its own.
+    signal(pid, libc::SIGUSR1);
+    std::thread::sleep(Duration::from_millis(500));
+    signal(pid, libc::SIGUSR2);
+    wait_for_trace(own.path(), Duration::from_secs(30));
+
+    // The inert agent left behind is taken out by the next ebtrace.
+    let dir = TempDir::new("agent-after-kill");
+    let out = record(&pid.to_string(), "1s", &dir, &["--traceme", "agent", "-q"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(agent_traces(pid), (0, 0, 0));
+    signal(pid, libc::SIGTERM);
+}
+
+#[test]
+fn a_process_with_its_own_session_is_left_alone() {
+    if !require_root("a_process_with_its_own_session_is_left_alone") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let own = TempDir::new("jax-own-busy");
+    let own_dir = own.path().to_str().unwrap().to_string();
+    let workload = start_jax(&python, &[("JAX_SESSION_LOGDIR", &own_dir)]);
+    let pid = workload.pid;
+    signal(pid, libc::SIGUSR1);
+    std::thread::sleep(Duration::from_millis(1500));
+
+    let dir = TempDir::new("agent-busy");
+    let out = record(&pid.to_string(), "1s", &dir, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "pid {pid}: TraceMe through uprobes, not the agent: the process runs a jax profiler \
+             session of its own"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(agent_traces(pid), (0, 0, 0));
+    // Its session goes on undisturbed and ends as it would have.
+    signal(pid, libc::SIGUSR2);
+    let trace = wait_for_trace(own.path(), Duration::from_secs(30));
+    let own_host = xspace::load(&trace);
+    let counts = counts_by_name(plane(&own_host, "/host:CPU"));
+    assert!(
+        counts.get("ebtrace_step").copied().unwrap_or(0) >= 50,
+        "{counts:?}"
+    );
+    signal(pid, libc::SIGTERM);
+}
