@@ -181,3 +181,49 @@ impl Drop for FrameworkSession {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+
+    /// The dynamic symbols of the agent library, as binutils' `objdump -T`
+    /// lists them (not ebtrace's own ELF reader).
+    fn dynamic_symbols() -> String {
+        let path = std::env::temp_dir().join(format!("ebtrace-agent-{}.so", std::process::id()));
+        std::fs::write(&path, LIBRARY).unwrap();
+        let out = Command::new("objdump").arg("-T").arg(&path).output();
+        std::fs::remove_file(&path).unwrap();
+        let out = out.expect("objdump (binutils) runs");
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    #[test]
+    fn the_agent_loads_into_glibc_2_28_and_exports_its_entry_points() {
+        let symbols = dynamic_symbols();
+        // No reference asks for a glibc newer than 2.28 (unversioned ones
+        // bind to whatever the target's C library has).
+        for line in symbols.lines().filter(|l| l.contains("GLIBC_2.")) {
+            let version = line.split("GLIBC_2.").nth(1).unwrap();
+            let minor: u32 = version
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(minor <= 28, "needs a newer glibc: {line}");
+        }
+        for export in [ATTACH, inject::AGENT_DETACH] {
+            assert!(
+                symbols
+                    .lines()
+                    .any(|l| l.contains(".text") && l.ends_with(export)),
+                "{export} not exported:\n{symbols}"
+            );
+        }
+        // The Python API is looked up at run time, never linked.
+        assert!(!symbols.contains("Py"), "{symbols}");
+    }
+}
