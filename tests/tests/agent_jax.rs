@@ -15,7 +15,9 @@ use std::{
 use ebtrace_tests::{
     TempDir, ebtrace_bin,
     python::PythonWorkload,
-    record, require_root, serial, signal, xplane_files, xprof,
+    record, require_root, serial,
+    serve::ServeProcess,
+    signal, wait_with_deadline, xplane_files, xprof,
     xspace::{self, assert_lines_nest, line_events, plane},
 };
 
@@ -313,5 +315,59 @@ fn a_process_with_its_own_session_is_left_alone() {
         counts.get("ebtrace_step").copied().unwrap_or(0) >= 50,
         "{counts:?}"
     );
+    signal(pid, libc::SIGTERM);
+}
+
+#[test]
+fn ebtrace_serve_gives_clients_the_framework_session_too() {
+    if !require_root("ebtrace_serve_gives_clients_the_framework_session_too") {
+        return;
+    }
+    let Some(python) = xprof::python_with(&["jax", "jax.collect_profile", xprof::XPROF_MODULE])
+    else {
+        return;
+    };
+    let _serial = serial();
+    let workload = start_jax(&python, &[]);
+    let pid = workload.pid;
+    let mut server = ServeProcess::loopback(&["--pid", &pid.to_string()]);
+    let logdir = TempDir::new("serve-agent");
+    let port = server.port().to_string();
+    let child = Command::new(&python)
+        .args(["-m", "jax.collect_profile", &port, "1500", "--log_dir"])
+        .arg(logdir.path())
+        .arg("--no_perfetto_link")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run jax.collect_profile");
+    let out = wait_with_deadline(child, Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}\nserver: {:?}",
+        String::from_utf8_lossy(&out.stderr),
+        server.lines()
+    );
+    assert!(
+        server
+            .wait_line("TraceMe through ebtrace's agent", Duration::from_secs(1))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    let space = xspace::load(&files[0]);
+    let host = plane(&space, "/host:CPU");
+    assert_lines_nest(host);
+    let main = line_events(host, pid.into());
+    let steps = main.iter().filter(|e| e.name == "ebtrace_step").count();
+    assert!(steps >= 50, "{steps} steps");
+    assert!(main.iter().any(|e| e.name == "Running"));
+    assert!(space.planes.iter().any(|p| p.name == "/host:metadata"));
+    // Once the server lets its capture go, the agent is out.
+    server.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+    assert_eq!(agent_traces(pid), (0, 0, 0));
     signal(pid, libc::SIGTERM);
 }

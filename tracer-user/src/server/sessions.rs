@@ -464,6 +464,9 @@ impl Hub {
                 "ebtrace: probes attached in {} ms",
                 c.attach_time.as_millis()
             );
+            for note in &c.notes {
+                eprintln!("ebtrace: {note}");
+            }
             let start = c.start_ns();
             (Some(c), start)
         };
