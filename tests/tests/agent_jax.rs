@@ -371,3 +371,54 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
     assert_eq!(agent_traces(pid), (0, 0, 0));
     signal(pid, libc::SIGTERM);
 }
+
+#[test]
+fn a_program_started_with_the_agent_is_served_without_loading_anything() {
+    if !require_root("a_program_started_with_the_agent_is_served_without_loading_anything") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let dir = TempDir::new("agent-preload");
+    let library = dir.path().join("libebtrace_agent.so");
+    let out = Command::new(ebtrace_bin())
+        .arg("agent-library")
+        .arg(&library)
+        .output()
+        .expect("run ebtrace agent-library");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let preload = library.to_str().unwrap().to_string();
+    let workload = start_jax(
+        &python,
+        &[("LD_PRELOAD", &preload), ("EBTRACE_AGENT", "listen")],
+    );
+    let pid = workload.pid;
+    // Idle until ebtrace comes: one listening thread.
+    assert_eq!(agent_threads(pid), 1);
+
+    let logs = TempDir::new("agent-preload-logs");
+    let out = record(&pid.to_string(), "2s", &logs, &["--traceme", "agent"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("ProfilerSession (the agent it was started with)"),
+        "{stderr}"
+    );
+    let space = xspace::load(&xplane_files(logs.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    let steps = line_events(host, pid.into())
+        .iter()
+        .filter(|e| e.name == "ebtrace_step")
+        .count();
+    assert!(steps >= 50, "{steps} steps");
+    // Nothing was loaded; the listener waits for the next ebtrace.
+    let (_, memfds, threads) = agent_traces(pid);
+    assert_eq!((memfds, threads), (0, 1));
+    signal(pid, libc::SIGTERM);
+}

@@ -73,16 +73,22 @@ pub fn detach() -> c_int {
     -rc
 }
 
-extern "C" fn thread_main(arg: *mut c_void) -> *mut c_void {
-    let fd = arg as usize as c_int;
+/// Blocks every signal in the calling thread (the program's signals are
+/// for its own threads) and names it `ebtrace-agent`, which tells ebtrace
+/// and the reader of a trace what it is.
+pub fn quiet_thread() {
     let mut all = sys::SigSet::empty();
-    // SAFETY: valid set pointers; the program's signals are for its own
-    // threads, never this one. The name is a NUL-terminated string.
+    // SAFETY: valid set pointers; the name is a NUL-terminated string.
     unsafe {
         sys::sigfillset(&mut all);
         sys::pthread_sigmask(sys::SIG_SETMASK, &all, core::ptr::null_mut());
         sys::prctl(sys::PR_SET_NAME, c"ebtrace-agent".as_ptr() as _, 0, 0, 0);
     }
+}
+
+extern "C" fn thread_main(arg: *mut c_void) -> *mut c_void {
+    let fd = arg as usize as c_int;
+    quiet_thread();
     serve(fd);
     if CONTROL_FD
         .compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Acquire)
@@ -95,7 +101,7 @@ extern "C" fn thread_main(arg: *mut c_void) -> *mut c_void {
 }
 
 /// Answers requests until a SHUTDOWN or until ebtrace's end closes.
-fn serve(fd: c_int) {
+pub fn serve(fd: c_int) {
     // SAFETY: getpid cannot fail.
     let pid = unsafe { sys::getpid() } as u32;
     let mut hello = [0u8; 8];

@@ -2,7 +2,7 @@
 //!
 //! ebtrace loads this library into a running target (ptrace, from a memfd:
 //! see `tracer-user/src/attach/inject`) or the program starts with it
-//! (`LD_PRELOAD`). Its entry point starts one thread that talks to ebtrace
+//! (`LD_PRELOAD`, see [`preload`]). Its entry point starts one thread that talks to ebtrace
 //! over a socket ([`protocol`]) and drives what only the process itself can
 //! run: the framework's own profiler session ([`python`]). When ebtrace's
 //! end of the socket closes, whatever the agent started is stopped.
@@ -16,8 +16,15 @@
 pub mod protocol;
 
 mod agent;
+pub mod preload;
 mod python;
 mod sys;
+
+/// Listens for ebtrace when preloaded (see [`preload`]).
+#[cfg(feature = "cdylib")]
+#[used]
+#[unsafe(link_section = ".init_array")]
+static ON_LOAD: extern "C" fn() = preload::on_load;
 
 /// Starts the agent on the control socket `fd` (the target's end of a
 /// socketpair whose other end ebtrace holds). Returns 0, or -EBUSY if an

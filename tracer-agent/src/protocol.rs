@@ -12,6 +12,35 @@ pub const HEADER_LEN: usize = 8;
 /// Longest payload ebtrace accepts from an agent (an XSpace).
 pub const MAX_PAYLOAD: u32 = 1 << 30;
 
+/// A preloaded agent listens on the abstract unix socket of this name
+/// followed by the program's pid.
+pub const SOCKET_PREFIX: &[u8] = b"ebtrace-agent.";
+
+/// Writes the abstract socket name of `pid`'s preloaded agent (without the
+/// leading NUL) into `out`; returns its length.
+pub fn abstract_socket_name(pid: u32, out: &mut [u8]) -> usize {
+    let mut digits = [0u8; 10];
+    let mut n = pid;
+    let mut len = 0;
+    loop {
+        digits[len] = b'0' + (n % 10) as u8;
+        len += 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let total = SOCKET_PREFIX.len() + len;
+    if out.len() < total {
+        return 0;
+    }
+    out[..SOCKET_PREFIX.len()].copy_from_slice(SOCKET_PREFIX);
+    for (i, d) in digits[..len].iter().rev().enumerate() {
+        out[SOCKET_PREFIX.len() + i] = *d;
+    }
+    total
+}
+
 /// ebtrace → agent: answer [`PONG`].
 pub const PING: u32 = 1;
 /// ebtrace → agent: start the framework's profiler session; payload:
@@ -102,6 +131,15 @@ impl SessionLevels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn socket_names_carry_the_pid() {
+        let mut buf = [0u8; 64];
+        let n = abstract_socket_name(4_194_304, &mut buf);
+        assert_eq!(&buf[..n], b"ebtrace-agent.4194304");
+        let n = abstract_socket_name(0, &mut buf);
+        assert_eq!(&buf[..n], b"ebtrace-agent.0");
+    }
 
     #[test]
     fn frames_round_trip() {

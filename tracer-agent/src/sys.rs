@@ -21,6 +21,31 @@ impl SigSet {
     }
 }
 
+/// `struct sockaddr_un`.
+#[repr(C)]
+pub struct SockaddrUn {
+    pub family: u16,
+    pub path: [u8; 108],
+}
+
+/// `struct ucred`.
+#[repr(C)]
+#[derive(Default)]
+pub struct Ucred {
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// `Dl_info`.
+#[repr(C)]
+pub struct DlInfo {
+    pub fname: *const c_char,
+    pub fbase: *mut c_void,
+    pub sname: *const c_char,
+    pub saddr: *mut c_void,
+}
+
 /// `SIG_SETMASK`.
 pub const SIG_SETMASK: c_int = 2;
 /// `MSG_NOSIGNAL`: a write to a closed socket returns EPIPE instead of
@@ -30,6 +55,14 @@ pub const MSG_NOSIGNAL: c_int = 0x4000;
 pub const SHUT_RDWR: c_int = 2;
 /// `PR_SET_NAME`.
 pub const PR_SET_NAME: c_int = 15;
+/// `AF_UNIX`.
+pub const AF_UNIX: c_int = 1;
+/// `SOCK_STREAM | SOCK_CLOEXEC`.
+pub const SOCK_STREAM_CLOEXEC: c_int = 1 | 0o2_000_000;
+/// `SOL_SOCKET`.
+pub const SOL_SOCKET: c_int = 1;
+/// `SO_PEERCRED`.
+pub const SO_PEERCRED: c_int = 17;
 /// `EINTR`.
 pub const EINTR: c_int = 4;
 /// `EBUSY`.
@@ -64,6 +97,31 @@ unsafe extern "C" {
         arg5: c_ulong,
     ) -> c_int;
     pub fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void;
+    pub fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
+    pub fn getenv(name: *const c_char) -> *const c_char;
+    pub fn getuid() -> u32;
+    pub fn socket(domain: c_int, kind: c_int, protocol: c_int) -> c_int;
+    pub fn bind(fd: c_int, addr: *const SockaddrUn, len: u32) -> c_int;
+    pub fn listen(fd: c_int, backlog: c_int) -> c_int;
+    pub fn accept4(fd: c_int, addr: *mut c_void, len: *mut u32, flags: c_int) -> c_int;
+    pub fn getsockopt(
+        fd: c_int,
+        level: c_int,
+        name: c_int,
+        value: *mut c_void,
+        len: *mut u32,
+    ) -> c_int;
+    /// What `pthread_atfork` (a static wrapper in libc_nonshared.a, not
+    /// exported by libc.so.6) calls, with this library's handle.
+    pub fn __register_atfork(
+        prepare: Option<extern "C" fn()>,
+        parent: Option<extern "C" fn()>,
+        child: Option<extern "C" fn()>,
+        dso_handle: *const c_void,
+    ) -> c_int;
+    /// This library's handle (from the C runtime's start files).
+    pub static __dso_handle: u8;
+    pub fn pthread_detach(thread: PthreadT) -> c_int;
     pub fn __errno_location() -> *mut c_int;
 }
 

@@ -528,10 +528,17 @@ fn start_framework_sessions(
         let started = framework_in(pid).and_then(|()| FrameworkSession::start(pid, levels));
         match started {
             Ok(s) => {
+                let how = if s.preloaded() {
+                    "the agent it was started with".to_string()
+                } else {
+                    format!(
+                        "agent loaded in {:.1?}, one thread kept from its code for {:.1?}",
+                        s.load.total, s.load.thread_diverted
+                    )
+                };
                 notes.push(format!(
-                    "pid {pid}: TraceMe through ebtrace's agent: {} (agent loaded in {:.1?}, \
-                     one thread kept from its code for {:.1?})",
-                    s.framework, s.load.total, s.load.thread_diverted
+                    "pid {pid}: TraceMe through ebtrace's agent: {} ({how})",
+                    s.framework
                 ));
                 sessions.push(s);
             }

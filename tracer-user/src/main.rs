@@ -27,6 +27,7 @@ fn main() {
         Some(Command::Record(args)) => record::run(args),
         Some(Command::Serve(args)) => serve::run(args),
         Some(Command::Convert(args)) => convert::run(args),
+        Some(Command::AgentLibrary { path }) => ebtrace::agent::write_library(path),
         Some(Command::RestoreGuard { lifeline_fd }) => {
             std::process::exit(ebtrace::attach::traceme::guard::run(*lifeline_fd))
         }

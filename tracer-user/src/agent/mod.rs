@@ -40,6 +40,7 @@ pub struct FrameworkSession {
     pub load: InjectReport,
     /// Kernel tid → `pthread_self()` of the target's threads.
     thread_pointers: HashMap<u32, u64>,
+    closed: bool,
 }
 
 /// What a session recorded.
@@ -51,21 +52,46 @@ pub struct FrameworkRecording {
     pub threads: ThreadIds,
 }
 
+/// Writes the agent library to `path` (`ebtrace agent-library`).
+pub fn write_library(path: &std::path::Path) -> crate::error::Result<()> {
+    std::fs::write(path, LIBRARY)
+        .map_err(|e| crate::error::Error::io(format!("writing {}", path.display()), e))?;
+    println!("{}", path.display());
+    Ok(())
+}
+
+/// Connects to the agent `pid` was started with (`LD_PRELOAD`), if any.
+fn connect_preloaded(pid: u32) -> Option<UnixStream> {
+    use std::os::{linux::net::SocketAddrExt, unix::net::SocketAddr};
+    let mut name = [0u8; 64];
+    let len = protocol::abstract_socket_name(pid, &mut name);
+    let addr = SocketAddr::from_abstract_name(&name[..len]).ok()?;
+    UnixStream::connect_addr(&addr).ok()
+}
+
 impl FrameworkSession {
-    /// Loads the agent into `pid` and starts the framework's own profiler
-    /// session at `levels`. The error is one line saying why not (the
-    /// agent is taken out again).
+    /// Starts the framework's own profiler session in `pid` at `levels`,
+    /// through the agent it was started with or else one loaded now. The
+    /// error is one line saying why not (a loaded agent is taken out again).
     pub fn start(pid: u32, levels: SessionLevels) -> Result<Self, String> {
-        let (injected, control) = inject::load(pid, LIBRARY, ATTACH).map_err(|e| e.to_string())?;
-        let load = injected.report;
+        let (injected, control) = match connect_preloaded(pid) {
+            Some(control) => (None, control),
+            None => {
+                let (injected, control) =
+                    inject::load(pid, LIBRARY, ATTACH).map_err(|e| e.to_string())?;
+                (Some(injected), control)
+            }
+        };
+        let load = injected.as_ref().map(|i| i.report).unwrap_or_default();
         let mut session = FrameworkSession {
             pid,
             levels,
             control,
-            injected: Some(injected),
+            injected,
             framework: String::new(),
             load,
             thread_pointers: HashMap::new(),
+            closed: false,
         };
         let (kind, _) = session.receive()?;
         if kind != protocol::HELLO {
@@ -114,8 +140,18 @@ impl FrameworkSession {
         self.shut_down()
     }
 
+    /// Whether the agent was there from the program's start.
+    pub fn preloaded(&self) -> bool {
+        self.injected.is_none()
+    }
+
     fn shut_down(&mut self) -> Result<InjectReport, String> {
+        if self.closed {
+            return Ok(InjectReport::default());
+        }
+        self.closed = true;
         let Some(injected) = self.injected.take() else {
+            // A preloaded agent stays; closing the socket ends the session.
             return Ok(InjectReport::default());
         };
         // BYE means the agent's thread is done with Python: unloading never

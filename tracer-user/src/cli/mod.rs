@@ -43,6 +43,13 @@ pub enum Command {
     /// Convert a trace already written (e.g. an .xplane.pb from ebtrace or
     /// from jax's own profiler) to another format.
     Convert(convert::ConvertArgs),
+    /// Write ebtrace's in-process agent library to PATH, for programs that
+    /// start with it: `LD_PRELOAD=PATH EBTRACE_AGENT=listen python train.py`
+    /// waits, idle, for an ebtrace to connect (no ptrace needed then).
+    AgentLibrary {
+        /// Where to write the library.
+        path: PathBuf,
+    },
     /// Internal: the process that puts back the TraceMe gates ebtrace
     /// switched on if ebtrace dies without doing it (started by ebtrace).
     #[command(name = "restore-guard", hide = true)]
