@@ -2,7 +2,7 @@
 //! backend, installed into `.venv` by `cargo xtask setup`), TraceMe through
 //! uprobes (`--traceme uprobe`): jaxlib's own TraceMe recorder, found in its
 //! local `.symtab` symbols, switched on from outside, read back, and
-//! switched off again. The agent route is tested in `agent_jax.rs`.
+//! switched off again. The agent route is tested in `agent.rs`.
 
 use std::{
     path::{Path, PathBuf},

@@ -146,11 +146,11 @@ pub fn serve(fd: c_int) {
                     send_frame(fd, protocol::FAILED, b"no profiler session is running");
                 }
                 Some(s) => {
-                    if let Err(why) = s.stop(|xspace| {
+                    let why = s.stop(|xspace| {
                         send_frame(fd, protocol::XSPACE, xspace);
-                    }) {
-                        send_frame(fd, protocol::FAILED, why.as_bytes());
-                    }
+                    });
+                    let why = why.as_ref().map(Text::as_bytes).unwrap_or_default();
+                    send_frame(fd, protocol::STOPPED, why);
                 }
             },
             protocol::SHUTDOWN => {

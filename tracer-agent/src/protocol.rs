@@ -46,7 +46,8 @@ pub const PING: u32 = 1;
 /// ebtrace → agent: start the framework's profiler session; payload:
 /// [`SessionLevels`]. Answer: [`STARTED`] or [`FAILED`].
 pub const START: u32 = 2;
-/// ebtrace → agent: stop the session; answer: [`XSPACE`] or [`FAILED`].
+/// ebtrace → agent: stop the session; answer: one [`XSPACE`] per
+/// framework session, then [`STOPPED`].
 pub const STOP: u32 = 3;
 /// ebtrace → agent: stop everything and end the agent's thread; answer:
 /// [`BYE`], the last frame.
@@ -58,12 +59,15 @@ pub const HELLO: u32 = 100;
 pub const STARTED: u32 = 101;
 /// agent → ebtrace: the request failed; payload: why, one line (UTF-8).
 pub const FAILED: u32 = 102;
-/// agent → ebtrace: the session's serialized XSpace.
+/// agent → ebtrace: a framework session's serialized XSpace.
 pub const XSPACE: u32 = 103;
 /// agent → ebtrace: everything stopped; the thread ends.
 pub const BYE: u32 = 104;
 /// agent → ebtrace: answer to [`PING`].
 pub const PONG: u32 = 105;
+/// agent → ebtrace: the last answer to [`STOP`]; payload: why a session
+/// did not stop cleanly (UTF-8), or nothing.
+pub const STOPPED: u32 = 106;
 
 /// A frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

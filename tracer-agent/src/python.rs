@@ -16,62 +16,96 @@ type PyObject = c_void;
 /// `Py_file_input`: run the source as a module body.
 const PY_FILE_INPUT: c_int = 257;
 
-/// Starts jax's or TensorFlow's `ProfilerSession`; sets `session`,
-/// `framework` (what runs it) or `status` (why not).
+/// Starts the `ProfilerSession` of every framework the program imported
+/// (jax and TensorFlow each carry their own profiler and TraceMe recorder);
+/// sets `sessions` (name, function that stops it and returns its XSpace),
+/// `framework` (their names) and `status`
+/// (why one or all did not start).
 const START_SOURCE: &CStr = c"
 import sys as _sys
-status = None
-session = None
-framework = None
+sessions = []
+_why = []
 def _first_line(e):
     return (str(e).splitlines() or [type(e).__name__])[0]
+def _not_started(name, e):
+    if 'ALREADY_EXISTS' in str(e) or 'Another profiling session' in str(e):
+        return 'the process runs a profiler session of its own'
+    return name + ' ProfilerSession did not start: ' + _first_line(e)
 _jax_lib = _sys.modules.get('jax._src.lib')
 _prof = getattr(_jax_lib, '_profiler', None)
 if _prof is not None:
     _state = getattr(_sys.modules.get('jax._src.profiler'), '_profile_state', None)
     if getattr(_state, 'profile_session', None) is not None:
-        status = 'the process runs a jax profiler session of its own'
+        _why.append('the process runs a jax profiler session of its own')
     else:
         _opts = _prof.ProfileOptions()
         _opts.host_tracer_level = host_level
         _opts.python_tracer_level = python_level
         _opts.raise_error_on_start_failure = True
         try:
-            session = _prof.ProfilerSession(_opts)
             _version = getattr(_sys.modules.get('jax.version'), '__version__', '?')
-            framework = 'jax ' + _version + ' ProfilerSession'
+            sessions.append(('jax ' + _version + ' ProfilerSession',
+                             _prof.ProfilerSession(_opts).stop))
         except Exception as _e:
-            if 'ALREADY_EXISTS' in str(_e):
-                status = 'the process runs a profiler session of its own'
-            else:
-                status = 'jax ProfilerSession did not start: ' + _first_line(_e)
-elif 'tensorflow' in _sys.modules:
-    try:
-        from tensorflow.python.profiler.internal import _pywrap_profiler as _tfp
-        session = _tfp.ProfilerSession()
-        session.start('', {'host_tracer_level': host_level,
-                           'python_tracer_level': python_level,
-                           'device_tracer_level': device_level})
-        framework = 'TensorFlow ProfilerSession'
-    except Exception as _e:
-        session = None
-        if 'ALREADY_EXISTS' in str(_e) or 'Another profiling session' in str(_e):
-            status = 'the process runs a profiler session of its own'
-        else:
-            status = 'TensorFlow ProfilerSession did not start: ' + _first_line(_e)
-else:
-    status = 'neither jax nor TensorFlow is loaded in this Python process'
+            _why.append(_not_started('jax', _e))
+_tf = _sys.modules.get('tensorflow')
+if _tf is not None:
+    _v2 = _sys.modules.get('tensorflow.python.profiler.profiler_v2')
+    if getattr(_v2, '_profiler', None) is not None:
+        _why.append('the process runs a TensorFlow profiler session of its own')
+    else:
+        try:
+            import os as _os, shutil as _shutil, tempfile as _tempfile
+            from tensorflow.python.profiler.internal import _pywrap_profiler as _tfp
+            _s = _tfp.ProfilerSession()
+            # Its stop() returns the old trace format: the XSpace is what
+            # export_to_tb() writes, into a directory of our own.
+            _tmp = _tempfile.mkdtemp(prefix='ebtrace-agent-')
+            try:
+                _s.start(_tmp, {'host_tracer_level': host_level,
+                                'python_tracer_level': python_level,
+                                'device_tracer_level': device_level})
+            except BaseException:
+                _shutil.rmtree(_tmp, ignore_errors=True)
+                raise
+            def _tf_stop(_s=_s, _tmp=_tmp):
+                try:
+                    _s.export_to_tb()
+                    for _root, _, _files in _os.walk(_tmp):
+                        for _f in _files:
+                            if _f.endswith('.xplane.pb'):
+                                with open(_os.path.join(_root, _f), 'rb') as _fh:
+                                    return _fh.read()
+                    raise RuntimeError('it wrote no XSpace')
+                finally:
+                    _shutil.rmtree(_tmp, ignore_errors=True)
+            _version = str(getattr(_tf, '__version__', '?'))
+            sessions.append(('TensorFlow ' + _version + ' ProfilerSession', _tf_stop))
+        except Exception as _e:
+            _why.append(_not_started('TensorFlow', _e))
+if not sessions and not _why:
+    _why.append('neither jax nor TensorFlow is loaded in this Python process')
+framework = ' and '.join(_n for _n, _ in sessions)
+status = '; '.join(_why) or None
+if sessions and status:
+    framework += ' (' + status + ')'
 ";
 
-/// Stops the session; sets `xspace` (bytes) or `status`.
+/// Stops the sessions; sets `xspaces` (a list of bytes) and `status`.
 const STOP_SOURCE: &CStr = c"
-xspace = None
-try:
-    xspace = bytes(session.stop())
-except Exception as _e:
-    status = 'the profiler session did not stop cleanly: ' + _first_line(_e)
-session = None
+xspaces = []
+_why = []
+for _n, _stop in sessions:
+    try:
+        xspaces.append(bytes(_stop()))
+    except Exception as _e:
+        _why.append(_n + ' did not stop cleanly: ' + _first_line(_e))
+sessions = []
+status = '; '.join(_why) or None
 ";
+
+/// At most this many sessions (one per framework) are handed back.
+const MAX_SESSIONS: usize = 4;
 
 /// A short UTF-8 message, copied out of Python before the GIL is released.
 pub struct Text {
@@ -124,6 +158,8 @@ struct Api {
     decref: unsafe extern "C" fn(*mut PyObject),
     err_clear: unsafe extern "C" fn(),
     bytes_data: unsafe extern "C" fn(*mut PyObject, *mut *mut c_char, *mut isize) -> c_int,
+    list_size: unsafe extern "C" fn(*mut PyObject) -> isize,
+    list_item: unsafe extern "C" fn(*mut PyObject, isize) -> *mut PyObject,
     unicode_utf8: unsafe extern "C" fn(*mut PyObject, *mut isize) -> *const c_char,
     none: *mut PyObject,
 }
@@ -174,6 +210,8 @@ impl Api {
             decref: function!(c"Py_DecRef"),
             err_clear: function!(c"PyErr_Clear"),
             bytes_data: function!(c"PyBytes_AsStringAndSize"),
+            list_size: function!(c"PyList_Size"),
+            list_item: function!(c"PyList_GetItem"),
             unicode_utf8: function!(c"PyUnicode_AsUTF8AndSize"),
             none: symbol(c"_Py_NoneStruct")?,
         })
@@ -249,8 +287,10 @@ impl Session {
                 }
             }
             let ran = run(&api, START_SOURCE, globals);
-            let session = (api.dict_get)(globals, c"session".as_ptr());
-            if ran && !session.is_null() && session != api.none {
+            let sessions = (api.dict_get)(globals, c"sessions".as_ptr());
+            let started = !sessions.is_null() && (api.list_size)(sessions) > 0;
+            (api.err_clear)();
+            if ran && started {
                 Ok((globals, text_of(&api, globals, c"framework")))
             } else {
                 let why = if ran {
@@ -267,57 +307,71 @@ impl Session {
         Ok((Session { api, globals }, framework))
     }
 
-    /// Stops the session and hands its serialized XSpace to `deliver`
-    /// without holding the GIL (the bytes are kept alive meanwhile).
-    #[allow(clippy::result_large_err)]
-    pub fn stop(self, deliver: impl FnOnce(&[u8])) -> Result<(), Text> {
+    /// Stops the sessions and hands each one's serialized XSpace to
+    /// `deliver` without holding the GIL (the bytes are kept alive
+    /// meanwhile); returns why a session failed to stop, if one did.
+    pub fn stop(self, mut deliver: impl FnMut(&[u8])) -> Option<Text> {
         let api = &self.api;
         if !api.usable() {
-            return Err(Text::new("Python is shutting down; the session is lost"));
+            return Some(Text::new("Python is shutting down; the session is lost"));
         }
         let gil = Gil::take(api);
-        // SAFETY: the GIL is held; `xspace` is checked to be bytes by
-        // PyBytes_AsStringAndSize and kept alive by an extra reference.
-        let found = unsafe {
+        let mut found = [(core::ptr::null::<u8>(), 0usize); MAX_SESSIONS];
+        // SAFETY: the GIL is held; each item is checked to be bytes by
+        // PyBytes_AsStringAndSize; the list, kept by an extra reference,
+        // keeps them alive.
+        let (xspaces, count, why) = unsafe {
             let ran = run(api, STOP_SOURCE, self.globals);
-            let xspace = (api.dict_get)(self.globals, c"xspace".as_ptr());
-            let mut data: *mut c_char = core::ptr::null_mut();
-            let mut len: isize = 0;
-            if ran
-                && !xspace.is_null()
-                && xspace != api.none
-                && (api.bytes_data)(xspace, &mut data, &mut len) == 0
-                && !data.is_null()
-                && len >= 0
-            {
-                (api.incref)(xspace);
-                Ok((xspace, data, len as usize))
-            } else {
-                (api.err_clear)();
-                Err(if ran {
-                    text_of(api, self.globals, c"status")
-                } else {
-                    Text::new("the stop script raised")
-                })
+            let list = (api.dict_get)(self.globals, c"xspaces".as_ptr());
+            let mut count = 0;
+            if ran && !list.is_null() {
+                (api.incref)(list);
+                let n = (api.list_size)(list).max(0) as usize;
+                for i in 0..n.min(MAX_SESSIONS) {
+                    let item = (api.list_item)(list, i as isize);
+                    let mut data: *mut c_char = core::ptr::null_mut();
+                    let mut len: isize = 0;
+                    if !item.is_null()
+                        && (api.bytes_data)(item, &mut data, &mut len) == 0
+                        && !data.is_null()
+                        && len >= 0
+                    {
+                        found[count] = (data as *const u8, len as usize);
+                        count += 1;
+                    }
+                }
             }
+            (api.err_clear)();
+            let why = if !ran {
+                Some(Text::new("the stop script raised"))
+            } else if (api.dict_get)(self.globals, c"status".as_ptr()) == api.none {
+                None
+            } else {
+                Some(text_of(api, self.globals, c"status"))
+            };
+            let list = if ran && !list.is_null() {
+                list
+            } else {
+                core::ptr::null_mut()
+            };
+            (list, count, why)
         };
         drop(gil);
-        let result = match found {
-            Ok((xspace, data, len)) => {
-                // SAFETY: a bytes object's buffer is immutable and lives as
-                // long as the reference taken above.
-                deliver(unsafe { core::slice::from_raw_parts(data as *const u8, len) });
-                let _gil = Gil::take(api);
-                // SAFETY: the GIL is held; drops the reference taken above.
-                unsafe { (api.decref)(xspace) };
-                Ok(())
-            }
-            Err(why) => Err(why),
-        };
+        for &(data, len) in &found[..count] {
+            // SAFETY: a bytes object's buffer is immutable and lives as long
+            // as the list holding it (referenced above).
+            deliver(unsafe { core::slice::from_raw_parts(data, len) });
+        }
         let _gil = Gil::take(api);
-        // SAFETY: the GIL is held; the dictionary is ours.
-        unsafe { (api.decref)(self.globals) };
-        result
+        // SAFETY: the GIL is held; drops the references taken above and
+        // the dictionary, which is ours.
+        unsafe {
+            if !xspaces.is_null() {
+                (api.decref)(xspaces);
+            }
+            (api.decref)(self.globals);
+        }
+        why
     }
 }
 

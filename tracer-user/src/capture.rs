@@ -456,8 +456,12 @@ impl Capture {
 
     /// Merges what the framework sessions recorded and says how it went.
     fn add_framework(&self, timeline: &mut Timeline) {
-        for r in &self.recordings {
-            match merge_framework_space(timeline, r.pid, &r.xspace, &r.threads) {
+        for (r, xspace) in self
+            .recordings
+            .iter()
+            .flat_map(|r| r.xspaces.iter().map(move |x| (r, x)))
+        {
+            match merge_framework_space(timeline, r.pid, xspace, &r.threads) {
                 Ok(m) => {
                     timeline.stats.notes.push(format!(
                         "pid {}: the framework's own session: {} events on the thread lines, \

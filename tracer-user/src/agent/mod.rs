@@ -46,8 +46,9 @@ pub struct FrameworkSession {
 /// What a session recorded.
 pub struct FrameworkRecording {
     pub pid: u32,
-    /// The serialized XSpace, as the framework wrote it.
-    pub xspace: Vec<u8>,
+    /// The serialized XSpaces, as the frameworks wrote them (one per
+    /// framework: jax and TensorFlow each have their own profiler).
+    pub xspaces: Vec<Vec<u8>>,
     /// Its host lines' thread ids → kernel tids.
     pub threads: ThreadIds,
 }
@@ -116,17 +117,29 @@ impl FrameworkSession {
     pub fn collect(&mut self, restart: bool) -> Result<FrameworkRecording, String> {
         self.read_thread_pointers();
         self.send(protocol::STOP, &[])?;
-        let xspace = match self.receive()? {
-            (protocol::XSPACE, p) => p,
-            (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
-            (kind, _) => return Err(format!("the agent answered STOP with frame {kind}")),
-        };
+        let mut xspaces = Vec::new();
+        loop {
+            match self.receive()? {
+                (protocol::XSPACE, p) => xspaces.push(p),
+                (protocol::STOPPED, why) if xspaces.is_empty() && !why.is_empty() => {
+                    return Err(String::from_utf8_lossy(&why).into_owned());
+                }
+                (protocol::STOPPED, why) => {
+                    if !why.is_empty() {
+                        log::warn!("pid {}: {}", self.pid, String::from_utf8_lossy(&why));
+                    }
+                    break;
+                }
+                (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
+                (kind, _) => return Err(format!("the agent answered STOP with frame {kind}")),
+            }
+        }
         if restart {
             self.start_session()?;
         }
         Ok(FrameworkRecording {
             pid: self.pid,
-            xspace,
+            xspaces,
             threads: self
                 .thread_pointers
                 .iter()

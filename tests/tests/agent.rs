@@ -1,6 +1,6 @@
-//! ebtrace's agent in a real jax process (jax and jaxlib 0.10.2 from PyPI,
-//! CPU backend): loaded without a restart, it runs jax's own profiler
-//! session for the capture; the trace holds what that session records and
+//! ebtrace's agent in real jax and TensorFlow processes (jax and jaxlib
+//! 0.10.2, TensorFlow 2.21 from PyPI, CPU): loaded without a restart, it
+//! runs the framework's own profiler session for the capture; the trace holds what that session records and
 //! ebtrace's scheduling on the same thread lines; the agent leaves the
 //! process as it found it, also when ebtrace is killed.
 
@@ -420,5 +420,40 @@ fn a_program_started_with_the_agent_is_served_without_loading_anything() {
     // Nothing was loaded; the listener waits for the next ebtrace.
     let (_, memfds, threads) = agent_traces(pid);
     assert_eq!((memfds, threads), (0, 1));
+    signal(pid, libc::SIGTERM);
+}
+
+#[test]
+fn tensorflow_own_session_runs_inside_the_target() {
+    if !require_root("tensorflow_own_session_runs_inside_the_target") {
+        return;
+    }
+    let Some(python) = xprof::python_with(&["tensorflow"]) else {
+        return;
+    };
+    let _serial = serial();
+    let workload = PythonWorkload::start(&python, "tf_workload.py", &[]);
+    let pid = workload.pid;
+    let dir = TempDir::new("agent-tf");
+    let out = record(&pid.to_string(), "2s", &dir, &["--traceme", "agent"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TensorFlow 2.21.0 ProfilerSession"),
+        "{stderr}"
+    );
+    assert_eq!(agent_traces(pid), (0, 0, 0));
+    let space = xspace::load(&xplane_files(dir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    assert_lines_nest(host);
+    let main = line_events(host, pid.into());
+    let steps: Vec<i64> = main
+        .iter()
+        .filter(|e| e.name == "Train")
+        .map(|e| e.stats["step_num"].as_i64())
+        .collect();
+    assert!(steps.len() >= 50, "{} Train steps", steps.len());
+    assert!(steps.windows(2).all(|w| w[1] == w[0] + 1), "{steps:?}");
+    assert!(main.iter().any(|e| e.name == "Running"));
     signal(pid, libc::SIGTERM);
 }
