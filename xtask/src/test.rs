@@ -30,6 +30,18 @@ pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // The agent as ebtrace loads it: its entry points and panic handler.
+    run(cargo().current_dir(root).args([
+        "clippy",
+        "-p",
+        "tracer-agent",
+        "--features",
+        "cdylib",
+        "--lib",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     // The tests run this binary (EBTRACE_BIN); build it explicitly, since
     // `cargo test` builds binaries only for their own package's tests.
     let ebtrace = util::build_release(root)?;
