@@ -17,7 +17,9 @@ use ebtrace_tests::{
     python::PythonWorkload,
     record, require_root, serial,
     serve::ServeProcess,
-    signal, wait_with_deadline, xplane_files, xprof,
+    signal,
+    viewer::{self, TraceViewerPage},
+    wait_with_deadline, xplane_files, xprof,
     xspace::{self, assert_lines_nest, line_events, plane},
 };
 
@@ -126,7 +128,9 @@ fn jax_own_session_runs_inside_the_target_and_merges_with_scheduling() {
     let workload = start_jax(&python, &[("JAX_SESSION_LOGDIR", &own_dir)]);
     let pid = workload.pid;
 
-    let dir = TempDir::new("agent-jax");
+    // Kept under target/tmp: the trace and the screenshot stay for a
+    // person to look at after the run.
+    let dir = TempDir::kept(env!("CARGO_TARGET_TMPDIR"), "agent-jax");
     let out = record(&pid.to_string(), "2s", &dir, &["--traceme", "agent"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -205,10 +209,25 @@ fn jax_own_session_runs_inside_the_target_and_merges_with_scheduling() {
     let overview = xprof_tool(&python, &files[0], "overview_page");
     assert!(overview.len() > 100, "overview page: {overview}");
     let op_stats = xprof_tool(&python, &files[0], "framework_op_stats");
-    assert!(
-        op_stats.contains("rows") || op_stats.len() > 100,
-        "{op_stats}"
-    );
+    let op_stats: serde_json::Value = serde_json::from_str(&op_stats).expect("op stats JSON");
+    let rows = op_stats[0]["rows"].as_array().map_or(0, Vec::len);
+    assert!(rows > 0, "framework op stats show no op: {op_stats}");
+
+    // And XProf's UI in a browser opens it on the Python thread's row.
+    if let Some(chromium) = viewer::chromium() {
+        let run_dir = files[0].parent().expect("run directory");
+        let run = run_dir.file_name().and_then(|n| n.to_str()).expect("run");
+        let name = files[0].file_name().and_then(|n| n.to_str()).expect("name");
+        let hostname = name.strip_suffix(".xplane.pb").expect("host");
+        let server = viewer::Xprof::start(&python, dir.path());
+        let page = TraceViewerPage::open(&chromium, &server, run, hostname, run_dir);
+        eprintln!("trace viewer: {}", page.screenshot.display());
+        assert!(
+            page.shows_thread(pid),
+            "no row for the Python thread (DOM: {})",
+            page.dom_path.display()
+        );
+    }
     signal(pid, libc::SIGTERM);
 }
 
