@@ -7,6 +7,7 @@
 //! its results go to `target/bench/cuda.md`.
 
 mod cuda;
+mod jax;
 mod report;
 pub mod serve;
 mod traceme;

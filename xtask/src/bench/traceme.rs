@@ -2,30 +2,27 @@
 //! costs its process untraced, recorded by an in-process session, recorded
 //! by ebtrace (which switches recording on from outside and probes
 //! `TraceMeRecorder::Record`), and with bpftrace counting calls of the same
-//! function; the event rate ebtrace keeps up with; the memory the target's
-//! own recorder holds per recorded event (the price of switching recording
-//! on from outside); and how long finding the recorder in jaxlib takes.
+//! function; the event rate ebtrace keeps up with; and the memory the
+//! target's own recorder holds per recorded event (the price of switching
+//! recording on from outside). The jax part ([`jax`]) sets ebtrace's routes
+//! against jax's own profiler session on one jax process.
 //! Results go to stdout and `target/bench/traceme.md`.
 
 use std::{
     fmt::Write as _,
-    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::Command,
     thread,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 
-use super::{report::Environment, report::thousands, tracer::Traced};
+use super::{jax, report::Environment, report::thousands, tracer::Traced};
 use crate::util::{self, Workload, median, say, signal};
 
 /// Seconds each fixture run lets the target run.
 const RUN_SECONDS: f64 = 2.0;
-/// Seconds of each jax measurement window, and rounds of them.
-const JAX_SECONDS: u64 = 3;
-const JAX_ROUNDS: usize = 3;
 const RECORD_SYMBOL: &str = "_ZN3tsl8profiler15TraceMeRecorder6RecordEONS1_5EventE";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,46 +84,6 @@ struct Run {
     bpftrace_records: Option<u64>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum JaxConfig {
-    Untraced,
-    Ebtrace,
-    InProcess,
-}
-
-impl JaxConfig {
-    const ALL: [JaxConfig; 3] = [
-        JaxConfig::Untraced,
-        JaxConfig::Ebtrace,
-        JaxConfig::InProcess,
-    ];
-
-    fn describe(self) -> &'static str {
-        match self {
-            JaxConfig::Untraced => "untraced",
-            JaxConfig::Ebtrace => "ebtrace capture (level 2 switched on from outside)",
-            JaxConfig::InProcess => {
-                "jax's own profiler session (`jax.profiler.start_trace`, host tracer level 2, \
-                 no Python tracer)"
-            }
-        }
-    }
-}
-
-/// The jax measurement: windows of (configuration, steps/s, CPU ns per
-/// step), and the memory jaxlib's recorder keeps.
-#[derive(Clone, Debug)]
-struct JaxRun {
-    windows: Vec<(JaxConfig, f64, f64)>,
-    /// Events of the first ebtrace capture, and per step.
-    events: u64,
-    events_per_step: f64,
-    rss_control_kib: i64,
-    rss_traced_kib: i64,
-    discovery_line: String,
-    attach: String,
-}
-
 struct Bench {
     ebtrace: PathBuf,
     program: PathBuf,
@@ -168,7 +125,7 @@ pub fn run_traceme_bench(
             runs.push((round, run));
         }
     }
-    let jax = bench.jax(root)?;
+    let jax = jax::run(root, ebtrace, &bench.scratch, bench.target_cpu, rounds)?;
     let _ = std::fs::remove_dir_all(&bench.scratch);
     let md = render(env, rounds, &runs, jax.as_ref(), started.elapsed());
     println!();
@@ -311,199 +268,13 @@ impl Bench {
         }
         Ok(run)
     }
-
-    /// jaxlib: cost per step untraced, under ebtrace and in jax's own
-    /// profiler session, and the memory its recorder keeps for the events
-    /// ebtrace made it record. Skipped without jax in `.venv` (`cargo xtask
-    /// setup` installs it).
-    fn jax(&self, root: &Path) -> Result<Option<JaxRun>> {
-        let python = root.join(".venv/bin/python");
-        if !util::succeeds(Command::new(&python).args(["-c", "import jax"])) {
-            say("no jax in .venv: skipping the jaxlib measurements (run `cargo xtask setup`)");
-            return Ok(None);
-        }
-        let mut cmd = Command::new(&python);
-        if let Some(cpu) = self.target_cpu {
-            cmd = Command::new("taskset");
-            cmd.args(["-c", &cpu.to_string()]).arg(&python);
-        }
-        let mut child = cmd
-            .arg(root.join("tests/fixtures/traceme/jax_workload.py"))
-            .arg("--bench")
-            .env("JAX_PLATFORMS", "cpu")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting the jax workload")?;
-        let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
-        let stdout = child.stdout.take().expect("piped");
-        let reader = thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str(&line)
-                    && tx.send(v).is_err()
-                {
-                    break;
-                }
-            }
-        });
-        let first = rx
-            .recv_timeout(Duration::from_secs(120))
-            .context("jax workload start line")?;
-        let pid = first["pid"].as_u64().context("pid")? as u32;
-        let rss = || -> Result<i64> {
-            let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-            status
-                .lines()
-                .find_map(|l| {
-                    l.strip_prefix("VmRSS:")?
-                        .trim()
-                        .strip_suffix(" kB")?
-                        .parse()
-                        .ok()
-                })
-                .context("VmRSS")
-        };
-        // Between the first and the last progress line of a window: steps
-        // per second, and on-CPU time of all its threads per step.
-        let window = |length: Duration| -> (f64, f64) {
-            let deadline = Instant::now() + length;
-            let mut first: Option<(f64, f64, u64)> = None;
-            let mut last = first;
-            while Instant::now() < deadline {
-                if let Ok(v) = rx.recv_timeout(Duration::from_millis(100))
-                    && let (Some(s), Some(t)) = (v["steps"].as_f64(), v["time"].as_f64())
-                {
-                    let cpu = process_cpu_ns(pid);
-                    first.get_or_insert((s, t, cpu));
-                    last = Some((s, t, cpu));
-                }
-            }
-            match (first, last) {
-                (Some(a), Some(b)) if b.0 > a.0 && b.1 > a.1 => {
-                    ((b.0 - a.0) / (b.1 - a.1), (b.2 - a.2) as f64 / (b.0 - a.0))
-                }
-                _ => (0.0, 0.0),
-            }
-        };
-        // Waits for the workload's {"session": state} line.
-        let session = |state: &str| -> Result<()> {
-            let deadline = Instant::now() + Duration::from_secs(300);
-            while Instant::now() < deadline {
-                if let Ok(v) = rx.recv_timeout(Duration::from_millis(100))
-                    && v["session"].as_str() == Some(state)
-                {
-                    return Ok(());
-                }
-            }
-            bail!("the jax workload's profiler session never {state}")
-        };
-        let length = Duration::from_secs(JAX_SECONDS);
-        window(Duration::from_secs(2));
-        let mut windows = Vec::new();
-        let mut memory = None;
-        let mut discovery_line = String::new();
-        let mut attach = String::new();
-        for round in 0..JAX_ROUNDS {
-            let rss0 = rss()?;
-            let (rate, cpu) = window(length);
-            windows.push((JaxConfig::Untraced, rate, cpu));
-            let rss1 = rss()?;
-
-            let logdir = self.scratch.join("jax-logs");
-            let mut ebtrace = Traced::spawn({
-                let mut c = Command::new(&self.ebtrace);
-                c.args(["--pid", &pid.to_string()])
-                    .args(["--duration", &format!("{}s", JAX_SECONDS + 1)])
-                    .args(["--max-events", "100000000", "--logdir"])
-                    .arg(&logdir);
-                c
-            })?;
-            discovery_line = ebtrace
-                .wait_line(
-                    |l| l.contains("TraceMe recorder in"),
-                    Duration::from_secs(60),
-                )?
-                .trim_start_matches("ebtrace: ")
-                .to_string();
-            attach = ebtrace
-                .lines()
-                .iter()
-                .find_map(|l| {
-                    Some(
-                        l.split("probes attached in ")
-                            .nth(1)?
-                            .split(')')
-                            .next()?
-                            .to_string(),
-                    )
-                })
-                .unwrap_or_default();
-            let (rate, cpu) = window(length);
-            windows.push((JaxConfig::Ebtrace, rate, cpu));
-            ebtrace.wait_exit(Duration::from_secs(300))?;
-            let events = traceme_events(ebtrace.lines()).context("no TraceMe summary line")?;
-            let _ = std::fs::remove_dir_all(&logdir);
-            if events == 0 {
-                bail!("ebtrace recorded no TraceMe events from jax");
-            }
-            if round == 0 {
-                // Before an in-process session drains the recorder.
-                memory = Some((rss1 - rss0, rss()? - rss1, events, rate));
-            }
-
-            // jax's own profiler session, recording the same (host tracer
-            // level 2, no Python tracer).
-            signal(pid, libc::SIGUSR1);
-            session("started")?;
-            window(Duration::from_millis(500));
-            let (rate, cpu) = window(length);
-            windows.push((JaxConfig::InProcess, rate, cpu));
-            // Stopping writes the session's trace, which takes a while.
-            signal(pid, libc::SIGUSR2);
-            session("stopped")?;
-            window(Duration::from_secs(1));
-        }
-        signal(pid, libc::SIGTERM);
-        let _ = child.wait();
-        let _ = reader.join();
-        let (rss_control_kib, rss_traced_kib, events, traced_rate) =
-            memory.context("no ebtrace window")?;
-        Ok(Some(JaxRun {
-            windows,
-            events,
-            events_per_step: events as f64 / (traced_rate * JAX_SECONDS as f64).max(1.0),
-            rss_control_kib,
-            rss_traced_kib,
-            discovery_line,
-            attach,
-        }))
-    }
-}
-
-/// On-CPU time of all threads of `pid` so far (`/proc/PID/task/*/schedstat`).
-fn process_cpu_ns(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .filter_map(|t| {
-            std::fs::read_to_string(t.path().join("schedstat"))
-                .ok()?
-                .split_whitespace()
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 fn render(
     env: &Environment,
     rounds: usize,
     runs: &[(usize, Run)],
-    jax: Option<&JaxRun>,
+    jax: Option<&jax::JaxRun>,
     took: Duration,
 ) -> String {
     let mut md = String::new();
@@ -629,62 +400,8 @@ fn render(
     }
     match jax {
         Some(j) => {
-            let net = (j.rss_traced_kib - j.rss_control_kib) as f64 * 1024.0;
-            let _ = writeln!(
-                md,
-                "- jaxlib 0.10.2 (`jax_workload.py --bench`, a 64x64 jitted step in a \
-                 TraceAnnotation, back to back): RSS grew {} KiB in {JAX_SECONDS} s untraced and \
-                 {} KiB in {JAX_SECONDS} s of ebtrace capture that recorded {} events: **{:.0} MB \
-                 per million events** (names longer than 15 bytes add a heap string each). That \
-                 memory stays until a profiler session in the process drains it; `--max-events` \
-                 (default 1,000,000) bounds it.",
-                j.rss_control_kib,
-                j.rss_traced_kib,
-                thousands(j.events as f64),
-                net / j.events as f64
-            );
-            let _ = writeln!(md, "\n#### d. jaxlib under ebtrace\n");
-            let _ = writeln!(
-                md,
-                "{JAX_ROUNDS} rounds of {JAX_SECONDS} s windows (untraced, ebtrace, jax's own \
-                 session) of `jax_workload.py --bench`; on-CPU time of all the process's threads \
-                 per step, and steps per second (wall). ebtrace recorded {:.0} TraceMe events per \
-                 step.\n",
-                j.events_per_step
-            );
-            let _ = writeln!(
-                md,
-                "| configuration | CPU µs per step (median) | each round | vs untraced | steps/s (median) |"
-            );
-            let _ = writeln!(md, "|---|---:|---|---:|---:|");
-            let of = |c: JaxConfig, cpu: bool| -> Vec<f64> {
-                j.windows
-                    .iter()
-                    .filter(|w| w.0 == c)
-                    .map(|w| if cpu { w.2 / 1e3 } else { w.1 })
-                    .collect()
-            };
-            let base = median(&of(JaxConfig::Untraced, true));
-            for c in JaxConfig::ALL {
-                let cpu = of(c, true);
-                let each: Vec<String> = cpu.iter().map(|v| format!("{v:.1}")).collect();
-                let _ = writeln!(
-                    md,
-                    "| {} | {:.1} | {} | {:.2}x | {:.0} |",
-                    c.describe(),
-                    median(&cpu),
-                    each.join(" / "),
-                    median(&cpu) / base.max(1e-9),
-                    median(&of(c, false))
-                );
-            }
-            let _ = writeln!(md);
-            let _ = writeln!(md, "- ebtrace: `{}`", j.discovery_line);
-            let _ = writeln!(
-                md,
-                "- attach (all probes, recorder search included): {}",
-                j.attach
-            );
+            jax::render_memory(&mut md, j);
+            jax::render(&mut md, j);
         }
         None => {
             let _ = writeln!(md, "- jaxlib: not measured (no jax in `.venv`)");

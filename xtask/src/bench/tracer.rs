@@ -98,6 +98,11 @@ impl Traced {
         self.child.id()
     }
 
+    /// When the last awaited line came, counted from the spawn.
+    pub fn last_mark(&self) -> Option<Duration> {
+        self.marks.last().copied()
+    }
+
     /// Every output line seen so far.
     pub fn lines(&self) -> &[String] {
         &self.lines
@@ -233,8 +238,9 @@ fn parse_summary(line: &str) -> Option<(f64, u64, u64)> {
     ))
 }
 
-/// Parses a `{:.0?}`-formatted Duration: `53ms`, `812µs`, `2s`, `40ns`.
-fn parse_debug_duration(s: &str) -> Option<Duration> {
+/// Parses a `{:.0?}`- or `{:.1?}`-formatted Duration: `53ms`, `5.0ms`,
+/// `812µs`, `2s`, `40ns`.
+pub fn parse_debug_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
     let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
     let (num, unit) = s.split_at(split);
