@@ -324,3 +324,38 @@ fn killed_loader_leaves_the_target_running_and_untraced() {
         assert_eq!(target.errors(), 0, "{mode}");
     }
 }
+
+/// The errors name the cause: a process already traced by someone else
+/// (say, a debugger) and one that does not exist.
+#[test]
+fn refusals_say_why() {
+    if !require_root("refusals_say_why") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("sleep");
+    // This test process plays the debugger.
+    // SAFETY: PTRACE_SEIZE of our own child; no pointers involved.
+    let seized = unsafe { libc::ptrace(libc::PTRACE_SEIZE, target.pid as libc::pid_t, 0, 0) };
+    assert_eq!(seized, 0, "seize: {}", std::io::Error::last_os_error());
+    let args = check_args(target.pid, 1);
+    let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        // TracerPid names the tracing thread.
+        // SAFETY: gettid has no preconditions.
+        stderr.contains(&format!("already traced by pid {}", unsafe {
+            libc::gettid()
+        })),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    drop(target);
+
+    let mut args = check_args(1, 1);
+    args[2] = (u32::MAX / 2).to_string();
+    let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no process with pid"), "{stderr}");
+}

@@ -257,3 +257,35 @@ fn finish_call(t: &mut Tracee, code: u64, fp: trampoline::FpSave) -> Result<(), 
 pub fn code_len() -> u64 {
     trampoline::code(trampoline::FpSave::detect()).0.len() as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn regs(orig_rax: u64, rax: i64) -> Regs {
+        // SAFETY: plain integers.
+        let mut r: Regs = unsafe { std::mem::zeroed() };
+        r.orig_rax = orig_rax;
+        r.rax = rax as u64;
+        r.rip = 0x1002;
+        r
+    }
+
+    #[test]
+    fn normalize_replays_what_the_kernel_restarts() {
+        for code in [ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND] {
+            let n = normalize(regs(0, code));
+            assert_eq!((n.rip, n.rax, n.orig_rax), (0x1000, 0, u64::MAX));
+        }
+        let n = normalize(regs(230, ERESTART_RESTARTBLOCK));
+        assert_eq!((n.rip, n.rax), (0x1000, SYS_RESTART_SYSCALL));
+        // A finished syscall keeps its result; EINTR is the program's.
+        let n = normalize(regs(0, 17));
+        assert_eq!((n.rip, n.rax, n.orig_rax), (0x1002, 17, u64::MAX));
+        let n = normalize(regs(232, -4));
+        assert_eq!((n.rip, n.rax), (0x1002, -4i64 as u64));
+        // Not in a syscall: only orig_rax (already -1) is set.
+        let n = normalize(regs(u64::MAX, ERESTARTSYS));
+        assert_eq!((n.rip, n.rax), (0x1002, ERESTARTSYS as u64));
+    }
+}

@@ -233,13 +233,13 @@ mod tests {
             0x48, 0x8b, 0x7b, 0x08, // mov 0x8(%rbx),%rdi
         ];
         assert_eq!(&code[..head.len()], head);
-        let r8 = head.len() + 4 * 4;
+        let r8 = head.len() + 3 * 4;
         assert_eq!(&code[r8..r8 + 4], &[0x4c, 0x8b, 0x43, 0x28]); // mov 0x28(%rbx),%r8
         let call = r8 + 8;
         assert_eq!(&code[call..call + 6], &[0xff, 0x13, 0x48, 0x89, 0x43, 0x38]);
         assert_eq!(call_return(FpSave::Xsave(0x1000)), call as u64 + 2);
         assert_eq!(
-            code(FpSave::Fxsave).0[call_return(FpSave::Fxsave) as usize - 2],
+            super::code(FpSave::Fxsave).0[call_return(FpSave::Fxsave) as usize - 2],
             0xff
         );
         let m = marker_end as usize;
@@ -270,6 +270,6 @@ mod tests {
         assert_eq!(slot(IRET as usize / 8 + 3), 0x7000_0000);
         assert_eq!(b.len() as u64, SCRATCH);
         let d = block_at(regs.rsp);
-        assert!(d % 64 == 0 && d + BLOCK_LEN + 128 <= regs.rsp);
+        assert!(d.is_multiple_of(64) && d + BLOCK_LEN + 128 <= regs.rsp);
     }
 }
