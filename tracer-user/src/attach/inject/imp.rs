@@ -14,7 +14,7 @@ use std::{
 use super::{
     AGENT_DETACH, AGENT_THREAD_PREFIX, InjectError, InjectReport, Injected, MEMFD_NAME,
     process_alive,
-    session::Session,
+    session::{Session, code_len},
     symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
 };
 
@@ -113,6 +113,7 @@ impl Calls<'_> {
     }
 
     fn dlopen(&mut self, path: &str, flags: i32) -> Result<u64, InjectError> {
+        self.s.reset_scratch();
         let p = self.s.put_str(path)?;
         let mut mode = flags as u64;
         if self.fns.dlerror.is_none() {
@@ -122,6 +123,7 @@ impl Calls<'_> {
     }
 
     fn dlsym(&mut self, handle: u64, name: &str) -> Result<u64, InjectError> {
+        self.s.reset_scratch();
         let p = self.s.put_str(name)?;
         self.s.call("dlsym", self.fns.dlsym, &[handle, p])
     }
@@ -152,6 +154,7 @@ impl Calls<'_> {
     }
 
     fn memfd_create(&mut self) -> Result<i32, InjectError> {
+        self.s.reset_scratch();
         let name = self.s.put_str(MEMFD_NAME)?;
         let flags = libc::MFD_CLOEXEC as u64;
         let fd = if self.fns.memfd_is_syscall {
@@ -175,6 +178,7 @@ impl Calls<'_> {
     }
 
     fn socketpair(&mut self) -> Result<[i32; 2], InjectError> {
+        self.s.reset_scratch();
         let slot = self.s.put(&[0xff; 8])?;
         let kind = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
         let r = self.s.call(
@@ -224,7 +228,8 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     let fns = symbols::resolve(pid)?;
     let pidfd = pidfd_open(pid)?;
     let tid = pick_thread(pid)?;
-    let mut s = Session::open(pid, tid, &fns)?;
+    let code = symbols::code_room(pid, code_len())?;
+    let mut s = Session::open(pid, tid, code)?;
     let mut c = Calls { s: &mut s, fns };
     let mut partial = Partial::default();
     let loaded = load_calls(&mut c, &mut partial, &pidfd, library, entry);
@@ -309,7 +314,8 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     }
     let fns = symbols::resolve(pid)?;
     let tid = pick_thread(pid)?;
-    let mut s = Session::open(pid, tid, &fns)?;
+    let code = symbols::code_room(pid, code_len())?;
+    let mut s = Session::open(pid, tid, code)?;
     let mut c = Calls { s: &mut s, fns };
     let unloaded = unload_agent(&mut c, injected.handle, injected.memfd, exit);
     let diverted = s.close();
@@ -320,19 +326,15 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     })
 }
 
-/// `exit()`, then `dlclose` (`extra_refs` + 1 times) and `close(memfd)`.
-/// With an `exit()` that fails, the library stays: its code may run still.
+/// `exit()`, then `dlclose` and `close(memfd)`. With an `exit()` that
+/// fails, the library stays: its code may run still.
 fn unload_agent(c: &mut Calls, handle: u64, memfd: i32, exit: &str) -> Result<(), InjectError> {
-    unload_agent_refs(c, handle, memfd, exit, 0)
+    call_exit(c, handle, exit)?;
+    c.dlclose(handle)?;
+    c.close(memfd)
 }
 
-fn unload_agent_refs(
-    c: &mut Calls,
-    handle: u64,
-    memfd: i32,
-    exit: &str,
-    extra_refs: usize,
-) -> Result<(), InjectError> {
+fn call_exit(c: &mut Calls, handle: u64, exit: &str) -> Result<(), InjectError> {
     let pid = c.pid();
     let f = c.dlsym(handle, exit)?;
     if f == 0 {
@@ -351,10 +353,35 @@ fn unload_agent_refs(
             code: if r < 0 { r } else { -libc::EIO },
         });
     }
-    for _ in 0..=extra_refs {
+    Ok(())
+}
+
+/// Most references to one leftover library that killed ebtraces can have
+/// left (each killed between its own `RTLD_NOLOAD` and `dlclose`).
+const MAX_LEFTOVER_REFS: usize = 64;
+
+/// Takes out the library a killed ebtrace left loaded from memfd `fd`:
+/// `exit()`, then `dlclose` until it is gone; closes the memfd. Returns
+/// whether a library was loaded.
+fn unload_leftover(c: &mut Calls, fd: i32, exit: &str) -> Result<bool, InjectError> {
+    let path = format!("/proc/self/fd/{fd}");
+    let noload = libc::RTLD_NOW | libc::RTLD_NOLOAD;
+    let handle = c.dlopen(&path, noload)?;
+    if handle != 0 {
+        call_exit(c, handle, exit)?;
+        // Our RTLD_NOLOAD reference.
         c.dlclose(handle)?;
+        for _ in 0..MAX_LEFTOVER_REFS {
+            // One the dead ebtrace left; then, is it gone?
+            c.dlclose(handle)?;
+            if c.dlopen(&path, noload)? == 0 {
+                break;
+            }
+            c.dlclose(handle)?;
+        }
     }
-    c.close(memfd)
+    c.close(fd)?;
+    Ok(handle != 0)
 }
 
 /// Descriptors of `pid` that hold an agent's memfd.
@@ -380,31 +407,18 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     }
     let fns = symbols::resolve(pid)?;
     let tid = pick_thread(pid)?;
-    let mut s = Session::open(pid, tid, &fns)?;
+    let code = symbols::code_room(pid, code_len())?;
+    let mut s = Session::open(pid, tid, code)?;
     let mut c = Calls { s: &mut s, fns };
     let mut unloaded = 0;
     let mut result = Ok(());
     for fd in fds {
-        let handle = match c.dlopen(
-            &format!("/proc/self/fd/{fd}"),
-            libc::RTLD_NOW | libc::RTLD_NOLOAD,
-        ) {
-            Ok(h) => h,
+        match unload_leftover(&mut c, fd, exit) {
+            Ok(was_loaded) => unloaded += usize::from(was_loaded),
             Err(e) => {
                 result = Err(e);
                 break;
             }
-        };
-        let done = if handle == 0 {
-            // Never loaded (ebtrace died before dlopen): only the memfd.
-            c.close(fd)
-        } else {
-            // Our NOLOAD reference, and the one the dead ebtrace left.
-            unload_agent_refs(&mut c, handle, fd, exit, 1).map(|()| unloaded += 1)
-        };
-        if let Err(e) = done {
-            result = Err(e);
-            break;
         }
     }
     let diverted = s.close();

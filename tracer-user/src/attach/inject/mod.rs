@@ -3,19 +3,25 @@
 //!
 //! One thread of the target is seized with ptrace and made to call, in
 //! turn, `memfd_create`, `socketpair`, `dlopen`, `dlsym` and the library's
-//! entry point, through a trampoline ([`trampoline`]) that restores the
-//! thread's state by itself: if ebtrace dies at any moment, the thread
-//! finishes the call under way and returns to its own code (the only
-//! exceptions are the three single syscalls that map and unmap the
-//! trampoline). A thread interrupted in a syscall is set up exactly as the
-//! kernel's restart logic would ([`session::normalize`]), so an interrupted
-//! `read` or `nanosleep` is replayed and no EINTR reaches the program.
+//! entry point, through a trampoline ([`trampoline`]: code in the unused
+//! tail of a library's last code page, data on the thread's own stack)
+//! that restores the thread's state by itself: if ebtrace dies at any
+//! moment, the thread finishes the call under way and returns to its own
+//! code. No syscall is ever run on the thread outside a call, so there is
+//! no moment where ebtrace's death strands it. A thread interrupted in a
+//! syscall is set up exactly as the kernel's restart logic would
+//! ([`session::normalize`]), so an interrupted `read` or `nanosleep` is
+//! replayed and no EINTR reaches the program. A thread found inside a call
+//! that a killed ebtrace left under way is let finish it first.
 //!
 //! The library is written to a memfd named `ebtrace-agent` that stays open
 //! in the target until [`Injected::unload`]; an ebtrace killed meanwhile
 //! leaves it behind, and [`unload_leftovers`] (which [`load`] runs first)
 //! takes such agents out. The agent's own threads must be named
 //! `ebtrace-agent…`: they are never the thread chosen to make the calls.
+//! The agent must write to its socket with `MSG_NOSIGNAL` (an ebtrace gone
+//! must not SIGPIPE the target), and its exit function must return 0 when
+//! it is not attached (leftovers may never have been).
 //!
 //! Each of [`load`], [`Injected::unload`] and [`unload_leftovers`] runs
 //! its whole ptrace session on the calling thread (a tracer is a thread).

@@ -246,45 +246,6 @@ impl Tracee {
         }
     }
 
-    /// Runs one syscall on the thread with `regs` (the thread's own state)
-    /// as the rest of its registers: `nr(args)` through the `syscall`
-    /// instruction at `insn`. Leaves the thread at the syscall's exit stop
-    /// with its registers changed; the caller puts them back.
-    pub fn raw_syscall(
-        &mut self,
-        regs: &Regs,
-        insn: u64,
-        nr: u64,
-        args: &[u64],
-    ) -> Result<i64, InjectError> {
-        let mut r = *regs;
-        r.rip = insn;
-        r.rax = nr;
-        r.orig_rax = u64::MAX;
-        let slots = [
-            &mut r.rdi, &mut r.rsi, &mut r.rdx, &mut r.r10, &mut r.r8, &mut r.r9,
-        ];
-        for (slot, &a) in slots.into_iter().zip(args) {
-            *slot = a;
-        }
-        self.set_regs(&r)?;
-        // Past any stop left over from before (e.g. the exit of a syscall
-        // this thread was stopped in), to the entry of ours, then its exit.
-        loop {
-            if let Stop::SyscallEntry { nr: n, ip } = self.step()?
-                && n == nr
-                && ip == insn + 2
-            {
-                break;
-            }
-        }
-        loop {
-            if self.step()? == Stop::SyscallExit {
-                return Ok(self.regs()?.rax as i64);
-            }
-        }
-    }
-
     /// Lets the thread go with the state it is in, delivering the signals
     /// that arrived meanwhile.
     pub fn detach(&mut self) -> Result<(), InjectError> {

@@ -6,26 +6,24 @@ use std::time::{Duration, Instant};
 use super::{
     InjectError,
     ptrace::{Regs, Stop, Tracee},
-    symbols::TargetFns,
-    trampoline::{self, ARGS, FN, MAPPING_LEN, RESULT, SAVED, SCRATCH, SCRATCH_LEN},
+    trampoline::{self, BLOCK_LEN, RESULT, SCRATCH},
 };
 
-const SYS_MMAP: u64 = 9;
-const SYS_MPROTECT: u64 = 10;
-const SYS_MUNMAP: u64 = 11;
 const SYS_RESTART_SYSCALL: u64 = 219;
 const ERESTARTSYS: i64 = -512;
 const ERESTARTNOINTR: i64 = -513;
 const ERESTARTNOHAND: i64 = -514;
 const ERESTART_RESTARTBLOCK: i64 = -516;
-/// The `cs` of 64-bit user code.
+/// The `cs` of 64-bit user code, and the user `ss`.
 const USER_CS_64: u64 = 0x33;
+const USER_SS: u64 = 0x2b;
 
 /// The state the kernel would resume the thread at: an interrupted
 /// syscall that the kernel restarts is set up to be issued again
-/// (`rip` back on its `syscall`, `rax` its number), as the kernel's own
-/// restart logic does, so that it is replayed rather than failing with
-/// EINTR. `orig_rax` is -1: the state is plain user state.
+/// (`rip` back on its `syscall`, `rax` its number, or `restart_syscall`),
+/// as the kernel's own restart logic does, so that it is replayed rather
+/// than failing with EINTR. `orig_rax` is -1: the state is plain user
+/// state, which the kernel resumes as it is.
 pub fn normalize(mut regs: Regs) -> Regs {
     let ret = regs.rax as i64;
     if (regs.orig_rax as i64) >= 0 {
@@ -45,32 +43,44 @@ pub fn normalize(mut regs: Regs) -> Regs {
     regs
 }
 
-/// A seized thread with the trampoline mapped in its process.
+/// A seized thread, ready to call functions through the trampoline.
 pub struct Session {
     tracee: Tracee,
     /// The thread's own (normalized) state.
     saved: Regs,
-    syscall_insn: u64,
-    base: u64,
+    code: u64,
     marker_ip: u64,
-    /// Next free byte of the scratch area.
+    /// The data block, below the thread's stack pointer.
+    block: u64,
+    /// Next free byte of the scratch area (offset in the block).
     scratch: u64,
+    /// Where zeros go before each call: the XSAVE area's header (or the
+    /// block itself, with FXSAVE).
+    fp_header: u64,
     stopped_at: Instant,
     closed: bool,
 }
 
-fn failed(pid: u32, call: &'static str, detail: impl Into<String>) -> InjectError {
-    InjectError::TargetCall {
-        pid,
-        call,
-        detail: detail.into(),
-    }
-}
-
 impl Session {
-    /// Seizes `tid`, maps the trampoline and writes it.
-    pub fn open(pid: u32, tid: u32, fns: &TargetFns) -> Result<Self, InjectError> {
-        let tracee = Tracee::seize(pid, tid)?;
+    /// Seizes `tid` and writes the trampoline's code at `code` (room found
+    /// by [`super::symbols::code_room`] for [`code_len`] bytes).
+    pub fn open(pid: u32, tid: u32, code: u64) -> Result<Self, InjectError> {
+        let shstk = super::status_field(&format!("{pid}/task/{tid}"), "x86_Thread_features")
+            .is_some_and(|f| f.contains("shstk"));
+        if shstk {
+            return Err(InjectError::UnsupportedArch {
+                what: format!("thread {tid} of pid {pid} runs with a shadow stack (CET)"),
+            });
+        }
+        let fp = trampoline::FpSave::detect();
+        let mut tracee = Tracee::seize(pid, tid)?;
+        if in_call(&tracee, code, fp)? {
+            // A killed ebtrace's call is still under way on this thread:
+            // let it finish and restore itself, then start over.
+            finish_call(&mut tracee, code, fp)?;
+            tracee.detach()?;
+            tracee = Tracee::seize(pid, tid)?;
+        }
         let stopped_at = Instant::now();
         let raw = tracee.regs()?;
         if raw.cs != USER_CS_64 {
@@ -79,70 +89,45 @@ impl Session {
             });
         }
         let saved = normalize(raw);
-        // The thread's own `syscall` if it was stopped in one, else libc's.
-        let mut syscall_insn = fns.syscall_insn;
-        if (raw.orig_rax as i64) >= 0 {
-            let mut b = [0u8; 2];
-            if tracee.read(raw.rip - 2, &mut b).is_ok() && b == [0x0f, 0x05] {
-                syscall_insn = raw.rip - 2;
-            }
-        }
-        let mut session = Session {
+        let (bytes, marker_end) = trampoline::code(fp);
+        tracee.write(code, &bytes)?;
+        let block = trampoline::block_at(saved.rsp);
+        Ok(Session {
+            fp_header: block - fp.header_below_block(),
             tracee,
             saved,
-            syscall_insn,
-            base: 0,
-            marker_ip: 0,
+            code,
+            marker_ip: code + marker_end,
+            block,
             scratch: SCRATCH,
             stopped_at,
             closed: false,
-        };
-        let prot_rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
-        let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
-        let base = session.bootstrap(SYS_MMAP, &[0, MAPPING_LEN, prot_rw, flags, u64::MAX, 0])?;
-        if base < 0 {
-            return Err(failed(
-                pid,
-                "mmap",
-                std::io::Error::from_raw_os_error(-base as i32).to_string(),
-            ));
-        }
-        session.base = base as u64;
-        let prot_rx = (libc::PROT_READ | libc::PROT_EXEC) as u64;
-        let r = session.bootstrap(SYS_MPROTECT, &[session.base, trampoline::CODE_LEN, prot_rx])?;
-        if r < 0 {
-            return Err(failed(
-                pid,
-                "mprotect",
-                std::io::Error::from_raw_os_error(-r as i32).to_string(),
-            ));
-        }
-        let (code, marker_end) = trampoline::code(trampoline::FpSave::detect());
-        session.marker_ip = session.base + marker_end;
-        let t = &session.tracee;
-        t.write(session.base, &code)?;
-        t.write(session.base + SAVED, &trampoline::saved_block(&saved))?;
-        Ok(session)
+        })
     }
 
     pub fn pid(&self) -> u32 {
         self.tracee.pid
     }
 
-    fn bootstrap(&mut self, nr: u64, args: &[u64]) -> Result<i64, InjectError> {
-        self.tracee
-            .raw_syscall(&self.saved, self.syscall_insn, nr, args)
+    /// Makes the whole scratch area free again (what was put there is used
+    /// by one call only).
+    pub fn reset_scratch(&mut self) {
+        self.scratch = SCRATCH;
     }
 
     /// Copies `bytes` into the scratch area; returns their address.
     pub fn put(&mut self, bytes: &[u8]) -> Result<u64, InjectError> {
         let at = self.scratch.next_multiple_of(8);
-        if at + bytes.len() as u64 > SCRATCH + SCRATCH_LEN {
-            return Err(failed(self.pid(), "copy", "scratch area full"));
+        if at + bytes.len() as u64 > BLOCK_LEN {
+            return Err(InjectError::TargetCall {
+                pid: self.pid(),
+                call: "copy",
+                detail: "scratch area full".into(),
+            });
         }
         self.scratch = at + bytes.len() as u64;
-        self.tracee.write(self.base + at, bytes)?;
-        Ok(self.base + at)
+        self.tracee.write(self.block + at, bytes)?;
+        Ok(self.block + at)
     }
 
     /// A NUL-terminated copy of `s` in the target.
@@ -162,18 +147,14 @@ impl Session {
 
     /// Calls `f(args)` on the thread; returns its `rax`.
     pub fn call(&mut self, name: &'static str, f: u64, args: &[u64]) -> Result<u64, InjectError> {
-        let mut block = [0u64; 8];
-        block[0] = f;
-        block[1..1 + args.len()].copy_from_slice(args);
-        let bytes: Vec<u8> = block.iter().flat_map(|v| v.to_le_bytes()).collect();
-        debug_assert_eq!(ARGS - FN, 8);
-        debug_assert_eq!(RESULT - FN, 56);
-        self.tracee.write(self.base + FN, &bytes)?;
+        // The XSAVE header must be zero but for what XSAVE writes: the
+        // stack holds anything. One write from there to the block's end.
+        let mut bytes = vec![0u8; (self.block - self.fp_header) as usize];
+        bytes.extend(trampoline::block(&self.saved, f, args));
+        self.tracee.write(self.fp_header, &bytes)?;
         let mut r = self.saved;
-        r.rip = self.base;
-        // Below the red zone, 16-byte aligned: the trampoline's `call`
-        // then gives the callee the frame alignment the ABI promises.
-        r.rsp = (self.saved.rsp - 256) & !15;
+        r.rip = self.code;
+        r.rsp = self.block;
         r.orig_rax = u64::MAX;
         self.tracee.set_regs(&r)?;
         loop {
@@ -182,8 +163,8 @@ impl Session {
                 Stop::Signal(
                     sig @ (libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE),
                 ) => {
-                    // The call faulted: abandon it (the thread's own state is
-                    // put back when the session closes).
+                    // The call faulted: abandon it (the thread's own state
+                    // is put back when the session closes).
                     self.tracee.drop_last_signal();
                     return Err(InjectError::TargetCrashed {
                         pid: self.pid(),
@@ -194,29 +175,22 @@ impl Session {
                 _ => {}
             }
         }
-        self.tracee.read_u64(self.base + RESULT)
+        self.tracee.read_u64(self.block + RESULT)
     }
 
-    /// Puts the thread's state back, unmaps the trampoline and lets the
-    /// thread go; returns how long it was kept from its own code.
+    /// Puts the thread's registers back and lets it go, straight to its own
+    /// code (not through the trampoline's restore, which is for an ebtrace
+    /// that died: a thread seized again in there would look like one in a
+    /// call); returns how long it was kept from its own code.
     pub fn close(mut self) -> Result<Duration, InjectError> {
         self.finish()
     }
 
     fn finish(&mut self) -> Result<Duration, InjectError> {
         self.closed = true;
-        let mut result = self.tracee.set_regs(&self.saved);
-        if result.is_ok() && self.base != 0 {
-            let unmapped = self.bootstrap(SYS_MUNMAP, &[self.base, MAPPING_LEN]);
-            // The thread's own state again, whatever munmap did.
-            result = self.tracee.set_regs(&self.saved).and(unmapped.map(|r| {
-                if r < 0 {
-                    log::warn!("pid {}: unmapping the trampoline failed ({r})", self.pid());
-                }
-            }));
-        }
+        let restored = self.tracee.set_regs(&self.saved);
         let diverted = self.stopped_at.elapsed();
-        self.tracee.detach().and(result).map(|()| diverted)
+        self.tracee.detach().and(restored).map(|()| diverted)
     }
 }
 
@@ -225,5 +199,93 @@ impl Drop for Session {
         if !self.closed {
             let _ = self.finish();
         }
+    }
+}
+
+/// How far above the stack pointer a call under way is looked for.
+const CALL_SCAN: u64 = 128 * 1024;
+
+/// Whether the thread is inside a trampoline call (made by an ebtrace that
+/// died since): its stack holds the call's return address, below a block
+/// with a user-mode `iretq` frame.
+fn in_call(t: &Tracee, code: u64, fp: trampoline::FpSave) -> Result<bool, InjectError> {
+    let ret = (code + trampoline::call_return(fp)).to_le_bytes();
+    let rsp = t.regs()?.rsp;
+    let mut page = vec![0u8; 4096];
+    let mut at = rsp & !7;
+    while at < rsp + CALL_SCAN {
+        let len = (4096 - (at % 4096)) as usize;
+        if t.read(at, &mut page[..len]).is_err() {
+            break;
+        }
+        for (i, word) in page[..len].chunks_exact(8).enumerate() {
+            if word != ret {
+                continue;
+            }
+            let block = at + 8 * i as u64 + trampoline::return_slot_below_block(fp);
+            let (mut cs, mut ss) = ([0u8; 8], [0u8; 8]);
+            let framed = t.read(block + trampoline::IRET_CS, &mut cs).is_ok()
+                && t.read(block + trampoline::IRET_SS, &mut ss).is_ok();
+            if framed && u64::from_le_bytes(cs) == USER_CS_64 && u64::from_le_bytes(ss) == USER_SS {
+                return Ok(true);
+            }
+        }
+        at += len as u64;
+    }
+    Ok(false)
+}
+
+/// Lets a call under way reach the trampoline's marker.
+fn finish_call(t: &mut Tracee, code: u64, fp: trampoline::FpSave) -> Result<(), InjectError> {
+    let marker = code + trampoline::code(fp).1;
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(10) {
+        if let Stop::SyscallEntry { ip, .. } = t.step()?
+            && ip == marker
+        {
+            return Ok(());
+        }
+    }
+    Err(InjectError::TargetCall {
+        pid: t.pid,
+        call: "a call left under way by a killed ebtrace",
+        detail: format!("thread {} has not finished it in 10 s", t.tid),
+    })
+}
+
+/// Length of the trampoline's code on this CPU.
+pub fn code_len() -> u64 {
+    trampoline::code(trampoline::FpSave::detect()).0.len() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn regs(orig_rax: u64, rax: i64) -> Regs {
+        // SAFETY: plain integers.
+        let mut r: Regs = unsafe { std::mem::zeroed() };
+        r.orig_rax = orig_rax;
+        r.rax = rax as u64;
+        r.rip = 0x1002;
+        r
+    }
+
+    #[test]
+    fn normalize_replays_what_the_kernel_restarts() {
+        for code in [ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND] {
+            let n = normalize(regs(0, code));
+            assert_eq!((n.rip, n.rax, n.orig_rax), (0x1000, 0, u64::MAX));
+        }
+        let n = normalize(regs(230, ERESTART_RESTARTBLOCK));
+        assert_eq!((n.rip, n.rax), (0x1000, SYS_RESTART_SYSCALL));
+        // A finished syscall keeps its result; EINTR is the program's.
+        let n = normalize(regs(0, 17));
+        assert_eq!((n.rip, n.rax, n.orig_rax), (0x1002, 17, u64::MAX));
+        let n = normalize(regs(232, -4));
+        assert_eq!((n.rip, n.rax), (0x1002, -4i64 as u64));
+        // Not in a syscall: only orig_rax (already -1) is set.
+        let n = normalize(regs(u64::MAX, ERESTARTSYS));
+        assert_eq!((n.rip, n.rax), (0x1002, ERESTARTSYS as u64));
     }
 }

@@ -1,8 +1,6 @@
 //! The C library functions a session calls in the target, found in the
-//! dynamic symbol tables of the libraries the target has mapped, and a
-//! `syscall` instruction to run the first syscalls through.
-
-use std::{fs::File, os::unix::fs::FileExt as _};
+//! dynamic symbol tables of the libraries the target has mapped, and room
+//! for the trampoline's code.
 
 use super::InjectError;
 use crate::symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size};
@@ -20,8 +18,6 @@ pub struct TargetFns {
     pub memfd_is_syscall: bool,
     pub socketpair: u64,
     pub close: u64,
-    /// A `syscall` instruction in an executable mapping of the C library.
-    pub syscall_insn: u64,
 }
 
 /// Flags of glibc's private `__libc_dlopen_mode` that make it act as
@@ -60,7 +56,6 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         },
     })?;
     let mut found: [Option<u64>; NAMES.len()] = [None; NAMES.len()];
-    let mut libc_obj = None;
     for obj in objects.iter().filter(|o| is_libc(o)) {
         let Ok(elf) = ElfObject::open(&obj.open_path(), Some(obj.inode)) else {
             continue;
@@ -75,9 +70,6 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
             if let Some(sym) = sym.filter(|s| s.exported && s.function) {
                 slot.get_or_insert(bias.wrapping_add(sym.vaddr));
             }
-        }
-        if scan.found[7].is_some() && libc_obj.is_none() {
-            libc_obj = Some(obj);
         }
     }
     let [
@@ -103,7 +95,6 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
             None,
         ),
     };
-    let libc_obj = libc_obj.ok_or_else(no_loader)?;
     let (memfd_create, memfd_is_syscall) = match (memfd, syscall) {
         (Some(m), _) => (m, false),
         (None, Some(s)) => (s, true),
@@ -118,33 +109,46 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         memfd_is_syscall,
         socketpair: socketpair.ok_or_else(no_loader)?,
         close: close.ok_or_else(no_loader)?,
-        syscall_insn: find_syscall_insn(pid, libc_obj)?,
     })
 }
 
-/// The address of a `syscall` instruction (0f 05) in the C library's code.
-fn find_syscall_insn(pid: u32, libc_obj: &MappedObject) -> Result<u64, InjectError> {
-    let mem = File::open(format!("/proc/{pid}/mem")).map_err(|e| InjectError::Io {
-        context: format!("opening /proc/{pid}/mem"),
+/// Where `len` bytes of code can go in `pid`: the unused tail of the last
+/// page of an executable segment (file bytes past the segment, never run),
+/// 16-byte aligned. The dynamic loader and the C library are tried first;
+/// the same place is found every time.
+pub fn code_room(pid: u32, len: u64) -> Result<u64, InjectError> {
+    let mut objects = mapped_objects(pid).map_err(|e| InjectError::Io {
+        context: format!("reading /proc/{pid}/maps"),
         source: e,
     })?;
-    let mut buf = vec![0u8; 256 * 1024];
-    for m in libc_obj.mappings.iter().filter(|m| m.perms.contains('x')) {
-        let mut at = m.start;
-        while at < m.end {
-            let len = ((m.end - at) as usize).min(buf.len());
-            let Ok(n) = mem.read_at(&mut buf[..len], at) else {
-                break;
-            };
-            if n == 0 {
-                break;
+    objects.sort_by_key(|o| {
+        let name = o.file_name();
+        (!name.starts_with("ld-"), !is_libc(o))
+    });
+    let page = page_size();
+    for obj in &objects {
+        let Ok(elf) = ElfObject::open(&obj.open_path(), Some(obj.inode)) else {
+            continue;
+        };
+        let Some(bias) = obj.load_bias(elf.segments(), page) else {
+            continue;
+        };
+        for seg in elf.segments().iter().filter(|s| s.executable) {
+            let end = bias.wrapping_add(seg.vaddr).wrapping_add(seg.memsz);
+            let at = end.next_multiple_of(16);
+            let page_end = end.next_multiple_of(page);
+            let mapped_x = obj
+                .mappings
+                .iter()
+                .any(|m| m.perms.contains('x') && m.start <= at && at + len <= m.end);
+            if at + len <= page_end && mapped_x {
+                return Ok(at);
             }
-            if let Some(i) = memchr::memmem::find(&buf[..n], &[0x0f, 0x05]) {
-                return Ok(at + i as u64);
-            }
-            // Keep the last byte: an instruction may straddle chunks.
-            at += (n as u64).saturating_sub(1).max(1);
         }
     }
-    Err(InjectError::NoLoader { pid })
+    Err(InjectError::TargetCall {
+        pid,
+        call: "placing the trampoline",
+        detail: "no executable page of a mapped library has room left".into(),
+    })
 }

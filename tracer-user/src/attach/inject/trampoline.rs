@@ -1,35 +1,37 @@
-//! The trampoline: a page of machine code in the target through which the
+//! The trampoline: a few hundred bytes of machine code through which the
 //! hijacked thread calls one function and then restores its own state and
 //! returns to its own code, by itself.
 //!
-//! ebtrace only points the thread at the trampoline and waits for the
-//! marker syscall that follows the call; if ebtrace dies at any moment, the
-//! thread still finishes the call, restores every register (the general
-//! ones and the FPU/vector state) and goes on where it was interrupted.
+//! ebtrace only points the thread at the trampoline (with a data block on
+//! the thread's own stack) and waits for the marker syscall that follows
+//! the call; if ebtrace dies at any moment, the thread still finishes the
+//! call, restores every register (the general ones, flags, and the
+//! FPU/vector state) and goes on where it was interrupted.
 //!
-//! The mapping is [`MAPPING_LEN`] bytes: page 0 is the code (R-X), the rest
-//! data (RW-): the function and arguments of the call, its result, the
-//! thread's registers, scratch room for strings, and the XSAVE area.
+//! No memory is mapped for it: the code is written into the unused tail of
+//! the last page of a library's executable segment (a private copy of that
+//! page, in the target only), and the data lives below the thread's stack
+//! pointer (past the red zone). So there is nothing to unmap, and no moment
+//! at which the thread is made to run a bare syscall that ebtrace's death
+//! would leave it stranded after.
+//!
+//! The data block, at a 64-byte aligned address `D`, in 8-byte slots:
+//! the function, its six arguments, its result, the 15 general registers
+//! of [`SAVED_GPRS`], then an `iretq` frame (rip, cs, rflags, rsp, ss) and
+//! scratch room for the strings and out-parameters of calls. The XSAVE
+//! area lies just below `D`, and the callee's stack below that.
 
-/// Length of the mapping made in the target.
-pub const MAPPING_LEN: u64 = 64 * 1024;
-/// The code page.
-pub const CODE_LEN: u64 = 4096;
-
-/// Offsets in the mapping.
-pub const FN: u64 = CODE_LEN;
-pub const ARGS: u64 = FN + 8;
-pub const RESULT: u64 = ARGS + 6 * 8;
-/// rflags, then the registers of [`SAVED_GPRS`], then rsp and rip.
-pub const SAVED: u64 = RESULT + 8;
-pub const SAVED_RSP: u64 = SAVED + 8 * (1 + SAVED_GPRS.len() as u64);
-pub const SAVED_RIP: u64 = SAVED_RSP + 8;
+pub const ARGS: u64 = 8;
+pub const RESULT: u64 = 56;
+const GPRS: u64 = 64;
+const IRET: u64 = GPRS + 8 * SAVED_GPRS.len() as u64;
 /// Room for the strings and out-parameters of calls.
-pub const SCRATCH: u64 = CODE_LEN + 1024;
-pub const SCRATCH_LEN: u64 = 3 * 1024;
-/// The XSAVE area (64-byte aligned), 16 KiB.
-pub const XAREA: u64 = 2 * CODE_LEN;
-const _: () = assert!(XAREA + 16 * 1024 <= MAPPING_LEN && SAVED_RIP + 8 <= SCRATCH);
+pub const SCRATCH: u64 = IRET + 5 * 8;
+pub const SCRATCH_LEN: u64 = 1024;
+/// The whole data block.
+pub const BLOCK_LEN: u64 = SCRATCH + SCRATCH_LEN;
+/// Bytes left alone below the thread's stack pointer (the red zone is 128).
+const BELOW_RSP: u64 = 256;
 
 /// x86-64 register numbers (as in ModRM/REX encodings).
 const RAX: u8 = 0;
@@ -41,9 +43,9 @@ const RBP: u8 = 5;
 const RSI: u8 = 6;
 const RDI: u8 = 7;
 
-/// The registers saved and restored by the trampoline (rsp and rip apart),
-/// in their order in the data area.
-pub const SAVED_GPRS: [u8; 15] = [
+/// The registers saved and restored by the trampoline (rsp, rip and
+/// rflags go through the `iretq` frame), in their order in the block.
+const SAVED_GPRS: [u8; 15] = [
     RAX, RBX, RCX, RDX, RSI, RDI, RBP, 8, 9, 10, 11, 12, 13, 14, 15,
 ];
 
@@ -53,100 +55,136 @@ pub const SAVED_GPRS: [u8; 15] = [
 const XSAVE_MASK_LO: u32 = !((1 << 17) | (1 << 18));
 const XSAVE_MASK_HI: u32 = u32::MAX;
 
-/// A builder of the code page, with RIP-relative addressing resolved
-/// against offsets in the mapping.
-struct Code(Vec<u8>);
-
-impl Code {
-    /// Appends `op` followed by the disp32 from the end of the instruction
-    /// to `target` (an offset in the mapping).
-    fn rip_rel(&mut self, op: &[u8], target: u64) {
-        self.0.extend_from_slice(op);
-        let next = (self.0.len() + 4) as i64;
-        let disp = i32::try_from(target as i64 - next).expect("target within the mapping");
-        self.0.extend_from_slice(&disp.to_le_bytes());
-    }
-
-    /// `mov target(%rip), %reg`
-    fn load(&mut self, reg: u8, target: u64) {
-        self.rip_rel(
-            &[0x48 | ((reg >> 3) << 2), 0x8b, ((reg & 7) << 3) | 5],
-            target,
-        );
-    }
-
-    /// `mov %reg, target(%rip)`
-    fn store(&mut self, reg: u8, target: u64) {
-        self.rip_rel(
-            &[0x48 | ((reg >> 3) << 2), 0x89, ((reg & 7) << 3) | 5],
-            target,
-        );
-    }
-
-    /// `mov $mask_lo,%eax; mov $mask_hi,%edx`, then the 64-bit
-    /// XSAVE-family instruction `/ext` of XAREA.
-    fn xstate(&mut self, ext: u8) {
-        self.0.push(0xb8);
-        self.0.extend_from_slice(&XSAVE_MASK_LO.to_le_bytes());
-        self.0.push(0xba);
-        self.0.extend_from_slice(&XSAVE_MASK_HI.to_le_bytes());
-        self.rip_rel(&[0x48, 0x0f, 0xae, (ext << 3) | 5], XAREA);
-    }
-}
-
-/// Which instructions save the FPU/vector state.
-#[derive(Clone, Copy, Debug)]
+/// Which instructions save the FPU/vector state, and the size of the area.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FpSave {
-    /// XSAVE64/XRSTOR64 (every CPU with AVX).
-    Xsave,
+    /// XSAVE64/XRSTOR64 of an area of this many bytes.
+    Xsave(u32),
     /// FXSAVE64/FXRSTOR64 (x87 and SSE only), where XSAVE is missing.
     Fxsave,
 }
 
 impl FpSave {
+    /// What this CPU (the target's too) has.
     pub fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("xsave") {
-            return FpSave::Xsave;
+            // CPUID leaf 0xD exists where XSAVE does; EBX is the area size
+            // for the features enabled in XCR0.
+            let size = std::arch::x86_64::__cpuid_count(0xd, 0).ebx;
+            return FpSave::Xsave(size.max(576));
         }
         FpSave::Fxsave
     }
+
+    /// How far below the data block the XSAVE header starts (0 with
+    /// FXSAVE, which has none).
+    pub fn header_below_block(self) -> u64 {
+        match self {
+            FpSave::Xsave(_) => self.area() - 512,
+            FpSave::Fxsave => 0,
+        }
+    }
+
+    /// Bytes reserved below the data block, a multiple of 64.
+    fn area(self) -> u64 {
+        match self {
+            FpSave::Xsave(size) => u64::from(size).next_multiple_of(64),
+            FpSave::Fxsave => 512,
+        }
+    }
 }
 
-/// The trampoline's code, and the offset just past its marker `syscall`
-/// (where the thread stops at the marker's syscall-entry).
+/// Where a call's data block goes, below the thread's stack pointer `rsp`.
+pub fn block_at(rsp: u64) -> u64 {
+    (rsp - BELOW_RSP - BLOCK_LEN) & !63
+}
+
+struct Code(Vec<u8>);
+
+impl Code {
+    fn rex_w(reg: u8) -> u8 {
+        0x48 | ((reg >> 3) << 2)
+    }
+
+    /// `op` with a `disp(%rbx)` memory operand and `reg` in ModRM.reg.
+    fn rbx(&mut self, op: &[u8], reg: u8, disp: i32) {
+        self.0.extend_from_slice(op);
+        if let Ok(d8) = i8::try_from(disp) {
+            self.0.push(0x40 | ((reg & 7) << 3) | RBX);
+            self.0.push(d8 as u8);
+        } else {
+            self.0.push(0x80 | ((reg & 7) << 3) | RBX);
+            self.0.extend_from_slice(&disp.to_le_bytes());
+        }
+    }
+
+    /// `mov $mask_lo,%eax; mov $mask_hi,%edx`, then the 64-bit
+    /// XSAVE-family instruction `/ext` of the area at `disp(%rbx)`.
+    fn xstate(&mut self, ext: u8, disp: i32) {
+        self.0.push(0xb8);
+        self.0.extend_from_slice(&XSAVE_MASK_LO.to_le_bytes());
+        self.0.push(0xba);
+        self.0.extend_from_slice(&XSAVE_MASK_HI.to_le_bytes());
+        self.rbx(&[0x48, 0x0f, 0xae], ext, disp);
+    }
+}
+
+/// The trampoline's code for `fp`, and the offset just past its marker
+/// `syscall` (where the thread stops at the marker's syscall-entry). It
+/// uses no absolute address: every copy is the same bytes.
 pub fn code(fp: FpSave) -> (Vec<u8>, u64) {
     let (save, restore) = match fp {
-        FpSave::Xsave => (4, 5),
+        FpSave::Xsave(_) => (4, 5),
         FpSave::Fxsave => (0, 1),
     };
-    let mut c = Code(Vec::with_capacity(256));
-    c.xstate(save);
-    // The ABI wants the direction flag clear at a call.
-    c.0.push(0xfc);
+    let area = -i32::try_from(fp.area()).expect("XSAVE area size");
+    let mut c = Code(Vec::with_capacity(192));
+    c.0.extend_from_slice(&[0x48, 0x89, 0xe3]); // mov %rsp,%rbx: the block
+    c.xstate(save, area);
+    c.rbx(&[0x48, 0x8d], RSP, area); // lea area(%rbx),%rsp
+    c.0.push(0xfc); // cld: the ABI wants it clear at a call
     for (i, reg) in [RDI, RSI, RDX, RCX, 8, 9].into_iter().enumerate() {
-        c.load(reg, ARGS + 8 * i as u64);
+        c.rbx(&[Code::rex_w(reg), 0x8b], reg, (ARGS + 8 * i as u64) as i32);
     }
-    c.rip_rel(&[0xff, 0x15], FN); // call *fn(%rip)
-    c.store(RAX, RESULT);
-    c.xstate(restore);
+    c.0.extend_from_slice(&[0xff, 0x13]); // call *(%rbx)
+    debug_assert_eq!(c.0.len() as u64, call_return(fp));
+    c.rbx(&[0x48, 0x89], RAX, RESULT as i32); // mov %rax,result(%rbx)
+    c.xstate(restore, area);
     // Marker: getpid, harmless whether or not ebtrace is still watching.
     c.0.extend_from_slice(&[0xb8, 39, 0, 0, 0, 0x0f, 0x05]);
     let marker_end = c.0.len() as u64;
-    // Restore: flags first (popfq through a stack pointed at the saved
-    // rflags), then the registers with moves, which leave flags alone.
-    c.rip_rel(&[0x48, 0x8d, 0x25], SAVED); // lea saved_rflags(%rip), %rsp
-    c.0.push(0x9d); // popfq
+    // Restore: the registers (rbx last among them is fine: they are read
+    // through rsp), then rip, cs, rflags, rsp and ss at once.
+    c.rbx(&[0x48, 0x8d], RSP, IRET as i32); // lea iret(%rbx),%rsp
     for (i, &reg) in SAVED_GPRS.iter().enumerate() {
-        c.load(reg, SAVED + 8 * (1 + i as u64));
+        let disp = (GPRS + 8 * i as u64) as i64 - IRET as i64;
+        // mov disp8(%rsp),%reg
+        c.0.extend_from_slice(&[Code::rex_w(reg), 0x8b, 0x44 | ((reg & 7) << 3), 0x24]);
+        c.0.push(i8::try_from(disp).expect("disp8") as u8);
     }
-    c.load(RSP, SAVED_RSP);
-    c.rip_rel(&[0xff, 0x25], SAVED_RIP); // jmp *saved_rip(%rip)
+    c.0.extend_from_slice(&[0x48, 0xcf]); // iretq
     (c.0, marker_end)
 }
 
-/// The thread's registers as the trampoline's data area holds them.
-pub fn saved_block(regs: &super::ptrace::Regs) -> Vec<u8> {
+/// Offset in the code of the return address its call pushes.
+pub fn call_return(fp: FpSave) -> u64 {
+    // mov %rsp,%rbx; xsave; lea; cld; six loads; the call.
+    let disp = |d: u64| if d <= 128 { 1 } else { 4 };
+    let area = disp(fp.area());
+    3 + (10 + 4 + area) + (3 + area) + 1 + 6 * 4 + 2
+}
+
+/// Where, relative to a block at `D`, its call's return address lies.
+pub fn return_slot_below_block(fp: FpSave) -> u64 {
+    fp.area() + 8
+}
+
+/// The `cs` and `ss` slots of a block's `iretq` frame (offsets).
+pub const IRET_CS: u64 = IRET + 8;
+pub const IRET_SS: u64 = IRET + 32;
+
+/// The data block of one call of `f(args)` that returns to `regs`.
+pub fn block(regs: &super::ptrace::Regs, f: u64, args: &[u64]) -> Vec<u8> {
     let gpr = |reg: u8| match reg {
         RAX => regs.rax,
         RBX => regs.rbx,
@@ -164,9 +202,14 @@ pub fn saved_block(regs: &super::ptrace::Regs) -> Vec<u8> {
         14 => regs.r14,
         _ => regs.r15,
     };
-    std::iter::once(regs.eflags)
+    let mut fn_args = [0u64; 7];
+    fn_args[0] = f;
+    fn_args[1..=args.len()].copy_from_slice(args);
+    fn_args
+        .into_iter()
+        .chain([0]) // result
         .chain(SAVED_GPRS.iter().map(|&r| gpr(r)))
-        .chain([regs.rsp, regs.rip])
+        .chain([regs.rip, regs.cs, regs.eflags, regs.rsp, regs.ss])
         .flat_map(u64::to_le_bytes)
         .collect()
 }
@@ -176,33 +219,57 @@ mod tests {
     use super::*;
 
     /// The encodings, checked against the assembler's for the same
-    /// instructions at the same offsets.
+    /// instructions.
     #[test]
     fn code_matches_the_assembler() {
-        let (code, marker_end) = code(FpSave::Xsave);
+        let (code, marker_end) = code(FpSave::Xsave(0x1000));
         let head: &[u8] = &[
+            0x48, 0x89, 0xe3, // mov %rsp,%rbx
             0xb8, 0xff, 0xff, 0xf9, 0xff, // mov $0xfff9ffff,%eax
             0xba, 0xff, 0xff, 0xff, 0xff, // mov $-1,%edx
-            0x48, 0x0f, 0xae, 0x25, 0xee, 0x1f, 0x00,
-            0x00, // xsave64 XAREA, next insn at 0x12
+            0x48, 0x0f, 0xae, 0xa3, 0x00, 0xf0, 0xff, 0xff, // xsave64 -0x1000(%rbx)
+            0x48, 0x8d, 0xa3, 0x00, 0xf0, 0xff, 0xff, // lea -0x1000(%rbx),%rsp
             0xfc, // cld
-            0x48, 0x8b, 0x3d, 0xee, 0x0f, 0x00,
-            0x00, // mov ARGS(%rip),%rdi, next insn at 0x1a
+            0x48, 0x8b, 0x7b, 0x08, // mov 0x8(%rbx),%rdi
         ];
         assert_eq!(&code[..head.len()], head);
-        // mov 0x1030(%rip),%r9 (the 6th argument): REX.WR.
-        let r9 = 0x13 + 5 * 7;
-        assert_eq!(&code[r9..r9 + 3], &[0x4c, 0x8b, 0x0d]);
+        let r8 = head.len() + 3 * 4;
+        assert_eq!(&code[r8..r8 + 4], &[0x4c, 0x8b, 0x43, 0x28]); // mov 0x28(%rbx),%r8
+        let call = r8 + 8;
+        assert_eq!(&code[call..call + 6], &[0xff, 0x13, 0x48, 0x89, 0x43, 0x38]);
+        assert_eq!(call_return(FpSave::Xsave(0x1000)), call as u64 + 2);
         assert_eq!(
-            &code[marker_end as usize - 7..marker_end as usize],
-            &[0xb8, 39, 0, 0, 0, 0x0f, 0x05]
+            super::code(FpSave::Fxsave).0[call_return(FpSave::Fxsave) as usize - 2],
+            0xff
         );
-        // Ends with jmp *saved_rip(%rip).
-        let jmp = code.len() - 6;
-        assert_eq!(&code[jmp..jmp + 2], &[0xff, 0x25]);
-        let disp = i32::from_le_bytes(code[jmp + 2..].try_into().unwrap()) as i64;
-        assert_eq!(code.len() as i64 + disp, SAVED_RIP as i64);
-        assert!((code.len() as u64) < CODE_LEN);
-        assert_eq!(XAREA % 64, 0);
+        let m = marker_end as usize;
+        assert_eq!(&code[m - 7..m], &[0xb8, 39, 0, 0, 0, 0x0f, 0x05]);
+        // lea 0xb8(%rbx),%rsp; mov -0x78(%rsp),%rax; ...; mov -0x8(%rsp),%r15; iretq
+        assert_eq!(&code[m..m + 7], &[0x48, 0x8d, 0xa3, 0xb8, 0, 0, 0]);
+        assert_eq!(&code[m + 7..m + 12], &[0x48, 0x8b, 0x44, 0x24, 0x88]);
+        let end = code.len();
+        assert_eq!(
+            &code[end - 7..],
+            &[0x4c, 0x8b, 0x7c, 0x24, 0xf8, 0x48, 0xcf]
+        );
+        assert_eq!(IRET, 0xb8);
+    }
+
+    #[test]
+    fn block_layout() {
+        // SAFETY: plain integers.
+        let mut regs: super::super::ptrace::Regs = unsafe { std::mem::zeroed() };
+        regs.rbx = 0xb;
+        regs.rip = 0x1234;
+        regs.rsp = 0x7000_0000;
+        let b = block(&regs, 0xf, &[1, 2]);
+        let slot = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
+        assert_eq!((slot(0), slot(1), slot(2), slot(3)), (0xf, 1, 2, 0));
+        assert_eq!(slot(9), 0xb); // rbx, second saved register
+        assert_eq!(slot(IRET as usize / 8), 0x1234);
+        assert_eq!(slot(IRET as usize / 8 + 3), 0x7000_0000);
+        assert_eq!(b.len() as u64, SCRATCH);
+        let d = block_at(regs.rsp);
+        assert!(d.is_multiple_of(64) && d + BLOCK_LEN + 128 <= regs.rsp);
     }
 }

@@ -1,0 +1,361 @@
+//! The in-process agent loader (`ebtrace inject-check`) against real
+//! processes: a target thread taken over while blocked in `read`, in
+//! `nanosleep`, or spinning, must see nothing of it; repeated loads leave
+//! nothing behind; and an ebtrace killed at any moment leaves the target
+//! running, untraced, and ready for the next load.
+//!
+//! The library loaded is `tests/fixtures/inject_probe.c` (it answers a
+//! byte with that byte + 1), so that the loader is tested alone.
+
+use std::{
+    collections::BTreeMap,
+    io::BufRead as _,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::OnceLock,
+    time::{Duration, Instant},
+};
+
+use ebtrace_tests::{fixture, require_root, run_ebtrace, serial, signal, spawn_ebtrace};
+
+/// A running `inject_target`, killed when dropped.
+struct Target {
+    child: Child,
+    pid: u32,
+    counters: BTreeMap<String, u64>,
+}
+
+impl Target {
+    fn start(mode: &str) -> Self {
+        let mut child = Command::new(fixture::build_c("inject_target"))
+            .arg(mode)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start inject_target");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("piped"))
+            .read_line(&mut line)
+            .expect("start line");
+        let v: serde_json::Value = serde_json::from_str(&line).expect("start line JSON");
+        let counters = v["counters"]
+            .as_object()
+            .expect("counters")
+            .iter()
+            .map(|(k, a)| (k.clone(), a.as_u64().expect("address")))
+            .collect();
+        let target = Target {
+            pid: v["pid"].as_u64().expect("pid") as u32,
+            child,
+            counters,
+        };
+        target.wait_progress(3);
+        target
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        use std::os::unix::fs::FileExt as _;
+        let mem = std::fs::File::open(format!("/proc/{}/mem", self.pid)).expect("open mem");
+        let mut b = [0u8; 8];
+        mem.read_exact_at(&mut b, self.counters[name])
+            .expect("read a counter");
+        u64::from_ne_bytes(b)
+    }
+
+    /// Waits until `progress` has grown by `more` (the target goes on).
+    fn wait_progress(&self, more: u64) {
+        let start = self.counter("progress");
+        let began = Instant::now();
+        while self.counter("progress") < start + more {
+            assert!(
+                began.elapsed() < Duration::from_secs(10),
+                "pid {} made no progress ({} after {start}); {}",
+                self.pid,
+                self.counter("progress"),
+                proc_state(self.pid)
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn errors(&self) -> u64 {
+        self.counter("errors")
+    }
+
+    fn status(&self, key: &str) -> String {
+        status_field(self.pid, key)
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn status_field(pid: u32, key: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_default()
+}
+
+fn proc_state(pid: u32) -> String {
+    format!(
+        "State {:?}, TracerPid {:?}",
+        status_field(pid, "State"),
+        status_field(pid, "TracerPid")
+    )
+}
+
+fn probe_library() -> &'static PathBuf {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| fixture::build_c_shared("inject_probe", "libinject_probe.so"))
+}
+
+fn check_args(pid: u32, cycles: u32) -> Vec<String> {
+    vec![
+        "inject-check".into(),
+        "--pid".into(),
+        pid.to_string(),
+        "--cycles".into(),
+        cycles.to_string(),
+        "--library".into(),
+        probe_library().to_str().expect("UTF-8 path").into(),
+    ]
+}
+
+/// Runs `cycles` load/ping/unload cycles; returns one JSON value a cycle.
+fn inject_check(pid: u32, cycles: u32) -> Vec<serde_json::Value> {
+    let args = check_args(pid, cycles);
+    let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        out.status.success(),
+        "inject-check failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), cycles as usize);
+    lines
+}
+
+/// Lines of /proc/PID/maps, open descriptors, and VmRSS in KiB.
+fn footprint(pid: u32) -> (usize, usize, u64) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .expect("maps")
+        .lines()
+        .count();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .count();
+    let rss = status_field(pid, "VmRSS")
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .expect("VmRSS");
+    (maps, fds, rss)
+}
+
+/// What the agent leaves in the target while loaded: its memfd, and the
+/// library mapped from it.
+fn agent_traces(pid: u32) -> Vec<String> {
+    let mut found: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|l| l.to_string_lossy().into_owned())
+        .filter(|l| l.contains("ebtrace-agent"))
+        .collect();
+    found.extend(
+        std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .expect("maps")
+            .lines()
+            .filter(|l| l.contains("ebtrace-agent"))
+            .map(str::to_string),
+    );
+    found
+}
+
+const MODES: [&str; 3] = ["read", "sleep", "spin"];
+
+/// The thread taken over in each state (blocked in read, in nanosleep, or
+/// running) sees no EINTR, no short sleep, no lost read, no changed
+/// register, and goes on.
+#[test]
+fn loaded_and_unloaded_in_every_thread_state_unnoticed() {
+    if !require_root("loaded_and_unloaded_in_every_thread_state_unnoticed") {
+        return;
+    }
+    let _serial = serial();
+    for mode in MODES {
+        let target = Target::start(mode);
+        let cycles = inject_check(target.pid, 5);
+        for c in &cycles {
+            // The fixture's one thread is the one that made the calls.
+            assert_eq!(c["tid"].as_u64(), Some(target.pid as u64), "{mode}: {c}");
+        }
+        target.wait_progress(5);
+        assert_eq!(target.errors(), 0, "{mode}: the program saw the takeover");
+        assert_eq!(target.status("TracerPid"), "0", "{mode}");
+        assert!(
+            agent_traces(target.pid).is_empty(),
+            "{mode}: {:?}",
+            agent_traces(target.pid)
+        );
+    }
+}
+
+fn median_us(cycles: &[serde_json::Value], phase: &str, field: &str) -> u64 {
+    let mut v: Vec<u64> = cycles
+        .iter()
+        .map(|c| c[phase][field].as_u64().expect("a duration"))
+        .collect();
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// 100 load/unload cycles leave the target's mappings, descriptors and
+/// resident memory as they were.
+#[test]
+fn hundred_cycles_leave_nothing_behind() {
+    if !require_root("hundred_cycles_leave_nothing_behind") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("read");
+    // The first cycle may leave what glibc keeps for reuse (a cached
+    // thread stack, grown heap): measure after it.
+    inject_check(target.pid, 1);
+    let before = footprint(target.pid);
+    let cycles = inject_check(target.pid, 100);
+    let after = footprint(target.pid);
+    assert_eq!(after.0, before.0, "mappings (lines of /proc/PID/maps) grew");
+    assert_eq!(after.1, before.1, "open descriptors grew");
+    assert!(
+        after.2 <= before.2 + 512,
+        "VmRSS grew from {} to {} KiB",
+        before.2,
+        after.2
+    );
+    assert_eq!(target.errors(), 0);
+    target.wait_progress(3);
+    eprintln!(
+        "median over 100 cycles: load diverted {} us, total {} us; unload diverted {} us, total {} us",
+        median_us(&cycles, "load", "thread_diverted_us"),
+        median_us(&cycles, "load", "total_us"),
+        median_us(&cycles, "unload", "thread_diverted_us"),
+        median_us(&cycles, "unload", "total_us"),
+    );
+}
+
+/// A small deterministic generator for the kill delays (seed printed).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+/// `ebtrace inject-check` SIGKILLed at random moments of repeated
+/// load/unload cycles: the target is never left stopped or traced, never
+/// sees the takeover, and the next load takes out what was left loaded.
+#[test]
+fn killed_loader_leaves_the_target_running_and_untraced() {
+    if !require_root("killed_loader_leaves_the_target_running_and_untraced") {
+        return;
+    }
+    let _serial = serial();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos() as u64;
+    eprintln!("kill delays seed {seed}");
+    let mut rng = Lcg(seed);
+    for mode in MODES {
+        let target = Target::start(mode);
+        let args = check_args(target.pid, 1000);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        for round in 0..20 {
+            let mut child = spawn_ebtrace(&args);
+            std::thread::sleep(Duration::from_millis(1 + rng.below(40)));
+            signal(child.id(), libc::SIGKILL);
+            let _ = child.wait();
+            let began = Instant::now();
+            loop {
+                let state = target.status("State");
+                let traced = target.status("TracerPid") != "0";
+                if !traced && !state.starts_with('t') && !state.starts_with('T') {
+                    break;
+                }
+                assert!(
+                    began.elapsed() < Duration::from_secs(1),
+                    "{mode} round {round}: target left {}",
+                    proc_state(target.pid)
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(
+                target.errors(),
+                0,
+                "{mode} round {round}: the program saw the takeover"
+            );
+        }
+        target.wait_progress(5);
+        assert_eq!(target.errors(), 0, "{mode}");
+        // The next load cleans up what the killed ones left loaded.
+        inject_check(target.pid, 1);
+        assert!(
+            agent_traces(target.pid).is_empty(),
+            "{mode}: left behind {:?}",
+            agent_traces(target.pid)
+        );
+        target.wait_progress(3);
+        assert_eq!(target.errors(), 0, "{mode}");
+    }
+}
+
+/// The errors name the cause: a process already traced by someone else
+/// (say, a debugger) and one that does not exist.
+#[test]
+fn refusals_say_why() {
+    if !require_root("refusals_say_why") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("sleep");
+    // This test process plays the debugger.
+    // SAFETY: PTRACE_SEIZE of our own child; no pointers involved.
+    let seized = unsafe { libc::ptrace(libc::PTRACE_SEIZE, target.pid as libc::pid_t, 0, 0) };
+    assert_eq!(seized, 0, "seize: {}", std::io::Error::last_os_error());
+    let args = check_args(target.pid, 1);
+    let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        // TracerPid names the tracing thread.
+        // SAFETY: gettid has no preconditions.
+        stderr.contains(&format!("already traced by pid {}", unsafe {
+            libc::gettid()
+        })),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    drop(target);
+
+    let mut args = check_args(1, 1);
+    args[2] = (u32::MAX / 2).to_string();
+    let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no process with pid"), "{stderr}");
+}
