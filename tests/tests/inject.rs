@@ -116,25 +116,37 @@ fn probe_library() -> &'static PathBuf {
     LIB.get_or_init(|| fixture::build_c_shared("inject_probe", "libinject_probe.so"))
 }
 
-fn check_args(pid: u32, cycles: u32) -> Vec<String> {
-    vec![
+/// Which library `inject-check` loads.
+#[derive(Clone, Copy, Debug)]
+enum Library {
+    /// ebtrace's own agent, embedded in the binary.
+    Agent,
+    /// The loader probe (tests/fixtures/inject_probe.c).
+    Probe,
+}
+
+fn check_args(pid: u32, cycles: u32, library: Library) -> Vec<String> {
+    let mut args = vec![
         "inject-check".into(),
         "--pid".into(),
         pid.to_string(),
         "--cycles".into(),
         cycles.to_string(),
-        "--library".into(),
-        probe_library().to_str().expect("UTF-8 path").into(),
-    ]
+    ];
+    if let Library::Probe = library {
+        args.push("--library".into());
+        args.push(probe_library().to_str().expect("UTF-8 path").into());
+    }
+    args
 }
 
 /// Runs `cycles` load/ping/unload cycles; returns one JSON value a cycle.
-fn inject_check(pid: u32, cycles: u32) -> Vec<serde_json::Value> {
-    let args = check_args(pid, cycles);
+fn inject_check(pid: u32, cycles: u32, library: Library) -> Vec<serde_json::Value> {
+    let args = check_args(pid, cycles, library);
     let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(
         out.status.success(),
-        "inject-check failed: {}",
+        "inject-check ({library:?}) failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
@@ -193,9 +205,12 @@ fn loaded_and_unloaded_in_every_thread_state_unnoticed() {
         return;
     }
     let _serial = serial();
-    for mode in MODES {
+    for (mode, library) in MODES
+        .into_iter()
+        .flat_map(|m| [(m, Library::Agent), (m, Library::Probe)])
+    {
         let target = Target::start(mode);
-        let cycles = inject_check(target.pid, 5);
+        let cycles = inject_check(target.pid, 5, library);
         for c in &cycles {
             // The fixture's one thread is the one that made the calls.
             assert_eq!(c["tid"].as_u64(), Some(target.pid as u64), "{mode}: {c}");
@@ -231,9 +246,9 @@ fn hundred_cycles_leave_nothing_behind() {
     let target = Target::start("read");
     // The first cycle may leave what glibc keeps for reuse (a cached
     // thread stack, grown heap): measure after it.
-    inject_check(target.pid, 1);
+    inject_check(target.pid, 1, Library::Agent);
     let before = footprint(target.pid);
-    let cycles = inject_check(target.pid, 100);
+    let cycles = inject_check(target.pid, 100, Library::Agent);
     let after = footprint(target.pid);
     assert_eq!(after.0, before.0, "mappings (lines of /proc/PID/maps) grew");
     assert_eq!(after.1, before.1, "open descriptors grew");
@@ -284,7 +299,7 @@ fn killed_loader_leaves_the_target_running_and_untraced() {
     let mut rng = Lcg(seed);
     for mode in MODES {
         let target = Target::start(mode);
-        let args = check_args(target.pid, 1000);
+        let args = check_args(target.pid, 1000, Library::Agent);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         for round in 0..20 {
             let mut child = spawn_ebtrace(&args);
@@ -314,7 +329,7 @@ fn killed_loader_leaves_the_target_running_and_untraced() {
         target.wait_progress(5);
         assert_eq!(target.errors(), 0, "{mode}");
         // The next load cleans up what the killed ones left loaded.
-        inject_check(target.pid, 1);
+        inject_check(target.pid, 1, Library::Agent);
         assert!(
             agent_traces(target.pid).is_empty(),
             "{mode}: left behind {:?}",
@@ -338,7 +353,7 @@ fn refusals_say_why() {
     // SAFETY: PTRACE_SEIZE of our own child; no pointers involved.
     let seized = unsafe { libc::ptrace(libc::PTRACE_SEIZE, target.pid as libc::pid_t, 0, 0) };
     assert_eq!(seized, 0, "seize: {}", std::io::Error::last_os_error());
-    let args = check_args(target.pid, 1);
+    let args = check_args(target.pid, 1, Library::Agent);
     let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -353,7 +368,7 @@ fn refusals_say_why() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     drop(target);
 
-    let mut args = check_args(1, 1);
+    let mut args = check_args(1, 1, Library::Agent);
     args[2] = (u32::MAX / 2).to_string();
     let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let stderr = String::from_utf8_lossy(&out.stderr);

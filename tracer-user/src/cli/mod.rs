@@ -69,7 +69,8 @@ pub enum Command {
         /// Load/ping/unload cycles.
         #[arg(long, default_value_t = 1)]
         cycles: u32,
-        /// A library to load instead of the agent ebtrace embeds.
+        /// A library to load instead of the agent ebtrace embeds (pinged
+        /// with one byte, answered plus one).
         #[arg(long, value_name = "PATH")]
         library: Option<PathBuf>,
     },

@@ -1,10 +1,13 @@
 //! `ebtrace inject-check`: loads the agent into a process, exchanges a
 //! ping with it and unloads it, a number of times, printing one JSON line
 //! per cycle with the timings. It exists for the tests and for diagnosing
-//! the loader on a machine (hidden from `--help`).
+//! the loader on a machine (hidden from `--help`). With `--library`, the
+//! library given is loaded instead and pinged with one byte, which it
+//! answers plus one (the tests' loader probe).
 
 use std::{
     io::{Read as _, Write as _},
+    os::unix::net::UnixStream,
     path::Path,
     time::Duration,
 };
@@ -29,22 +32,24 @@ fn report_json(r: &InjectReport) -> String {
 /// Runs `cycles` load/ping/unload cycles on `pid` with the library at
 /// `library`; returns the process exit code.
 pub fn run(pid: u32, cycles: u32, library: Option<&Path>) -> i32 {
-    let Some(path) = library else {
-        eprintln!("ebtrace inject-check: error: this build embeds no agent; pass --library PATH");
-        return crate::error::EXIT_USAGE;
-    };
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) => {
+    let bytes = match library.map(std::fs::read) {
+        None => crate::agent::LIBRARY.to_vec(),
+        Some(Ok(b)) => b,
+        Some(Err(e)) => {
             eprintln!(
                 "ebtrace inject-check: error: reading {}: {e}",
-                path.display()
+                library.unwrap_or(Path::new("")).display()
             );
             return crate::error::EXIT_USAGE;
         }
     };
+    let ping = if library.is_some() {
+        ping_probe
+    } else {
+        ping_agent
+    };
     for cycle in 0..cycles {
-        match one_cycle(pid, &bytes, cycle) {
+        match one_cycle(pid, &bytes, cycle, ping) {
             Ok(line) => println!("{line}"),
             Err(e) => {
                 eprintln!("ebtrace inject-check: error: cycle {cycle}: {e}");
@@ -55,19 +60,21 @@ pub fn run(pid: u32, cycles: u32, library: Option<&Path>) -> i32 {
     0
 }
 
-fn one_cycle(pid: u32, library: &[u8], cycle: u32) -> Result<String, Box<dyn std::error::Error>> {
+/// How a cycle checks that the library it loaded answers.
+type Ping = fn(&mut UnixStream, u32) -> Result<(), Box<dyn std::error::Error>>;
+
+fn one_cycle(
+    pid: u32,
+    library: &[u8],
+    cycle: u32,
+    ping: Ping,
+) -> Result<String, Box<dyn std::error::Error>> {
     let (injected, mut sock) = super::load(pid, library, AGENT_ATTACH)?;
     let tid = injected.tid;
     let load = injected.report;
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let ping = (cycle % 200) as u8;
-    sock.write_all(&[ping])?;
-    let mut pong = [0u8];
-    sock.read_exact(&mut pong)?;
-    if pong[0] != ping.wrapping_add(1) {
-        return Err(format!("the agent answered {} to ping {ping}", pong[0]).into());
-    }
-    // Tells the agent to finish (it stops at end of file).
+    ping(&mut sock, cycle)?;
+    // Tells the library to finish (it stops at end of file).
     drop(sock);
     let unload = injected.unload(AGENT_DETACH)?;
     Ok(format!(
@@ -75,4 +82,47 @@ fn one_cycle(pid: u32, library: &[u8], cycle: u32) -> Result<String, Box<dyn std
         report_json(&load),
         report_json(&unload)
     ))
+}
+
+/// The loader probe: one byte, answered plus one.
+fn ping_probe(sock: &mut UnixStream, cycle: u32) -> Result<(), Box<dyn std::error::Error>> {
+    let ping = (cycle % 200) as u8;
+    sock.write_all(&[ping])?;
+    let mut pong = [0u8];
+    sock.read_exact(&mut pong)?;
+    if pong[0] != ping.wrapping_add(1) {
+        return Err(format!("the library answered {} to ping {ping}", pong[0]).into());
+    }
+    Ok(())
+}
+
+/// The agent: its greeting, PING → PONG, SHUTDOWN → BYE.
+fn ping_agent(sock: &mut UnixStream, _cycle: u32) -> Result<(), Box<dyn std::error::Error>> {
+    use tracer_agent::protocol::{self, Header};
+    let expect = |sock: &mut UnixStream, kind: u32| -> Result<(), Box<dyn std::error::Error>> {
+        let mut h = [0u8; protocol::HEADER_LEN];
+        sock.read_exact(&mut h)?;
+        let header = Header::decode(&h);
+        let mut payload = vec![0; header.len.min(4096) as usize];
+        sock.read_exact(&mut payload)?;
+        if header.kind != kind {
+            return Err(format!("the agent sent frame {} for {kind}", header.kind).into());
+        }
+        Ok(())
+    };
+    expect(sock, protocol::HELLO)?;
+    for (request, answer) in [
+        (protocol::PING, protocol::PONG),
+        (protocol::SHUTDOWN, protocol::BYE),
+    ] {
+        sock.write_all(
+            &Header {
+                kind: request,
+                len: 0,
+            }
+            .encode(),
+        )?;
+        expect(sock, answer)?;
+    }
+    Ok(())
 }
