@@ -385,3 +385,76 @@ fn ctrl_c_ends_the_capture_and_writes_the_trace() {
     let host = plane(&space, "/host:CPU");
     assert!(host.lines.len() >= 5);
 }
+
+/// Names of the BPF programs loaded in the kernel now, read with the bpf
+/// syscall itself (what `bpftool prog` lists).
+fn loaded_bpf_program_names() -> Vec<String> {
+    const PROG_GET_NEXT_ID: libc::c_long = 11;
+    const PROG_GET_FD_BY_ID: libc::c_long = 13;
+    const OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    let bpf = |cmd: libc::c_long, attr: &mut [u64; 8]| {
+        // SAFETY: a zero-padded attribute buffer larger than each command's.
+        unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), 64) }
+    };
+    let mut names = Vec::new();
+    let mut id = 0u32;
+    loop {
+        let mut attr = [0u64; 8];
+        attr[0] = u64::from(id);
+        if bpf(PROG_GET_NEXT_ID, &mut attr) != 0 {
+            break;
+        }
+        id = (attr[0] >> 32) as u32;
+        let mut attr = [0u64; 8];
+        attr[0] = u64::from(id);
+        let fd = bpf(PROG_GET_FD_BY_ID, &mut attr);
+        if fd < 0 {
+            continue;
+        }
+        let mut info = [0u8; 256];
+        let mut attr = [0u64; 8];
+        attr[0] = fd as u64 | ((info.len() as u64) << 32);
+        attr[1] = info.as_mut_ptr() as u64;
+        if bpf(OBJ_GET_INFO_BY_FD, &mut attr) == 0 {
+            // bpf_prog_info.name: 16 bytes at offset 64.
+            let name = &info[64..80];
+            let end = name.iter().position(|&b| b == 0).unwrap_or(16);
+            names.push(String::from_utf8_lossy(&name[..end]).into_owned());
+        }
+        // SAFETY: our descriptor.
+        unsafe { libc::close(fd as i32) };
+    }
+    names
+}
+
+#[test]
+fn the_probes_are_released_after_ebtrace_exits() {
+    if !require_root("the_probes_are_released_after_ebtrace_exits") {
+        return;
+    }
+    let _serial = serial();
+    let ours = |names: Vec<String>| names.iter().filter(|n| *n == "sched_switch").count();
+    let before = ours(loaded_bpf_program_names());
+    let workload = SchedWorkload::start(&[]);
+    let logdir = TempDir::new("released");
+    let mut child = spawn_record(&workload.pid.to_string(), "3s", &logdir, &["-q"]);
+    let started = std::time::Instant::now();
+    while ours(loaded_bpf_program_names()) == before {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "ebtrace's sched_switch program never showed up"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(child.wait().unwrap().success());
+    // The trace is written; what is left is released in the background.
+    let exited = std::time::Instant::now();
+    while ours(loaded_bpf_program_names()) > before {
+        assert!(
+            exited.elapsed() < Duration::from_secs(10),
+            "ebtrace's programs are still loaded 10 s after it exited"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!one_trace(&logdir).planes.is_empty());
+}

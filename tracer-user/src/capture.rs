@@ -328,9 +328,13 @@ impl Capture {
         })
     }
 
-    /// Ends the capture now: detaches, drains, builds the timeline of the
-    /// whole capture.
-    pub fn finish(mut self, ended_early: Option<String>) -> Result<(Timeline, ProbeStats)> {
+    /// Ends the capture now: stops recording, drains, builds the timeline
+    /// of the whole capture. The probes, which no longer record anything,
+    /// come back to be released once the trace is out.
+    pub fn finish(
+        mut self,
+        ended_early: Option<String>,
+    ) -> Result<(Timeline, ProbeStats, AttachedProbes)> {
         let stop_ns = monotonic_ns();
         self.collect_framework(false);
         for session in self.framework.drain(..) {
@@ -344,16 +348,11 @@ impl Capture {
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
         let traceme_kernel = TraceMeProbe::stats(&mut self.probe);
-        // Programs still attached ignore the targets from now on. The
-        // scheduler's few links go first: releasing uprobe links is slow
-        // and holds a kernel mutex they would wait for (see `attach::cuda`),
-        // so those are released in the background while the trace is built.
+        // The programs ignore the targets from now on; they stay attached
+        // until the caller lets them go (see [`AttachedProbes`]): releasing
+        // links is slow, and the trace need not wait for it.
         for t in &self.targets {
             self.probe.remove_target(t.pid)?;
-        }
-        self.probe.detach();
-        if let Some(cuda) = &mut self.cuda {
-            cuda.detach_in_background();
         }
         let stats = ProbeStats {
             missed_by_kernel: missed,
@@ -369,7 +368,11 @@ impl Capture {
         }
         let window = Window::between(self.start_ns, stop_ns);
         let timeline = self.timeline_of(&window, stats.dropped(), ended_early);
-        Ok((timeline, stats))
+        let probes = AttachedProbes {
+            _cuda: self.cuda,
+            _probe: self.probe,
+        };
+        Ok((timeline, stats, probes))
     }
 
     /// Builds the timeline `window` shows from what has been drained so
@@ -503,6 +506,25 @@ impl Capture {
             spans.unpaired_activity_halves,
             spans.clipped
         ));
+    }
+}
+
+/// The probes of a finished capture: attached, recording nothing.
+/// Dropping them releases their links (in parallel, but the kernel closes
+/// tracepoint links one grace period at a time: about 40 ms each).
+pub struct AttachedProbes {
+    // Held for their links (dropped in this order: uprobes first).
+    _cuda: Option<CudaProbe>,
+    _probe: ProbeSet,
+}
+
+impl AttachedProbes {
+    /// For a process about to exit: hands the links to a child process
+    /// that releases them in the background once this one has exited, so
+    /// that the exit does not wait for the kernel.
+    pub fn release_after_exit(self) {
+        crate::attach::links::release_after_exit();
+        drop(self);
     }
 }
 

@@ -62,9 +62,6 @@ pub struct CudaProbe {
     pub targets: Vec<CudaTarget>,
 }
 
-/// Threads that release links together (each waits for a grace period).
-const DETACH_THREADS: usize = 64;
-
 /// Messages for the user about processes whose driver calls are not traced.
 pub type Warnings = Vec<String>;
 
@@ -150,14 +147,14 @@ impl CudaProbe {
 
     /// Detaches every probe, releasing the links concurrently.
     pub fn detach(&mut self) {
-        release(std::mem::take(&mut self.links));
+        super::links::release(std::mem::take(&mut self.links));
     }
 
     /// Starts detaching every probe on another thread and returns at once;
     /// the process's exit waits for the rest.
     pub fn detach_in_background(&mut self) -> std::thread::JoinHandle<()> {
         let links = std::mem::take(&mut self.links);
-        std::thread::spawn(move || release(links))
+        std::thread::spawn(move || super::links::release(links))
     }
 
     pub fn stats(&self) -> Result<CudaProbeStats> {
@@ -174,24 +171,6 @@ impl CudaProbe {
             names_truncated: sum(stat::NAMES_TRUNCATED)?,
         })
     }
-}
-
-/// Releases links from up to [`DETACH_THREADS`] threads at once.
-fn release(links: Vec<UProbeLink>) {
-    if links.is_empty() {
-        return;
-    }
-    let per_thread = links.len().div_ceil(DETACH_THREADS);
-    let mut links = links.into_iter();
-    std::thread::scope(|scope| {
-        loop {
-            let chunk: Vec<UProbeLink> = links.by_ref().take(per_thread).collect();
-            if chunk.is_empty() {
-                break;
-            }
-            scope.spawn(move || drop(chunk));
-        }
-    });
 }
 
 /// One line per target saying what is traced, for the user.

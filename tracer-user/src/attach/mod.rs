@@ -11,6 +11,7 @@
 pub mod cuda;
 pub mod inject;
 pub mod libcuda;
+pub mod links;
 pub mod probe_set;
 pub mod sched;
 pub mod tracefs;

@@ -11,7 +11,10 @@ use aya::{
 };
 use tracer_common::{names, stat};
 
-use super::EBPF_OBJECT;
+use super::{
+    EBPF_OBJECT,
+    links::{OwnedLink, release},
+};
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug)]
@@ -56,10 +59,18 @@ impl ProbeStats {
 }
 
 pub struct ProbeSet {
-    /// Programs and the membership maps; dropping it detaches everything.
+    /// Programs and the membership maps; dropping it unloads them.
     ebpf: Option<Ebpf>,
+    /// The families' links, released together by [`ProbeSet::detach`].
+    links: Vec<OwnedLink>,
     events: Option<RingBuf<MapData>>,
     stats: PerCpuArray<MapData, u64>,
+}
+
+impl Drop for ProbeSet {
+    fn drop(&mut self) {
+        self.detach();
+    }
 }
 
 impl ProbeSet {
@@ -82,6 +93,7 @@ impl ProbeSet {
             .and_then(|m| PerCpuArray::try_from(m).map_err(|e| map_err(names::STATS, e)))?;
         Ok(ProbeSet {
             ebpf: Some(ebpf),
+            links: Vec::new(),
             events: Some(events),
             stats,
         })
@@ -133,9 +145,16 @@ impl ProbeSet {
         Ok(())
     }
 
-    /// Detaches and unloads every program. The ring buffer stays readable,
-    /// so what was submitted before can still be drained.
+    /// Keeps a family's link, to be released with the others.
+    pub fn keep_link(&mut self, link: impl Into<OwnedLink>) {
+        self.links.push(link.into());
+    }
+
+    /// Detaches and unloads every program, the links released in parallel
+    /// (see [`links`](super::links)). The ring buffer stays readable, so
+    /// what was submitted before can still be drained.
     pub fn detach(&mut self) {
+        release(std::mem::take(&mut self.links));
         self.ebpf = None;
     }
 

@@ -32,10 +32,14 @@ impl SchedProbe {
             what: format!("program {prog} (verifier)"),
             source: Box::new(source),
         })?;
-        tp.attach(category, name).map_err(|source| Error::Attach {
-            what: format!("tracepoint {category}:{name}"),
-            source: Box::new(source),
-        })?;
+        let link = tp
+            .attach(category, name)
+            .and_then(|id| tp.take_link(id))
+            .map_err(|source| Error::Attach {
+                what: format!("tracepoint {category}:{name}"),
+                source: Box::new(source),
+            })?;
+        set.keep_link(link);
         Ok(())
     }
 

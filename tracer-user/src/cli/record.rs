@@ -113,7 +113,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     };
     bar.finish_and_clear();
 
-    let (timeline, probe_stats) = capture.finish(ended_early)?;
+    let (timeline, probe_stats, probes) = capture.finish(ended_early)?;
     let host = xspace::local_hostname();
     let summary = summary::render(&timeline, &probe_stats);
     let bytes = xspace::timeline_to_xspace_bytes(&timeline, &host);
@@ -147,5 +147,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             println!("{}", p.display());
         }
     }
+    // The trace is out: the probes are released in the background.
+    probes.release_after_exit();
     Ok(())
 }

@@ -429,12 +429,13 @@ fn attach_one(set: &mut ProbeSet, recorder: &Recorder) -> Result<()> {
         })?;
     }
     let pid = NonZeroU32::new(recorder.pid).expect("pids are non-zero");
-    program
+    let link = program
         .attach(
             recorder.record_offset,
             &recorder.open_path,
             UProbeScope::OneProcess(pid),
         )
+        .and_then(|id| program.take_link(id))
         .map_err(|source| Error::Attach {
             what: format!(
                 "uprobe on TraceMeRecorder::Record in {}",
@@ -442,5 +443,6 @@ fn attach_one(set: &mut ProbeSet, recorder: &Recorder) -> Result<()> {
             ),
             source: Box::new(source),
         })?;
+    set.keep_link(link);
     Ok(())
 }

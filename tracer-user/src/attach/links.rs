@@ -1,0 +1,85 @@
+//! Releasing probe links. Closing a tracepoint or uprobe link waits for an
+//! RCU grace period (tens of milliseconds); one after the other, seven
+//! scheduler links took half a second and two hundred driver uprobes ten
+//! seconds or more. Released from many threads at once, the waits overlap.
+
+use aya::programs::{trace_point::TracePointLink, uprobe::UProbeLink};
+
+/// Threads that release links together.
+const RELEASE_THREADS: usize = 64;
+
+/// A link ebtrace owns: dropping it detaches the program.
+pub enum OwnedLink {
+    TracePoint(TracePointLink),
+    UProbe(UProbeLink),
+}
+
+impl From<TracePointLink> for OwnedLink {
+    fn from(link: TracePointLink) -> Self {
+        OwnedLink::TracePoint(link)
+    }
+}
+
+impl From<UProbeLink> for OwnedLink {
+    fn from(link: UProbeLink) -> Self {
+        OwnedLink::UProbe(link)
+    }
+}
+
+/// Releases `links` from up to [`RELEASE_THREADS`] threads at once and
+/// returns when all are released.
+pub fn release<L: Send>(links: Vec<L>) {
+    if links.is_empty() {
+        return;
+    }
+    let per_thread = links.len().div_ceil(RELEASE_THREADS);
+    let mut links = links.into_iter();
+    std::thread::scope(|scope| {
+        loop {
+            let chunk: Vec<L> = links.by_ref().take(per_thread).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            scope.spawn(move || drop(chunk));
+        }
+    });
+}
+
+/// Lets this process exit without waiting for the kernel to release its
+/// probe links: a forked child keeps a reference to every open descriptor,
+/// waits for this process to exit (so that its own references go first,
+/// cheaply), then exits, and the kernel releases the links in the child,
+/// in the background. Call it last, after the trace is written. If fork
+/// fails, this process's exit releases them itself.
+pub fn release_after_exit() {
+    let mut pipe = [0; 2];
+    // SAFETY: a valid two-int array.
+    if unsafe { libc::pipe(pipe.as_mut_ptr()) } != 0 {
+        return;
+    }
+    let [read_end, write_end] = pipe;
+    // SAFETY: fork; the child below only calls async-signal-safe functions.
+    match unsafe { libc::fork() } {
+        // SAFETY: close, setsid, read and _exit are async-signal-safe, as a
+        // child of a multithreaded process requires.
+        0 => unsafe {
+            libc::close(write_end);
+            // Out of the terminal's session and off stdio: nobody waits
+            // for this child.
+            libc::setsid();
+            for fd in 0..=2 {
+                libc::close(fd);
+            }
+            let mut b = 0u8;
+            while libc::read(read_end, (&mut b as *mut u8).cast(), 1) != 0
+                && *libc::__errno_location() == libc::EINTR
+            {}
+            libc::_exit(0)
+        },
+        // SAFETY: our end of the pipe; its write end stays open until
+        // this process exits.
+        _ => unsafe {
+            libc::close(read_end);
+        },
+    }
+}
