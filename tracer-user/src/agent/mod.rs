@@ -5,6 +5,10 @@
 //! The wire protocol is `tracer_agent::protocol`. Everything the agent
 //! sends comes from inside the target and is read with limits.
 
+mod route;
+
+pub use route::{TraceMeRoute, start_framework_sessions};
+
 use std::{
     collections::HashMap,
     io::{Read, Write},

@@ -11,7 +11,7 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::capture::TraceMeRoute;
+use crate::agent::TraceMeRoute;
 
 /// eBPF-assisted tracer for ML workloads: attaches to running processes and
 /// writes XProf (XSpace) timelines of their threads.

@@ -13,10 +13,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::{RecordArgs, summary};
 use crate::{
+    agent::TraceMeRoute,
     attach::{ProbeSetConfig, TraceMeOptions},
-    capture::{
-        Capture, CaptureOptions, ProbeFamilies, TraceMeRoute, check_privileges, open_targets,
-    },
+    capture::{Capture, CaptureOptions, ProbeFamilies, check_privileges, open_targets},
     error::Result,
     sink::{logdir, perfetto, xspace},
 };
