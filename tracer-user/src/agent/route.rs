@@ -67,8 +67,16 @@ pub fn start_framework_sessions(
             uprobes.push(pid);
             continue;
         }
-        let started = framework_in(pid).and_then(|()| FrameworkSession::start(pid, levels));
-        match started {
+        // A process with no framework in it needs no line here: the
+        // uprobe route says it found no recorder.
+        if let Err(why) = framework_in(pid) {
+            match route {
+                TraceMeRoute::Auto => uprobes.push(pid),
+                _ => notes.push(format!("pid {pid}: no TraceMe events: the agent: {why}")),
+            }
+            continue;
+        }
+        match FrameworkSession::start(pid, levels) {
             Ok(s) => {
                 let how = if s.preloaded() {
                     "the agent it was started with".to_string()
