@@ -7,7 +7,20 @@ use std::{
     process::{Child, Command, Stdio},
 };
 
-use crate::workspace_root;
+use crate::{workspace_root, xprof};
+
+/// The venv Python with jax and xprof, or `None` to skip (a failure when
+/// `EBTRACE_REQUIRE_INTEROP=1`).
+pub fn jax_python() -> Option<std::path::PathBuf> {
+    xprof::python_with(&["jax", "jaxlib", xprof::XPROF_MODULE])
+}
+
+/// The jax workload (`jax_workload.py`) on the CPU backend, with `env`.
+pub fn start_jax(python: &Path, env: &[(&str, &str)]) -> PythonWorkload {
+    let mut all = vec![("JAX_PLATFORMS", "cpu")];
+    all.extend_from_slice(env);
+    PythonWorkload::start(python, "jax_workload.py", &all)
+}
 
 /// A running `tests/fixtures/traceme/<script>`, killed when dropped. The
 /// script prints `{"pid": N}` once warmed up.

@@ -14,7 +14,7 @@ use std::{
 
 use ebtrace_tests::{
     TempDir, ebtrace_bin,
-    python::PythonWorkload,
+    python::{PythonWorkload, jax_python, start_jax},
     record, require_root, serial,
     serve::ServeProcess,
     signal,
@@ -22,16 +22,6 @@ use ebtrace_tests::{
     wait_with_deadline, xplane_files, xprof,
     xspace::{self, assert_lines_nest, line_events, plane},
 };
-
-fn jax_python() -> Option<PathBuf> {
-    xprof::python_with(&["jax", "jaxlib", xprof::XPROF_MODULE])
-}
-
-fn start_jax(python: &Path, env: &[(&str, &str)]) -> PythonWorkload {
-    let mut all = vec![("JAX_PLATFORMS", "cpu")];
-    all.extend_from_slice(env);
-    PythonWorkload::start(python, "jax_workload.py", &all)
-}
 
 /// What the agent leaves in the target: its mappings, its memfd, its
 /// thread (all empty when it is out).

@@ -4,35 +4,18 @@
 //! local `.symtab` symbols, switched on from outside, read back, and
 //! switched off again. The agent route is tested in `agent.rs`.
 
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-    time::Duration,
-};
+use std::{process::Command, time::Duration};
 
 use ebtrace_tests::{
     TempDir,
     killed::kill_mid_capture,
-    python::{PythonWorkload, symbol_address},
+    python::{jax_python, start_jax, symbol_address},
     record, require_root, serial, signal,
     traceme::read_i32,
     viewer::{self, TraceViewerPage},
     xplane_files, xprof,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
 };
-
-/// The venv Python with jax and xprof, or `None` to skip (a failure when
-/// `EBTRACE_REQUIRE_INTEROP=1`).
-fn jax_python() -> Option<PathBuf> {
-    xprof::python_with(&["jax", "jaxlib", xprof::XPROF_MODULE])
-}
-
-/// The jax workload (`jax_workload.py`) on the CPU backend, with `env`.
-fn start_jax(python: &Path, env: &[(&str, &str)]) -> PythonWorkload {
-    let mut all = vec![("JAX_PLATFORMS", "cpu")];
-    all.extend_from_slice(env);
-    PythonWorkload::start(python, "jax_workload.py", &all)
-}
 
 /// Address of jaxlib's `g_trace_level` in `pid` (a local `.symtab` symbol).
 fn jaxlib_trace_level_address(pid: u32) -> u64 {
