@@ -138,8 +138,10 @@ impl FrameworkSession {
                 (kind, _) => return Err(format!("the agent answered STOP with frame {kind}")),
             }
         }
-        if restart {
-            self.start_session()?;
+        // What was recorded is kept even if the next session cannot start
+        // (the process may have started one of its own meanwhile).
+        if restart && let Err(why) = self.start_session() {
+            log::warn!("pid {}: the next session did not start: {why}", self.pid);
         }
         Ok(FrameworkRecording {
             pid: self.pid,
