@@ -5,6 +5,16 @@ use std::{collections::BTreeMap, fs, path::PathBuf};
 
 use crate::error::{Error, Result};
 
+/// The ids of `pid`'s threads right now (`/proc/PID/task`).
+pub fn thread_ids(pid: u32) -> std::io::Result<Vec<u32>> {
+    Ok(
+        fs::read_dir(proc_root().join(pid.to_string()).join("task"))?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect(),
+    )
+}
+
 fn proc_root() -> PathBuf {
     PathBuf::from("/proc")
 }
@@ -68,26 +78,15 @@ impl TargetProcess {
 
     /// The process's threads and their states right now.
     pub fn threads(&self) -> BTreeMap<u32, TaskStat> {
-        let mut out = BTreeMap::new();
-        let Ok(dir) = fs::read_dir(proc_root().join(self.pid.to_string()).join("task")) else {
-            return out;
-        };
-        for entry in dir.flatten() {
-            let Some(tid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            if let Some(stat) = fs::read_to_string(entry.path().join("stat"))
-                .ok()
-                .and_then(|s| parse_stat(&s))
-            {
-                out.insert(tid, stat);
-            }
-        }
-        out
+        let tasks = proc_root().join(self.pid.to_string()).join("task");
+        thread_ids(self.pid)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|tid| {
+                let stat = fs::read_to_string(tasks.join(tid.to_string()).join("stat")).ok()?;
+                Some((tid, parse_stat(&stat)?))
+            })
+            .collect()
     }
 
     /// True while the process exists and has not exited (zombies count as gone).

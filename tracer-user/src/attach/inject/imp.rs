@@ -12,8 +12,7 @@ use std::{
 };
 
 use super::{
-    AGENT_DETACH, AGENT_THREAD_PREFIX, InjectError, InjectReport, Injected, MEMFD_NAME,
-    process_alive,
+    AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME, process_alive,
     session::{Session, code_len},
     symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
 };
@@ -33,23 +32,10 @@ const SYS_FUTEX: i64 = 202;
 /// the kernel restarts, then one waiting on a futex, then a running one;
 /// never one of the agent's.
 fn pick_thread(pid: u32) -> Result<u32, InjectError> {
-    let tasks = fs::read_dir(format!("/proc/{pid}/task"))
-        .map_err(|_| InjectError::NoSuchProcess { pid })?;
     let mut best: Option<(u8, u32)> = None;
-    for entry in tasks.flatten() {
-        let Some(tid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let dir = entry.path();
-        let comm = fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if comm.starts_with(AGENT_THREAD_PREFIX) {
-            continue;
-        }
-        let syscall = fs::read_to_string(dir.join("syscall")).unwrap_or_default();
+    for tid in super::program_threads(pid)? {
+        let syscall =
+            fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).unwrap_or_default();
         let first = syscall.split_whitespace().next().unwrap_or("");
         let tier = match first.parse::<i64>() {
             Ok(nr) if RESTARTED.contains(&nr) => 0,

@@ -205,6 +205,18 @@ fn unsupported() -> InjectError {
 #[cfg(target_arch = "x86_64")]
 mod imp;
 
+/// The program's own threads of `pid`: every thread but the agent's.
+fn program_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
+    let tids = crate::procfs::thread_ids(pid).map_err(|_| InjectError::NoSuchProcess { pid })?;
+    Ok(tids
+        .into_iter()
+        .filter(|tid| {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"));
+            !comm.is_ok_and(|c| c.starts_with(AGENT_THREAD_PREFIX))
+        })
+        .collect())
+}
+
 /// True while `pid` exists and is not a zombie.
 fn process_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))

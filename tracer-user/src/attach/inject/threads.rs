@@ -3,24 +3,15 @@
 
 use std::collections::HashMap;
 
-use super::{AGENT_THREAD_PREFIX, InjectError, ptrace::Tracee};
+use super::{InjectError, ptrace::Tracee};
 
 /// Reads the thread pointer (`fs_base`, which glibc's `pthread_self()`
 /// returns) of every thread of `pid` but the agent's, stopping one thread
 /// at a time for a few microseconds. Threads that end meanwhile are
 /// skipped.
 pub fn thread_pointers(pid: u32) -> Result<HashMap<u32, u64>, InjectError> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map_err(|_| InjectError::NoSuchProcess { pid })?;
     let mut found = HashMap::new();
-    for tid in tasks
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-    {
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"));
-        if comm.is_ok_and(|c| c.starts_with(AGENT_THREAD_PREFIX)) {
-            continue;
-        }
+    for tid in super::program_threads(pid)? {
         let mut thread = match Tracee::seize(pid, tid) {
             Ok(t) => t,
             Err(InjectError::TargetExited { .. }) => return Err(InjectError::TargetExited { pid }),
