@@ -8,7 +8,8 @@ use core::{
 
 use crate::{
     protocol::{self, Header, SessionLevels},
-    python::{Session, Text},
+    python::Text,
+    sources::Sources,
     sys,
 };
 
@@ -109,7 +110,7 @@ pub fn serve(fd: c_int) {
     hello[4..].copy_from_slice(&pid.to_le_bytes());
     send_frame(fd, protocol::HELLO, &hello);
 
-    let mut session: Option<Session> = None;
+    let mut session: Option<Sources> = None;
     loop {
         let mut h = [0u8; protocol::HEADER_LEN];
         if !read_exact(fd, &mut h) {
@@ -131,7 +132,7 @@ pub fn serve(fd: c_int) {
                 let reply = match (&session, <&[u8; SessionLevels::LEN]>::try_from(&*payload)) {
                     (Some(_), _) => Err(Text::new("a profiler session is already running")),
                     (None, Err(_)) => Err(Text::new("malformed START request")),
-                    (None, Ok(levels)) => Session::start(&SessionLevels::decode(levels)),
+                    (None, Ok(levels)) => Sources::start(&SessionLevels::decode(levels)),
                 };
                 match reply {
                     Ok((s, framework)) => {
@@ -146,8 +147,8 @@ pub fn serve(fd: c_int) {
                     send_frame(fd, protocol::FAILED, b"no profiler session is running");
                 }
                 Some(s) => {
-                    let why = s.stop(|xspace| {
-                        send_frame(fd, protocol::XSPACE, xspace);
+                    let why = s.stop(|kind, payload| {
+                        send_frame(fd, kind, payload);
                     });
                     let why = why.as_ref().map(Text::as_bytes).unwrap_or_default();
                     send_frame(fd, protocol::STOPPED, why);
@@ -155,7 +156,7 @@ pub fn serve(fd: c_int) {
             },
             protocol::SHUTDOWN => {
                 if let Some(s) = session.take() {
-                    let _ = s.stop(|_| {});
+                    let _ = s.stop(|_, _| {});
                 }
                 send_frame(fd, protocol::BYE, &[]);
                 return;
@@ -167,7 +168,7 @@ pub fn serve(fd: c_int) {
     }
     // ebtrace is gone (or spoke nonsense): stop what it started.
     if let Some(s) = session.take() {
-        let _ = s.stop(|_| {});
+        let _ = s.stop(|_, _| {});
     }
 }
 

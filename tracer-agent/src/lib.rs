@@ -13,11 +13,14 @@
 //! any target with glibc 2.28 or later.
 #![cfg_attr(not(test), no_std)]
 
+pub mod activity;
 pub mod protocol;
 
 mod agent;
+mod cupti;
 pub mod preload;
 mod python;
+mod sources;
 mod sys;
 
 /// Listens for ebtrace when preloaded (see [`preload`]).

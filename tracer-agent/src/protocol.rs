@@ -43,11 +43,13 @@ pub fn abstract_socket_name(pid: u32, out: &mut [u8]) -> usize {
 
 /// ebtrace → agent: answer [`PONG`].
 pub const PING: u32 = 1;
-/// ebtrace → agent: start the framework's profiler session; payload:
-/// [`SessionLevels`]. Answer: [`STARTED`] or [`FAILED`].
+/// ebtrace → agent: start recording: the framework's profiler session
+/// (host level > 0) and the device's activity (device level > 0); payload:
+/// [`SessionLevels`]. Answer: [`STARTED`] if anything records, else
+/// [`FAILED`].
 pub const START: u32 = 2;
-/// ebtrace → agent: stop the session; answer: one [`XSPACE`] per
-/// framework session, then [`STOPPED`].
+/// ebtrace → agent: stop recording; answer: one [`XSPACE`] per framework
+/// session, the [`DEVICE_ACTIVITY`] batches, then [`STOPPED`].
 pub const STOP: u32 = 3;
 /// ebtrace → agent: stop everything and end the agent's thread; answer:
 /// [`BYE`], the last frame.
@@ -55,7 +57,9 @@ pub const SHUTDOWN: u32 = 4;
 
 /// agent → ebtrace, first frame after attaching: [`VERSION`] and the pid.
 pub const HELLO: u32 = 100;
-/// agent → ebtrace: the session runs; payload: what runs it (UTF-8).
+/// agent → ebtrace: recording; payload: UTF-8 lines `SOURCE\tTEXT`, where
+/// SOURCE is [`SOURCE_FRAMEWORK`] or [`SOURCE_DEVICE`] (what records) or
+/// [`SOURCE_NOTE`] (a source that could not start, and why).
 pub const STARTED: u32 = 101;
 /// agent → ebtrace: the request failed; payload: why, one line (UTF-8).
 pub const FAILED: u32 = 102;
@@ -68,6 +72,17 @@ pub const PONG: u32 = 105;
 /// agent → ebtrace: the last answer to [`STOP`]; payload: why a session
 /// did not stop cleanly (UTF-8), or nothing.
 pub const STOPPED: u32 = 106;
+
+/// agent → ebtrace: a batch of CUPTI activity records (see
+/// [`crate::activity`]).
+pub const DEVICE_ACTIVITY: u32 = 107;
+
+/// A [`STARTED`] line: the framework session that runs.
+pub const SOURCE_FRAMEWORK: &str = "framework";
+/// A [`STARTED`] line: the device activity source that runs.
+pub const SOURCE_DEVICE: &str = "device";
+/// A [`STARTED`] line: a source that did not start, and why.
+pub const SOURCE_NOTE: &str = "note";
 
 /// A frame header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

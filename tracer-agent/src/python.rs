@@ -109,7 +109,7 @@ const MAX_SESSIONS: usize = 4;
 
 /// A short UTF-8 message, copied out of Python before the GIL is released.
 pub struct Text {
-    buf: [u8; 400],
+    buf: [u8; 1024],
     len: usize,
 }
 
@@ -117,14 +117,15 @@ impl Text {
     /// A message from a constant.
     pub fn new(s: &str) -> Self {
         let mut t = Text {
-            buf: [0; 400],
+            buf: [0; 1024],
             len: 0,
         };
         t.push(s.as_bytes());
         t
     }
 
-    fn push(&mut self, bytes: &[u8]) {
+    /// Appends `bytes`, as far as they fit.
+    pub fn push(&mut self, bytes: &[u8]) {
         let room = self.buf.len() - self.len;
         let n = bytes.len().min(room);
         self.buf[self.len..self.len + n].copy_from_slice(&bytes[..n]);
@@ -134,6 +135,13 @@ impl Text {
     /// The message's bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.buf[..self.len]
+    }
+}
+
+impl core::fmt::Write for Text {
+    fn write_str(&mut self, s: &str) -> core::fmt::Result {
+        self.push(s.as_bytes());
+        Ok(())
     }
 }
 

@@ -46,6 +46,39 @@ pub struct DlInfo {
     pub saddr: *mut c_void,
 }
 
+/// `struct timespec`.
+#[repr(C)]
+#[derive(Default)]
+pub struct Timespec {
+    pub sec: i64,
+    pub nsec: i64,
+}
+
+/// `CLOCK_MONOTONIC`.
+pub const CLOCK_MONOTONIC: c_int = 1;
+/// `RTLD_LAZY`.
+pub const RTLD_LAZY: c_int = 1;
+/// `RTLD_NOLOAD`.
+pub const RTLD_NOLOAD: c_int = 4;
+/// `RTLD_NODELETE`.
+pub const RTLD_NODELETE: c_int = 0x1000;
+/// `PROT_READ | PROT_WRITE`.
+pub const PROT_READ_WRITE: c_int = 3;
+/// `MAP_PRIVATE | MAP_ANONYMOUS`.
+pub const MAP_PRIVATE_ANONYMOUS: c_int = 0x02 | 0x20;
+/// `MAP_FAILED`.
+pub const MAP_FAILED: *mut c_void = !0usize as *mut c_void;
+
+/// `CLOCK_MONOTONIC` now, in ns.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = Timespec::default();
+    // SAFETY: a valid out pointer; the clock always exists.
+    unsafe { clock_gettime(CLOCK_MONOTONIC, &mut ts) };
+    (ts.sec as u64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(ts.nsec as u64)
+}
+
 /// `SIG_SETMASK`.
 pub const SIG_SETMASK: c_int = 2;
 /// `MSG_NOSIGNAL`: a write to a closed socket returns EPIPE instead of
@@ -123,6 +156,17 @@ unsafe extern "C" {
     pub static __dso_handle: u8;
     pub fn pthread_detach(thread: PthreadT) -> c_int;
     pub fn __errno_location() -> *mut c_int;
+    pub fn dlopen(name: *const c_char, flags: c_int) -> *mut c_void;
+    pub fn mmap(
+        addr: *mut c_void,
+        len: usize,
+        prot: c_int,
+        flags: c_int,
+        fd: c_int,
+        offset: i64,
+    ) -> *mut c_void;
+    pub fn munmap(addr: *mut c_void, len: usize) -> c_int;
+    pub fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
 }
 
 /// The calling thread's `errno`.

@@ -8,12 +8,12 @@
 //! recorded up to then is kept.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     time::{Duration, Instant},
 };
 
 use crate::{
-    agent::{FrameworkRecording, FrameworkSession, TraceMeRoute, start_framework_sessions},
+    agent::{AgentRecording, AgentSession, AgentStart, TraceMeRoute, start_agent_sessions},
     attach::{
         CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions, TraceMeProbe,
         cuda, tracefs,
@@ -24,7 +24,8 @@ use crate::{
     procfs::{self, TargetProcess},
     timeline::{
         CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
-        Timeline, Window, add_traceme_spans, merge_framework_space, nest_spans,
+        Timeline, Window, add_traceme_spans, merge_device_activity, merge_framework_space,
+        nest_spans,
     },
 };
 
@@ -70,6 +71,9 @@ pub struct CaptureOptions {
     pub traceme: TraceMeOptions,
     /// How each target's TraceMe events are collected.
     pub route: TraceMeRoute,
+    /// Never record what the GPU ran through the agent (CUPTI): the GPU
+    /// lines then show the work as the host submitted it.
+    pub no_device_activity: bool,
 }
 
 /// Which probe families a capture attaches. Each family has one switch
@@ -119,9 +123,9 @@ pub struct PollStatus {
 pub struct Capture {
     /// Framework sessions run by the agent; dropped first, which stops
     /// them and takes the agent out of the targets.
-    framework: Vec<FrameworkSession>,
+    framework: Vec<AgentSession>,
     /// What those sessions recorded so far.
-    recordings: Vec<FrameworkRecording>,
+    recordings: Vec<AgentRecording>,
     /// Declared before `probe`: dropped first, it switches the targets'
     /// TraceMe recording off while the probes still see it.
     traceme: TraceMeProbe,
@@ -156,8 +160,12 @@ impl Capture {
         // closes before its many probe links (each takes a while), so the
         // agent notices within milliseconds.
         let level = options.families.traceme_level;
-        let (framework, uprobe_pids, mut notes) =
-            start_framework_sessions(&targets, level, options.route);
+        let device_activity = options.families.cuda && !options.no_device_activity;
+        let AgentStart {
+            sessions: framework,
+            uprobe_pids,
+            mut notes,
+        } = start_agent_sessions(&targets, level, options.route, device_activity);
         let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
             ..options.probe.clone()
@@ -389,6 +397,7 @@ impl Capture {
         cuda.finish().add_to(&mut timeline);
         self.add_traceme(&mut timeline);
         self.add_framework(&mut timeline);
+        self.add_device_activity(&mut timeline);
         let cut: u64 = timeline
             .threads
             .values_mut()
@@ -444,6 +453,42 @@ impl Capture {
                     "pid {}: the framework's XSpace is unreadable ({e}); its events are missing",
                     r.pid
                 )),
+            }
+        }
+    }
+
+    /// Lays what the GPUs ran (CUPTI, through the agent) on their lines and
+    /// says how it went.
+    fn add_device_activity(&self, timeline: &mut Timeline) {
+        let mut by_pid: BTreeMap<u32, Vec<Vec<u8>>> = BTreeMap::new();
+        for r in &self.recordings {
+            if let Some(problem) = &r.problem {
+                timeline
+                    .stats
+                    .warnings
+                    .push(format!("pid {}: {problem}", r.pid));
+            }
+            if !r.device_activity.is_empty() {
+                by_pid
+                    .entry(r.pid)
+                    .or_default()
+                    .extend(r.device_activity.iter().cloned());
+            }
+        }
+        for (pid, batches) in by_pid {
+            let m = merge_device_activity(timeline, pid, &batches);
+            timeline.stats.notes.push(format!(
+                "pid {pid}: GPU activity (CUPTI): {} kernels, {} copies, {} memsets; \
+                 {} joined to the driver call spans of the uprobes, {} calls shown from \
+                 CUPTI's own records",
+                m.kernels, m.copies, m.memsets, m.joined, m.spans_from_records
+            ));
+            if m.dropped > 0 {
+                timeline.stats.warnings.push(format!(
+                    "pid {pid}: CUPTI dropped {} activity records (its buffers were full): \
+                     shorten the window or collect more often",
+                    m.dropped
+                ));
             }
         }
     }

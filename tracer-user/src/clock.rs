@@ -64,6 +64,16 @@ impl ClockSync {
         }
     }
 
+    /// Another clock read at the same instant as `monotonic_ns`, e.g.
+    /// CUPTI's GPU timestamps, which the agent pairs with the target's
+    /// `CLOCK_MONOTONIC`: [`Self::to_monotonic_ns`] then maps that clock.
+    pub const fn pairing(other_ns: u64, monotonic_ns: u64) -> Self {
+        ClockSync {
+            offset_ns: (other_ns as i64).wrapping_sub(monotonic_ns as i64),
+            uncertainty_ns: 0,
+        }
+    }
+
     /// Converts a monotonic timestamp (eBPF record time) to epoch ns.
     pub fn to_wall_ns(&self, monotonic_ns: u64) -> u64 {
         (monotonic_ns as i64).wrapping_add(self.offset_ns) as u64

@@ -7,7 +7,7 @@
 
 mod route;
 
-pub use route::{TraceMeRoute, start_framework_sessions};
+pub use route::{AgentStart, TraceMeRoute, start_agent_sessions};
 
 use std::{
     collections::HashMap,
@@ -32,14 +32,42 @@ pub const ATTACH: &str = "ebtrace_agent_attach";
 /// waits for the GIL, and stopping a session serializes its events.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// A framework profiler session running in a target through the agent.
-pub struct FrameworkSession {
+/// What the agent records in a target, as its [`protocol::STARTED`] said.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Started {
+    /// The framework session, e.g. `jax 0.10.2 ProfilerSession`.
+    pub framework: Option<String>,
+    /// The device activity source, e.g. `CUPTI 12.8 activity: kernels, ...`.
+    pub device: Option<String>,
+    /// Sources that did not start, and why.
+    pub notes: Vec<String>,
+}
+
+impl Started {
+    fn parse(payload: &[u8]) -> Self {
+        let mut started = Started::default();
+        for line in String::from_utf8_lossy(payload).lines() {
+            let (source, text) = line.split_once('\t').unwrap_or(("", line));
+            let text = text.to_string();
+            match source {
+                protocol::SOURCE_FRAMEWORK => started.framework = Some(text),
+                protocol::SOURCE_DEVICE => started.device = Some(text),
+                _ => started.notes.push(text),
+            }
+        }
+        started
+    }
+}
+
+/// What ebtrace's agent records in a target: the framework's profiler
+/// session, the GPU's activity, or both.
+pub struct AgentSession {
     pub pid: u32,
     levels: SessionLevels,
     control: UnixStream,
     injected: Option<Injected>,
-    /// What runs the session, e.g. `jax 0.10.2 ProfilerSession`.
-    pub framework: String,
+    /// What records.
+    pub started: Started,
     /// How the agent was loaded.
     pub load: InjectReport,
     /// Kernel tid → `pthread_self()` of the target's threads.
@@ -48,11 +76,15 @@ pub struct FrameworkSession {
 }
 
 /// What a session recorded.
-pub struct FrameworkRecording {
+pub struct AgentRecording {
     pub pid: u32,
     /// The serialized XSpaces, as the frameworks wrote them (one per
     /// framework: jax and TensorFlow each have their own profiler).
     pub xspaces: Vec<Vec<u8>>,
+    /// CUPTI activity batches (`tracer_agent::activity`).
+    pub device_activity: Vec<Vec<u8>>,
+    /// Why a source did not stop cleanly (what it recorded is kept).
+    pub problem: Option<String>,
     /// Its host lines' thread ids → kernel tids.
     pub threads: ThreadIds,
 }
@@ -74,10 +106,11 @@ fn connect_preloaded(pid: u32) -> Option<UnixStream> {
     UnixStream::connect_addr(&addr).ok()
 }
 
-impl FrameworkSession {
-    /// Starts the framework's own profiler session in `pid` at `levels`,
-    /// through the agent it was started with or else one loaded now. The
-    /// error is one line saying why not (a loaded agent is taken out again).
+impl AgentSession {
+    /// Starts recording in `pid` at `levels` (the framework's own profiler
+    /// session, the GPU's activity), through the agent it was started with
+    /// or else one loaded now. The error is one line saying why nothing
+    /// records (a loaded agent is taken out again).
     pub fn start(pid: u32, levels: SessionLevels) -> Result<Self, String> {
         let (injected, control) = match connect_preloaded(pid) {
             Some(control) => (None, control),
@@ -88,12 +121,12 @@ impl FrameworkSession {
             }
         };
         let load = injected.as_ref().map(|i| i.report).unwrap_or_default();
-        let mut session = FrameworkSession {
+        let mut session = AgentSession {
             pid,
             levels,
             control,
             injected,
-            framework: String::new(),
+            started: Started::default(),
             load,
             thread_pointers: HashMap::new(),
             closed: false,
@@ -102,15 +135,15 @@ impl FrameworkSession {
         if kind != protocol::HELLO {
             return Err(format!("the agent in pid {pid} greeted with frame {kind}"));
         }
-        session.framework = session.start_session()?;
+        session.started = session.start_session()?;
         session.read_thread_pointers();
         Ok(session)
     }
 
-    fn start_session(&mut self) -> Result<String, String> {
+    fn start_session(&mut self) -> Result<Started, String> {
         self.send(protocol::START, &self.levels.encode())?;
         match self.receive()? {
-            (protocol::STARTED, p) => Ok(String::from_utf8_lossy(&p).into_owned()),
+            (protocol::STARTED, p) => Ok(Started::parse(&p)),
             (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
             (kind, _) => Err(format!("the agent answered START with frame {kind}")),
         }
@@ -118,19 +151,22 @@ impl FrameworkSession {
 
     /// Stops the session and returns what it recorded; with `restart`, a
     /// new session starts right away (a long capture served in windows).
-    pub fn collect(&mut self, restart: bool) -> Result<FrameworkRecording, String> {
+    pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, String> {
         self.read_thread_pointers();
         self.send(protocol::STOP, &[])?;
-        let mut xspaces = Vec::new();
+        let (mut xspaces, mut device_activity, mut problem) = (Vec::new(), Vec::new(), None);
         loop {
             match self.receive()? {
                 (protocol::XSPACE, p) => xspaces.push(p),
-                (protocol::STOPPED, why) if xspaces.is_empty() && !why.is_empty() => {
+                (protocol::DEVICE_ACTIVITY, p) => device_activity.push(p),
+                (protocol::STOPPED, why)
+                    if xspaces.is_empty() && device_activity.is_empty() && !why.is_empty() =>
+                {
                     return Err(String::from_utf8_lossy(&why).into_owned());
                 }
                 (protocol::STOPPED, why) => {
                     if !why.is_empty() {
-                        log::warn!("pid {}: {}", self.pid, String::from_utf8_lossy(&why));
+                        problem = Some(String::from_utf8_lossy(&why).into_owned());
                     }
                     break;
                 }
@@ -143,9 +179,11 @@ impl FrameworkSession {
         if restart && let Err(why) = self.start_session() {
             log::warn!("pid {}: the next session did not start: {why}", self.pid);
         }
-        Ok(FrameworkRecording {
+        Ok(AgentRecording {
             pid: self.pid,
             xspaces,
+            device_activity,
+            problem,
             threads: self
                 .thread_pointers
                 .iter()
@@ -229,7 +267,7 @@ impl FrameworkSession {
     }
 }
 
-impl Drop for FrameworkSession {
+impl Drop for AgentSession {
     fn drop(&mut self) {
         if let Err(why) = self.shut_down() {
             log::warn!("pid {}: unloading the agent: {why}", self.pid);

@@ -4,7 +4,7 @@
 
 use tracer_agent::protocol::SessionLevels;
 
-use super::FrameworkSession;
+use super::AgentSession;
 use crate::procfs::TargetProcess;
 
 /// How a target's TraceMe events are collected.
@@ -44,39 +44,63 @@ fn framework_in(pid: u32) -> std::result::Result<(), String> {
     }
 }
 
-/// Starts the framework's own profiler session in every target the route
-/// and the agent allow; returns those sessions, the pids left to the
-/// TraceMe uprobes, and one line per target saying which route it got.
-pub fn start_framework_sessions(
+/// Whether `pid` has loaded the CUDA driver (so CUPTI can see its GPU work).
+fn cuda_in(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| m.contains("/libcuda.so"))
+}
+
+/// What each target's agent records, and the lines saying so.
+pub struct AgentStart {
+    pub sessions: Vec<AgentSession>,
+    /// Targets whose TraceMe events the uprobes collect.
+    pub uprobe_pids: Vec<u32>,
+    pub notes: Vec<String>,
+}
+
+/// Starts, through the agent, the framework's own profiler session in
+/// every target the TraceMe route allows and, with `device_activity`, the
+/// GPU's activity (CUPTI) in every CUDA process; returns those sessions,
+/// the pids left to the TraceMe uprobes, and lines saying which route each
+/// target got.
+pub fn start_agent_sessions(
     targets: &[TargetProcess],
     level: u32,
     route: TraceMeRoute,
-) -> (Vec<FrameworkSession>, Vec<u32>, Vec<String>) {
-    let (mut sessions, mut uprobes, mut notes) = (Vec::new(), Vec::new(), Vec::new());
-    if level == 0 || route == TraceMeRoute::Off {
-        return (sessions, uprobes, notes);
-    }
-    let levels = SessionLevels {
-        host: level,
-        python: 0,
-        device: 1,
+    device_activity: bool,
+) -> AgentStart {
+    let mut out = AgentStart {
+        sessions: Vec::new(),
+        uprobe_pids: Vec::new(),
+        notes: Vec::new(),
     };
+    let traceme = level > 0 && route != TraceMeRoute::Off;
     for t in targets {
         let pid = t.pid;
-        if route == TraceMeRoute::Uprobe {
-            uprobes.push(pid);
-            continue;
-        }
-        // A process with no framework in it needs no line here: the
-        // uprobe route says it found no recorder.
-        if let Err(why) = framework_in(pid) {
-            match route {
-                TraceMeRoute::Auto => uprobes.push(pid),
-                _ => notes.push(format!("pid {pid}: no TraceMe events: the agent: {why}")),
+        let framework = if !traceme || route == TraceMeRoute::Uprobe {
+            Err(String::new())
+        } else {
+            framework_in(pid)
+        };
+        let device = device_activity && cuda_in(pid);
+        if traceme && framework.is_err() {
+            match (route, &framework) {
+                (TraceMeRoute::Agent, Err(why)) => out
+                    .notes
+                    .push(format!("pid {pid}: no TraceMe events: the agent: {why}")),
+                // A process with no framework in it needs no line here:
+                // the uprobe route says it found no recorder.
+                _ => out.uprobe_pids.push(pid),
             }
+        }
+        if framework.is_err() && !device {
             continue;
         }
-        match FrameworkSession::start(pid, levels) {
+        let levels = SessionLevels {
+            host: if framework.is_ok() { level } else { 0 },
+            python: 0,
+            device: u32::from(device_activity),
+        };
+        match AgentSession::start(pid, levels) {
             Ok(s) => {
                 let how = if s.preloaded() {
                     "the agent it was started with".to_string()
@@ -86,20 +110,58 @@ pub fn start_framework_sessions(
                         s.load.total, s.load.thread_diverted
                     )
                 };
-                notes.push(format!(
-                    "pid {pid}: TraceMe through ebtrace's agent: {} ({how})",
-                    s.framework
-                ));
-                sessions.push(s);
+                let started = &s.started;
+                match &started.framework {
+                    Some(f) => out.notes.push(format!(
+                        "pid {pid}: TraceMe through ebtrace's agent: {f} ({how})"
+                    )),
+                    None if framework.is_ok() => {
+                        let why = started.notes.first().map_or("", String::as_str);
+                        if route == TraceMeRoute::Auto {
+                            out.notes.push(format!(
+                                "pid {pid}: TraceMe through uprobes, not the agent: {why}"
+                            ));
+                            out.uprobe_pids.push(pid);
+                        } else {
+                            out.notes
+                                .push(format!("pid {pid}: no TraceMe events: the agent: {why}"));
+                        }
+                    }
+                    None => {}
+                }
+                match &started.device {
+                    Some(d) => out
+                        .notes
+                        .push(format!("pid {pid}: GPU activity: {d} ({how})")),
+                    None if device && started.framework.is_none() => {
+                        let why = started.notes.last().map_or("", String::as_str);
+                        out.notes
+                            .push(format!("pid {pid}: GPU activity not recorded: {why}"));
+                    }
+                    None => {}
+                }
+                out.sessions.push(s);
             }
-            Err(why) if route == TraceMeRoute::Auto => {
-                notes.push(format!(
-                    "pid {pid}: TraceMe through uprobes, not the agent: {why}"
-                ));
-                uprobes.push(pid);
+            Err(why) => {
+                if framework.is_ok() {
+                    if route == TraceMeRoute::Auto {
+                        out.notes.push(format!(
+                            "pid {pid}: TraceMe through uprobes, not the agent: {why}"
+                        ));
+                        out.uprobe_pids.push(pid);
+                    } else {
+                        out.notes
+                            .push(format!("pid {pid}: no TraceMe events: the agent: {why}"));
+                    }
+                }
+                if device {
+                    out.notes.push(format!(
+                        "pid {pid}: GPU activity not recorded ({why}); the GPU lines show \
+                         the work as the host submitted it"
+                    ));
+                }
             }
-            Err(why) => notes.push(format!("pid {pid}: no TraceMe events: the agent: {why}")),
         }
     }
-    (sessions, uprobes, notes)
+    out
 }

@@ -123,9 +123,18 @@ pub struct RecordArgs {
     #[arg(long, value_enum, value_name = "ROUTE", default_value_t = TraceMeRoute::Auto)]
     pub traceme: TraceMeRoute,
 
-    /// Never load ebtrace's agent into a target (same as --traceme uprobe).
+    /// Never load ebtrace's agent into a target (same as --traceme uprobe
+    /// and --no-device-activity).
     #[arg(long, conflicts_with = "traceme")]
     pub no_agent: bool,
+
+    /// Do not record what the GPU ran. By default ebtrace's agent records
+    /// it in every CUDA process through CUPTI (kernels, copies and memsets
+    /// as the device timed them, each joined to the driver call that
+    /// submitted it); without it the GPU lines show the work as the host
+    /// submitted it.
+    #[arg(long)]
+    pub no_device_activity: bool,
 
     /// Switch TraceMe recording off again after this many events. The
     /// target's recorder keeps every event it records in memory until a

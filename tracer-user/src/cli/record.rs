@@ -59,6 +59,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         } else {
             args.traceme
         },
+        no_device_activity: args.no_agent || args.no_device_activity,
     };
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;

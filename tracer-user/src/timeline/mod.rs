@@ -18,6 +18,7 @@
 pub(crate) mod arbitrary;
 pub mod cuda;
 pub mod framework;
+pub mod gpu_activity;
 mod sched;
 pub mod traceme;
 pub mod window;
@@ -26,6 +27,7 @@ use std::collections::BTreeMap;
 
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
+pub use gpu_activity::{ActivityMerge, merge_device_activity};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
 pub use window::Window;

@@ -1,0 +1,89 @@
+//! What the agent records between a START and a STOP: the framework's own
+//! profiler session and the device's activity, each where the process
+//! allows it.
+//!
+//! Never two device tracers at once: the framework's session starts
+//! first, and where it traces the GPU itself (jax with its CUDA plugin) it
+//! holds CUPTI, so ebtrace's own CUPTI recording steps aside.
+
+use crate::{
+    cupti,
+    protocol::{self, SessionLevels},
+    python::{Session, Text},
+};
+
+/// The sources recording for ebtrace.
+pub struct Sources {
+    framework: Option<Session>,
+    cupti: Option<cupti::Recording>,
+}
+
+impl Sources {
+    /// Starts every source `levels` asks for that the process allows. The
+    /// text holds the [`protocol::STARTED`] lines; the error, why nothing
+    /// started.
+    #[allow(clippy::result_large_err)]
+    pub fn start(levels: &SessionLevels) -> Result<(Sources, Text), Text> {
+        let mut lines = Text::new("");
+        let mut sources = Sources {
+            framework: None,
+            cupti: None,
+        };
+        let mut first_failure = None;
+        if levels.host > 0 {
+            match Session::start(levels) {
+                Ok((s, what)) => {
+                    line(&mut lines, protocol::SOURCE_FRAMEWORK, what.as_bytes());
+                    sources.framework = Some(s);
+                }
+                Err(why) => {
+                    line(&mut lines, protocol::SOURCE_NOTE, why.as_bytes());
+                    first_failure = Some(why);
+                }
+            }
+        }
+        if levels.device > 0 {
+            match cupti::Recording::start() {
+                Ok((r, what)) => {
+                    line(&mut lines, protocol::SOURCE_DEVICE, what.as_bytes());
+                    sources.cupti = Some(r);
+                }
+                // The framework's own session traces the GPU, if it can.
+                Err(_) if sources.framework.is_some() => {}
+                Err(why) => {
+                    line(&mut lines, protocol::SOURCE_NOTE, why.as_bytes());
+                    first_failure.get_or_insert(why);
+                }
+            }
+        }
+        if sources.framework.is_none() && sources.cupti.is_none() {
+            return Err(first_failure.unwrap_or_else(|| Text::new("nothing to record")));
+        }
+        Ok((sources, lines))
+    }
+
+    /// Stops every source, handing what each recorded to `deliver` as
+    /// `(frame kind, payload)`; returns why a source did not stop cleanly.
+    pub fn stop(self, mut deliver: impl FnMut(u32, &[u8])) -> Option<Text> {
+        let mut why = None;
+        if let Some(s) = self.framework {
+            why = s.stop(|xspace| deliver(protocol::XSPACE, xspace));
+        }
+        if let Some(r) = self.cupti
+            && let Some(w) = r.stop(|batch| deliver(protocol::DEVICE_ACTIVITY, batch))
+        {
+            why.get_or_insert(w);
+        }
+        why
+    }
+}
+
+/// Appends the line `source\ttext` to `lines`.
+fn line(lines: &mut Text, source: &str, text: &[u8]) {
+    if !lines.as_bytes().is_empty() {
+        lines.push(b"\n");
+    }
+    lines.push(source.as_bytes());
+    lines.push(b"\t");
+    lines.push(text);
+}
