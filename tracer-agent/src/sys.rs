@@ -130,3 +130,28 @@ pub fn errno() -> c_int {
     // SAFETY: glibc's per-thread errno location is always valid.
     unsafe { *__errno_location() }
 }
+
+/// `RTLD_LAZY`.
+pub const RTLD_LAZY: c_int = 1;
+/// `RTLD_NOLOAD`: a handle to an object only if it is already loaded.
+pub const RTLD_NOLOAD: c_int = 4;
+
+/// The start of `struct dl_phdr_info`; the fields after the name are
+/// never read, and the C library owns the struct.
+#[repr(C)]
+pub struct DlPhdrInfo {
+    pub addr: usize,
+    pub name: *const c_char,
+}
+
+/// What `dl_iterate_phdr` calls once per loaded object.
+pub type DlIterateCallback = unsafe extern "C" fn(*mut DlPhdrInfo, usize, *mut c_void) -> c_int;
+
+// The loaded-object functions of the PJRT plugin route (see their manual
+// pages).
+#[allow(missing_docs)]
+unsafe extern "C" {
+    pub fn dl_iterate_phdr(callback: DlIterateCallback, data: *mut c_void) -> c_int;
+    pub fn dlopen(name: *const c_char, flags: c_int) -> *mut c_void;
+    pub fn dlclose(handle: *mut c_void) -> c_int;
+}
