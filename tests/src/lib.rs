@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod fixture;
 pub mod killed;
 pub mod perfetto;
+pub mod pjrt;
 pub mod python;
 pub mod serve;
 pub mod traceme;

@@ -4,7 +4,8 @@
 //! see `tracer-user/src/attach/inject`) or the program starts with it
 //! (`LD_PRELOAD`, see [`preload`]). Its entry point starts one thread that talks to ebtrace
 //! over a socket ([`protocol`]) and drives what only the process itself can
-//! run: the framework's own profiler session ([`python`]). When ebtrace's
+//! run: the framework's own profiler session ([`python`]) and the profilers
+//! of its PJRT plugins ([`pjrt`]). When ebtrace's
 //! end of the socket closes, whatever the agent started is stopped.
 //!
 //! It is small and self-contained: `no_std`, no allocator of its own (it
@@ -18,6 +19,7 @@ pub mod protocol;
 
 mod agent;
 mod cupti;
+mod pjrt;
 pub mod preload;
 mod python;
 mod sources;

@@ -4,10 +4,13 @@
 //!
 //! Never two device tracers at once: the framework's session starts
 //! first, and where it traces the GPU itself (jax with its CUDA plugin) it
-//! holds CUPTI, so ebtrace's own CUPTI recording steps aside.
+//! holds CUPTI, so ebtrace's own CUPTI recording steps aside. Without a
+//! framework session, a loaded PJRT plugin's own profiler (libtpu, the
+//! XLA CUDA plugin) records the device; only where there is none does
+//! ebtrace record CUPTI itself (the plugin's GPU tracer is CUPTI too).
 
 use crate::{
-    cupti,
+    cupti, pjrt,
     protocol::{self, SessionLevels},
     python::{Session, Text},
 };
@@ -15,6 +18,7 @@ use crate::{
 /// The sources recording for ebtrace.
 pub struct Sources {
     framework: Option<Session>,
+    plugin: Option<pjrt::PluginSession>,
     cupti: Option<cupti::Recording>,
 }
 
@@ -27,6 +31,7 @@ impl Sources {
         let mut lines = Text::new("");
         let mut sources = Sources {
             framework: None,
+            plugin: None,
             cupti: None,
         };
         let mut first_failure = None;
@@ -42,7 +47,17 @@ impl Sources {
                 }
             }
         }
-        if levels.device > 0 {
+        let mut plugin_failure = None;
+        if levels.device > 0 && sources.framework.is_none() {
+            match pjrt::PluginSession::start(levels) {
+                Ok((p, what)) => {
+                    line(&mut lines, protocol::SOURCE_DEVICE, what.as_bytes());
+                    sources.plugin = Some(p);
+                }
+                Err(why) => plugin_failure = Some(why),
+            }
+        }
+        if levels.device > 0 && sources.plugin.is_none() {
             match cupti::Recording::start() {
                 Ok((r, what)) => {
                     line(&mut lines, protocol::SOURCE_DEVICE, what.as_bytes());
@@ -50,13 +65,24 @@ impl Sources {
                 }
                 // The framework's own session traces the GPU, if it can.
                 Err(_) if sources.framework.is_some() => {}
+                // A plugin that is there but cannot record says more than
+                // a process without CUDA.
+                Err(_)
+                    if plugin_failure
+                        .as_ref()
+                        .is_some_and(|w| !w.as_bytes().starts_with(b"no PJRT")) =>
+                {
+                    let why = plugin_failure.take().expect("checked");
+                    line(&mut lines, protocol::SOURCE_NOTE, why.as_bytes());
+                    first_failure.get_or_insert(why);
+                }
                 Err(why) => {
                     line(&mut lines, protocol::SOURCE_NOTE, why.as_bytes());
                     first_failure.get_or_insert(why);
                 }
             }
         }
-        if sources.framework.is_none() && sources.cupti.is_none() {
+        if sources.framework.is_none() && sources.plugin.is_none() && sources.cupti.is_none() {
             return Err(first_failure.unwrap_or_else(|| Text::new("nothing to record")));
         }
         Ok((sources, lines))
@@ -68,6 +94,11 @@ impl Sources {
         let mut why = None;
         if let Some(s) = self.framework {
             why = s.stop(|xspace| deliver(protocol::XSPACE, xspace));
+        }
+        if let Some(p) = self.plugin
+            && let Some(w) = p.stop(|xspace| deliver(protocol::XSPACE, xspace))
+        {
+            why.get_or_insert(w);
         }
         if let Some(r) = self.cupti
             && let Some(w) = r.stop(|batch| deliver(protocol::DEVICE_ACTIVITY, batch))

@@ -58,7 +58,7 @@ pub struct Timespec {
 pub const CLOCK_MONOTONIC: c_int = 1;
 /// `RTLD_LAZY`.
 pub const RTLD_LAZY: c_int = 1;
-/// `RTLD_NOLOAD`.
+/// `RTLD_NOLOAD`: a handle to an object only if it is already loaded.
 pub const RTLD_NOLOAD: c_int = 4;
 /// `RTLD_NODELETE`.
 pub const RTLD_NODELETE: c_int = 0x1000;
@@ -173,4 +173,23 @@ unsafe extern "C" {
 pub fn errno() -> c_int {
     // SAFETY: glibc's per-thread errno location is always valid.
     unsafe { *__errno_location() }
+}
+
+/// The start of `struct dl_phdr_info`; the fields after the name are
+/// never read, and the C library owns the struct.
+#[repr(C)]
+pub struct DlPhdrInfo {
+    pub addr: usize,
+    pub name: *const c_char,
+}
+
+/// What `dl_iterate_phdr` calls once per loaded object.
+pub type DlIterateCallback = unsafe extern "C" fn(*mut DlPhdrInfo, usize, *mut c_void) -> c_int;
+
+// The loaded-object functions of the PJRT plugin route (see their manual
+// pages).
+#[allow(missing_docs)]
+unsafe extern "C" {
+    pub fn dl_iterate_phdr(callback: DlIterateCallback, data: *mut c_void) -> c_int;
+    pub fn dlclose(handle: *mut c_void) -> c_int;
 }

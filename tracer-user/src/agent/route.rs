@@ -44,9 +44,14 @@ fn framework_in(pid: u32) -> std::result::Result<(), String> {
     }
 }
 
-/// Whether `pid` has loaded the CUDA driver (so CUPTI can see its GPU work).
-fn cuda_in(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| m.contains("/libcuda.so"))
+/// Whether `pid` has loaded something whose device work the agent can
+/// record: the CUDA driver (CUPTI) or a PJRT plugin (its own profiler).
+fn device_in(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| {
+        ["/libcuda.so", "libtpu", "pjrt", "xla_cuda_plugin"]
+            .iter()
+            .any(|lib| m.contains(lib))
+    })
 }
 
 /// What each target's agent records, and the lines saying so.
@@ -59,7 +64,8 @@ pub struct AgentStart {
 
 /// Starts, through the agent, the framework's own profiler session in
 /// every target the TraceMe route allows and, with `device_activity`, the
-/// GPU's activity (CUPTI) in every CUDA process; returns those sessions,
+/// device's activity (CUPTI, or a PJRT plugin's profiler) in every process
+/// with a GPU or TPU runtime loaded; returns those sessions,
 /// the pids left to the TraceMe uprobes, and lines saying which route each
 /// target got.
 pub fn start_agent_sessions(
@@ -81,7 +87,7 @@ pub fn start_agent_sessions(
         } else {
             framework_in(pid)
         };
-        let device = device_activity && cuda_in(pid);
+        let device = device_activity && device_in(pid);
         if traceme && framework.is_err() {
             match (route, &framework) {
                 (TraceMeRoute::Agent, Err(why)) => out
@@ -132,11 +138,11 @@ pub fn start_agent_sessions(
                 match &started.device {
                     Some(d) => out
                         .notes
-                        .push(format!("pid {pid}: GPU activity: {d} ({how})")),
+                        .push(format!("pid {pid}: device activity: {d} ({how})")),
                     None if device && started.framework.is_none() => {
                         let why = started.notes.last().map_or("", String::as_str);
                         out.notes
-                            .push(format!("pid {pid}: GPU activity not recorded: {why}"));
+                            .push(format!("pid {pid}: device activity not recorded: {why}"));
                     }
                     None => {}
                 }
@@ -156,7 +162,7 @@ pub fn start_agent_sessions(
                 }
                 if device {
                     out.notes.push(format!(
-                        "pid {pid}: GPU activity not recorded ({why}); the GPU lines show \
+                        "pid {pid}: device activity not recorded ({why}); GPU lines show \
                          the work as the host submitted it"
                     ));
                 }
