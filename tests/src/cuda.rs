@@ -66,7 +66,13 @@ pub fn build() -> (PathBuf, PathBuf) {
     let lib_dir = root.join("target/fixtures/cuda-lib");
     std::fs::create_dir_all(&lib_dir).expect("create target/fixtures/cuda-lib");
     let lib = lib_dir.join("libcuda.so.1");
-    let lib_src = [fixtures.join("libcuda_standin.c"), header.clone()];
+    let lib_src = [
+        fixtures.join("libcuda_standin.c"),
+        fixtures.join("standin_gpu.c"),
+        fixtures.join("standin_gpu.h"),
+        fixtures.join("standin_observer.h"),
+        header.clone(),
+    ];
     if newer(&lib_src, &lib) {
         cc(STANDIN_CFLAGS, &lib_src, &lib, &[]);
     }
