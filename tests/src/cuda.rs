@@ -99,7 +99,12 @@ pub fn build() -> (PathBuf, PathBuf) {
         lib.clone(),
     ];
     if newer(&cupti_src, &cupti) {
-        cc(CUPTI_CFLAGS, &cupti_src, &cupti, &[lib.to_str().expect("utf-8 path")]);
+        cc(
+            CUPTI_CFLAGS,
+            &cupti_src,
+            &cupti,
+            &[lib.to_str().expect("utf-8 path")],
+        );
     }
     let workload = root.join("target/fixtures/cuda_workload");
     let workload_src = [fixtures.join("cuda_workload.c"), header];
@@ -130,7 +135,10 @@ pub fn build_cupti_check() -> (PathBuf, PathBuf) {
     let root = workspace_root();
     let fixtures = root.join("tests/fixtures");
     let check = root.join("target/fixtures/cupti_check");
-    let src = [fixtures.join("cupti_check.c"), fixtures.join("cuda_driver.h")];
+    let src = [
+        fixtures.join("cupti_check.c"),
+        fixtures.join("cuda_driver.h"),
+    ];
     if newer(&src, &check) {
         cc(&["-O2", "-g", "-Wall"], &src, &check, &["-ldl"]);
     }
