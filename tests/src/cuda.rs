@@ -56,9 +56,24 @@ fn cc(args: &[&str], srcs: &[PathBuf], out: &Path, libs: &[&str]) {
     std::fs::rename(&tmp, out).expect("rename fixture");
 }
 
-/// Builds the stand-in driver into `target/fixtures/cuda-lib/libcuda.so.1`
+/// Flags for the stand-in CUPTI, linked against the stand-in driver as the
+/// real one is against the driver.
+const CUPTI_CFLAGS: &[&str] = &[
+    "-O2",
+    "-g",
+    "-Wall",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-pthread",
+    "-Wl,-soname,libcupti.so.12",
+    "-Wl,-rpath,$ORIGIN",
+];
+
+/// Builds the stand-in driver into `target/fixtures/cuda-lib/libcuda.so.1`,
+/// the stand-in CUPTI beside it as `libcupti.so.12` (see [`cupti_lib`]),
 /// and the workload into `target/fixtures/cuda_workload`; returns the
-/// library's directory and the workload.
+/// libraries' directory and the workload.
 pub fn build() -> (PathBuf, PathBuf) {
     let root = workspace_root();
     let fixtures = root.join("tests/fixtures");
@@ -66,9 +81,30 @@ pub fn build() -> (PathBuf, PathBuf) {
     let lib_dir = root.join("target/fixtures/cuda-lib");
     std::fs::create_dir_all(&lib_dir).expect("create target/fixtures/cuda-lib");
     let lib = lib_dir.join("libcuda.so.1");
-    let lib_src = [fixtures.join("libcuda_standin.c"), header.clone()];
+    let lib_src = [
+        fixtures.join("libcuda_standin.c"),
+        fixtures.join("standin_gpu.c"),
+        fixtures.join("standin_gpu.h"),
+        fixtures.join("standin_observer.h"),
+        header.clone(),
+    ];
     if newer(&lib_src, &lib) {
         cc(STANDIN_CFLAGS, &lib_src, &lib, &[]);
+    }
+    let cupti = cupti_lib(&lib_dir);
+    let cupti_src = [
+        fixtures.join("libcupti_standin.c"),
+        fixtures.join("cupti_records.h"),
+        fixtures.join("standin_observer.h"),
+        lib.clone(),
+    ];
+    if newer(&cupti_src, &cupti) {
+        cc(
+            CUPTI_CFLAGS,
+            &cupti_src,
+            &cupti,
+            &[lib.to_str().expect("utf-8 path")],
+        );
     }
     let workload = root.join("target/fixtures/cuda_workload");
     let workload_src = [fixtures.join("cuda_workload.c"), header];
@@ -81,6 +117,32 @@ pub fn build() -> (PathBuf, PathBuf) {
         );
     }
     (lib_dir, workload)
+}
+
+/// The stand-in `libcupti.so.12` in the directory [`build`] returns: the
+/// CUPTI activity API (subscribe, buffers, records in the real layouts of
+/// the API version `STANDIN_CUPTI_VERSION` selects, default 26 = CUDA
+/// 12.8) over the stand-in driver's simulated GPU; `STANDIN_CUPTI_LOG=path`
+/// makes it append one JSON line per device record it produces.
+pub fn cupti_lib(lib_dir: &Path) -> PathBuf {
+    lib_dir.join("libcupti.so.12")
+}
+
+/// Builds `target/fixtures/cupti_check`, the stand-in CUPTI's self-check
+/// (`tests/fixtures/cupti_check.c`); returns the libraries' directory and it.
+pub fn build_cupti_check() -> (PathBuf, PathBuf) {
+    let (lib_dir, _) = build();
+    let root = workspace_root();
+    let fixtures = root.join("tests/fixtures");
+    let check = root.join("target/fixtures/cupti_check");
+    let src = [
+        fixtures.join("cupti_check.c"),
+        fixtures.join("cuda_driver.h"),
+    ];
+    if newer(&src, &check) {
+        cc(&["-O2", "-g", "-Wall"], &src, &check, &["-ldl"]);
+    }
+    (lib_dir, check)
 }
 
 /// A running `cuda_workload`, waiting for its start signal; killed when dropped.
@@ -163,4 +225,31 @@ pub fn cxxfilt(mangled: &str) -> String {
         .output()
         .expect("run c++filt (binutils)");
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stand-in CUPTI's records walk with `cuptiActivityGetNextRecord`
+    /// in the sizes and offsets of the real layouts, for each API version
+    /// it emulates and for one it does not know.
+    #[test]
+    fn standin_cupti_records_have_the_real_layouts() {
+        let (lib_dir, check) = build_cupti_check();
+        for version in ["26", "130001", "130101", "140000"] {
+            let out = Command::new(&check)
+                .env("LD_LIBRARY_PATH", &lib_dir)
+                .env("STANDIN_CUPTI_VERSION", version)
+                .env_remove("STANDIN_CUPTI_LOG")
+                .output()
+                .expect("run cupti_check");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.starts_with(&format!("ok version {version}:")),
+                "cupti_check with STANDIN_CUPTI_VERSION={version}: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
 }
