@@ -92,6 +92,7 @@ pub fn build() -> (PathBuf, PathBuf) {
         cc(STANDIN_CFLAGS, &lib_src, &lib, &[]);
     }
     let cupti = cupti_lib(&lib_dir);
+    std::fs::create_dir_all(cupti.parent().expect("a directory")).expect("create cupti-lib");
     let cupti_src = [
         fixtures.join("libcupti_standin.c"),
         fixtures.join("cupti_records.h"),
@@ -119,13 +120,24 @@ pub fn build() -> (PathBuf, PathBuf) {
     (lib_dir, workload)
 }
 
-/// The stand-in `libcupti.so.12` in the directory [`build`] returns: the
+/// The stand-in `libcupti.so.12`, in a directory of its own beside the
+/// driver's (`target/fixtures/cupti-lib`), so that only a workload started
+/// with [`CudaWorkload::start_with_cupti`] can reach it: the
 /// CUPTI activity API (subscribe, buffers, records in the real layouts of
 /// the API version `STANDIN_CUPTI_VERSION` selects, default 26 = CUDA
 /// 12.8) over the stand-in driver's simulated GPU; `STANDIN_CUPTI_LOG=path`
 /// makes it append one JSON line per device record it produces.
 pub fn cupti_lib(lib_dir: &Path) -> PathBuf {
-    lib_dir.join("libcupti.so.12")
+    lib_dir.with_file_name("cupti-lib").join("libcupti.so.12")
+}
+
+/// `LD_LIBRARY_PATH` that reaches the stand-in driver and CUPTI.
+pub fn library_path_with_cupti(lib_dir: &Path) -> String {
+    format!(
+        "{}:{}",
+        lib_dir.display(),
+        cupti_lib(lib_dir).parent().expect("a directory").display()
+    )
 }
 
 /// Builds `target/fixtures/cupti_check`, the stand-in CUPTI's self-check
@@ -157,10 +169,23 @@ impl CudaWorkload {
     /// Starts the workload with `args`, the stand-in driver on its
     /// `LD_LIBRARY_PATH`, and waits for its pid line.
     pub fn start(args: &[&str]) -> Self {
-        let (lib_dir, bin) = build();
+        let (lib_dir, _) = build();
+        Self::start_in(args, &lib_dir.display().to_string(), &[])
+    }
+
+    /// Starts it with the stand-in CUPTI on its library path too (as a
+    /// PyTorch or jax-on-GPU process has CUPTI) and `env`.
+    pub fn start_with_cupti(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let (lib_dir, _) = build();
+        Self::start_in(args, &library_path_with_cupti(&lib_dir), env)
+    }
+
+    fn start_in(args: &[&str], library_path: &str, env: &[(&str, &str)]) -> Self {
+        let (_, bin) = build();
         let mut child = Command::new(bin)
             .args(args)
-            .env("LD_LIBRARY_PATH", &lib_dir)
+            .env("LD_LIBRARY_PATH", library_path)
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -239,7 +264,7 @@ mod tests {
         let (lib_dir, check) = build_cupti_check();
         for version in ["26", "130001", "130101", "140000"] {
             let out = Command::new(&check)
-                .env("LD_LIBRARY_PATH", &lib_dir)
+                .env("LD_LIBRARY_PATH", library_path_with_cupti(&lib_dir))
                 .env("STANDIN_CUPTI_VERSION", version)
                 .env_remove("STANDIN_CUPTI_LOG")
                 .output()

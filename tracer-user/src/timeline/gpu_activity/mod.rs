@@ -27,9 +27,12 @@ use records::{copy_kind_name, driver_function, memory_kind_name};
 use super::{CORRELATION_STAT, DeviceTrack, Span, StreamTrack, Timeline, Value, cuda::demangle};
 use crate::clock::ClockSync;
 
-/// How far a CUPTI driver record may lie outside the uprobe span of the
-/// same call (the two clocks are paired to within a few µs).
+/// How long before CUPTI's record of a driver call the uprobe span of the
+/// same call may start (the uprobe fires first; its cost is µs).
 const JOIN_SLACK_NS: u64 = 20_000;
+/// How far CUPTI's record may stick out of the uprobe span that encloses
+/// it (the two clocks are paired to within a µs or so).
+const JOIN_TOLERANCE_NS: u64 = 3_000;
 
 /// What became of one process's device activity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -113,6 +116,10 @@ pub fn merge_device_activity(
                 Value::Str(format!("$${}", at.context)),
             ),
             ("stream_id".to_string(), Value::U64(u64::from(at.stream))),
+            (
+                "cupti_correlation_id".to_string(),
+                Value::U64(u64::from(at.correlation)),
+            ),
             ("pid".to_string(), Value::I64(i64::from(pid))),
         ]);
         let start = clock.to_monotonic_ns(at.start);
@@ -134,6 +141,7 @@ pub fn merge_device_activity(
     // Join each piece of work to the call that submitted it; a span joins
     // one call.
     let mut taken: HashSet<(u32, usize)> = HashSet::new();
+    let mut starts: HashMap<u32, Vec<(u64, usize)>> = HashMap::new();
     for (call, clock) in calls {
         let Some(&(device, line, index)) = submitted.get(&call.correlation) else {
             continue;
@@ -144,8 +152,11 @@ pub fn merge_device_activity(
         );
         let function = driver_function(call.cbid);
         let id = link(call.correlation);
+        let by_start = starts
+            .entry(call.tid)
+            .or_insert_with(|| span_starts(timeline, call.tid));
         let joined = timeline.threads.get_mut(&call.tid).and_then(|t| {
-            let i = uprobe_span(&t.spans, function, start, end, |i| {
+            let i = uprobe_span(&t.spans, by_start, function, start, end, |i| {
                 !taken.contains(&(call.tid, i))
             })?;
             taken.insert((call.tid, i));
@@ -217,11 +228,26 @@ pub fn merge_device_activity(
     merge
 }
 
+/// A thread's spans as `(start, index)`, sorted.
+fn span_starts(timeline: &Timeline, tid: u32) -> Vec<(u64, usize)> {
+    let mut starts: Vec<(u64, usize)> = timeline.threads.get(&tid).map_or_else(Vec::new, |t| {
+        t.spans
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.start_ns, i))
+            .collect()
+    });
+    starts.sort_unstable();
+    starts
+}
+
 /// The uprobe span of the driver call CUPTI timed at `[start, end]`: one
-/// of the same function (when CUPTI's id names it) that overlaps it and
-/// is `free`, the nearest by midpoint; its index.
+/// of the same function (when CUPTI's id names it) that encloses it and
+/// is `free`, the nearest by midpoint; its index. `by_start` is
+/// [`span_starts`] of the thread.
 fn uprobe_span(
     spans: &[Span],
+    by_start: &[(u64, usize)],
     function: Option<&str>,
     start: u64,
     end: u64,
@@ -232,10 +258,15 @@ fn uprobe_span(
         end.saturating_add(JOIN_SLACK_NS),
     );
     let mid = start / 2 + end / 2;
-    spans
+    let first = by_start.partition_point(|&(s, _)| s < lo);
+    by_start[first..]
         .iter()
-        .enumerate()
-        .filter(|(_, s)| s.start_ns <= hi && s.end_ns >= lo)
+        .take_while(|&&(s, _)| s <= hi)
+        .map(|&(_, i)| (i, &spans[i]))
+        .filter(|(_, s)| {
+            s.start_ns <= start.saturating_add(JOIN_TOLERANCE_NS)
+                && s.end_ns.saturating_add(JOIN_TOLERANCE_NS) >= end
+        })
         .filter(|(_, s)| match function {
             Some(f) => s.name == f,
             None => s.name.starts_with("cu"),

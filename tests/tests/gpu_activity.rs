@@ -1,0 +1,305 @@
+//! What the GPU ran, recorded through ebtrace's agent and CUPTI, in a CUDA
+//! process ebtrace attaches to mid-run: the stand-in driver simulates a
+//! GPU and the stand-in `libcupti.so.12` writes records in the real
+//! layouts. Checked against the stand-in CUPTI's own log of every record
+//! it produced (`STANDIN_CUPTI_LOG`).
+
+use std::{collections::HashMap, path::Path, time::Duration};
+
+use ebtrace_proto::tensorflow::profiler::XSpace;
+use ebtrace_tests::{
+    TempDir,
+    cuda::{CudaWorkload, cxxfilt},
+    record, require_root, serial, signal, spawn_record, xplane_files,
+    xspace::{self, Event, Stat, line_events, plane, profile_window},
+};
+use serde_json::Value;
+
+/// A workload that keeps launching for longer than any capture here.
+const LONG_RUN: &[&str] = &["--iters", "100000000"];
+
+/// One record the stand-in CUPTI produced.
+struct Logged {
+    kind: u64,
+    correlation: u64,
+    start: i64,
+    end: i64,
+    recorded: bool,
+}
+
+fn read_log(path: &Path) -> Vec<Logged> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .map(|v| Logged {
+            kind: v["kind"].as_u64().unwrap(),
+            correlation: v["correlationId"].as_u64().unwrap(),
+            start: v["start"].as_i64().unwrap(),
+            end: v["end"].as_i64().unwrap(),
+            recorded: v["recorded"].as_bool().unwrap(),
+        })
+        .collect()
+}
+
+/// The kernel events of every GPU plane, with their CUPTI correlation id.
+fn kernels(space: &XSpace) -> Vec<(u64, Event)> {
+    let mut out = Vec::new();
+    for p in space
+        .planes
+        .iter()
+        .filter(|p| p.name.starts_with("/device:GPU:"))
+    {
+        for line in &p.lines {
+            for e in line_events(p, line.id) {
+                if e.stats.contains_key("kernel_details") {
+                    let id = e.stats["cupti_correlation_id"].as_u64();
+                    out.push((id, e));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The host plane's driver call spans by correlation id.
+fn launches(space: &XSpace) -> HashMap<u64, Event> {
+    let host = plane(space, "/host:CPU");
+    host.lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .filter(|e| e.name.starts_with("cuLaunch"))
+        .filter_map(|e| {
+            let id = e.stats.get("correlation_id").map(Stat::as_u64)?;
+            Some((id, e))
+        })
+        .collect()
+}
+
+fn agent_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|c| c.trim() == "ebtrace-agent")
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Records a running workload for `duration`; its stderr and trace.
+fn capture(pid: u32, duration: &str, extra: &[&str]) -> (String, XSpace) {
+    let logdir = TempDir::new("gpu-activity");
+    let out = record(&pid.to_string(), duration, &logdir, extra);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "ebtrace failed:\n{stderr}");
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{stderr}");
+    (stderr, xspace::load(&files[0]))
+}
+
+#[test]
+fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
+    if !require_root("every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch") {
+        return;
+    }
+    let _serial = serial();
+    let dir = TempDir::new("cupti-log");
+    let log = dir.path().join("cupti.log");
+    let mut workload =
+        CudaWorkload::start_with_cupti(LONG_RUN, &[("STANDIN_CUPTI_LOG", log.to_str().unwrap())]);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    let (stderr, space) = capture(workload.pid, "700ms", &[]);
+    assert!(
+        stderr.contains(
+            "device activity: CUPTI 12.8 activity: kernels, copies, memsets, driver calls"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(
+        agent_threads(workload.pid),
+        0,
+        "the agent's thread outlived ebtrace"
+    );
+
+    let (start_wall, stop_wall) = profile_window(&space);
+    let (start_wall, stop_wall) = (start_wall as i64, stop_wall as i64);
+    let logged: HashMap<u64, Logged> = read_log(&log)
+        .into_iter()
+        .filter(|l| l.kind == 10 && l.recorded)
+        .map(|l| (l.correlation, l))
+        .collect();
+    let traced = kernels(&space);
+    let launches = launches(&space);
+    assert!(
+        traced.len() > 100,
+        "too few kernels to judge: {}",
+        traced.len()
+    );
+
+    // Every kernel in the trace is one CUPTI recorded, timed as the device
+    // ran it (the GPU clock here is CLOCK_REALTIME), after its launch began.
+    let mut joined = 0;
+    for (id, e) in &traced {
+        let l = &logged[id];
+        let start = start_wall + e.start_ns as i64;
+        assert!(
+            (start - l.start).abs() < 50_000,
+            "{} starts {start}, CUPTI says {}",
+            e.name,
+            l.start
+        );
+        if start > start_wall + 1000 && e.end_ns() < (stop_wall - start_wall) as f64 - 1000.0 {
+            assert!(
+                (e.duration_ns - (l.end - l.start) as f64).abs() <= 1.0,
+                "{}: {} ns, CUPTI says {}",
+                e.name,
+                e.duration_ns,
+                l.end - l.start
+            );
+        }
+        let link = e.stats.get("correlation_id").map(Stat::as_u64);
+        if let Some(launch) = link.and_then(|link| launches.get(&link)) {
+            joined += 1;
+            assert!(
+                launch.start_ns <= e.start_ns,
+                "{} ran {} ns before its launch {:?}",
+                e.name,
+                launch.start_ns - e.start_ns,
+                launch.stats.get("kernel").map(Stat::as_str)
+            );
+            // Looked up before ebtrace attached, named from CUPTI's record.
+            let named = launch.stats["kernel"].as_str();
+            assert!(!named.starts_with("<unresolved"), "{named}");
+            assert_eq!(named, e.name);
+        }
+    }
+    // Launches inside the window are all joined (only the edges may miss).
+    assert!(
+        joined + 4 >= traced.len(),
+        "{joined} of {} kernels joined",
+        traced.len()
+    );
+
+    // Every kernel CUPTI recorded well inside the window is in the trace.
+    let inside = logged
+        .values()
+        .filter(|l| l.start > start_wall + 50_000 && l.end < stop_wall - 50_000)
+        .count();
+    let traced_ids: std::collections::HashSet<u64> = traced.iter().map(|(id, _)| *id).collect();
+    let missing = logged
+        .values()
+        .filter(|l| l.start > start_wall + 50_000 && l.end < stop_wall - 50_000)
+        .filter(|l| !traced_ids.contains(&l.correlation))
+        .count();
+    assert!(inside > 100, "{inside}");
+    assert_eq!(missing, 0, "{missing} of {inside} kernels missing");
+
+    // Names as c++filt demangles them.
+    let vec_add = cxxfilt("_Z6vecAddPKfS0_Pfi");
+    assert!(
+        traced.iter().any(|(_, e)| e.name == vec_add),
+        "no {vec_add}"
+    );
+
+    // CUPTI was left as found: a second capture subscribes again.
+    let (again, _) = capture(workload.pid, "300ms", &[]);
+    assert!(again.contains("device activity: CUPTI 12.8"), "{again}");
+}
+
+#[test]
+fn each_cupti_release_is_read_by_its_layout() {
+    if !require_root("each_cupti_release_is_read_by_its_layout") {
+        return;
+    }
+    let _serial = serial();
+    for (version, release) in [("130001", "13.0"), ("130101", "13.1"), ("140000", "14.0")] {
+        let mut workload =
+            CudaWorkload::start_with_cupti(LONG_RUN, &[("STANDIN_CUPTI_VERSION", version)]);
+        workload.go();
+        let (stderr, space) = capture(workload.pid, "500ms", &[]);
+        assert!(
+            stderr.contains(&format!("CUPTI {release} activity")),
+            "{stderr}"
+        );
+        let traced = kernels(&space);
+        assert!(!traced.is_empty(), "{version}: no kernels\n{stderr}");
+        let reduce = cxxfilt("_Z9reduceSumPKfPfj");
+        assert!(
+            traced.iter().any(|(_, e)| e.name == reduce),
+            "{version}: no {reduce}"
+        );
+        for (_, e) in &traced {
+            let details = e.stats["kernel_details"].as_str();
+            assert!(details.starts_with("regs:32 "), "{version}: {details}");
+        }
+    }
+}
+
+#[test]
+fn a_program_holding_cupti_is_left_alone() {
+    if !require_root("a_program_holding_cupti_is_left_alone") {
+        return;
+    }
+    let _serial = serial();
+    let workload = CudaWorkload::start_with_cupti(&["--own-cupti"], &[]);
+    let logdir = TempDir::new("own-cupti");
+    let ebtrace = spawn_record(&workload.pid.to_string(), "60s", &logdir, &[]);
+    std::thread::sleep(Duration::from_secs(2));
+    let report = workload.run(Duration::from_secs(60));
+    let out = ebtrace_tests::wait_with_deadline(ebtrace, Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("device activity not recorded") && stderr.contains("another CUPTI client"),
+        "{stderr}"
+    );
+    // The program's own subscription got every kernel it launched.
+    let submitted: u64 = ["0", "1"]
+        .iter()
+        .map(|d| report["submitted"][d]["kernels"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        report["cupti"]["own_kernel_records"].as_u64(),
+        Some(submitted),
+        "{report}"
+    );
+    // The GPU lines show the work as the host submitted it.
+    let files = xplane_files(logdir.path());
+    let space = xspace::load(&files[0]);
+    assert!(space.planes.iter().any(|p| p.name == "/device:GPU:0"));
+}
+
+#[test]
+fn a_killed_ebtrace_leaves_cupti_free() {
+    if !require_root("a_killed_ebtrace_leaves_cupti_free") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start_with_cupti(LONG_RUN, &[]);
+    workload.go();
+    let logdir = TempDir::new("killed-cupti");
+    let mut ebtrace = spawn_record(&workload.pid.to_string(), "60s", &logdir, &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while agent_threads(workload.pid) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    signal(ebtrace.id(), libc::SIGKILL);
+    let _ = ebtrace.wait();
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while agent_threads(workload.pid) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent's thread outlived ebtrace"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The process runs on, and CUPTI's subscription was released.
+    let (stderr, space) = capture(workload.pid, "300ms", &[]);
+    assert!(stderr.contains("device activity: CUPTI"), "{stderr}");
+    assert!(!kernels(&space).is_empty());
+}
