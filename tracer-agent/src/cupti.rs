@@ -85,6 +85,22 @@ static LENDING: AtomicBool = AtomicBool::new(false);
 /// Buffer requests refused: CUPTI drops what they would have held.
 static REFUSED: AtomicU64 = AtomicU64::new(0);
 
+/// A fresh private anonymous mapping of `len` bytes, if there is memory.
+fn map_anonymous(len: usize) -> Option<*mut c_void> {
+    // SAFETY: asks for new memory; touches no existing mapping.
+    let p = unsafe {
+        sys::mmap(
+            core::ptr::null_mut(),
+            len,
+            sys::PROT_READ_WRITE,
+            sys::MAP_PRIVATE_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    (p != sys::MAP_FAILED).then_some(p)
+}
+
 /// `CUpti_BuffersCallbackRequestFunc`: lends a free buffer, mapping it on
 /// first use; none while not recording or when all are in use.
 extern "C" fn lend_buffer(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
@@ -100,21 +116,10 @@ extern "C" fn lend_buffer(buffer: *mut *mut u8, size: *mut usize, max_records: *
             }
             let mut base = slot.base.load(Ordering::Acquire);
             if base == 0 {
-                // SAFETY: a fresh private anonymous mapping.
-                let p = unsafe {
-                    sys::mmap(
-                        core::ptr::null_mut(),
-                        BUFFER_BYTES,
-                        sys::PROT_READ_WRITE,
-                        sys::MAP_PRIVATE_ANONYMOUS,
-                        -1,
-                        0,
-                    )
-                };
-                if p == sys::MAP_FAILED {
+                let Some(p) = map_anonymous(BUFFER_BYTES) else {
                     slot.state.store(FREE, Ordering::Release);
                     break;
-                }
+                };
                 base = p as usize;
                 slot.base.store(base, Ordering::Release);
             }
@@ -478,20 +483,10 @@ impl Recording {
 /// Reads the filled buffers in the order they were filled and forwards
 /// their records; returns why some were not, if any.
 fn forward(api: &Api, header: &BatchHeader, deliver: &mut impl FnMut(&[u8])) -> Option<Text> {
-    // SAFETY: a fresh private anonymous mapping, unmapped below.
-    let frame = unsafe {
-        sys::mmap(
-            core::ptr::null_mut(),
-            FRAME_BYTES,
-            sys::PROT_READ_WRITE,
-            sys::MAP_PRIVATE_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if frame == sys::MAP_FAILED {
+    // Unmapped below.
+    let Some(frame) = map_anonymous(FRAME_BYTES) else {
         return Some(Text::new("no memory to forward the GPU activity"));
-    }
+    };
     // SAFETY: the mapping is FRAME_BYTES long and only this thread uses it.
     let frame = unsafe { core::slice::from_raw_parts_mut(frame as *mut u8, FRAME_BYTES) };
     let mut out = Frame {

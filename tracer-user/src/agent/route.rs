@@ -62,6 +62,22 @@ pub struct AgentStart {
     pub notes: Vec<String>,
 }
 
+impl AgentStart {
+    /// A framework process whose session the agent could not start: its
+    /// TraceMe events go to the uprobes under `auto`, else nowhere.
+    fn traceme_without_agent(&mut self, pid: u32, route: TraceMeRoute, why: &str) {
+        if route == TraceMeRoute::Auto {
+            self.notes.push(format!(
+                "pid {pid}: TraceMe through uprobes, not the agent: {why}"
+            ));
+            self.uprobe_pids.push(pid);
+        } else {
+            self.notes
+                .push(format!("pid {pid}: no TraceMe events: the agent: {why}"));
+        }
+    }
+}
+
 /// Starts, through the agent, the framework's own profiler session in
 /// every target the TraceMe route allows and, with `device_activity`, the
 /// device's activity (CUPTI, or a PJRT plugin's profiler) in every process
@@ -123,15 +139,7 @@ pub fn start_agent_sessions(
                     )),
                     None if framework.is_ok() => {
                         let why = started.notes.first().map_or("", String::as_str);
-                        if route == TraceMeRoute::Auto {
-                            out.notes.push(format!(
-                                "pid {pid}: TraceMe through uprobes, not the agent: {why}"
-                            ));
-                            out.uprobe_pids.push(pid);
-                        } else {
-                            out.notes
-                                .push(format!("pid {pid}: no TraceMe events: the agent: {why}"));
-                        }
+                        out.traceme_without_agent(pid, route, why);
                     }
                     None => {}
                 }
@@ -150,15 +158,7 @@ pub fn start_agent_sessions(
             }
             Err(why) => {
                 if framework.is_ok() {
-                    if route == TraceMeRoute::Auto {
-                        out.notes.push(format!(
-                            "pid {pid}: TraceMe through uprobes, not the agent: {why}"
-                        ));
-                        out.uprobe_pids.push(pid);
-                    } else {
-                        out.notes
-                            .push(format!("pid {pid}: no TraceMe events: the agent: {why}"));
-                    }
+                    out.traceme_without_agent(pid, route, &why);
                 }
                 if device {
                     out.notes.push(format!(
