@@ -142,6 +142,15 @@ pub fn serve(fd: c_int) {
                     Err(why) => send_frame(fd, protocol::FAILED, why.as_bytes()),
                 };
             }
+            protocol::WINDOW_OPEN => match &mut session {
+                None => {
+                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                }
+                Some(s) => {
+                    s.open_window();
+                    send_frame(fd, protocol::WINDOW_OPENED, &[]);
+                }
+            },
             protocol::STOP => match session.take() {
                 None => {
                     send_frame(fd, protocol::FAILED, b"no profiler session is running");

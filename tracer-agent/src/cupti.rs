@@ -422,6 +422,24 @@ impl Recording {
         Ok((recording, t))
     }
 
+    /// Forgets the records of the time before the capture window and the
+    /// count of those dropped: the buffers are free again for the window.
+    pub fn discard_until_now(&mut self) {
+        let mut dropped = 0usize;
+        // SAFETY: plain calls; a valid out pointer (reading the count
+        // resets it).
+        unsafe {
+            (self.api.flush_all)(FLUSH_FORCED);
+            (self.api.dropped)(core::ptr::null_mut(), 0, &mut dropped);
+        }
+        for slot in &SLOTS {
+            let _ = slot
+                .state
+                .compare_exchange(FILLED, FREE, Ordering::AcqRel, Ordering::Acquire);
+        }
+        REFUSED.store(0, Ordering::Release);
+    }
+
     /// Stops recording and hands the records to `deliver` in
     /// [`crate::protocol::DEVICE_ACTIVITY`] payloads; returns what went
     /// wrong, if anything.

@@ -54,6 +54,12 @@ pub const STOP: u32 = 3;
 /// ebtrace → agent: stop everything and end the agent's thread; answer:
 /// [`BYE`], the last frame.
 pub const SHUTDOWN: u32 = 4;
+/// ebtrace → agent: the capture window opens now (ebtrace's probes are
+/// attached): device activity recorded since [`START`] is discarded, so
+/// that a slow attach never fills the device buffers with records the
+/// window cuts anyway. Answer: [`WINDOW_OPENED`], or [`FAILED`] with no
+/// session running.
+pub const WINDOW_OPEN: u32 = 5;
 
 /// agent → ebtrace, first frame after attaching: [`VERSION`] and the pid.
 pub const HELLO: u32 = 100;
@@ -76,6 +82,8 @@ pub const STOPPED: u32 = 106;
 /// agent → ebtrace: a batch of CUPTI activity records (see
 /// [`crate::activity`]).
 pub const DEVICE_ACTIVITY: u32 = 107;
+/// agent → ebtrace: answer to [`WINDOW_OPEN`].
+pub const WINDOW_OPENED: u32 = 108;
 
 /// A [`STARTED`] line: the framework session that runs.
 pub const SOURCE_FRAMEWORK: &str = "framework";

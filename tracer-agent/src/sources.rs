@@ -88,6 +88,15 @@ impl Sources {
         Ok((sources, lines))
     }
 
+    /// The capture window opens: what the device recorded until now is
+    /// forgotten (the framework's and the plugin's sessions keep theirs:
+    /// ebtrace cuts their events to the window).
+    pub fn open_window(&mut self) {
+        if let Some(r) = &mut self.cupti {
+            r.discard_until_now();
+        }
+    }
+
     /// Stops every source, handing what each recorded to `deliver` as
     /// `(frame kind, payload)`; returns why a source did not stop cleanly.
     pub fn stop(self, mut deliver: impl FnMut(u32, &[u8])) -> Option<Text> {

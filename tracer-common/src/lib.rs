@@ -50,6 +50,16 @@ pub const MAX_TRACKED_TIDS: u32 = 65_536;
 /// Capacity of `TARGET_TGIDS` (processes traced at once).
 pub const MAX_TARGETS: u32 = 1_024;
 
+/// `TARGET_TGIDS` values: bits of what the programs do for a process.
+pub mod target {
+    /// Its threads are followed (from the start of the attach).
+    pub const FOLLOWED: u32 = 1;
+    /// Its driver calls are recorded: set when the capture window opens,
+    /// so that calls made while the probes attach do not fill the ring
+    /// buffer with events the window cuts anyway.
+    pub const RECORDING: u32 = 2;
+}
+
 /// Tracepoint fields the eBPF programs read, as (category, event, field,
 /// byte offset). Userspace checks them against tracefs `format` files before
 /// loading, so a kernel with another layout fails with a clear message

@@ -100,6 +100,19 @@ pub(crate) fn is_target(tgid: u32) -> bool {
     tgid != 0 && TARGET_TGIDS.get_ptr(tgid).is_some()
 }
 
+/// Whether the capture window of a traced process is open.
+#[inline(always)]
+pub(crate) fn is_recording(tgid: u32) -> bool {
+    if tgid == 0 {
+        return false;
+    }
+    match TARGET_TGIDS.get_ptr(tgid) {
+        // SAFETY: pointer into a live map value.
+        Some(bits) => (unsafe { *bits } & tracer_common::target::RECORDING) != 0,
+        None => false,
+    }
+}
+
 #[inline(always)]
 pub(crate) fn tracked_tgid(tid: u32) -> u32 {
     if tid == 0 {

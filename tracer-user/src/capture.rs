@@ -162,7 +162,7 @@ impl Capture {
         let level = options.families.traceme_level;
         let device_activity = options.families.cuda && !options.no_device_activity;
         let AgentStart {
-            sessions: framework,
+            sessions: mut framework,
             uprobe_pids,
             mut notes,
         } = start_agent_sessions(&targets, level, options.route, device_activity);
@@ -210,6 +210,17 @@ impl Capture {
             ..options.traceme
         };
         let mut traceme = TraceMeProbe::attach(&mut probe, &uprobe_pids, traceme_options)?;
+        for session in &mut framework {
+            if let Err(why) = session.open_window() {
+                notes.push(format!(
+                    "pid {}: device activity before the window is kept: {why}",
+                    session.pid
+                ));
+            }
+        }
+        for t in &targets {
+            probe.open_window(t.pid)?;
+        }
         let start_ns = monotonic_ns();
         let clock = ClockSync::measure();
         let collector = Collector::new(probe.take_events());

@@ -149,6 +149,17 @@ impl AgentSession {
         }
     }
 
+    /// Tells the agent that the capture window opens now: the device
+    /// activity it recorded while ebtrace attached its probes is dropped.
+    pub fn open_window(&mut self) -> Result<(), String> {
+        self.send(protocol::WINDOW_OPEN, &[])?;
+        match self.receive()? {
+            (protocol::WINDOW_OPENED, _) => Ok(()),
+            (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
+            (kind, _) => Err(format!("the agent answered WINDOW_OPEN with frame {kind}")),
+        }
+    }
+
     /// Stops the session and returns what it recorded; with `restart`, a
     /// new session starts right away (a long capture served in windows).
     pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, String> {

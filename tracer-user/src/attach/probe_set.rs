@@ -106,43 +106,48 @@ impl ProbeSet {
             .expect("probe is attached until detach()")
     }
 
-    /// Adds a process (thread group) to trace.
+    /// Adds a process (thread group) to trace: its threads are followed;
+    /// its driver calls wait for [`Self::open_window`].
     pub fn add_target(&mut self, tgid: u32) -> Result<()> {
-        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
-            self.ebpf()
-                .map_mut(names::TARGET_TGIDS)
-                .expect("map is in the object"),
-        )
-        .map_err(|e| map_err(names::TARGET_TGIDS, e))?;
-        map.insert(tgid, 1, 0)
-            .map_err(|e| map_err(names::TARGET_TGIDS, e))
+        self.set_target(tgid, Some(tracer_common::target::FOLLOWED))
+    }
+
+    /// Opens the capture window of a process added with [`Self::add_target`]:
+    /// its driver calls are recorded from now on.
+    pub fn open_window(&mut self, tgid: u32) -> Result<()> {
+        let bits = tracer_common::target::FOLLOWED | tracer_common::target::RECORDING;
+        self.set_target(tgid, Some(bits))
     }
 
     /// Stops tracing a process: programs still attached ignore it.
     pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
-        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
-            self.ebpf()
-                .map_mut(names::TARGET_TGIDS)
-                .expect("map is in the object"),
-        )
-        .map_err(|e| map_err(names::TARGET_TGIDS, e))?;
-        map.remove(&tgid)
-            .map_err(|e| map_err(names::TARGET_TGIDS, e))
+        self.set_target(tgid, None)
+    }
+
+    /// Sets (or with `None` removes) the `TARGET_TGIDS` bits of `tgid`.
+    fn set_target(&mut self, tgid: u32, bits: Option<u32>) -> Result<()> {
+        let mut map = self.u32_map(names::TARGET_TGIDS)?;
+        match bits {
+            Some(bits) => map.insert(tgid, bits, 0),
+            None => map.remove(&tgid),
+        }
+        .map_err(|e| map_err(names::TARGET_TGIDS, e))
     }
 
     /// Marks existing threads as members of a traced process.
     pub fn track_threads(&mut self, tgid: u32, tids: impl IntoIterator<Item = u32>) -> Result<()> {
-        let mut map: HashMap<_, u32, u32> = HashMap::try_from(
-            self.ebpf()
-                .map_mut(names::TRACKED_TIDS)
-                .expect("map is in the object"),
-        )
-        .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
+        let mut map = self.u32_map(names::TRACKED_TIDS)?;
         for tid in tids {
             map.insert(tid, tgid, 0)
                 .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
         }
         Ok(())
+    }
+
+    /// One of the object's `u32 → u32` hash maps.
+    fn u32_map(&mut self, name: &'static str) -> Result<HashMap<&mut MapData, u32, u32>> {
+        HashMap::try_from(self.ebpf().map_mut(name).expect("map is in the object"))
+            .map_err(|e| map_err(name, e))
     }
 
     /// Keeps a family's link, to be released with the others.
