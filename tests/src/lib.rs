@@ -19,6 +19,7 @@ pub mod xprof;
 pub mod xspace;
 
 use std::{
+    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     time::{Duration, Instant},
@@ -47,10 +48,39 @@ pub fn require_root(test: &str) -> bool {
 }
 
 /// Serializes the tests that trace: on two cores, parallel captures would
-/// disturb each other's timing.
+/// disturb each other's timing. It also waits for the ebtrace processes
+/// of earlier tests to be gone (see [`wait_for_ebtrace_exits`]): an
+/// exiting ebtrace leaves its probe links to a child that releases them in
+/// the background, and the kernel attaches new uprobes only after it.
 pub fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    wait_for_ebtrace_exits();
+    guard
+}
+
+/// Waits (up to a minute) until no process of the ebtrace binary under
+/// test runs, the background release of earlier probe links included.
+pub fn wait_for_ebtrace_exits() {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ebtrace_processes().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The running processes of the ebtrace binary under test.
+pub fn ebtrace_processes() -> Vec<u32> {
+    let Ok(bin) = ebtrace_bin().canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe == bin))
+        .collect()
 }
 
 /// The ebtrace binary under test: `EBTRACE_BIN`, else the one cargo built
@@ -171,6 +201,60 @@ pub fn spawn_ebtrace(args: &[&str]) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn ebtrace")
+}
+
+/// A capture started with [`spawn_attached`]: its probes are attached.
+pub struct AttachedCapture {
+    child: Child,
+    reader: std::thread::JoinHandle<Vec<String>>,
+}
+
+/// Starts a capture of `pid` into `logdir` and returns once ebtrace says
+/// its probes are attached (the window is open); stderr is read to its end
+/// meanwhile, so ebtrace never blocks writing it.
+pub fn spawn_attached(
+    pid: &str,
+    duration: &str,
+    logdir: &TempDir,
+    extra: &[&str],
+) -> AttachedCapture {
+    let mut child = spawn_record(pid, duration, logdir, extra);
+    let stderr = BufReader::new(child.stderr.take().expect("piped"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            if line.contains("probes attached") {
+                let _ = tx.send(());
+            }
+            seen.push(line);
+        }
+        seen
+    });
+    if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "ebtrace did not attach: {:?}",
+            reader.join().unwrap_or_default()
+        );
+    }
+    AttachedCapture { child, reader }
+}
+
+impl AttachedCapture {
+    /// Waits for ebtrace to end (killing it past `deadline`); its output
+    /// with the whole stderr.
+    pub fn wait(self, deadline: Duration) -> Output {
+        let mut out = wait_with_deadline(self.child, deadline);
+        out.stderr = self
+            .reader
+            .join()
+            .expect("stderr reader")
+            .join("\n")
+            .into_bytes();
+        out
+    }
 }
 
 /// Waits for a child with a deadline; kills it and panics past the deadline.

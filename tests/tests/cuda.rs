@@ -4,9 +4,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    io::{BufRead as _, BufReader},
     path::PathBuf,
-    sync::mpsc,
     time::Duration,
 };
 
@@ -15,7 +13,7 @@ use ebtrace_tests::{
     TempDir,
     cuda::{CudaWorkload, cxxfilt},
     fixture::SchedWorkload,
-    record, require_root, serial, spawn_record, wait_with_deadline, xplane_files, xprof,
+    record, require_root, serial, spawn_attached, xplane_files, xprof,
     xspace::{self, Event, Stat, line_events, plane, plane_stats},
 };
 use serde_json::Value;
@@ -38,31 +36,12 @@ fn trace_workload(args: &[&str]) -> Traced {
     let workload = CudaWorkload::start(args);
     let logdir = TempDir::new("cuda");
     let pid = workload.pid.to_string();
-    let mut ebtrace = spawn_record(&pid, "60s", &logdir, &[]);
-    let stderr = ebtrace.stderr.take().expect("piped");
-    let (tx, rx) = mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut stderr_lines = Vec::new();
-    while !stderr_lines
-        .iter()
-        .any(|l: &String| l.contains("probes attached"))
-    {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("ebtrace did not attach: {stderr_lines:?}"));
-        stderr_lines.push(line);
-    }
+    let ebtrace = spawn_attached(&pid, "60s", &logdir, &[]);
     let report = workload.run(Duration::from_secs(60));
     // ebtrace exits after releasing its uprobes, about 0.1 s each.
-    let out = wait_with_deadline(ebtrace, Duration::from_secs(180));
-    reader.join().expect("stderr reader");
-    stderr_lines.extend(rx.try_iter());
+    let out = ebtrace.wait(Duration::from_secs(180));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = stderr_lines.join("\n");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "ebtrace failed: {stderr}\n{stdout}");
     let files = xplane_files(logdir.path());
     assert_eq!(files.len(), 1, "{files:?}");

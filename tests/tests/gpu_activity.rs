@@ -10,7 +10,8 @@ use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
     TempDir,
     cuda::{CudaWorkload, cxxfilt},
-    record, require_root, serial, signal, spawn_record, xplane_files,
+    record, require_root, serial, signal, spawn_attached, spawn_record, wait_for_ebtrace_exits,
+    xplane_files,
     xspace::{self, Event, Stat, line_events, plane, profile_window},
 };
 use serde_json::Value;
@@ -90,7 +91,8 @@ fn agent_threads(pid: u32) -> usize {
 fn capture(pid: u32, duration: &str, extra: &[&str]) -> (String, XSpace) {
     let logdir = TempDir::new("gpu-activity");
     let out = record(&pid.to_string(), duration, &logdir, extra);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stderr =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "ebtrace failed:\n{stderr}");
     let files = xplane_files(logdir.path());
     assert_eq!(files.len(), 1, "{stderr}");
@@ -203,6 +205,7 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
     );
 
     // CUPTI was left as found: a second capture subscribes again.
+    wait_for_ebtrace_exits();
     let (again, _) = capture(workload.pid, "300ms", &[]);
     assert!(again.contains("device activity: CUPTI 12.8"), "{again}");
 }
@@ -214,6 +217,7 @@ fn each_cupti_release_is_read_by_its_layout() {
     }
     let _serial = serial();
     for (version, release) in [("130001", "13.0"), ("130101", "13.1"), ("140000", "14.0")] {
+        wait_for_ebtrace_exits();
         let mut workload =
             CudaWorkload::start_with_cupti(LONG_RUN, &[("STANDIN_CUPTI_VERSION", version)]);
         workload.go();
@@ -244,10 +248,9 @@ fn a_program_holding_cupti_is_left_alone() {
     let _serial = serial();
     let workload = CudaWorkload::start_with_cupti(&["--own-cupti"], &[]);
     let logdir = TempDir::new("own-cupti");
-    let ebtrace = spawn_record(&workload.pid.to_string(), "60s", &logdir, &[]);
-    std::thread::sleep(Duration::from_secs(2));
+    let ebtrace = spawn_attached(&workload.pid.to_string(), "60s", &logdir, &[]);
     let report = workload.run(Duration::from_secs(60));
-    let out = ebtrace_tests::wait_with_deadline(ebtrace, Duration::from_secs(120));
+    let out = ebtrace.wait(Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("device activity not recorded") && stderr.contains("another CUPTI client"),

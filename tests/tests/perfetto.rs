@@ -4,7 +4,6 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    io::{BufRead as _, BufReader},
     path::PathBuf,
     time::Duration,
 };
@@ -14,9 +13,9 @@ use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
     fixture::SchedWorkload,
-    perfetto, record, require_root, run_ebtrace, serial, spawn_record,
+    perfetto, record, require_root, run_ebtrace, serial, spawn_attached,
     traceme::{Toolchain, TraceMeWorkload},
-    wait_with_deadline, workspace_root, xplane_files,
+    workspace_root, xplane_files,
     xspace::{self, line_events, plane},
 };
 use serde_json::Value;
@@ -221,27 +220,11 @@ fn gpu_stream_work_is_linked_to_its_launches() {
     let _serial = serial();
     let workload = CudaWorkload::start(&[]);
     let dir = TempDir::new("perfetto-cuda");
-    let mut ebtrace = spawn_record(&workload.pid.to_string(), "60s", &dir, &["--perfetto"]);
-    // Read stderr to its end (ebtrace must be able to write it), telling
-    // the test when the probes are attached.
-    let stderr = BufReader::new(ebtrace.stderr.take().expect("piped"));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        for line in stderr.lines().map_while(Result::ok) {
-            if line.contains("probes attached") {
-                let _ = tx.send(());
-            }
-            seen.push(line);
-        }
-        seen
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("ebtrace did not attach");
+    let ebtrace = spawn_attached(&workload.pid.to_string(), "60s", &dir, &["--perfetto"]);
     workload.run(Duration::from_secs(60));
-    let out = wait_with_deadline(ebtrace, Duration::from_secs(180));
-    let seen = reader.join().expect("stderr reader");
-    assert!(out.status.success(), "ebtrace failed: {seen:?}");
+    let out = ebtrace.wait(Duration::from_secs(180));
+    let seen = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ebtrace failed: {seen}");
     let files = xplane_files(dir.path());
     assert_eq!(files.len(), 1, "{files:?}");
     let space = xspace::load(&files[0]);
