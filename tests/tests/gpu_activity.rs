@@ -12,7 +12,7 @@ use ebtrace_tests::{
     cuda::{CudaWorkload, cxxfilt},
     record, require_root, serial, signal, spawn_attached, spawn_record, wait_for_ebtrace_exits,
     xplane_files,
-    xspace::{self, Event, Stat, line_events, plane, profile_window},
+    xspace::{self, Event, Stat, line_events, plane, plane_stats, profile_window},
 };
 use serde_json::Value;
 
@@ -196,6 +196,21 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
         .count();
     assert!(inside > 100, "{inside}");
     assert_eq!(missing, 0, "{missing} of {inside} kernels missing");
+
+    // The GPU planes say their times are the device's.
+    for p in space
+        .planes
+        .iter()
+        .filter(|p| p.name.starts_with("/device:GPU:"))
+    {
+        let timing = plane_stats(p)["ebtrace_timing"].as_str().to_string();
+        assert!(timing.starts_with("device:"), "{}: {timing}", p.name);
+        for line in &p.lines {
+            assert!(!line.display_name.contains("host-observed"), "{line:?}");
+        }
+    }
+    assert!(stderr.contains("(timed by the GPU, from CUPTI)"), "{stderr}");
+    assert!(!stderr.contains("host-observed"), "{stderr}");
 
     // Names as c++filt demangles them.
     let vec_add = cxxfilt("_Z6vecAddPKfS0_Pfi");

@@ -3,8 +3,30 @@
 use clap::Parser as _;
 use ebtrace::cli::{Cli, Command, convert, record, serve};
 
+/// Prints the library's warnings as ebtrace's other messages are printed:
+/// one line on stderr each.
+struct StderrWarnings;
+
+impl log::Log for StderrWarnings {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::Level::Warn
+    }
+
+    fn log(&self, record: &log::Record) {
+        if self.enabled(record.metadata()) {
+            eprintln!("ebtrace: warning: {}", record.args());
+        }
+    }
+
+    fn flush(&self) {}
+}
+
 fn main() {
     large_buffers_from_mmap();
+    static LOGGER: StderrWarnings = StderrWarnings;
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(log::LevelFilter::Warn);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),

@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use crate::{attach::ProbeStats, timeline::Timeline};
+use crate::{
+    attach::ProbeStats,
+    timeline::{StreamTiming, Timeline},
+};
 
 fn ms(ns: u64) -> String {
     format!("{:.1}ms", ns as f64 / 1e6)
@@ -55,12 +58,29 @@ pub fn render(timeline: &Timeline, probe: &ProbeStats) -> String {
         );
     }
     for (ordinal, device) in &timeline.devices {
-        let submissions: usize = device.streams.values().map(|s| s.events.len()).sum();
-        let _ = writeln!(
-            out,
-            "GPU {ordinal}: {submissions} submissions on {} streams (host-observed)",
-            device.streams.len()
-        );
+        for (timing, what) in [
+            (StreamTiming::HostObserved, "submissions"),
+            (StreamTiming::Device, "events"),
+        ] {
+            let streams: Vec<_> = device
+                .streams
+                .values()
+                .filter(|s| s.timing == timing)
+                .collect();
+            if streams.is_empty() {
+                continue;
+            }
+            let events: usize = streams.iter().map(|s| s.events.len()).sum();
+            let source = match timing {
+                StreamTiming::HostObserved => "host-observed",
+                StreamTiming::Device => "timed by the GPU, from CUPTI",
+            };
+            let _ = writeln!(
+                out,
+                "GPU {ordinal}: {events} {what} on {} streams ({source})",
+                streams.len()
+            );
+        }
     }
     for note in &timeline.stats.notes {
         let _ = writeln!(out, "{note}");

@@ -10,8 +10,8 @@ use proptest::{collection::vec, prelude::*};
 
 use super::{
     CORRELATION_STAT, CaptureStats, CpuSlice, DeviceTrack, Mark, MarkKind, ProcessInfo,
-    RunnableCause, Span, StateSlice, StreamTrack, TaskState, ThreadCounters, ThreadState,
-    ThreadTrack, Timeline, Value, Window, nest_spans,
+    RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
+    ThreadState, ThreadTrack, Timeline, Value, Window, nest_spans,
 };
 use crate::clock::ClockSync;
 
@@ -205,6 +205,11 @@ pub fn timeline() -> impl Strategy<Value = Timeline> {
                             id,
                             pid,
                             label: format!("stream {id}"),
+                            timing: if id % 2 == 0 {
+                                StreamTiming::Device
+                            } else {
+                                StreamTiming::HostObserved
+                            },
                             events,
                         },
                     );

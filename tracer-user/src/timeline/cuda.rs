@@ -51,7 +51,19 @@ pub struct StreamTrack {
     pub pid: u32,
     /// What the stream is: its handle, or which default stream.
     pub label: String,
+    /// Where its events' times come from.
+    pub timing: StreamTiming,
     pub events: Vec<Span>,
+}
+
+/// Where a stream's event times come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StreamTiming {
+    /// Each event spans the driver call that submitted the work.
+    #[default]
+    HostObserved,
+    /// The device's own start and end of the work (CUPTI activity).
+    Device,
 }
 
 /// Which stream a submission went to, within one process and device.
@@ -722,6 +734,7 @@ impl CudaTimelineBuilder {
             id,
             pid,
             label: label.clone(),
+            timing: StreamTiming::HostObserved,
             events: Vec::new(),
         });
         (id, label)

@@ -25,7 +25,7 @@ pub mod window;
 
 use std::collections::BTreeMap;
 
-pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTrack};
+pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
 pub use sched::{InitialState, SchedTimelineBuilder};

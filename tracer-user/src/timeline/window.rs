@@ -321,8 +321,8 @@ mod tests {
     use crate::{
         clock::ClockSync,
         timeline::{
-            CaptureStats, CpuSlice, DeviceTrack, StateSlice, StreamTrack, ThreadCounters,
-            ThreadTrack, arbitrary,
+            CaptureStats, CpuSlice, DeviceTrack, StateSlice, StreamTiming, StreamTrack,
+            ThreadCounters, ThreadTrack, arbitrary,
         },
     };
 
@@ -528,6 +528,7 @@ mod tests {
             id: 1,
             pid: 3,
             label: "0x1".into(),
+            timing: StreamTiming::HostObserved,
             events: (0..n).map(launch).collect(),
         };
         tl.devices.insert(

@@ -9,8 +9,8 @@ use super::*;
 use crate::{
     clock::ClockSync,
     timeline::{
-        CaptureStats, CpuSlice, DeviceTrack, ProcessInfo, RunnableCause, StateSlice, StreamTrack,
-        TaskState, ThreadCounters, ThreadState, ThreadTrack,
+        CaptureStats, CpuSlice, DeviceTrack, ProcessInfo, RunnableCause, StateSlice, StreamTiming,
+        StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
     },
 };
 
@@ -118,6 +118,7 @@ fn timeline() -> Timeline {
                         id: 1,
                         pid: 10,
                         label: "0x1234".into(),
+                        timing: StreamTiming::HostObserved,
                         events: vec![span("kernel", 460, 700, Some(7))],
                     },
                 )]),

@@ -23,7 +23,7 @@
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event};
 use prost::Message as _;
 
-use crate::timeline::{DeviceTrack, Timeline};
+use crate::timeline::{DeviceTrack, StreamTiming, Timeline};
 
 pub const HOST_CPU_PLANE: &str = "/host:CPU";
 /// The per-CPU lines. XProf's trace viewer (2.22.3 and later) shows every
@@ -36,9 +36,15 @@ pub const BLOCKED_THREADS_PLANE: &str = "/host:CPU threads blocked throughout";
 pub const TASK_ENV_PLANE: &str = "Task Environment";
 /// Prefix of the GPU planes; the device ordinal follows.
 pub const GPU_PLANE_PREFIX: &str = "/device:GPU:";
-/// Says, on each GPU plane, what its times are.
+/// Says, on a GPU plane whose lines are all host-observed, what its times are.
 pub const HOST_OBSERVED_TIMING: &str = "host-observed: each event spans the driver call that \
      submitted the work, not its execution on the GPU (which needs CUPTI)";
+/// Says it on a GPU plane whose lines the device timed.
+pub const DEVICE_TIMING: &str = "device: each event starts and ends when the GPU ran the work, \
+     as CUPTI's activity records say";
+/// Says it on a GPU plane with both kinds of lines.
+pub const MIXED_TIMING: &str = "mixed: lines marked host-observed span the driver calls that \
+     submitted the work; the others are the GPU's own times (CUPTI)";
 /// First line id of the per-CPU lines (pid_max is at most 2^22).
 pub const CPU_LINE_BASE: i64 = 0xFFFF_0000;
 
@@ -215,16 +221,25 @@ fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder
         &format!("{GPU_PLANE_PREFIX}{}", device.ordinal),
     );
     plane.add_plane_stat("device_ordinal", &StatValue::I64(device.ordinal.into()));
-    plane.add_plane_stat(
-        "ebtrace_timing",
-        &StatValue::Str(HOST_OBSERVED_TIMING.into()),
-    );
+    let timed_by = |t| device.streams.values().any(|s| s.timing == t);
+    let timing = match (
+        timed_by(StreamTiming::HostObserved),
+        timed_by(StreamTiming::Device),
+    ) {
+        (true, true) => MIXED_TIMING,
+        (false, true) => DEVICE_TIMING,
+        _ => HOST_OBSERVED_TIMING,
+    };
+    plane.add_plane_stat("ebtrace_timing", &StatValue::Str(timing.into()));
     for stream in device.streams.values() {
         for e in &stream.events {
             push_span(&mut plane, &e.name, ps(e.start_ns), ps(e.end_ns), &e.stats);
         }
         let name = format!("Stream #{}", stream.id);
-        let display = format!("{name} ({}; host-observed)", stream.label);
+        let display = match stream.timing {
+            StreamTiming::HostObserved => format!("{name} ({}; host-observed)", stream.label),
+            StreamTiming::Device => format!("{name} ({})", stream.label),
+        };
         plane.finish_line(stream.id, &name, &display);
     }
     plane

@@ -24,7 +24,9 @@ use tracer_agent::activity::{self, BatchHeader};
 pub use records::{Activity, DriverCall, Kernel, Transfer, decode};
 use records::{copy_kind_name, driver_function, memory_kind_name};
 
-use super::{CORRELATION_STAT, DeviceTrack, Span, StreamTrack, Timeline, Value, cuda::demangle};
+use super::{
+    CORRELATION_STAT, DeviceTrack, Span, StreamTiming, StreamTrack, Timeline, Value, cuda::demangle,
+};
 use crate::clock::ClockSync;
 
 /// How long before CUPTI's record of a driver call the uprobe span of the
@@ -312,6 +314,7 @@ fn stream_line(timeline: &mut Timeline, device: u32, pid: u32, stream: u32) -> i
         id,
         pid,
         label: format!("CUPTI stream {stream} of pid {pid}"),
+        timing: StreamTiming::Device,
         events: Vec::new(),
     });
     id
@@ -429,6 +432,7 @@ mod tests {
                         id: 1,
                         pid: PID,
                         label: "0x1234".into(),
+                        timing: StreamTiming::HostObserved,
                         events: vec![],
                     },
                 )]),
