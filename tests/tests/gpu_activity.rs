@@ -209,7 +209,10 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
             assert!(!line.display_name.contains("host-observed"), "{line:?}");
         }
     }
-    assert!(stderr.contains("(timed by the GPU, from CUPTI)"), "{stderr}");
+    assert!(
+        stderr.contains("(timed by the GPU, from CUPTI)"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("host-observed"), "{stderr}");
 
     // Names as c++filt demangles them.

@@ -508,16 +508,17 @@ pub struct PluginSession {
 impl PluginSession {
     /// Starts a profiler at `levels` in every loaded PJRT plugin that has
     /// the profiler extension. The text says which plugins run one (and
-    /// why others do not); the error, one line, why none does.
+    /// why others do not); `None`: no plugin is loaded; the error, one
+    /// line, why no loaded plugin runs one.
     #[allow(clippy::result_large_err)]
-    pub fn start(levels: &SessionLevels) -> Result<(PluginSession, Text), Text> {
+    pub fn start(levels: &SessionLevels) -> Result<Option<(PluginSession, Text)>, Text> {
         let mut found = [Candidate {
             handle: core::ptr::null_mut(),
             get_api: core::ptr::null_mut(),
         }; MAX_PLUGINS];
         let count = candidates(&mut found);
         if count == 0 {
-            return Err(Text::new("no PJRT plugin is loaded in this process"));
+            return Ok(None);
         }
         let mut options = [0u8; 24];
         let options_len = profile_options(levels, &mut options);
@@ -591,7 +592,7 @@ impl PluginSession {
         if !why.is_empty() {
             running.push(b" (").push(&why.buf[..why.len]).push(b")");
         }
-        Ok((session, running.text()))
+        Ok(Some((session, running.text())))
     }
 
     /// Stops every profiler, hands each one's serialized XSpace to

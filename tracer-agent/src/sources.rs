@@ -50,10 +50,11 @@ impl Sources {
         let mut plugin_failure = None;
         if levels.device > 0 && sources.framework.is_none() {
             match pjrt::PluginSession::start(levels) {
-                Ok((p, what)) => {
+                Ok(Some((p, what))) => {
                     line(&mut lines, protocol::SOURCE_DEVICE, what.as_bytes());
                     sources.plugin = Some(p);
                 }
+                Ok(None) => {}
                 Err(why) => plugin_failure = Some(why),
             }
         }
@@ -67,11 +68,7 @@ impl Sources {
                 Err(_) if sources.framework.is_some() => {}
                 // A plugin that is there but cannot record says more than
                 // a process without CUDA.
-                Err(_)
-                    if plugin_failure
-                        .as_ref()
-                        .is_some_and(|w| !w.as_bytes().starts_with(b"no PJRT")) =>
-                {
+                Err(_) if plugin_failure.is_some() => {
                     let why = plugin_failure.take().expect("checked");
                     line(&mut lines, protocol::SOURCE_NOTE, why.as_bytes());
                     first_failure.get_or_insert(why);

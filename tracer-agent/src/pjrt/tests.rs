@@ -211,7 +211,8 @@ fn events(space: &XSpace, name: &str) -> Vec<(String, Vec<Event>)> {
 
 fn start(levels: SessionLevels) -> Result<(PluginSession, String), String> {
     match PluginSession::start(&levels) {
-        Ok((s, t)) => Ok((s, text(&t))),
+        Ok(Some((s, t))) => Ok((s, text(&t))),
+        Ok(None) => Err("no PJRT plugin is loaded".into()),
         Err(t) => Err(text(&t)),
     }
 }
