@@ -324,3 +324,45 @@ fn a_killed_ebtrace_leaves_cupti_free() {
     assert!(stderr.contains("device activity: CUPTI"), "{stderr}");
     assert!(!kernels(&space).is_empty());
 }
+
+#[test]
+fn a_process_exiting_mid_capture_keeps_the_rest_of_the_trace() {
+    if !require_root("a_process_exiting_mid_capture_keeps_the_rest_of_the_trace") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start_with_cupti(LONG_RUN, &[]);
+    workload.go();
+    let logdir = TempDir::new("exiting");
+    let ebtrace = spawn_attached(&workload.pid.to_string(), "60s", &logdir, &[]);
+    std::thread::sleep(Duration::from_millis(500));
+    signal(workload.pid, libc::SIGKILL);
+    let out = ebtrace.wait(Duration::from_secs(120));
+    assert!(out.status.success(), "{out:?}");
+    let out =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{out}");
+    let space = xspace::load(&files[0]);
+    assert!(out.contains("device activity: CUPTI"), "{out}");
+    // One line says what was lost, and why; nothing else about the agent.
+    let lost: Vec<&str> = out.lines().filter(|l| l.contains("warning")).collect();
+    assert_eq!(lost.len(), 1, "{out}");
+    assert!(
+        lost[0].contains("exited during the capture: GPU activity recorded inside it"),
+        "{out}"
+    );
+    assert!(
+        out.contains("capture ended early: every traced process exited"),
+        "{out}"
+    );
+    // The host side of the capture is all there.
+    let host = plane(&space, "/host:CPU");
+    let calls = host
+        .lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .filter(|e| e.name.starts_with("cuLaunch"))
+        .count();
+    assert!(calls > 100, "{calls} launches");
+}

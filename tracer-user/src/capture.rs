@@ -319,7 +319,10 @@ impl Capture {
         self.collect_framework(false);
         for session in self.framework.drain(..) {
             let pid = session.pid;
-            if let Err(why) = session.close() {
+            let exited = session.target_exited();
+            if let Err(why) = session.close()
+                && !exited
+            {
                 self.traceme
                     .warn(format!("pid {pid}: taking the agent out: {why}"));
             }
@@ -430,9 +433,16 @@ impl Capture {
         for session in &mut self.framework {
             match session.collect(restart) {
                 Ok(r) => self.recordings.push(r),
+                Err(_) if session.target_exited() => self.traceme.warn(format!(
+                    "pid {}: exited during the capture: {} recorded inside it since the last \
+                     collection is lost with it; the rest of the trace is kept",
+                    session.pid,
+                    session.what_records()
+                )),
                 Err(why) => self.traceme.warn(format!(
-                    "pid {}: the framework's profiler session: {why}",
-                    session.pid
+                    "pid {}: {}: {why}",
+                    session.pid,
+                    session.what_records()
                 )),
             }
         }

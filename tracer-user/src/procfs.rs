@@ -91,11 +91,16 @@ impl TargetProcess {
 
     /// True while the process exists and has not exited (zombies count as gone).
     pub fn is_alive(&self) -> bool {
-        fs::read_to_string(proc_root().join(self.pid.to_string()).join("stat"))
-            .ok()
-            .and_then(|s| parse_stat(&s))
-            .is_some_and(|s| s.state != 'Z' && s.state != 'X')
+        is_alive(self.pid)
     }
+}
+
+/// True while process `pid` exists and has not exited (zombies count as gone).
+pub fn is_alive(pid: u32) -> bool {
+    fs::read_to_string(proc_root().join(pid.to_string()).join("stat"))
+        .ok()
+        .and_then(|s| parse_stat(&s))
+        .is_some_and(|s| s.state != 'Z' && s.state != 'X')
 }
 
 /// Cumulative CPU time and context switches of a process, for rates

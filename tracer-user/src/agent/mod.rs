@@ -208,6 +208,21 @@ impl AgentSession {
         self.shut_down()
     }
 
+    /// Whether the target has exited (its agent with it).
+    pub fn target_exited(&self) -> bool {
+        !crate::procfs::is_alive(self.pid)
+    }
+
+    /// What the agent records, for messages: `the framework's profiler
+    /// session`, `GPU activity`, or both.
+    pub fn what_records(&self) -> &'static str {
+        match (&self.started.framework, &self.started.device) {
+            (Some(_), Some(_)) => "the framework's profiler session and GPU activity",
+            (None, Some(_)) => "GPU activity",
+            _ => "the framework's profiler session",
+        }
+    }
+
     /// Whether the agent was there from the program's start.
     pub fn preloaded(&self) -> bool {
         self.injected.is_none()
@@ -227,7 +242,9 @@ impl AgentSession {
         let bye = self
             .send(protocol::SHUTDOWN, &[])
             .and_then(|()| self.receive());
-        if let Err(why) = bye {
+        if let Err(why) = bye
+            && !self.target_exited()
+        {
             log::warn!("pid {}: the agent did not say goodbye: {why}", self.pid);
         }
         injected
@@ -241,6 +258,7 @@ impl AgentSession {
     fn read_thread_pointers(&mut self) {
         match inject::thread_pointers(self.pid) {
             Ok(found) => self.thread_pointers.extend(found),
+            Err(_) if self.target_exited() => {}
             Err(e) => log::warn!("pid {}: threads not named: {e}", self.pid),
         }
     }
