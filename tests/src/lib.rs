@@ -68,18 +68,20 @@ pub fn wait_for_ebtrace_exits() {
     }
 }
 
-/// The running processes of the ebtrace binary under test.
+/// The running (not yet reaped, not zombie) processes named `ebtrace`. By
+/// name: a process releasing its descriptors on exit has no `exe` link.
 pub fn ebtrace_processes() -> Vec<u32> {
-    let Ok(bin) = ebtrace_bin().canonicalize() else {
-        return Vec::new();
-    };
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe == bin))
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next());
+            stat.contains(" (ebtrace) ") && state != Some(Some('Z'))
+        })
         .collect()
 }
 

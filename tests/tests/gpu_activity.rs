@@ -366,3 +366,50 @@ fn a_process_exiting_mid_capture_keeps_the_rest_of_the_trace() {
         .count();
     assert!(calls > 100, "{calls} launches");
 }
+
+#[test]
+fn kernels_looked_up_before_the_capture_are_named_by_the_driver_without_cupti() {
+    if !require_root("kernels_looked_up_before_the_capture_are_named_by_the_driver_without_cupti") {
+        return;
+    }
+    let _serial = serial();
+    // The program holds CUPTI, so its records cannot name anything; its
+    // threads look their kernels up before ebtrace attaches.
+    let mut args = vec!["--own-cupti"];
+    args.extend_from_slice(LONG_RUN);
+    let mut workload = CudaWorkload::start_with_cupti(&args, &[]);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    let launch_kernels = |space: &XSpace| -> Vec<String> {
+        let host = plane(space, "/host:CPU");
+        host.lines
+            .iter()
+            .flat_map(|l| line_events(host, l.id))
+            .filter(|e| e.name.starts_with("cuLaunch") && e.stats["result_code"].as_i64() == 0)
+            .map(|e| e.stats["kernel"].as_str().to_string())
+            .collect()
+    };
+
+    // Without the agent, the launches carry handles only.
+    let (out, space) = capture(workload.pid, "300ms", &["--no-agent"]);
+    let kernels = launch_kernels(&space);
+    assert!(kernels.len() > 10, "{out}");
+    assert!(
+        kernels.iter().all(|k| k.starts_with("<unresolved 0x")),
+        "{kernels:?}"
+    );
+
+    wait_for_ebtrace_exits();
+    let (out, space) = capture(workload.pid, "300ms", &[]);
+    assert!(out.contains("another CUPTI client"), "{out}");
+    let kernels = launch_kernels(&space);
+    assert!(kernels.len() > 10, "{out}");
+    let expected = [cxxfilt("_Z6vecAddPKfS0_Pfi"), cxxfilt("_Z9reduceSumPKfPfj")];
+    for k in &kernels {
+        assert!(expected.contains(k), "{k} is not one the program launched");
+    }
+    assert!(
+        out.contains("3 of 3 kernels launched with handles looked up before the capture named by the CUDA driver (cuFuncGetName)"),
+        "{out}"
+    );
+}

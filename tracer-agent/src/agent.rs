@@ -117,7 +117,7 @@ pub fn serve(fd: c_int) {
             break;
         }
         let header = Header::decode(&h);
-        let mut payload = [0u8; 64];
+        let mut payload = [0u8; protocol::MAX_REQUEST_LEN];
         let Some(payload) = payload.get_mut(..header.len as usize) else {
             break;
         };
@@ -151,6 +151,13 @@ pub fn serve(fd: c_int) {
                     send_frame(fd, protocol::WINDOW_OPENED, &[]);
                 }
             },
+            protocol::NAME_KERNELS => {
+                let answered =
+                    crate::kernel_names::answer(payload, |kind, parts| send_parts(fd, kind, parts));
+                if let Err(why) = answered {
+                    send_frame(fd, protocol::FAILED, why);
+                }
+            }
             protocol::STOP => match session.take() {
                 None => {
                     send_frame(fd, protocol::FAILED, b"no profiler session is running");
@@ -197,12 +204,17 @@ fn read_exact(fd: c_int, mut buf: &mut [u8]) -> bool {
 
 /// Sends one frame; false if ebtrace's end is gone.
 fn send_frame(fd: c_int, kind: u32, payload: &[u8]) -> bool {
+    send_parts(fd, kind, &[payload])
+}
+
+/// Sends one frame whose payload is `parts` one after the other.
+fn send_parts(fd: c_int, kind: u32, parts: &[&[u8]]) -> bool {
     let header = Header {
         kind,
-        len: payload.len() as u32,
+        len: parts.iter().map(|p| p.len()).sum::<usize>() as u32,
     }
     .encode();
-    send_all(fd, &header) && send_all(fd, payload)
+    send_all(fd, &header) && parts.iter().all(|p| send_all(fd, p))
 }
 
 fn send_all(fd: c_int, mut buf: &[u8]) -> bool {

@@ -19,6 +19,7 @@ pub mod protocol;
 
 mod agent;
 mod cupti;
+mod kernel_names;
 mod pjrt;
 pub mod preload;
 mod python;

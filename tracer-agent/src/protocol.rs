@@ -60,6 +60,16 @@ pub const SHUTDOWN: u32 = 4;
 /// window cuts anyway. Answer: [`WINDOW_OPENED`], or [`FAILED`] with no
 /// session running.
 pub const WINDOW_OPEN: u32 = 5;
+/// ebtrace → agent: name these kernels (payload: function or kernel
+/// handles the program launched, u64 each, at most
+/// [`MAX_NAMED_KERNELS`]), as the CUDA driver names them. Answer:
+/// [`KERNEL_NAMES`], or [`FAILED`] with why (no driver, a driver without
+/// `cuFuncGetName`). Works with or without a session.
+pub const NAME_KERNELS: u32 = 6;
+/// Handles one [`NAME_KERNELS`] request may carry.
+pub const MAX_NAMED_KERNELS: usize = 1024;
+/// Longest request payload the agent reads.
+pub const MAX_REQUEST_LEN: usize = 8 * MAX_NAMED_KERNELS;
 
 /// agent → ebtrace, first frame after attaching: [`VERSION`] and the pid.
 pub const HELLO: u32 = 100;
@@ -84,6 +94,10 @@ pub const STOPPED: u32 = 106;
 pub const DEVICE_ACTIVITY: u32 = 107;
 /// agent → ebtrace: answer to [`WINDOW_OPEN`].
 pub const WINDOW_OPENED: u32 = 108;
+/// agent → ebtrace: answer to [`NAME_KERNELS`]: one u32 length per handle,
+/// in the request's order (0: the driver does not know it), then the
+/// names' bytes one after the other.
+pub const KERNEL_NAMES: u32 = 109;
 
 /// A [`STARTED`] line: the framework session that runs.
 pub const SOURCE_FRAMEWORK: &str = "framework";

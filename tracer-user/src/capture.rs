@@ -13,7 +13,9 @@ use std::{
 };
 
 use crate::{
-    agent::{AgentRecording, AgentSession, AgentStart, TraceMeRoute, start_agent_sessions},
+    agent::{
+        AgentRecording, AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions,
+    },
     attach::{
         CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions, TraceMeProbe,
         cuda, tracefs,
@@ -126,6 +128,10 @@ pub struct Capture {
     framework: Vec<AgentSession>,
     /// What those sessions recorded so far.
     recordings: Vec<AgentRecording>,
+    /// Kernel names asked of the driver inside the targets.
+    kernel_naming: KernelNaming,
+    /// Whether ebtrace's agent may be loaded for device work.
+    agent_for_devices: bool,
     /// Declared before `probe`: dropped first, it switches the targets'
     /// TraceMe recording off while the probes still see it.
     traceme: TraceMeProbe,
@@ -229,6 +235,8 @@ impl Capture {
         Ok(Capture {
             framework,
             recordings: Vec::new(),
+            kernel_naming: KernelNaming::default(),
+            agent_for_devices: device_activity,
             traceme,
             traceme_events: Vec::new(),
             probe,
@@ -317,6 +325,8 @@ impl Capture {
     ) -> Result<(Timeline, ProbeStats, AttachedProbes)> {
         let stop_ns = monotonic_ns();
         self.collect_framework(false);
+        self.drain();
+        self.name_kernels();
         for session in self.framework.drain(..) {
             let pid = session.pid;
             let exited = session.target_exited();
@@ -369,6 +379,7 @@ impl Capture {
     ) -> Timeline {
         let stop_ns = window.stop_ns;
         self.collect_framework(true);
+        self.name_kernels();
         // One ring buffer is shared by all CPUs; reservations are ordered,
         // timestamps taken just before them are not quite.
         self.records.sort_by_key(Record::ts);
@@ -380,6 +391,7 @@ impl Capture {
         }
         let window_start = window.start_ns.max(self.start_ns);
         let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
+        cuda.add_driver_names(&self.kernel_naming.names);
         let mut builder = SchedTimelineBuilder::new(
             window_start,
             stop_ns,
@@ -409,6 +421,7 @@ impl Capture {
             without_scheduling(&mut timeline);
         }
         cuda.finish().add_to(&mut timeline);
+        (timeline.stats.notes).extend(self.kernel_naming.notes.iter().cloned());
         self.add_traceme(&mut timeline);
         self.add_framework(&mut timeline);
         self.add_device_activity(&mut timeline);
@@ -446,6 +459,17 @@ impl Capture {
                 )),
             }
         }
+    }
+
+    /// Asks the driver inside the targets for the names of the kernels
+    /// launched so far by handles no symbol record names.
+    fn name_kernels(&mut self) {
+        if !self.families.cuda {
+            return;
+        }
+        let unnamed = crate::timeline::cuda::unnamed_kernels(&self.records);
+        self.kernel_naming
+            .ask(unnamed, &mut self.framework, self.agent_for_devices);
     }
 
     /// Merges what the framework sessions recorded and says how it went.

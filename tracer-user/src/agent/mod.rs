@@ -5,8 +5,10 @@
 //! The wire protocol is `tracer_agent::protocol`. Everything the agent
 //! sends comes from inside the target and is read with limits.
 
+mod kernel_names;
 mod route;
 
+pub use kernel_names::KernelNaming;
 pub use route::{AgentStart, TraceMeRoute, start_agent_sessions};
 
 use std::{
@@ -97,6 +99,22 @@ pub fn write_library(path: &std::path::Path) -> crate::error::Result<()> {
     Ok(())
 }
 
+/// Reads a [`protocol::KERNEL_NAMES`] answer to a request for `handles`:
+/// a u32 length per handle, then the names; `None` if it is malformed.
+fn parse_kernel_names(handles: &[u64], payload: &[u8]) -> Option<Vec<(u64, String)>> {
+    let (lengths, mut names) = payload.split_at_checked(4 * handles.len())?;
+    let mut out = Vec::new();
+    for (handle, len) in handles.iter().zip(lengths.chunks_exact(4)) {
+        let len = u32::from_le_bytes(len.try_into().ok()?) as usize;
+        let (name, rest) = names.split_at_checked(len)?;
+        names = rest;
+        if !name.is_empty() {
+            out.push((*handle, String::from_utf8_lossy(name).into_owned()));
+        }
+    }
+    names.is_empty().then_some(out)
+}
+
 /// Connects to the agent `pid` was started with (`LD_PRELOAD`), if any.
 fn connect_preloaded(pid: u32) -> Option<UnixStream> {
     use std::os::{linux::net::SocketAddrExt, unix::net::SocketAddr};
@@ -112,6 +130,17 @@ impl AgentSession {
     /// or else one loaded now. The error is one line saying why nothing
     /// records (a loaded agent is taken out again).
     pub fn start(pid: u32, levels: SessionLevels) -> Result<Self, String> {
+        let mut session = Self::connect(pid)?;
+        session.levels = levels;
+        session.started = session.start_session()?;
+        session.read_thread_pointers();
+        Ok(session)
+    }
+
+    /// Reaches the agent in `pid` (the one it was started with, or one
+    /// loaded now) without starting anything: for requests that need no
+    /// session ([`Self::name_kernels`]).
+    pub fn connect(pid: u32) -> Result<Self, String> {
         let (injected, control) = match connect_preloaded(pid) {
             Some(control) => (None, control),
             None => {
@@ -123,7 +152,11 @@ impl AgentSession {
         let load = injected.as_ref().map(|i| i.report).unwrap_or_default();
         let mut session = AgentSession {
             pid,
-            levels,
+            levels: SessionLevels {
+                host: 0,
+                python: 0,
+                device: 0,
+            },
             control,
             injected,
             started: Started::default(),
@@ -135,9 +168,31 @@ impl AgentSession {
         if kind != protocol::HELLO {
             return Err(format!("the agent in pid {pid} greeted with frame {kind}"));
         }
-        session.started = session.start_session()?;
-        session.read_thread_pointers();
         Ok(session)
+    }
+
+    /// Asks the CUDA driver inside the target for the names of kernels by
+    /// their function (or kernel) handles; handles it does not know are
+    /// left out.
+    pub fn name_kernels(&mut self, handles: &[u64]) -> Result<HashMap<u64, String>, String> {
+        let mut names = HashMap::new();
+        for batch in handles.chunks(protocol::MAX_NAMED_KERNELS) {
+            let request: Vec<u8> = batch.iter().flat_map(|h| h.to_le_bytes()).collect();
+            self.send(protocol::NAME_KERNELS, &request)?;
+            match self.receive()? {
+                (protocol::KERNEL_NAMES, p) => {
+                    let answer = parse_kernel_names(batch, &p).ok_or_else(|| {
+                        format!("the agent in pid {} sent malformed kernel names", self.pid)
+                    })?;
+                    names.extend(answer);
+                }
+                (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
+                (kind, _) => {
+                    return Err(format!("the agent answered NAME_KERNELS with frame {kind}"));
+                }
+            }
+        }
+        Ok(names)
     }
 
     fn start_session(&mut self) -> Result<Started, String> {

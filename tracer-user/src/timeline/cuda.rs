@@ -22,12 +22,15 @@
 //!
 //! Records must be fed in return-time order (the header time).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
 use super::{CORRELATION_STAT, Span, Value};
-use crate::cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op};
+use crate::{
+    collect::Record,
+    cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},
+};
 
 /// `CU_STREAM_LEGACY`: the context's legacy default stream, by name.
 const STREAM_LEGACY: u64 = 0x1;
@@ -185,7 +188,12 @@ fn symbol_from(rec: &CudaSymbol) -> Option<Symbol> {
             mangled: Some(raw),
         });
     }
-    Some(match demangle(&raw) {
+    Some(symbol_named(raw))
+}
+
+/// A whole symbol name, demangled where it is mangled.
+fn symbol_named(raw: String) -> Symbol {
+    match demangle(&raw) {
         Some(name) => Symbol {
             name,
             mangled: Some(raw),
@@ -194,7 +202,47 @@ fn symbol_from(rec: &CudaSymbol) -> Option<Symbol> {
             name: raw,
             mangled: None,
         },
-    })
+    }
+}
+
+/// The function (or kernel) handle a launch call runs; `None` for the
+/// other calls.
+fn launched_function(rec: &CudaCall, function: &DriverFunction) -> Option<u64> {
+    match function.op {
+        Op::Launch => Some(rec.args[0]),
+        Op::LaunchEx => Some(rec.args[1]),
+        _ => None,
+    }
+}
+
+/// The function handles that successful launches among `records` ran and
+/// no symbol record among them names, by process: the kernels the
+/// program looked up before the capture.
+pub fn unnamed_kernels<'a>(
+    records: impl IntoIterator<Item = &'a Record>,
+) -> BTreeMap<u32, BTreeSet<u64>> {
+    let mut named = HashSet::new();
+    let mut launched: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
+    for r in records {
+        match r {
+            Record::CudaSymbol(s) if symbol_from(s).is_some() => {
+                named.insert((s.tgid, s.handle));
+            }
+            Record::CudaCall(c) if c.result == 0 => {
+                if let Some(f) = cuda_api::function(c.function)
+                    .and_then(|function| launched_function(c, function))
+                {
+                    launched.entry(c.tgid).or_default().insert(f);
+                }
+            }
+            _ => {}
+        }
+    }
+    for (pid, handles) in &mut launched {
+        handles.retain(|h| *h != 0 && !named.contains(&(*pid, *h)));
+    }
+    launched.retain(|_, handles| !handles.is_empty());
+    launched
 }
 
 /// Demangles an Itanium C++ name (`_Z...`); `None` for C names.
@@ -251,6 +299,16 @@ impl CudaTimelineBuilder {
             stop_ns,
             next_correlation: 1,
             ..Default::default()
+        }
+    }
+
+    /// Names kernels as the driver inside their process named them
+    /// (by `(pid, handle)`), where no symbol record of the capture does.
+    pub fn add_driver_names(&mut self, names: &HashMap<(u32, u64), String>) {
+        for (&key, raw) in names {
+            self.symbols
+                .entry(key)
+                .or_insert_with(|| symbol_named(raw.clone()));
         }
     }
 
@@ -384,9 +442,9 @@ impl CudaTimelineBuilder {
         let mut stats: Vec<(String, Value)> = Vec::new();
         let work = match function.op {
             Op::Launch | Op::LaunchEx => {
-                let (f, grid, block, shared, stream) = if function.op == Op::Launch {
+                let f = launched_function(rec, function).unwrap_or(0);
+                let (grid, block, shared, stream) = if function.op == Op::Launch {
                     (
-                        a[0],
                         dims(a[1], a[2], a[3]),
                         dims(a[4], a[5], x[0]),
                         x[1] & 0xffff_ffff,
@@ -396,13 +454,7 @@ impl CudaTimelineBuilder {
                     let (gx, gy) = halves(x[0]);
                     let (gz, bx) = halves(x[1]);
                     let (by, bz) = halves(x[2]);
-                    (
-                        a[1],
-                        dims(gx, gy, gz),
-                        dims(bx, by, bz),
-                        halves(x[3]).0,
-                        x[4],
-                    )
+                    (dims(gx, gy, gz), dims(bx, by, bz), halves(x[3]).0, x[4])
                 };
                 let (name, mangled) = self.kernel_name(pid, f);
                 let mut details = vec![

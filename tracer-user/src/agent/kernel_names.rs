@@ -1,0 +1,71 @@
+//! Names for the kernels a program looked up before ebtrace attached (its
+//! launches carry only a function handle): asked of the CUDA driver inside
+//! the process, through the agent's session there, or through an agent
+//! loaded for that question alone.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use super::AgentSession;
+
+/// The names learnt so far, and what the user should know about them.
+#[derive(Default)]
+pub struct KernelNaming {
+    /// Raw (mangled) names by `(pid, handle)`.
+    pub names: HashMap<(u32, u64), String>,
+    asked: HashSet<(u32, u64)>,
+    /// One line per process asked.
+    pub notes: Vec<String>,
+}
+
+impl KernelNaming {
+    /// Asks for the names of `unnamed` handles not asked for before, per
+    /// process: through its session in `sessions`, else (with
+    /// `may_load_agent`, and while it runs) through an agent loaded now.
+    pub fn ask(
+        &mut self,
+        unnamed: BTreeMap<u32, BTreeSet<u64>>,
+        sessions: &mut [AgentSession],
+        may_load_agent: bool,
+    ) {
+        for (pid, handles) in unnamed {
+            let handles: Vec<u64> = handles
+                .into_iter()
+                .filter(|h| self.asked.insert((pid, *h)))
+                .collect();
+            if handles.is_empty() {
+                continue;
+            }
+            let answer = match sessions.iter_mut().find(|s| s.pid == pid) {
+                Some(session) => session.name_kernels(&handles),
+                None if may_load_agent && crate::procfs::is_alive(pid) => {
+                    AgentSession::connect(pid).and_then(|mut visit| {
+                        let names = visit.name_kernels(&handles);
+                        visit
+                            .close()
+                            .map_err(|e| format!("taking the agent out: {e}"))?;
+                        names
+                    })
+                }
+                None => continue,
+            };
+            self.notes.push(match answer {
+                Ok(names) => {
+                    let line = format!(
+                        "pid {pid}: {} of {} kernels launched with handles looked up before \
+                         the capture named by the CUDA driver (cuFuncGetName)",
+                        names.len(),
+                        handles.len()
+                    );
+                    self.names
+                        .extend(names.into_iter().map(|(h, name)| ((pid, h), name)));
+                    line
+                }
+                Err(why) => format!(
+                    "pid {pid}: {} kernels launched with handles looked up before the capture \
+                     stay <unresolved>: {why}",
+                    handles.len()
+                ),
+            });
+        }
+    }
+}
