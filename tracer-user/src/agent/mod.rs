@@ -378,6 +378,39 @@ mod tests {
     }
 
     #[test]
+    fn kernel_names_are_read_within_their_frame() {
+        let mut p = Vec::new();
+        for len in [3u32, 0, 2] {
+            p.extend(len.to_le_bytes());
+        }
+        p.extend(b"abcxy");
+        assert_eq!(
+            parse_kernel_names(&[1, 2, 3], &p),
+            Some(vec![(1, "abc".into()), (3, "xy".into())])
+        );
+        // Short, long, or lengths past the end: refused, never a panic.
+        assert_eq!(parse_kernel_names(&[1, 2, 3], &p[..p.len() - 1]), None);
+        assert_eq!(
+            parse_kernel_names(&[1, 2, 3], &[p.as_slice(), b"z"].concat()),
+            None
+        );
+        assert_eq!(parse_kernel_names(&[1, 2, 3, 4], &p), None);
+        let mut huge = u32::MAX.to_le_bytes().to_vec();
+        huge.extend(b"abc");
+        assert_eq!(parse_kernel_names(&[1], &huge), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_kernel_names_answer_is_read_without_panic(
+            handles in proptest::collection::vec(proptest::num::u64::ANY, 0..8),
+            payload in proptest::collection::vec(proptest::num::u8::ANY, 0..128),
+        ) {
+            let _ = parse_kernel_names(&handles, &payload);
+        }
+    }
+
+    #[test]
     fn the_agent_loads_into_glibc_2_28_and_exports_its_entry_points() {
         let symbols = dynamic_symbols();
         // No reference asks for a glibc newer than 2.28 (unversioned ones
