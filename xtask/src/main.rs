@@ -31,7 +31,14 @@ enum Task {
     },
     /// Build, trace the fixture for 2 s into ./ebtrace-logs and check that
     /// XProf can read the trace (as root).
-    Demo,
+    Demo {
+        /// Trace a GPU workload instead: a PyTorch matmul loop where a GPU
+        /// and PyTorch are there, else the stand-in CUDA driver's workload
+        /// with the stand-in CUPTI; the trace then has `/device:GPU:n`
+        /// planes with what the GPU ran.
+        #[arg(long)]
+        gpu: bool,
+    },
     /// fmt, clippy and every test, with nothing allowed to skip (as root).
     /// Arguments after `--` go to the test binaries.
     Test {
@@ -90,7 +97,7 @@ fn run() -> Result<()> {
     let root = util::repo_root();
     match cli.command {
         Task::Setup { bench } => setup::run_setup(&root, setup::Options { bench }),
-        Task::Demo => demo::run_demo(&root),
+        Task::Demo { gpu } => demo::run_demo(&root, gpu),
         Task::Test { libtest_args } => test::run_tests(&root, &libtest_args),
         Task::Bench {
             rounds,
