@@ -162,10 +162,27 @@ pub fn spawn_record(pid: &str, duration: &str, logdir: &TempDir, extra: &[&str])
     spawn_ebtrace(&capture_args(pid, duration, logdir, extra))
 }
 
+/// [`spawn_record`] with `env` added to ebtrace's environment.
+pub fn spawn_record_with_env(
+    pid: &str,
+    duration: &str,
+    logdir: &TempDir,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
+    spawn_ebtrace_with_env(&capture_args(pid, duration, logdir, extra), env)
+}
+
 /// Starts `ebtrace` with `args`, stdout and stderr piped.
 pub fn spawn_ebtrace(args: &[&str]) -> Child {
+    spawn_ebtrace_with_env(args, &[])
+}
+
+/// [`spawn_ebtrace`] with `env` added to ebtrace's environment.
+pub fn spawn_ebtrace_with_env(args: &[&str], env: &[(&str, &str)]) -> Child {
     Command::new(ebtrace_bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
