@@ -2,11 +2,12 @@
 //! `dlopen`s it by soname (see `tests/fixtures/cuda_workload.c`).
 
 use std::{
+    collections::BTreeMap,
     io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
     sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use crate::workspace_root;
@@ -241,6 +242,112 @@ impl Drop for CudaWorkload {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// How the target's copy of the driver's code differs from the file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CodePatches {
+    /// Bytes of its executable mappings of `libcuda.so.1` that differ
+    /// from the file's bytes at the same file offsets.
+    pub differing: usize,
+    /// Those of them that are `int3` (0xcc): what the kernel writes over
+    /// the first byte of a function, in that process's copy only, while a
+    /// uprobe is on it.
+    pub int3: usize,
+}
+
+/// Compares `pid`'s executable mappings of `libcuda.so.1` (its
+/// `/proc/PID/maps` and `/proc/PID/mem`) with the mapped file.
+pub fn driver_code_patches(pid: u32) -> CodePatches {
+    use std::os::unix::fs::FileExt as _;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("read maps");
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("open mem");
+    let mut patches = CodePatches::default();
+    let mut mapped = false;
+    for line in maps.lines() {
+        // start-end perms offset dev inode path
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [range, perms, offset, _, _, path] = fields[..] else {
+            continue;
+        };
+        if !path.ends_with("/libcuda.so.1") || !perms.contains('x') {
+            continue;
+        }
+        mapped = true;
+        let (start, end) = range.split_once('-').expect("a range");
+        let start = u64::from_str_radix(start, 16).expect("hex");
+        let end = u64::from_str_radix(end, 16).expect("hex");
+        let offset = usize::from_str_radix(offset, 16).expect("hex");
+        let file = std::fs::read(path).expect("read the mapped library");
+        let mut memory = vec![0u8; (end - start) as usize];
+        mem.read_exact_at(&mut memory, start)
+            .expect("read the code from /proc/PID/mem");
+        for (i, &byte) in memory.iter().enumerate() {
+            // Past the file's end a mapping reads as zeroes.
+            let original = file.get(offset + i).copied().unwrap_or(0);
+            if byte != original {
+                patches.differing += 1;
+                patches.int3 += usize::from(byte == 0xcc);
+            }
+        }
+    }
+    assert!(
+        mapped,
+        "pid {pid} has no executable mapping of libcuda.so.1"
+    );
+    patches
+}
+
+/// Polls until the target's driver code is the file's again.
+pub fn wait_until_restored(pid: u32, what: &str) {
+    let started = Instant::now();
+    let deadline = Duration::from_secs(120);
+    loop {
+        let patches = driver_code_patches(pid);
+        if patches.differing == 0 {
+            eprintln!("{what}: driver code restored {:?} after", started.elapsed());
+            return;
+        }
+        assert!(
+            started.elapsed() < deadline,
+            "{what}: the target's driver code still differs from the file {deadline:?} \
+             later: {patches:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The uprobes behind the BPF links a process holds, by kind: for each
+/// link its `/proc/PID/fdinfo` says (`uprobe_multi` and `uretprobe_multi`
+/// links: their `uprobe_cnt`; perf-event links: 1 per link, under
+/// `perf <event_type>`).
+pub fn uprobes_of_links(pid: u32) -> BTreeMap<String, u64> {
+    let mut kinds = BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return kinds;
+    };
+    for entry in dir.flatten() {
+        let Ok(info) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(":\t"))
+                .map(str::to_string)
+        };
+        let (kind, count) = match (field("link_type"), field("event_type")) {
+            (Some(link), Some(event)) if link == "perf" => (format!("perf {event}"), 1),
+            (Some(link), _) => {
+                let count = field("uprobe_cnt")
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(1);
+                (link, count)
+            }
+            _ => continue,
+        };
+        *kinds.entry(kind).or_insert(0) += count;
+    }
+    kinds
 }
 
 /// Demangles with binutils' `c++filt`, a source independent of ebtrace.

@@ -194,10 +194,27 @@ pub fn spawn_record(pid: &str, duration: &str, logdir: &TempDir, extra: &[&str])
     spawn_ebtrace(&capture_args(pid, duration, logdir, extra))
 }
 
+/// [`spawn_record`] with `env` added to ebtrace's environment.
+pub fn spawn_record_with_env(
+    pid: &str,
+    duration: &str,
+    logdir: &TempDir,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Child {
+    spawn_ebtrace_with_env(&capture_args(pid, duration, logdir, extra), env)
+}
+
 /// Starts `ebtrace` with `args`, stdout and stderr piped.
 pub fn spawn_ebtrace(args: &[&str]) -> Child {
+    spawn_ebtrace_with_env(args, &[])
+}
+
+/// [`spawn_ebtrace`] with `env` added to ebtrace's environment.
+pub fn spawn_ebtrace_with_env(args: &[&str], env: &[(&str, &str)]) -> Child {
     Command::new(ebtrace_bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -205,46 +222,69 @@ pub fn spawn_ebtrace(args: &[&str]) -> Child {
         .expect("spawn ebtrace")
 }
 
-/// A capture started with [`spawn_attached`]: its probes are attached.
+/// A running ebtrace whose stderr is read to its end in the background
+/// (so it never blocks writing it), returned once a given line came.
 pub struct AttachedCapture {
     child: Child,
+    /// The stderr lines up to and with the awaited one.
+    pub lines: Vec<String>,
     reader: std::thread::JoinHandle<Vec<String>>,
 }
 
 /// Starts a capture of `pid` into `logdir` and returns once ebtrace says
-/// its probes are attached (the window is open); stderr is read to its end
-/// meanwhile, so ebtrace never blocks writing it.
+/// its probes are attached (the window is open).
 pub fn spawn_attached(
     pid: &str,
     duration: &str,
     logdir: &TempDir,
     extra: &[&str],
 ) -> AttachedCapture {
-    let mut child = spawn_record(pid, duration, logdir, extra);
+    await_line(
+        spawn_record(pid, duration, logdir, extra),
+        "probes attached",
+    )
+}
+
+/// Returns once `ebtrace` (started with stderr piped) has written a line
+/// containing `awaited`; kills it and panics if none comes within a minute.
+pub fn await_line(mut child: Child, awaited: &str) -> AttachedCapture {
     let stderr = BufReader::new(child.stderr.take().expect("piped"));
     let (tx, rx) = std::sync::mpsc::channel();
     let reader = std::thread::spawn(move || {
         let mut seen = Vec::new();
         for line in stderr.lines().map_while(Result::ok) {
-            if line.contains("probes attached") {
-                let _ = tx.send(());
-            }
+            let _ = tx.send(line.clone());
             seen.push(line);
         }
         seen
     });
-    if rx.recv_timeout(Duration::from_secs(60)).is_err() {
-        let _ = child.kill();
-        let _ = child.wait();
-        panic!(
-            "ebtrace did not attach: {:?}",
-            reader.join().unwrap_or_default()
-        );
+    let mut lines = Vec::new();
+    while !lines.iter().any(|l: &String| l.contains(awaited)) {
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) => lines.push(line),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "ebtrace did not say {awaited:?}: {:?}",
+                    reader.join().unwrap_or_default()
+                );
+            }
+        }
     }
-    AttachedCapture { child, reader }
+    AttachedCapture {
+        child,
+        lines,
+        reader,
+    }
 }
 
 impl AttachedCapture {
+    /// ebtrace's pid.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Waits for ebtrace to end (killing it past `deadline`); its output
     /// with the whole stderr.
     pub fn wait(self, deadline: Duration) -> Output {
@@ -256,6 +296,14 @@ impl AttachedCapture {
             .join("\n")
             .into_bytes();
         out
+    }
+
+    /// Kills ebtrace with SIGKILL; its exit status.
+    pub fn kill(mut self) -> std::process::ExitStatus {
+        signal(self.child.id(), libc::SIGKILL);
+        let status = self.child.wait().expect("wait for ebtrace");
+        let _ = self.reader.join();
+        status
     }
 }
 

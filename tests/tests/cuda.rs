@@ -10,10 +10,13 @@ use std::{
 
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
 use ebtrace_tests::{
-    TempDir,
-    cuda::{CudaWorkload, cxxfilt},
+    TempDir, await_line,
+    cuda::{
+        CodePatches, CudaWorkload, cxxfilt, driver_code_patches, uprobes_of_links,
+        wait_until_restored,
+    },
     fixture::SchedWorkload,
-    record, require_root, serial, spawn_attached, xplane_files, xprof,
+    record, require_root, serial, spawn_record_with_env, xplane_files, xprof,
     xspace::{self, Event, Stat, line_events, plane, plane_stats},
 };
 use serde_json::Value;
@@ -30,15 +33,22 @@ struct Traced {
     stderr: String,
 }
 
-/// Starts the workload, attaches ebtrace, lets the workload run its calls
-/// and waits for both to end (ebtrace stops when the workload exits).
-fn trace_workload(args: &[&str]) -> Traced {
+/// ebtrace's environment that makes it link the driver probes one
+/// perf-event link per function, as on kernels without uprobe_multi.
+const PERF_LINKS: &[(&str, &str)] = &[("EBTRACE_UPROBE_LINKS", "perf")];
+
+/// Starts the workload, attaches ebtrace (with `env`), lets the workload
+/// run its calls and waits for both to end (ebtrace stops when the
+/// workload exits).
+fn trace_workload(args: &[&str], env: &[(&str, &str)]) -> Traced {
     let workload = CudaWorkload::start(args);
     let logdir = TempDir::new("cuda");
     let pid = workload.pid.to_string();
-    let ebtrace = spawn_attached(&pid, "60s", &logdir, &[]);
+    let ebtrace = await_line(
+        spawn_record_with_env(&pid, "60s", &logdir, &[], env),
+        "probes attached",
+    );
     let report = workload.run(Duration::from_secs(60));
-    // ebtrace exits after releasing its uprobes, about 0.1 s each.
     let out = ebtrace.wait(Duration::from_secs(180));
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -311,7 +321,7 @@ fn driver_calls_and_gpu_streams_match_the_workloads_log() {
         return;
     }
     let _serial = serial();
-    let t = trace_workload(&["--early", "--iters", &ITERS.to_string()]);
+    let t = trace_workload(&["--early", "--iters", &ITERS.to_string()], &[]);
     assert!(
         t.stderr
             .lines()
@@ -388,18 +398,113 @@ fn a_driver_loaded_after_attach_is_traced() {
         return;
     }
     let _serial = serial();
-    let t = trace_workload(&["--iters", &ITERS.to_string()]);
-    assert!(
-        t.stderr.lines().any(|l| l.contains(
-            "cuda-lib/libcuda.so.1 (not loaded yet, found via LD_LIBRARY_PATH: a later dlopen is covered)"
-        )),
-        "{}",
-        t.stderr
-    );
-    check_clean(&t);
-    check_calls(&t);
-    check_devices(&t, false);
-    let _ = std::fs::remove_file(&t.file);
+    // Both ways of linking the probes: one uprobe_multi link per program
+    // (the default here) and one perf-event link per function and program.
+    for (env, links) in [
+        (&[][..], "uprobe_multi links"),
+        (PERF_LINKS, "perf-event uprobe links"),
+    ] {
+        let t = trace_workload(&["--iters", &ITERS.to_string()], env);
+        assert!(
+            t.stderr.lines().any(|l| l.contains(
+                "cuda-lib/libcuda.so.1 (not loaded yet, found via LD_LIBRARY_PATH: a later dlopen \
+                 is covered), through "
+            ) && l.contains(links)),
+            "{}",
+            t.stderr
+        );
+        check_clean(&t);
+        check_calls(&t);
+        check_devices(&t, false);
+        let _ = std::fs::remove_file(&t.file);
+    }
+}
+
+/// The number of functions in the `probing N CUDA driver functions` line.
+fn functions_probed(stderr: &[String]) -> (u64, &str) {
+    let line = stderr
+        .iter()
+        .find(|l| l.contains("CUDA driver functions in"))
+        .unwrap_or_else(|| panic!("no CUDA probe line: {stderr:?}"));
+    let n = line
+        .split("probing ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {line:?}"));
+    (n, line)
+}
+
+#[test]
+fn the_driver_probes_leave_the_target_when_ebtrace_ends_or_is_killed() {
+    if !require_root("the_driver_probes_leave_the_target_when_ebtrace_ends_or_is_killed") {
+        return;
+    }
+    let _serial = serial();
+    // Loaded, and waiting: nothing else changes its code.
+    let workload = CudaWorkload::start(&["--early", "--iters", "1"]);
+    let pid = workload.pid;
+    assert_eq!(driver_code_patches(pid), Default::default());
+    for (env, killed) in [(&[][..], false), (&[][..], true), (PERF_LINKS, true)] {
+        let what = format!(
+            "{} links, ebtrace {}",
+            if env.is_empty() {
+                "uprobe_multi"
+            } else {
+                "perf-event"
+            },
+            if killed { "killed" } else { "exited" }
+        );
+        let logdir = TempDir::new("cuda-release");
+        let duration = if killed { "120s" } else { "1s" };
+        let ebtrace = await_line(
+            spawn_record_with_env(
+                &pid.to_string(),
+                duration,
+                &logdir,
+                &["--no-agent", "--no-device-activity"],
+                env,
+            ),
+            "CUDA driver functions in",
+        );
+        let (n, line) = functions_probed(&ebtrace.lines);
+        assert!(n > 30, "{line}");
+        // What the kernel says ebtrace holds, then what ebtrace says.
+        let links = uprobes_of_links(ebtrace.id());
+        if env.is_empty() {
+            assert_eq!(links.get("uprobe_multi"), Some(&n), "{what}: {links:?}");
+            assert_eq!(links.get("uretprobe_multi"), Some(&n), "{what}: {links:?}");
+            assert!(line.contains(" uprobe_multi links"), "{line}");
+        } else {
+            assert_eq!(links.get("perf uprobe"), Some(&n), "{what}: {links:?}");
+            assert_eq!(links.get("perf uretprobe"), Some(&n), "{what}: {links:?}");
+            assert!(
+                line.contains(&format!(" {} perf-event uprobe links", 2 * n)),
+                "{line}"
+            );
+        }
+        // One int3 per function, in this process's copy of the code.
+        let patches = driver_code_patches(pid);
+        assert_eq!(
+            patches,
+            CodePatches {
+                differing: n as usize,
+                int3: n as usize
+            },
+            "{what}: {line}"
+        );
+        if killed {
+            let status = ebtrace.kill();
+            assert_eq!(
+                std::os::unix::process::ExitStatusExt::signal(&status),
+                Some(libc::SIGKILL)
+            );
+        } else {
+            let out = ebtrace.wait(Duration::from_secs(60));
+            assert!(out.status.success(), "{what}: {out:?}");
+        }
+        wait_until_restored(pid, &what);
+    }
 }
 
 /// Whether this machine has a real driver on the loader's default path.

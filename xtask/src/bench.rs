@@ -7,6 +7,7 @@
 //! its results go to `target/bench/cuda.md`.
 
 mod cuda;
+mod cuda_links;
 mod jax;
 mod report;
 pub mod serve;
@@ -52,6 +53,9 @@ pub enum Suite {
     Sched,
     Traceme,
     Cuda,
+    /// Only part c of the CUDA benchmark: attaching and releasing the
+    /// driver probes, uprobe_multi against perf-event links.
+    CudaLinks,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,15 +127,16 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     }
     setup::run_setup(root, setup::Options { bench: true })?;
     let ebtrace = util::build_release(root)?;
-    if opts.suite != Suite::Cuda {
+    if !matches!(opts.suite, Suite::Cuda | Suite::CudaLinks) {
         run_sched(root, &ebtrace, opts)?;
     }
-    if matches!(opts.suite, Suite::All | Suite::Cuda) {
+    if matches!(opts.suite, Suite::All | Suite::Cuda | Suite::CudaLinks) {
         let md = cuda::run_bench(
             &ebtrace,
             cuda::Options {
                 rounds: opts.rounds,
                 seconds: opts.cuda_seconds,
+                only_links: opts.suite == Suite::CudaLinks,
             },
         )?;
         write_report(root, "cuda.md", &md)?;

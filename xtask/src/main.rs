@@ -48,7 +48,8 @@ enum Task {
     /// The benchmarks: scheduling (overhead against bpftrace, event rate,
     /// memory and attach time; target/bench/sched.md), TraceMe
     /// (target/bench/traceme.md) and CUDA (ns per traced cuLaunchKernel,
-    /// launch rate; target/bench/cuda.md). As root.
+    /// launch rate, attaching and releasing the driver probes;
+    /// target/bench/cuda.md). As root.
     Bench {
         /// Rounds of untraced / ebtrace / bpftrace runs.
         #[arg(long, default_value_t = 3)]

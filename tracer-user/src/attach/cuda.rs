@@ -1,17 +1,20 @@
 //! `CudaProbe`: entry and return uprobes on the CUDA driver functions of
 //! each traced process's `libcuda.so.1` (see `tracer-ebpf/src/cuda.rs`).
 //!
-//! Probes are scoped to the traced process (`UProbeScope::OneProcess`), so
-//! other processes using the same library pay nothing. A process without
-//! the driver is reported in one line and the other probes go on.
+//! Probes are scoped to the traced process, so other processes using the
+//! same library pay nothing. A process without the driver is reported in
+//! one line and the other probes go on.
 //!
-//! The probe owns its links because releasing them is slow: the kernel
-//! destroys each uprobe perf event under a global mutex and waits for an
-//! RCU tasks-trace grace period there (about 0.1 s per link on a VM, so
-//! seconds for a real driver's ~200 links). They are released from many
-//! threads at once (a sequential release also waits for each grace period
-//! to start) and, at the end of a capture, in the background, after the
-//! programs were told to ignore the targets.
+//! Where the kernel has them (see [`uprobe_multi`]), each program is put on
+//! all of a library's functions with one multi-uprobe link: an entry link
+//! per argument shape, then one return link. Otherwise, or if the kernel
+//! refuses such a link, each function gets a perf-event link per program.
+//! Releasing those is slow: the kernel destroys each uprobe perf event
+//! under a global mutex and waits for an RCU tasks-trace grace period
+//! there (about 0.1 s per link on a VM, so seconds for a real driver's
+//! ~200 links), and blocks the next capture's attach meanwhile. The probe
+//! owns its links; at the end of a capture they are released in the
+//! background, after the programs were told to ignore the targets.
 
 use std::num::NonZeroU32;
 
@@ -19,7 +22,7 @@ use aya::{
     maps::{MapData, PerCpuArray},
     programs::{
         UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
 use tracer_common::cuda::{cookie, names, shape, stat};
@@ -27,6 +30,8 @@ use tracer_common::cuda::{cookie, names, shape, stat};
 use super::{
     ProbeSet,
     libcuda::{self, Library, Source, Unprobeable},
+    links::OwnedLink,
+    uprobe_multi,
 };
 use crate::{
     cuda_api::{FUNCTIONS, Shape},
@@ -43,7 +48,35 @@ pub struct CudaTarget {
     pub probed: usize,
     /// Functions exported but not probed, with the reason.
     pub skipped: Vec<(String, String)>,
+    /// How the probes are linked.
+    pub links: Links,
 }
+
+/// How the driver probes of one library are linked to its functions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Links {
+    /// One multi-uprobe link per program (this many).
+    Multi(usize),
+    /// One perf-event link per function and program (this many), and why
+    /// not multi-uprobe links.
+    Perf(usize, String),
+}
+
+/// Set to `perf` to link the driver probes one perf-event link per
+/// function, as on kernels without multi-uprobe links (to compare, or to
+/// work around a kernel's).
+pub const LINKS_ENV: &str = "EBTRACE_UPROBE_LINKS";
+
+/// The CUDA driver programs: one entry program per argument shape, and the
+/// return program.
+const PROGRAMS: [&str; 6] = [
+    shape::REGISTERS,
+    shape::STACK,
+    shape::LAUNCH_CONFIG,
+    shape::MEMCPY2D,
+    shape::MEMCPY3D,
+    shape::RETURN,
+];
 
 /// What the CUDA probes lost, summed over CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -58,7 +91,7 @@ pub struct CudaProbeStats {
 
 pub struct CudaProbe {
     stats: PerCpuArray<MapData, u64>,
-    links: Vec<UProbeLink>,
+    links: Vec<OwnedLink>,
     pub targets: Vec<CudaTarget>,
 }
 
@@ -94,25 +127,11 @@ impl CudaProbe {
         if found.is_empty() {
             return Ok((None, warnings));
         }
-        for program in [
-            shape::REGISTERS,
-            shape::STACK,
-            shape::LAUNCH_CONFIG,
-            shape::MEMCPY2D,
-            shape::MEMCPY3D,
-            shape::RETURN,
-        ] {
-            uprobe(set, program)
-                .load()
-                .map_err(|source| Error::Attach {
-                    what: format!("program {program} (verifier)"),
-                    source: Box::new(source),
-                })?;
-        }
+        let no_multi = why_not_multi(set);
         let mut attached = Vec::new();
         let mut links = Vec::new();
         for (pid, library) in found {
-            match attach_library(set, pid, &library, &mut links) {
+            match attach_library(set, pid, &library, no_multi.as_deref(), &mut links) {
                 Ok(target) if target.probed > 0 => attached.push(target),
                 Ok(target) => warnings.push(format!(
                     "pid {pid}: {} exports none of the CUDA driver functions ebtrace probes{}",
@@ -181,8 +200,12 @@ pub fn describe(target: &CudaTarget) -> String {
             format!("not loaded yet, found via {via}: a later dlopen is covered")
         }
     };
+    let links = match &target.links {
+        Links::Multi(n) => format!("{n} uprobe_multi links"),
+        Links::Perf(n, why) => format!("{n} perf-event uprobe links (no uprobe_multi: {why})"),
+    };
     format!(
-        "pid {}: probing {} CUDA driver functions in {} ({how}){}",
+        "pid {}: probing {} CUDA driver functions in {} ({how}), through {links}{}",
         target.pid,
         target.probed,
         target.library.path.display(),
@@ -215,54 +238,153 @@ impl Drop for CudaProbe {
     }
 }
 
+/// Chooses, once per capture, between multi-uprobe links (`None`, the
+/// programs loaded for them) and perf-event links (why not multi).
+fn why_not_multi(set: &mut ProbeSet) -> Option<String> {
+    if std::env::var_os(LINKS_ENV).is_some_and(|v| v == "perf") {
+        return Some(format!("{LINKS_ENV}=perf"));
+    }
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    if let Some(why) = uprobe_multi::kernel_unfit(release.trim()) {
+        return Some(why);
+    }
+    set.load_multi(&PROGRAMS).err().map(|e| e.to_string())
+}
+
+/// One probed function: where, and what its programs are told.
+struct Point {
+    name: &'static str,
+    offset: u64,
+    cookie: u64,
+    entry: &'static str,
+}
+
 fn attach_library(
     set: &mut ProbeSet,
     pid: u32,
     library: &Library,
-    links: &mut Vec<UProbeLink>,
+    no_multi: Option<&str>,
+    links: &mut Vec<OwnedLink>,
 ) -> Result<CudaTarget> {
     let wanted: Vec<&str> = FUNCTIONS.iter().map(|f| f.name).collect();
     let offsets = libcuda::function_offsets(&library.attach_path, &wanted)
         .map_err(|e| Error::io(format!("reading {}", library.path.display()), e))?;
-    let pid_nz = NonZeroU32::new(pid).expect("a target pid is not 0");
     let mut target = CudaTarget {
         pid,
         library: library.clone(),
         probed: 0,
         skipped: Vec::new(),
+        links: Links::Multi(0),
     };
+    let mut points = Vec::new();
     for (id, function) in FUNCTIONS.iter().enumerate() {
-        let offset = match offsets.get(function.name) {
-            None => continue,
-            Some(Err(Unprobeable::LockPrefix)) => {
-                target.skipped.push((
-                    function.name.to_string(),
-                    "first instruction has a lock prefix".into(),
-                ));
-                continue;
+        match offsets.get(function.name) {
+            None => {}
+            Some(Err(Unprobeable::LockPrefix)) => target.skipped.push((
+                function.name.to_string(),
+                "first instruction has a lock prefix".into(),
+            )),
+            Some(Ok(offset)) => {
+                let entry: Shape = function.shape();
+                points.push(Point {
+                    name: function.name,
+                    offset: *offset,
+                    cookie: cookie::encode(id as u16, function.out_arg(), function.name_arg()),
+                    entry: entry.program(),
+                });
             }
-            Some(Ok(offset)) => *offset,
-        };
-        let cookie = cookie::encode(id as u16, function.out_arg(), function.name_arg());
+        }
+    }
+    let why_perf = match no_multi {
+        Some(why) => why.to_string(),
+        None => match attach_multi(set, pid, library, &points) {
+            Ok(multi) => {
+                target.probed = points.len();
+                target.links = Links::Multi(multi.len());
+                links.extend(multi.into_iter().map(OwnedLink::from));
+                return Ok(target);
+            }
+            Err(e) => format!("the kernel refused the link: {e}"),
+        },
+    };
+    let before = links.len();
+    attach_perf(set, pid, library, &points, &mut target, links)?;
+    target.links = Links::Perf(links.len() - before, why_perf);
+    Ok(target)
+}
+
+/// One multi-uprobe link per entry program, then the return link: a
+/// return is never seen before its entry is in place. All or nothing.
+fn attach_multi(
+    set: &ProbeSet,
+    pid: u32,
+    library: &Library,
+    points: &[Point],
+) -> std::io::Result<Vec<uprobe_multi::Link>> {
+    let mut links = Vec::new();
+    let mut link = |program: &str, points: &[&Point], kind| {
+        if points.is_empty() {
+            return Ok(());
+        }
+        let fd = set
+            .multi_program(program)
+            .expect("every CUDA program is loaded for multi-uprobe links");
+        let offsets: Vec<u64> = points.iter().map(|p| p.offset).collect();
+        let cookies: Vec<u64> = points.iter().map(|p| p.cookie).collect();
+        let made = uprobe_multi::attach(fd, &library.attach_path, &offsets, &cookies, pid, kind)?;
+        links.push(made);
+        Ok::<(), std::io::Error>(())
+    };
+    for program in &PROGRAMS[..PROGRAMS.len() - 1] {
+        let group: Vec<&Point> = points.iter().filter(|p| p.entry == *program).collect();
+        link(program, &group, uprobe_multi::Kind::Entry)?;
+    }
+    let all: Vec<&Point> = points.iter().collect();
+    link(shape::RETURN, &all, uprobe_multi::Kind::Return)?;
+    Ok(links)
+}
+
+/// A perf-event link per function and program, the entry first; a
+/// function whose links fail is reported in `target.skipped`.
+fn attach_perf(
+    set: &mut ProbeSet,
+    pid: u32,
+    library: &Library,
+    points: &[Point],
+    target: &mut CudaTarget,
+    links: &mut Vec<OwnedLink>,
+) -> Result<()> {
+    for program in PROGRAMS {
+        let probe = uprobe(set, program);
+        if probe.fd().is_err() {
+            probe.load().map_err(|source| Error::Attach {
+                what: format!("program {program} (verifier)"),
+                source: Box::new(source),
+            })?;
+        }
+    }
+    let pid_nz = NonZeroU32::new(pid).expect("a target pid is not 0");
+    for point in points {
         let mut attach = |set: &mut ProbeSet, program: &str| {
-            let point = UProbeAttachPoint {
-                location: UProbeAttachLocation::AbsoluteOffset(offset),
-                cookie: Some(cookie),
+            let attach_point = UProbeAttachPoint {
+                location: UProbeAttachLocation::AbsoluteOffset(point.offset),
+                cookie: Some(point.cookie),
             };
             let probe = uprobe(set, program);
-            let id = probe.attach(point, &library.attach_path, UProbeScope::OneProcess(pid_nz))?;
-            links.push(probe.take_link(id)?);
+            let id = probe.attach(
+                attach_point,
+                &library.attach_path,
+                UProbeScope::OneProcess(pid_nz),
+            )?;
+            links.push(probe.take_link(id)?.into());
             Ok::<(), aya::programs::ProgramError>(())
         };
         // The entry first: a return without its entry is counted, never misread.
-        let entry: Shape = function.shape();
-        let result = attach(set, entry.program()).and_then(|()| attach(set, shape::RETURN));
+        let result = attach(set, point.entry).and_then(|()| attach(set, shape::RETURN));
         match result {
             Ok(()) => target.probed += 1,
-            Err(e) => target
-                .skipped
-                .push((function.name.to_string(), e.to_string())),
+            Err(e) => target.skipped.push((point.name.to_string(), e.to_string())),
         }
     }
-    Ok(target)
+    Ok(())
 }

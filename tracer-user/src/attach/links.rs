@@ -1,9 +1,13 @@
 //! Releasing probe links. Closing a tracepoint or uprobe link waits for an
 //! RCU grace period (tens of milliseconds); one after the other, seven
 //! scheduler links took half a second and two hundred driver uprobes ten
-//! seconds or more. Released from many threads at once, the waits overlap.
+//! seconds or more. Released from many threads at once, the waits overlap
+//! (except where the kernel serializes them: perf-event uprobes, hence
+//! [`uprobe_multi`](super::uprobe_multi) links for the driver).
 
 use aya::programs::{trace_point::TracePointLink, uprobe::UProbeLink};
+
+use super::uprobe_multi;
 
 /// Threads that release links together.
 const RELEASE_THREADS: usize = 64;
@@ -12,6 +16,7 @@ const RELEASE_THREADS: usize = 64;
 pub enum OwnedLink {
     TracePoint(TracePointLink),
     UProbe(UProbeLink),
+    UProbeMulti(uprobe_multi::Link),
 }
 
 impl From<TracePointLink> for OwnedLink {
@@ -23,6 +28,12 @@ impl From<TracePointLink> for OwnedLink {
 impl From<UProbeLink> for OwnedLink {
     fn from(link: UProbeLink) -> Self {
         OwnedLink::UProbe(link)
+    }
+}
+
+impl From<uprobe_multi::Link> for OwnedLink {
+    fn from(link: uprobe_multi::Link) -> Self {
+        OwnedLink::UProbeMulti(link)
     }
 }
 

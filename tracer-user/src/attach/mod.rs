@@ -3,8 +3,8 @@
 //! [`probe_set`] owns the loaded object and its shared maps; one module per
 //! probe family attaches its programs on it: [`sched`] for the scheduler
 //! tracepoints, [`cuda`] for the CUDA driver uprobes (with [`libcuda`]
-//! finding the library), [`traceme`] for TraceMe events of jaxlib /
-//! TensorFlow / libtpu processes. [`tracefs`] finds and checks the kernel's
+//! finding the library and [`uprobe_multi`] linking its programs), [`traceme`]
+//! for TraceMe events of jaxlib / TensorFlow / libtpu processes. [`tracefs`] finds and checks the kernel's
 //! tracepoints first. [`inject`] loads ebtrace's in-process agent into a
 //! running process with ptrace.
 
@@ -16,6 +16,7 @@ pub mod probe_set;
 pub mod sched;
 pub mod tracefs;
 pub mod traceme;
+pub mod uprobe_multi;
 
 pub use cuda::CudaProbe;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};

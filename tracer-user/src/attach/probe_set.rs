@@ -3,17 +3,18 @@
 //! loads and attaches its own programs on it; dropping or detaching the
 //! set detaches every program at once.
 
-use std::os::fd::{AsFd as _, AsRawFd as _};
+use std::os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    maps::{HashMap, Map, MapData, PerCpuArray, RingBuf},
 };
 use tracer_common::{names, stat};
 
 use super::{
     EBPF_OBJECT,
     links::{OwnedLink, release},
+    uprobe_multi,
 };
 use crate::error::{Error, Result};
 
@@ -65,6 +66,11 @@ pub struct ProbeSet {
     links: Vec<OwnedLink>,
     events: Option<RingBuf<MapData>>,
     stats: PerCpuArray<MapData, u64>,
+    /// A descriptor of every map by name, kept from before the families
+    /// took theirs, for the programs loaded for multi-uprobe links.
+    map_fds: Vec<(String, OwnedFd)>,
+    /// Programs loaded for multi-uprobe links (see [`uprobe_multi`]).
+    multi: uprobe_multi::Programs,
 }
 
 impl Drop for ProbeSet {
@@ -87,6 +93,11 @@ impl ProbeSet {
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .load(EBPF_OBJECT)
             .map_err(|e| Error::Load(Box::new(e)))?;
+        let map_fds = ebpf
+            .maps()
+            .map(|(name, map)| Ok((name.to_string(), map_fd(map).try_clone_to_owned()?)))
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| Error::io("duplicating the eBPF maps' descriptors".to_string(), e))?;
         let events = take_map(&mut ebpf, names::EVENTS)
             .and_then(|m| RingBuf::try_from(m).map_err(|e| map_err(names::EVENTS, e)))?;
         let stats = take_map(&mut ebpf, names::STATS)
@@ -96,7 +107,24 @@ impl ProbeSet {
             links: Vec::new(),
             events: Some(events),
             stats,
+            map_fds,
+            multi: uprobe_multi::Programs::default(),
         })
+    }
+
+    /// Loads `names` for multi-uprobe links (once per set), sharing the
+    /// maps of the programs aya loads.
+    pub fn load_multi(
+        &mut self,
+        names: &[&str],
+    ) -> std::result::Result<(), uprobe_multi::LoadError> {
+        self.multi = uprobe_multi::Programs::load(EBPF_OBJECT, &self.map_fds, names)?;
+        Ok(())
+    }
+
+    /// A program loaded by [`ProbeSet::load_multi`].
+    pub fn multi_program(&self, name: &str) -> Option<BorrowedFd<'_>> {
+        self.multi.get(name)
     }
 
     /// The loaded object, for probe families to load and attach programs.
@@ -161,6 +189,8 @@ impl ProbeSet {
     pub fn detach(&mut self) {
         release(std::mem::take(&mut self.links));
         self.ebpf = None;
+        self.multi = uprobe_multi::Programs::default();
+        self.map_fds.clear();
     }
 
     /// Hands over the ring buffer to a collector (once).
@@ -175,7 +205,9 @@ impl ProbeSet {
         };
         ebpf.programs()
             .filter_map(|(_, p)| p.fd().ok())
-            .map(|fd| prog_recursion_misses(fd.as_fd().as_raw_fd()).unwrap_or(0))
+            .map(|fd| fd.as_fd().as_raw_fd())
+            .chain(self.multi.fds().map(|fd| fd.as_raw_fd()))
+            .map(|fd| prog_recursion_misses(fd).unwrap_or(0))
             .sum()
     }
 
@@ -227,6 +259,42 @@ fn prog_recursion_misses(fd: std::os::fd::RawFd) -> Option<u64> {
     };
     (rc == 0 && attr.info_len as usize > RECURSION_MISSES_OFFSET)
         .then(|| info[RECURSION_MISSES_OFFSET / 8])
+}
+
+/// The descriptor of any kind of map (aya 0.14 offers no accessor).
+fn map_fd(map: &Map) -> BorrowedFd<'_> {
+    use Map::*;
+    let (Array(m)
+    | ArrayOfMaps(m)
+    | BloomFilter(m)
+    | CgroupArray(m)
+    | CgroupStorage(m)
+    | CgrpStorage(m)
+    | CpuMap(m)
+    | DevMap(m)
+    | DevMapHash(m)
+    | HashMap(m)
+    | HashOfMaps(m)
+    | InodeStorage(m)
+    | LpmTrie(m)
+    | LruHashMap(m)
+    | PerCpuArray(m)
+    | PerCpuCgroupStorage(m)
+    | PerCpuHashMap(m)
+    | PerCpuLruHashMap(m)
+    | PerfEventArray(m)
+    | ProgramArray(m)
+    | Queue(m)
+    | ReusePortSockArray(m)
+    | RingBuf(m)
+    | SockHash(m)
+    | SockMap(m)
+    | SkStorage(m)
+    | Stack(m)
+    | StackTraceMap(m)
+    | Unsupported(m)
+    | XskMap(m)) = map;
+    m.fd().as_fd()
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<aya::maps::Map> {

@@ -8,7 +8,9 @@
 //! equivalent bpftrace uprobe + uretprobe (saves the start time and the
 //! function argument per thread, sums durations at return). A second part
 //! runs ebtrace with one launching thread per CPU, for the highest launch
-//! rate it records, and says whether it dropped anything.
+//! rate it records, and says whether it dropped anything. A third
+//! ([`cuda_links`](super::cuda_links)) times attaching and releasing the
+//! driver probes with each way of linking them.
 
 use std::{
     fmt::Write as _,
@@ -20,7 +22,11 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{report::thousands, tracer::Traced};
+use super::{
+    cuda_links::{self, LinkRun, Links},
+    report::thousands,
+    tracer::Traced,
+};
 use crate::util::{self, median, say};
 
 #[derive(Clone, Copy, Debug)]
@@ -28,6 +34,8 @@ pub struct Options {
     pub rounds: usize,
     /// Seconds of launching per run.
     pub seconds: f64,
+    /// Only the attach and release part.
+    pub only_links: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,32 +93,80 @@ pub fn run_bench(ebtrace: &Path, opts: Options) -> Result<String> {
     };
     let started = Instant::now();
     let mut runs = Vec::new();
+    let mut rate_runs = Vec::new();
+    if !opts.only_links {
+        bench.cost_and_rate(opts.rounds, &mut runs, &mut rate_runs)?;
+    }
+    let mut link_runs = Vec::new();
     for round in 0..opts.rounds {
-        for i in 0..Config::ALL.len() {
-            let config = Config::ALL[(round + i) % Config::ALL.len()];
-            let run = bench.run(config, 1)?;
+        for i in 0..Links::ALL.len() {
+            let links = Links::ALL[(round + i) % Links::ALL.len()];
+            let workload = Workload::start(&bench, 1)?;
+            let scratch = std::env::temp_dir().join(format!("ebtrace-links-{}", workload.pid));
+            let run = cuda_links::run(&bench.ebtrace, workload.pid, links, &scratch);
+            let _ = std::fs::remove_dir_all(&scratch);
+            let run = run?;
             say(format!(
-                "cuda round {}/{} {:<8} {:>7.0} ns per cuLaunchKernel",
+                "cuda links round {}/{} {links:?}: attach {:?}, released in {:?} when killed; \
+                 attach right after a capture {:?}",
                 round + 1,
                 opts.rounds,
-                config.label(),
-                run.launches.ns_per_launch
+                run.attach,
+                run.release_killed,
+                run.attach_after
             ));
-            runs.push(run);
+            link_runs.push(run);
         }
     }
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut rate_runs = Vec::new();
-    for threads in [1, cpus] {
-        let run = bench.run(Config::Ebtrace, threads)?;
-        say(format!(
-            "cuda ebtrace, {threads} launching thread(s): {:.0} launches/s, {} dropped",
-            run.launches.launches as f64 / run.launches.elapsed_s,
-            run.recorded.map_or(0, |r| r.1)
-        ));
-        rate_runs.push(run);
+    Ok(render(
+        &runs,
+        &rate_runs,
+        &link_runs,
+        opts,
+        started.elapsed(),
+    ))
+}
+
+impl Bench {
+    /// Parts a and b.
+    fn cost_and_rate(
+        &self,
+        rounds: usize,
+        runs: &mut Vec<Run>,
+        rate_runs: &mut Vec<Run>,
+    ) -> Result<()> {
+        let bench = self;
+        let opts = Options {
+            rounds,
+            seconds: self.seconds,
+            only_links: false,
+        };
+        for round in 0..opts.rounds {
+            for i in 0..Config::ALL.len() {
+                let config = Config::ALL[(round + i) % Config::ALL.len()];
+                let run = bench.run(config, 1)?;
+                say(format!(
+                    "cuda round {}/{} {:<8} {:>7.0} ns per cuLaunchKernel",
+                    round + 1,
+                    opts.rounds,
+                    config.label(),
+                    run.launches.ns_per_launch
+                ));
+                runs.push(run);
+            }
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for threads in [1, cpus] {
+            let run = bench.run(Config::Ebtrace, threads)?;
+            say(format!(
+                "cuda ebtrace, {threads} launching thread(s): {:.0} launches/s, {} dropped",
+                run.launches.launches as f64 / run.launches.elapsed_s,
+                run.recorded.map_or(0, |r| r.1)
+            ));
+            rate_runs.push(run);
+        }
+        Ok(())
     }
-    Ok(render(&runs, &rate_runs, opts, started.elapsed()))
 }
 
 /// The workload, set up and waiting for its start line.
@@ -240,7 +296,13 @@ impl Bench {
     }
 }
 
-fn render(runs: &[Run], rate_runs: &[Run], opts: Options, took: Duration) -> String {
+fn render(
+    runs: &[Run],
+    rate_runs: &[Run],
+    link_runs: &[LinkRun],
+    opts: Options,
+    took: Duration,
+) -> String {
     let mut md = String::new();
     let date = util::stdout_of(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]));
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
@@ -253,15 +315,35 @@ fn render(runs: &[Run], rate_runs: &[Run], opts: Options, took: Duration) -> Str
         kernel.trim(),
         bpftrace.unwrap_or_default()
     );
-    let _ = writeln!(
-        md,
-        "- target: `cuda_workload --bench-seconds {}`: one thread \
-         calls `cuLaunchKernel` of the stand-in `libcuda.so.1` in a loop; {} rounds of \
-         untraced / ebtrace / bpftrace (order rotated each round); took {:.0} s",
-        opts.seconds,
-        opts.rounds,
-        took.as_secs_f64()
-    );
+    if runs.is_empty() {
+        let _ = writeln!(
+            md,
+            "- {} rounds of part c only (`--suite cuda-links`); took {:.0} s",
+            opts.rounds,
+            took.as_secs_f64()
+        );
+    } else {
+        let _ = writeln!(
+            md,
+            "- target: `cuda_workload --bench-seconds {}`: one thread \
+             calls `cuLaunchKernel` of the stand-in `libcuda.so.1` in a loop; {} rounds of \
+             untraced / ebtrace / bpftrace (order rotated each round); took {:.0} s",
+            opts.seconds,
+            opts.rounds,
+            took.as_secs_f64()
+        );
+    }
+    if !runs.is_empty() {
+        render_cost_and_rate(&mut md, runs, rate_runs);
+    }
+    if !link_runs.is_empty() {
+        cuda_links::render(&mut md, link_runs);
+    }
+    md
+}
+
+/// Parts a and b.
+fn render_cost_and_rate(md: &mut String, runs: &[Run], rate_runs: &[Run]) {
     let _ = writeln!(
         md,
         "\n### a. ns per cuLaunchKernel call\n\n| configuration | ns per call (median) | each \
@@ -339,5 +421,4 @@ fn render(runs: &[Run], rate_runs: &[Run], opts: Options, took: Duration) -> Str
             let _ = writeln!(md, "\nEvery rate run dropped records.");
         }
     }
-    md
 }

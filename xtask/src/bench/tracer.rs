@@ -157,6 +157,25 @@ impl Traced {
         Ok(usage.ru_maxrss as u64)
     }
 
+    /// Kills the process (SIGKILL) and returns how long the kernel took to
+    /// end it: from the signal until it could be reaped, which includes
+    /// closing its descriptors.
+    pub fn kill_and_reap(&mut self) -> Result<Duration> {
+        let pid = self.child.id();
+        let start = Instant::now();
+        signal(pid, libc::SIGKILL);
+        self.child
+            .wait()
+            .with_context(|| format!("reaping {}", self.name))?;
+        let took = start.elapsed();
+        self.reaped = true;
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+        self.lines.extend(self.lines_rx.try_iter().map(|(_, l)| l));
+        Ok(took)
+    }
+
     /// Waits for an ebtrace whose targets have exited and reads its summary.
     pub fn finish_ebtrace(&mut self) -> Result<EbtraceRun> {
         let peak_rss_kib = self.wait_exit(Duration::from_secs(300))?;
