@@ -413,3 +413,34 @@ fn kernels_looked_up_before_the_capture_are_named_by_the_driver_without_cupti() 
         "{out}"
     );
 }
+
+#[test]
+fn a_capture_longer_than_the_agents_buffers_loses_no_gpu_activity() {
+    if !require_root("a_capture_longer_than_the_agents_buffers_loses_no_gpu_activity") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start_with_cupti(LONG_RUN, &[]);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    // Three seconds of this workload are well over the agent's 64 MiB of
+    // CUPTI buffers: only collecting while recording keeps them all.
+    let (out, space) = capture(workload.pid, "3s", &[]);
+    assert!(!out.contains("CUPTI dropped"), "{out}");
+    let (start_wall, stop_wall) = profile_window(&space);
+    let window = (stop_wall - start_wall) as f64;
+    let mut starts: Vec<f64> = kernels(&space).iter().map(|(_, e)| e.start_ns).collect();
+    starts.sort_by(f64::total_cmp);
+    assert!(starts.len() > 10_000, "{} kernels", starts.len());
+    // Kernels all along the window: no stretch without any.
+    let mut edges = vec![0.0];
+    edges.extend(starts.iter().copied());
+    edges.push(window);
+    let gap = edges.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+    assert!(
+        gap < 100e6,
+        "{:.0} ms without a kernel in a {:.0} ms window",
+        gap / 1e6,
+        window / 1e6
+    );
+}

@@ -151,6 +151,18 @@ pub fn serve(fd: c_int) {
                     send_frame(fd, protocol::WINDOW_OPENED, &[]);
                 }
             },
+            protocol::COLLECT => match &mut session {
+                None => {
+                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                }
+                Some(s) => {
+                    let why = s.collect(|kind, payload| {
+                        send_frame(fd, kind, payload);
+                    });
+                    let why = why.as_ref().map(Text::as_bytes).unwrap_or_default();
+                    send_frame(fd, protocol::COLLECTED, why);
+                }
+            },
             protocol::NAME_KERNELS => {
                 let answered =
                     crate::kernel_names::answer(payload, |kind, parts| send_parts(fd, kind, parts));

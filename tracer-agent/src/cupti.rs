@@ -329,6 +329,9 @@ pub struct Recording {
     /// Kinds enabled, as bits of their index in [`KINDS`].
     enabled: u32,
     thread_id_type: Option<c_int>,
+    /// Records CUPTI dropped since the window opened (its own count resets
+    /// each time it is read).
+    dropped: u64,
 }
 
 impl Recording {
@@ -370,6 +373,7 @@ impl Recording {
             subscriber,
             enabled: 0,
             thread_id_type: None,
+            dropped: 0,
         };
         let api = &recording.api;
         if let Some(get) = api.get_thread_id_type {
@@ -425,19 +429,46 @@ impl Recording {
     /// Forgets the records of the time before the capture window and the
     /// count of those dropped: the buffers are free again for the window.
     pub fn discard_until_now(&mut self) {
-        let mut dropped = 0usize;
-        // SAFETY: plain calls; a valid out pointer (reading the count
-        // resets it).
-        unsafe {
-            (self.api.flush_all)(FLUSH_FORCED);
-            (self.api.dropped)(core::ptr::null_mut(), 0, &mut dropped);
-        }
+        // SAFETY: a plain call.
+        unsafe { (self.api.flush_all)(FLUSH_FORCED) };
         for slot in &SLOTS {
             let _ = slot
                 .state
                 .compare_exchange(FILLED, FREE, Ordering::AcqRel, Ordering::Acquire);
         }
-        REFUSED.store(0, Ordering::Release);
+        self.count_dropped();
+        self.dropped = 0;
+    }
+
+    /// Adds what CUPTI dropped since the last reading to [`Self::dropped`].
+    fn count_dropped(&mut self) -> u64 {
+        let mut dropped = 0usize;
+        // SAFETY: a valid out pointer; null context = all contexts.
+        unsafe { (self.api.dropped)(core::ptr::null_mut(), 0, &mut dropped) };
+        self.dropped += dropped as u64 + REFUSED.swap(0, Ordering::AcqRel);
+        self.dropped
+    }
+
+    /// The header of the batches handed over now.
+    fn header(&mut self, flags: u32) -> BatchHeader {
+        let (gpu_ns, monotonic_ns) = self.api.calibrate();
+        BatchHeader {
+            api_version: self.version,
+            flags,
+            gpu_ns,
+            monotonic_ns,
+            dropped: self.count_dropped(),
+        }
+    }
+
+    /// Hands the buffers CUPTI has completed so far to `deliver` (as
+    /// [`Self::stop`] does) and goes on recording: collected often enough,
+    /// nothing is dropped, and the agent's memory stays bounded.
+    pub fn collect(&mut self, mut deliver: impl FnMut(&[u8])) -> Option<Text> {
+        // SAFETY: a plain call; 0 = only buffers whose records are complete.
+        unsafe { (self.api.flush_all)(0) };
+        let header = self.header(0);
+        forward(&self.api, &header, &mut deliver)
     }
 
     /// Stops recording and hands the records to `deliver` in
@@ -445,21 +476,11 @@ impl Recording {
     /// wrong, if anything.
     pub fn stop(mut self, mut deliver: impl FnMut(&[u8])) -> Option<Text> {
         let finalized = self.stop_recording();
-        let (gpu_ns, monotonic_ns) = self.api.calibrate();
-        let mut dropped = 0usize;
-        // SAFETY: a valid out pointer; null context = all contexts.
-        unsafe { (self.api.dropped)(core::ptr::null_mut(), 0, &mut dropped) };
-        let header = BatchHeader {
-            api_version: self.version,
-            flags: if finalized {
-                activity::FLAG_FINALIZED
-            } else {
-                0
-            },
-            gpu_ns,
-            monotonic_ns,
-            dropped: dropped as u64 + REFUSED.swap(0, Ordering::AcqRel),
-        };
+        let header = self.header(if finalized {
+            activity::FLAG_FINALIZED
+        } else {
+            0
+        });
         let why = forward(&self.api, &header, &mut deliver);
         release_free_buffers();
         if finalized {

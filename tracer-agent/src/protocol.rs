@@ -66,6 +66,11 @@ pub const WINDOW_OPEN: u32 = 5;
 /// [`KERNEL_NAMES`], or [`FAILED`] with why (no driver, a driver without
 /// `cuFuncGetName`). Works with or without a session.
 pub const NAME_KERNELS: u32 = 6;
+/// ebtrace → agent: hand over the device activity recorded so far and go
+/// on recording. Answer: the [`DEVICE_ACTIVITY`] batches, then
+/// [`COLLECTED`] (payload: why some could not be handed over, or nothing);
+/// [`FAILED`] with no session running.
+pub const COLLECT: u32 = 7;
 /// Handles one [`NAME_KERNELS`] request may carry.
 pub const MAX_NAMED_KERNELS: usize = 1024;
 /// Longest request payload the agent reads.
@@ -98,6 +103,8 @@ pub const WINDOW_OPENED: u32 = 108;
 /// in the request's order (0: the driver does not know it), then the
 /// names' bytes one after the other.
 pub const KERNEL_NAMES: u32 = 109;
+/// agent → ebtrace: the last answer to [`COLLECT`].
+pub const COLLECTED: u32 = 110;
 
 /// A [`STARTED`] line: the framework session that runs.
 pub const SOURCE_FRAMEWORK: &str = "framework";

@@ -94,6 +94,15 @@ impl Sources {
         }
     }
 
+    /// Hands over what the device recorded so far, recording on (CUPTI:
+    /// its completed buffers; the sessions' own profilers keep theirs to
+    /// the stop). Returns why something could not be handed over.
+    pub fn collect(&mut self, mut deliver: impl FnMut(u32, &[u8])) -> Option<Text> {
+        self.cupti
+            .as_mut()
+            .and_then(|r| r.collect(|batch| deliver(protocol::DEVICE_ACTIVITY, batch)))
+    }
+
     /// Stops every source, handing what each recorded to `deliver` as
     /// `(frame kind, payload)`; returns why a source did not stop cleanly.
     pub fn stop(self, mut deliver: impl FnMut(u32, &[u8])) -> Option<Text> {

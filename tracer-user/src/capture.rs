@@ -31,6 +31,9 @@ use crate::{
     },
 };
 
+/// How often the agents hand over what the GPUs ran during a capture.
+const DEVICE_COLLECTION_PERIOD: Duration = Duration::from_millis(250);
+
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
@@ -128,6 +131,9 @@ pub struct Capture {
     framework: Vec<AgentSession>,
     /// What those sessions recorded so far.
     recordings: Vec<AgentRecording>,
+    /// Device activity taken from the sessions while they record, by pid.
+    collected: Vec<(u32, Vec<u8>)>,
+    last_collection: Instant,
     /// Kernel names asked of the driver inside the targets.
     kernel_naming: KernelNaming,
     /// Whether ebtrace's agent may be loaded for device work.
@@ -235,6 +241,8 @@ impl Capture {
         Ok(Capture {
             framework,
             recordings: Vec::new(),
+            collected: Vec::new(),
+            last_collection: Instant::now(),
             kernel_naming: KernelNaming::default(),
             agent_for_devices: device_activity,
             traceme,
@@ -295,6 +303,9 @@ impl Capture {
     pub fn poll(&mut self, timeout: Duration) -> PollStatus {
         self.collector.wait(timeout);
         self.drain();
+        if self.last_collection.elapsed() >= DEVICE_COLLECTION_PERIOD {
+            self.collect_device_activity();
+        }
         PollStatus {
             records: self.records.len(),
             alive: self.targets.iter().filter(|t| t.is_alive()).count(),
@@ -461,6 +472,26 @@ impl Capture {
         }
     }
 
+    /// Takes what the GPUs ran so far from the agents that record it: the
+    /// agent's buffers are bounded, and a target that exits takes only
+    /// the last period's records with it.
+    fn collect_device_activity(&mut self) {
+        self.last_collection = Instant::now();
+        for session in self
+            .framework
+            .iter_mut()
+            .filter(|s| s.started.device.is_some())
+        {
+            match session.collect_device_activity() {
+                Ok(batches) => self
+                    .collected
+                    .extend(batches.into_iter().map(|b| (session.pid, b))),
+                // The stop says what went wrong (or that the target exited).
+                Err(why) => log::debug!("pid {}: collecting GPU activity: {why}", session.pid),
+            }
+        }
+    }
+
     /// Asks the driver inside the targets for the names of the kernels
     /// launched so far by handles no symbol record names.
     fn name_kernels(&mut self) {
@@ -505,7 +536,10 @@ impl Capture {
     /// Lays what the GPUs ran (CUPTI, through the agent) on their lines and
     /// says how it went.
     fn add_device_activity(&self, timeline: &mut Timeline) {
-        let mut by_pid: BTreeMap<u32, Vec<Vec<u8>>> = BTreeMap::new();
+        let mut by_pid: BTreeMap<u32, Vec<&[u8]>> = BTreeMap::new();
+        for (pid, batch) in &self.collected {
+            by_pid.entry(*pid).or_default().push(batch);
+        }
         for r in &self.recordings {
             if let Some(problem) = &r.problem {
                 timeline
@@ -517,7 +551,7 @@ impl Capture {
                 by_pid
                     .entry(r.pid)
                     .or_default()
-                    .extend(r.device_activity.iter().cloned());
+                    .extend(r.device_activity.iter().map(Vec::as_slice));
             }
         }
         for (pid, batches) in by_pid {

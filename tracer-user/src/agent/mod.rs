@@ -215,6 +215,24 @@ impl AgentSession {
         }
     }
 
+    /// Takes the device activity recorded so far (CUPTI's completed
+    /// buffers), the session recording on.
+    pub fn collect_device_activity(&mut self) -> Result<Vec<Vec<u8>>, String> {
+        self.send(protocol::COLLECT, &[])?;
+        let mut batches = Vec::new();
+        loop {
+            match self.receive()? {
+                (protocol::DEVICE_ACTIVITY, p) => batches.push(p),
+                (protocol::COLLECTED, why) if why.is_empty() => return Ok(batches),
+                (protocol::COLLECTED, why) => {
+                    return Err(String::from_utf8_lossy(&why).into_owned());
+                }
+                (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
+                (kind, _) => return Err(format!("the agent answered COLLECT with frame {kind}")),
+            }
+        }
+    }
+
     /// Stops the session and returns what it recorded; with `restart`, a
     /// new session starts right away (a long capture served in windows).
     pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, String> {

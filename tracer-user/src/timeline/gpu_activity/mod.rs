@@ -56,7 +56,7 @@ pub struct ActivityMerge {
 pub fn merge_device_activity(
     timeline: &mut Timeline,
     pid: u32,
-    batches: &[Vec<u8>],
+    batches: &[&[u8]],
 ) -> ActivityMerge {
     let mut merge = ActivityMerge::default();
     let mut work: Vec<(Activity, ClockSync)> = Vec::new();
@@ -493,7 +493,7 @@ mod tests {
     #[test]
     fn kernels_replace_host_observed_work_and_join_their_launches() {
         let mut tl = timeline();
-        let m = merge_device_activity(&mut tl, PID, &[batch()]);
+        let m = merge_device_activity(&mut tl, PID, &[&batch()]);
         assert_eq!((m.kernels, m.joined, m.spans_from_records), (3, 2, 1));
         let stream = &tl.devices[&0].streams;
         assert_eq!(stream.keys().copied().collect::<Vec<_>>(), [7]);
@@ -530,9 +530,10 @@ mod tests {
         #[test]
         fn any_batches_merge(batches: Vec<Vec<u8>>, cut in 0usize..2000) {
             let mut tl = timeline();
+            let batches: Vec<&[u8]> = batches.iter().map(Vec::as_slice).collect();
             merge_device_activity(&mut tl, PID, &batches);
             let b = batch();
-            merge_device_activity(&mut tl, PID, &[b[..cut.min(b.len())].to_vec()]);
+            merge_device_activity(&mut tl, PID, &[&b[..cut.min(b.len())]]);
         }
     }
 }
