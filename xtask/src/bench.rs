@@ -8,6 +8,7 @@
 
 mod cuda;
 mod cuda_links;
+mod gpu_activity;
 mod jax;
 mod report;
 pub mod serve;
@@ -56,6 +57,9 @@ pub enum Suite {
     /// Only part c of the CUDA benchmark: attaching and releasing the
     /// driver probes, uprobe_multi against perf-event links.
     CudaLinks,
+    /// What the agent delivers from CUPTI: device records per second
+    /// without loss, and the target's memory.
+    GpuActivity,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,7 +131,10 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     }
     setup::run_setup(root, setup::Options { bench: true })?;
     let ebtrace = util::build_release(root)?;
-    if !matches!(opts.suite, Suite::Cuda | Suite::CudaLinks) {
+    if !matches!(
+        opts.suite,
+        Suite::Cuda | Suite::CudaLinks | Suite::GpuActivity
+    ) {
         run_sched(root, &ebtrace, opts)?;
     }
     if matches!(opts.suite, Suite::All | Suite::Cuda | Suite::CudaLinks) {
@@ -140,6 +147,16 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
             },
         )?;
         write_report(root, "cuda.md", &md)?;
+    }
+    if matches!(opts.suite, Suite::All | Suite::GpuActivity) {
+        let md = gpu_activity::run(
+            &ebtrace,
+            gpu_activity::Options {
+                rounds: opts.rounds,
+                seconds: opts.cuda_seconds,
+            },
+        )?;
+        write_report(root, "gpu_activity.md", &md)?;
     }
     Ok(())
 }
