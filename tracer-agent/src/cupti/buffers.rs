@@ -1,0 +1,304 @@
+//! The activity buffers the agent lends CUPTI: at most [`BUFFERS`] of
+//! [`BUFFER_BYTES`], mapped on first use, filled by CUPTI, read and
+//! forwarded to ebtrace in [`crate::protocol::DEVICE_ACTIVITY`] frames.
+//! CUPTI calls the two callbacks from its own threads; the slots' states
+//! hand each buffer from one side to the other.
+
+use core::{
+    ffi::c_void,
+    sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+};
+
+use super::{Api, ERROR_MAX_LIMIT_REACHED, SUCCESS};
+use crate::{
+    activity::{self, BatchHeader},
+    python::Text,
+    sys,
+};
+
+/// Bytes of one activity buffer (what wprof and XLA use).
+const BUFFER_BYTES: usize = 2 << 20;
+/// Buffers CUPTI may hold or fill between two collections: the agent's
+/// memory is bounded by `BUFFERS * BUFFER_BYTES` (64 MiB); beyond it CUPTI
+/// drops records and counts them.
+const BUFFERS: usize = 32;
+/// Bytes of the frames the records are forwarded in.
+const FRAME_BYTES: usize = 1 << 20;
+
+const FREE: u32 = 0;
+const LENT: u32 = 1;
+const FILLED: u32 = 2;
+
+/// One activity buffer: lent to CUPTI, filled by it, drained by the agent.
+struct Slot {
+    state: AtomicU32,
+    base: AtomicUsize,
+    valid: AtomicUsize,
+    order: AtomicU64,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY_SLOT: Slot = Slot {
+    state: AtomicU32::new(FREE),
+    base: AtomicUsize::new(0),
+    valid: AtomicUsize::new(0),
+    order: AtomicU64::new(0),
+};
+static SLOTS: [Slot; BUFFERS] = [EMPTY_SLOT; BUFFERS];
+static FILL_ORDER: AtomicU64 = AtomicU64::new(0);
+/// Whether buffers are lent (only while recording).
+pub(super) static LENDING: AtomicBool = AtomicBool::new(false);
+/// Buffer requests refused: CUPTI drops what they would have held.
+pub(super) static REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh private anonymous mapping of `len` bytes, if there is memory.
+fn map_anonymous(len: usize) -> Option<*mut c_void> {
+    // SAFETY: asks for new memory; touches no existing mapping.
+    let p = unsafe {
+        sys::mmap(
+            core::ptr::null_mut(),
+            len,
+            sys::PROT_READ_WRITE,
+            sys::MAP_PRIVATE_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    (p != sys::MAP_FAILED).then_some(p)
+}
+
+/// `CUpti_BuffersCallbackRequestFunc`: lends a free buffer, mapping it on
+/// first use; none while not recording or when all are in use.
+pub(super) extern "C" fn lend_buffer(
+    buffer: *mut *mut u8,
+    size: *mut usize,
+    max_records: *mut usize,
+) {
+    let mut given: *mut u8 = core::ptr::null_mut();
+    if LENDING.load(Ordering::Acquire) {
+        for slot in &SLOTS {
+            if slot
+                .state
+                .compare_exchange(FREE, LENT, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            let mut base = slot.base.load(Ordering::Acquire);
+            if base == 0 {
+                let Some(p) = map_anonymous(BUFFER_BYTES) else {
+                    slot.state.store(FREE, Ordering::Release);
+                    break;
+                };
+                base = p as usize;
+                slot.base.store(base, Ordering::Release);
+            }
+            given = base as *mut u8;
+            break;
+        }
+    }
+    if given.is_null() {
+        REFUSED.fetch_add(1, Ordering::Relaxed);
+    }
+    // SAFETY: CUPTI passes valid out pointers.
+    unsafe {
+        *buffer = given;
+        *size = if given.is_null() { 0 } else { BUFFER_BYTES };
+        *max_records = 0;
+    }
+}
+
+/// `CUpti_BuffersCallbackCompleteFunc`: marks the buffer filled; the
+/// agent's thread reads it at the next collection.
+pub(super) extern "C" fn take_back_buffer(
+    _context: *mut c_void,
+    _stream: u32,
+    buffer: *mut u8,
+    _size: usize,
+    valid: usize,
+) {
+    let Some(slot) = SLOTS
+        .iter()
+        .find(|s| s.base.load(Ordering::Acquire) == buffer as usize && !buffer.is_null())
+    else {
+        return;
+    };
+    slot.valid.store(valid.min(BUFFER_BYTES), Ordering::Release);
+    slot.order
+        .store(FILL_ORDER.fetch_add(1, Ordering::AcqRel), Ordering::Release);
+    slot.state.store(FILLED, Ordering::Release);
+}
+
+/// Reads the filled buffers in the order they were filled and forwards
+/// their records; returns why some were not, if any.
+pub(super) fn forward(
+    api: &Api,
+    header: &BatchHeader,
+    deliver: &mut impl FnMut(&[u8]),
+) -> Option<Text> {
+    // Unmapped below.
+    let Some(frame) = map_anonymous(FRAME_BYTES) else {
+        return Some(Text::new("no memory to forward the GPU activity"));
+    };
+    // SAFETY: the mapping is FRAME_BYTES long and only this thread uses it.
+    let frame = unsafe { core::slice::from_raw_parts_mut(frame as *mut u8, FRAME_BYTES) };
+    let mut out = Frame {
+        buf: frame,
+        len: 0,
+        header,
+        delivered: false,
+    };
+    out.reset();
+    loop {
+        let next = SLOTS
+            .iter()
+            .filter(|s| s.state.load(Ordering::Acquire) == FILLED)
+            .min_by_key(|s| s.order.load(Ordering::Acquire));
+        let Some(slot) = next else { break };
+        let base = slot.base.load(Ordering::Acquire) as *mut u8;
+        let valid = slot.valid.load(Ordering::Acquire);
+        for_each_record(api, base, valid, |record, name| {
+            out.push(record, name, deliver)
+        });
+        slot.state.store(FREE, Ordering::Release);
+    }
+    if !out.delivered {
+        // Nothing recorded: the header alone still tells the clock and
+        // the drops.
+        deliver(&out.buf[..BatchHeader::LEN]);
+    } else {
+        out.flush(deliver);
+    }
+    // SAFETY: the mapping made above, no longer used.
+    unsafe { sys::munmap(out.buf.as_mut_ptr().cast(), FRAME_BYTES) };
+    None
+}
+
+/// Calls `visit` with each record of a filled buffer and, for kernels,
+/// the name it points at. A record's length is where the next one starts.
+fn for_each_record(api: &Api, base: *mut u8, valid: usize, mut visit: impl FnMut(&[u8], &[u8])) {
+    let mut current: *mut u8 = core::ptr::null_mut();
+    let end = base as usize + valid;
+    let mut emit = |from: *mut u8, to: usize| {
+        let len = to
+            .saturating_sub(from as usize)
+            .min(activity::MAX_RECORD_LEN);
+        // SAFETY: the record lies inside the buffer CUPTI filled.
+        let record = unsafe { core::slice::from_raw_parts(from, len) };
+        visit(record, kernel_name(record));
+    };
+    loop {
+        let mut next: *mut u8 = current;
+        // SAFETY: the buffer and valid size CUPTI gave; `next` is the
+        // cursor CUPTI advances.
+        let r = unsafe { (api.next_record)(base, valid, &mut next) };
+        if r != SUCCESS || next.is_null() || (next as usize) >= end {
+            if !current.is_null() {
+                emit(current, end);
+            }
+            if r != SUCCESS && r != ERROR_MAX_LIMIT_REACHED {
+                return;
+            }
+            return;
+        }
+        if !current.is_null() {
+            emit(current, next as usize);
+        }
+        current = next;
+    }
+}
+
+/// The name a kernel record points at (CUPTI owns the string).
+fn kernel_name(record: &[u8]) -> &[u8] {
+    let kind = record
+        .get(..4)
+        .map_or(0, |k| u32::from_le_bytes([k[0], k[1], k[2], k[3]]));
+    if !matches!(
+        kind,
+        activity::KIND_KERNEL | activity::KIND_CONCURRENT_KERNEL
+    ) || record.len() < activity::KERNEL_PREFIX_LEN
+    {
+        return &[];
+    }
+    let mut p = [0u8; 8];
+    p.copy_from_slice(&record[activity::KERNEL_NAME_OFFSET..activity::KERNEL_NAME_OFFSET + 8]);
+    let name = usize::from_le_bytes(p) as *const u8;
+    if name.is_null() {
+        return &[];
+    }
+    let mut len = 0;
+    // SAFETY: CUPTI's name strings are NUL-terminated and live as long as
+    // the module they name; at most MAX_NAME_LEN bytes are read.
+    unsafe {
+        while len < activity::MAX_NAME_LEN && *name.add(len) != 0 {
+            len += 1;
+        }
+        core::slice::from_raw_parts(name, len)
+    }
+}
+
+/// Unmaps the buffers CUPTI does not hold (they are mapped again when
+/// recording restarts).
+pub(super) fn release_free_buffers() {
+    for slot in &SLOTS {
+        if slot
+            .state
+            .compare_exchange(FREE, LENT, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            continue;
+        }
+        let base = slot.base.swap(0, Ordering::AcqRel);
+        if base != 0 {
+            // SAFETY: a buffer mapped by `lend_buffer`, held by no one.
+            unsafe { sys::munmap(base as *mut c_void, BUFFER_BYTES) };
+        }
+        slot.state.store(FREE, Ordering::Release);
+    }
+}
+
+/// A DEVICE_ACTIVITY payload being filled.
+struct Frame<'a> {
+    buf: &'a mut [u8],
+    len: usize,
+    header: &'a BatchHeader,
+    delivered: bool,
+}
+
+impl Frame<'_> {
+    fn reset(&mut self) {
+        self.buf[..BatchHeader::LEN].copy_from_slice(&self.header.encode());
+        self.len = BatchHeader::LEN;
+    }
+
+    fn push(&mut self, record: &[u8], name: &[u8], deliver: &mut impl FnMut(&[u8])) {
+        let need = 8 + record.len() + name.len();
+        if self.len + need > self.buf.len() {
+            self.flush(deliver);
+        }
+        let at = self.len;
+        self.buf[at..at + 4].copy_from_slice(&(record.len() as u32).to_le_bytes());
+        self.buf[at + 4..at + 8].copy_from_slice(&(name.len() as u32).to_le_bytes());
+        self.buf[at + 8..at + 8 + record.len()].copy_from_slice(record);
+        self.buf[at + 8 + record.len()..at + need].copy_from_slice(name);
+        self.len += need;
+    }
+
+    fn flush(&mut self, deliver: &mut impl FnMut(&[u8])) {
+        if self.len > BatchHeader::LEN {
+            deliver(&self.buf[..self.len]);
+            self.delivered = true;
+        }
+        self.reset();
+    }
+}
+
+/// Frees the buffers CUPTI has filled, unread (what was recorded before
+/// the capture window).
+pub(super) fn discard_filled() {
+    for slot in &SLOTS {
+        let _ = slot
+            .state
+            .compare_exchange(FILLED, FREE, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
