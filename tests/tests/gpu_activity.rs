@@ -444,3 +444,44 @@ fn a_capture_longer_than_the_agents_buffers_loses_no_gpu_activity() {
         window / 1e6
     );
 }
+
+#[test]
+fn a_program_finalizing_cupti_mid_capture_costs_only_the_records_after() {
+    if !require_root("a_program_finalizing_cupti_mid_capture_costs_only_the_records_after") {
+        return;
+    }
+    let _serial = serial();
+    let mut args = vec!["--finalize-late"];
+    args.extend_from_slice(LONG_RUN);
+    let mut workload = CudaWorkload::start_with_cupti(&args, &[]);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    let logdir = TempDir::new("finalized");
+    let ebtrace = spawn_attached(&workload.pid.to_string(), "2s", &logdir, &[]);
+    // As jax does when its own session ends: cuptiFinalize, mid-capture.
+    std::thread::sleep(Duration::from_millis(700));
+    signal(workload.pid, libc::SIGUSR1);
+    let out = ebtrace.wait(Duration::from_secs(120));
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("another CUPTI client finalized CUPTI during the capture"),
+        "{text}"
+    );
+    // What CUPTI recorded before is there; the program runs on.
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{text}");
+    let before = kernels(&xspace::load(&files[0])).len();
+    assert!(before > 100, "{before} kernels\n{text}");
+    assert!(
+        std::fs::read_to_string(format!("/proc/{}/stat", workload.pid))
+            .is_ok_and(|s| !s.contains(") Z ")),
+        "the program died"
+    );
+    // CUPTI can be had again.
+    wait_for_ebtrace_exits();
+    let (again, space) = capture(workload.pid, "300ms", &[]);
+    assert!(again.contains("device activity: CUPTI"), "{again}");
+    assert!(!kernels(&space).is_empty(), "{again}");
+}
