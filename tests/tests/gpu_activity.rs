@@ -239,6 +239,7 @@ fn each_cupti_release_is_read_by_its_layout() {
         let mut workload =
             CudaWorkload::start_with_cupti(LONG_RUN, &[("STANDIN_CUPTI_VERSION", version)]);
         workload.go();
+        std::thread::sleep(Duration::from_millis(300));
         let (stderr, space) = capture(workload.pid, "500ms", &[]);
         assert!(
             stderr.contains(&format!("CUPTI {release} activity")),
