@@ -19,6 +19,17 @@ use serde_json::Value;
 /// A workload that keeps launching for longer than any capture here.
 const LONG_RUN: &[&str] = &["--iters", "100000000"];
 
+/// The workload with `args` after [`LONG_RUN`] and `env`, launching for
+/// 300 ms already (its kernels looked up before any capture).
+fn launching(args: &[&str], env: &[(&str, &str)]) -> CudaWorkload {
+    let mut all = LONG_RUN.to_vec();
+    all.extend_from_slice(args);
+    let mut workload = CudaWorkload::start_with_cupti(&all, env);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    workload
+}
+
 /// One record the stand-in CUPTI produced.
 struct Logged {
     kind: u64,
@@ -107,10 +118,7 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
     let _serial = serial();
     let dir = TempDir::new("cupti-log");
     let log = dir.path().join("cupti.log");
-    let mut workload =
-        CudaWorkload::start_with_cupti(LONG_RUN, &[("STANDIN_CUPTI_LOG", log.to_str().unwrap())]);
-    workload.go();
-    std::thread::sleep(Duration::from_millis(300));
+    let workload = launching(&[], &[("STANDIN_CUPTI_LOG", log.to_str().unwrap())]);
     let (stderr, space) = capture(workload.pid, "700ms", &[]);
     assert!(
         stderr.contains(
@@ -236,10 +244,7 @@ fn each_cupti_release_is_read_by_its_layout() {
     let _serial = serial();
     for (version, release) in [("130001", "13.0"), ("130101", "13.1"), ("140000", "14.0")] {
         wait_for_ebtrace_exits();
-        let mut workload =
-            CudaWorkload::start_with_cupti(LONG_RUN, &[("STANDIN_CUPTI_VERSION", version)]);
-        workload.go();
-        std::thread::sleep(Duration::from_millis(300));
+        let workload = launching(&[], &[("STANDIN_CUPTI_VERSION", version)]);
         let (stderr, space) = capture(workload.pid, "500ms", &[]);
         assert!(
             stderr.contains(&format!("CUPTI {release} activity")),
@@ -376,11 +381,7 @@ fn kernels_looked_up_before_the_capture_are_named_by_the_driver_without_cupti() 
     let _serial = serial();
     // The program holds CUPTI, so its records cannot name anything; its
     // threads look their kernels up before ebtrace attaches.
-    let mut args = vec!["--own-cupti"];
-    args.extend_from_slice(LONG_RUN);
-    let mut workload = CudaWorkload::start_with_cupti(&args, &[]);
-    workload.go();
-    std::thread::sleep(Duration::from_millis(300));
+    let workload = launching(&["--own-cupti"], &[]);
     let launch_kernels = |space: &XSpace| -> Vec<String> {
         let host = plane(space, "/host:CPU");
         host.lines
@@ -421,9 +422,7 @@ fn a_capture_longer_than_the_agents_buffers_loses_no_gpu_activity() {
         return;
     }
     let _serial = serial();
-    let mut workload = CudaWorkload::start_with_cupti(LONG_RUN, &[]);
-    workload.go();
-    std::thread::sleep(Duration::from_millis(300));
+    let workload = launching(&[], &[]);
     // Three seconds of this workload are well over the agent's 64 MiB of
     // CUPTI buffers: only collecting while recording keeps them all.
     let (out, space) = capture(workload.pid, "3s", &[]);
@@ -452,11 +451,7 @@ fn a_program_finalizing_cupti_mid_capture_costs_only_the_records_after() {
         return;
     }
     let _serial = serial();
-    let mut args = vec!["--finalize-late"];
-    args.extend_from_slice(LONG_RUN);
-    let mut workload = CudaWorkload::start_with_cupti(&args, &[]);
-    workload.go();
-    std::thread::sleep(Duration::from_millis(300));
+    let workload = launching(&["--finalize-late"], &[]);
     let logdir = TempDir::new("finalized");
     let ebtrace = spawn_attached(&workload.pid.to_string(), "2s", &logdir, &[]);
     // As jax does when its own session ends: cuptiFinalize, mid-capture.

@@ -37,6 +37,15 @@ struct Slot {
     order: AtomicU64,
 }
 
+impl Slot {
+    /// Takes a free slot (FREE → LENT); false if it is not free.
+    fn claim(&self) -> bool {
+        self.state
+            .compare_exchange(FREE, LENT, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
 #[allow(clippy::declare_interior_mutable_const)]
 const EMPTY_SLOT: Slot = Slot {
     state: AtomicU32::new(FREE),
@@ -75,27 +84,20 @@ pub(super) extern "C" fn lend_buffer(
     max_records: *mut usize,
 ) {
     let mut given: *mut u8 = core::ptr::null_mut();
-    if LENDING.load(Ordering::Acquire) {
-        for slot in &SLOTS {
-            if slot
-                .state
-                .compare_exchange(FREE, LENT, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
-            {
-                continue;
-            }
-            let mut base = slot.base.load(Ordering::Acquire);
-            if base == 0 {
-                let Some(p) = map_anonymous(BUFFER_BYTES) else {
-                    slot.state.store(FREE, Ordering::Release);
-                    break;
-                };
+    // The claim comes last: a slot is taken only while lending.
+    if LENDING.load(Ordering::Acquire)
+        && let Some(slot) = SLOTS.iter().find(|s| s.claim())
+    {
+        let mut base = slot.base.load(Ordering::Acquire);
+        if base == 0 {
+            if let Some(p) = map_anonymous(BUFFER_BYTES) {
                 base = p as usize;
                 slot.base.store(base, Ordering::Release);
+            } else {
+                slot.state.store(FREE, Ordering::Release);
             }
-            given = base as *mut u8;
-            break;
         }
+        given = base as *mut u8;
     }
     if given.is_null() {
         REFUSED.fetch_add(1, Ordering::Relaxed);
@@ -240,14 +242,7 @@ fn kernel_name(record: &[u8]) -> &[u8] {
 /// Unmaps the buffers CUPTI does not hold (they are mapped again when
 /// recording restarts).
 pub(super) fn release_free_buffers() {
-    for slot in &SLOTS {
-        if slot
-            .state
-            .compare_exchange(FREE, LENT, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            continue;
-        }
+    for slot in SLOTS.iter().filter(|s| s.claim()) {
         let base = slot.base.swap(0, Ordering::AcqRel);
         if base != 0 {
             // SAFETY: a buffer mapped by `lend_buffer`, held by no one.
