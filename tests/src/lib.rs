@@ -68,19 +68,34 @@ pub fn wait_for_ebtrace_exits() {
     }
 }
 
-/// The running (not yet reaped, not zombie) processes named `ebtrace`. By
-/// name: a process releasing its descriptors on exit has no `exe` link.
+/// The processes named `ebtrace`, running (not zombies) and started less
+/// than a minute ago: an exiting ebtrace and the child releasing its
+/// links, never a stray long-lived one. By name, because a process
+/// releasing its descriptors on exit has no `exe` link.
 pub fn ebtrace_processes() -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
+    // SAFETY: a plain libc query.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|u| u.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let state = stat.rsplit_once(") ").map(|(_, rest)| rest.chars().next());
-            stat.contains(" (ebtrace) ") && state != Some(Some('Z'))
+            let Some((name, rest)) = stat.rsplit_once(") ") else {
+                return false;
+            };
+            // Fields after the name: state is the 3rd of stat, starttime the 22nd.
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let started = fields.get(19).and_then(|t| t.parse::<f64>().ok());
+            name.ends_with(" (ebtrace")
+                && fields.first() != Some(&"Z")
+                && started.is_some_and(|t| uptime - t / ticks < 60.0)
         })
         .collect()
 }
@@ -341,4 +356,27 @@ pub fn realtime_ns() -> u64 {
     // SAFETY: valid pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process named `ebtrace` is seen until it has exited and been reaped.
+    #[test]
+    fn ebtrace_processes_are_found_by_name() {
+        let dir = TempDir::new("named");
+        let bin = dir.path().join("ebtrace");
+        std::fs::copy("/bin/sleep", &bin).expect("copy sleep");
+        let mut child = Command::new(&bin).arg("30").spawn().expect("run it");
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !ebtrace_processes().contains(&pid) {
+            assert!(Instant::now() < deadline, "{pid} not found");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+        assert!(!ebtrace_processes().contains(&pid));
+    }
 }
