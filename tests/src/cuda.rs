@@ -3,14 +3,12 @@
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, Stdio},
-    sync::mpsc,
+    process::Command,
     time::{Duration, Instant},
 };
 
-use crate::workspace_root;
+use crate::{gated::Gated, workspace_root};
 
 /// Compiler flags that give every exported function of the stand-in the
 /// prologue the real driver's functions have (`push %rbp` first).
@@ -160,9 +158,7 @@ pub fn build_cupti_check() -> (PathBuf, PathBuf) {
 
 /// A running `cuda_workload`, waiting for its start signal; killed when dropped.
 pub struct CudaWorkload {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
+    process: Gated,
     pub pid: u32,
 }
 
@@ -183,64 +179,26 @@ impl CudaWorkload {
 
     fn start_in(args: &[&str], library_path: &str, env: &[(&str, &str)]) -> Self {
         let (_, bin) = build();
-        let mut child = Command::new(bin)
-            .args(args)
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
             .env("LD_LIBRARY_PATH", library_path)
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start cuda_workload");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let first = lines
-            .recv_timeout(Duration::from_secs(30))
-            .expect("cuda_workload start line");
-        let v: serde_json::Value = serde_json::from_str(&first)
-            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
-        let pid = v["pid"].as_u64().expect("pid") as u32;
-        CudaWorkload {
-            child,
-            stdin,
-            lines,
-            pid,
-        }
+            .envs(env.iter().copied());
+        let process = Gated::start(cmd, "cuda_workload");
+        let pid = process.pid;
+        CudaWorkload { process, pid }
     }
 
     /// Lets it run its calls without waiting for them (for `--bench-seconds`,
     /// which keeps launching until then, or until it is dropped).
     pub fn go(&mut self) {
-        let mut stdin = self.stdin.take().expect("started once");
-        stdin.write_all(b"go\n").expect("signal the workload");
+        self.process.go();
+        self.process.close_stdin();
     }
 
     /// Lets it run its calls, waits for it to exit and returns its report.
     pub fn run(mut self, deadline: Duration) -> serde_json::Value {
-        let mut stdin = self.stdin.take().expect("started once");
-        stdin.write_all(b"go\n").expect("signal the workload");
-        drop(stdin);
-        let line = self
-            .lines
-            .recv_timeout(deadline)
-            .expect("cuda_workload report line");
-        let status = self.child.wait().expect("wait for cuda_workload");
-        assert!(status.success(), "cuda_workload failed: {status}");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
-    }
-}
-
-impl Drop for CudaWorkload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.go();
+        self.process.report(deadline)
     }
 }
 

@@ -8,6 +8,7 @@
 
 pub mod cuda;
 pub mod fixture;
+pub mod gated;
 pub mod killed;
 pub mod perfetto;
 pub mod pjrt;

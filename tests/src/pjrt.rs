@@ -4,14 +4,12 @@
 //! (`tests/fixtures/pjrt_workload.c`).
 
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, Command, Stdio},
-    sync::mpsc,
+    process::Command,
     time::Duration,
 };
 
-use crate::workspace_root;
+use crate::{gated::Gated, workspace_root};
 
 fn newer(src: &Path, out: &Path) -> bool {
     let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
@@ -77,9 +75,7 @@ pub fn build() -> (PathBuf, PathBuf) {
 /// A running `pjrt_workload`, waiting for its start signal; killed when
 /// dropped.
 pub struct PjrtWorkload {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
+    process: Gated,
     pub pid: u32,
     /// The stand-in plugin it loaded.
     pub plugin: PathBuf,
@@ -90,34 +86,14 @@ impl PjrtWorkload {
     /// (e.g. `STANDIN_PJRT_LOG`), and waits for its pid line.
     pub fn start(args: &[&str], env: &[(&str, &Path)]) -> Self {
         let (plugin, bin) = build();
-        let mut child = Command::new(bin)
-            .arg(&plugin)
+        let mut cmd = Command::new(bin);
+        cmd.arg(&plugin)
             .args(args)
-            .envs(env.iter().map(|(k, v)| (k, v.as_os_str())))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start pjrt_workload");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let first = lines
-            .recv_timeout(Duration::from_secs(30))
-            .expect("pjrt_workload start line");
-        let v: serde_json::Value = serde_json::from_str(&first)
-            .unwrap_or_else(|e| panic!("bad start line {first:?}: {e}"));
-        let pid = v["pid"].as_u64().expect("pid") as u32;
+            .envs(env.iter().map(|(k, v)| (k, v.as_os_str())));
+        let process = Gated::start(cmd, "pjrt_workload");
+        let pid = process.pid;
         PjrtWorkload {
-            child,
-            stdin,
-            lines,
+            process,
             pid,
             plugin,
         }
@@ -125,28 +101,13 @@ impl PjrtWorkload {
 
     /// Lets it run steps.
     pub fn go(&mut self) {
-        let stdin = self.stdin.as_mut().expect("still running");
-        stdin.write_all(b"go\n").expect("signal the workload");
-        stdin.flush().expect("signal the workload");
+        self.process.go();
     }
 
     /// Tells it to stop (end of stdin), waits for it and returns its report.
     pub fn stop(mut self, deadline: Duration) -> serde_json::Value {
-        drop(self.stdin.take());
-        let line = self
-            .lines
-            .recv_timeout(deadline)
-            .expect("pjrt_workload report line");
-        let status = self.child.wait().expect("wait for pjrt_workload");
-        assert!(status.success(), "pjrt_workload failed: {status}");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
-    }
-}
-
-impl Drop for PjrtWorkload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.close_stdin();
+        self.process.report(deadline)
     }
 }
 

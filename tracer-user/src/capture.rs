@@ -433,7 +433,10 @@ impl Capture {
             without_scheduling(&mut timeline);
         }
         cuda.finish().add_to(&mut timeline);
-        (timeline.stats.notes).extend(self.kernel_naming.notes.iter().cloned());
+        timeline
+            .stats
+            .notes
+            .extend(self.kernel_naming.notes.iter().cloned());
         self.add_traceme(&mut timeline);
         self.add_framework(&mut timeline);
         self.add_device_activity(&mut timeline);
