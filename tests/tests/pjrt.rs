@@ -12,19 +12,24 @@ use ebtrace_tests::{
     xspace::{self, profile_window},
 };
 
-/// Starts the workload on the stand-in plugin, lets it run steps, records
-/// it for `duration` with `extra` flags; returns ebtrace's stderr, the
-/// trace's TPU events (realtime ns) and what the plugin logged.
-fn trace(
-    args: &[&str],
-    extra: &[&str],
-) -> (
-    String,
-    Vec<LoggedEvent>,
-    Vec<LoggedEvent>,
-    Vec<serde_json::Value>,
-    serde_json::Value,
-) {
+/// One capture of the stand-in plugin's workload.
+struct Traced {
+    stderr: String,
+    /// The trace's TPU events (realtime ns).
+    traced: Vec<LoggedEvent>,
+    /// The events the plugin logged.
+    logged: Vec<LoggedEvent>,
+    /// The plugin's profiler calls.
+    calls: Vec<serde_json::Value>,
+    /// The workload's own report.
+    report: serde_json::Value,
+    /// The capture window (realtime ns).
+    window: (i64, i64),
+}
+
+/// Starts the workload on the stand-in plugin, lets it run steps and
+/// records it for 2 s with `extra` flags.
+fn trace(args: &[&str], extra: &[&str]) -> Traced {
     let dir = TempDir::new("pjrt-log");
     let log = dir.path().join("plugin.log");
     let mut workload = PjrtWorkload::start(args, &[("STANDIN_PJRT_LOG", &log)]);
@@ -37,7 +42,7 @@ fn trace(
     let files = xplane_files(logdir.path());
     assert_eq!(files.len(), 1, "one trace: {stderr}");
     let space = xspace::load(&files[0]);
-    let (start_wall, _) = profile_window(&space);
+    let (start_wall, stop_wall) = profile_window(&space);
     let traced = tpu_events(&space)
         .into_iter()
         .map(|e| LoggedEvent {
@@ -47,7 +52,14 @@ fn trace(
         })
         .collect();
     let (calls, logged) = read_log(&log);
-    (stderr, traced, logged, calls, report)
+    Traced {
+        stderr,
+        traced,
+        logged,
+        calls,
+        report,
+        window: (start_wall as i64, stop_wall as i64),
+    }
 }
 
 #[test]
@@ -56,7 +68,14 @@ fn the_plugins_own_profiler_records_the_tpu_and_is_taken_out() {
         return;
     }
     let _serial = serial();
-    let (stderr, traced, logged, calls, report) = trace(&[], &[]);
+    let Traced {
+        stderr,
+        traced,
+        logged,
+        calls,
+        report,
+        window,
+    } = trace(&[], &[]);
     assert!(
         stderr.contains("device activity: PJRT plugin profiler of"),
         "{stderr}"
@@ -64,26 +83,29 @@ fn the_plugins_own_profiler_records_the_tpu_and_is_taken_out() {
     assert!(report["ops"].as_u64().unwrap() > 0, "{report}");
 
     // Every event in the trace is one the plugin recorded, at its time
-    // (to the µs: realtime → monotonic → realtime), except those cut at
-    // the window's edges.
-    let (first, last) = (traced.first().unwrap(), traced.last().unwrap());
+    // (to the µs: realtime → monotonic → realtime), except where the
+    // window's edges cut it.
+    let (window_start, window_stop) = window;
+    let at = |edge: i64, t: i64| (t - edge).abs() <= 2_000;
     for e in &traced {
         let found = logged.iter().any(|l| {
             l.kind == e.kind
                 && l.name == e.name
-                && (l.start_ns - e.start_ns).abs() <= 1_000
-                && ((l.end_ns - e.end_ns).abs() <= 1_000 || e == first || e == last)
+                && ((l.start_ns - e.start_ns).abs() <= 1_000 || at(window_start, e.start_ns))
+                && ((l.end_ns - e.end_ns).abs() <= 1_000 || at(window_stop, e.end_ns))
         });
         assert!(found, "not recorded by the plugin: {e:?}");
     }
-    // Every op the plugin recorded inside the trace's span of events is in it.
+    // Every op the plugin recorded inside the span of the trace's ops is in it.
+    let ops = || traced.iter().filter(|e| e.kind == "op");
+    let first = ops().map(|e| e.start_ns).min().unwrap();
+    let last = ops().map(|e| e.start_ns).max().unwrap();
     let inside: Vec<_> = logged
         .iter()
-        .filter(|l| l.kind == "op" && l.start_ns > first.start_ns && l.end_ns < last.start_ns)
+        .filter(|l| l.kind == "op" && l.start_ns > first && l.end_ns < last)
         .collect();
-    let traced_inside = traced
-        .iter()
-        .filter(|e| e.kind == "op" && e.start_ns > first.start_ns && e.end_ns < last.start_ns)
+    let traced_inside = ops()
+        .filter(|e| e.start_ns > first && e.end_ns < last)
         .count();
     assert!(inside.len() > 100, "too few ops to judge: {}", inside.len());
     assert_eq!(traced_inside, inside.len());
@@ -101,7 +123,12 @@ fn a_program_running_its_own_plugin_profiler_is_left_alone() {
         return;
     }
     let _serial = serial();
-    let (stderr, traced, _, _, report) = trace(&["--own-profiler"], &[]);
+    let Traced {
+        stderr,
+        traced,
+        report,
+        ..
+    } = trace(&["--own-profiler"], &[]);
     assert!(
         stderr.contains("device activity not recorded")
             && stderr.contains("runs a profiler session of its own"),

@@ -267,8 +267,25 @@ fn traceme_events_match_the_recorders_own_log() {
         assert_eq!(g.end, g.start, "instant");
     }
     // The activity that ends inside a scope begun after it is cut at that
-    // scope's start; the scope keeps its full extent.
-    for copy in got.iter().filter(|g| g.event.name == "async_copy") {
+    // scope's start; the scope keeps its full extent. A thread's last copy
+    // is left out: the window may end between its end and its scope's end,
+    // and then the scope is not in the trace and the copy is whole.
+    let mut copies: Vec<_> = got
+        .iter()
+        .filter(|g| g.event.name == "async_copy")
+        .collect();
+    copies.sort_by_key(|g| (g.tid, g.start));
+    let last_of_thread = |i: usize| {
+        copies
+            .get(i + 1)
+            .is_none_or(|next| next.tid != copies[i].tid)
+    };
+    let checked: Vec<_> = (0..copies.len())
+        .filter(|&i| !last_of_thread(i))
+        .map(|i| copies[i])
+        .collect();
+    assert!(!checked.is_empty(), "no async_copy to check");
+    for copy in checked {
         assert!(copy.clipped > 0, "{copy:?}");
         assert!(
             got.iter().any(|h| h.tid == copy.tid
