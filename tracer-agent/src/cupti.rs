@@ -196,12 +196,7 @@ fn open_library() -> Result<*mut c_void, Text> {
 /// Keeps this library mapped for the life of the process: CUPTI keeps the
 /// callbacks it is given.
 fn pin_self() -> bool {
-    let mut info = sys::DlInfo {
-        fname: core::ptr::null(),
-        fbase: core::ptr::null_mut(),
-        sname: core::ptr::null(),
-        saddr: core::ptr::null_mut(),
-    };
+    let mut info = sys::DlInfo::EMPTY;
     // SAFETY: an address inside this library and a valid out pointer; the
     // name dladdr returns is the loaded object's, which dlopen matches
     // without opening anything (RTLD_NOLOAD).

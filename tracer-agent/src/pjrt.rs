@@ -659,12 +659,7 @@ impl PluginSession {
 /// [`NAME_LEN`] bytes).
 fn object_name(f: *mut c_void) -> ([u8; NAME_LEN], usize) {
     let mut out = [0u8; NAME_LEN];
-    let mut info = sys::DlInfo {
-        fname: core::ptr::null(),
-        fbase: core::ptr::null_mut(),
-        sname: core::ptr::null(),
-        saddr: core::ptr::null_mut(),
-    };
+    let mut info = sys::DlInfo::EMPTY;
     // SAFETY: a valid out pointer; the name belongs to the loader and is
     // copied while the object is held open.
     let name: &[u8] = unsafe {

@@ -56,12 +56,7 @@ fn wanted() -> bool {
     if value.is_null() || unsafe { core::ffi::CStr::from_ptr(value) } != c"listen" {
         return false;
     }
-    let mut info = sys::DlInfo {
-        fname: core::ptr::null(),
-        fbase: core::ptr::null_mut(),
-        sname: core::ptr::null(),
-        saddr: core::ptr::null_mut(),
-    };
+    let mut info = sys::DlInfo::EMPTY;
     // SAFETY: any address inside this library, and a valid out pointer;
     // `fname` is NUL-terminated when set.
     unsafe {

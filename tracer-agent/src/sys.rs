@@ -46,6 +46,16 @@ pub struct DlInfo {
     pub saddr: *mut c_void,
 }
 
+impl DlInfo {
+    /// An answer not filled in yet, for `dladdr` to write into.
+    pub const EMPTY: DlInfo = DlInfo {
+        fname: core::ptr::null(),
+        fbase: core::ptr::null_mut(),
+        sname: core::ptr::null(),
+        saddr: core::ptr::null_mut(),
+    };
+}
+
 /// `struct timespec`.
 #[repr(C)]
 #[derive(Default)]
