@@ -7,7 +7,8 @@ use std::{collections::HashSet, time::Duration};
 use ebtrace_tests::{
     TempDir,
     fixture::{SchedWorkload, SchedstatSampler},
-    record, require_root, run_ebtrace, serial, spawn_record, wait_with_deadline, xplane_files,
+    record, require_root, serial, spawn_record, spawn_record_with_env, wait_with_deadline,
+    xplane_files,
     xspace::{self, Event, line_events, plane},
 };
 
@@ -39,11 +40,38 @@ fn one_trace(dir: &TempDir) -> ebtrace_proto::tensorflow::profiler::XSpace {
     space
 }
 
+/// Switches and wake-ups through raw tracepoints (where the kernel has
+/// BTF; checked against the route ebtrace names).
 #[test]
 fn thread_states_match_schedstat_and_fixture() {
     if !require_root("thread_states_match_schedstat_and_fixture") {
         return;
     }
+    let raw = std::path::Path::new("/sys/kernel/btf/vmlinux").exists();
+    let route = if raw {
+        "scheduling: raw tracepoints"
+    } else {
+        "scheduling: classic tracepoints"
+    };
+    thread_states_match(&[], route);
+}
+
+/// The same, through the classic tracepoints, as on kernels without BTF.
+#[test]
+fn thread_states_match_schedstat_and_fixture_through_classic_tracepoints() {
+    if !require_root("thread_states_match_schedstat_and_fixture_through_classic_tracepoints") {
+        return;
+    }
+    thread_states_match(
+        &[("EBTRACE_SCHED_TRACEPOINTS", "classic")],
+        "scheduling: classic tracepoints (EBTRACE_SCHED_TRACEPOINTS=classic)",
+    );
+}
+
+/// Records the scheduling fixture with `env` and checks every thread's
+/// states against schedstat and the fixture's own counters; `route` is the
+/// line ebtrace must name its route with.
+fn thread_states_match(env: &[(&str, &str)], route: &str) {
     let _serial = serial();
     let workload = SchedWorkload::start(&[]);
     std::thread::sleep(Duration::from_millis(200));
@@ -66,19 +94,15 @@ fn thread_states_match_schedstat_and_fixture() {
 
     let logdir = TempDir::new("sched");
     let pid = workload.pid.to_string();
-    let out = run_ebtrace(&[
-        "--pid",
-        &pid,
-        "--duration",
-        "2s",
-        "--logdir",
-        logdir.path().to_str().unwrap(),
-    ]);
+    let out = spawn_record_with_env(&pid, "2s", &logdir, &[], env)
+        .wait_with_output()
+        .expect("ebtrace runs");
     std::thread::sleep(Duration::from_millis(50));
     let series = sampler.finish();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "ebtrace failed: {stderr}\n{stdout}");
+    assert!(stderr.contains(route), "{route:?} not in {stderr}");
     assert!(stdout.contains("0 dropped"), "{stdout}");
     let threads = workload.threads.clone();
     let tid_of = |name: &str| threads[name];
@@ -433,7 +457,14 @@ fn the_probes_are_released_after_ebtrace_exits() {
         return;
     }
     let _serial = serial();
-    let ours = |names: Vec<String>| names.iter().filter(|n| *n == "sched_switch").count();
+    // The switch program, raw or classic (the kernel keeps 15 characters
+    // of a name).
+    let ours = |names: Vec<String>| {
+        names
+            .iter()
+            .filter(|n| *n == "sched_switch" || *n == "raw_sched_switc")
+            .count()
+    };
     let before = ours(loaded_bpf_program_names());
     let workload = SchedWorkload::start(&[]);
     let logdir = TempDir::new("released");

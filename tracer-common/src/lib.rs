@@ -29,6 +29,12 @@ pub mod names {
     pub const WAKEUP_THRESHOLD: &str = "WAKEUP_THRESHOLD";
     /// Global `u32`: 1 if `sched_process_exit` has the `group_dead` field.
     pub const EXIT_HAS_GROUP_DEAD: &str = "EXIT_HAS_GROUP_DEAD";
+    /// Global `u32`: byte offset of `pid` in `task_struct` (raw tracepoints).
+    pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
+    /// Global `u32`: byte offset of `exit_state` in `task_struct`.
+    pub const TASK_EXIT_STATE_OFFSET: &str = "TASK_EXIT_STATE_OFFSET";
+    /// Global `u32`: byte offset of the last CPU in `task_struct`.
+    pub const TASK_CPU_OFFSET: &str = "TASK_CPU_OFFSET";
 }
 
 /// Indices into the per-CPU `STATS` array.

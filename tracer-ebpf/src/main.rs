@@ -37,6 +37,13 @@ static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 static WAKEUP_THRESHOLD: u64 = 4 * 1024 * 1024;
 #[unsafe(no_mangle)]
 pub(crate) static EXIT_HAS_GROUP_DEAD: u32 = 1;
+/// `task_struct` offsets for the raw tracepoints, from the kernel's BTF.
+#[unsafe(no_mangle)]
+pub(crate) static TASK_PID_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+pub(crate) static TASK_EXIT_STATE_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+pub(crate) static TASK_CPU_OFFSET: u32 = 0;
 
 #[inline(always)]
 pub(crate) fn bump(index: u32) {

@@ -8,15 +8,26 @@
 //! seeded from `/proc` by userspace and kept up to date here: new threads in
 //! `task_newtask` (which sees `clone_flags`), exits in `sched_process_exit`,
 //! and any traced thread seen running that userspace missed.
+//!
+//! The hot events (switches and wake-ups) have two programs each: a raw
+//! tracepoint, which reads the kernel's `task_struct` at offsets userspace
+//! found in the kernel's BTF and costs the kernel no formatted record, and a
+//! classic tracepoint for kernels where that cannot be checked. Both write
+//! the same records.
 
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    helpers::bpf_probe_read_kernel,
+    macros::{raw_tracepoint, tracepoint},
+    programs::{RawTracePointContext, TracePointContext},
+};
 use tracer_common::{
     CLONE_THREAD, COMM_LEN, ProcessFork, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew,
     TaskRename, WAKEUP_NEW, tp,
 };
 
 use crate::{
-    EXIT_HAS_GROUP_DEAD, TRACKED_TIDS, current, emit, header, is_target, read, track, tracked_tgid,
+    EXIT_HAS_GROUP_DEAD, TASK_CPU_OFFSET, TASK_EXIT_STATE_OFFSET, TASK_PID_OFFSET, TRACKED_TIDS,
+    current, emit, header, is_target, read, track, tracked_tgid,
 };
 
 #[tracepoint(category = "sched", name = "sched_switch")]
@@ -28,6 +39,70 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     ) else {
         return 0;
     };
+    switch(prev_tid, prev_state, next_tid)
+}
+
+/// `sched_switch(bool preempt, task_struct *prev, task_struct *next,
+/// unsigned int prev_state)` (Linux 5.18+; userspace checks the prototype).
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn raw_sched_switch(ctx: RawTracePointContext) -> i32 {
+    let preempt: u64 = ctx.arg(0);
+    let next: *const u8 = ctx.arg(2);
+    let state: u64 = ctx.arg(3);
+    // `prev` is the task switching out: the current one.
+    let (prev_tid, _) = current();
+    let Some(next_tid) = task_field(next, &TASK_PID_OFFSET) else {
+        return 0;
+    };
+    let prev_state = if preempt as u8 != 0 {
+        TASK_REPORT_MAX
+    } else {
+        let prev: *const u8 = ctx.arg(1);
+        report_state(
+            state as u32,
+            task_field(prev, &TASK_EXIT_STATE_OFFSET).unwrap_or(0),
+        )
+    };
+    switch(prev_tid, prev_state, next_tid) as i32
+}
+
+/// What the classic tracepoint reports as `prev_state` for a preempted task.
+const TASK_REPORT_MAX: u64 = 0x100;
+
+/// `prev_state` as the classic tracepoint reports it
+/// (`__trace_sched_switch_state`): one bit, the index of the task's state
+/// in the list `ps` prints, or 0 for running.
+#[inline(always)]
+fn report_state(state: u32, exit_state: u32) -> u64 {
+    const TASK_REPORT: u32 = 0x7f;
+    const TASK_UNINTERRUPTIBLE: u32 = 0x2;
+    const TASK_IDLE: u32 = 0x402;
+    const TASK_REPORT_IDLE: u32 = 0x80;
+    const TASK_RTLOCK_WAIT: u32 = 0x1000;
+    const TASK_FROZEN: u32 = 0x8000;
+    let mut report = (state | exit_state) & TASK_REPORT;
+    if state & TASK_IDLE == TASK_IDLE {
+        report = TASK_REPORT_IDLE;
+    }
+    if state & (TASK_RTLOCK_WAIT | TASK_FROZEN) != 0 {
+        report = TASK_UNINTERRUPTIBLE;
+    }
+    let index = 32 - report.leading_zeros();
+    if index == 0 { 0 } else { 1 << (index - 1) }
+}
+
+/// A `u32` field of a `task_struct`, at the offset in `offset`.
+#[inline(always)]
+fn task_field(task: *const u8, offset: &u32) -> Option<u32> {
+    // SAFETY: globals are read-only after load.
+    let offset = unsafe { core::ptr::read_volatile(offset) };
+    // SAFETY: a probe read of kernel memory; a bad address fails, it does
+    // not fault.
+    unsafe { bpf_probe_read_kernel(task.wrapping_add(offset as usize) as *const u32) }.ok()
+}
+
+#[inline(always)]
+fn switch(prev_tid: u32, prev_state: u64, next_tid: u32) -> u32 {
     // The tracepoint fires in the context of the task being switched out.
     let (_, current_tgid) = current();
     let prev_tgid = if prev_tid != 0 && is_target(current_tgid) {
@@ -59,6 +134,24 @@ fn wakeup(ctx: &TracePointContext, flags: u32) -> u32 {
     ) else {
         return 0;
     };
+    woken(tid, target_cpu, flags)
+}
+
+/// `sched_waking(task_struct *p)` and `sched_wakeup_new(task_struct *p)`.
+#[inline(always)]
+fn raw_wakeup(ctx: &RawTracePointContext, flags: u32) -> i32 {
+    let task: *const u8 = ctx.arg(0);
+    let (Some(tid), Some(target_cpu)) = (
+        task_field(task, &TASK_PID_OFFSET),
+        task_field(task, &TASK_CPU_OFFSET),
+    ) else {
+        return 0;
+    };
+    woken(tid, target_cpu, flags) as i32
+}
+
+#[inline(always)]
+fn woken(tid: u32, target_cpu: u32, flags: u32) -> u32 {
     let tgid = tracked_tgid(tid);
     if tgid == 0 {
         return 0;
@@ -86,6 +179,16 @@ pub fn sched_waking(ctx: TracePointContext) -> u32 {
 #[tracepoint(category = "sched", name = "sched_wakeup_new")]
 pub fn sched_wakeup_new(ctx: TracePointContext) -> u32 {
     wakeup(&ctx, WAKEUP_NEW)
+}
+
+#[raw_tracepoint(tracepoint = "sched_waking")]
+pub fn raw_sched_waking(ctx: RawTracePointContext) -> i32 {
+    raw_wakeup(&ctx, 0)
+}
+
+#[raw_tracepoint(tracepoint = "sched_wakeup_new")]
+pub fn raw_sched_wakeup_new(ctx: RawTracePointContext) -> i32 {
+    raw_wakeup(&ctx, WAKEUP_NEW)
 }
 
 /// Fires in the parent while it creates a task; only here are `clone_flags`

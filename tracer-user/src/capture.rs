@@ -207,7 +207,7 @@ impl Capture {
             }
         }
         if options.families.sched {
-            SchedProbe::attach_scheduling(&mut probe)?;
+            notes.push(SchedProbe::attach_scheduling(&mut probe)?);
         }
         let (cuda, warnings) = if options.families.cuda {
             CudaProbe::attach(&mut probe, &targets)?

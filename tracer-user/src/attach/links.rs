@@ -5,7 +5,9 @@
 //! (except where the kernel serializes them: perf-event uprobes, hence
 //! [`uprobe_multi`](super::uprobe_multi) links for the driver).
 
-use aya::programs::{trace_point::TracePointLink, uprobe::UProbeLink};
+use aya::programs::{
+    raw_trace_point::RawTracePointLink, trace_point::TracePointLink, uprobe::UProbeLink,
+};
 
 use super::uprobe_multi;
 
@@ -15,6 +17,7 @@ const RELEASE_THREADS: usize = 64;
 /// A link ebtrace owns: dropping it detaches the program.
 pub enum OwnedLink {
     TracePoint(TracePointLink),
+    RawTracePoint(RawTracePointLink),
     UProbe(UProbeLink),
     UProbeMulti(uprobe_multi::Link),
 }
@@ -22,6 +25,12 @@ pub enum OwnedLink {
 impl From<TracePointLink> for OwnedLink {
     fn from(link: TracePointLink) -> Self {
         OwnedLink::TracePoint(link)
+    }
+}
+
+impl From<RawTracePointLink> for OwnedLink {
+    fn from(link: RawTracePointLink) -> Self {
+        OwnedLink::RawTracePoint(link)
     }
 }
 

@@ -8,6 +8,7 @@
 //! tracepoints first. [`inject`] loads ebtrace's in-process agent into a
 //! running process with ptrace.
 
+pub mod btf;
 pub mod cuda;
 pub mod inject;
 pub mod libcuda;

@@ -14,6 +14,7 @@ use tracer_common::{names, stat};
 use super::{
     EBPF_OBJECT,
     links::{OwnedLink, release},
+    sched::SchedRoute,
     uprobe_multi,
 };
 use crate::error::{Error, Result};
@@ -71,6 +72,8 @@ pub struct ProbeSet {
     map_fds: Vec<(String, OwnedFd)>,
     /// Programs loaded for multi-uprobe links (see [`uprobe_multi`]).
     multi: uprobe_multi::Programs,
+    /// How switches and wake-ups are recorded.
+    sched_route: SchedRoute,
 }
 
 impl Drop for ProbeSet {
@@ -87,9 +90,17 @@ impl ProbeSet {
         }
         let threshold = u64::from(config.ring_bytes / 4);
         let group_dead = u32::from(config.exit_has_group_dead);
+        let sched_route = SchedRoute::for_this_kernel();
+        let offsets = match &sched_route {
+            SchedRoute::Raw(o) => [o.pid, o.exit_state, o.cpu],
+            SchedRoute::Classic(_) => [0; 3],
+        };
         let mut ebpf = EbpfLoader::new()
             .override_global(names::WAKEUP_THRESHOLD, &threshold, true)
             .override_global(names::EXIT_HAS_GROUP_DEAD, &group_dead, true)
+            .override_global(names::TASK_PID_OFFSET, &offsets[0], true)
+            .override_global(names::TASK_EXIT_STATE_OFFSET, &offsets[1], true)
+            .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .load(EBPF_OBJECT)
             .map_err(|e| Error::Load(Box::new(e)))?;
@@ -109,7 +120,13 @@ impl ProbeSet {
             stats,
             map_fds,
             multi: uprobe_multi::Programs::default(),
+            sched_route,
         })
+    }
+
+    /// How this set records switches and wake-ups.
+    pub fn sched_route(&self) -> &SchedRoute {
+        &self.sched_route
     }
 
     /// Loads `names` for multi-uprobe links (once per set), sharing the
