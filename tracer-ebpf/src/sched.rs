@@ -39,7 +39,9 @@ pub fn sched_switch(ctx: TracePointContext) -> u32 {
     ) else {
         return 0;
     };
-    switch(prev_tid, prev_state, next_tid)
+    // The tracepoint fires in the context of the task being switched out.
+    let (_, current_tgid) = current();
+    switch(prev_tid, current_tgid, next_tid, || prev_state)
 }
 
 /// `sched_switch(bool preempt, task_struct *prev, task_struct *next,
@@ -50,20 +52,23 @@ pub fn raw_sched_switch(ctx: RawTracePointContext) -> i32 {
     let next: *const u8 = ctx.arg(2);
     let state: u64 = ctx.arg(3);
     // `prev` is the task switching out: the current one.
-    let (prev_tid, _) = current();
+    let (prev_tid, current_tgid) = current();
     let Some(next_tid) = task_field(next, &TASK_PID_OFFSET) else {
         return 0;
     };
-    let prev_state = if preempt as u8 != 0 {
-        TASK_REPORT_MAX
-    } else {
-        let prev: *const u8 = ctx.arg(1);
-        report_state(
-            state as u32,
-            task_field(prev, &TASK_EXIT_STATE_OFFSET).unwrap_or(0),
-        )
+    // Only read once the switch is known to concern a traced thread.
+    let prev_state = || {
+        if preempt as u8 != 0 {
+            TASK_REPORT_MAX
+        } else {
+            let prev: *const u8 = ctx.arg(1);
+            report_state(
+                state as u32,
+                task_field(prev, &TASK_EXIT_STATE_OFFSET).unwrap_or(0),
+            )
+        }
     };
-    switch(prev_tid, prev_state, next_tid) as i32
+    switch(prev_tid, current_tgid, next_tid, prev_state) as i32
 }
 
 /// What the classic tracepoint reports as `prev_state` for a preempted task.
@@ -101,10 +106,15 @@ fn task_field(task: *const u8, offset: &u32) -> Option<u32> {
     unsafe { bpf_probe_read_kernel(task.wrapping_add(offset as usize) as *const u32) }.ok()
 }
 
+/// Records a switch that concerns a traced thread; `prev_state` is only
+/// asked then.
 #[inline(always)]
-fn switch(prev_tid: u32, prev_state: u64, next_tid: u32) -> u32 {
-    // The tracepoint fires in the context of the task being switched out.
-    let (_, current_tgid) = current();
+fn switch(
+    prev_tid: u32,
+    current_tgid: u32,
+    next_tid: u32,
+    prev_state: impl FnOnce() -> u64,
+) -> u32 {
     let prev_tgid = if prev_tid != 0 && is_target(current_tgid) {
         track(prev_tid, current_tgid);
         current_tgid
@@ -121,7 +131,7 @@ fn switch(prev_tid: u32, prev_state: u64, next_tid: u32) -> u32 {
         prev_tgid,
         next_tid,
         next_tgid,
-        prev_state,
+        prev_state: prev_state(),
     });
     0
 }
