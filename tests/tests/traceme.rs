@@ -15,7 +15,7 @@ use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
     killed::{guards_of, kill_mid_capture},
-    record, require_root, run_ebtrace, serial, signal, spawn_record,
+    record, require_root, run_ebtrace, serial, signal, spawn_record, spawn_record_with_env,
     traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans, read_i32},
     wait_with_deadline, xplane_files,
     xspace::{self, Event, Stat, assert_lines_nest, line_events, plane},
@@ -304,6 +304,87 @@ fn traceme_events_match_the_recorders_own_log() {
     let worker = line_events(host, tids["tm-worker-0"].into());
     assert!(worker.iter().any(|e| e.name == "Running"));
     assert!(worker.iter().any(|e| e.name == "Blocked"));
+}
+
+/// The recorders' cache files in `cache` (objects without one are
+/// remembered too, as `recorder none`).
+fn cached_recorders(cache: &TempDir) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(cache.path().join("traceme"))
+        .expect("the cache directory was made")
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            std::fs::read_to_string(p).is_ok_and(|t| {
+                t.lines()
+                    .any(|l| l.starts_with("recorder tsl") || l.starts_with("recorder tensorflow"))
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn recorder_symbols_are_remembered_and_a_bad_memory_is_searched_again() {
+    if !require_root("recorder_symbols_are_remembered_and_a_bad_memory_is_searched_again") {
+        return;
+    }
+    let _serial = serial();
+    let cache = TempDir::new("traceme-cache");
+    let env = [("EBTRACE_CACHE_DIR", cache.path().to_str().unwrap())];
+    let workload = TraceMeWorkload::start(&Toolchain::ALL, &[]);
+    std::thread::sleep(Duration::from_millis(100));
+    let pid = workload.pid.to_string();
+    let capture = |tag: &str| {
+        let dir = TempDir::new(tag);
+        let out = spawn_record_with_env(&pid, "1s", &dir, &[], &env)
+            .wait_with_output()
+            .expect("ebtrace runs");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "ebtrace failed: {stderr}");
+        (stderr, dir)
+    };
+    const SEARCHED: &str = " symbols searched in ";
+    const REMEMBERED: &str = "symbols remembered from an earlier search of ";
+
+    let (first, _) = capture("traceme-first");
+    assert_eq!(first.matches(SEARCHED).count(), 3, "{first}");
+    assert_eq!(cached_recorders(&cache).len(), 3);
+
+    let (second, second_dir) = capture("traceme-second");
+    assert_eq!(second.matches(REMEMBERED).count(), 3, "{second}");
+    assert_eq!(second.matches(SEARCHED).count(), 0, "{second}");
+
+    // A remembered address that is not the object's code is not probed:
+    // the object is searched again and the cache mended.
+    for file in cached_recorders(&cache) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let bad: Vec<String> = text
+            .lines()
+            .map(|l| match l.strip_prefix("recorder ") {
+                Some(r) => {
+                    let mut f: Vec<&str> = r.split(' ').collect();
+                    f[2] = "0x8";
+                    format!("recorder {}", f.join(" "))
+                }
+                None => l.to_string(),
+            })
+            .collect();
+        std::fs::write(&file, bad.join("\n") + "\n").unwrap();
+    }
+    let (third, third_dir) = capture("traceme-third");
+    assert_eq!(third.matches(SEARCHED).count(), 3, "{third}");
+    for file in cached_recorders(&cache) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(!text.contains(" 0x8 "), "{text}");
+    }
+
+    let tids = workload.threads.clone();
+    let (_, log) = workload.stop();
+    for dir in [&second_dir, &third_dir] {
+        let per_lib = assert_matches_log(&trace(dir), &log, &tids);
+        for t in Toolchain::ALL {
+            let n = per_lib.get(t.tag()).copied().unwrap_or(0);
+            assert!(n > 1_000, "{n} spans from the {t:?} recorder");
+        }
+    }
 }
 
 #[test]

@@ -102,6 +102,8 @@ pub struct ElfObject {
     path: PathBuf,
     map: Mmap,
     segments: Vec<LoadSegment>,
+    /// The file's device, inode, size and change time.
+    stat: (u64, u64, u64, i64, i64),
 }
 
 fn invalid(path: &Path, what: impl std::fmt::Display) -> io::Error {
@@ -118,8 +120,9 @@ impl ElfObject {
     pub fn open(path: &Path, expected_inode: Option<u64>) -> io::Result<Self> {
         use std::os::unix::fs::MetadataExt as _;
         let file = File::open(path)?;
+        let meta = file.metadata()?;
         if let Some(inode) = expected_inode
-            && file.metadata()?.ino() != inode
+            && meta.ino() != inode
         {
             return Err(invalid(path, "is not the file the process mapped"));
         }
@@ -147,6 +150,13 @@ impl ElfObject {
             path: path.to_path_buf(),
             map,
             segments,
+            stat: (
+                meta.dev(),
+                meta.ino(),
+                meta.size(),
+                meta.ctime(),
+                meta.ctime_nsec(),
+            ),
         })
     }
 
@@ -165,6 +175,45 @@ impl ElfObject {
             .iter()
             .find(|s| vaddr >= s.vaddr && vaddr - s.vaddr < s.filesz)
             .and_then(|s| (vaddr - s.vaddr).checked_add(s.offset))
+    }
+
+    /// The object's GNU build-id (`NT_GNU_BUILD_ID` note), if it has one:
+    /// it names the build, whatever the file's path or copy.
+    pub fn build_id(&self) -> Option<Vec<u8>> {
+        let bytes = self.map.bytes();
+        let header = FileHeader::parse(bytes).ok()?;
+        let endian = header.endian().ok()?;
+        for phdr in header.program_headers(endian, bytes).ok()? {
+            let Ok(Some(mut notes)) = phdr.notes(endian, bytes) else {
+                continue;
+            };
+            while let Ok(Some(note)) = notes.next() {
+                if note.name() == object::elf::ELF_NOTE_GNU
+                    && note.n_type(endian) == object::elf::NT_GNU_BUILD_ID
+                    && !note.desc().is_empty()
+                {
+                    return Some(note.desc().to_vec());
+                }
+            }
+        }
+        None
+    }
+
+    /// A name for this object's contents: `build-<hex>` from its build-id,
+    /// else `file-...` from the file's device, inode, size and change time
+    /// (which any write to the file changes), for objects built without
+    /// one (jaxlib's).
+    pub fn identity(&self) -> String {
+        match self.build_id() {
+            Some(id) => format!(
+                "build-{}",
+                id.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
+            None => {
+                let (dev, ino, size, ctime, nsec) = self.stat;
+                format!("file-{dev:x}-{ino:x}-{size:x}-{ctime:x}.{nsec:x}")
+            }
+        }
     }
 
     /// The file's byte at `offset`, if the file has one there.
@@ -290,6 +339,25 @@ mod tests {
                 .any(|s| s.executable && main.vaddr >= s.vaddr && main.vaddr < s.vaddr + s.memsz)
         );
         assert!(offset < std::fs::metadata(obj.path()).unwrap().len());
+    }
+
+    #[test]
+    fn reads_the_build_id_that_readelf_shows() {
+        // Debian's loader has a build-id; `file`/`readelf -n` show it as hex.
+        let path = Path::new("/lib64/ld-linux-x86-64.so.2");
+        let Ok(obj) = ElfObject::open(path, None) else {
+            return;
+        };
+        let id = obj.build_id().expect("the loader has a build-id");
+        assert!(id.len() >= 16, "{id:?}");
+        let out = std::process::Command::new("readelf")
+            .args(["-n", path.to_str().unwrap()])
+            .output();
+        if let Ok(out) = out {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+            assert!(text.contains(&format!("Build ID: {hex}")), "{hex}\n{text}");
+        }
     }
 
     #[test]

@@ -23,16 +23,17 @@ use std::{
 
 use memchr::memmem::Finder;
 
+use super::facts::{GateFacts, ObjectFacts, facts_of, search_again};
 use crate::symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size};
 
 /// The recorder's symbols, per namespace.
-struct Names {
-    namespace: &'static str,
-    record: &'static str,
-    trace_level: &'static str,
+pub(super) struct Names {
+    pub namespace: &'static str,
+    pub record: &'static str,
+    pub trace_level: &'static str,
 }
 
-const NAMESPACES: [Names; 2] = [
+pub(super) const NAMESPACES: [Names; 2] = [
     Names {
         namespace: "tsl",
         record: "_ZN3tsl8profiler15TraceMeRecorder6RecordEONS1_5EventE",
@@ -47,19 +48,20 @@ const NAMESPACES: [Names; 2] = [
 
 /// Common to both `Record` names: objects whose string tables lack it are
 /// skipped without a symbol pass.
-const RECORD_NEEDLE: &[u8] = b"15TraceMeRecorder6RecordEONS1_5EventE";
+pub(super) const RECORD_NEEDLE: &[u8] = b"15TraceMeRecorder6RecordEONS1_5EventE";
 
 /// `tsl::profiler::internal::g_trace_filter_bitmap`: a TraceMe records only
 /// if its filter mask meets it; all ones unless a session set a mask.
-const FILTER_BITMAP: &str = "_ZN3tsl8profiler8internal21g_trace_filter_bitmapE";
+pub(super) const FILTER_BITMAP: &str = "_ZN3tsl8profiler8internal21g_trace_filter_bitmapE";
 
 /// `xla::profiler::traceme_enabled`, the Python-level TraceMe gate.
-const PYTHON_GATE: &str = "_ZN3xla8profiler15traceme_enabledE";
+pub(super) const PYTHON_GATE: &str = "_ZN3xla8profiler15traceme_enabledE";
 /// `xla::profiler::PythonHookContext::EnableTraceMe(bool)`: where the gate
 /// was a Python module variable (TensorFlow up to 2.20).
-const PYTHON_GATE_IN_PYTHON: &str = "_ZN3xla8profiler17PythonHookContext13EnableTraceMeEb";
+pub(super) const PYTHON_GATE_IN_PYTHON: &str =
+    "_ZN3xla8profiler17PythonHookContext13EnableTraceMeEb";
 /// Common to both: objects without it need no symbol pass for the gate.
-const PYTHON_GATE_NEEDLE: &[u8] = b"_ZN3xla8profiler";
+pub(super) const PYTHON_GATE_NEEDLE: &[u8] = b"_ZN3xla8profiler";
 
 /// How the object's `std::string` (the event name) is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,7 +111,7 @@ pub struct LayoutVotes {
 const VOTES_NEEDED: usize = 64;
 
 impl LayoutVotes {
-    fn count(&mut self, name: &[u8], finders: &NamespaceFinders) -> bool {
+    pub(super) fn count(&mut self, name: &[u8], finders: &NamespaceFinders) -> bool {
         let NamespaceFinders { cxx11, libcxx, ndk } = finders;
         if cxx11.find(name).is_some() {
             self.libstdcxx += 1;
@@ -146,7 +148,7 @@ impl LayoutVotes {
 }
 
 /// Searchers for the `std::` inline namespaces in mangled names.
-struct NamespaceFinders {
+pub(super) struct NamespaceFinders {
     /// `St7__cxx11`: libstdc++.
     cxx11: Finder<'static>,
     /// `St3__`: a one-character libc++ namespace follows.
@@ -156,7 +158,7 @@ struct NamespaceFinders {
 }
 
 impl NamespaceFinders {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         NamespaceFinders {
             cxx11: Finder::new(b"St7__cxx11"),
             libcxx: Finder::new(b"St3__"),
@@ -187,6 +189,8 @@ pub struct Recorder {
     /// Symbols looked at, and how long the lookup took.
     pub symbols: usize,
     pub lookup_time: Duration,
+    /// The symbols were remembered from an earlier search of the same file.
+    pub cached: bool,
     /// Files the process had mapped, and how long searching them all took.
     pub objects: usize,
     pub search_time: Duration,
@@ -250,7 +254,14 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
         let Ok(elf) = ElfObject::open(&path, Some(object.inode)) else {
             continue;
         };
-        match inspect(object, &elf, path) {
+        let mut facts = facts_of(&elf);
+        let mut found_recorder = recorder(object, &elf, path.clone(), &facts);
+        if facts.cached && found_recorder.is_err() {
+            // What was remembered does not fit this object: look again.
+            facts = search_again(&elf);
+            found_recorder = recorder(object, &elf, path, &facts);
+        }
+        match found_recorder {
             Ok(Some(recorder)) => found.recorders.push(recorder),
             Ok(None) => {}
             Err(reason) => found.unusable.push(Unusable {
@@ -258,7 +269,19 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
                 reason,
             }),
         }
-        inspect_python_gate(object, &elf, &mut found);
+        match facts.gate {
+            GateFacts::Exported(vaddr) => {
+                if let Some(bias) = object.load_bias(elf.segments(), page_size()) {
+                    found.python_gates.push(PythonGate {
+                        pid: object.pid,
+                        object: object.path.clone(),
+                        address: bias.wrapping_add(vaddr),
+                    });
+                }
+            }
+            GateFacts::InPython => found.python_gates_in_python.push(object.path.clone()),
+            GateFacts::None => {}
+        }
     }
     found.elapsed = began.elapsed();
     for r in &mut found.recorders {
@@ -268,82 +291,42 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
     Ok(found)
 }
 
-/// The exported Python TraceMe gate in one object, if it has one.
-fn inspect_python_gate(object: &MappedObject, elf: &ElfObject, found: &mut Discovery) {
-    if !elf.strings_contain(PYTHON_GATE_NEEDLE) {
-        return;
-    }
-    let Ok(scan) = elf.scan(&[PYTHON_GATE, PYTHON_GATE_IN_PYTHON], |_| false) else {
-        return;
-    };
-    match (&scan.found[0], &scan.found[1]) {
-        // Unexported copies (jaxlib's) have no reader outside their object.
-        (Some(gate), _) if gate.exported && !gate.function => {
-            if let Some(bias) = object.load_bias(elf.segments(), page_size()) {
-                found.python_gates.push(PythonGate {
-                    pid: object.pid,
-                    object: object.path.clone(),
-                    address: bias.wrapping_add(gate.vaddr),
-                });
-            }
-        }
-        (None, Some(_)) => found.python_gates_in_python.push(object.path.clone()),
-        _ => {}
-    }
-}
-
-/// The recorder in one object: `Ok(None)` if it has none, `Err(why)` if it
-/// has one that cannot be used.
-fn inspect(
+/// The recorder `facts` describe in one mapped object: `Ok(None)` if it
+/// has none, `Err(why)` if it has one that cannot be used.
+fn recorder(
     object: &MappedObject,
     elf: &ElfObject,
     path: PathBuf,
+    facts: &ObjectFacts,
 ) -> Result<Option<Recorder>, String> {
-    if !elf.strings_contain(RECORD_NEEDLE) {
-        return Ok(None);
-    }
-    let mut wanted: Vec<&str> = NAMESPACES
-        .iter()
-        .flat_map(|n| [n.record, n.trace_level])
-        .collect();
-    wanted.push(FILTER_BITMAP);
-    let finders = NamespaceFinders::new();
-    let mut votes = LayoutVotes::default();
-    let scan = elf
-        .scan(&wanted, |name| votes.count(name, &finders))
-        .map_err(|e| e.to_string())?;
-    let Some((names, record, trace_level)) = NAMESPACES
-        .iter()
-        .enumerate()
-        .find_map(|(i, n)| Some((n, scan.found[2 * i]?, scan.found[2 * i + 1])))
-    else {
+    let Some(r) = facts.recorder.clone()? else {
         return Ok(None);
     };
-    let layout = votes.layout().ok_or_else(|| {
-        "cannot tell which C++ library it was built with (no std:: symbols)".to_string()
-    })?;
     let bias = object
         .load_bias(elf.segments(), page_size())
         .ok_or_else(|| "cannot find where it is loaded".to_string())?;
+    // A uprobe goes at this offset: it must be code this object loads
+    // (the address may come from the cache).
     let record_offset = elf
-        .file_offset(record.vaddr)
-        .ok_or_else(|| "TraceMeRecorder::Record is outside its loaded segments".to_string())?;
+        .segments()
+        .iter()
+        .any(|s| s.executable && r.record >= s.vaddr && r.record - s.vaddr < s.filesz)
+        .then(|| elf.file_offset(r.record))
+        .flatten()
+        .ok_or_else(|| "TraceMeRecorder::Record is outside its loaded code".to_string())?;
     Ok(Some(Recorder {
         pid: object.pid,
         object: object.path.clone(),
         open_path: path,
-        namespace: names.namespace,
-        layout,
+        namespace: NAMESPACES[r.namespace].namespace,
+        layout: r.layout,
         record_offset,
-        record_address: bias.wrapping_add(record.vaddr),
-        trace_level_address: trace_level.map(|s| bias.wrapping_add(s.vaddr)),
-        // Only TSL's copy has a filter.
-        filter_bitmap_address: (names.namespace == "tsl")
-            .then(|| scan.found[2 * NAMESPACES.len()])
-            .flatten()
-            .map(|s| bias.wrapping_add(s.vaddr)),
-        symbols: scan.symbols,
-        lookup_time: scan.elapsed,
+        record_address: bias.wrapping_add(r.record),
+        trace_level_address: r.trace_level.map(|a| bias.wrapping_add(a)),
+        filter_bitmap_address: r.filter_bitmap.map(|a| bias.wrapping_add(a)),
+        symbols: facts.symbols,
+        lookup_time: facts.lookup_time,
+        cached: facts.cached,
         objects: 0,
         search_time: Duration::ZERO,
     }))

@@ -9,6 +9,7 @@
 //! recorder is simply traced without TraceMe events.
 
 pub mod discover;
+pub mod facts;
 pub mod guard;
 pub mod switch;
 
@@ -83,15 +84,18 @@ impl AttachedRecorder {
             Some(s) => s.state().describe(),
             None => "no g_trace_level symbol: observing only".to_string(),
         };
+        let symbols = if r.cached {
+            format!("symbols remembered from an earlier search of {}", r.symbols)
+        } else {
+            format!("{} symbols searched in {:.0?}", r.symbols, r.lookup_time)
+        };
         format!(
-            "pid {}: TraceMe recorder in {} ({}::profiler, {}; {} symbols searched in {:.0?}, \
+            "pid {}: TraceMe recorder in {} ({}::profiler, {}; {symbols}, \
              {} mapped files in {:.0?}); {level}",
             r.pid,
             r.file_name(),
             r.namespace,
             r.layout.describe(),
-            r.symbols,
-            r.lookup_time,
             r.objects,
             r.search_time,
         )
