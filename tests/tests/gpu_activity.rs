@@ -230,10 +230,48 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
         "no {vec_add}"
     );
 
-    // CUPTI was left as found: a second capture subscribes again.
+    // CUPTI was left as found: a second capture subscribes again. Its
+    // --json summary counts what its trace holds.
     wait_for_ebtrace_exits();
-    let (again, _) = capture(workload.pid, "300ms", &[]);
+    let (again, space) = capture(workload.pid, "300ms", &["--json"]);
     assert!(again.contains("device activity: CUPTI 12.8"), "{again}");
+    let json: Value = again
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON summary in {again}"));
+    let gpu_events: usize = space
+        .planes
+        .iter()
+        .filter(|p| p.name.starts_with("/device:GPU:"))
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum();
+    let gpus = json["gpus"].as_array().unwrap();
+    assert!(gpus.iter().all(|g| g["timing"] == "device"), "{json}");
+    let summed: u64 = gpus.iter().map(|g| g["events"].as_u64().unwrap()).sum();
+    assert_eq!(summed, gpu_events as u64, "{json}");
+    let process = &json["processes"][0];
+    assert_eq!(process["pid"].as_u64(), Some(u64::from(workload.pid)));
+    assert!(
+        process["agent"]["device_activity"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("CUPTI 12.8")),
+        "{process}"
+    );
+    assert!(process["cuda_probes"]["functions"].as_u64().unwrap() > 0);
+    // CUPTI's kernels as merged: those in the trace, and those that ran
+    // between the window's end and the last collection (milliseconds, more
+    // on a loaded machine).
+    let activity = &process["gpu_activity"];
+    let merged = activity["kernels"].as_u64().unwrap() as f64;
+    let in_trace = kernels(&space).len() as f64;
+    assert!(in_trace > 100.0, "{in_trace}");
+    assert!(
+        merged >= in_trace && merged <= 2.0 * in_trace,
+        "{in_trace} kernels in the trace, {activity}"
+    );
+    assert_eq!(activity["dropped"].as_u64(), Some(0), "{activity}");
 }
 
 #[test]

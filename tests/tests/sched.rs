@@ -282,6 +282,159 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
     assert!((on_cpu_lines - sum_named(&burner, "Running")).abs() < 1.0);
 }
 
+/// `--json` prints one object on stdout saying what the trace holds: its
+/// path, window and record count as the XSpace states them, the target
+/// and its threads as the fixture names them, and per thread the totals
+/// that the thread's line in the trace adds up to.
+#[test]
+fn json_summary_agrees_with_the_trace_it_describes() {
+    if !require_root("json_summary_agrees_with_the_trace_it_describes") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    std::thread::sleep(Duration::from_millis(100));
+    let logdir = TempDir::new("json");
+    let pid = workload.pid.to_string();
+    let out = record(&pid, "1s", &logdir, &["--json"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ebtrace failed: {stderr}\n{stdout}");
+    let threads = workload.threads.clone();
+    drop(workload);
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "one JSON line on stdout: {stdout}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    // The summary for people moved to stderr.
+    assert!(stderr.contains(" records captured, "), "{stderr}");
+
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(json["trace"].as_str(), files[0].to_str(), "{json}");
+    assert!(json["perfetto_trace"].is_null());
+    let space = one_trace(&logdir);
+
+    let (start, stop) = xspace::profile_window(&space);
+    let window = &json["window"];
+    assert_eq!(window["start_unix_ns"].as_u64(), Some(start), "{window}");
+    assert_eq!(window["stop_unix_ns"].as_u64(), Some(stop), "{window}");
+    let duration = window["duration_ns"].as_u64().unwrap();
+    assert_eq!(duration, stop - start);
+    assert_eq!(json["requested_duration_ns"].as_u64(), Some(1_000_000_000));
+    assert!(
+        (0.95e9..2.0e9).contains(&(duration as f64)),
+        "window {duration} ns for a 1 s capture"
+    );
+    assert!(json["attach_ns"].as_u64().unwrap() > 0, "{json}");
+    assert!(json["ended_early"].is_null(), "{json}");
+
+    let env = xspace::plane_stats(plane(&space, "Task Environment"));
+    let records = &json["records"];
+    assert_eq!(
+        records["captured"].as_u64(),
+        Some(env["ebtrace_records"].as_u64())
+    );
+    assert!(records["captured"].as_u64().unwrap() > 1000, "{records}");
+    assert_eq!(records["dropped"].as_u64(), Some(0), "{records}");
+    assert_eq!(
+        json["unreported_transitions"].as_u64(),
+        Some(env["ebtrace_unreported_transitions"].as_u64())
+    );
+
+    let processes = json["processes"].as_array().unwrap();
+    assert_eq!(processes.len(), 1, "{json}");
+    assert_eq!(
+        processes[0]["pid"].as_u64(),
+        Some(u64::from(pid.parse::<u32>().unwrap()))
+    );
+    assert_eq!(processes[0]["name"], "sched_workload");
+    assert_eq!(processes[0]["exited"], false);
+
+    // Every thread of the summary has its line in the trace, and the other
+    // way round; the fixture's own threads are among them, by their names.
+    let host = plane(&space, "/host:CPU");
+    let blocked = space
+        .planes
+        .iter()
+        .find(|p| p.name == "/host:CPU threads blocked throughout");
+    let json_threads = json["threads"].as_array().unwrap();
+    let line_ids: HashSet<i64> = host
+        .lines
+        .iter()
+        .chain(blocked.into_iter().flat_map(|p| &p.lines))
+        .map(|l| l.id)
+        .collect();
+    let json_tids: HashSet<i64> = json_threads
+        .iter()
+        .map(|t| t["tid"].as_i64().unwrap())
+        .collect();
+    assert_eq!(json_tids, line_ids);
+    assert_eq!(
+        processes[0]["threads"].as_u64(),
+        Some(json_tids.len() as u64)
+    );
+    for (name, tid) in &threads {
+        let t = json_threads
+            .iter()
+            .find(|t| t["tid"].as_u64() == Some(u64::from(*tid)))
+            .unwrap_or_else(|| panic!("no thread {name} ({tid}) in {json}"));
+        assert_eq!(t["name"].as_str(), Some(&name[..name.len().min(15)]));
+    }
+    for t in json_threads {
+        let tid = t["tid"].as_i64().unwrap();
+        let on = if host.lines.iter().any(|l| l.id == tid) {
+            host
+        } else {
+            blocked.unwrap()
+        };
+        let events = line_events(on, tid);
+        let n = |k: &str| t[k].as_u64().unwrap() as f64;
+        let count =
+            |pred: &dyn Fn(&Event) -> bool| events.iter().filter(|e| pred(e)).count() as f64;
+        let report = format!(
+            "{t} against its line's events ({} Unknown)",
+            count(&|e| e.name == "Unknown")
+        );
+        for (key, state) in [
+            ("on_cpu_ns", "Running"),
+            ("runnable_ns", "Runnable"),
+            ("blocked_ns", "Blocked"),
+            ("unknown_ns", "Unknown"),
+        ] {
+            assert!(
+                (n(key) - sum_named(&events, state)).abs() <= 1.0,
+                "{key}: {report}"
+            );
+        }
+        // Each switch-out ends a Running interval and each wake-up starts a
+        // Runnable one, but an interval the next event ends in the same
+        // nanosecond is empty and not written, and the window's edges cut.
+        let switches = n("voluntary_switches") + n("involuntary_switches");
+        let runs = count(&|e| e.name == "Running");
+        let woken = count(&|e| {
+            e.name == "Runnable" && ["woken", "new thread"].contains(&e.stats["cause"].as_str())
+        });
+        for (key, counted, seen) in [
+            ("switches", switches, runs),
+            ("wakeups", n("wakeups"), woken),
+        ] {
+            assert!(
+                seen <= counted + 1.0 && counted <= 1.03 * seen + 2.0,
+                "{key}: {seen} intervals, {report}"
+            );
+        }
+    }
+    let ping = json_threads
+        .iter()
+        .find(|t| t["name"] == "ping")
+        .expect("ping");
+    assert!(ping["wakeups"].as_u64().unwrap() > 20, "{ping}");
+}
+
 #[test]
 fn threads_created_during_the_capture_are_followed() {
     if !require_root("threads_created_during_the_capture_are_followed") {

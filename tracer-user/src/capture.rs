@@ -28,7 +28,7 @@ use crate::{
     procfs::{self, TargetProcess},
     timeline::{
         CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
-        Timeline, Window, add_traceme_spans, nest_spans,
+        SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, nest_spans,
     },
 };
 
@@ -275,6 +275,25 @@ impl Capture {
         self.families
     }
 
+    /// The targets whose CUDA driver is probed, and how.
+    pub fn cuda_targets(&self) -> &[cuda::CudaTarget] {
+        self.cuda.as_ref().map_or(&[], |c| &c.targets)
+    }
+
+    /// The agent sessions recording inside the targets.
+    pub fn agent_sessions(&self) -> &[AgentSession] {
+        &self.framework
+    }
+
+    /// The targets whose TraceMe recorders the uprobes watch.
+    pub fn traceme_uprobe_pids(&self) -> Vec<u32> {
+        self.traceme
+            .recorders
+            .iter()
+            .map(|r| r.recorder.pid)
+            .collect()
+    }
+
     /// What the TraceMe probes found in the targets, one line each.
     pub fn traceme_notes(&self) -> Vec<String> {
         let mut lines = self.traceme.notes.clone();
@@ -372,7 +391,11 @@ impl Capture {
             ));
         }
         let window = Window::between(self.start_ns, stop_ns);
-        let timeline = self.timeline_of(&window, stats.dropped(), ended_early);
+        let mut timeline = self.timeline_of(&window, stats.dropped(), ended_early);
+        if let Some(t) = &mut timeline.stats.sources.traceme {
+            t.unreadable = traceme_kernel.event_unreadable;
+            t.unnamed = traceme_kernel.name_unreadable;
+        }
         let probes = AttachedProbes {
             _cuda: self.cuda,
             _probe: self.probe,
@@ -427,6 +450,10 @@ impl Capture {
             ended_early,
             notes: Vec::new(),
             warnings: self.traceme.warnings().to_vec(),
+            sources: SourceStats {
+                kernel_names: self.kernel_naming.counts.clone(),
+                ..SourceStats::default()
+            },
         };
         let mut timeline = builder.finish(self.clock, &names, capture_stats);
         if !self.families.sched {
@@ -445,6 +472,7 @@ impl Capture {
             .values_mut()
             .map(|t| nest_spans(&mut t.spans))
             .sum();
+        timeline.stats.sources.spans_cut_to_nest = cut;
         if cut > 0 {
             timeline.stats.notes.push(format!(
                 "{cut} spans from different sources overlapped and were cut to nest \
@@ -461,6 +489,11 @@ impl Capture {
             return;
         }
         let spans = add_traceme_spans(timeline, &self.traceme_events);
+        timeline.stats.sources.traceme = Some(TraceMeSource {
+            events: self.traceme_events.len() as u64,
+            spans,
+            ..TraceMeSource::default()
+        });
         let notes = &mut timeline.stats.notes;
         notes.extend(self.traceme.recorders.iter().map(|r| r.describe()));
         notes.extend(self.traceme.python_gates.iter().map(|g| g.describe()));

@@ -14,7 +14,9 @@ impl log::Log for StderrWarnings {
 
     fn log(&self, record: &log::Record) {
         if self.enabled(record.metadata()) {
-            eprintln!("ebtrace: warning: {}", record.args());
+            let line = record.args().to_string();
+            eprintln!("ebtrace: warning: {line}");
+            ebtrace::cli::keep_logged_warning(line);
         }
     }
 

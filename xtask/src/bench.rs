@@ -9,6 +9,7 @@
 mod cuda;
 mod cuda_links;
 mod gpu_activity;
+mod harness;
 mod jax;
 mod report;
 pub mod serve;
@@ -26,8 +27,9 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{
     setup,
-    util::{self, Workload, say, signal},
+    util::{self, Workload, say},
 };
+use harness::{Configuration as _, Tracer as Config, write_report};
 use tracer::Traced;
 
 #[derive(Clone, Copy, Debug)]
@@ -62,32 +64,13 @@ pub enum Suite {
     GpuActivity,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Config {
-    Untraced,
-    Ebtrace,
-    Bpftrace,
-}
-
-impl Config {
-    pub const ALL: [Config; 3] = [Config::Untraced, Config::Ebtrace, Config::Bpftrace];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Config::Untraced => "untraced",
-            Config::Ebtrace => "ebtrace",
-            Config::Bpftrace => "bpftrace",
-        }
-    }
-}
-
 /// What ebtrace reported about one capture.
 #[derive(Clone, Debug)]
 pub struct EbtraceRun {
     /// From spawning ebtrace to its "probes attached" line.
     pub spawn_to_attached: Duration,
-    /// The attach time ebtrace prints itself.
-    pub reported_attach: Option<Duration>,
+    /// The attach time ebtrace reports itself.
+    pub reported_attach: Duration,
     pub window_s: f64,
     pub records: u64,
     pub dropped: u64,
@@ -161,16 +144,6 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     Ok(())
 }
 
-fn write_report(root: &Path, name: &str, md: &str) -> Result<()> {
-    println!();
-    print!("{md}");
-    let out = root.join("target/bench").join(name);
-    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
-    std::fs::write(&out, md).with_context(|| format!("writing {}", out.display()))?;
-    println!("\nwritten to {}", out.display());
-    Ok(())
-}
-
 fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
     let ebtrace = ebtrace.to_path_buf();
     let fixture = util::build_fixture();
@@ -194,28 +167,23 @@ fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
     say(format!(
         "bench: {} rounds x {:?}, {}s each, then one {}s ebtrace capture",
         opts.rounds,
-        Config::ALL.map(Config::label),
+        Config::ALL.iter().map(|c| c.label()).collect::<Vec<_>>(),
         opts.seconds,
         opts.long_seconds
     ));
 
     let started = Instant::now();
     let mut runs = Vec::new();
-    for round in 0..opts.rounds {
-        // Rotate the order each round so that no configuration always runs
-        // first (on a warmer or colder machine).
-        for i in 0..Config::ALL.len() {
-            let config = Config::ALL[(round + i) % Config::ALL.len()];
-            let run = bench.pingpong(config, Some(round), opts.seconds)?;
-            say(format!(
-                "round {}/{} {:<8} {:>9.0} round trips/s",
-                round + 1,
-                opts.rounds,
-                config.label(),
-                run.round_trips_per_s
-            ));
-            runs.push(run);
-        }
+    for (round, config) in harness::rotated::<Config>(opts.rounds) {
+        let run = bench.pingpong(config, Some(round), opts.seconds)?;
+        say(format!(
+            "round {}/{} {:<8} {:>9.0} round trips/s",
+            round + 1,
+            opts.rounds,
+            config.label(),
+            run.round_trips_per_s
+        ));
+        runs.push(run);
     }
     if opts.long_seconds > 0.0 {
         let run = bench.pingpong(Config::Ebtrace, None, opts.long_seconds)?;
@@ -259,26 +227,18 @@ impl Bench {
     /// continues (SIGCONT), runs `seconds` and is told to stop. The stopped
     /// time is taken out of the target's own elapsed time.
     fn pingpong(&self, config: Config, round: Option<usize>, seconds: f64) -> Result<Run> {
-        let mut cmd = match self.target_cpu {
-            Some(cpu) => {
-                let mut c = Command::new("taskset");
-                c.args(["-c", &cpu.to_string()]).arg(&self.fixture);
-                c
-            }
-            None => Command::new(&self.fixture),
-        };
+        let mut cmd = harness::pinned(&self.fixture, self.target_cpu);
         cmd.args(["--mode", "pingpong"]);
         let workload = Workload::start(cmd)?;
-        signal(workload.pid, libc::SIGSTOP);
-        let stopped_at = Instant::now();
         let logdir = self.scratch.join("logs");
-        let mut tracer = match config {
-            Config::Untraced => None,
-            Config::Ebtrace => Some(self.start_ebtrace(&workload, &logdir, seconds)?),
-            Config::Bpftrace => Some(self.start_bpftrace(&workload)?),
-        };
-        signal(workload.pid, libc::SIGCONT);
-        let paused_s = stopped_at.elapsed().as_secs_f64();
+        let (mut tracer, paused) = harness::while_stopped(workload.pid, || {
+            Ok(match config {
+                Config::Untraced => None,
+                Config::Ebtrace => Some(self.start_ebtrace(&workload, &logdir, seconds)?),
+                Config::Bpftrace => Some(self.start_bpftrace(&workload)?),
+            })
+        })?;
+        let paused_s = paused.as_secs_f64();
         thread::sleep(Duration::from_secs_f64(seconds));
         let counters = workload.stop()?;
         let round_trips = counters["round_trips"].as_f64().context("round_trips")?;
@@ -296,7 +256,17 @@ impl Bench {
         match (config, tracer.as_mut()) {
             (Config::Ebtrace, Some(t)) => {
                 // ebtrace ends by itself once every traced process exited.
-                run.ebtrace = Some(t.finish_ebtrace()?);
+                let spawn_to_attached = t.last_mark().expect("an awaited line");
+                let done = harness::finish_ebtrace(t)?;
+                let s = &done.summary;
+                run.ebtrace = Some(EbtraceRun {
+                    spawn_to_attached,
+                    reported_attach: s.attach(),
+                    window_s: s.window_s(),
+                    records: s.records.captured,
+                    dropped: s.records.dropped,
+                    peak_rss_kib: done.peak_rss_kib,
+                });
                 let _ = std::fs::remove_dir_all(&logdir);
             }
             (Config::Bpftrace, Some(t)) => run.bpftrace = Some(t.finish_bpftrace()?),
@@ -306,18 +276,12 @@ impl Bench {
     }
 
     fn start_ebtrace(&self, w: &Workload, logdir: &Path, seconds: f64) -> Result<Traced> {
-        // Without -q: the summary's record and drop counts are measured
-        // too. It is printed after the capture, and the progress bar is
-        // hidden when stderr is not a terminal, so it costs the target
-        // nothing. The duration only has to outlast the run.
-        let mut cmd = Command::new(&self.ebtrace);
-        cmd.args(["--pid", &w.pid.to_string()])
-            .args(["--duration", &format!("{}s", (seconds * 2.0).ceil() + 60.0)])
-            .arg("--logdir")
-            .arg(logdir);
-        let mut t = Traced::spawn(cmd)?;
-        t.wait_line(|l| l.contains("probes attached"), Duration::from_secs(60))?;
-        Ok(t)
+        // The summary (--json) is printed after the capture, and the
+        // progress bar is hidden when stderr is not a terminal, so it costs
+        // the target nothing. The duration only has to outlast the run.
+        let duration = format!("{}s", (seconds * 2.0).ceil() + 60.0);
+        let cmd = harness::ebtrace_command(&self.ebtrace, w.pid, &duration, logdir);
+        harness::spawn_ebtrace(cmd, harness::attached, Duration::from_secs(60))
     }
 
     fn start_bpftrace(&self, w: &Workload) -> Result<Traced> {

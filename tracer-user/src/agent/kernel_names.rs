@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::AgentSession;
+use crate::timeline::KernelNames;
 
 /// The names learnt so far, and what the user should know about them.
 #[derive(Default)]
@@ -15,6 +16,8 @@ pub struct KernelNaming {
     asked: HashSet<(u32, u64)>,
     /// One line per process asked.
     pub notes: Vec<String>,
+    /// How many handles were asked for and named, per process.
+    pub counts: BTreeMap<u32, KernelNames>,
 }
 
 impl KernelNaming {
@@ -48,8 +51,11 @@ impl KernelNaming {
                 }
                 None => continue,
             };
+            let counts = self.counts.entry(pid).or_default();
+            counts.asked += handles.len() as u64;
             self.notes.push(match answer {
                 Ok(names) => {
+                    counts.named += names.len() as u64;
                     let line = format!(
                         "pid {pid}: {} of {} kernels launched with handles looked up before \
                          the capture named by the CUDA driver (cuFuncGetName)",

@@ -70,6 +70,7 @@ impl Capture {
         {
             match merge_framework_space(timeline, r.pid, xspace, &r.threads) {
                 Ok(m) => {
+                    timeline.stats.sources.add_framework(r.pid, &m);
                     timeline.stats.notes.push(format!(
                         "pid {}: the framework's own session: {} events on the thread lines, \
                          {} planes carried over",
@@ -114,6 +115,7 @@ impl Capture {
         }
         for (pid, batches) in by_pid {
             let m = merge_device_activity(timeline, pid, &batches);
+            timeline.stats.sources.gpu_activity.insert(pid, m);
             timeline.stats.notes.push(format!(
                 "pid {pid}: GPU activity (CUPTI): {} kernels, {} copies, {} memsets; \
                  {} joined to the driver call spans of the uprobes, {} calls shown from \

@@ -3,11 +3,12 @@
 //! and summary, [`serve`] the ProfilerService.
 
 pub mod convert;
+pub mod json;
 pub mod record;
 pub mod serve;
 pub mod summary;
 
-use std::{path::PathBuf, time::Duration};
+use std::{path::PathBuf, sync::Mutex, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -153,6 +154,44 @@ pub struct RecordArgs {
     /// --perfetto): no progress, no summary.
     #[arg(short, long)]
     pub quiet: bool,
+
+    /// Print the summary as one JSON object on stdout instead (trace
+    /// paths, window, attach time, records and drops per source,
+    /// per-process and per-thread facts, notes, warnings); the summary for
+    /// people goes to stderr then, unless --quiet.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Warnings the library logs, kept for `--json` once
+/// [`start_keeping_logged_warnings`] is called (a server never does: its
+/// log would grow without end).
+static LOGGED_WARNINGS: Mutex<Option<Vec<String>>> = Mutex::new(None);
+
+/// From now on, keeps the warnings the library logs.
+pub fn start_keeping_logged_warnings() {
+    if let Ok(mut w) = LOGGED_WARNINGS.lock() {
+        w.get_or_insert_with(Vec::new);
+    }
+}
+
+/// Keeps a warning the library logged, if asked to (ebtrace's logger
+/// calls this).
+pub fn keep_logged_warning(line: String) {
+    if let Ok(mut w) = LOGGED_WARNINGS.lock()
+        && let Some(kept) = w.as_mut()
+    {
+        kept.push(line);
+    }
+}
+
+/// The warnings kept so far, taken.
+pub fn take_logged_warnings() -> Vec<String> {
+    LOGGED_WARNINGS
+        .lock()
+        .ok()
+        .and_then(|mut w| w.as_mut().map(std::mem::take))
+        .unwrap_or_default()
 }
 
 /// Parses a human duration; zero is refused.
@@ -193,9 +232,22 @@ mod tests {
         assert!(cli.command.is_none());
         assert_eq!(cli.record.pids, vec![1, 2, 3]);
         assert_eq!(cli.record.duration, Duration::from_secs(1));
+        assert!(!cli.record.json);
         let cli = Cli::try_parse_from(["ebtrace", "record", "-p", "7"]).unwrap();
         assert!(matches!(cli.command, Some(Command::Record(ref r)) if r.pids == vec![7]));
         assert!(Cli::try_parse_from(["ebtrace"]).is_err());
+        let cli = Cli::try_parse_from(["ebtrace", "-p", "7", "--json", "-q"]).unwrap();
+        assert!(cli.record.json && cli.record.quiet);
+    }
+
+    #[test]
+    fn logged_warnings_are_kept_only_once_asked() {
+        keep_logged_warning("before".into());
+        assert!(take_logged_warnings().is_empty());
+        start_keeping_logged_warnings();
+        keep_logged_warning("after".into());
+        assert_eq!(take_logged_warnings(), vec!["after".to_string()]);
+        assert!(take_logged_warnings().is_empty());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::{
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::{RecordArgs, summary};
+use super::{RecordArgs, json, summary};
 use crate::{
     agent::TraceMeRoute,
     attach::{ProbeSetConfig, TraceMeOptions},
@@ -28,6 +28,9 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     check_privileges()?;
     crate::attach::traceme::prepare_gates();
     logdir::check_writable(&args.logdir)?;
+    if args.json {
+        super::start_keeping_logged_warnings();
+    }
 
     // Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is
     // still written and the targets' TraceMe levels are restored.
@@ -75,15 +78,20 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         humantime::format_duration(args.duration),
         capture.attach_time,
     );
+    let mut notes = capture.notes.clone();
+    notes.extend(capture.traceme_notes());
     for note in &capture.notes {
         eprintln!("ebtrace: {note}");
     }
     for warning in &capture.warnings {
         eprintln!("ebtrace: warning: {warning}");
     }
-    for note in capture.traceme_notes() {
+    for note in &notes[capture.notes.len()..] {
         eprintln!("ebtrace: {note}");
     }
+    let start = args
+        .json
+        .then(|| json::Start::of(&capture, notes, capture.warnings.clone()));
 
     let bar = if args.quiet {
         ProgressBar::hidden()
@@ -116,6 +124,15 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     let (timeline, probe_stats, probes) = capture.finish(ended_early)?;
     let host = xspace::local_hostname();
     let summary = summary::render(&timeline, &probe_stats);
+    let json_summary = start.map(|start| {
+        let asked = json::Asked {
+            logdir: args.logdir.clone(),
+            requested: args.duration,
+            max_events: args.max_events,
+        };
+        let logged = super::take_logged_warnings();
+        json::Summary::new(start, &timeline, &probe_stats, asked, logged)
+    });
     let bytes = xspace::timeline_to_xspace_bytes(&timeline, &host);
     let perfetto_bytes = args.perfetto.then(|| {
         perfetto::timeline_to_perfetto_bytes(&timeline, perfetto::PerfettoClocks::measure())
@@ -131,21 +148,34 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         }
         None => None,
     };
+    let mut human = String::new();
     if !args.quiet {
-        print!("{summary}");
-        println!("trace: {}", path.display());
+        human.push_str(&summary);
+        human.push_str(&format!("trace: {}\n", path.display()));
         if let Some(p) = &perfetto_path {
-            println!("trace: {}   (open in https://ui.perfetto.dev)", p.display());
+            human.push_str(&format!(
+                "trace: {}   (open in https://ui.perfetto.dev)\n",
+                p.display()
+            ));
         }
-        println!(
-            "view:  xprof --logdir {0}   (or: tensorboard --logdir {0})",
+        human.push_str(&format!(
+            "view:  xprof --logdir {0}   (or: tensorboard --logdir {0})\n",
             args.logdir.display()
-        );
-    } else {
-        println!("{}", path.display());
+        ));
+    } else if !args.json {
+        human.push_str(&format!("{}\n", path.display()));
         if let Some(p) = &perfetto_path {
-            println!("{}", p.display());
+            human.push_str(&format!("{}\n", p.display()));
         }
+    }
+    match json_summary {
+        // Scripts read stdout: people get theirs on stderr.
+        Some(json) => {
+            eprint!("{human}");
+            let json = json.written_to(path.clone(), perfetto_path.clone());
+            println!("{}", json.to_line());
+        }
+        None => print!("{human}"),
     }
     // The trace is out: the probes are released in the background.
     probes.release_after_exit();

@@ -20,6 +20,7 @@ pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;
 mod sched;
+mod sources;
 pub mod traceme;
 pub mod window;
 
@@ -29,6 +30,7 @@ pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
 pub use sched::{InitialState, SchedTimelineBuilder};
+pub use sources::{KernelNames, SourceStats, TraceMeSource};
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
 pub use window::Window;
 
@@ -331,6 +333,8 @@ pub struct CaptureStats {
     pub notes: Vec<String>,
     /// Problems the trace itself should state (XSpace warnings).
     pub warnings: Vec<String>,
+    /// What the other sources delivered, as numbers.
+    pub sources: SourceStats,
 }
 
 /// The whole capture.

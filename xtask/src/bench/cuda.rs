@@ -24,6 +24,7 @@ use anyhow::{Context as _, Result, bail};
 
 use super::{
     cuda_links::{self, LinkRun, Links},
+    harness::{self, Configuration as _, Tracer as Config},
     report::thousands,
     tracer::Traced,
 };
@@ -36,25 +37,6 @@ pub struct Options {
     pub seconds: f64,
     /// Only the attach and release part.
     pub only_links: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Config {
-    Untraced,
-    Ebtrace,
-    Bpftrace,
-}
-
-impl Config {
-    const ALL: [Config; 3] = [Config::Untraced, Config::Ebtrace, Config::Bpftrace];
-
-    fn label(self) -> &'static str {
-        match self {
-            Config::Untraced => "untraced",
-            Config::Ebtrace => "ebtrace",
-            Config::Bpftrace => "bpftrace",
-        }
-    }
 }
 
 /// What the workload reported about one run.
@@ -98,25 +80,22 @@ pub fn run_bench(ebtrace: &Path, opts: Options) -> Result<String> {
         bench.cost_and_rate(opts.rounds, &mut runs, &mut rate_runs)?;
     }
     let mut link_runs = Vec::new();
-    for round in 0..opts.rounds {
-        for i in 0..Links::ALL.len() {
-            let links = Links::ALL[(round + i) % Links::ALL.len()];
-            let workload = Workload::start(&bench, 1)?;
-            let scratch = std::env::temp_dir().join(format!("ebtrace-links-{}", workload.pid));
-            let run = cuda_links::run(&bench.ebtrace, workload.pid, links, &scratch);
-            let _ = std::fs::remove_dir_all(&scratch);
-            let run = run?;
-            say(format!(
-                "cuda links round {}/{} {links:?}: attach {:?}, released in {:?} when killed; \
-                 attach right after a capture {:?}",
-                round + 1,
-                opts.rounds,
-                run.attach,
-                run.release_killed,
-                run.attach_after
-            ));
-            link_runs.push(run);
-        }
+    for (round, links) in harness::rotated::<Links>(opts.rounds) {
+        let workload = Workload::start(&bench, 1)?;
+        let scratch = std::env::temp_dir().join(format!("ebtrace-links-{}", workload.pid));
+        let run = cuda_links::run(&bench.ebtrace, workload.pid, links, &scratch);
+        let _ = std::fs::remove_dir_all(&scratch);
+        let run = run?;
+        say(format!(
+            "cuda links round {}/{} {links:?}: attach {:?}, released in {:?} when killed; \
+             attach right after a capture {:?}",
+            round + 1,
+            opts.rounds,
+            run.attach,
+            run.release_killed,
+            run.attach_after
+        ));
+        link_runs.push(run);
     }
     Ok(render(
         &runs,
@@ -141,19 +120,16 @@ impl Bench {
             seconds: self.seconds,
             only_links: false,
         };
-        for round in 0..opts.rounds {
-            for i in 0..Config::ALL.len() {
-                let config = Config::ALL[(round + i) % Config::ALL.len()];
-                let run = bench.run(config, 1)?;
-                say(format!(
-                    "cuda round {}/{} {:<8} {:>7.0} ns per cuLaunchKernel",
-                    round + 1,
-                    opts.rounds,
-                    config.label(),
-                    run.launches.ns_per_launch
-                ));
-                runs.push(run);
-            }
+        for (round, config) in harness::rotated::<Config>(opts.rounds) {
+            let run = bench.run(config, 1)?;
+            say(format!(
+                "cuda round {}/{} {:<8} {:>7.0} ns per cuLaunchKernel",
+                round + 1,
+                opts.rounds,
+                config.label(),
+                run.launches.ns_per_launch
+            ));
+            runs.push(run);
         }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         for threads in [1, cpus] {
@@ -238,14 +214,13 @@ impl Bench {
         let mut tracer = match config {
             Config::Untraced => None,
             Config::Ebtrace => {
-                let mut cmd = Command::new(&self.ebtrace);
-                cmd.args(["--pid", &workload.pid.to_string()])
-                    .args(["--duration", &format!("{}s", self.seconds.ceil() + 60.0)])
-                    .arg("--logdir")
-                    .arg(&logdir);
-                let mut t = Traced::spawn(cmd)?;
-                t.wait_line(|l| l.contains("probes attached"), Duration::from_secs(60))?;
-                Some(t)
+                let duration = format!("{}s", self.seconds.ceil() + 60.0);
+                let cmd = harness::ebtrace_command(&self.ebtrace, workload.pid, &duration, &logdir);
+                Some(harness::spawn_ebtrace(
+                    cmd,
+                    harness::attached,
+                    Duration::from_secs(60),
+                )?)
             }
             Config::Bpftrace => {
                 let lib = self.lib_dir.join("libcuda.so.1");
@@ -275,8 +250,8 @@ impl Bench {
         };
         match (config, tracer.as_mut()) {
             (Config::Ebtrace, Some(t)) => {
-                let e = t.finish_ebtrace()?;
-                run.recorded = Some((e.records, e.dropped));
+                let records = harness::finish_ebtrace(t)?.summary.records;
+                run.recorded = Some((records.captured, records.dropped));
                 let _ = std::fs::remove_dir_all(&logdir);
             }
             (Config::Bpftrace, Some(t)) => {
@@ -356,7 +331,7 @@ fn render_cost_and_rate(md: &mut String, runs: &[Run], rate_runs: &[Run]) {
             .collect()
     };
     let base = median(&ns(Config::Untraced));
-    for c in Config::ALL {
+    for &c in Config::ALL {
         let v = ns(c);
         let what = match c {
             Config::Untraced => "untraced",
@@ -369,12 +344,11 @@ fn render_cost_and_rate(md: &mut String, runs: &[Run], rate_runs: &[Run]) {
                  sums durations)"
             }
         };
-        let each: Vec<String> = v.iter().map(|x| format!("{x:.0}")).collect();
         let _ = writeln!(
             md,
             "| {what} | {:.0} | {} | {:+.0} ns |",
             median(&v),
-            each.join(" / "),
+            harness::each(&v, 0),
             median(&v) - base
         );
     }

@@ -12,11 +12,14 @@
 //!   has ended normally, while the child that one forked releases its
 //!   links in the background.
 
-use std::{fmt::Write as _, path::Path, process::Command, time::Duration};
+use std::{fmt::Write as _, path::Path, time::Duration};
 
 use anyhow::{Result, bail};
 
-use super::tracer::Traced;
+use super::{
+    harness::{self, Configuration},
+    tracer::Traced,
+};
 use crate::util::median;
 
 /// How ebtrace links the driver probes.
@@ -26,8 +29,8 @@ pub enum Links {
     Perf,
 }
 
-impl Links {
-    pub const ALL: [Links; 2] = [Links::Perf, Links::Multi];
+impl Configuration for Links {
+    const ALL: &'static [Links] = &[Links::Perf, Links::Multi];
 
     fn label(self) -> &'static str {
         match self {
@@ -35,7 +38,9 @@ impl Links {
             Links::Perf => "one perf-event link per function and program",
         }
     }
+}
 
+impl Links {
     /// What ebtrace's CUDA probe line says for this way.
     fn said(self) -> &'static str {
         match self {
@@ -58,17 +63,15 @@ pub struct LinkRun {
 /// One round for `links` on the waiting workload `pid`.
 pub fn run(ebtrace: &Path, pid: u32, links: Links, scratch: &Path) -> Result<LinkRun> {
     let spawn = |tag: &str, duration: &str| -> Result<Traced> {
-        let mut cmd = Command::new(ebtrace);
-        cmd.args(["--pid", &pid.to_string(), "--duration", duration])
-            .args(["--no-agent", "--no-device-activity", "--logdir"])
-            .arg(scratch.join(tag));
+        let mut cmd = harness::ebtrace_command(ebtrace, pid, duration, &scratch.join(tag));
+        cmd.args(["--no-agent", "--no-device-activity"]);
         if links == Links::Perf {
             cmd.env("EBTRACE_UPROBE_LINKS", "perf");
         }
-        Traced::spawn(cmd)
+        harness::spawn_ebtrace(cmd, harness::attached, Duration::from_secs(120))
     };
+    // The line naming the links comes right after the attached one.
     let attached = |t: &mut Traced| -> Result<(Duration, u64)> {
-        t.wait_line(|l| l.contains("probes attached"), Duration::from_secs(120))?;
         let at = t.last_mark().expect("a mark");
         let line = t.wait_line(
             |l| l.contains("CUDA driver functions in"),
@@ -91,7 +94,7 @@ pub fn run(ebtrace: &Path, pid: u32, links: Links, scratch: &Path) -> Result<Lin
 
     let mut previous = spawn("previous", "500ms")?;
     attached(&mut previous)?;
-    previous.wait_exit(Duration::from_secs(60))?;
+    harness::finish_ebtrace(&mut previous)?;
     let mut next = spawn("next", "120s")?;
     let (attach_after, _) = attached(&mut next)?;
     // Its links, and by then the previous one's, are released before the
@@ -123,16 +126,12 @@ pub fn render(md: &mut String, runs: &[LinkRun]) {
             .filter(|r| r.links == links)
             .map(|r| ms(&f(r)))
             .collect();
-        let each: Vec<String> = v.iter().map(|x| format!("{x:.0}")).collect();
-        (
-            median(&v),
-            format!("{:.0} ms ({})", median(&v), each.join(" / ")),
-        )
+        (median(&v), harness::median_each(&v, 0, "ms"))
     };
     type Pick = fn(&LinkRun) -> Duration;
     let picks: [Pick; 3] = [|r| r.attach, |r| r.release_killed, |r| r.attach_after];
     let mut medians = Vec::new();
-    for links in Links::ALL {
+    for &links in Links::ALL {
         let count = runs
             .iter()
             .find(|r| r.links == links)
@@ -154,7 +153,7 @@ pub fn render(md: &mut String, runs: &[LinkRun]) {
         let ratios: Vec<String> = perf
             .iter()
             .zip(multi)
-            .map(|(p, m)| format!("{:.1}x", p / m.max(0.001)))
+            .map(|(p, m)| format!("{:.1}x", harness::ratio(*p, m.max(0.001))))
             .collect();
         let _ = writeln!(md, "| perf-event / uprobe_multi | {} |", ratios.join(" | "));
     }

@@ -10,11 +10,12 @@
 //!   peak during it (`VmHWM` after resetting it through `clear_refs`), the
 //!   growth being the agent, its CUPTI buffers and CUPTI's own.
 
-use std::{fmt::Write as _, path::Path, process::Command, time::Duration};
+use std::{fmt::Write as _, path::Path, time::Duration};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use ebtrace_tests::cuda::CudaWorkload;
 
+use super::harness::{self, status_kib};
 use crate::util::{median, say};
 
 #[derive(Clone, Copy, Debug)]
@@ -55,71 +56,32 @@ fn one_round(ebtrace: &Path, seconds: f64) -> Result<Round> {
     workload.go();
     std::thread::sleep(Duration::from_millis(300));
     let pid = workload.pid;
-    let rss_before_kib = status_kib(pid, "VmRSS")?;
+    let kib = |field: &str| {
+        status_kib(pid, field).with_context(|| format!("no {field} in /proc/{pid}/status"))
+    };
+    let rss_before_kib = kib("VmRSS")?;
     // "5" resets the peak resident set (VmHWM) to the current one.
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").context("resetting VmHWM")?;
     let logdir = std::env::temp_dir().join(format!("ebtrace-gpu-activity-{pid}"));
-    let out = Command::new(ebtrace)
-        .args([
-            "--pid",
-            &pid.to_string(),
-            "--duration",
-            &format!("{seconds}s"),
-        ])
-        .arg("--logdir")
-        .arg(&logdir)
-        .output()
-        .context("running ebtrace")?;
-    let rss_peak_kib = status_kib(pid, "VmHWM")?;
+    let summary = harness::run_ebtrace(harness::ebtrace_command(
+        ebtrace,
+        pid,
+        &format!("{seconds}s"),
+        &logdir,
+    ));
+    let rss_peak_kib = kib("VmHWM")?;
     let _ = std::fs::remove_dir_all(&logdir);
     drop(workload);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "ebtrace failed: {}{stdout}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let activity = stdout
-        .lines()
-        .find_map(|l| {
-            l.split_once("GPU activity (CUPTI): ")
-                .map(|(_, r)| r.to_string())
-        })
-        .with_context(|| format!("no GPU activity line in:\n{stdout}"))?;
-    // "K kernels, C copies, M memsets; ..."
-    let records = activity
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .split(", ")
-        .filter_map(|part| part.split(' ').next()?.parse::<u64>().ok())
-        .sum();
-    let dropped = stdout
-        .lines()
-        .find_map(|l| {
-            let rest = l.split_once("CUPTI dropped ")?.1;
-            rest.split(' ').next()?.parse().ok()
-        })
-        .unwrap_or(0);
+    let activity = summary?
+        .process(pid)
+        .and_then(|p| p.gpu_activity.clone())
+        .context("no GPU activity in ebtrace's summary")?;
     Ok(Round {
-        records,
-        dropped,
+        records: activity.kernels + activity.copies + activity.memsets,
+        dropped: activity.dropped,
         rss_before_kib,
         rss_peak_kib,
     })
-}
-
-/// A `kB` field of `/proc/PID/status`.
-fn status_kib(pid: u32, field: &str) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| {
-            let value = l.strip_prefix(field)?.strip_prefix(':')?;
-            value.trim().trim_end_matches(" kB").parse().ok()
-        })
-        .with_context(|| format!("no {field} in /proc/{pid}/status"))
 }
 
 fn render(rounds: &[Round], opts: Options) -> String {

@@ -21,7 +21,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::tracer::{Traced, parse_debug_duration};
+use super::{
+    harness::{self, Configuration, Summary},
+    tracer::Traced,
+};
 use crate::util::{self, say, signal};
 
 mod report;
@@ -46,8 +49,8 @@ pub enum Config {
     SchedOnly,
 }
 
-impl Config {
-    const ALL: [Config; 5] = [
+impl Configuration for Config {
+    const ALL: &'static [Config] = &[
         Config::Untraced,
         Config::Agent,
         Config::Session,
@@ -64,7 +67,9 @@ impl Config {
             Config::SchedOnly => "sched only",
         }
     }
+}
 
+impl Config {
     fn describe(self) -> &'static str {
         match self {
             Config::Untraced => "untraced",
@@ -100,7 +105,7 @@ impl Config {
 pub struct Capture {
     /// From spawning ebtrace to its `tracing pid` line (the window opening).
     pub spawn_to_window: Duration,
-    /// ebtrace's own `probes attached in`.
+    /// ebtrace's own attach time.
     pub attach: Option<Duration>,
     /// The agent route's load time and the time a thread of the target was
     /// kept from its code while the agent was injected.
@@ -159,15 +164,7 @@ struct Target {
 
 impl Target {
     fn start(python: &Path, fixture: &Path, cpu: Option<usize>) -> Result<Self> {
-        let mut cmd = match cpu {
-            Some(cpu) => {
-                let mut c = Command::new("taskset");
-                c.args(["-c", &cpu.to_string()]).arg(python);
-                c
-            }
-            None => Command::new(python),
-        };
-        let mut child = cmd
+        let mut child = harness::pinned(python, cpu)
             .arg(fixture)
             .arg("--bench")
             .env("JAX_PLATFORMS", "cpu")
@@ -252,17 +249,8 @@ impl Target {
     }
 
     fn rss_kib(&self) -> Result<i64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        status
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("VmRSS:")?
-                    .trim()
-                    .strip_suffix(" kB")?
-                    .parse()
-                    .ok()
-            })
-            .context("VmRSS")
+        let kib = harness::status_kib(self.pid, "VmRSS").context("VmRSS")?;
+        Ok(kib as i64)
     }
 }
 
@@ -325,67 +313,49 @@ impl Bench<'_> {
     /// (CLOCK_MONOTONIC seconds) and the running ebtrace.
     fn ebtrace(&self, route: &str) -> Result<(f64, Traced)> {
         let spawned = monotonic_s();
-        let mut t = Traced::spawn({
-            let mut c = Command::new(self.ebtrace);
-            c.args(["--pid", &self.target.pid.to_string()])
-                .args(["--duration", &format!("{SECONDS}s")])
-                .args(["--traceme", route])
-                .args(["--max-events", "100000000", "--logdir"])
-                .arg(&self.logdir);
-            c
-        })?;
-        t.wait_line(
-            |l| l.starts_with("ebtrace: tracing pid"),
-            Duration::from_secs(120),
-        )?;
+        let duration = format!("{SECONDS}s");
+        let mut cmd =
+            harness::ebtrace_command(self.ebtrace, self.target.pid, &duration, &self.logdir);
+        cmd.args(["--traceme", route, "--max-events", "100000000"]);
+        let t = harness::spawn_ebtrace(cmd, harness::attached, Duration::from_secs(120))?;
         let opened = t.last_mark().expect("a line was awaited");
         Ok((spawned + opened.as_secs_f64(), t))
     }
 
     fn finish(&self, t: &mut Traced) -> Result<Capture> {
         let spawn_to_window = t.last_mark().expect("a line was awaited");
-        t.wait_exit(Duration::from_secs(300))?;
+        let done = harness::finish_ebtrace(t)?;
         let _ = std::fs::remove_dir_all(&self.logdir);
-        let mut c = parse_capture(t.lines());
+        let mut c = capture_of(&done.summary, self.target.pid);
         c.spawn_to_window = spawn_to_window;
         Ok(c)
     }
 }
 
-/// Reads what ebtrace printed about one capture.
-fn parse_capture(lines: &[String]) -> Capture {
-    let after = |l: &str, key: &str| -> Option<Duration> {
-        let rest = l.split(key).nth(1)?;
-        parse_debug_duration(rest.split([')', ',']).next()?)
-    };
-    let mut c = Capture::default();
-    for l in lines {
-        if l.starts_with("ebtrace: tracing pid") {
-            c.attach = after(l, "probes attached in ");
-        }
-        if l.contains("TraceMe through ebtrace's agent: ") {
-            c.agent_load = after(l, "agent loaded in ");
-            c.thread_kept = after(l, "kept from its code for ");
-            c.route_line = Some(l.trim_start_matches("ebtrace: ").to_string());
-        }
-        if l.contains("TraceMe recorder in") {
-            c.route_line = Some(l.trim_start_matches("ebtrace: ").to_string());
-        }
-        if let Some(n) = l
-            .strip_prefix("TraceMe: ")
-            .and_then(|r| r.split(" events recorded").next()?.parse().ok())
-        {
-            c.traceme_events = Some(n);
-        }
-        if let Some(n) = l
-            .split("the framework's own session: ")
-            .nth(1)
-            .and_then(|r| r.split(" events on").next()?.parse().ok())
-        {
-            c.session_events = Some(n);
-        }
+/// Reads what ebtrace's summary says about its capture of `pid`.
+fn capture_of(summary: &Summary, pid: u32) -> Capture {
+    let process = summary.process(pid);
+    // The agent's load counts for the agent route only: in the others it
+    // may have been loaded for the device alone.
+    let agent = process
+        .filter(|p| p.traceme_route.as_deref() == Some("agent"))
+        .and_then(|p| p.agent.as_ref());
+    let duration = |ns: Option<u64>| ns.map(Duration::from_nanos);
+    Capture {
+        spawn_to_window: Duration::ZERO,
+        attach: Some(summary.attach()),
+        agent_load: duration(agent.and_then(|a| a.load_ns)),
+        thread_kept: duration(agent.and_then(|a| a.thread_kept_ns)),
+        traceme_events: summary.traceme.as_ref().map(|t| t.events),
+        session_events: process
+            .and_then(|p| p.framework_session.as_ref())
+            .map(|f| f.events),
+        route_line: summary
+            .last_note(|n| {
+                n.contains("TraceMe through ebtrace's agent: ") || n.contains("TraceMe recorder in")
+            })
+            .map(str::to_string),
     }
-    c
 }
 
 /// Runs the jax measurement. Skipped without jax in `.venv` (`cargo xtask
@@ -433,20 +403,17 @@ pub fn run(
     thread::sleep(SETTLE);
 
     let mut windows = Vec::new();
-    for round in 0..rounds {
-        for i in 0..Config::ALL.len() {
-            let config = Config::ALL[(round + i) % Config::ALL.len()];
-            let w = bench.window(config, round)?;
-            say(format!(
-                "jax round {}/{rounds} {:<11} {:>6.0} steps/s, {:>6.1} CPU µs per step",
-                round + 1,
-                config.label(),
-                w.steps_per_s,
-                w.cpu_ns_per_step / 1e3
-            ));
-            windows.push(w);
-            thread::sleep(SETTLE);
-        }
+    for (round, config) in harness::rotated::<Config>(rounds) {
+        let w = bench.window(config, round)?;
+        say(format!(
+            "jax round {}/{rounds} {:<11} {:>6.0} steps/s, {:>6.1} CPU µs per step",
+            round + 1,
+            config.label(),
+            w.steps_per_s,
+            w.cpu_ns_per_step / 1e3
+        ));
+        windows.push(w);
+        thread::sleep(SETTLE);
     }
     Ok(Some(JaxRun {
         rounds,
@@ -491,30 +458,5 @@ fn sleep_until(t: f64) {
     let left = t - monotonic_s();
     if left > 0.0 {
         thread::sleep(Duration::from_secs_f64(left));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn capture_lines() {
-        let lines: Vec<String> = [
-            "ebtrace: tracing pid 7 (python) for 3s (probes attached in 212ms); Ctrl-C stops early",
-            "ebtrace: pid 7: TraceMe through ebtrace's agent: jax 0.10.2 ProfilerSession (agent \
-             loaded in 5.0ms, one thread kept from its code for 1.6ms)",
-            "pid 7: the framework's own session: 61234 events on the thread lines, 1 planes \
-             carried over",
-        ]
-        .map(String::from)
-        .to_vec();
-        let c = parse_capture(&lines);
-        assert_eq!(c.attach, Some(Duration::from_millis(212)));
-        assert_eq!(c.agent_load, Some(Duration::from_millis(5)));
-        assert_eq!(c.thread_kept, Some(Duration::from_micros(1600)));
-        assert_eq!(c.session_events, Some(61234));
-        assert_eq!(c.traceme_events, None);
-        assert!(c.route_line.unwrap().starts_with("pid 7: TraceMe through"));
     }
 }

@@ -2,7 +2,10 @@
 
 use std::{fmt::Write as _, path::Path, process::Command, time::Duration};
 
-use super::{Config, Options, Run};
+use super::{
+    Options, Run,
+    harness::{self, Configuration as _, Tracer as Config},
+};
 use crate::util::{median, stdout_of};
 
 /// What the numbers were measured on.
@@ -192,7 +195,7 @@ fn overhead(md: &mut String, runs: &[Run]) {
             .collect()
     };
     let base = median(&rates(Config::Untraced));
-    for c in Config::ALL {
+    for &c in Config::ALL {
         let v = rates(c);
         let what = match c {
             Config::Untraced => "untraced",
@@ -205,7 +208,7 @@ fn overhead(md: &mut String, runs: &[Run]) {
             "| {what} | {} | {} | {:.2} |",
             thousands(median(&v)),
             each.join(" / "),
-            median(&v) / base
+            harness::ratio(median(&v), base)
         );
     }
     let bt: Vec<_> = runs
@@ -344,9 +347,7 @@ fn attach(md: &mut String, runs: &[Run]) {
     row(
         md,
         "ebtrace: attach time it prints",
-        eb.iter()
-            .filter_map(|e| e.reported_attach.map(ms))
-            .collect(),
+        eb.iter().map(|e| ms(e.reported_attach)).collect(),
     );
     row(
         md,

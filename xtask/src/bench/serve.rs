@@ -11,7 +11,7 @@ use std::{
     fmt::Write as _,
     io::{BufRead as _, BufReader},
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Stdio},
     sync::{
         Arc, Mutex,
@@ -28,6 +28,7 @@ use ebtrace_proto::tensorflow::{
 };
 use prost::Message as _;
 
+use super::harness::{self, status_kib};
 use crate::{
     setup,
     util::{self, Workload, median, say, signal},
@@ -106,7 +107,7 @@ impl Server {
     }
 
     fn rss_kib(&self) -> u64 {
-        rss_kib(self.child.id()).unwrap_or(0)
+        status_kib(self.child.id(), "VmRSS").unwrap_or(0)
     }
 
     /// The `n`-th number after `key` in the log lines that start with
@@ -158,18 +159,6 @@ impl Drop for Server {
     }
 }
 
-fn rss_kib(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
-}
-
 fn realtime_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -215,7 +204,7 @@ fn ask(
         let (stop, peak) = (Arc::clone(&stop), Arc::clone(&peak));
         thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                if let Some(kib) = rss_kib(pid) {
+                if let Some(kib) = status_kib(pid, "VmRSS") {
                     peak.fetch_max(kib, Ordering::Relaxed);
                 }
                 thread::sleep(Duration::from_millis(10));
@@ -324,13 +313,7 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
         started.elapsed(),
         load,
     );
-    println!();
-    print!("{md}");
-    let out = root.join("target/bench/serve.md");
-    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
-    std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
-    println!("\nwritten to {}", out.display());
-    Ok(())
+    harness::write_report(root, "serve.md", &md)
 }
 
 /// The 1-minute load average: other work on the machine skews every
@@ -342,15 +325,8 @@ fn loadavg() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-fn start_workload(fixture: &PathBuf, mode: &str, cpu: Option<usize>) -> Result<Workload> {
-    let mut cmd = match cpu {
-        Some(cpu) => {
-            let mut c = Command::new("taskset");
-            c.args(["-c", &cpu.to_string()]).arg(fixture);
-            c
-        }
-        None => Command::new(fixture),
-    };
+fn start_workload(fixture: &Path, mode: &str, cpu: Option<usize>) -> Result<Workload> {
+    let mut cmd = harness::pinned(fixture, cpu);
     cmd.args(["--mode", mode]);
     Workload::start(cmd)
 }
@@ -414,10 +390,7 @@ fn render(
             .filter(|a| a.mode == mode && a.max_events == max_events)
             .collect();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        let each: Vec<String> = rows
-            .iter()
-            .map(|a| format!("{:.0}", ms(a.overhead)))
-            .collect();
+        let each = harness::each(&rows.iter().map(|a| ms(a.overhead)).collect::<Vec<_>>(), 0);
         let med =
             |f: &dyn Fn(&Answer) -> f64| median(&rows.iter().map(|a| f(a)).collect::<Vec<_>>());
         let server = if rows
@@ -443,7 +416,7 @@ fn render(
                 max_events.to_string()
             },
             med(&|a| ms(a.overhead)),
-            each.join(" / "),
+            each,
             med(&|a| a.server_overhead_ms.unwrap_or(0) as f64),
             med(&|a| a.events as f64),
             if rows.iter().any(|a| a.cut_by_max_events) {

@@ -18,7 +18,13 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-use super::{jax, report::Environment, report::thousands, tracer::Traced};
+use super::{
+    harness::{self, Configuration},
+    jax,
+    report::Environment,
+    report::thousands,
+    tracer::Traced,
+};
 use crate::util::{self, Workload, median, say, signal};
 
 /// Seconds each fixture run lets the target run.
@@ -33,8 +39,8 @@ enum Config {
     Bpftrace,
 }
 
-impl Config {
-    const ALL: [Config; 4] = [
+impl Configuration for Config {
+    const ALL: &'static [Config] = &[
         Config::Untraced,
         Config::InProcess,
         Config::Ebtrace,
@@ -49,7 +55,9 @@ impl Config {
             Config::Bpftrace => "bpftrace",
         }
     }
+}
 
+impl Config {
     fn describe(self) -> &'static str {
         match self {
             Config::Untraced => "untraced (`g_trace_level` -1: a TraceMe is one atomic load)",
@@ -111,64 +119,26 @@ pub fn run_traceme_bench(
     };
     let started = Instant::now();
     let mut runs = Vec::new();
-    for round in 0..rounds {
-        for i in 0..Config::ALL.len() {
-            let config = Config::ALL[(round + i) % Config::ALL.len()];
-            let run = bench.run(config)?;
-            say(format!(
-                "traceme round {}/{rounds} {:<10} {:>12} TraceMe/s, {:>7.1} CPU ns per TraceMe",
-                round + 1,
-                config.label(),
-                thousands(run.traceme_per_s),
-                run.cpu_ns_per_traceme
-            ));
-            runs.push((round, run));
-        }
+    for (round, config) in harness::rotated::<Config>(rounds) {
+        let run = bench.run(config)?;
+        say(format!(
+            "traceme round {}/{rounds} {:<10} {:>12} TraceMe/s, {:>7.1} CPU ns per TraceMe",
+            round + 1,
+            config.label(),
+            thousands(run.traceme_per_s),
+            run.cpu_ns_per_traceme
+        ));
+        runs.push((round, run));
     }
     let jax = jax::run(root, ebtrace, &bench.scratch, bench.target_cpu, rounds)?;
     let _ = std::fs::remove_dir_all(&bench.scratch);
     let md = render(env, rounds, &runs, jax.as_ref(), started.elapsed());
-    println!();
-    print!("{md}");
-    let out = root.join("target/bench/traceme.md");
-    std::fs::create_dir_all(out.parent().expect("has a parent"))?;
-    std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
-    println!("\nwritten to {}", out.display());
-    Ok(())
-}
-
-/// `TraceMe: N events recorded` → N.
-fn traceme_events(lines: &[String]) -> Option<u64> {
-    lines.iter().find_map(|l| {
-        l.strip_prefix("TraceMe: ")?
-            .split(" events recorded")
-            .next()?
-            .parse()
-            .ok()
-    })
-}
-
-/// `window ...; R records captured, D dropped` → D.
-fn dropped(lines: &[String]) -> Option<u64> {
-    lines.iter().find_map(|l| {
-        let rest = l
-            .strip_prefix("window ")?
-            .split(" records captured, ")
-            .nth(1)?;
-        rest.split_whitespace().next()?.parse().ok()
-    })
+    harness::write_report(root, "traceme.md", &md)
 }
 
 impl Bench {
     fn fixture(&self, in_process: bool) -> Command {
-        let mut cmd = match self.target_cpu {
-            Some(cpu) => {
-                let mut c = Command::new("taskset");
-                c.args(["-c", &cpu.to_string()]).arg(&self.program);
-                c
-            }
-            None => Command::new(&self.program),
-        };
+        let mut cmd = harness::pinned(&self.program, self.target_cpu);
         cmd.arg("--lib")
             .arg(format!("gcc={}", self.lib.display()))
             .args(["--mode", "burst", "--threads", "1"]);
@@ -183,46 +153,10 @@ impl Bench {
     fn run(&self, config: Config) -> Result<Run> {
         let in_process = matches!(config, Config::InProcess | Config::Bpftrace);
         let workload = Workload::start(self.fixture(in_process))?;
-        signal(workload.pid, libc::SIGSTOP);
-        let stopped_at = Instant::now();
         let logdir = self.scratch.join("logs");
-        let mut tracer = match config {
-            Config::Ebtrace => {
-                let mut cmd = Command::new(&self.ebtrace);
-                cmd.args(["--pid", &workload.pid.to_string()])
-                    .args(["--duration", &format!("{}s", RUN_SECONDS as u64 * 2 + 60)])
-                    .args(["--max-events", "1000000000"])
-                    .arg("--logdir")
-                    .arg(&logdir);
-                let mut t = Traced::spawn(cmd)?;
-                t.wait_line(
-                    |l| l.contains("level 2 set by ebtrace"),
-                    Duration::from_secs(60),
-                )?;
-                Some(t)
-            }
-            Config::Bpftrace => {
-                let program = format!(
-                    "BEGIN {{ printf(\"xtask: bpftrace ready\\n\"); }}\n\
-                     uprobe:{}:{RECORD_SYMBOL} /pid == {}/ {{ @records = count(); }}\n",
-                    self.lib.display(),
-                    workload.pid
-                );
-                let mut t = Traced::spawn({
-                    let mut c = Command::new("bpftrace");
-                    c.args(["-e", &program]);
-                    c
-                })?;
-                t.wait_line(
-                    |l| l.contains("xtask: bpftrace ready"),
-                    Duration::from_secs(60),
-                )?;
-                Some(t)
-            }
-            _ => None,
-        };
-        signal(workload.pid, libc::SIGCONT);
-        let paused_s = stopped_at.elapsed().as_secs_f64();
+        let (mut tracer, paused) =
+            harness::while_stopped(workload.pid, || self.attach(config, &workload, &logdir))?;
+        let paused_s = paused.as_secs_f64();
         thread::sleep(Duration::from_secs_f64(RUN_SECONDS));
         let counters = workload.stop()?;
         let events = counters["burst_events"].as_f64().context("burst_events")?;
@@ -242,11 +176,16 @@ impl Bench {
         match (config, tracer.as_mut()) {
             (Config::Ebtrace, Some(t)) => {
                 // It ends by itself once its target has exited.
-                let peak_rss_kib = t.wait_exit(Duration::from_secs(300))?;
+                let done = harness::finish_ebtrace(t)?;
+                let s = &done.summary;
                 run.ebtrace = Some(EbtraceRun {
-                    events: traceme_events(t.lines()).context("no TraceMe summary line")?,
-                    dropped: dropped(t.lines()).context("no summary line")?,
-                    peak_rss_kib,
+                    events: s
+                        .traceme
+                        .as_ref()
+                        .context("no TraceMe in the summary")?
+                        .events,
+                    dropped: s.records.dropped,
+                    peak_rss_kib: done.peak_rss_kib,
                 });
                 let _ = std::fs::remove_dir_all(&logdir);
             }
@@ -267,6 +206,42 @@ impl Bench {
             _ => {}
         }
         Ok(run)
+    }
+
+    /// Starts the tracer of `config`, if any, on the stopped `workload`.
+    fn attach(&self, config: Config, workload: &Workload, logdir: &Path) -> Result<Option<Traced>> {
+        Ok(match config {
+            Config::Ebtrace => {
+                let duration = format!("{}s", RUN_SECONDS as u64 * 2 + 60);
+                let mut cmd =
+                    harness::ebtrace_command(&self.ebtrace, workload.pid, &duration, logdir);
+                cmd.args(["--max-events", "1000000000"]);
+                Some(harness::spawn_ebtrace(
+                    cmd,
+                    |l| l.contains("level 2 set by ebtrace"),
+                    Duration::from_secs(60),
+                )?)
+            }
+            Config::Bpftrace => {
+                let program = format!(
+                    "BEGIN {{ printf(\"xtask: bpftrace ready\\n\"); }}\n\
+                     uprobe:{}:{RECORD_SYMBOL} /pid == {}/ {{ @records = count(); }}\n",
+                    self.lib.display(),
+                    workload.pid
+                );
+                let mut t = Traced::spawn({
+                    let mut c = Command::new("bpftrace");
+                    c.args(["-e", &program]);
+                    c
+                })?;
+                t.wait_line(
+                    |l| l.contains("xtask: bpftrace ready"),
+                    Duration::from_secs(60),
+                )?;
+                Some(t)
+            }
+            _ => None,
+        })
     }
 }
 
@@ -318,7 +293,7 @@ fn render(
             .collect()
     };
     let in_process_ns = median(&of(Config::InProcess, |r| r.cpu_ns_per_traceme));
-    for c in Config::ALL {
+    for &c in Config::ALL {
         let cpu = of(c, |r| r.cpu_ns_per_traceme);
         let m = median(&cpu);
         let added = if matches!(c, Config::Ebtrace | Config::Bpftrace) {
@@ -326,13 +301,12 @@ fn render(
         } else {
             String::new()
         };
-        let each: Vec<String> = cpu.iter().map(|v| format!("{v:.0}")).collect();
         let _ = writeln!(
             md,
             "| {} | {:.1} | {} | {added} | {} |",
             c.describe(),
             m,
-            each.join(" / "),
+            harness::each(&cpu, 0),
             thousands(median(&of(c, |r| r.traceme_per_s)))
         );
     }
@@ -408,20 +382,4 @@ fn render(
         }
     }
     md
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn summary_lines() {
-        let lines = vec![
-            "window 2000.0ms; 12 records captured, 3 dropped".to_string(),
-            "TraceMe: 1044677 events recorded, 1044663 spans on the thread lines".to_string(),
-        ];
-        assert_eq!(traceme_events(&lines), Some(1_044_677));
-        assert_eq!(dropped(&lines), Some(3));
-        assert_eq!(traceme_events(&lines[..1]), None);
-    }
 }

@@ -1,5 +1,6 @@
 //! A tracer process under the benchmark: its output lines as they come,
 //! with the time each arrived, and its peak memory once it has exited.
+//! (ebtrace's own side, its `--json` summary, is in [`harness`](super::harness).)
 
 use std::{
     io::{BufRead as _, BufReader, Read},
@@ -11,16 +12,25 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{BpftraceRun, EbtraceRun};
+use super::BpftraceRun;
 use crate::util::{self, signal};
+
+/// Which output a line came on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stream {
+    Stdout,
+    Stderr,
+}
 
 pub struct Traced {
     child: Child,
     name: String,
     spawned: Instant,
-    lines_rx: Receiver<(Instant, String)>,
+    lines_rx: Receiver<(Instant, Stream, String)>,
     /// Every line seen so far, stdout and stderr interleaved.
     lines: Vec<String>,
+    /// The stdout lines among them.
+    stdout: Vec<String>,
     /// When each awaited line arrived, counted from the spawn.
     marks: Vec<Duration>,
     readers: Vec<JoinHandle<()>>,
@@ -28,12 +38,13 @@ pub struct Traced {
 }
 
 fn forward(
-    stream: impl Read + Send + 'static,
-    tx: mpsc::Sender<(Instant, String)>,
+    output: impl Read + Send + 'static,
+    stream: Stream,
+    tx: mpsc::Sender<(Instant, Stream, String)>,
 ) -> JoinHandle<()> {
     thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            if tx.send((Instant::now(), line)).is_err() {
+        for line in BufReader::new(output).lines().map_while(Result::ok) {
+            if tx.send((Instant::now(), stream, line)).is_err() {
                 break;
             }
         }
@@ -52,8 +63,12 @@ impl Traced {
             .with_context(|| format!("starting `{name}`"))?;
         let (tx, lines_rx) = mpsc::channel();
         let readers = vec![
-            forward(child.stdout.take().expect("piped"), tx.clone()),
-            forward(child.stderr.take().expect("piped"), tx),
+            forward(
+                child.stdout.take().expect("piped"),
+                Stream::Stdout,
+                tx.clone(),
+            ),
+            forward(child.stderr.take().expect("piped"), Stream::Stderr, tx),
         ];
         Ok(Traced {
             child,
@@ -61,6 +76,7 @@ impl Traced {
             spawned,
             lines_rx,
             lines: Vec::new(),
+            stdout: Vec::new(),
             marks: Vec::new(),
             readers,
             reaped: false,
@@ -73,8 +89,8 @@ impl Traced {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines_rx.recv_timeout(left) {
-                Ok((at, line)) => {
-                    self.lines.push(line.clone());
+                Ok((at, stream, line)) => {
+                    self.keep(stream, line.clone());
                     if pred(&line) {
                         self.marks.push(at - self.spawned);
                         return Ok(line);
@@ -94,6 +110,20 @@ impl Traced {
         }
     }
 
+    fn keep(&mut self, stream: Stream, line: String) {
+        if stream == Stream::Stdout {
+            self.stdout.push(line.clone());
+        }
+        self.lines.push(line);
+    }
+
+    /// Takes the lines that came but were not awaited.
+    fn keep_the_rest(&mut self) {
+        for (_, stream, line) in self.lines_rx.try_iter().collect::<Vec<_>>() {
+            self.keep(stream, line);
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -106,6 +136,11 @@ impl Traced {
     /// Every output line seen so far.
     pub fn lines(&self) -> &[String] {
         &self.lines
+    }
+
+    /// The stdout lines seen so far.
+    pub fn stdout(&self) -> &[String] {
+        &self.stdout
     }
 
     /// Waits for the process to exit (killing it past `timeout`), collects
@@ -144,7 +179,7 @@ impl Traced {
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
-        self.lines.extend(self.lines_rx.try_iter().map(|(_, l)| l));
+        self.keep_the_rest();
         let exited_ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
         // bpftrace exits 0 on SIGINT; anything else is a failure.
         if !exited_ok {
@@ -172,30 +207,8 @@ impl Traced {
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
-        self.lines.extend(self.lines_rx.try_iter().map(|(_, l)| l));
+        self.keep_the_rest();
         Ok(took)
-    }
-
-    /// Waits for an ebtrace whose targets have exited and reads its summary.
-    pub fn finish_ebtrace(&mut self) -> Result<EbtraceRun> {
-        let peak_rss_kib = self.wait_exit(Duration::from_secs(300))?;
-        let summary = self
-            .lines
-            .iter()
-            .find_map(|l| parse_summary(l))
-            .with_context(|| format!("no `window ...` summary line in {:?}", self.lines))?;
-        let reported_attach = self.lines.iter().find_map(|l| {
-            let rest = l.split("probes attached in ").nth(1)?;
-            parse_debug_duration(rest.split(')').next()?)
-        });
-        Ok(EbtraceRun {
-            spawn_to_attached: self.marks[0],
-            reported_attach,
-            window_s: summary.0,
-            records: summary.1,
-            dropped: summary.2,
-            peak_rss_kib,
-        })
     }
 
     /// Stops bpftrace (SIGINT makes it print its maps) and sums the counts.
@@ -240,70 +253,5 @@ impl Drop for Traced {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-    }
-}
-
-/// `window 2000.0ms; N records captured, M dropped...` → (seconds, N, M).
-fn parse_summary(line: &str) -> Option<(f64, u64, u64)> {
-    let rest = line.strip_prefix("window ")?;
-    let (window, rest) = rest.split_once("; ")?;
-    let window_ms: f64 = window.strip_suffix("ms")?.parse().ok()?;
-    let (records, rest) = rest.split_once(" records captured, ")?;
-    let dropped = rest.split_whitespace().next()?;
-    Some((
-        window_ms / 1e3,
-        records.parse().ok()?,
-        dropped.parse().ok()?,
-    ))
-}
-
-/// Parses a `{:.0?}`- or `{:.1?}`-formatted Duration: `53ms`, `5.0ms`,
-/// `812µs`, `2s`, `40ns`.
-pub fn parse_debug_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
-    let (num, unit) = s.split_at(split);
-    let v: f64 = num.parse().ok()?;
-    let ns_per_unit = match unit {
-        "s" => 1e9,
-        "ms" => 1e6,
-        "µs" | "us" => 1e3,
-        "ns" => 1.0,
-        _ => return None,
-    };
-    Some(Duration::from_nanos((v * ns_per_unit).round() as u64))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn summary_line() {
-        assert_eq!(
-            parse_summary("window 2000.0ms; 123 records captured, 0 dropped"),
-            Some((2.0, 123, 0))
-        );
-        assert_eq!(
-            parse_summary(
-                "window 5.5ms; 7 records captured, 3 dropped (raise --ring-buffer-mib; the trace is partial)"
-            ),
-            Some((0.0055, 7, 3))
-        );
-        assert_eq!(parse_summary("trace: x"), None);
-    }
-
-    #[test]
-    fn debug_durations() {
-        assert_eq!(
-            parse_debug_duration("53ms"),
-            Some(Duration::from_millis(53))
-        );
-        assert_eq!(
-            parse_debug_duration("812µs"),
-            Some(Duration::from_micros(812))
-        );
-        assert_eq!(parse_debug_duration("2s"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_debug_duration("fast"), None);
     }
 }

@@ -3,7 +3,13 @@
 use std::{fmt::Write as _, time::Duration};
 
 use super::{Capture, Config, JaxRun, SECONDS, SESSION_LEAD, SETTLE, Window};
-use crate::{bench::report::thousands, util::median};
+use crate::{
+    bench::{
+        harness::{Configuration as _, each, median_each},
+        report::thousands,
+    },
+    util::median,
+};
 
 /// The jaxlib line of the memory section.
 pub fn render_memory(md: &mut String, j: &JaxRun) {
@@ -61,13 +67,7 @@ pub fn render(md: &mut String, j: &JaxRun) {
             })
             .collect()
     };
-    let join = |v: &[f64], digits: usize| -> String {
-        v.iter()
-            .map(|x| format!("{x:.digits$}"))
-            .collect::<Vec<_>>()
-            .join(" / ")
-    };
-    for c in Config::ALL {
+    for &c in Config::ALL {
         let rates: Vec<f64> = of(c).iter().map(|w| w.steps_per_s).collect();
         let cpu: Vec<f64> = of(c).iter().map(|w| w.cpu_ns_per_step / 1e3).collect();
         let slow = slowdowns(c);
@@ -77,9 +77,9 @@ pub fn render(md: &mut String, j: &JaxRun) {
             c.describe(),
             median(&rates),
             median(&slow),
-            join(&slow, 2),
+            each(&slow, 2),
             median(&cpu),
-            join(&cpu, 1)
+            each(&cpu, 1)
         );
     }
     let agent = median(&slowdowns(Config::Agent));
@@ -128,7 +128,7 @@ pub fn render(md: &mut String, j: &JaxRun) {
             if v.is_empty() {
                 return "–".to_string();
             }
-            format!("{:.1} ms ({})", median(&v), join(&v, 1))
+            median_each(&v, 1, "ms")
         };
         let per_step: Vec<f64> = caps
             .iter()

@@ -1,0 +1,55 @@
+//! What each source beside the scheduler delivered to a timeline, as
+//! numbers: the summary's lines say the same in words.
+
+use std::collections::BTreeMap;
+
+use super::{ActivityMerge, FrameworkMerge, TraceMeSpanStats};
+
+/// Per-source accounting of one capture.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceStats {
+    /// TraceMe events the uprobes recorded, if any recorder was probed.
+    pub traceme: Option<TraceMeSource>,
+    /// What each process's framework sessions (run by the agent) gave, by
+    /// pid, summed over its frameworks.
+    pub frameworks: BTreeMap<u32, FrameworkMerge>,
+    /// What each process's GPU activity (CUPTI, through the agent) gave,
+    /// by pid, summed over its collections.
+    pub gpu_activity: BTreeMap<u32, ActivityMerge>,
+    /// Kernels launched with handles looked up before the capture, by pid.
+    pub kernel_names: BTreeMap<u32, KernelNames>,
+    /// Spans from different sources cut so that they nest.
+    pub spans_cut_to_nest: u64,
+}
+
+/// The TraceMe uprobe route's events and what became of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceMeSource {
+    /// Events read from the targets.
+    pub events: u64,
+    pub spans: TraceMeSpanStats,
+    /// Events the probe could not read from the target (lost), and
+    /// events recorded without their name.
+    pub unreadable: u64,
+    pub unnamed: u64,
+    /// Whether recording was switched off at `--max-events`.
+    pub stopped_at_max_events: bool,
+}
+
+/// Names asked of the CUDA driver inside one process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelNames {
+    pub asked: u64,
+    pub named: u64,
+}
+
+impl SourceStats {
+    /// Adds one framework XSpace's merge to `pid`'s.
+    pub fn add_framework(&mut self, pid: u32, m: &FrameworkMerge) {
+        let total = self.frameworks.entry(pid).or_default();
+        total.spans += m.spans;
+        total.unnamed_lines += m.unnamed_lines;
+        total.unnamed_events += m.unnamed_events;
+        total.planes += m.planes;
+    }
+}
