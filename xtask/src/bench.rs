@@ -29,7 +29,7 @@ use crate::{
     setup,
     util::{self, Workload, say},
 };
-use harness::{Configuration as _, Tracer as Config, write_report};
+use harness::{Configuration, write_report};
 use tracer::Traced;
 
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +83,36 @@ pub struct BpftraceRun {
     pub spawn_to_ready: Duration,
     pub switches: u64,
     pub wakeups: u64,
+}
+
+/// The scheduling suite's configurations: ebtrace through each of its
+/// scheduler routes, beside the untraced target and bpftrace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Config {
+    Untraced,
+    /// ebtrace as it runs by default (raw tracepoints where the kernel has BTF).
+    Ebtrace,
+    /// ebtrace forced onto classic tracepoints (`EBTRACE_SCHED_TRACEPOINTS=classic`).
+    EbtraceClassic,
+    Bpftrace,
+}
+
+impl Configuration for Config {
+    const ALL: &'static [Config] = &[
+        Config::Untraced,
+        Config::Ebtrace,
+        Config::EbtraceClassic,
+        Config::Bpftrace,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Config::Untraced => "untraced",
+            Config::Ebtrace => "ebtrace",
+            Config::EbtraceClassic => "ebtrace-classic",
+            Config::Bpftrace => "bpftrace",
+        }
+    }
 }
 
 /// One run of the ping-pong target under one configuration.
@@ -234,7 +264,10 @@ impl Bench {
         let (mut tracer, paused) = harness::while_stopped(workload.pid, || {
             Ok(match config {
                 Config::Untraced => None,
-                Config::Ebtrace => Some(self.start_ebtrace(&workload, &logdir, seconds)?),
+                Config::Ebtrace => Some(self.start_ebtrace(&workload, &logdir, seconds, false)?),
+                Config::EbtraceClassic => {
+                    Some(self.start_ebtrace(&workload, &logdir, seconds, true)?)
+                }
                 Config::Bpftrace => Some(self.start_bpftrace(&workload)?),
             })
         })?;
@@ -254,7 +287,7 @@ impl Bench {
             bpftrace: None,
         };
         match (config, tracer.as_mut()) {
-            (Config::Ebtrace, Some(t)) => {
+            (Config::Ebtrace | Config::EbtraceClassic, Some(t)) => {
                 // ebtrace ends by itself once every traced process exited.
                 let spawn_to_attached = t.last_mark().expect("an awaited line");
                 let done = harness::finish_ebtrace(t)?;
@@ -275,12 +308,21 @@ impl Bench {
         Ok(run)
     }
 
-    fn start_ebtrace(&self, w: &Workload, logdir: &Path, seconds: f64) -> Result<Traced> {
+    fn start_ebtrace(
+        &self,
+        w: &Workload,
+        logdir: &Path,
+        seconds: f64,
+        classic: bool,
+    ) -> Result<Traced> {
         // The summary (--json) is printed after the capture, and the
         // progress bar is hidden when stderr is not a terminal, so it costs
         // the target nothing. The duration only has to outlast the run.
         let duration = format!("{}s", (seconds * 2.0).ceil() + 60.0);
-        let cmd = harness::ebtrace_command(&self.ebtrace, w.pid, &duration, logdir);
+        let mut cmd = harness::ebtrace_command(&self.ebtrace, w.pid, &duration, logdir);
+        if classic {
+            cmd.env("EBTRACE_SCHED_TRACEPOINTS", "classic");
+        }
         harness::spawn_ebtrace(cmd, harness::attached, Duration::from_secs(60))
     }
 

@@ -31,7 +31,7 @@ pub fn rotated<C: Configuration>(rounds: usize) -> impl Iterator<Item = (usize, 
 }
 
 /// The target untraced, under ebtrace, and under an equivalent bpftrace
-/// program: the scheduling and CUDA suites' configurations.
+/// program: the CUDA suite's configurations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tracer {
     Untraced,

@@ -3,8 +3,8 @@
 use std::{fmt::Write as _, path::Path, process::Command, time::Duration};
 
 use super::{
-    Options, Run,
-    harness::{self, Configuration as _, Tracer as Config},
+    Config, Options, Run,
+    harness::{self, Configuration as _},
 };
 use crate::util::{median, stdout_of};
 
@@ -109,9 +109,14 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn run_label(r: &Run) -> String {
+    let route = if r.config == Config::EbtraceClassic {
+        ", classic tracepoints"
+    } else {
+        ""
+    };
     match r.round {
-        Some(n) => format!("round {}", n + 1),
-        None => format!("long ({:.0} s)", r.seconds),
+        Some(n) => format!("round {}{route}", n + 1),
+        None => format!("long ({:.0} s){route}", r.seconds),
     }
 }
 
@@ -199,7 +204,10 @@ fn overhead(md: &mut String, runs: &[Run]) {
         let v = rates(c);
         let what = match c {
             Config::Untraced => "untraced",
-            Config::Ebtrace => "ebtrace (records every switch and wakeup of the target)",
+            Config::Ebtrace => {
+                "ebtrace (records every switch and wakeup of the target; raw tracepoints)"
+            }
+            Config::EbtraceClassic => "ebtrace, classic tracepoints (the same records)",
             Config::Bpftrace => "bpftrace (counts the same switches and wakeups per CPU)",
         };
         let each: Vec<String> = v.iter().map(|x| thousands(*x)).collect();
@@ -230,6 +238,24 @@ fn overhead(md: &mut String, runs: &[Run]) {
             per_rt(|b| b.switches),
             per_rt(|b| b.wakeups)
         );
+        // What each event handled costs the target: the time added per
+        // round trip, over the events in a round trip.
+        let events_per_rt = per_rt(|b| b.switches) + per_rt(|b| b.wakeups);
+        let cost_ns = |c: Config| (1.0 / median(&rates(c)) - 1.0 / base) * 1e9 / events_per_rt;
+        let bpftrace = cost_ns(Config::Bpftrace);
+        let _ = writeln!(
+            md,
+            "\n| configuration | added ns per event | vs bpftrace |\n|---|---:|---:|"
+        );
+        for c in [Config::Ebtrace, Config::EbtraceClassic, Config::Bpftrace] {
+            let _ = writeln!(
+                md,
+                "| {} | {:.0} | {:.2} |",
+                c.label(),
+                cost_ns(c),
+                harness::ratio(cost_ns(c), bpftrace)
+            );
+        }
     }
 }
 
