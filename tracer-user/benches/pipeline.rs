@@ -21,7 +21,7 @@ use ebtrace::{
         perfetto::{PerfettoClocks, write_timeline},
         xspace::timeline_to_xspace_bytes,
     },
-    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Window, nest_spans},
+    timeline::{CaptureStats, Cuts, InitialState, SchedTimelineBuilder, Window, nest},
 };
 use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
 
@@ -141,7 +141,7 @@ fn main() {
             CaptureStats::default(),
         );
         for t in tl.threads.values_mut() {
-            nest_spans(&mut t.spans);
+            nest(&mut t.spans, Cuts::Marked);
         }
         let t2 = Instant::now();
         Window::between(START_NS, stop_ns).apply(&mut tl);

@@ -27,8 +27,8 @@ use crate::{
     error::{Error, Result},
     procfs::{self, TargetProcess},
     timeline::{
-        CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
-        Timeline, Window, add_traceme_spans, nest_spans,
+        CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
+        Timeline, Window, add_traceme_spans, nest,
     },
 };
 
@@ -443,7 +443,7 @@ impl Capture {
         let cut: u64 = timeline
             .threads
             .values_mut()
-            .map(|t| nest_spans(&mut t.spans))
+            .map(|t| nest(&mut t.spans, Cuts::Marked))
             .sum();
         if cut > 0 {
             timeline.stats.notes.push(format!(
