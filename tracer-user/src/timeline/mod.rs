@@ -12,10 +12,12 @@
 //!
 //! Per GPU (`devices`) it keeps the work the host submitted to each stream
 //! (see [`cuda`]); a framework's own planes ride along (see [`framework`]).
-//! A trace shows the part of it a [`Window`] selects.
+//! A trace shows the part of it a [`Window`] selects. [`assemble`] is the
+//! one path from what a capture recorded to the timeline of a window.
 
 #[cfg(test)]
 pub(crate) mod arbitrary;
+pub mod assemble;
 pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;
@@ -26,6 +28,7 @@ pub mod window;
 
 use std::collections::BTreeMap;
 
+pub use assemble::{Sources, TraceMeSource, assemble};
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
