@@ -14,7 +14,9 @@ use super::{CLIPPED_STAT, Span, Value};
 
 /// What [`nest`] needs of the items it nests.
 pub trait Nestable {
+    /// The span to place.
     fn span(&self) -> &Span;
+    /// The same, to cut.
     fn span_mut(&mut self) -> &mut Span;
     /// Whether this span is cut back to the start of a span that does not
     /// give way, starts inside it and outlives it (TraceMe activities give
