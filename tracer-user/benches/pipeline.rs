@@ -2,10 +2,10 @@
 //! records into an encoded XSpace costs, without the kernel: a synthetic
 //! ping-pong (two threads of one process waking each other on one CPU, the
 //! serve benchmark's target) of `EBTRACE_BENCH_RECORDS` records (default
-//! 1,000,000), through the same stages a capture runs: sorting the records,
-//! the scheduling timeline, span nesting, its window (as `ebtrace record`
-//! applies it: no `max_events`) and the XSpace sink, then the Perfetto sink
-//! (`--perfetto`) on the same timeline.
+//! 1,000,000), through the path every capture takes: `timeline::assemble`
+//! (sorting the records, the scheduling timeline, span nesting, the window
+//! as `ebtrace record` applies it: no `max_events`), then the XSpace sink,
+//! then the Perfetto sink (`--perfetto`) on the same timeline.
 //!
 //! Prints the median of `EBTRACE_BENCH_ROUNDS` rounds (default 5) per stage.
 
@@ -21,9 +21,8 @@ use ebtrace::{
         perfetto::{PerfettoClocks, write_timeline},
         xspace::timeline_to_xspace_bytes,
     },
-    timeline::{CaptureStats, InitialState, SchedTimelineBuilder, Window, nest_spans},
+    timeline::{InitialState, Sources, Window, assemble},
 };
-use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
 
 const PID: u32 = 1000;
 const PING: u32 = 1001;
@@ -42,27 +41,8 @@ fn env_or(name: &str, default: usize) -> usize {
 /// Four records per round trip: each thread wakes the other, then blocks
 /// and switches to it.
 fn ping_pong(records: usize) -> Vec<Record> {
-    let switch = |ts, prev, next| {
-        Record::Switch(SchedSwitch {
-            header: RecordHeader::new(RecordKind::SchedSwitch, 40, 0, ts),
-            prev_tid: prev,
-            prev_tgid: PID,
-            next_tid: next,
-            next_tgid: PID,
-            prev_state: SLEEPING,
-        })
-    };
-    let wakeup = |ts, tid, waker| {
-        Record::Wakeup(SchedWakeup {
-            header: RecordHeader::new(RecordKind::SchedWakeup, 40, 0, ts),
-            tid,
-            tgid: PID,
-            waker_tid: waker,
-            waker_tgid: PID,
-            target_cpu: 0,
-            flags: 0,
-        })
-    };
+    let switch = |ts, prev, next| Record::sched_switch(ts, 0, (prev, PID), SLEEPING, (next, PID));
+    let wakeup = |ts, tid, waker| Record::sched_waking(ts, (tid, PID), (waker, PID));
     let mut out = Vec::with_capacity(records);
     let mut ts = START_NS + 1_000;
     while out.len() + 4 <= records {
@@ -114,88 +94,59 @@ fn main() {
         })
         .collect();
 
-    let (mut sort, mut timeline, mut window, mut xspace) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut perfetto = Vec::new();
+    let (mut assembly, mut xspace, mut perfetto) = (Vec::new(), Vec::new(), Vec::new());
     let (mut events, mut bytes, mut perfetto_bytes) = (0, 0, 0);
     let clocks = PerfettoClocks {
         boot_minus_mono_ns: 0,
     };
+    let window = Window::between(START_NS, stop_ns);
     for _ in 0..rounds {
         let mut records = source.clone();
+        let sources = Sources {
+            initial: initial.clone(),
+            scheduling: true,
+            records: &mut records,
+            ..Sources::new(
+                START_NS,
+                ClockSync::from_offset(0),
+                vec![(PID, "pingpong".to_string())],
+            )
+        };
         let t0 = Instant::now();
-        records.sort_by_key(Record::ts);
+        let tl = assemble(sources, &window, 0, None);
         let t1 = Instant::now();
-        let mut builder = SchedTimelineBuilder::new(
-            START_NS,
-            stop_ns,
-            [(PID, "pingpong".to_string())],
-            initial.clone(),
-        );
-        for r in &records {
-            builder.push(r);
-        }
-        let mut tl = builder.finish(
-            ClockSync::from_offset(0),
-            &HashMap::new(),
-            CaptureStats::default(),
-        );
-        for t in tl.threads.values_mut() {
-            nest_spans(&mut t.spans);
-        }
-        let t2 = Instant::now();
-        Window::between(START_NS, stop_ns).apply(&mut tl);
-        let t3 = Instant::now();
         let encoded = timeline_to_xspace_bytes(&tl, "bench-host");
-        let t4 = Instant::now();
+        let t2 = Instant::now();
         events = tl.event_count();
         bytes = encoded.len();
         drop(encoded);
         let mut out = Vec::new();
-        let t5 = Instant::now();
+        let t3 = Instant::now();
         let written = write_timeline(&tl, clocks, &mut out).expect("writing to a Vec");
-        perfetto.push(t5.elapsed());
+        perfetto.push(t3.elapsed());
         perfetto_bytes = written.bytes as usize;
-        sort.push(t1 - t0);
-        timeline.push(t2 - t1);
-        window.push(t3 - t2);
-        xspace.push(t4 - t3);
+        assembly.push(t1 - t0);
+        xspace.push(t2 - t1);
     }
-    let (sort, timeline, window, xspace) = (
-        median(sort),
-        median(timeline),
-        median(window),
-        median(xspace),
-    );
-    let perfetto = median(perfetto);
+    let (assembly, xspace, perfetto) = (median(assembly), median(xspace), median(perfetto));
     let per = |d: Duration, k: usize| d.as_nanos() as f64 / k.max(1) as f64;
     println!(
         "pipeline: {n} records -> {events} events, XSpace {:.1} MB (median of {rounds})",
         bytes as f64 / 1e6
     );
     println!(
-        "  sort records     {:>8.1} ms  {:>6.1} ns/record",
-        sort.as_secs_f64() * 1e3,
-        per(sort, n)
+        "  timeline::assemble {:>8.1} ms  {:>6.1} ns/record",
+        assembly.as_secs_f64() * 1e3,
+        per(assembly, n)
     );
     println!(
-        "  timeline         {:>8.1} ms  {:>6.1} ns/record",
-        timeline.as_secs_f64() * 1e3,
-        per(timeline, n)
-    );
-    println!(
-        "  window           {:>8.1} ms  {:>6.1} ns/record",
-        window.as_secs_f64() * 1e3,
-        per(window, n)
-    );
-    println!(
-        "  XSpace (encoded) {:>8.1} ms  {:>6.1} ns/event",
+        "  XSpace (encoded)   {:>8.1} ms  {:>6.1} ns/event",
         xspace.as_secs_f64() * 1e3,
         per(xspace, events)
     );
     println!(
-        "  total            {:>8.1} ms",
-        (sort + timeline + window + xspace).as_secs_f64() * 1e3
+        "  total              {:>8.1} ms",
+        (assembly + xspace).as_secs_f64() * 1e3
     );
     println!(
         "  Perfetto (--perfetto, same timeline) {:>8.1} ms  {:>6.1} ns/event, {:.1} MB",

@@ -1,11 +1,14 @@
-//! One capture, from checks to timeline: probes → collector → timeline.
+//! One capture, from checks to the recorded sources: probes → collector
+//! (and agents) → [`timeline::assemble`].
 //!
 //! [`Capture::start`] checks everything that can be checked before touching
 //! the kernel (pids, privileges, tracepoints), then attaches. The caller
 //! drives [`Capture::poll`] until it decides to stop (duration, Ctrl-C,
 //! targets gone) and calls [`Capture::finish`], which detaches, drains what
-//! is left and builds the [`Timeline`]. Whatever ends a capture, what was
-//! recorded up to then is kept.
+//! is left and assembles the [`Timeline`]; a capture shared by several
+//! windows (`ebtrace serve`) hands its [`Capture::sources`] to
+//! [`timeline::assemble`] per window instead. Whatever ends a capture, what
+//! was recorded up to then is kept.
 
 mod agents;
 
@@ -26,10 +29,7 @@ use crate::{
     collect::{Collector, Record, TraceMeEvent},
     error::{Error, Result},
     procfs::{self, TargetProcess},
-    timeline::{
-        CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, InitialState, SchedTimelineBuilder,
-        SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, nest_spans,
-    },
+    timeline::{self, InitialState, Sources, Timeline, TraceMeInput, Window},
 };
 
 /// How often the agents hand over what the GPUs ran during a capture.
@@ -297,8 +297,7 @@ impl Capture {
     /// What the TraceMe probes found in the targets, one line each.
     pub fn traceme_notes(&self) -> Vec<String> {
         let mut lines = self.traceme.notes.clone();
-        lines.extend(self.traceme.recorders.iter().map(|r| r.describe()));
-        lines.extend(self.traceme.python_gates.iter().map(|g| g.describe()));
+        lines.extend(traceme_findings(&self.traceme));
         lines
     }
 
@@ -391,7 +390,8 @@ impl Capture {
             ));
         }
         let window = Window::between(self.start_ns, stop_ns);
-        let mut timeline = self.timeline_of(&window, stats.dropped(), ended_early);
+        let mut timeline =
+            timeline::assemble(self.sources(), &window, stats.dropped(), ended_early);
         if let Some(t) = &mut timeline.stats.sources.traceme {
             t.unreadable = traceme_kernel.event_unreadable;
             t.unnamed = traceme_kernel.name_unreadable;
@@ -403,111 +403,53 @@ impl Capture {
         Ok((timeline, stats, probes))
     }
 
-    /// Builds the timeline `window` shows from what has been drained so
-    /// far, leaving the capture running: overlapping windows can share one
-    /// set of probes. `dropped` is reported as is.
-    pub fn timeline_of(
-        &mut self,
-        window: &Window,
-        dropped: u64,
-        ended_early: Option<String>,
-    ) -> Timeline {
-        let stop_ns = window.stop_ns;
+    /// Everything recorded so far, for [`timeline::assemble`]: drained
+    /// records, and what the agents recorded, collected now. The capture
+    /// goes on running: overlapping windows can share one set of probes.
+    pub fn sources(&mut self) -> Sources<'_> {
         self.collect_framework(true);
         self.name_kernels();
-        // One ring buffer is shared by all CPUs; reservations are ordered,
-        // timestamps taken just before them are not quite.
-        self.records.sort_by_key(Record::ts);
         let mut names = HashMap::new();
         for t in &self.targets {
             for (tid, stat) in t.threads() {
                 names.insert(tid, stat.comm);
             }
         }
-        let window_start = window.start_ns.max(self.start_ns);
-        let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
-        cuda.add_driver_names(&self.kernel_naming.names);
-        let mut builder = SchedTimelineBuilder::new(
-            window_start,
-            stop_ns,
-            self.targets.iter().map(|t| (t.pid, t.name.clone())),
-            self.initial.clone(),
-        );
-        // Records before the window still tell each thread's state at its start.
-        let end = self.records.partition_point(|r| r.ts() <= stop_ns);
-        for r in &self.records[..end] {
-            match r {
-                Record::CudaCall(c) => cuda.push_call(c),
-                Record::CudaSymbol(s) => cuda.push_symbol(s),
-                _ => builder.push(r),
+        let traceme = (!self.traceme.recorders.is_empty()).then(|| {
+            let mut notes = traceme_findings(&self.traceme);
+            notes.extend(self.traceme.left_in_targets());
+            TraceMeInput {
+                events: &self.traceme_events,
+                notes,
             }
-        }
-        let capture_stats = CaptureStats {
-            records: 0,
-            dropped,
-            malformed: self.collector.malformed,
-            inconsistencies: 0,
-            ended_early,
-            notes: Vec::new(),
-            warnings: self.traceme.warnings().to_vec(),
-            sources: SourceStats {
-                kernel_names: self.kernel_naming.counts.clone(),
-                ..SourceStats::default()
-            },
-        };
-        let mut timeline = builder.finish(self.clock, &names, capture_stats);
-        if !self.families.sched {
-            without_scheduling(&mut timeline);
-        }
-        cuda.finish().add_to(&mut timeline);
-        timeline
-            .stats
-            .notes
-            .extend(self.kernel_naming.notes.iter().cloned());
-        self.add_traceme(&mut timeline);
-        self.add_framework(&mut timeline);
-        self.add_device_activity(&mut timeline);
-        let cut: u64 = timeline
-            .threads
-            .values_mut()
-            .map(|t| nest_spans(&mut t.spans))
-            .sum();
-        timeline.stats.sources.spans_cut_to_nest = cut;
-        if cut > 0 {
-            timeline.stats.notes.push(format!(
-                "{cut} spans from different sources overlapped and were cut to nest \
-                 (stat {CLIPPED_STAT})"
-            ));
-        }
-        window.apply(&mut timeline);
-        timeline
-    }
-
-    /// Lays the TraceMe events on the threads' lines and says how it went.
-    fn add_traceme(&self, timeline: &mut Timeline) {
-        if self.traceme.recorders.is_empty() {
-            return;
-        }
-        let spans = add_traceme_spans(timeline, &self.traceme_events);
-        timeline.stats.sources.traceme = Some(TraceMeSource {
-            events: self.traceme_events.len() as u64,
-            spans,
-            ..TraceMeSource::default()
         });
-        let notes = &mut timeline.stats.notes;
-        notes.extend(self.traceme.recorders.iter().map(|r| r.describe()));
-        notes.extend(self.traceme.python_gates.iter().map(|g| g.describe()));
-        notes.extend(self.traceme.left_in_targets());
-        notes.push(format!(
-            "TraceMe: {} events recorded, {} spans on the thread lines \
-             ({} outside the window, {} unpaired activity halves, {} cut to nest)",
-            self.traceme_events.len(),
-            spans.spans,
-            spans.outside_window,
-            spans.unpaired_activity_halves,
-            spans.clipped
-        ));
+        Sources {
+            start_ns: self.start_ns,
+            clock: self.clock,
+            processes: self
+                .targets
+                .iter()
+                .map(|t| (t.pid, t.name.clone()))
+                .collect(),
+            initial: self.initial.clone(),
+            names,
+            scheduling: self.families.sched,
+            records: &mut self.records,
+            malformed: self.collector.malformed,
+            kernel_naming: Some(&self.kernel_naming),
+            traceme,
+            warnings: self.traceme.warnings().to_vec(),
+            recordings: &self.recordings,
+            device_batches: &self.collected,
+        }
     }
+}
+
+/// The TraceMe recorders and Python gates found, one line each.
+fn traceme_findings(probe: &TraceMeProbe) -> Vec<String> {
+    let mut lines: Vec<String> = probe.recorders.iter().map(|r| r.describe()).collect();
+    lines.extend(probe.python_gates.iter().map(|g| g.describe()));
+    lines
 }
 
 /// The probes of a finished capture: attached, recording nothing.
@@ -527,15 +469,4 @@ impl AttachedProbes {
         crate::attach::links::release_after_exit();
         drop(self);
     }
-}
-
-/// Without the scheduler probes the builder can only guess thread states
-/// from `/proc` at the start: drop those guesses, keep the threads.
-fn without_scheduling(timeline: &mut Timeline) {
-    for t in timeline.threads.values_mut() {
-        t.slices.clear();
-        t.marks.clear();
-        t.counters = Default::default();
-    }
-    timeline.cpus.clear();
 }

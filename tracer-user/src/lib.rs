@@ -7,7 +7,8 @@
 //! - [`clock`]: `ClockSync`, the one place where kernel time becomes wall time;
 //! - [`timeline`]: the format-independent model of what each thread did;
 //! - [`sink`]: XSpace encoding and the XProf log directory layout;
-//! - [`capture`]: one capture from checks to timeline;
+//! - [`capture`]: one capture from checks to what it recorded (which
+//!   `timeline::assemble` turns into a timeline);
 //! - [`procfs`]: what `/proc` says about the targets;
 //! - [`server`]: `ebtrace serve`, the gRPC ProfilerService;
 //! - [`symbols`]: ELF symbol lookup and addresses inside running processes;

@@ -64,6 +64,45 @@ impl Record {
     pub fn ts(&self) -> u64 {
         self.header().ts_ns
     }
+
+    /// A `sched_switch` record as the probes write it: on `cpu`, from
+    /// `prev` to `next` (tid, tgid; tgid 0 for a task not traced). For
+    /// feeding [`crate::timeline`] without the kernel (tests, benchmarks).
+    pub fn sched_switch(
+        ts_ns: u64,
+        cpu: u32,
+        prev: (u32, u32),
+        prev_state: u64,
+        next: (u32, u32),
+    ) -> Record {
+        Record::Switch(SchedSwitch {
+            header: RecordHeader::new(
+                RecordKind::SchedSwitch,
+                size_of::<SchedSwitch>(),
+                cpu,
+                ts_ns,
+            ),
+            prev_tid: prev.0,
+            prev_tgid: prev.1,
+            next_tid: next.0,
+            next_tgid: next.1,
+            prev_state,
+        })
+    }
+
+    /// A `sched_waking` record as the probes write it, on CPU 0: `waker`
+    /// woke `woken` (tid, tgid each).
+    pub fn sched_waking(ts_ns: u64, woken: (u32, u32), waker: (u32, u32)) -> Record {
+        Record::Wakeup(SchedWakeup {
+            header: RecordHeader::new(RecordKind::SchedWakeup, size_of::<SchedWakeup>(), 0, ts_ns),
+            tid: woken.0,
+            tgid: woken.1,
+            waker_tid: waker.0,
+            waker_tgid: waker.1,
+            target_cpu: 0,
+            flags: 0,
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

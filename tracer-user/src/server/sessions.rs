@@ -6,8 +6,9 @@
 //! [`Capture`] with the same probe families and the same targets (started
 //! no longer ago than twice the longest allowed capture, which bounds the
 //! records one capture holds), or starts one a little before its requested
-//! start. The hub drains every capture on one tick and builds each
-//! session's timeline for its own [`Window`] with [`Capture::timeline_of`];
+//! start. The hub drains every capture on one tick and assembles each
+//! session's timeline for its own [`Window`] from the capture's
+//! [`Capture::sources`] with [`timeline::assemble`];
 //! a capture with no session left is dropped, which detaches its probes.
 //! Turning a timeline into the response (XSpace encoding, saving) and
 //! detaching (the kernel waits for an RCU grace period per program, tens
@@ -15,7 +16,7 @@
 //! next attach go on meanwhile.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     fmt,
     sync::{Arc, mpsc},
     thread::JoinHandle,
@@ -36,7 +37,7 @@ use crate::{
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock::{self, ClockSync},
     procfs::TargetProcess,
-    timeline::{CaptureStats, ProcessInfo, Timeline, Window},
+    timeline::{self, Sources, Timeline, Window},
 };
 
 /// How often running captures are drained.
@@ -406,13 +407,13 @@ impl Hub {
         for mut s in due {
             if s.terminated || self.shutting_down {
                 // Ended before it began: nothing was recorded.
-                let tl = empty_timeline(
+                let sources = Sources::new(
                     now,
-                    now,
-                    &self.watched.targets(),
                     ClockSync::measure(),
-                    Some(end_reason(&s, self.shutting_down)),
+                    processes(&self.watched.targets()),
                 );
+                let why = Some(end_reason(&s, self.shutting_down));
+                let tl = timeline::assemble(sources, &Window::between(now, now), 0, why);
                 self.deliver(s, tl, Duration::ZERO);
                 continue;
             }
@@ -601,49 +602,22 @@ fn session_timeline(
         pids: s.spec.pids.clone(),
         max_events: s.spec.max_events,
     };
-    let Some(capture) = r.capture.as_mut() else {
-        let mut tl = empty_timeline(start, stop, &r.targets, r.clock, ended_early);
-        window.apply(&mut tl);
-        return tl;
-    };
-    let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
-    capture.timeline_of(&window, dropped, ended_early)
+    match r.capture.as_mut() {
+        Some(capture) => {
+            let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
+            timeline::assemble(capture.sources(), &window, dropped, ended_early)
+        }
+        // No family was asked for: the window, its processes, no probe data.
+        None => {
+            let sources = Sources::new(r.started_ns, r.clock, processes(&r.targets));
+            timeline::assemble(sources, &window, 0, ended_early)
+        }
+    }
 }
 
-/// A trace of the window with no probe data (no family was asked for).
-fn empty_timeline(
-    start: u64,
-    stop: u64,
-    targets: &[TargetProcess],
-    clock: ClockSync,
-    ended_early: Option<String>,
-) -> Timeline {
-    Timeline {
-        start_ns: start,
-        stop_ns: stop,
-        clock,
-        processes: targets
-            .iter()
-            .map(|t| {
-                (
-                    t.pid,
-                    ProcessInfo {
-                        pid: t.pid,
-                        name: t.name.clone(),
-                        exited_ns: None,
-                    },
-                )
-            })
-            .collect(),
-        threads: BTreeMap::new(),
-        devices: BTreeMap::new(),
-        carried_planes: Vec::new(),
-        cpus: BTreeMap::new(),
-        stats: CaptureStats {
-            ended_early,
-            ..CaptureStats::default()
-        },
-    }
+/// The traced processes as [`Sources`] lists them.
+fn processes(targets: &[TargetProcess]) -> Vec<(u32, String)> {
+    targets.iter().map(|t| (t.pid, t.name.clone())).collect()
 }
 
 /// One line per answered session; `timing` is (timeline built in, response

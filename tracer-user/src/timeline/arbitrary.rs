@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    CORRELATION_STAT, CaptureStats, CpuSlice, DeviceTrack, Mark, MarkKind, ProcessInfo,
+    CORRELATION_STAT, CaptureStats, CpuSlice, Cuts, DeviceTrack, Mark, MarkKind, ProcessInfo,
     RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
-    ThreadState, ThreadTrack, Timeline, Value, Window, nest_spans,
+    ThreadState, ThreadTrack, Timeline, Value, Window, nest,
 };
 use crate::clock::ClockSync;
 
@@ -95,7 +95,7 @@ fn thread(tid: u32, (pid, cuts, states, spans, marks): ThreadParts) -> ThreadTra
         .into_iter()
         .map(|(start, len, corr)| span(start, len, corr))
         .collect();
-    nest_spans(&mut spans);
+    nest(&mut spans, Cuts::Marked);
     let mut marks: Vec<Mark> = marks
         .into_iter()
         .map(|(ts_ns, flow)| Mark {

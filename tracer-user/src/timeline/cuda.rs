@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
-use super::{CORRELATION_STAT, Span, Value};
+use super::{CORRELATION_STAT, Cuts, Span, Value, nest};
 use crate::{
     collect::Record,
     cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},
@@ -795,7 +795,7 @@ impl CudaTimelineBuilder {
     /// Host spans nest, device events follow each other on their stream.
     pub fn finish(mut self) -> CudaTimeline {
         for (_, spans) in self.out.spans.values_mut() {
-            nest(spans);
+            nest(spans, Cuts::Silent);
         }
         for device in self.out.devices.values_mut() {
             for stream in device.streams.values_mut() {
@@ -826,22 +826,6 @@ fn describe_stream(stream: u64, per_thread_build: bool) -> String {
         0 | STREAM_LEGACY => "legacy default".into(),
         STREAM_PER_THREAD => "per-thread default".into(),
         h => format!("{h:#x}"),
-    }
-}
-
-/// Sorts spans parents-first and cuts any that would partially overlap the
-/// span enclosing its start (driver calls on one thread nest or follow).
-fn nest(spans: &mut [Span]) {
-    spans.sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
-    let mut open: Vec<u64> = Vec::new();
-    for s in spans.iter_mut() {
-        while open.last().is_some_and(|&end| end <= s.start_ns) {
-            open.pop();
-        }
-        if let Some(&end) = open.last() {
-            s.end_ns = s.end_ns.min(end);
-        }
-        open.push(s.end_ns);
     }
 }
 
@@ -1084,25 +1068,20 @@ mod tests {
     }
 
     #[test]
-    fn overlapping_spans_are_made_to_nest_and_streams_to_follow() {
-        let mut spans = vec![
-            Span {
-                start_ns: 10,
-                end_ns: 50,
-                name: "a".into(),
-                stats: vec![],
-            },
-            Span {
-                start_ns: 20,
-                end_ns: 70,
-                name: "b".into(),
-                stats: vec![],
-            },
-        ];
-        nest(&mut spans);
-        assert_eq!((spans[1].start_ns, spans[1].end_ns), (20, 50));
-        serialize(&mut spans);
-        assert_eq!((spans[1].start_ns, spans[1].end_ns), (50, 50));
+    fn overlapping_work_on_a_stream_is_made_to_follow() {
+        let work = |start_ns, end_ns, name: &str| Span {
+            start_ns,
+            end_ns,
+            name: name.into(),
+            stats: vec![],
+        };
+        let mut events = vec![work(20, 50, "b"), work(10, 50, "a"), work(60, 70, "c")];
+        serialize(&mut events);
+        let got: Vec<(&str, u64, u64)> = events
+            .iter()
+            .map(|e| (e.name.as_str(), e.start_ns, e.end_ns))
+            .collect();
+        assert_eq!(got, vec![("a", 10, 50), ("b", 50, 50), ("c", 60, 70)]);
     }
 
     /// A driver call as a hostile (or buggy) process may make it: any

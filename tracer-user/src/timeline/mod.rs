@@ -12,13 +12,16 @@
 //!
 //! Per GPU (`devices`) it keeps the work the host submitted to each stream
 //! (see [`cuda`]); a framework's own planes ride along (see [`framework`]).
-//! A trace shows the part of it a [`Window`] selects.
+//! A trace shows the part of it a [`Window`] selects. [`assemble`] is the
+//! one path from what a capture recorded to the timeline of a window.
 
 #[cfg(test)]
 pub(crate) mod arbitrary;
+pub mod assemble;
 pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;
+pub mod nest;
 mod sched;
 mod sources;
 pub mod traceme;
@@ -26,9 +29,11 @@ pub mod window;
 
 use std::collections::BTreeMap;
 
+pub use assemble::{Sources, TraceMeInput, assemble};
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
+pub use nest::{Cuts, Nestable, nest};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use sources::{KernelNames, SourceStats, TraceMeSource};
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
@@ -201,34 +206,6 @@ pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
 /// the work it submitted; XProf draws an arrow from one to the other.
 pub const CORRELATION_STAT: &str = "correlation_id";
 
-/// Makes one thread's spans nest, whatever sources they came from: sorted
-/// by start (longest first), a span that outlives the span enclosing its
-/// start is cut at that span's end and says so in [`CLIPPED_STAT`]. Each
-/// source nests its own spans first; this pass only catches overlaps
-/// between sources (e.g. a driver call and a TraceMe whose clocks differ by
-/// a microsecond). Returns how many spans were cut.
-pub fn nest_spans(spans: &mut [Span]) -> u64 {
-    spans.sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
-    let mut open: Vec<u64> = Vec::new();
-    let mut cut = 0;
-    for span in spans.iter_mut() {
-        while open.last().is_some_and(|&end| end <= span.start_ns) {
-            open.pop();
-        }
-        if let Some(&end) = open.last()
-            && span.end_ns > end
-        {
-            let clipped = span.end_ns - end;
-            span.end_ns = end;
-            span.stats
-                .push((CLIPPED_STAT.to_string(), Value::I64(clipped as i64)));
-            cut += 1;
-        }
-        open.push(span.end_ns);
-    }
-    cut
-}
-
 /// Per-thread totals over the capture window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ThreadCounters {
@@ -394,50 +371,5 @@ impl Timeline {
             .values()
             .flat_map(|d| d.streams.values())
             .flat_map(|s| &s.events)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn span(name: &str, start_ns: u64, end_ns: u64) -> Span {
-        Span {
-            start_ns,
-            end_ns,
-            name: name.into(),
-            stats: vec![],
-        }
-    }
-
-    #[test]
-    fn spans_from_two_sources_are_made_to_nest() {
-        let mut spans = vec![
-            span("traceme", 100, 200),
-            // A driver call that ends 3 ns after the TraceMe enclosing it.
-            span("cuLaunchKernel", 150, 203),
-            span("inner", 160, 170),
-            span("after", 200, 250),
-            span("instant", 200, 200),
-        ];
-        assert_eq!(nest_spans(&mut spans), 1);
-        let got: Vec<(&str, u64, u64)> = spans
-            .iter()
-            .map(|s| (s.name.as_str(), s.start_ns, s.end_ns))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                ("traceme", 100, 200),
-                ("cuLaunchKernel", 150, 200),
-                ("inner", 160, 170),
-                ("after", 200, 250),
-                ("instant", 200, 200),
-            ]
-        );
-        assert_eq!(
-            spans[1].stats,
-            vec![(CLIPPED_STAT.to_string(), Value::I64(3))]
-        );
     }
 }

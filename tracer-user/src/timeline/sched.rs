@@ -436,33 +436,12 @@ pub fn comm_to_string(comm: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use tracer_common::{RecordHeader, RecordKind, SchedSwitch, SchedWakeup};
-
     use super::*;
 
     const PID: u32 = 100;
 
-    fn switch(ts: u64, cpu: u32, prev: (u32, u32), state: u64, next: (u32, u32)) -> Record {
-        Record::Switch(SchedSwitch {
-            header: RecordHeader::new(RecordKind::SchedSwitch, 40, cpu, ts),
-            prev_tid: prev.0,
-            prev_tgid: prev.1,
-            next_tid: next.0,
-            next_tgid: next.1,
-            prev_state: state,
-        })
-    }
-
     fn wakeup(ts: u64, tid: u32, waker: u32) -> Record {
-        Record::Wakeup(SchedWakeup {
-            header: RecordHeader::new(RecordKind::SchedWakeup, 40, 0, ts),
-            tid,
-            tgid: PID,
-            waker_tid: waker,
-            waker_tgid: PID,
-            target_cpu: 0,
-            flags: 0,
-        })
+        Record::sched_waking(ts, (tid, PID), (waker, PID))
     }
 
     fn build(records: &[Record], initial: &[(u32, char)]) -> Timeline {
@@ -506,9 +485,9 @@ mod tests {
         let recs = [
             // 101 runs, blocks at 1100 and wakes 102, which runs 1100..1300.
             wakeup(1_090, 102, 101),
-            switch(1_100, 0, (101, PID), 0x1, (102, PID)),
+            Record::sched_switch(1_100, 0, (101, PID), 0x1, (102, PID)),
             wakeup(1_290, 101, 102),
-            switch(1_300, 0, (102, PID), 0x1, (101, PID)),
+            Record::sched_switch(1_300, 0, (102, PID), 0x1, (101, PID)),
         ];
         let tl = build(&recs, &[(101, 'R'), (102, 'S')]);
         let a = &tl.threads[&101];
@@ -550,8 +529,8 @@ mod tests {
     #[test]
     fn preemption_is_involuntary_and_runnable() {
         let recs = [
-            switch(1_200, 1, (7, PID), PREEMPTED, (0, 0)),
-            switch(1_250, 1, (0, 0), 0, (7, PID)),
+            Record::sched_switch(1_200, 1, (7, PID), PREEMPTED, (0, 0)),
+            Record::sched_switch(1_250, 1, (0, 0), 0, (7, PID)),
         ];
         let tl = build(&recs, &[]);
         let t = &tl.threads[&7];
@@ -571,7 +550,10 @@ mod tests {
     #[test]
     fn wakeup_of_a_thread_still_on_cpu_is_corrected() {
         // Unknown thread gets a wake-up (it had not slept yet), then switches out.
-        let recs = [wakeup(1_100, 9, 8), switch(1_500, 0, (9, PID), 0x1, (0, 0))];
+        let recs = [
+            wakeup(1_100, 9, 8),
+            Record::sched_switch(1_500, 0, (9, PID), 0x1, (0, 0)),
+        ];
         let tl = build(&recs, &[]);
         let t = &tl.threads[&9];
         assert_eq!(t.counters.on_cpu_ns, 500);
@@ -582,10 +564,10 @@ mod tests {
     #[test]
     fn unreported_switch_in_leaves_an_unknown_interval() {
         let recs = [
-            switch(1_100, 0, (0, 0), 0, (4, PID)),
-            switch(1_200, 0, (4, PID), 0x1, (0, 0)),
+            Record::sched_switch(1_100, 0, (0, 0), 0, (4, PID)),
+            Record::sched_switch(1_200, 0, (4, PID), 0x1, (0, 0)),
             // No wake-up, no switch-in reported, then a switch-out.
-            switch(1_700, 0, (4, PID), 0x1, (0, 0)),
+            Record::sched_switch(1_700, 0, (4, PID), 0x1, (0, 0)),
         ];
         let tl = build(&recs, &[]);
         let t = &tl.threads[&4];
@@ -598,7 +580,7 @@ mod tests {
 
     #[test]
     fn exit_ends_the_thread() {
-        let recs = [switch(1_400, 0, (9, PID), 0x10, (0, 0))];
+        let recs = [Record::sched_switch(1_400, 0, (9, PID), 0x10, (0, 0))];
         let tl = build(&recs, &[]);
         let t = &tl.threads[&9];
         assert_eq!(t.slices.len(), 1);
@@ -608,8 +590,8 @@ mod tests {
     #[test]
     fn records_outside_the_window_are_clipped() {
         let recs = [
-            switch(900, 0, (0, 0), 0, (3, PID)),
-            switch(2_500, 0, (3, PID), 0x1, (0, 0)),
+            Record::sched_switch(900, 0, (0, 0), 0, (3, PID)),
+            Record::sched_switch(2_500, 0, (3, PID), 0x1, (0, 0)),
         ];
         let tl = build(&recs, &[]);
         let t = &tl.threads[&3];

@@ -14,7 +14,8 @@
 //!   window are dropped (TSL drops those that began before its session).
 //!
 //! Spans of one thread must nest. Scoped TraceMes nest by construction;
-//! activities need not, so partial overlaps are resolved deterministically:
+//! activities need not, so partial overlaps are resolved deterministically
+//! (by [`nest`], activities giving way):
 //! a scoped event always keeps its true extent, and the activity it
 //! overlaps is cut (at the scoped event's start when the activity began
 //! first, else at its enclosing event's end); two overlapping events of the
@@ -23,7 +24,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::{Span, ThreadCounters, ThreadTrack, Timeline, Value};
+use super::{Cuts, Nestable, Span, ThreadCounters, ThreadTrack, Timeline, Value, nest};
 use crate::collect::TraceMeEvent;
 
 /// Stat on a span whose end was moved to make it nest: nanoseconds cut.
@@ -158,66 +159,21 @@ pub fn parse_traceme_name(raw: &str, truncated: bool) -> ParsedName {
 /// A span being placed, with what the nesting rules need to know.
 struct Candidate {
     span: Span,
-    /// Activities may be cut in favour of scoped events.
+    /// Whether it is an activity (see the module doc).
     activity: bool,
-    clipped_ns: u64,
 }
 
-/// Makes one thread's spans nest (see the module doc).
-fn nest(mut items: Vec<Candidate>) -> (Vec<Span>, u64) {
-    items.sort_by(|a, b| {
-        (
-            a.span.start_ns,
-            std::cmp::Reverse(a.span.end_ns),
-            a.activity,
-        )
-            .cmp(&(
-                b.span.start_ns,
-                std::cmp::Reverse(b.span.end_ns),
-                b.activity,
-            ))
-    });
-    let mut open: Vec<usize> = Vec::new();
-    for i in 0..items.len() {
-        let start = items[i].span.start_ns;
-        loop {
-            while open.last().is_some_and(|&t| items[t].span.end_ns <= start) {
-                open.pop();
-            }
-            let Some(&top) = open.last() else { break };
-            let end = items[i].span.end_ns;
-            if end <= items[top].span.end_ns {
-                break;
-            }
-            if items[top].activity && !items[i].activity {
-                // Keep the scoped event whole: the activity ends where it starts.
-                let cut = items[top].span.end_ns - start;
-                items[top].clipped_ns += cut;
-                items[top].span.end_ns = start;
-                open.pop();
-                continue;
-            }
-            let cut = end - items[top].span.end_ns;
-            items[i].clipped_ns += cut;
-            items[i].span.end_ns = items[top].span.end_ns;
-            break;
-        }
-        open.push(i);
+impl Nestable for Candidate {
+    fn span(&self) -> &Span {
+        &self.span
     }
-    let mut clipped = 0;
-    let spans = items
-        .into_iter()
-        .map(|mut c| {
-            if c.clipped_ns > 0 {
-                clipped += 1;
-                c.span
-                    .stats
-                    .push((CLIPPED_STAT.to_string(), Value::I64(c.clipped_ns as i64)));
-            }
-            c.span
-        })
-        .collect();
-    (spans, clipped)
+    fn span_mut(&mut self) -> &mut Span {
+        &mut self.span
+    }
+    /// Activities may be cut in favour of scoped events.
+    fn gives_way(&self) -> bool {
+        self.activity
+    }
 }
 
 /// Builds each thread's spans from the TraceMe events of a capture (any
@@ -291,17 +247,13 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
             .entry(e.tid)
             .or_insert_with(|| (e.tgid, Vec::new()))
             .1
-            .push(Candidate {
-                span,
-                activity,
-                clipped_ns: 0,
-            });
+            .push(Candidate { span, activity });
     }
     stats.unpaired_activity_halves += starts.len() as u64 - paired.min(starts.len() as u64);
-    for (tid, (pid, candidates)) in per_thread {
-        let (spans, clipped) = nest(candidates);
-        stats.clipped += clipped;
-        stats.spans += spans.len() as u64;
+    for (tid, (pid, mut candidates)) in per_thread {
+        stats.clipped += nest(&mut candidates, Cuts::Marked);
+        stats.spans += candidates.len() as u64;
+        let spans = candidates.into_iter().map(|c| c.span);
         let track = timeline.threads.entry(tid).or_insert_with(|| ThreadTrack {
             tid,
             pid,

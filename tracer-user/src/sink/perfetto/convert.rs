@@ -23,7 +23,7 @@ use ebtrace_proto::{
 };
 
 use super::{PacketWriter, PerfettoClocks, PerfettoStats, write_spans};
-use crate::timeline::{Span, nest_spans};
+use crate::timeline::{Cuts, Span, nest};
 
 fn plane_uuid(plane: usize) -> u64 {
     5 << 56 | plane as u64
@@ -101,7 +101,7 @@ pub fn write_xspace<W: Write>(space: &XSpace, out: W) -> io::Result<PerfettoStat
                     stats: Vec::new(),
                 }
             }));
-            nest_spans(&mut spans);
+            nest(&mut spans, Cuts::Marked);
             write_spans(&mut w, clocks, line_uuid(p, l), &spans, false)?;
         }
     }

@@ -250,7 +250,7 @@ fn write_descriptors<W: Write>(w: &mut PacketWriter<W>, timeline: &Timeline) -> 
 }
 
 /// Writes nested spans (sorted by start, longest first, as
-/// `timeline::nest_spans` leaves them) as begin/end pairs on one track.
+/// `timeline::nest` leaves them) as begin/end pairs on one track.
 /// Spans carrying a `correlation_id` start a flow on a thread and end it
 /// on a stream (`device` true).
 fn write_spans<W: Write>(

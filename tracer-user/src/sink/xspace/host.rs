@@ -454,7 +454,7 @@ impl InternedSpans {
             }
             out.ranges.push(from..out.stats.len());
         }
-        // Timelines come with their spans nested and sorted (`nest_spans`).
+        // Timelines come with their spans nested and sorted (`timeline::nest`).
         out.order
             .sort_by_key(|&i| (spans[i].start_ns, std::cmp::Reverse(spans[i].end_ns)));
         out

@@ -1,0 +1,432 @@
+//! From what a capture recorded to the [`Timeline`] a window shows: the
+//! one path `ebtrace record` and `ebtrace serve` both take.
+//!
+//! The scheduler records make the thread states and CPU lines, the CUDA
+//! driver calls their spans and the GPU streams, then the TraceMe events,
+//! the frameworks' own XSpaces and the GPU activity the agents handed over
+//! are laid on top; spans from different sources are made to nest, and the
+//! window cuts the result. Nothing here touches the kernel or the targets:
+//! [`crate::capture`] collects the [`Sources`], this turns them into a
+//! timeline.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::{
+    CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
+    SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, merge_device_activity,
+    merge_framework_space, nest,
+};
+use crate::{
+    agent::{AgentRecording, KernelNaming},
+    clock::ClockSync,
+    collect::{Record, TraceMeEvent},
+};
+
+/// Everything a capture recorded so far, as [`assemble`] takes it.
+pub struct Sources<'a> {
+    /// When recording began (monotonic ns): a window that starts earlier
+    /// shows from here.
+    pub start_ns: u64,
+    pub clock: ClockSync,
+    /// The traced processes: pid and name.
+    pub processes: Vec<(u32, String)>,
+    /// Their threads as `/proc` showed them when recording began.
+    pub initial: HashMap<u32, InitialState>,
+    /// Thread names as `/proc` shows them now, for threads no record names.
+    pub names: HashMap<u32, String>,
+    /// Whether the scheduler was traced; without it, the thread states
+    /// guessed from `initial` are left out (the threads are kept).
+    pub scheduling: bool,
+    /// The decoded records but TraceMe events, in ring-buffer order (one
+    /// buffer is shared by all CPUs: reservations are ordered, timestamps
+    /// taken just before them are not quite). Sorted by time in place.
+    pub records: &'a mut [Record],
+    /// Ring-buffer items that could not be decoded.
+    pub malformed: u64,
+    /// Kernel names asked of the driver inside the targets.
+    pub kernel_naming: Option<&'a KernelNaming>,
+    /// The TraceMe events, when a recorder was found in any target.
+    pub traceme: Option<TraceMeInput<'a>>,
+    /// Problems met while recording, which the trace states.
+    pub warnings: Vec<String>,
+    /// What the agents' framework sessions recorded.
+    pub recordings: &'a [AgentRecording],
+    /// GPU activity batches taken from the agents while recording, by pid.
+    pub device_batches: &'a [(u32, Vec<u8>)],
+}
+
+impl Sources<'_> {
+    /// A capture of `processes` that recorded nothing (yet).
+    pub fn new(start_ns: u64, clock: ClockSync, processes: Vec<(u32, String)>) -> Self {
+        Sources {
+            start_ns,
+            clock,
+            processes,
+            initial: HashMap::new(),
+            names: HashMap::new(),
+            scheduling: false,
+            records: &mut [],
+            malformed: 0,
+            kernel_naming: None,
+            traceme: None,
+            warnings: Vec::new(),
+            recordings: &[],
+            device_batches: &[],
+        }
+    }
+}
+
+/// The TraceMe events of a capture and what its probes found.
+pub struct TraceMeInput<'a> {
+    pub events: &'a [TraceMeEvent],
+    /// For the summary: one line per recorder, Python gate, and target
+    /// left recording.
+    pub notes: Vec<String>,
+}
+
+/// The timeline `window` shows of `sources`. `dropped` (records the ring
+/// buffer or a probe family lost) and `ended_early` (why the capture ended
+/// before its window did) are stated as given.
+pub fn assemble(
+    sources: Sources<'_>,
+    window: &Window,
+    dropped: u64,
+    ended_early: Option<String>,
+) -> Timeline {
+    let stop_ns = window.stop_ns;
+    sources.records.sort_by_key(Record::ts);
+    let window_start = window.start_ns.max(sources.start_ns);
+    let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
+    if let Some(k) = sources.kernel_naming {
+        cuda.add_driver_names(&k.names);
+    }
+    let mut builder =
+        SchedTimelineBuilder::new(window_start, stop_ns, sources.processes, sources.initial);
+    // Records before the window still tell each thread's state at its start.
+    let end = sources.records.partition_point(|r| r.ts() <= stop_ns);
+    for r in &sources.records[..end] {
+        match r {
+            Record::CudaCall(c) => cuda.push_call(c),
+            Record::CudaSymbol(s) => cuda.push_symbol(s),
+            _ => builder.push(r),
+        }
+    }
+    let capture_stats = CaptureStats {
+        records: 0,
+        dropped,
+        malformed: sources.malformed,
+        inconsistencies: 0,
+        ended_early,
+        notes: Vec::new(),
+        warnings: sources.warnings,
+        sources: SourceStats {
+            kernel_names: sources
+                .kernel_naming
+                .map(|k| k.counts.clone())
+                .unwrap_or_default(),
+            ..SourceStats::default()
+        },
+    };
+    let mut timeline = builder.finish(sources.clock, &sources.names, capture_stats);
+    if !sources.scheduling {
+        without_scheduling(&mut timeline);
+    }
+    cuda.finish().add_to(&mut timeline);
+    if let Some(k) = sources.kernel_naming {
+        timeline.stats.notes.extend(k.notes.iter().cloned());
+    }
+    if let Some(traceme) = sources.traceme {
+        add_traceme(&mut timeline, traceme);
+    }
+    add_framework(&mut timeline, sources.recordings);
+    add_device_activity(&mut timeline, sources.recordings, sources.device_batches);
+    let cut: u64 = timeline
+        .threads
+        .values_mut()
+        .map(|t| nest(&mut t.spans, Cuts::Marked))
+        .sum();
+    timeline.stats.sources.spans_cut_to_nest = cut;
+    if cut > 0 {
+        timeline.stats.notes.push(format!(
+            "{cut} spans from different sources overlapped and were cut to nest \
+             (stat {CLIPPED_STAT})"
+        ));
+    }
+    window.apply(&mut timeline);
+    timeline
+}
+
+/// Without the scheduler probes the builder can only guess thread states
+/// from `/proc` at the start: drop those guesses, keep the threads.
+fn without_scheduling(timeline: &mut Timeline) {
+    for t in timeline.threads.values_mut() {
+        t.slices.clear();
+        t.marks.clear();
+        t.counters = Default::default();
+    }
+    timeline.cpus.clear();
+}
+
+/// Lays the TraceMe events on the threads' lines and says how it went.
+fn add_traceme(timeline: &mut Timeline, traceme: TraceMeInput<'_>) {
+    let spans = add_traceme_spans(timeline, traceme.events);
+    timeline.stats.sources.traceme = Some(TraceMeSource {
+        events: traceme.events.len() as u64,
+        spans,
+        ..TraceMeSource::default()
+    });
+    let notes = &mut timeline.stats.notes;
+    notes.extend(traceme.notes);
+    notes.push(format!(
+        "TraceMe: {} events recorded, {} spans on the thread lines \
+         ({} outside the window, {} unpaired activity halves, {} cut to nest)",
+        traceme.events.len(),
+        spans.spans,
+        spans.outside_window,
+        spans.unpaired_activity_halves,
+        spans.clipped
+    ));
+}
+
+/// Merges what the framework sessions recorded and says how it went.
+fn add_framework(timeline: &mut Timeline, recordings: &[AgentRecording]) {
+    for (r, xspace) in recordings
+        .iter()
+        .flat_map(|r| r.xspaces.iter().map(move |x| (r, x)))
+    {
+        match merge_framework_space(timeline, r.pid, xspace, &r.threads) {
+            Ok(m) => {
+                timeline.stats.sources.add_framework(r.pid, &m);
+                timeline.stats.notes.push(format!(
+                    "pid {}: the framework's own session: {} events on the thread lines, \
+                     {} planes carried over",
+                    r.pid, m.spans, m.planes
+                ));
+                if m.unnamed_lines > 0 {
+                    timeline.stats.warnings.push(format!(
+                        "pid {}: {} events of {} framework threads left out: those threads \
+                         ended before ebtrace could name them",
+                        r.pid, m.unnamed_events, m.unnamed_lines
+                    ));
+                }
+            }
+            Err(e) => timeline.stats.warnings.push(format!(
+                "pid {}: the framework's XSpace is unreadable ({e}); its events are missing",
+                r.pid
+            )),
+        }
+    }
+}
+
+/// Lays what the GPUs ran (CUPTI, through the agent) on their lines and
+/// says how it went: the batches taken while recording, then those the
+/// sessions handed over when they stopped.
+fn add_device_activity(
+    timeline: &mut Timeline,
+    recordings: &[AgentRecording],
+    collected: &[(u32, Vec<u8>)],
+) {
+    let mut by_pid: BTreeMap<u32, Vec<&[u8]>> = BTreeMap::new();
+    for (pid, batch) in collected {
+        by_pid.entry(*pid).or_default().push(batch);
+    }
+    for r in recordings {
+        if let Some(problem) = &r.problem {
+            timeline
+                .stats
+                .warnings
+                .push(format!("pid {}: {problem}", r.pid));
+        }
+        if !r.device_activity.is_empty() {
+            by_pid
+                .entry(r.pid)
+                .or_default()
+                .extend(r.device_activity.iter().map(Vec::as_slice));
+        }
+    }
+    for (pid, batches) in by_pid {
+        let m = merge_device_activity(timeline, pid, &batches);
+        timeline.stats.sources.gpu_activity.insert(pid, m);
+        timeline.stats.notes.push(format!(
+            "pid {pid}: GPU activity (CUPTI): {} kernels, {} copies, {} memsets; \
+             {} joined to the driver call spans of the uprobes, {} calls shown from \
+             CUPTI's own records",
+            m.kernels, m.copies, m.memsets, m.joined, m.spans_from_records
+        ));
+        if m.dropped > 0 {
+            timeline.stats.warnings.push(format!(
+                "pid {pid}: CUPTI dropped {} activity records (its buffers were full): \
+                 shorten the window or collect more often",
+                m.dropped
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::{RecordHeader, RecordKind, cuda::CudaCall};
+
+    use super::*;
+    use crate::{
+        cuda_api,
+        timeline::{ProcessInfo, RunnableCause, Span, TaskState, ThreadState, Value},
+    };
+
+    const PID: u32 = 7;
+    const TID: u32 = 11;
+
+    fn sync_call(start_ns: u64, end_ns: u64) -> Record {
+        let function = cuda_api::FUNCTIONS
+            .iter()
+            .position(|f| f.name == "cuCtxSynchronize")
+            .expect("cuCtxSynchronize is probed") as u16;
+        Record::CudaCall(Box::new(CudaCall {
+            header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 0, end_ns),
+            tid: TID,
+            tgid: PID,
+            start_ns,
+            function,
+            _pad: 0,
+            result: 0,
+            args: [0; 6],
+            extra: [0; 8],
+            out_value: 0,
+        }))
+    }
+
+    fn traceme(start_ns: i64, end_ns: i64, name: &str) -> TraceMeEvent {
+        TraceMeEvent {
+            header: RecordHeader::new(RecordKind::TraceMe, 64, 0, end_ns as u64),
+            tid: TID,
+            tgid: PID,
+            site: 0x1000,
+            start_time: start_ns,
+            end_time: end_ns,
+            name: name.into(),
+            truncated: false,
+            name_len: name.len() as u32,
+            name_unreadable: false,
+        }
+    }
+
+    #[test]
+    fn nothing_recorded_gives_the_window_and_its_processes() {
+        let clock = ClockSync::from_offset(5);
+        let sources = Sources::new(1_000, clock, vec![(PID, "p".into())]);
+        let tl = assemble(sources, &Window::between(500, 2_000), 3, Some("why".into()));
+        let expected = Timeline {
+            start_ns: 1_000,
+            stop_ns: 2_000,
+            clock,
+            processes: [(
+                PID,
+                ProcessInfo {
+                    pid: PID,
+                    name: "p".into(),
+                    exited_ns: None,
+                },
+            )]
+            .into(),
+            threads: BTreeMap::new(),
+            cpus: BTreeMap::new(),
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats {
+                dropped: 3,
+                ended_early: Some("why".into()),
+                ..CaptureStats::default()
+            },
+        };
+        assert_eq!(tl, expected);
+    }
+
+    /// Records out of time order, a driver call that outlives the TraceMe
+    /// enclosing its start, and a capture with or without the scheduler.
+    #[test]
+    fn every_source_lands_on_one_timeline_whose_spans_nest() {
+        let events = [traceme(1_200, 1_300, "step#n=1#")];
+        let assembled = |scheduling: bool| {
+            let mut records = vec![
+                Record::sched_switch(1_150, 0, (0, 0), 0, (TID, PID)),
+                Record::sched_waking(1_100, (TID, PID), (PID, PID)),
+                sync_call(1_250, 1_320),
+            ];
+            let initial = [(
+                TID,
+                InitialState {
+                    pid: PID,
+                    name: "worker".into(),
+                    state: 'S',
+                    cpu: 0,
+                },
+            )];
+            let sources = Sources {
+                scheduling,
+                initial: initial.into(),
+                records: &mut records,
+                traceme: Some(TraceMeInput {
+                    events: &events,
+                    notes: vec!["recorder found".into()],
+                }),
+                warnings: vec!["a probe complained".into()],
+                ..Sources::new(1_000, ClockSync::from_offset(0), vec![(PID, "p".into())])
+            };
+            assemble(sources, &Window::between(1_000, 2_000), 0, None)
+        };
+
+        let tl = assembled(true);
+        let t = &tl.threads[&TID];
+        let slices: Vec<(u64, u64, ThreadState)> = t
+            .slices
+            .iter()
+            .map(|s| (s.start_ns, s.end_ns, s.state))
+            .collect();
+        // The waker's line shows its wake-up mark: the flow has both ends.
+        let woken = RunnableCause::Woken {
+            waker_tid: PID,
+            waker_pid: PID,
+            flow_id: Some(1),
+        };
+        let sleeping = TaskState::Sleeping;
+        assert_eq!(
+            slices,
+            vec![
+                (1_000, 1_100, ThreadState::Blocked { state: sleeping }),
+                (1_100, 1_150, ThreadState::Runnable { cause: woken }),
+                (1_150, 2_000, ThreadState::Running { cpu: 0 }),
+            ]
+        );
+        let spans: Vec<(&str, u64, u64)> = t
+            .spans
+            .iter()
+            .map(|s| (s.name.as_str(), s.start_ns, s.end_ns))
+            .collect();
+        assert_eq!(
+            spans,
+            vec![("step", 1_200, 1_300), ("cuCtxSynchronize", 1_250, 1_300)]
+        );
+        let clipped = |s: &Span| {
+            s.stats
+                .iter()
+                .find(|(k, _)| k == CLIPPED_STAT)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(clipped(&t.spans[0]), None);
+        assert_eq!(clipped(&t.spans[1]), Some(Value::I64(20)));
+        assert_eq!(tl.stats.records, 3, "2 scheduler records and 1 driver call");
+        assert_eq!(tl.stats.warnings, vec!["a probe complained".to_string()]);
+        let notes = &tl.stats.notes;
+        assert_eq!(notes[0], "recorder found");
+        assert!(notes[1].starts_with("TraceMe: 1 events recorded, 1 spans"));
+        assert!(notes[2].starts_with("1 spans from different sources overlapped"));
+        assert_eq!(notes.len(), 3);
+        assert_eq!(tl.cpus[&0].len(), 1);
+
+        // Without the scheduler, the thread keeps its spans but no states.
+        let tl = assembled(false);
+        let t = &tl.threads[&TID];
+        assert!(t.slices.is_empty() && t.marks.is_empty() && tl.cpus.is_empty());
+        assert_eq!(t.spans.len(), 2);
+    }
+}
