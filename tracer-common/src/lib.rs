@@ -21,7 +21,9 @@ pub mod names {
     pub const EVENTS: &str = "EVENTS";
     /// Thread-group ids (processes) being traced: `u32 tgid -> u32 1`.
     pub const TARGET_TGIDS: &str = "TARGET_TGIDS";
-    /// Threads known to belong to a traced process: `u32 tid -> u32 tgid`.
+    /// Threads known to belong to a traced process: an array indexed by
+    /// tid, holding the thread's tgid (0: not traced). Sized to the
+    /// kernel's `pid_max` at load.
     pub const TRACKED_TIDS: &str = "TRACKED_TIDS";
     /// Per-CPU outcome counters, indexed by [`crate::stat`].
     pub const STATS: &str = "STATS";
@@ -43,7 +45,8 @@ pub mod stat {
     pub const SUBMITTED: u32 = 0;
     /// Records lost because the ring buffer was full.
     pub const DROPPED_RINGBUF_FULL: u32 = 1;
-    /// New threads that could not be tracked because `TRACKED_TIDS` was full.
+    /// New threads that could not be tracked: their tid is past the
+    /// `TRACKED_TIDS` array (`pid_max` was raised after loading).
     pub const DROPPED_TRACK_FULL: u32 = 2;
     /// Submits that forced a reader wake-up (fill level past the threshold).
     pub const FORCED_WAKEUPS: u32 = 3;
@@ -51,8 +54,8 @@ pub mod stat {
     pub const COUNT: u32 = 4;
 }
 
-/// Capacity of `TRACKED_TIDS` (threads followed at once, all targets together).
-pub const MAX_TRACKED_TIDS: u32 = 65_536;
+/// Size of `TRACKED_TIDS` in the object; set to `pid_max` at load.
+pub const MAX_TRACKED_TIDS: u32 = 32_768;
 /// Capacity of `TARGET_TGIDS` (processes traced at once).
 pub const MAX_TARGETS: u32 = 1_024;
 

@@ -31,7 +31,7 @@ use tracer_common::{
     },
 };
 
-use crate::{EVENTS, bump, current, header, is_recording, is_target, submit_flags};
+use crate::{EVENTS, bump, count_submit, current, header, is_recording, is_target};
 
 #[map]
 static CUDA_PENDING: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
@@ -170,8 +170,7 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
                 (*rec).extra = (*pending).extra;
                 (*rec).out_value = out_value;
             }
-            entry.submit(submit_flags());
-            bump(tracer_common::stat::SUBMITTED);
+            entry.submit(count_submit());
         }
         None => bump(tracer_common::stat::DROPPED_RINGBUF_FULL),
     }
@@ -216,6 +215,5 @@ fn emit_symbol(tid: u32, tgid: u32, handle: u64, name: u64) {
             cuda_bump(stat::NAMES_TRUNCATED);
         }
     }
-    entry.submit(submit_flags());
-    bump(tracer_common::stat::SUBMITTED);
+    entry.submit(count_submit());
 }

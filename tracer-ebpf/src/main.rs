@@ -12,10 +12,10 @@ mod sched;
 mod traceme;
 
 use aya_ebpf::{
-    bindings::{BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
     macros::map,
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use tracer_common::{MAX_TARGETS, MAX_TRACKED_TIDS, RecordHeader, RecordKind, stat};
@@ -26,8 +26,10 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
 #[map]
 static TARGET_TGIDS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TARGETS, 0);
 
+/// Indexed by tid: a lookup costs a bounds check, where a hash lookup on
+/// every switch and wake-up cost tens of nanoseconds.
 #[map]
-pub(crate) static TRACKED_TIDS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TRACKED_TIDS, 0);
+pub(crate) static TRACKED_TIDS: Array<u32> = Array::with_max_entries(MAX_TRACKED_TIDS, 0);
 
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
@@ -47,11 +49,26 @@ pub(crate) static TASK_CPU_OFFSET: u32 = 0;
 
 #[inline(always)]
 pub(crate) fn bump(index: u32) {
-    if let Some(v) = STATS.get_ptr_mut(index) {
+    let _ = bump_to(index);
+}
+
+/// Adds one to a counter of this CPU; returns its new value.
+#[inline(always)]
+fn bump_to(index: u32) -> u64 {
+    match STATS.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, programs do not migrate while running.
-        unsafe { *v += 1 };
+        Some(v) => unsafe {
+            *v += 1;
+            *v
+        },
+        None => 0,
     }
 }
+
+/// The ring's fill level is looked at once per this many records a CPU
+/// submits: asking costs a helper call per event, and the threshold leaves
+/// room for far more.
+const WAKEUP_CHECK_EVERY: u64 = 64;
 
 /// Reserves, fills and submits one record; counts the outcome.
 ///
@@ -63,17 +80,26 @@ pub(crate) fn emit<T: 'static>(record: T) {
     match EVENTS.reserve::<T>(0) {
         Some(mut entry) => {
             entry.write(record);
-            entry.submit(submit_flags());
-            bump(stat::SUBMITTED);
+            entry.submit(count_submit());
         }
         None => bump(stat::DROPPED_RINGBUF_FULL),
     }
 }
 
-/// Flags for submitting a reserved record: wake the reader only past the
-/// fill threshold (see [`emit`]).
+/// Counts one more record submitted and returns the flags to submit it
+/// with: wake the reader only past the fill threshold (see [`emit`]),
+/// checked every [`WAKEUP_CHECK_EVERY`] records.
 #[inline(always)]
-pub(crate) fn submit_flags() -> u64 {
+pub(crate) fn count_submit() -> u64 {
+    submit_flags(bump_to(stat::SUBMITTED))
+}
+
+/// The flags for the `n`th record this CPU submits.
+#[inline(always)]
+fn submit_flags(n: u64) -> u64 {
+    if n % WAKEUP_CHECK_EVERY != 0 {
+        return BPF_RB_NO_WAKEUP as u64;
+    }
     // SAFETY: globals are read-only after load.
     let threshold = unsafe { core::ptr::read_volatile(&WAKEUP_THRESHOLD) };
     let flags = if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= threshold {
@@ -89,7 +115,12 @@ pub(crate) fn submit_flags() -> u64 {
 /// (at most the size of the map value it is copied from).
 #[inline(always)]
 pub(crate) fn emit_bytes(record: &[u8]) {
-    match EVENTS.output::<[u8]>(record, submit_flags()) {
+    let submitted = match STATS.get_ptr(stat::SUBMITTED) {
+        // SAFETY: per-CPU slot, programs do not migrate while running.
+        Some(v) => (unsafe { *v }) + 1,
+        None => 0,
+    };
+    match EVENTS.output::<[u8]>(record, submit_flags(submitted)) {
         Ok(()) => bump(stat::SUBMITTED),
         Err(_) => bump(stat::DROPPED_RINGBUF_FULL),
     }
@@ -125,20 +156,21 @@ pub(crate) fn tracked_tgid(tid: u32) -> u32 {
     if tid == 0 {
         return 0;
     }
-    match TRACKED_TIDS.get_ptr(tid) {
-        // SAFETY: pointer into a live map value.
-        Some(tgid) => unsafe { *tgid },
-        None => 0,
-    }
+    TRACKED_TIDS.get(tid).copied().unwrap_or(0)
 }
 
+/// Records that `tid` belongs to `tgid` (0: to no traced process).
 #[inline(always)]
 pub(crate) fn track(tid: u32, tgid: u32) {
-    if TRACKED_TIDS.get_ptr(tid).is_none()
-        && TRACKED_TIDS.insert(tid, tgid, BPF_NOEXIST as u64).is_err()
-        && TRACKED_TIDS.get_ptr(tid).is_none()
-    {
-        bump(stat::DROPPED_TRACK_FULL);
+    match TRACKED_TIDS.get_ptr_mut(tid) {
+        // SAFETY: pointer into a live map value; a racing writer writes
+        // the same thread's group.
+        Some(slot) => unsafe {
+            if *slot != tgid {
+                *slot = tgid;
+            }
+        },
+        None => bump(stat::DROPPED_TRACK_FULL),
     }
 }
 

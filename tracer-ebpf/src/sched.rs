@@ -26,8 +26,8 @@ use tracer_common::{
 };
 
 use crate::{
-    EXIT_HAS_GROUP_DEAD, TASK_CPU_OFFSET, TASK_EXIT_STATE_OFFSET, TASK_PID_OFFSET, TRACKED_TIDS,
-    current, emit, header, is_target, read, track, tracked_tgid,
+    EXIT_HAS_GROUP_DEAD, TASK_CPU_OFFSET, TASK_EXIT_STATE_OFFSET, TASK_PID_OFFSET, current, emit,
+    header, is_target, read, track, tracked_tgid,
 };
 
 #[tracepoint(category = "sched", name = "sched_switch")]
@@ -115,10 +115,21 @@ fn switch(
     next_tid: u32,
     prev_state: impl FnOnce() -> u64,
 ) -> u32 {
-    let prev_tgid = if prev_tid != 0 && is_target(current_tgid) {
+    // The switched-out task is the current one: its group is known, and
+    // a thread userspace missed is tracked here.
+    let tracked = tracked_tgid(prev_tid);
+    let prev_tgid = if prev_tid == 0 {
+        0
+    } else if tracked == current_tgid {
+        current_tgid
+    } else if is_target(current_tgid) {
         track(prev_tid, current_tgid);
         current_tgid
     } else {
+        if tracked != 0 {
+            // A tid reused since its thread was tracked.
+            track(prev_tid, 0);
+        }
         0
     };
     let next_tgid = tracked_tgid(next_tid);
@@ -263,7 +274,7 @@ pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
         2
     };
     let comm = aya_ebpf::helpers::bpf_get_current_comm().unwrap_or([0; COMM_LEN]);
-    let _ = TRACKED_TIDS.remove(tid);
+    track(tid, 0);
     emit(TaskExit {
         header: header(RecordKind::TaskExit, size_of::<TaskExit>()),
         tid,

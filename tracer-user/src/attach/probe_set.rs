@@ -7,7 +7,7 @@ use std::os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, Map, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
 };
 use tracer_common::{names, stat};
 
@@ -60,6 +60,16 @@ impl ProbeStats {
     }
 }
 
+/// The kernel's `pid_max`: one more than the largest thread id (the
+/// smallest the kernel allows where it cannot be read).
+fn pid_max() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(tracer_common::MAX_TRACKED_TIDS)
+        .max(tracer_common::MAX_TRACKED_TIDS)
+}
+
 pub struct ProbeSet {
     /// Programs and the membership maps; dropping it unloads them.
     ebpf: Option<Ebpf>,
@@ -102,6 +112,7 @@ impl ProbeSet {
             .override_global(names::TASK_EXIT_STATE_OFFSET, &offsets[1], true)
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
             .map_max_entries(names::EVENTS, config.ring_bytes)
+            .map_max_entries(names::TRACKED_TIDS, pid_max())
             .load(EBPF_OBJECT)
             .map_err(|e| Error::Load(Box::new(e)))?;
         let map_fds = ebpf
@@ -181,9 +192,15 @@ impl ProbeSet {
 
     /// Marks existing threads as members of a traced process.
     pub fn track_threads(&mut self, tgid: u32, tids: impl IntoIterator<Item = u32>) -> Result<()> {
-        let mut map = self.u32_map(names::TRACKED_TIDS)?;
+        let map = self
+            .ebpf()
+            .map_mut(names::TRACKED_TIDS)
+            .expect("map is in the object");
+        let mut tracked: Array<&mut MapData, u32> =
+            Array::try_from(map).map_err(|e| map_err(names::TRACKED_TIDS, e))?;
         for tid in tids {
-            map.insert(tid, tgid, 0)
+            tracked
+                .set(tid, tgid, 0)
                 .map_err(|e| map_err(names::TRACKED_TIDS, e))?;
         }
         Ok(())
