@@ -14,10 +14,12 @@ use tracer_common::{
 pub enum Record {
     Switch(SchedSwitch),
     Wakeup(SchedWakeup),
-    TaskNew(TaskNew),
+    // Boxed, as the rare records below: a record's size is its largest
+    // variant's, and captures hold millions of switches and wake-ups.
+    TaskNew(Box<TaskNew>),
     Fork(ProcessFork),
-    Exit(TaskExit),
-    Rename(TaskRename),
+    Exit(Box<TaskExit>),
+    Rename(Box<TaskRename>),
     CudaCall(Box<CudaCall>),
     CudaSymbol(Box<CudaSymbol>),
     /// Boxed: it is much larger than the others and much rarer.
@@ -146,10 +148,10 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     Ok(match kind {
         RecordKind::SchedSwitch => Record::Switch(read(bytes, kind, size)?),
         RecordKind::SchedWakeup => Record::Wakeup(read(bytes, kind, size)?),
-        RecordKind::TaskNew => Record::TaskNew(read(bytes, kind, size)?),
+        RecordKind::TaskNew => Record::TaskNew(Box::new(read(bytes, kind, size)?)),
         RecordKind::ProcessFork => Record::Fork(read(bytes, kind, size)?),
-        RecordKind::TaskExit => Record::Exit(read(bytes, kind, size)?),
-        RecordKind::TaskRename => Record::Rename(read(bytes, kind, size)?),
+        RecordKind::TaskExit => Record::Exit(Box::new(read(bytes, kind, size)?)),
+        RecordKind::TaskRename => Record::Rename(Box::new(read(bytes, kind, size)?)),
         RecordKind::CudaCall => Record::CudaCall(Box::new(read(bytes, kind, size)?)),
         RecordKind::CudaSymbol => Record::CudaSymbol(Box::new(read(bytes, kind, size)?)),
         RecordKind::TraceMe => Record::TraceMe(Box::new(read_traceme(bytes, size)?)),
@@ -218,6 +220,12 @@ mod tests {
     fn bytes_of<T>(v: &T) -> Vec<u8> {
         // SAFETY: reading the bytes of a plain record.
         unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    /// Captures hold millions of records: one costs what a switch costs.
+    #[test]
+    fn a_record_is_a_switch_and_its_tag() {
+        assert!(size_of::<Record>() <= size_of::<SchedSwitch>() + 8);
     }
 
     #[test]
