@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::{
     attach::{ProbeStats, cuda::Links, libcuda::Source},
     capture::Capture,
-    timeline::{StreamTiming, Timeline},
+    timeline::{StreamTiming, ThreadCounters, Timeline},
 };
 
 /// What is known once the probes are attached: kept until the summary.
@@ -236,14 +236,8 @@ pub struct Thread {
     pub tid: u32,
     pub pid: u32,
     pub name: String,
-    pub on_cpu_ns: u64,
-    pub runnable_ns: u64,
-    pub blocked_ns: u64,
-    pub unknown_ns: u64,
-    pub voluntary_switches: u64,
-    pub involuntary_switches: u64,
-    pub wakeups: u64,
-    pub migrations: u64,
+    #[serde(flatten)]
+    pub counters: ThreadCounters,
 }
 
 #[derive(Debug, Serialize)]
@@ -337,24 +331,14 @@ impl Summary {
         let mut threads: Vec<Thread> = timeline
             .threads
             .values()
-            .map(|t| {
-                let c = &t.counters;
-                Thread {
-                    tid: t.tid,
-                    pid: t.pid,
-                    name: t.name.clone(),
-                    on_cpu_ns: c.on_cpu_ns,
-                    runnable_ns: c.runnable_ns,
-                    blocked_ns: c.blocked_ns,
-                    unknown_ns: c.unknown_ns,
-                    voluntary_switches: c.voluntary_switches,
-                    involuntary_switches: c.involuntary_switches,
-                    wakeups: c.wakeups,
-                    migrations: c.migrations,
-                }
+            .map(|t| Thread {
+                tid: t.tid,
+                pid: t.pid,
+                name: t.name.clone(),
+                counters: t.counters,
             })
             .collect();
-        threads.sort_by_key(|t| std::cmp::Reverse(t.on_cpu_ns));
+        threads.sort_by_key(|t| std::cmp::Reverse(t.counters.on_cpu_ns));
 
         let mut gpus = Vec::new();
         for (ordinal, device) in &timeline.devices {
@@ -362,17 +346,13 @@ impl Summary {
                 (StreamTiming::HostObserved, "host_observed"),
                 (StreamTiming::Device, "device"),
             ] {
-                let streams: Vec<_> = device
-                    .streams
-                    .values()
-                    .filter(|s| s.timing == timing)
-                    .collect();
-                if !streams.is_empty() {
+                let (streams, events) = device.count_timed(timing);
+                if streams > 0 {
                     gpus.push(Gpu {
                         ordinal: *ordinal,
                         timing: name,
-                        events: streams.iter().map(|s| s.events.len()).sum(),
-                        streams: streams.len(),
+                        events,
+                        streams,
                     });
                 }
             }

@@ -62,23 +62,17 @@ pub fn render(timeline: &Timeline, probe: &ProbeStats) -> String {
             (StreamTiming::HostObserved, "submissions"),
             (StreamTiming::Device, "events"),
         ] {
-            let streams: Vec<_> = device
-                .streams
-                .values()
-                .filter(|s| s.timing == timing)
-                .collect();
-            if streams.is_empty() {
+            let (streams, events) = device.count_timed(timing);
+            if streams == 0 {
                 continue;
             }
-            let events: usize = streams.iter().map(|s| s.events.len()).sum();
             let source = match timing {
                 StreamTiming::HostObserved => "host-observed",
                 StreamTiming::Device => "timed by the GPU, from CUPTI",
             };
             let _ = writeln!(
                 out,
-                "GPU {ordinal}: {events} {what} on {} streams ({source})",
-                streams.len()
+                "GPU {ordinal}: {events} {what} on {streams} streams ({source})"
             );
         }
     }

@@ -45,6 +45,18 @@ pub struct DeviceTrack {
     pub streams: BTreeMap<i64, StreamTrack>,
 }
 
+impl DeviceTrack {
+    /// How many of its streams are timed by `timing`, and their events.
+    pub fn count_timed(&self, timing: StreamTiming) -> (usize, usize) {
+        self.streams
+            .values()
+            .filter(|s| s.timing == timing)
+            .fold((0, 0), |(streams, events), s| {
+                (streams + 1, events + s.events.len())
+            })
+    }
+}
+
 /// One stream's submissions, in order; events never overlap.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StreamTrack {

@@ -207,7 +207,7 @@ pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
 pub const CORRELATION_STAT: &str = "correlation_id";
 
 /// Per-thread totals over the capture window.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ThreadCounters {
     pub on_cpu_ns: u64,
     pub runnable_ns: u64,
