@@ -179,6 +179,18 @@ impl Capture {
             uprobe_pids,
             mut notes,
         } = start_agent_sessions(&targets, level, options.route, device_activity);
+        let traceme_options = TraceMeOptions {
+            level,
+            ..options.traceme
+        };
+        // Reading the targets' libraries for TraceMe recorders overlaps
+        // loading the probes.
+        let discovering = {
+            let (pids, options) = (uprobe_pids.clone(), traceme_options);
+            std::thread::Builder::new()
+                .name("ebtrace-discover".into())
+                .spawn(move || TraceMeProbe::discover(&pids, &options))
+        };
         let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
             ..options.probe.clone()
@@ -218,11 +230,12 @@ impl Capture {
             cuda.iter()
                 .flat_map(|c| c.targets.iter().map(cuda::describe)),
         );
-        let traceme_options = TraceMeOptions {
-            level,
-            ..options.traceme
+        let discovered = match discovering.map(std::thread::JoinHandle::join) {
+            Ok(Ok(found)) => found,
+            // No thread to spare, or it panicked: look here.
+            _ => TraceMeProbe::discover(&uprobe_pids, &traceme_options),
         };
-        let mut traceme = TraceMeProbe::attach(&mut probe, &uprobe_pids, traceme_options)?;
+        let mut traceme = TraceMeProbe::attach(&mut probe, discovered, traceme_options)?;
         for session in &mut framework {
             if let Err(why) = session.open_window() {
                 notes.push(format!(

@@ -156,10 +156,24 @@ pub struct TraceMeProbe {
     resident: std::collections::BTreeMap<u32, (u64, Option<u64>)>,
 }
 
+/// What [`TraceMeProbe::discover`] found in each process.
+pub type Discovered = Vec<(u32, std::io::Result<Discovery>)>;
+
 impl TraceMeProbe {
-    /// Finds the recorders of every process in `pids` and attaches their
-    /// uprobes. Recording is not switched on yet: see [`enable`](Self::enable).
-    pub fn attach(set: &mut ProbeSet, pids: &[u32], options: TraceMeOptions) -> Result<Self> {
+    /// Looks for the recorders of every process in `pids`: the slow part of
+    /// attaching (reading their mapped files), which needs no probe set and
+    /// so can run while the probes load. Nothing when `options` asks for no
+    /// TraceMe events.
+    pub fn discover(pids: &[u32], options: &TraceMeOptions) -> Discovered {
+        if options.level == 0 {
+            return Vec::new();
+        }
+        pids.iter().map(|&pid| (pid, discover(pid))).collect()
+    }
+
+    /// Attaches the uprobes of the recorders [`Self::discover`] found.
+    /// Recording is not switched on yet: see [`enable`](Self::enable).
+    pub fn attach(set: &mut ProbeSet, found: Discovered, options: TraceMeOptions) -> Result<Self> {
         let mut probe = TraceMeProbe {
             max_events: options.max_events,
             level: options.level.min(i32::MAX as u32) as i32,
@@ -168,8 +182,8 @@ impl TraceMeProbe {
         if options.level == 0 {
             return Ok(probe);
         }
-        for &pid in pids {
-            let found = match discover(pid) {
+        for (pid, found) in found {
+            let found = match found {
                 Ok(found) => found,
                 Err(e) => {
                     probe.notes.push(format!(
