@@ -168,6 +168,22 @@ pub fn profile_window(space: &XSpace) -> (u64, u64) {
     )
 }
 
+/// The GPU planes (`/device:GPU:N`) of `space`.
+pub fn gpu_planes(space: &XSpace) -> impl Iterator<Item = &XPlane> {
+    space
+        .planes
+        .iter()
+        .filter(|p| p.name.starts_with("/device:GPU:"))
+}
+
+/// Events on all GPU planes of `space`.
+pub fn gpu_event_count(space: &XSpace) -> usize {
+    gpu_planes(space)
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum()
+}
+
 /// The links between events that a viewer draws as arrows: wake-up flows
 /// (the `flow` stat, by direction) and CUDA correlation ids (on the host
 /// plane's driver calls, on the GPU planes' submitted work).

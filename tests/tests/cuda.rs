@@ -17,7 +17,7 @@ use ebtrace_tests::{
     },
     fixture::SchedWorkload,
     record, require_root, serial, spawn_record_with_env, xplane_files, xprof,
-    xspace::{self, Event, Stat, line_events, plane, plane_stats},
+    xspace::{self, Event, Stat, gpu_event_count, line_events, plane, plane_stats},
 };
 use serde_json::Value;
 
@@ -300,16 +300,6 @@ fn check_devices(t: &Traced, early: bool) {
     assert_eq!(device_events, submitted.len());
 }
 
-fn device_event_count(space: &XSpace) -> usize {
-    space
-        .planes
-        .iter()
-        .filter(|p| p.name.starts_with("/device:GPU:"))
-        .flat_map(|p| &p.lines)
-        .map(|l| l.events.len())
-        .sum()
-}
-
 fn check_clean(t: &Traced) {
     assert!(t.stdout.contains(" 0 dropped"), "{}", t.stdout);
     assert!(t.space.warnings.iter().all(|w| !w.contains("dropped")));
@@ -385,7 +375,7 @@ fn driver_calls_and_gpu_streams_match_the_workloads_log() {
             v.sort_unstable();
             v
         };
-        let submissions = device_event_count(&t.space);
+        let submissions = gpu_event_count(&t.space);
         assert_eq!(ids("out").len(), submissions);
         assert_eq!(ids("out"), ids("in"));
     }

@@ -12,7 +12,10 @@ use ebtrace_tests::{
     cuda::{CudaWorkload, cxxfilt},
     record, require_root, serial, signal, spawn_attached, spawn_record, wait_for_ebtrace_exits,
     xplane_files,
-    xspace::{self, Event, Stat, line_events, plane, plane_stats, profile_window},
+    xspace::{
+        self, Event, Stat, gpu_event_count, gpu_planes, line_events, plane, plane_stats,
+        profile_window,
+    },
 };
 use serde_json::Value;
 
@@ -57,11 +60,7 @@ fn read_log(path: &Path) -> Vec<Logged> {
 /// The kernel events of every GPU plane, with their CUPTI correlation id.
 fn kernels(space: &XSpace) -> Vec<(u64, Event)> {
     let mut out = Vec::new();
-    for p in space
-        .planes
-        .iter()
-        .filter(|p| p.name.starts_with("/device:GPU:"))
-    {
+    for p in gpu_planes(space) {
         for line in &p.lines {
             for e in line_events(p, line.id) {
                 if e.stats.contains_key("kernel_details") {
@@ -206,11 +205,7 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
     assert_eq!(missing, 0, "{missing} of {inside} kernels missing");
 
     // The GPU planes say their times are the device's.
-    for p in space
-        .planes
-        .iter()
-        .filter(|p| p.name.starts_with("/device:GPU:"))
-    {
+    for p in gpu_planes(&space) {
         let timing = plane_stats(p)["ebtrace_timing"].as_str().to_string();
         assert!(timing.starts_with("device:"), "{}: {timing}", p.name);
         for line in &p.lines {
@@ -240,13 +235,7 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
         .find(|l| l.starts_with('{'))
         .and_then(|l| serde_json::from_str(l).ok())
         .unwrap_or_else(|| panic!("no JSON summary in {again}"));
-    let gpu_events: usize = space
-        .planes
-        .iter()
-        .filter(|p| p.name.starts_with("/device:GPU:"))
-        .flat_map(|p| &p.lines)
-        .map(|l| l.events.len())
-        .sum();
+    let gpu_events = gpu_event_count(&space);
     let gpus = json["gpus"].as_array().unwrap();
     assert!(gpus.iter().all(|g| g["timing"] == "device"), "{json}");
     let summed: u64 = gpus.iter().map(|g| g["events"].as_u64().unwrap()).sum();

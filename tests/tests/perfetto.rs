@@ -16,7 +16,7 @@ use ebtrace_tests::{
     perfetto, record, require_root, run_ebtrace, serial, spawn_attached,
     traceme::{Toolchain, TraceMeWorkload},
     workspace_root, xplane_files,
-    xspace::{self, line_events, plane},
+    xspace::{self, gpu_planes, line_events, plane},
 };
 use serde_json::Value;
 
@@ -234,11 +234,7 @@ fn gpu_stream_work_is_linked_to_its_launches() {
     // starts on a driver call.
     let mut device_work = 0u64;
     let mut device_events = 0u64;
-    for p in space
-        .planes
-        .iter()
-        .filter(|p| p.name.starts_with("/device:GPU:"))
-    {
+    for p in gpu_planes(&space) {
         for line in &p.lines {
             for e in line_events(p, line.id) {
                 device_events += 1;

@@ -21,7 +21,7 @@ use ebtrace_tests::{
         xspace_of,
     },
     xplane_files,
-    xspace::{self, line_events, plane, plane_stats},
+    xspace::{self, gpu_event_count, line_events, plane, plane_stats},
 };
 use tonic::Code;
 
@@ -645,13 +645,7 @@ fn max_events_bounds_the_answer_across_thread_and_gpu_tracks() {
                 .into_inner(),
         );
         let total = event_count(&whole);
-        let on_gpu: usize = whole
-            .planes
-            .iter()
-            .filter(|p| p.name.starts_with("/device:GPU:"))
-            .flat_map(|p| &p.lines)
-            .map(|l| l.events.len())
-            .sum();
+        let on_gpu = gpu_event_count(&whole);
         assert!(on_gpu > 1000, "{on_gpu} GPU events of {total}");
         assert_links_have_both_ends(&whole, "whole window");
 
