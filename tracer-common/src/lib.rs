@@ -25,6 +25,12 @@ pub mod names {
     /// tid, holding the thread's tgid (0: not traced). Sized to the
     /// kernel's `pid_max` at load.
     pub const TRACKED_TIDS: &str = "TRACKED_TIDS";
+    /// Processes whose events are recorded now: a bitmap of tgids (bit
+    /// `tgid % 64` of word `tgid / 64`), sized to the kernel's `pid_max`
+    /// at load. A traced process whose bit is clear is still followed
+    /// (its new threads tracked) but writes nothing: probes kept attached
+    /// between captures cost no ring-buffer space.
+    pub const RECORDING_TGIDS: &str = "RECORDING_TGIDS";
     /// Per-CPU outcome counters, indexed by [`crate::stat`].
     pub const STATS: &str = "STATS";
     /// Global `u64`: fill level (bytes) of `EVENTS` past which a submit wakes the reader.
@@ -65,8 +71,9 @@ pub mod target {
     pub const FOLLOWED: u32 = 1;
     /// Its driver calls are recorded: set when the capture window opens,
     /// so that calls made while the probes attach do not fill the ring
-    /// buffer with events the window cuts anyway.
-    pub const RECORDING: u32 = 2;
+    /// buffer with events the window cuts anyway. (Its other events are
+    /// gated by `RECORDING_TGIDS`, from the start of the attach.)
+    pub const DRIVER_CALLS: u32 = 2;
 }
 
 /// Tracepoint fields the eBPF programs read, as (category, event, field,

@@ -31,7 +31,7 @@ use tracer_common::{
     },
 };
 
-use crate::{EVENTS, bump, count_submit, current, header, is_recording, is_target};
+use crate::{EVENTS, bump, count_submit, current, header, is_target, records_driver_calls};
 
 #[map]
 static CUDA_PENDING: HashMap<u64, PendingCall> = HashMap::with_max_entries(MAX_PENDING_CALLS, 0);
@@ -77,7 +77,7 @@ fn gather<const N: usize>(base: u64, offsets: &[usize; N]) -> [u64; 8] {
 #[inline(always)]
 fn enter(ctx: &ProbeContext, extra: impl FnOnce(&[u64; 6], u64) -> [u64; 8]) -> u32 {
     let (tid, tgid) = current();
-    if !is_recording(tgid) {
+    if !records_driver_calls(tgid) {
         return 0;
     }
     // SAFETY: a uprobe context holds the user registers at the probed instruction.

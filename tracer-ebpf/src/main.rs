@@ -31,6 +31,12 @@ static TARGET_TGIDS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TARGETS, 
 #[map]
 pub(crate) static TRACKED_TIDS: Array<u32> = Array::with_max_entries(MAX_TRACKED_TIDS, 0);
 
+/// A bitmap of the processes whose events are recorded now (see
+/// `tracer_common::names::RECORDING_TGIDS`); an array lookup the verifier
+/// inlines, so gating every event costs a few instructions.
+#[map]
+static RECORDING_TGIDS: Array<u64> = Array::with_max_entries(MAX_TRACKED_TIDS / 64, 0);
+
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 
@@ -138,15 +144,28 @@ pub(crate) fn is_target(tgid: u32) -> bool {
     tgid != 0 && TARGET_TGIDS.get_ptr(tgid).is_some()
 }
 
-/// Whether the capture window of a traced process is open.
+/// Whether the driver calls of a traced process are recorded (its capture
+/// window is open).
 #[inline(always)]
-pub(crate) fn is_recording(tgid: u32) -> bool {
+pub(crate) fn records_driver_calls(tgid: u32) -> bool {
     if tgid == 0 {
         return false;
     }
     match TARGET_TGIDS.get_ptr(tgid) {
         // SAFETY: pointer into a live map value.
-        Some(bits) => (unsafe { *bits } & tracer_common::target::RECORDING) != 0,
+        Some(bits) => (unsafe { *bits } & tracer_common::target::DRIVER_CALLS) != 0,
+        None => false,
+    }
+}
+
+/// Whether the events of process `tgid` are recorded now.
+#[inline(always)]
+pub(crate) fn is_recording(tgid: u32) -> bool {
+    if tgid == 0 {
+        return false;
+    }
+    match RECORDING_TGIDS.get(tgid / 64) {
+        Some(word) => *word & (1u64 << (tgid % 64)) != 0,
         None => false,
     }
 }

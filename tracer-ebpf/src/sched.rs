@@ -7,7 +7,9 @@
 //! `TRACKED_TIDS` maps every thread of a traced process to its group. It is
 //! seeded from `/proc` by userspace and kept up to date here: new threads in
 //! `task_newtask` (which sees `clone_flags`), exits in `sched_process_exit`,
-//! and any traced thread seen running that userspace missed.
+//! and any traced thread seen running that userspace missed. Membership is
+//! kept whether or not the process is being recorded (`is_recording`):
+//! records are written only while it is.
 //!
 //! The hot events (switches and wake-ups) have two programs each: a raw
 //! tracepoint, which reads the kernel's `task_struct` at offsets userspace
@@ -27,7 +29,7 @@ use tracer_common::{
 
 use crate::{
     EXIT_HAS_GROUP_DEAD, TASK_CPU_OFFSET, TASK_EXIT_STATE_OFFSET, TASK_PID_OFFSET, current, emit,
-    header, is_target, read, track, tracked_tgid,
+    header, is_recording, is_target, read, track, tracked_tgid,
 };
 
 #[tracepoint(category = "sched", name = "sched_switch")]
@@ -133,7 +135,7 @@ fn switch(
         0
     };
     let next_tgid = tracked_tgid(next_tid);
-    if prev_tgid == 0 && next_tgid == 0 {
+    if !is_recording(prev_tgid) && !is_recording(next_tgid) {
         return 0;
     }
     emit(SchedSwitch {
@@ -174,7 +176,7 @@ fn raw_wakeup(ctx: &RawTracePointContext, flags: u32) -> i32 {
 #[inline(always)]
 fn woken(tid: u32, target_cpu: u32, flags: u32) -> u32 {
     let tgid = tracked_tgid(tid);
-    if tgid == 0 {
+    if !is_recording(tgid) {
         return 0;
     }
     let (waker_tid, waker_tgid) = current();
@@ -230,6 +232,9 @@ pub fn task_newtask(ctx: TracePointContext) -> u32 {
     if clone_flags & CLONE_THREAD != 0 {
         track(child_tid, parent_tgid);
     }
+    if !is_recording(parent_tgid) {
+        return 0;
+    }
     emit(TaskNew {
         header: header(RecordKind::TaskNew, size_of::<TaskNew>()),
         parent_tid,
@@ -245,7 +250,7 @@ pub fn task_newtask(ctx: TracePointContext) -> u32 {
 #[tracepoint(category = "sched", name = "sched_process_fork")]
 pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
     let (parent_tid, parent_tgid) = current();
-    if !is_target(parent_tgid) {
+    if !is_recording(parent_tgid) {
         return 0;
     }
     let Some(child_tid) = read::<u32>(&ctx, tp::FORK_CHILD_PID) else {
@@ -275,6 +280,9 @@ pub fn sched_process_exit(ctx: TracePointContext) -> u32 {
     };
     let comm = aya_ebpf::helpers::bpf_get_current_comm().unwrap_or([0; COMM_LEN]);
     track(tid, 0);
+    if !is_recording(tgid) {
+        return 0;
+    }
     emit(TaskExit {
         header: header(RecordKind::TaskExit, size_of::<TaskExit>()),
         tid,
@@ -292,7 +300,7 @@ pub fn task_rename(ctx: TracePointContext) -> u32 {
         return 0;
     };
     let tgid = tracked_tgid(tid);
-    if tgid == 0 {
+    if !is_recording(tgid) {
         return 0;
     }
     let Some(comm) = read::<[u8; COMM_LEN]>(&ctx, tp::RENAME_NEWCOMM) else {

@@ -19,7 +19,7 @@ use tracer_common::{
     traceme::{FLAG_NAME_UNREADABLE, NAME_CAP, stat, traceme_record_size},
 };
 
-use crate::{current, emit_bytes, header, is_target};
+use crate::{current, emit_bytes, header, is_recording};
 
 /// One record being assembled per CPU (too big for the BPF stack).
 #[map]
@@ -123,7 +123,7 @@ fn read_event(event: u64, layout: Layout) -> Option<EventView> {
 #[inline(always)]
 fn record(ctx: &ProbeContext, layout: Layout) {
     let (tid, tgid) = current();
-    if !is_target(tgid) {
+    if !is_recording(tgid) {
         return;
     }
     bump(stat::HITS);

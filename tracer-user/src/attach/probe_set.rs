@@ -113,6 +113,7 @@ impl ProbeSet {
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .map_max_entries(names::TRACKED_TIDS, pid_max())
+            .map_max_entries(names::RECORDING_TGIDS, pid_max().div_ceil(64))
             .load(EBPF_OBJECT)
             .map_err(|e| Error::Load(Box::new(e)))?;
         let map_fds = ebpf
@@ -162,21 +163,38 @@ impl ProbeSet {
             .expect("probe is attached until detach()")
     }
 
-    /// Adds a process (thread group) to trace: its threads are followed;
-    /// its driver calls wait for [`Self::open_window`].
+    /// Adds a process (thread group) to trace: its threads are followed
+    /// and their scheduling recorded; its driver calls wait for
+    /// [`Self::open_window`].
     pub fn add_target(&mut self, tgid: u32) -> Result<()> {
-        self.set_target(tgid, Some(tracer_common::target::FOLLOWED))
+        self.set_target(tgid, Some(tracer_common::target::FOLLOWED))?;
+        self.set_recording(tgid, true)
     }
 
     /// Opens the capture window of a process added with [`Self::add_target`]:
     /// its driver calls are recorded from now on.
     pub fn open_window(&mut self, tgid: u32) -> Result<()> {
-        let bits = tracer_common::target::FOLLOWED | tracer_common::target::RECORDING;
+        let bits = tracer_common::target::FOLLOWED | tracer_common::target::DRIVER_CALLS;
         self.set_target(tgid, Some(bits))
+    }
+
+    /// Stops recording a process while the programs stay attached: its
+    /// threads are still followed (new ones tracked, exited ones
+    /// forgotten), but nothing is written to the ring buffer.
+    pub fn pause_target(&mut self, tgid: u32) -> Result<()> {
+        self.set_target(tgid, Some(tracer_common::target::FOLLOWED))?;
+        self.set_recording(tgid, false)
+    }
+
+    /// Records a paused process again (its driver calls from the next
+    /// [`Self::open_window`]).
+    pub fn resume_target(&mut self, tgid: u32) -> Result<()> {
+        self.set_recording(tgid, true)
     }
 
     /// Stops tracing a process: programs still attached ignore it.
     pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
+        self.set_recording(tgid, false)?;
         self.set_target(tgid, None)
     }
 
@@ -188,6 +206,25 @@ impl ProbeSet {
             None => map.remove(&tgid),
         }
         .map_err(|e| map_err(names::TARGET_TGIDS, e))
+    }
+
+    /// Sets or clears the bit of `tgid` in `RECORDING_TGIDS`. Only this
+    /// process writes the bitmap, so read-modify-write is safe.
+    fn set_recording(&mut self, tgid: u32, on: bool) -> Result<()> {
+        let map = self
+            .ebpf()
+            .map_mut(names::RECORDING_TGIDS)
+            .expect("map is in the object");
+        let mut bitmap: Array<&mut MapData, u64> =
+            Array::try_from(map).map_err(|e| map_err(names::RECORDING_TGIDS, e))?;
+        let (index, bit) = (tgid / 64, 1u64 << (tgid % 64));
+        let word = bitmap
+            .get(&index, 0)
+            .map_err(|e| map_err(names::RECORDING_TGIDS, e))?;
+        let word = if on { word | bit } else { word & !bit };
+        bitmap
+            .set(index, word, 0)
+            .map_err(|e| map_err(names::RECORDING_TGIDS, e))
     }
 
     /// Marks existing threads as members of a traced process.
