@@ -155,6 +155,10 @@ pub struct Capture {
     pub attach_time: Duration,
     /// CUDA driver probes, if any target has (or would load) the driver.
     cuda: Option<CudaProbe>,
+    /// How the capture was asked for, to start the agents again on resume.
+    options: CaptureOptions,
+    /// Targets whose TraceMe events the uprobes collect.
+    uprobe_pids: Vec<u32>,
     /// What the user should know about the probes: one line each.
     pub notes: Vec<String>,
     /// Targets some probes could not cover: one line each.
@@ -202,22 +206,7 @@ impl Capture {
         // Follow thread creation first, then list the threads that exist:
         // a thread created in between is seen by one or the other.
         SchedProbe::attach_thread_creation(&mut probe)?;
-        let mut initial = HashMap::new();
-        for t in &targets {
-            let threads = t.threads();
-            probe.track_threads(t.pid, threads.keys().copied())?;
-            for (tid, stat) in threads {
-                initial.insert(
-                    tid,
-                    InitialState {
-                        pid: t.pid,
-                        name: stat.comm,
-                        state: stat.state,
-                        cpu: stat.cpu,
-                    },
-                );
-            }
-        }
+        let initial = track_threads(&mut probe, &targets)?;
         if options.families.sched {
             notes.push(SchedProbe::attach_scheduling(&mut probe)?);
         }
@@ -271,6 +260,8 @@ impl Capture {
             families: options.families,
             attach_time: began.elapsed(),
             cuda,
+            options: options.clone(),
+            uprobe_pids,
             notes,
             warnings,
         })
@@ -342,6 +333,90 @@ impl Capture {
             records: self.records.len(),
             alive: self.targets.iter().filter(|t| t.is_alive()).count(),
         }
+    }
+
+    /// Stops recording and forgets what was recorded, keeping the probes
+    /// attached for [`Self::resume`]: the programs still run on the
+    /// targets' events (and keep following their threads) but write
+    /// nothing. The agents and the TraceMe recording ebtrace switched on
+    /// are taken out of the targets, as at the end of a capture.
+    pub fn pause(&mut self) -> Result<()> {
+        for session in self.framework.drain(..) {
+            // A target that exited took its agent with it.
+            let _ = session.close();
+        }
+        self.traceme.restore();
+        for t in &self.targets {
+            self.probe.pause_target(t.pid)?;
+        }
+        self.drain();
+        self.forget_recorded();
+        Ok(())
+    }
+
+    /// Records again after [`Self::pause`], as if the capture had just
+    /// started: a new window, a new look at the targets' threads, the
+    /// agents started again. Fails (and the caller starts a new capture)
+    /// where the probes attached then no longer fit: a target exited, or
+    /// its TraceMe events would now go another route.
+    pub fn resume(&mut self) -> std::result::Result<(), String> {
+        let began = Instant::now();
+        if let Some(t) = self.targets.iter().find(|t| !t.is_alive()) {
+            return Err(format!("pid {} exited", t.pid));
+        }
+        // What arrived since the pause (a driver call that returned
+        // after it) belongs to no window.
+        self.drain();
+        self.forget_recorded();
+        let level = self.options.families.traceme_level;
+        let device_activity = self.options.families.cuda && !self.options.no_device_activity;
+        let AgentStart {
+            sessions: mut framework,
+            uprobe_pids,
+            notes,
+        } = start_agent_sessions(&self.targets, level, self.options.route, device_activity);
+        if uprobe_pids != self.uprobe_pids {
+            return Err("the targets' TraceMe events now take another route".into());
+        }
+        let resumed = (|| -> Result<()> {
+            for t in &self.targets {
+                self.probe.resume_target(t.pid)?;
+            }
+            self.initial = track_threads(&mut self.probe, &self.targets)?;
+            for session in &mut framework {
+                if let Err(why) = session.open_window() {
+                    self.notes.push(format!(
+                        "pid {}: device activity before the window is kept: {why}",
+                        session.pid
+                    ));
+                }
+            }
+            for t in &self.targets {
+                self.probe.open_window(t.pid)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = resumed {
+            return Err(e.to_string());
+        }
+        self.framework = framework;
+        self.notes = notes;
+        self.start_ns = monotonic_ns();
+        self.clock = ClockSync::measure();
+        self.last_collection = Instant::now();
+        self.traceme.rearm();
+        self.attach_time = began.elapsed();
+        Ok(())
+    }
+
+    /// Drops every record and recording kept so far.
+    fn forget_recorded(&mut self) {
+        self.records = Vec::new();
+        self.traceme_events = Vec::new();
+        self.recordings = Vec::new();
+        self.collected = Vec::new();
+        self.kernel_naming = KernelNaming::default();
+        self.collector.malformed = 0;
     }
 
     pub fn probe_stats(&self) -> Result<ProbeStats> {
@@ -456,6 +531,32 @@ impl Capture {
             device_batches: &self.collected,
         }
     }
+}
+
+/// Follows the threads `targets` have now and notes how `/proc` shows
+/// them: thread creation must be followed already, so that a thread
+/// created in between is seen by one or the other.
+fn track_threads(
+    probe: &mut ProbeSet,
+    targets: &[TargetProcess],
+) -> Result<HashMap<u32, InitialState>> {
+    let mut initial = HashMap::new();
+    for t in targets {
+        let threads = t.threads();
+        probe.track_threads(t.pid, threads.keys().copied())?;
+        for (tid, stat) in threads {
+            initial.insert(
+                tid,
+                InitialState {
+                    pid: t.pid,
+                    name: stat.comm,
+                    state: stat.state,
+                    cpu: stat.cpu,
+                },
+            );
+        }
+    }
+    Ok(initial)
 }
 
 /// The TraceMe recorders and Python gates found, one line each.

@@ -272,6 +272,23 @@ impl TraceMeProbe {
         }
     }
 
+    /// Switches recording on again after [`Self::restore`], for a new
+    /// window of the same probes: counts and warnings start over.
+    pub fn rearm(&mut self) {
+        self.events = 0;
+        self.stopped_early = false;
+        self.warnings.clear();
+        self.resident.clear();
+        for r in &mut self.recorders {
+            r.switch = None;
+        }
+        for g in &mut self.python_gates {
+            g.switch = None;
+            g.cleared = 0;
+        }
+        self.enable();
+    }
+
     /// A profiler session of the process's own that stops clears the
     /// Python gate whoever set it, while ebtrace still holds the level (a
     /// session cannot start while ebtrace holds it): set it again.
