@@ -204,6 +204,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// Like [`parse_duration`], but zero (`0`, `0s`) is allowed.
+pub fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| format!("{e} (use e.g. 0, 30s, 5m)"))
+}
+
 pub(crate) fn parse_ring_mib(s: &str) -> Result<u32, String> {
     let v: u32 = s.parse().map_err(|e| format!("{e}"))?;
     if !v.is_power_of_two() || v > 1024 {

@@ -5,7 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::Args;
 
-use super::{parse_duration, parse_ring_mib};
+use super::{parse_duration, parse_duration_or_zero, parse_ring_mib};
 use crate::{
     attach::ProbeSetConfig,
     capture::open_targets,
@@ -59,6 +59,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub max_start_delay: Duration,
 
+    /// How long the probes stay attached after a capture, recording
+    /// nothing, so that the next capture of the same processes starts
+    /// without attaching them again (0 detaches them at once). While kept,
+    /// the programs still run on the watched processes' scheduler events
+    /// (see BENCHMARKS.md for what that costs them).
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration_or_zero)]
+    pub keep_probes: Duration,
+
     /// Kernel ring buffer size in MiB (a power of two), shared by the
     /// captures in progress.
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
@@ -93,5 +101,6 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             ..ProbeSetConfig::default()
         },
         allow_write_under: args.allow_write_under.clone(),
+        keep_probes: args.keep_probes,
     })
 }

@@ -50,6 +50,9 @@ pub struct ServeConfig {
     pub max_sessions: usize,
     pub probe: ProbeSetConfig,
     pub allow_write_under: Option<PathBuf>,
+    /// How long a finished capture's probes stay attached (paused) for
+    /// the next one.
+    pub keep_probes: Duration,
 }
 
 /// How long in-flight captures get to finish after SIGTERM/SIGINT.
@@ -113,6 +116,7 @@ async fn serve(
         max_duration: config.limits.max_duration,
         probe: config.probe.clone(),
         guard: guard.clone(),
+        keep_probes: config.keep_probes,
     })
     .map_err(|e| Error::io("starting the session thread", e))?;
     let service = Arc::new(ProfilerServer {

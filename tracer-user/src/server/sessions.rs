@@ -9,7 +9,12 @@
 //! start. The hub drains every capture on one tick and assembles each
 //! session's timeline for its own [`Window`] from the capture's
 //! [`Capture::sources`] with [`timeline::assemble`];
-//! a capture with no session left is dropped, which detaches its probes.
+//! a capture with no session left is paused and kept for the next session
+//! that asks for the same probes on the same processes (`--keep-probes`):
+//! its programs stay attached but record nothing
+//! ([`Capture::pause`]), so the next window opens without attaching.
+//! Past that time, or once the watched processes change, it is dropped,
+//! which detaches its probes.
 //! Turning a timeline into the response (XSpace encoding, saving) and
 //! detaching (the kernel waits for an RCU grace period per program, tens
 //! of milliseconds each) happen on worker threads, so draining and the
@@ -116,6 +121,9 @@ pub struct HubConfig {
     pub max_duration: Duration,
     pub probe: ProbeSetConfig,
     pub guard: Option<Arc<WriteGuard>>,
+    /// How long the probes of a finished capture stay attached, paused,
+    /// for the next session (zero: detached at once).
+    pub keep_probes: Duration,
 }
 
 /// The gRPC side's end of the hub.
@@ -165,6 +173,7 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
         config,
         waiting: Vec::new(),
         running: Vec::new(),
+        kept: None,
         delivering: Vec::new(),
         detaching: Vec::new(),
         trim_at: None,
@@ -213,6 +222,8 @@ struct Hub {
     /// Sessions whose start is still ahead.
     waiting: Vec<Session>,
     running: Vec<Running>,
+    /// The paused capture kept for the next session, and since when.
+    kept: Option<(Running, Instant)>,
     /// Workers turning finished timelines into responses.
     delivering: Vec<JoinHandle<()>>,
     /// Workers dropping (detaching) captures nobody uses any more.
@@ -336,7 +347,17 @@ impl Hub {
         if self.running.iter().any(|r| r.capture.is_some()) {
             wait = wait.min(TICK);
         }
-        for at in self.watched.next_scan().into_iter().chain(self.trim_at) {
+        let kept_until = self
+            .kept
+            .as_ref()
+            .map(|(_, since)| *since + self.config.keep_probes);
+        for at in self
+            .watched
+            .next_scan()
+            .into_iter()
+            .chain(self.trim_at)
+            .chain(kept_until)
+        {
             wait = wait.min(at.saturating_duration_since(Instant::now()));
         }
         wait.min(IDLE_WAIT)
@@ -358,9 +379,10 @@ impl Hub {
             .partition(|r| r.sessions.is_empty());
         self.running = busy;
         for r in idle {
-            self.detach(r);
+            self.keep_or_detach(r);
             self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
         }
+        self.expire_kept();
         if self.trim_at.is_some_and(|at| at <= Instant::now()) {
             if self.in_progress() == 0 {
                 self.trim_at = None;
@@ -417,7 +439,7 @@ impl Hub {
                 self.deliver(s, tl, Duration::ZERO);
                 continue;
             }
-            let index = match self.joinable(&s) {
+            let index = match self.joinable(&s).or_else(|| self.resume_kept(&s)) {
                 Some(i) => i,
                 None => match self.start_capture(s.spec.families) {
                     Ok(i) => i,
@@ -444,6 +466,65 @@ impl Hub {
                 && r.pids() == pids
                 && s.start_ns + s.duration_ns <= r.started_ns + span
         })
+    }
+
+    /// Records again with the kept probes, if they are the ones this
+    /// session needs; otherwise they are detached (one set is kept at most).
+    fn resume_kept(&mut self, s: &Session) -> Option<usize> {
+        let (mut r, _) = self.kept.take()?;
+        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        if r.families != s.spec.families || r.pids() != pids {
+            self.detach(r);
+            return None;
+        }
+        let capture = r
+            .capture
+            .as_mut()
+            .expect("only captures with probes are kept");
+        if let Err(why) = capture.resume() {
+            eprintln!("ebtrace: the kept probes cannot record again ({why}); attaching new ones");
+            self.detach(r);
+            return None;
+        }
+        eprintln!(
+            "ebtrace: probes kept from the last capture, recording again in {} ms",
+            capture.attach_time.as_millis()
+        );
+        r.started_ns = capture.start_ns();
+        r.clock = ClockSync::measure();
+        self.running.push(r);
+        Some(self.running.len() - 1)
+    }
+
+    /// A capture nobody uses any more: paused and kept for the next
+    /// session where `--keep-probes` allows, else detached.
+    fn keep_or_detach(&mut self, mut r: Running) {
+        let keep = !self.shutting_down && !self.config.keep_probes.is_zero();
+        let Some(capture) = r.capture.as_mut().filter(|_| keep) else {
+            self.detach(r);
+            return;
+        };
+        if let Err(e) = capture.pause() {
+            eprintln!("ebtrace: pausing the probes failed ({e}); detaching them");
+            self.detach(r);
+            return;
+        }
+        if let Some((older, _)) = self.kept.replace((r, Instant::now())) {
+            self.detach(older);
+        }
+    }
+
+    /// Detaches the kept probes once they have waited long enough, the
+    /// watched processes changed, or the server stops.
+    fn expire_kept(&mut self) {
+        let Some((r, since)) = &self.kept else {
+            return;
+        };
+        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        if self.shutting_down || since.elapsed() >= self.config.keep_probes || r.pids() != pids {
+            let (r, _) = self.kept.take().expect("checked above");
+            self.detach(r);
+        }
     }
 
     fn start_capture(&mut self, families: ProbeFamilies) -> Result<usize, SessionError> {
