@@ -359,6 +359,15 @@ pub fn realtime_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Names of the BPF programs loaded in the kernel now (what `bpftool prog`
+/// lists; the kernel keeps 15 characters of a name).
+pub fn loaded_bpf_program_names() -> Vec<String> {
+    aya::programs::loaded_programs()
+        .flatten()
+        .filter_map(|p| p.name_as_str().map(str::to_string))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

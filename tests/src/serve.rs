@@ -149,6 +149,54 @@ impl ServeProcess {
             .count()
     }
 
+    /// The ids of the eBPF links the server holds (`link_id` of each
+    /// descriptor's fdinfo), sorted: the same ids mean the same probes.
+    pub fn link_ids(&self) -> Vec<u32> {
+        self.fdinfo_ids("link_id:")
+    }
+
+    /// Records the server's probes have written to the ring buffer so far
+    /// (the `SUBMITTED` slot of its `STATS` map, summed over CPUs), read
+    /// from the kernel, not from the server.
+    pub fn records_submitted(&self) -> u64 {
+        use aya::maps::{Map, MapData, MapInfo, PerCpuArray};
+        const SUBMITTED: u32 = 0;
+        self.fdinfo_ids("map_id:")
+            .into_iter()
+            .filter(|&id| {
+                MapInfo::from_id(id).is_ok_and(|info| info.name_as_str() == Some("STATS"))
+            })
+            .map(|id| {
+                let data = MapData::from_id(id).expect("open the STATS map");
+                let stats: PerCpuArray<MapData, u64> =
+                    PerCpuArray::try_from(Map::PerCpuArray(data)).expect("a per-CPU array");
+                stats
+                    .get(&SUBMITTED, 0)
+                    .expect("read STATS")
+                    .iter()
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
+    /// The values of `key` in the fdinfo of every descriptor, sorted.
+    fn fdinfo_ids(&self, key: &str) -> Vec<u32> {
+        let dir = format!("/proc/{}/fdinfo", self.pid());
+        let mut ids: Vec<u32> = std::fs::read_dir(&dir)
+            .expect("read server fdinfo")
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+            .filter_map(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(key))
+                    .and_then(|v| v.trim().parse().ok())
+            })
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
     /// Waits until no probe is attached (detaching waits for the kernel's
     /// RCU grace periods, which can take seconds on a busy machine).
     pub fn wait_detached(&self, deadline: Duration) -> bool {

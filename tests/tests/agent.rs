@@ -41,6 +41,18 @@ fn agent_traces(pid: u32) -> (usize, usize, usize) {
     (mapped, memfds, agent_threads(pid))
 }
 
+/// Polls `done` until it holds or `deadline` passes.
+fn wait_until(deadline: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done()
+}
+
 fn agent_threads(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .map(|d| {
@@ -340,42 +352,59 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
     let workload = start_jax(&python, &[]);
     let pid = workload.pid;
     let mut server = ServeProcess::loopback(&["--pid", &pid.to_string()]);
-    let logdir = TempDir::new("serve-agent");
     let port = server.port().to_string();
-    let child = Command::new(&python)
-        .args(["-m", "jax.collect_profile", &port, "1500", "--log_dir"])
-        .arg(logdir.path())
-        .arg("--no_perfetto_link")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run jax.collect_profile");
-    let out = wait_with_deadline(child, Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "{}\nserver: {:?}",
-        String::from_utf8_lossy(&out.stderr),
-        server.lines()
-    );
+    // Twice: the second capture reuses the probes the first attached
+    // (they are kept, paused, between captures), and starts the agent
+    // again, which the pause took out.
+    for capture in ["first", "second"] {
+        let logdir = TempDir::new("serve-agent");
+        let child = Command::new(&python)
+            .args(["-m", "jax.collect_profile", &port, "1500", "--log_dir"])
+            .arg(logdir.path())
+            .arg("--no_perfetto_link")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run jax.collect_profile");
+        let out = wait_with_deadline(child, Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "{capture}: {}\nserver: {:?}",
+            String::from_utf8_lossy(&out.stderr),
+            server.lines()
+        );
+        assert!(
+            server
+                .wait_line("TraceMe through ebtrace's agent", Duration::from_secs(1))
+                .is_some(),
+            "{:?}",
+            server.lines()
+        );
+        let files = xplane_files(logdir.path());
+        assert_eq!(files.len(), 1, "{files:?}");
+        let space = xspace::load(&files[0]);
+        let host = plane(&space, "/host:CPU");
+        assert_lines_nest(host);
+        let main = line_events(host, pid.into());
+        let steps = main.iter().filter(|e| e.name == "ebtrace_step").count();
+        assert!(steps >= 50, "{capture}: {steps} steps");
+        assert!(main.iter().any(|e| e.name == "Running"));
+        assert!(space.planes.iter().any(|p| p.name == "/host:metadata"));
+        // Between captures the probes stay, the agent does not.
+        assert!(
+            wait_until(Duration::from_secs(10), || agent_traces(pid) == (0, 0, 0)),
+            "{capture}: the agent is still in the target: {:?}",
+            agent_traces(pid)
+        );
+    }
     assert!(
         server
-            .wait_line("TraceMe through ebtrace's agent", Duration::from_secs(1))
+            .wait_line("probes kept from the last capture", Duration::from_secs(1))
             .is_some(),
         "{:?}",
         server.lines()
     );
-    let files = xplane_files(logdir.path());
-    assert_eq!(files.len(), 1, "{files:?}");
-    let space = xspace::load(&files[0]);
-    let host = plane(&space, "/host:CPU");
-    assert_lines_nest(host);
-    let main = line_events(host, pid.into());
-    let steps = main.iter().filter(|e| e.name == "ebtrace_step").count();
-    assert!(steps >= 50, "{steps} steps");
-    assert!(main.iter().any(|e| e.name == "Running"));
-    assert!(space.planes.iter().any(|p| p.name == "/host:metadata"));
-    // Once the server lets its capture go, the agent is out.
     server.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
     assert_eq!(agent_traces(pid), (0, 0, 0));
     signal(pid, libc::SIGTERM);

@@ -16,7 +16,8 @@ use ebtrace_tests::{
         wait_until_restored,
     },
     fixture::SchedWorkload,
-    record, require_root, serial, spawn_record_with_env, xplane_files, xprof,
+    loaded_bpf_program_names, record, require_root, serial, signal, spawn_record_with_env,
+    xplane_files, xprof,
     xspace::{self, Event, Stat, gpu_event_count, line_events, plane, plane_stats},
 };
 use serde_json::Value;
@@ -423,6 +424,70 @@ fn functions_probed(stderr: &[String]) -> (u64, &str) {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no count in {line:?}"));
     (n, line)
+}
+
+#[test]
+fn a_target_killed_while_ebtrace_stops_leaves_no_probe_behind() {
+    if !require_root("a_target_killed_while_ebtrace_stops_leaves_no_probe_behind") {
+        return;
+    }
+    let _serial = serial();
+    // The driver programs (the kernel keeps 15 characters of a name).
+    let ours = || {
+        loaded_bpf_program_names()
+            .iter()
+            .filter(|n| n.starts_with("cuda_"))
+            .count()
+    };
+    let before = ours();
+    // The window ends 1 s after the probes attached; the target dies as
+    // ebtrace stops recording, writes the trace and releases ~2 x 40
+    // uprobes, through each kind of link.
+    for (env, after_window_ms) in [
+        (&[][..], 0),
+        (&[][..], 60),
+        (PERF_LINKS, 0),
+        (PERF_LINKS, 60),
+    ] {
+        let what = format!("{env:?}, killed {after_window_ms} ms after the window");
+        let mut workload = CudaWorkload::start(&["--bench-seconds", "30"]);
+        let pid = workload.pid;
+        let logdir = TempDir::new("cuda-exit-stop");
+        let ebtrace = await_line(
+            spawn_record_with_env(
+                &pid.to_string(),
+                "1s",
+                &logdir,
+                &["--no-agent", "--no-device-activity"],
+                env,
+            ),
+            "probes attached",
+        );
+        workload.go();
+        std::thread::sleep(Duration::from_millis(1000 + after_window_ms));
+        signal(pid, libc::SIGKILL);
+        let out = ebtrace.wait(Duration::from_secs(60));
+        assert!(out.status.success(), "{what}: {out:?}");
+        let files = xplane_files(logdir.path());
+        assert_eq!(files.len(), 1, "{what}: {files:?}");
+        let space = xspace::load(&files[0]);
+        let host = plane(&space, "/host:CPU");
+        let launches = host
+            .lines
+            .iter()
+            .flat_map(|l| line_events(host, l.id))
+            .filter(|e| e.name == "cuLaunchKernel")
+            .count();
+        assert!(launches > 100, "{what}: {launches} launches in the trace");
+    }
+    let released = std::time::Instant::now();
+    while ours() > before {
+        assert!(
+            released.elapsed() < Duration::from_secs(20),
+            "ebtrace's driver programs are still loaded 20 s after it exited"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

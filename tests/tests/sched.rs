@@ -7,8 +7,8 @@ use std::{collections::HashSet, time::Duration};
 use ebtrace_tests::{
     TempDir,
     fixture::{SchedWorkload, SchedstatSampler},
-    record, require_root, serial, spawn_record, spawn_record_with_env, wait_with_deadline,
-    xplane_files,
+    loaded_bpf_program_names, record, require_root, serial, spawn_record, spawn_record_with_env,
+    wait_with_deadline, xplane_files,
     xspace::{self, Event, line_events, plane},
 };
 
@@ -561,47 +561,6 @@ fn ctrl_c_ends_the_capture_and_writes_the_trace() {
     assert!(space.warnings.iter().any(|w| w.contains("interrupted")));
     let host = plane(&space, "/host:CPU");
     assert!(host.lines.len() >= 5);
-}
-
-/// Names of the BPF programs loaded in the kernel now, read with the bpf
-/// syscall itself (what `bpftool prog` lists).
-fn loaded_bpf_program_names() -> Vec<String> {
-    const PROG_GET_NEXT_ID: libc::c_long = 11;
-    const PROG_GET_FD_BY_ID: libc::c_long = 13;
-    const OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    let bpf = |cmd: libc::c_long, attr: &mut [u64; 8]| {
-        // SAFETY: a zero-padded attribute buffer larger than each command's.
-        unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), 64) }
-    };
-    let mut names = Vec::new();
-    let mut id = 0u32;
-    loop {
-        let mut attr = [0u64; 8];
-        attr[0] = u64::from(id);
-        if bpf(PROG_GET_NEXT_ID, &mut attr) != 0 {
-            break;
-        }
-        id = (attr[0] >> 32) as u32;
-        let mut attr = [0u64; 8];
-        attr[0] = u64::from(id);
-        let fd = bpf(PROG_GET_FD_BY_ID, &mut attr);
-        if fd < 0 {
-            continue;
-        }
-        let mut info = [0u8; 256];
-        let mut attr = [0u64; 8];
-        attr[0] = fd as u64 | ((info.len() as u64) << 32);
-        attr[1] = info.as_mut_ptr() as u64;
-        if bpf(OBJ_GET_INFO_BY_FD, &mut attr) == 0 {
-            // bpf_prog_info.name: 16 bytes at offset 64.
-            let name = &info[64..80];
-            let end = name.iter().position(|&b| b == 0).unwrap_or(16);
-            names.push(String::from_utf8_lossy(&name[..end]).into_owned());
-        }
-        // SAFETY: our descriptor.
-        unsafe { libc::close(fd as i32) };
-    }
-    names
 }
 
 #[test]

@@ -314,7 +314,14 @@ fn overlapping_captures_share_one_set_of_probes_up_to_the_limit() {
     let _serial = serial();
     block_on(async {
         let workload = SchedWorkload::start(&[]);
-        let server = ServeProcess::loopback(&["--pid", &pid_arg(&workload), "--max-sessions", "2"]);
+        let server = ServeProcess::loopback(&[
+            "--pid",
+            &pid_arg(&workload),
+            "--max-sessions",
+            "2",
+            "--keep-probes",
+            "0",
+        ]);
         let mut a_client = server.client().await;
         let mut b_client = server.client().await;
         let mut c_client = server.client().await;
@@ -365,6 +372,80 @@ fn overlapping_captures_share_one_set_of_probes_up_to_the_limit() {
 }
 
 #[test]
+fn probes_stay_attached_across_sessions_and_record_nothing_between() {
+    if !require_root("probes_stay_attached_across_sessions_and_record_nothing_between") {
+        return;
+    }
+    let _serial = serial();
+    block_on(async {
+        // Between the two sessions the fixture keeps switching and waking
+        // (ping and pong), and creates a thread that runs 200 ms and exits.
+        let workload = SchedWorkload::start(&["--late-thread-ms", "4000"]);
+        let server =
+            ServeProcess::loopback(&["--pid", &pid_arg(&workload), "--keep-probes", "10s"]);
+        let mut client = server.client().await;
+        let first = client.profile(request(500)).await.expect("first capture");
+        assert!(!first.into_inner().empty_trace);
+        assert!(
+            workload
+                .wait_line("late_tid", Duration::from_millis(5))
+                .is_none(),
+            "the late thread started before the first capture ended"
+        );
+        let links = server.link_ids();
+        assert!(!links.is_empty(), "probes detached after the first capture");
+        let submitted = server.records_submitted();
+        assert!(submitted > 0);
+
+        let late = workload
+            .wait_line("late_tid", Duration::from_secs(8))
+            .expect("the fixture started its late thread");
+        let late_tid = late["late_tid"].as_i64().unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(
+            server.records_submitted(),
+            submitted,
+            "records written while no capture was running"
+        );
+
+        let second = client.profile(request(500)).await.expect("second capture");
+        assert_eq!(server.link_ids(), links, "probes attached again");
+        assert!(server.records_submitted() > submitted);
+        assert!(
+            server
+                .wait_line("probes kept from the last capture", Duration::from_secs(1))
+                .is_some(),
+            "{:?}",
+            server.lines()
+        );
+        let space = xspace_of(&second.into_inner());
+        let host = plane(&space, HOST_CPU);
+        // ping pauses 1 ms per round trip: hundreds of runs in 500 ms.
+        let ping = line_events(host, workload.tid("ping").into());
+        let runs = ping.iter().filter(|e| e.name == "Running").count();
+        assert!(runs > 100, "ping ran {runs} times in the second capture");
+        assert!(
+            !thread_lines(&space).contains(&late_tid),
+            "a thread that lived only between the captures is in the second"
+        );
+
+        // Many short captures on the same probes hold nothing over.
+        let fds = server.open_fds();
+        for _ in 0..20 {
+            let r = client.profile(request(20)).await.expect("profile");
+            assert!(!r.into_inner().empty_trace);
+        }
+        assert_eq!(server.open_fds(), fds, "descriptors leaked");
+        assert_eq!(server.link_ids(), links);
+        // Kept no longer than --keep-probes.
+        assert!(
+            server.wait_detached(Duration::from_secs(30)),
+            "probes still attached long after --keep-probes"
+        );
+    });
+}
+
+#[test]
 fn a_cancelled_capture_frees_its_probes() {
     if !require_root("a_cancelled_capture_frees_its_probes") {
         return;
@@ -372,7 +453,7 @@ fn a_cancelled_capture_frees_its_probes() {
     let _serial = serial();
     block_on(async {
         let workload = SchedWorkload::start(&[]);
-        let server = ServeProcess::loopback(&["--pid", &pid_arg(&workload)]);
+        let server = ServeProcess::loopback(&["--pid", &pid_arg(&workload), "--keep-probes", "0"]);
         let mut client = server.client().await;
         let call = tokio::spawn(async move { client.profile(request(20_000)).await });
         tokio::time::sleep(Duration::from_millis(700)).await;
@@ -759,7 +840,7 @@ fn two_hundred_captures_leak_no_descriptor_and_little_memory() {
     let _serial = serial();
     block_on(async {
         let workload = SchedWorkload::start(&[]);
-        let server = ServeProcess::loopback(&["--pid", &pid_arg(&workload)]);
+        let server = ServeProcess::loopback(&["--pid", &pid_arg(&workload), "--keep-probes", "0"]);
         let mut client = server.client().await;
         let mut capture = async |n: usize| {
             for _ in 0..n {

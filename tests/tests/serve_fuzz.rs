@@ -435,6 +435,8 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
     let pids = format!("{},{}", cuda.pid, sched.pid);
     let sessions = MAX_SESSIONS.to_string();
     let mut server = ServeProcess::loopback(&[
+        "--keep-probes",
+        "0",
         "--pid",
         &pids,
         "--max-duration",

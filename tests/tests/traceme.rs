@@ -15,7 +15,9 @@ use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
     killed::{guards_of, kill_mid_capture},
-    record, require_root, run_ebtrace, serial, signal, spawn_record, spawn_record_with_env,
+    record, require_root, run_ebtrace, serial,
+    serve::{ServeProcess, block_on, request, xspace_of},
+    signal, spawn_record, spawn_record_with_env,
     traceme::{ExpectedSpan, LoggedEvent, Toolchain, TraceMeWorkload, expected_spans, read_i32},
     wait_with_deadline, xplane_files,
     xspace::{self, Event, Stat, assert_lines_nest, line_events, plane},
@@ -466,6 +468,43 @@ fn start_long_capture(pid: u32, dir: &TempDir) -> (std::process::Child, Vec<Stri
         }
     }
     (child, lines)
+}
+
+#[test]
+fn serve_switches_recording_off_between_captures_on_kept_probes() {
+    if !require_root("serve_switches_recording_off_between_captures_on_kept_probes") {
+        return;
+    }
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let server =
+        ServeProcess::loopback(&["--pid", &workload.pid.to_string(), "--keep-probes", "30s"]);
+    block_on(async {
+        let mut client = server.client().await;
+        for capture in ["first", "second"] {
+            let response = client.profile(request(600)).await.expect(capture);
+            let space = xspace_of(&response.into_inner());
+            let host = plane(&space, "/host:CPU");
+            let steps = host
+                .lines
+                .iter()
+                .flat_map(|l| line_events(host, l.id))
+                .filter(|e| e.name == "train_step")
+                .count();
+            assert!(steps > 0, "{capture}: no TraceMe event");
+            // Between captures the probes stay, recording in the target
+            // does not.
+            assert_eq!(workload.trace_level(Toolchain::Gcc), -1, "{capture}");
+        }
+    });
+    assert!(
+        server
+            .wait_line("probes kept from the last capture", Duration::from_secs(1))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    workload.stop();
 }
 
 #[test]
