@@ -94,6 +94,8 @@ pub enum Config {
     Ebtrace,
     /// ebtrace forced onto classic tracepoints (`EBTRACE_SCHED_TRACEPOINTS=classic`).
     EbtraceClassic,
+    /// `ebtrace serve` between captures: its probes kept attached, paused.
+    EbtraceKept,
     Bpftrace,
 }
 
@@ -102,6 +104,7 @@ impl Configuration for Config {
         Config::Untraced,
         Config::Ebtrace,
         Config::EbtraceClassic,
+        Config::EbtraceKept,
         Config::Bpftrace,
     ];
 
@@ -110,6 +113,7 @@ impl Configuration for Config {
             Config::Untraced => "untraced",
             Config::Ebtrace => "ebtrace",
             Config::EbtraceClassic => "ebtrace-classic",
+            Config::EbtraceKept => "ebtrace-kept",
             Config::Bpftrace => "bpftrace",
         }
     }
@@ -261,6 +265,7 @@ impl Bench {
         cmd.args(["--mode", "pingpong"]);
         let workload = Workload::start(cmd)?;
         let logdir = self.scratch.join("logs");
+        let mut kept = None;
         let (mut tracer, paused) = harness::while_stopped(workload.pid, || {
             Ok(match config {
                 Config::Untraced => None,
@@ -268,12 +273,19 @@ impl Bench {
                 Config::EbtraceClassic => {
                     Some(self.start_ebtrace(&workload, &logdir, seconds, true)?)
                 }
+                Config::EbtraceKept => {
+                    kept = Some(serve::KeptProbes::start(&self.ebtrace, workload.pid)?);
+                    None
+                }
                 Config::Bpftrace => Some(self.start_bpftrace(&workload)?),
             })
         })?;
         let paused_s = paused.as_secs_f64();
         thread::sleep(Duration::from_secs_f64(seconds));
         let counters = workload.stop()?;
+        if let Some(server) = kept {
+            server.stop()?;
+        }
         let round_trips = counters["round_trips"].as_f64().context("round_trips")?;
         let elapsed_s = counters["elapsed_s"].as_f64().context("elapsed_s")?;
         let round_trips_per_s = round_trips / (elapsed_s - paused_s).max(1e-3);

@@ -208,6 +208,9 @@ fn overhead(md: &mut String, runs: &[Run]) {
                 "ebtrace (records every switch and wakeup of the target; raw tracepoints)"
             }
             Config::EbtraceClassic => "ebtrace, classic tracepoints (the same records)",
+            Config::EbtraceKept => {
+                "ebtrace serve between captures (probes kept attached, recording nothing)"
+            }
             Config::Bpftrace => "bpftrace (counts the same switches and wakeups per CPU)",
         };
         let each: Vec<String> = v.iter().map(|x| thousands(*x)).collect();
@@ -247,7 +250,12 @@ fn overhead(md: &mut String, runs: &[Run]) {
             md,
             "\n| configuration | added ns per event | vs bpftrace |\n|---|---:|---:|"
         );
-        for c in [Config::Ebtrace, Config::EbtraceClassic, Config::Bpftrace] {
+        for c in [
+            Config::Ebtrace,
+            Config::EbtraceClassic,
+            Config::EbtraceKept,
+            Config::Bpftrace,
+        ] {
             let _ = writeln!(
                 md,
                 "| {} | {:.0} | {:.2} |",

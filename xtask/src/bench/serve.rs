@@ -48,6 +48,9 @@ pub struct Options {
 /// One answered request.
 struct Answer {
     mode: &'static str,
+    /// Whether the probes were kept from the previous request (else
+    /// attached for this one).
+    kept: bool,
     max_events: u64,
     /// Response received minus the requested duration.
     overhead: Duration,
@@ -71,9 +74,11 @@ struct Server {
 }
 
 impl Server {
-    fn start(ebtrace: &Path, pid: u32) -> Result<Self> {
+    /// `ebtrace serve --pid PID` on a loopback port, with `extra` flags.
+    fn start(ebtrace: &Path, pid: u32, extra: &[&str]) -> Result<Self> {
         let mut child = Command::new(ebtrace)
             .args(["serve", "--pid", &pid.to_string(), "--bind", "127.0.0.1:0"])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -159,6 +164,37 @@ impl Drop for Server {
     }
 }
 
+/// `ebtrace serve` whose probes one short capture attached and which now
+/// keeps them, paused, for the next: what its idle cost is measured with.
+pub struct KeptProbes(Server);
+
+impl KeptProbes {
+    pub fn start(ebtrace: &Path, pid: u32) -> Result<Self> {
+        let server = Server::start(ebtrace, pid, &["--keep-probes", "1h"])?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let url = format!("http://{}", server.addr);
+        let mut short = request(1000);
+        short.duration_ms = 100;
+        if let Some(o) = short.opts.as_mut() {
+            o.duration_ms = 100;
+        }
+        runtime.block_on(async {
+            let mut client = ProfilerServiceClient::connect(url)
+                .await?
+                .max_decoding_message_size(usize::MAX);
+            client.profile(short).await?;
+            anyhow::Ok(())
+        })?;
+        Ok(KeptProbes(server))
+    }
+
+    pub fn stop(self) -> Result<()> {
+        self.0.stop()
+    }
+}
+
 fn realtime_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -193,7 +229,7 @@ fn request(max_events: u64) -> ProfileRequest {
 fn ask(
     runtime: &tokio::runtime::Runtime,
     server: &Server,
-    mode: &'static str,
+    (mode, kept): (&'static str, bool),
     max_events: u64,
     n: usize,
 ) -> Result<Answer> {
@@ -237,6 +273,7 @@ fn ask(
         .sum();
     Ok(Answer {
         mode,
+        kept,
         max_events,
         overhead: elapsed.saturating_sub(Duration::from_millis(CAPTURE_MS)),
         events,
@@ -250,7 +287,8 @@ fn ask(
                 session("encoded ")?,
             ))
         })(),
-        attach_ms: server.logged_ms("ebtrace: probes attached", n, "attached in "),
+        // "probes attached in N ms", or "probes kept ..., recording again in N ms".
+        attach_ms: server.logged_ms("ebtrace: probes ", n, " in "),
         server_overhead_ms: server
             .logged_ms("ebtrace: session ", n, "answered ")
             .map(|ms| ms.saturating_sub(CAPTURE_MS)),
@@ -277,31 +315,43 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
         ("pingpong", &[CLIENT_MAX_EVENTS, 0][..]),
         ("mixed", &[CLIENT_MAX_EVENTS][..]),
     ] {
-        let workload = start_workload(&fixture, mode, opts.target_cpu)?;
-        let server = Server::start(&ebtrace, workload.pid)?;
-        thread::sleep(Duration::from_secs(1));
-        let idle_before = server.rss_kib();
-        let mut n = 0;
-        for &max_events in limits {
-            for round in 0..opts.rounds {
-                let a = ask(&runtime, &server, mode, max_events, n)?;
+        // Probes attached for each request (--keep-probes 0), then kept
+        // between requests (the default), after one request that attaches
+        // them and is not counted.
+        for kept in [false, true] {
+            let workload = start_workload(&fixture, mode, opts.target_cpu)?;
+            let keep = if kept { "1h" } else { "0" };
+            let server = Server::start(&ebtrace, workload.pid, &["--keep-probes", keep])?;
+            thread::sleep(Duration::from_secs(1));
+            let idle_before = server.rss_kib();
+            let mut n = 0;
+            if kept {
+                ask(&runtime, &server, (mode, kept), limits[0], n)?;
                 n += 1;
-                say(format!(
-                    "{mode} max_events={max_events} round {}: +{:.0} ms, {} events, {:.1} MB, peak RSS {:.0} MiB",
-                    round + 1,
-                    a.overhead.as_secs_f64() * 1e3,
-                    a.events,
-                    a.bytes as f64 / 1e6,
-                    a.peak_rss_kib as f64 / 1024.0
-                ));
-                answers.push(a);
             }
+            for &max_events in limits {
+                for round in 0..opts.rounds {
+                    let a = ask(&runtime, &server, (mode, kept), max_events, n)?;
+                    n += 1;
+                    say(format!(
+                        "{mode} kept={kept} max_events={max_events} round {}: +{:.0} ms, {} events, {:.1} MB, peak RSS {:.0} MiB",
+                        round + 1,
+                        a.overhead.as_secs_f64() * 1e3,
+                        a.events,
+                        a.bytes as f64 / 1e6,
+                        a.peak_rss_kib as f64 / 1024.0
+                    ));
+                    answers.push(a);
+                }
+            }
+            // Detaching finishes in the background; give it a moment.
+            thread::sleep(Duration::from_secs(2));
+            if !kept {
+                idle.push((mode, idle_before, server.rss_kib()));
+            }
+            server.stop()?;
+            workload.stop()?;
         }
-        // Detaching finishes in the background; give it a moment.
-        thread::sleep(Duration::from_secs(2));
-        idle.push((mode, idle_before, server.rss_kib()));
-        server.stop()?;
-        workload.stop()?;
     }
     let load = (load_before, loadavg());
     let md = render(
@@ -375,19 +425,24 @@ fn render(
     let _ = writeln!(
         md,
         "- each request: a gRPC `Profile` of 2000 ms starting now, as `jax.collect_profile` sends it; \
-         \"answer - 2 s\" is from sending the request to having the whole response, minus 2000 ms\n"
+         \"answer - 2 s\" is from sending the request to having the whole response, minus 2000 ms; \
+         probes \"attached\": for each request (`--keep-probes 0`), \"kept\": from the request \
+         before (the default; the first request, which attaches them, is not counted)\n"
     );
     let _ = writeln!(
         md,
-        "| target | max_events | answer - 2 s (median, each) | of which in the server (median) | events in the XSpace | XSpace size | server ms (median): attach / timeline / XSpace built / encoded | peak RSS during the request |"
+        "| target | probes | max_events | answer - 2 s (median, each) | of which in the server (median) | events in the XSpace | XSpace size | server ms (median): attach or resume / timeline / XSpace built / encoded | peak RSS during the request |"
     );
-    let _ = writeln!(md, "|---|---:|---|---:|---:|---:|---|---:|");
-    let mut keys: Vec<(&str, u64)> = answers.iter().map(|a| (a.mode, a.max_events)).collect();
+    let _ = writeln!(md, "|---|---|---:|---|---:|---:|---:|---|---:|");
+    let mut keys: Vec<(&str, bool, u64)> = answers
+        .iter()
+        .map(|a| (a.mode, a.kept, a.max_events))
+        .collect();
     keys.dedup();
-    for (mode, max_events) in keys {
+    for (mode, kept, max_events) in keys {
         let rows: Vec<&Answer> = answers
             .iter()
-            .filter(|a| a.mode == mode && a.max_events == max_events)
+            .filter(|a| a.mode == mode && a.kept == kept && a.max_events == max_events)
             .collect();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let each = harness::each(&rows.iter().map(|a| ms(a.overhead)).collect::<Vec<_>>(), 0);
@@ -409,7 +464,8 @@ fn render(
         };
         let _ = writeln!(
             md,
-            "| {mode} | {} | **{:.0} ms** ({}) | {:.0} ms | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
+            "| {mode} | {} | {} | **{:.0} ms** ({}) | {:.0} ms | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
+            if kept { "kept" } else { "attached" },
             if max_events == 0 {
                 "none".to_string()
             } else {
