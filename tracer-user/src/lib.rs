@@ -22,6 +22,7 @@ pub mod clock;
 pub mod collect;
 pub mod cuda_api;
 pub mod error;
+pub mod metrics;
 pub mod procfs;
 pub mod server;
 pub mod sink;

@@ -67,6 +67,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration_or_zero)]
     pub keep_probes: Duration,
 
+    /// Also serve Prometheus metrics of the watched processes (on-CPU
+    /// time, run-queue wait, context switches, threads) and of ebtrace
+    /// itself at http://ADDR/metrics, e.g. 127.0.0.1:9464. Anything but
+    /// loopback lets other machines read them.
+    #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
+    pub http: Option<SocketAddr>,
+
     /// Kernel ring buffer size in MiB (a power of two), shared by the
     /// captures in progress.
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
@@ -102,5 +109,6 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         },
         allow_write_under: args.allow_write_under.clone(),
         keep_probes: args.keep_probes,
+        http: args.http,
     })
 }

@@ -32,6 +32,7 @@ use crate::{
     attach::{ProbeSet, ProbeSetConfig, tracefs},
     capture::check_privileges,
     error::{EXIT_FAILURE, Error, Result},
+    metrics::{self, Metrics},
     sink::xspace::local_hostname,
 };
 use panics::PanicWatch;
@@ -53,6 +54,8 @@ pub struct ServeConfig {
     /// How long a finished capture's probes stay attached (paused) for
     /// the next one.
     pub keep_probes: Duration,
+    /// Where to serve `/metrics` over HTTP, if anywhere.
+    pub http: Option<SocketAddr>,
 }
 
 /// How long in-flight captures get to finish after SIGTERM/SIGINT.
@@ -105,11 +108,20 @@ async fn serve(
             })?;
         listeners.push(listener);
     }
+    let http_listener = match config.http {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Bind { addr, source })?,
+        ),
+        None => None,
+    };
     let mut terminate = signal(SignalKind::terminate())
         .map_err(|e| Error::io("installing the SIGTERM handler", e))?;
     let mut interrupt = signal(SignalKind::interrupt())
         .map_err(|e| Error::io("installing the SIGINT handler", e))?;
 
+    let metrics = Arc::new(Metrics::default());
     let (hub, hub_thread) = sessions::spawn(HubConfig {
         watch: config.watch.clone(),
         max_sessions: config.max_sessions,
@@ -117,6 +129,7 @@ async fn serve(
         probe: config.probe.clone(),
         guard: guard.clone(),
         keep_probes: config.keep_probes,
+        metrics: Arc::clone(&metrics),
     })
     .map_err(|e| Error::io("starting the session thread", e))?;
     let service = Arc::new(ProfilerServer {
@@ -152,7 +165,19 @@ async fn serve(
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
                 let _ = stopped.wait_for(|s| *s).await;
             });
-        servers.spawn(async move { (local, server.await) });
+        servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
+    }
+    if let Some(listener) = http_listener {
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the bound address", e))?;
+        eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
+        let mut stopped = stopped.clone();
+        let shutdown = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        let server = metrics::http::serve(listener, Arc::clone(&metrics), hub.clone(), shutdown);
+        servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
     }
     if let Some(first) = config.binds.first() {
         eprintln!(

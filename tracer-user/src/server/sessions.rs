@@ -41,6 +41,7 @@ use crate::{
     attach::ProbeSetConfig,
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock::{self, ClockSync},
+    metrics::Metrics,
     procfs::TargetProcess,
     timeline::{self, Sources, Timeline, Window},
 };
@@ -124,6 +125,8 @@ pub struct HubConfig {
     /// How long the probes of a finished capture stay attached, paused,
     /// for the next session (zero: detached at once).
     pub keep_probes: Duration,
+    /// Counts answered captures for `/metrics`.
+    pub metrics: Arc<Metrics>,
 }
 
 /// The gRPC side's end of the hub.
@@ -618,6 +621,7 @@ impl Hub {
     /// response.
     fn deliver(&mut self, session: Session, timeline: Timeline, built_in: Duration) {
         let guard = self.config.guard.clone();
+        let metrics = Arc::clone(&self.config.metrics);
         let worker = std::thread::Builder::new()
             .name("ebtrace-deliver".into())
             .spawn(move || {
@@ -637,6 +641,7 @@ impl Hub {
                         let _ = session.reply.send(Err(SessionError::Response(e)));
                     }
                 }
+                metrics.server.add_capture(timeline.stats.dropped);
                 drop(timeline);
                 release_free_memory();
             });

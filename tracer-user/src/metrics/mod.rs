@@ -1,0 +1,145 @@
+//! Prometheus metrics of the watched processes and of ebtrace itself,
+//! served by `ebtrace serve --http ADDR` at `/metrics`.
+//!
+//! - [`totals`]: what each watched process did, read from `/proc` at each
+//!   scrape (no probe needed, so it costs the targets nothing);
+//! - [`exposition`]: the Prometheus text format;
+//! - [`http`]: the HTTP listener.
+//!
+//! Everything is read when Prometheus scrapes; nothing runs in between.
+
+pub mod exposition;
+pub mod http;
+pub mod totals;
+
+use std::sync::{
+    Mutex,
+    atomic::{AtomicU64, Ordering},
+};
+
+use crate::procfs::{self, TargetProcess};
+use exposition::{Exposition, Kind};
+use totals::{ProcessTotals, Totals};
+
+/// Counters the session hub keeps for `/metrics`.
+#[derive(Debug, Default)]
+pub struct ServerCounters {
+    /// Captures answered (with a trace or an error).
+    pub captures: AtomicU64,
+    /// Records the captures lost (ring buffer full, probe maps full).
+    pub records_dropped: AtomicU64,
+}
+
+impl ServerCounters {
+    pub fn add_capture(&self, dropped: u64) {
+        self.captures.fetch_add(1, Ordering::Relaxed);
+        self.records_dropped.fetch_add(dropped, Ordering::Relaxed);
+    }
+}
+
+/// The state `/metrics` reads from.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    totals: Mutex<Totals>,
+    pub server: ServerCounters,
+}
+
+/// A per-process metric: name, help, kind, value.
+type ProcessMetric = (&'static str, &'static str, Kind, fn(&ProcessTotals) -> f64);
+
+const PER_PROCESS: [ProcessMetric; 5] = [
+    (
+        "ebtrace_process_cpu_seconds_total",
+        "CPU time (user and system) of the process, exited threads included.",
+        Kind::Counter,
+        |p| p.cpu_ns as f64 / 1e9,
+    ),
+    (
+        "ebtrace_process_runqueue_wait_seconds_total",
+        "Time the process's threads were runnable but waited for a CPU (schedstat).",
+        Kind::Counter,
+        |p| p.sum.runqueue_wait_ns as f64 / 1e9,
+    ),
+    (
+        "ebtrace_process_voluntary_switches_total",
+        "Context switches where a thread of the process blocked or yielded.",
+        Kind::Counter,
+        |p| p.sum.voluntary_switches as f64,
+    ),
+    (
+        "ebtrace_process_involuntary_switches_total",
+        "Context switches where a thread of the process was preempted.",
+        Kind::Counter,
+        |p| p.sum.involuntary_switches as f64,
+    ),
+    (
+        "ebtrace_process_threads",
+        "Threads the process has now.",
+        Kind::Gauge,
+        |p| p.threads as f64,
+    ),
+];
+
+impl Metrics {
+    /// The text exposition of every metric, for `targets` (the processes
+    /// watched now).
+    pub fn render(&self, targets: &[TargetProcess]) -> String {
+        let processes = self
+            .totals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .refresh(targets);
+        let mut e = Exposition::default();
+        for (name, help, kind, value) in PER_PROCESS {
+            e.family(name, help, kind);
+            for p in &processes {
+                let pid = p.pid.to_string();
+                e.sample(name, &[("pid", &pid), ("name", &p.name)], value(p));
+            }
+        }
+        let own = [
+            (
+                "ebtrace_watched_processes",
+                "Processes ebtrace watches now.",
+                Kind::Gauge,
+                processes.len() as f64,
+            ),
+            (
+                "ebtrace_captures_total",
+                "Captures ebtrace answered.",
+                Kind::Counter,
+                self.server.captures.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_records_dropped_total",
+                "Records the captures lost (ring buffer or probe maps full).",
+                Kind::Counter,
+                self.server.records_dropped.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_cpu_seconds_total",
+                "CPU time ebtrace itself used (user and system).",
+                Kind::Counter,
+                own_cpu_seconds().unwrap_or(0.0),
+            ),
+            (
+                "ebtrace_resident_memory_bytes",
+                "ebtrace's resident memory.",
+                Kind::Gauge,
+                procfs::resident_bytes(std::process::id()).unwrap_or(0) as f64,
+            ),
+        ];
+        for (name, help, kind, value) in own {
+            e.family(name, help, kind);
+            e.sample(name, &[], value);
+        }
+        e.finish()
+    }
+}
+/// User + system CPU time of this process (`/proc/self/stat`).
+fn own_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    Some((ticks(11)? + ticks(12)?) as f64 / procfs::clock_ticks_per_second() as f64)
+}
