@@ -52,6 +52,10 @@ const APT_BASE: &[(&str, &str)] = &[
         "fonts-liberation",
         "text in the headless browser's screenshots",
     ),
+    (
+        "prometheus",
+        "a real Prometheus server scrapes `ebtrace serve --http` in the tests (and promtool checks it)",
+    ),
 ];
 const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
 

@@ -1,0 +1,341 @@
+//! `ebtrace serve --http`: Prometheus metrics of the watched processes,
+//! checked against `/proc`, against `promtool check metrics`, and scraped
+//! by a real Prometheus server (Debian's `prometheus` package).
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream},
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use ebtrace_tests::{
+    TempDir,
+    fixture::SchedWorkload,
+    require_root, serial,
+    serve::{ServeProcess, block_on, request},
+};
+
+const METRICS_LINE: &str = "ebtrace: serving Prometheus metrics on http://";
+
+/// `ebtrace serve --pid PID --http 127.0.0.1:0`, and its metrics address.
+fn serve_with_metrics(pid: u32) -> (ServeProcess, SocketAddr) {
+    let server = ServeProcess::loopback(&["--pid", &pid.to_string(), "--http", "127.0.0.1:0"]);
+    let line = server
+        .wait_line(METRICS_LINE, Duration::from_secs(10))
+        .expect("the metrics listener's address");
+    let addr = line
+        .split(METRICS_LINE)
+        .nth(1)
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    (server, addr)
+}
+
+/// One plain HTTP/1.1 GET; (status, content type, body).
+fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("headers");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status");
+    let content_type = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-type")
+                .then(|| v.trim().to_string())
+        })
+        .unwrap_or_default();
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    (status, content_type, body)
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = &rest[size + 2..];
+    }
+    out
+}
+
+/// The value of `name` for `pid` in an exposition.
+fn sample(body: &str, name: &str, pid: u32) -> Option<f64> {
+    let labels = format!("pid=\"{pid}\"");
+    body.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&labels))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// What `/proc` says of `pid` now: its CPU seconds (`stat`: utime +
+/// stime, in the 100 ticks a second `/proc` always uses) and its live
+/// threads' voluntary context switches (`status`).
+fn proc_totals(pid: u32) -> (f64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<u64> = stat[stat.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    let cpu = (fields[11] + fields[12]) as f64 / 100.0;
+    let mut voluntary = 0u64;
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    for entry in tasks.flatten() {
+        if let Ok(s) = std::fs::read_to_string(entry.path().join("status")) {
+            voluntary += s
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .map_or(0, |v| v.trim().parse::<u64>().unwrap());
+        }
+    }
+    (cpu, voluntary)
+}
+
+#[test]
+fn metrics_agree_with_proc_and_pass_promtool() {
+    if !require_root("metrics_agree_with_proc_and_pass_promtool") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let (server, addr) = serve_with_metrics(workload.pid);
+    std::thread::sleep(Duration::from_millis(500));
+
+    let before = proc_totals(workload.pid);
+    let (status, content_type, body) = get(addr, "/metrics");
+    let after = proc_totals(workload.pid);
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
+    // The fixture's threads all live through the test: /proc's sums
+    // bracket what ebtrace read between the two readings.
+    let cpu = sample(&body, "ebtrace_process_cpu_seconds_total", workload.pid).expect(&body);
+    assert!(
+        before.0 - 0.001 <= cpu && cpu <= after.0 + 0.001,
+        "on-CPU {cpu} s, /proc {} .. {} s",
+        before.0,
+        after.0
+    );
+    // cpu-burner spins: at least ~0.3 s of CPU since the start.
+    assert!(cpu > 0.3, "{cpu}");
+    let voluntary = sample(
+        &body,
+        "ebtrace_process_voluntary_switches_total",
+        workload.pid,
+    )
+    .expect(&body) as u64;
+    assert!(
+        before.1 <= voluntary && voluntary <= after.1,
+        "voluntary {voluntary}, /proc {} .. {}",
+        before.1,
+        after.1
+    );
+    assert_eq!(
+        sample(&body, "ebtrace_process_threads", workload.pid),
+        Some(5.0),
+        "{body}"
+    );
+    assert!(body.contains("ebtrace_watched_processes 1"), "{body}");
+    assert!(body.contains("ebtrace_resident_memory_bytes "), "{body}");
+
+    let (status, _, _) = get(addr, "/nothing");
+    assert_eq!(status, 404);
+
+    // A capture is counted once answered.
+    assert!(body.contains("ebtrace_captures_total 0\n"), "{body}");
+    block_on(async {
+        let mut client = server.client().await;
+        client.profile(request(200)).await.expect("a capture");
+    });
+    let (_, _, after_capture) = get(addr, "/metrics");
+    assert!(
+        after_capture.contains("ebtrace_captures_total 1\n"),
+        "{after_capture}"
+    );
+
+    let Some(promtool) = tool("promtool") else {
+        return;
+    };
+    let mut check = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool");
+    check
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = check.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_real_prometheus_scrapes_the_watched_process() {
+    if !require_root("a_real_prometheus_scrapes_the_watched_process") {
+        return;
+    }
+    let Some(prometheus) = tool("prometheus") else {
+        return;
+    };
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let (_server, metrics) = serve_with_metrics(workload.pid);
+    let dir = TempDir::new("prometheus");
+    let web = free_port();
+    let prom = Prometheus::start(&prometheus, dir.path(), metrics, web);
+
+    // The fixture's cpu-burner spins on one CPU: its process runs about
+    // one CPU-second per second (less when the machine is busy).
+    let query = format!(
+        "rate(ebtrace_process_cpu_seconds_total{{pid=\"{}\"}}[4s])",
+        workload.pid
+    );
+    let rate = prom
+        .wait_value(&query, Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("no {query} in Prometheus: {}", prom.log()));
+    assert!((0.3..=2.05).contains(&rate), "{query} = {rate}");
+    let up = prom.wait_value("up{job=\"ebtrace\"}", Duration::from_secs(5));
+    assert_eq!(up, Some(1.0));
+    // ping and pong block on each other every millisecond.
+    let query = format!(
+        "rate(ebtrace_process_voluntary_switches_total{{pid=\"{}\"}}[4s])",
+        workload.pid
+    );
+    let switches = prom
+        .wait_value(&query, Duration::from_secs(10))
+        .expect(&query);
+    assert!(switches > 200.0, "{query} = {switches}");
+}
+
+/// A Prometheus server scraping `target` every second.
+struct Prometheus {
+    child: Child,
+    web: SocketAddr,
+    log: std::path::PathBuf,
+}
+
+impl Prometheus {
+    fn start(binary: &Path, dir: &Path, target: SocketAddr, web: SocketAddr) -> Self {
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 scrape_configs:\n  - job_name: ebtrace\n    static_configs:\n      \
+                 - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let log = dir.join("prometheus.log");
+        let child = Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={web}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start prometheus");
+        Prometheus { child, web, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Polls an instant query until it has one sample; its value.
+    fn wait_value(&self, query: &str, deadline: Duration) -> Option<f64> {
+        let start = Instant::now();
+        while start.elapsed() < deadline {
+            if let Some(v) = self.query(query) {
+                return Some(v);
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        None
+    }
+
+    fn query(&self, query: &str) -> Option<f64> {
+        let encoded: String = query
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        TcpStream::connect(self.web).ok()?;
+        let (status, _, body) = get(self.web, &format!("/api/v1/query?query={encoded}"));
+        if status != 200 {
+            return None;
+        }
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        let result = v["data"]["result"].as_array()?;
+        result.first()?["value"][1].as_str()?.parse().ok()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+}
+
+/// A tool from Debian's `prometheus` package, or `None` to skip (unless
+/// `EBTRACE_REQUIRE_INTEROP=1`, where a skip is a failure).
+fn tool(name: &str) -> Option<std::path::PathBuf> {
+    let path = Path::new("/usr/bin").join(name);
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() != Ok("1"),
+        "{name} is missing (run `cargo xtask setup`)"
+    );
+    eprintln!("skipping: {name} is missing (run `cargo xtask setup`)");
+    None
+}
