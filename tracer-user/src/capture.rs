@@ -13,7 +13,7 @@
 mod agents;
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     time::{Duration, Instant},
 };
 
@@ -142,12 +142,16 @@ pub struct Capture {
     /// Declared before `probe`: dropped first, it switches the targets'
     /// TraceMe recording off while the probes still see it.
     traceme: TraceMeProbe,
-    traceme_events: Vec<TraceMeEvent>,
+    traceme_events: VecDeque<TraceMeEvent>,
     probe: ProbeSet,
     collector: Collector,
     targets: Vec<TargetProcess>,
     initial: HashMap<u32, InitialState>,
-    records: Vec<Record>,
+    /// Decoded records but TraceMe events, oldest first (a deque: a flight
+    /// recorder forgets from the front).
+    records: VecDeque<Record>,
+    /// Whether older records were forgotten (see [`Capture::forget_before`]).
+    forgot: bool,
     clock: ClockSync,
     start_ns: u64,
     families: ProbeFamilies,
@@ -249,12 +253,13 @@ impl Capture {
             kernel_naming: KernelNaming::default(),
             agent_for_devices: device_activity,
             traceme,
-            traceme_events: Vec::new(),
+            traceme_events: VecDeque::new(),
             probe,
             collector,
             targets,
             initial,
-            records: Vec::new(),
+            records: VecDeque::new(),
+            forgot: false,
             clock,
             start_ns,
             families: options.families,
@@ -307,19 +312,47 @@ impl Capture {
 
     /// Drains the ring buffer; TraceMe events go to their own list.
     fn drain(&mut self) {
-        let before = self.records.len();
-        self.collector.drain(&mut self.records);
+        let mut batch = Vec::new();
+        self.collector.drain(&mut batch);
         let mut traceme = 0;
-        for r in self.records.drain(before..).collect::<Vec<_>>() {
+        for r in batch {
             match r {
                 Record::TraceMe(e) => {
-                    self.traceme_events.push(*e);
+                    self.traceme_events.push_back(*e);
                     traceme += 1;
                 }
-                other => self.records.push(other),
+                other => self.records.push_back(other),
             }
         }
         self.traceme.count_events(traceme);
+    }
+
+    /// Forgets the records older than `cutoff_ns`, and past that the
+    /// oldest ones beyond `max_records`: what a flight recorder keeps.
+    /// Returns how many records and TraceMe events it forgot.
+    pub fn forget_before(&mut self, cutoff_ns: u64, max_records: usize) -> u64 {
+        // Records arrive nearly in time order: stop at the first recent one.
+        let old = self
+            .records
+            .iter()
+            .position(|r| r.ts() >= cutoff_ns)
+            .unwrap_or(self.records.len());
+        let n = old.max(self.records.len().saturating_sub(max_records));
+        self.records.drain(..n);
+        let old_traceme = self
+            .traceme_events
+            .iter()
+            .position(|e| e.header.ts_ns >= cutoff_ns)
+            .unwrap_or(self.traceme_events.len());
+        self.traceme_events.drain(..old_traceme);
+        let forgotten = (n + old_traceme) as u64;
+        self.forgot |= forgotten > 0;
+        forgotten
+    }
+
+    /// Records held now (TraceMe events included).
+    pub fn held(&self) -> usize {
+        self.records.len() + self.traceme_events.len()
     }
 
     /// Waits up to `timeout` for data, drains it, and reports progress.
@@ -411,8 +444,9 @@ impl Capture {
 
     /// Drops every record and recording kept so far.
     fn forget_recorded(&mut self) {
-        self.records = Vec::new();
-        self.traceme_events = Vec::new();
+        self.records = VecDeque::new();
+        self.traceme_events = VecDeque::new();
+        self.forgot = false;
         self.recordings = Vec::new();
         self.collected = Vec::new();
         self.kernel_naming = KernelNaming::default();
@@ -503,14 +537,22 @@ impl Capture {
                 names.insert(tid, stat.comm);
             }
         }
+        let traceme_events = self.traceme_events.make_contiguous();
         let traceme = (!self.traceme.recorders.is_empty()).then(|| {
             let mut notes = traceme_findings(&self.traceme);
             notes.extend(self.traceme.left_in_targets());
             TraceMeInput {
-                events: &self.traceme_events,
+                events: traceme_events,
                 notes,
             }
         });
+        // Once older records are forgotten, the threads' states when the
+        // capture began no longer lead up to the first record kept.
+        let initial = if self.forgot {
+            HashMap::new()
+        } else {
+            self.initial.clone()
+        };
         Sources {
             start_ns: self.start_ns,
             clock: self.clock,
@@ -519,10 +561,10 @@ impl Capture {
                 .iter()
                 .map(|t| (t.pid, t.name.clone()))
                 .collect(),
-            initial: self.initial.clone(),
+            initial,
             names,
             scheduling: self.families.sched,
-            records: &mut self.records,
+            records: self.records.make_contiguous(),
             malformed: self.collector.malformed,
             kernel_naming: Some(&self.kernel_naming),
             traceme,
