@@ -10,7 +10,7 @@ use crate::{
     attach::ProbeSetConfig,
     capture::open_targets,
     error::Result,
-    server::{self, ServeConfig, validate::Limits, watch::WatchMode},
+    server::{self, ServeConfig, recorder::Retention, validate::Limits, watch::WatchMode},
 };
 
 #[derive(Debug, Clone, Args)]
@@ -74,11 +74,27 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
     pub http: Option<SocketAddr>,
 
+    /// Run the flight recorder from the start: keep the last DURATION of
+    /// every watched process (scheduling, CUDA driver calls) for
+    /// GetSnapshot. Without it, StartContinuousProfiling switches it on
+    /// (keeping 30s).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub retain: Option<Duration>,
+
+    /// Most memory the flight recorder's records may take, in MiB; past
+    /// it the oldest are forgotten (and counted).
+    #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub retain_memory: u32,
+
     /// Kernel ring buffer size in MiB (a power of two), shared by the
     /// captures in progress.
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
     pub ring_buffer_mib: u32,
 }
+
+/// What the flight recorder keeps when `StartContinuousProfiling` starts it
+/// and `--retain` did not say.
+const DEFAULT_RETAIN: Duration = Duration::from_secs(30);
 
 fn parse_bind(s: &str) -> Result<SocketAddr, String> {
     s.trim().parse().map_err(|_| {
@@ -110,5 +126,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         allow_write_under: args.allow_write_under.clone(),
         keep_probes: args.keep_probes,
         http: args.http,
+        retention: Retention {
+            window: args.retain.unwrap_or(DEFAULT_RETAIN),
+            memory_bytes: args.retain_memory as usize * 1024 * 1024,
+        },
+        record_from_start: args.retain.is_some(),
     })
 }

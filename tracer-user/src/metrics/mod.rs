@@ -28,6 +28,10 @@ pub struct ServerCounters {
     pub captures: AtomicU64,
     /// Records the captures lost (ring buffer full, probe maps full).
     pub records_dropped: AtomicU64,
+    /// Records the flight recorder holds now.
+    pub recorder_held: AtomicU64,
+    /// Records the flight recorder forgot (too old, or past its memory).
+    pub recorder_forgotten: AtomicU64,
 }
 
 impl ServerCounters {
@@ -97,7 +101,7 @@ impl Metrics {
                 e.sample(name, &[("pid", &pid), ("name", &p.name)], value(p));
             }
         }
-        let own = [
+        let own: [(&str, &str, Kind, f64); 7] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -115,6 +119,18 @@ impl Metrics {
                 "Records the captures lost (ring buffer or probe maps full).",
                 Kind::Counter,
                 self.server.records_dropped.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_recorder_records",
+                "Records the flight recorder holds now.",
+                Kind::Gauge,
+                self.server.recorder_held.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_recorder_forgotten_records_total",
+                "Records the flight recorder forgot: older than --retain, or past --retain-memory.",
+                Kind::Counter,
+                self.server.recorder_forgotten.load(Ordering::Relaxed) as f64,
             ),
             (
                 "ebtrace_cpu_seconds_total",

@@ -8,6 +8,7 @@
 //! - [`sessions`]: the hub thread that owns probes and sessions;
 //! - [`response`]: a finished timeline → `ProfileResponse`;
 //! - [`write_guard`]: server-side saving, confined to `--allow-write-under`;
+//! - [`recorder`]: the flight recorder behind `GetSnapshot`;
 //! - [`watch`]: the watched processes (`--pid` or `--discover`);
 //! - [`monitor`]: the `Monitor` summary;
 //! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
@@ -15,6 +16,7 @@
 
 pub mod monitor;
 pub mod panics;
+pub mod recorder;
 pub mod response;
 pub mod service;
 pub mod sessions;
@@ -36,6 +38,7 @@ use crate::{
     sink::xspace::local_hostname,
 };
 use panics::PanicWatch;
+use recorder::Retention;
 use service::ProfilerServer;
 use sessions::HubConfig;
 use validate::Limits;
@@ -56,6 +59,11 @@ pub struct ServeConfig {
     pub keep_probes: Duration,
     /// Where to serve `/metrics` over HTTP, if anywhere.
     pub http: Option<SocketAddr>,
+    /// What the flight recorder keeps.
+    pub retention: Retention,
+    /// Whether it runs from the start (`--retain`) rather than from
+    /// `StartContinuousProfiling`.
+    pub record_from_start: bool,
 }
 
 /// How long in-flight captures get to finish after SIGTERM/SIGINT.
@@ -130,6 +138,9 @@ async fn serve(
         guard: guard.clone(),
         keep_probes: config.keep_probes,
         metrics: Arc::clone(&metrics),
+        retention: config.retention,
+        record_from_start: config.record_from_start,
+        hostname: local_hostname(),
     })
     .map_err(|e| Error::io("starting the session thread", e))?;
     let service = Arc::new(ProfilerServer {

@@ -33,17 +33,12 @@ fn status_of(e: SessionError) -> Status {
     match e {
         SessionError::Busy { .. } => Status::resource_exhausted(message),
         SessionError::PidNotWatched { .. } => Status::invalid_argument(message),
-        SessionError::NothingWatched(_) => Status::failed_precondition(message),
+        SessionError::NothingWatched(_) | SessionError::RecorderOff => {
+            Status::failed_precondition(message)
+        }
         SessionError::Attach(_) | SessionError::Response(_) => Status::internal(message),
         SessionError::ShuttingDown => Status::unavailable(message),
     }
-}
-
-fn continuous_unimplemented(method: &str) -> Status {
-    Status::unimplemented(format!(
-        "ebtrace serve does not implement continuous profiling ({method}); use Profile, which \
-         captures a fixed window"
-    ))
 }
 
 #[tonic::async_trait]
@@ -131,22 +126,42 @@ impl ProfilerService for ProfilerServer {
 
     async fn start_continuous_profiling(
         &self,
-        _request: Request<ProfileRequest>,
+        request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
-        Err(continuous_unimplemented("StartContinuousProfiling"))
+        let client = request
+            .remote_addr()
+            .map_or_else(|| "a client".to_string(), |a| a.to_string());
+        let spec = validate::profile_request(
+            request.get_ref(),
+            &self.limits,
+            self.guard.as_deref(),
+            clock::realtime_ns(),
+            &self.hostname,
+            client,
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        self.hub.start_recorder(spec).await.map_err(status_of)?;
+        Ok(Response::new(ContinuousProfilingResponse {}))
     }
 
     async fn stop_continuous_profiling(
         &self,
         _request: Request<StopContinuousProfilingRequest>,
     ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
-        Err(continuous_unimplemented("StopContinuousProfiling"))
+        self.hub.stop_recorder().await.map_err(status_of)?;
+        Ok(Response::new(StopContinuousProfilingResponse {}))
     }
 
     async fn get_snapshot(
         &self,
-        _request: Request<GetSnapshotRequest>,
+        request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        Err(continuous_unimplemented("GetSnapshot"))
+        let client = request
+            .remote_addr()
+            .map_or_else(|| "a client".to_string(), |a| a.to_string());
+        let id = request.into_inner().snapshot_session_id;
+        let id = if id.is_empty() { "snapshot".into() } else { id };
+        let response = self.hub.snapshot(id, client).await.map_err(status_of)?;
+        Ok(Response::new(response))
     }
 }

@@ -23,7 +23,7 @@
 use std::{
     collections::BTreeSet,
     fmt,
-    sync::{Arc, mpsc},
+    sync::{Arc, atomic::Ordering, mpsc},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -32,6 +32,7 @@ use ebtrace_proto::tensorflow::ProfileResponse;
 use tokio::sync::oneshot;
 
 use super::{
+    recorder::{FlightRecorder, Retention},
     response::{self, Delivered},
     validate::SessionSpec,
     watch::{WatchMode, Watched},
@@ -71,6 +72,19 @@ pub enum Command {
         session_id: String,
         reply: oneshot::Sender<usize>,
     },
+    /// Switches the flight recorder on (as this request asks) if it is off.
+    StartRecorder {
+        spec: SessionSpec,
+        reply: oneshot::Sender<Result<(), SessionError>>,
+    },
+    /// Switches the flight recorder off; answers whether it was on.
+    StopRecorder { reply: oneshot::Sender<bool> },
+    /// Answers with what the flight recorder kept.
+    Snapshot {
+        snapshot_id: String,
+        client: String,
+        reply: Reply,
+    },
     /// The watched processes now.
     Targets {
         reply: oneshot::Sender<Vec<TargetProcess>>,
@@ -82,11 +96,18 @@ pub enum Command {
 /// Why a session could not run; the service maps each to a gRPC status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionError {
-    Busy { limit: usize },
+    Busy {
+        limit: usize,
+    },
     NothingWatched(String),
-    PidNotWatched { pid: u32, watched: Vec<u32> },
+    PidNotWatched {
+        pid: u32,
+        watched: Vec<u32>,
+    },
     Attach(String),
     Response(String),
+    /// `GetSnapshot` while the flight recorder is off.
+    RecorderOff,
     ShuttingDown,
 }
 
@@ -110,6 +131,10 @@ impl fmt::Display for SessionError {
             ),
             SessionError::Attach(e) => write!(f, "attaching the probes failed: {e}"),
             SessionError::Response(e) => f.write_str(e),
+            SessionError::RecorderOff => f.write_str(
+                "the flight recorder is off: call StartContinuousProfiling first, or start \
+                 ebtrace serve with --retain",
+            ),
             SessionError::ShuttingDown => f.write_str("the server is shutting down"),
         }
     }
@@ -127,6 +152,12 @@ pub struct HubConfig {
     pub keep_probes: Duration,
     /// Counts answered captures for `/metrics`.
     pub metrics: Arc<Metrics>,
+    /// What the flight recorder keeps.
+    pub retention: Retention,
+    /// Whether the flight recorder runs from the start (`--retain`).
+    pub record_from_start: bool,
+    /// This machine's name, for the flight recorder's snapshots.
+    pub hostname: String,
 }
 
 /// The gRPC side's end of the hub.
@@ -154,6 +185,38 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)
     }
 
+    pub async fn start_recorder(&self, spec: SessionSpec) -> Result<(), SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::StartRecorder { spec, reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)?
+    }
+
+    pub async fn stop_recorder(&self) -> Result<bool, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::StopRecorder { reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)
+    }
+
+    pub async fn snapshot(
+        &self,
+        snapshot_id: String,
+        client: String,
+    ) -> Result<ProfileResponse, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Snapshot {
+                snapshot_id,
+                client,
+                reply,
+            })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)?
+    }
+
     pub async fn targets(&self) -> Result<Vec<TargetProcess>, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -170,6 +233,7 @@ impl HubHandle {
 /// Starts the hub thread.
 pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> {
     let (commands, inbox) = mpsc::channel();
+    let recorder_wanted = config.record_from_start;
     let hub = Hub {
         inbox,
         watched: Watched::new(config.watch.clone()),
@@ -177,6 +241,8 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
         waiting: Vec::new(),
         running: Vec::new(),
         kept: None,
+        recorder: None,
+        recorder_wanted,
         delivering: Vec::new(),
         detaching: Vec::new(),
         trim_at: None,
@@ -227,6 +293,11 @@ struct Hub {
     running: Vec<Running>,
     /// The paused capture kept for the next session, and since when.
     kept: Option<(Running, Instant)>,
+    /// The flight recorder, while on.
+    recorder: Option<FlightRecorder>,
+    /// Whether it should be on (started, or asked for at start-up): it is
+    /// started again when the watched processes change.
+    recorder_wanted: bool,
     /// Workers turning finished timelines into responses.
     delivering: Vec<JoinHandle<()>>,
     /// Workers dropping (detaching) captures nobody uses any more.
@@ -301,7 +372,102 @@ impl Hub {
                 self.watched.refresh();
                 let _ = reply.send(self.watched.targets());
             }
+            Command::StartRecorder { spec, reply } => {
+                self.recorder_wanted = true;
+                let started = match &self.recorder {
+                    Some(_) => Ok(()),
+                    None => self.start_recorder(spec),
+                };
+                let _ = reply.send(started);
+            }
+            Command::StopRecorder { reply } => {
+                self.recorder_wanted = false;
+                let was_on = self.recorder.take().map(|r| {
+                    eprintln!(
+                        "ebtrace: flight recorder off ({} records held, {} forgotten)",
+                        r.held(),
+                        r.forgotten
+                    );
+                    self.detach(r);
+                    self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
+                });
+                let _ = reply.send(was_on.is_some());
+            }
+            Command::Snapshot {
+                snapshot_id,
+                client,
+                reply,
+            } => match self.recorder.as_mut() {
+                None => {
+                    let _ = reply.send(Err(SessionError::RecorderOff));
+                }
+                Some(r) => {
+                    let building = Instant::now();
+                    let timeline = r.snapshot(None);
+                    let mut spec = r.spec.clone();
+                    spec.session_id = snapshot_id;
+                    spec.client = client;
+                    spec.duration = Duration::from_nanos(timeline.duration_ns());
+                    let session = Session {
+                        duration_ns: timeline.duration_ns(),
+                        spec,
+                        reply,
+                        received: building,
+                        start_ns: 0,
+                        window: None,
+                        terminated: false,
+                    };
+                    self.deliver(session, timeline, building.elapsed());
+                }
+            },
             Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Starts the flight recorder on every watched process.
+    fn start_recorder(&mut self, spec: SessionSpec) -> Result<(), SessionError> {
+        self.watched.refresh();
+        let targets = self.watched.targets();
+        if targets.is_empty() {
+            return Err(SessionError::NothingWatched(self.watched.why_empty()));
+        }
+        let recorder =
+            FlightRecorder::start(targets, spec, &self.config.probe, self.config.retention)?;
+        self.recorder = Some(recorder);
+        Ok(())
+    }
+
+    /// Keeps the flight recorder going: drains it, forgets what is too
+    /// old, and starts it again on the processes watched now when they
+    /// changed (what it kept of the others is dropped).
+    fn run_recorder(&mut self) {
+        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        if let Some(r) = self.recorder.as_mut()
+            && r.pids() == &pids
+            && !self.shutting_down
+        {
+            r.tick();
+            let counters = &self.config.metrics.server;
+            counters
+                .recorder_held
+                .store(r.held() as u64, Ordering::Relaxed);
+            counters
+                .recorder_forgotten
+                .store(r.forgotten, Ordering::Relaxed);
+            return;
+        }
+        let old = self.recorder.take();
+        let spec = old.as_ref().map(|r| r.spec.clone());
+        if let Some(r) = old {
+            self.detach(r);
+        }
+        if !self.recorder_wanted || self.shutting_down || pids.is_empty() {
+            return;
+        }
+        let spec = spec.unwrap_or_else(|| SessionSpec::flight_recorder(&self.config.hostname));
+        if let Err(e) = self.start_recorder(spec) {
+            eprintln!("ebtrace: the flight recorder could not start: {e}");
+            self.recorder_wanted = false;
         }
     }
 
@@ -347,7 +513,7 @@ impl Hub {
             .into_iter()
             .min()
             .map_or(IDLE_WAIT, |d| Duration::from_nanos(d.saturating_sub(now)));
-        if self.running.iter().any(|r| r.capture.is_some()) {
+        if self.running.iter().any(|r| r.capture.is_some()) || self.recorder.is_some() {
             wait = wait.min(TICK);
         }
         let kept_until = self
@@ -368,6 +534,7 @@ impl Hub {
 
     fn step(&mut self) {
         self.watched.refresh();
+        self.run_recorder();
         self.forget_cancelled();
         self.start_due_sessions();
         for r in &mut self.running {
@@ -600,16 +767,18 @@ impl Hub {
         }
     }
 
-    fn detach(&mut self, running: Running) {
+    /// Drops `probes` (a capture, the flight recorder) on a worker thread:
+    /// detaching waits for the kernel.
+    fn detach<T: Send + 'static>(&mut self, probes: T) {
         self.detaching.retain(|w| !w.is_finished());
         if self.detaching.len() >= MAX_DETACHING {
-            drop(running);
+            drop(probes);
             return;
         }
         match std::thread::Builder::new()
             .name("ebtrace-detach".into())
             .spawn(move || {
-                drop(running);
+                drop(probes);
                 release_free_memory();
             }) {
             Ok(handle) => self.detaching.push(handle),

@@ -117,6 +117,28 @@ pub struct SessionSpec {
     pub client: String,
 }
 
+impl SessionSpec {
+    /// What the flight recorder records when started with `--retain`
+    /// rather than by a request: TSL's default levels, for every watched
+    /// process, answered in `tool_data`.
+    pub fn flight_recorder(hostname: &str) -> Self {
+        let levels = TracerLevels::DEFAULT;
+        SessionSpec {
+            session_id: "flight-recorder".into(),
+            start_wall_ns: None,
+            duration: Duration::ZERO,
+            levels,
+            families: families_for(levels),
+            max_events: None,
+            pids: None,
+            hostname: hostname.to_string(),
+            delivery: Delivery::ToolData,
+            server_copy: ServerCopy::NotAsked,
+            client: "--retain".into(),
+        }
+    }
+}
+
 /// Why a request was refused; the message goes back as INVALID_ARGUMENT.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Invalid(pub String);

@@ -1,0 +1,144 @@
+//! The flight recorder: one capture of every watched process that goes on
+//! until it is stopped, keeping only the last `--retain` of what it
+//! recorded (and at most `--retain-memory` of records), so that
+//! `GetSnapshot` can answer with what already happened.
+//!
+//! It records scheduling and CUDA driver calls, whatever the request's
+//! tracer levels say. TraceMe events are left out: switching a framework's recording on for good would make the
+//! target keep every event in its own memory until a profiler session of
+//! its own drains them.
+
+use std::{collections::BTreeSet, time::Duration};
+
+use super::{sessions::SessionError, validate::SessionSpec};
+use crate::{
+    agent::TraceMeRoute,
+    attach::ProbeSetConfig,
+    capture::{Capture, CaptureOptions, ProbeFamilies},
+    clock,
+    collect::Record,
+    procfs::TargetProcess,
+    timeline::{self, Timeline, Window},
+};
+
+/// How much the flight recorder keeps.
+#[derive(Clone, Copy, Debug)]
+pub struct Retention {
+    /// The last this long.
+    pub window: Duration,
+    /// At most this many bytes of records.
+    pub memory_bytes: usize,
+}
+
+impl Retention {
+    /// Records held at most: a deque of records may take twice their size.
+    fn max_records(&self) -> usize {
+        (self.memory_bytes / (2 * size_of::<Record>())).max(1)
+    }
+}
+
+pub struct FlightRecorder {
+    capture: Capture,
+    pids: BTreeSet<u32>,
+    /// The snapshots' request: host name, delivery, probe families.
+    pub spec: SessionSpec,
+    retention: Retention,
+    /// Records and TraceMe events forgotten since it started.
+    pub forgotten: u64,
+}
+
+impl FlightRecorder {
+    /// Attaches its probes to `targets`: scheduling and CUDA driver calls,
+    /// whatever tracer levels `spec` names (XProf's client asks for
+    /// continuous profiling with `host_tracer_level` 0, meant for the
+    /// device buffers of TPUs).
+    pub fn start(
+        targets: Vec<TargetProcess>,
+        spec: SessionSpec,
+        probe: &ProbeSetConfig,
+        retention: Retention,
+    ) -> Result<Self, SessionError> {
+        let families = ProbeFamilies {
+            sched: true,
+            cuda: true,
+            traceme_level: 0,
+        };
+        let options = CaptureOptions {
+            probe: probe.clone(),
+            families,
+            route: TraceMeRoute::Off,
+            no_device_activity: true,
+            ..CaptureOptions::default()
+        };
+        let pids = targets.iter().map(|t| t.pid).collect();
+        let capture =
+            Capture::start(targets, &options).map_err(|e| SessionError::Attach(e.to_string()))?;
+        eprintln!(
+            "ebtrace: flight recorder on: keeping the last {} of pid {} (at most {} MiB of \
+             records; probes attached in {} ms)",
+            humantime::format_duration(retention.window),
+            pids_list(&pids),
+            retention.memory_bytes / (1024 * 1024),
+            capture.attach_time.as_millis()
+        );
+        Ok(FlightRecorder {
+            capture,
+            pids,
+            spec,
+            retention,
+            forgotten: 0,
+        })
+    }
+
+    pub fn pids(&self) -> &BTreeSet<u32> {
+        &self.pids
+    }
+
+    /// Drains the probes and forgets what is older than the retention.
+    pub fn tick(&mut self) {
+        self.capture.poll(Duration::ZERO);
+        let cutoff = clock::monotonic_ns().saturating_sub(self.retention.window.as_nanos() as u64);
+        self.forgotten += self
+            .capture
+            .forget_before(cutoff, self.retention.max_records());
+    }
+
+    /// The timeline of the last `--retain`, up to now.
+    pub fn snapshot(&mut self, max_events: Option<usize>) -> Timeline {
+        self.tick();
+        let now = clock::monotonic_ns();
+        let start = now
+            .saturating_sub(self.retention.window.as_nanos() as u64)
+            .max(self.capture.start_ns());
+        let window = Window {
+            start_ns: start,
+            stop_ns: now,
+            pids: None,
+            max_events,
+        };
+        let dropped = self.capture.probe_stats().map_or(0, |p| p.dropped());
+        let mut tl = timeline::assemble(self.capture.sources(), &window, dropped, None);
+        if self.forgotten > 0 {
+            tl.stats.notes.push(format!(
+                "flight recorder: {} older records forgotten so far (--retain {}, \
+                 --retain-memory {} MiB)",
+                self.forgotten,
+                humantime::format_duration(self.retention.window),
+                self.retention.memory_bytes / (1024 * 1024)
+            ));
+        }
+        tl
+    }
+
+    /// Records held now.
+    pub fn held(&self) -> usize {
+        self.capture.held()
+    }
+}
+
+fn pids_list(pids: &BTreeSet<u32>) -> String {
+    pids.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
