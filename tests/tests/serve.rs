@@ -8,7 +8,8 @@ use std::{
 };
 
 use ebtrace_proto::tensorflow::{
-    MonitorRequest, ProfileRequest, TerminateRequest, profile_options::AdvancedConfigValue,
+    GetSnapshotRequest, MonitorRequest, ProfileRequest, StopContinuousProfilingRequest,
+    TerminateRequest, profile_options::AdvancedConfigValue,
     profile_options::advanced_config_value::Value, profiler::XSpace,
 };
 use ebtrace_tests::{
@@ -119,16 +120,29 @@ fn recorded_client_requests_get_the_fixture_threads_back() {
                 "{name}: server wrote a file"
             );
         }
+        // XProf's recorded request switches the flight recorder on; a
+        // snapshot then holds the fixture's threads.
         let (_, continuous) = real_request("start_continuous_profiling_request_xprof.bin");
-        let status = client
+        client
             .start_continuous_profiling(continuous)
             .await
-            .unwrap_err();
-        assert_eq!(status.code(), Code::Unimplemented);
-        assert!(
-            status.message().contains("continuous profiling"),
-            "{status}"
-        );
+            .expect("StartContinuousProfiling");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let snapshot = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "recorded".into(),
+            })
+            .await
+            .expect("GetSnapshot")
+            .into_inner();
+        let space = xspace_of(&snapshot);
+        let host = plane(&space, HOST_CPU);
+        let burner = line_events(host, workload.tid("cpu-burner").into());
+        assert!(burner.iter().any(|e| e.name == "Running"));
+        client
+            .stop_continuous_profiling(StopContinuousProfilingRequest {})
+            .await
+            .expect("StopContinuousProfiling");
     });
 }
 

@@ -362,6 +362,18 @@ fn calls(ctx: &Context, seed: u64) -> Vec<Call> {
 }
 
 /// The trace a response carries, where it carries one.
+/// Switches the flight recorder off (whether a call switched it on or not).
+async fn stop_recorder(
+    client: &mut ebtrace_proto::tensorflow::profiler_service_client::ProfilerServiceClient<
+        tonic::transport::Channel,
+    >,
+) {
+    client
+        .stop_continuous_profiling(StopContinuousProfilingRequest {})
+        .await
+        .expect("StopContinuousProfiling");
+}
+
 fn trace_of(response: &ProfileResponse) -> XSpace {
     match &response.xspace {
         Some(space) => space.clone(),
@@ -464,6 +476,7 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
     block_on(async {
         let mut client = server.client().await;
         let mut baseline = None;
+        let mut recorder_on = false;
         for (i, call) in calls.iter().enumerate() {
             let what: String = format!("seed {seed}, call {i}: {call:?}")
                 .chars()
@@ -531,14 +544,19 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
                     }
                 }
                 Call::StartContinuous(req) => {
-                    let s = client.start_continuous_profiling(req.clone()).await;
-                    expect_code(what, s.unwrap_err().code(), &[Code::Unimplemented]);
+                    // The flight recorder starts (whatever the levels say)
+                    // or the request is refused as a Profile would be.
+                    match client.start_continuous_profiling(req.clone()).await {
+                        Ok(_) => recorder_on = true,
+                        Err(s) => expect_code(what, s.code(), &[Code::InvalidArgument]),
+                    }
                 }
                 Call::StopContinuous => {
-                    let s = client
+                    client
                         .stop_continuous_profiling(StopContinuousProfilingRequest {})
-                        .await;
-                    expect_code(what, s.unwrap_err().code(), &[Code::Unimplemented]);
+                        .await
+                        .unwrap_or_else(|s| panic!("{what}: {s}"));
+                    recorder_on = false;
                 }
                 Call::GetSnapshot(id) => {
                     let s = client
@@ -546,7 +564,13 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
                             snapshot_session_id: id.clone(),
                         })
                         .await;
-                    expect_code(what, s.unwrap_err().code(), &[Code::Unimplemented]);
+                    match s {
+                        Ok(_) => assert!(recorder_on, "{what}: a snapshot while off"),
+                        Err(s) => {
+                            assert!(!recorder_on, "{what}: {s}");
+                            expect_code(what, s.code(), &[Code::FailedPrecondition]);
+                        }
+                    }
                 }
                 Call::RawMessage { method, body } => {
                     // Whatever the bytes decode to: a refusal that says
@@ -555,7 +579,11 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
                         "Profile" => &[Code::Ok, Code::InvalidArgument, Code::Internal],
                         "Terminate" => &[Code::NotFound, Code::Internal],
                         "Monitor" => &[Code::Ok, Code::InvalidArgument, Code::Internal],
-                        m if METHODS.contains(&m) => &[Code::Unimplemented, Code::Internal],
+                        "StartContinuousProfiling" => {
+                            &[Code::Ok, Code::InvalidArgument, Code::Internal]
+                        }
+                        "StopContinuousProfiling" => &[Code::Ok, Code::Internal],
+                        "GetSnapshot" => &[Code::Ok, Code::FailedPrecondition, Code::Internal],
                         _ => &[Code::Unimplemented],
                     };
                     let code = match server.raw_call(method, body.clone()).await {
@@ -563,6 +591,11 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
                         Err(s) => s.code(),
                     };
                     expect_code(what, code, allowed);
+                    match (method.as_str(), code) {
+                        ("StartContinuousProfiling", Code::Ok) => recorder_on = true,
+                        ("StopContinuousProfiling", Code::Ok) => recorder_on = false,
+                        _ => {}
+                    }
                 }
                 Call::RawConnection(bytes) => {
                     let mut stream = std::net::TcpStream::connect(server.addrs[0]).unwrap();
@@ -585,6 +618,8 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
                 eprintln!("{} calls in {:.1?}", i + 1, started.elapsed());
             }
             if i == 50 {
+                stop_recorder(&mut client).await;
+                recorder_on = false;
                 assert!(
                     server.wait_detached(Duration::from_secs(120)),
                     "probes left attached: {:?}",
@@ -594,7 +629,9 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
             }
         }
 
-        // Still answering, with nothing held over.
+        // Still answering, with nothing held over once the flight
+        // recorder is off.
+        stop_recorder(&mut client).await;
         let mut req = ebtrace_tests::serve::request(200);
         req.max_events = 100;
         // Scheduler data only: no driver probes left to detach slowly.

@@ -1,0 +1,240 @@
+//! `ebtrace serve`'s flight recorder: `StartContinuousProfiling`,
+//! `GetSnapshot` and `StopContinuousProfiling` from XProf's own client,
+//! what a snapshot holds (what happened before it was asked for), and the
+//! bounds on what it keeps.
+
+use std::{
+    path::Path,
+    process::{Command, Output, Stdio},
+    time::Duration,
+};
+
+use ebtrace_proto::tensorflow::GetSnapshotRequest;
+use ebtrace_tests::{
+    TempDir,
+    fixture::SchedWorkload,
+    require_root, serial,
+    serve::{ServeProcess, block_on, request, xspace_of},
+    signal, wait_with_deadline, xplane_files, xprof,
+    xspace::{self, line_events, plane, profile_window},
+};
+use tonic::Code;
+
+const HOST_CPU: &str = "/host:CPU";
+
+fn run_python(python: &Path, script: &str) -> Output {
+    let child = Command::new(python)
+        .args(["-c", script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run python");
+    wait_with_deadline(child, Duration::from_secs(120))
+}
+
+#[test]
+fn xprof_snapshot_holds_what_happened_before_it_was_asked() {
+    if !require_root("xprof_snapshot_holds_what_happened_before_it_was_asked") {
+        return;
+    }
+    let Some(python) = xprof::python() else {
+        return;
+    };
+    let _serial = serial();
+    // late-starter: created 2 s after the start, runs 200 ms, exits.
+    let workload = SchedWorkload::start(&["--late-thread-ms", "2000"]);
+    let server = ServeProcess::loopback(&["--pid", &workload.pid.to_string()]);
+    let addr = format!("127.0.0.1:{}", server.port());
+    let logdir = TempDir::new("snapshot");
+    let start = format!(
+        "import xprof.convert._pywrap_profiler_plugin as p\n\
+         p.start_continuous_profiling('{addr}', {{}})\n"
+    );
+    let out = run_python(&python, &start);
+    assert!(out.status.success(), "{out:?}\n{:?}", server.lines());
+    assert!(server.probe_fds() > 0, "no probes for the flight recorder");
+
+    let late = workload
+        .wait_line("late_tid", Duration::from_secs(10))
+        .expect("the fixture started its late thread");
+    let late_tid = late["late_tid"].as_i64().unwrap();
+    // It has exited by the time the snapshot is asked for.
+    std::thread::sleep(Duration::from_millis(600));
+    let snapshot = format!(
+        "import xprof.convert._pywrap_profiler_plugin as p\n\
+         p.get_snapshot('{addr}', {:?})\n",
+        logdir.path().to_str().unwrap()
+    );
+    let out = run_python(&python, &snapshot);
+    assert!(out.status.success(), "{out:?}\n{:?}", server.lines());
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+
+    let space = xspace::load(&files[0]);
+    let host = plane(&space, HOST_CPU);
+    let events = line_events(host, late_tid);
+    assert!(
+        events.iter().any(|e| e.name == "Thread exit"),
+        "the late thread's exit is not in the snapshot"
+    );
+    let running: f64 = events
+        .iter()
+        .filter(|e| e.name == "Running")
+        .map(|e| e.duration_ns)
+        .sum();
+    assert!(
+        (150e6..260e6).contains(&running),
+        "the late thread ran {running} ns (200 ms of CPU)"
+    );
+    // The snapshot covers from the recorder's start up to the request.
+    let (begin, end) = profile_window(&space);
+    let covered = (end - begin) as f64;
+    assert!((2.0e9..30.5e9).contains(&covered), "{covered} ns");
+    // XProf reads it.
+    xprof::assert_shows_sched_workload(&python, &files[0], &workload);
+
+    let stop = format!(
+        "import xprof.convert._pywrap_profiler_plugin as p\n\
+         p.stop_continuous_profiling('{addr}')\n\
+         try:\n    p.get_snapshot('{addr}', '/nonexistent')\n\
+         except Exception as e:\n    print('after stop:', e)\n"
+    );
+    let out = run_python(&python, &stop);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains("after stop: FAILED_PRECONDITION") && stdout.contains("flight recorder"),
+        "{stdout}"
+    );
+    assert!(
+        server.wait_detached(Duration::from_secs(10)),
+        "the flight recorder's probes are still attached after StopContinuousProfiling"
+    );
+}
+
+#[test]
+fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted() {
+    if !require_root("retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted")
+    {
+        return;
+    }
+    let _serial = serial();
+    // ping-pong makes hundreds of thousands of records a second; 1 MiB
+    // holds about 11 thousand.
+    let workload = SchedWorkload::start(&["--mode", "pingpong"]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--keep-probes",
+        "0",
+        "--retain",
+        "60s",
+        "--retain-memory",
+        "1",
+        "--http",
+        "127.0.0.1:0",
+    ]);
+    let metrics_at = server
+        .wait_line("metrics on http://", Duration::from_secs(10))
+        .and_then(|l| {
+            Some(
+                l.split("http://")
+                    .nth(1)?
+                    .trim_end_matches("/metrics")
+                    .to_string(),
+            )
+        })
+        .expect("the metrics address");
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    // Stopped, the target makes no more records: what the probes wrote
+    // is what the recorder holds plus what it forgot.
+    signal(workload.pid, libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(500));
+    let metric = |body: &str, name: &str| -> u64 {
+        body.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in {body}")) as u64
+    };
+    let body = http_get(&metrics_at, "/metrics");
+    let (held, forgotten) = (
+        metric(&body, "ebtrace_recorder_records"),
+        metric(&body, "ebtrace_recorder_forgotten_records_total"),
+    );
+    let submitted = server.records_submitted();
+    assert!(held <= 1024 * 1024 / 96, "{held} records held in 1 MiB");
+    assert!(forgotten > 100_000, "{forgotten} forgotten");
+    assert_eq!(
+        held + forgotten,
+        submitted,
+        "held {held}, forgotten {forgotten}"
+    );
+    let rss_mib = server.rss_kib() / 1024;
+    assert!(rss_mib < 100, "ebtrace holds {rss_mib} MiB");
+
+    // The snapshot holds the newest records: the last moments of ping
+    // and pong.
+    let space = block_on(async {
+        let mut client = server.client().await;
+        let r = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "bounded".into(),
+            })
+            .await
+            .expect("a snapshot");
+        xspace_of(&r.into_inner())
+    });
+    let host = plane(&space, HOST_CPU);
+    for thread in ["ping", "pong"] {
+        let events = line_events(host, workload.tid(thread).into());
+        assert!(
+            events.iter().any(|e| e.name == "Running"),
+            "no {thread} in the snapshot"
+        );
+    }
+    signal(workload.pid, libc::SIGCONT);
+
+    // A normal capture works beside the recorder.
+    block_on(async {
+        let mut client = server.client().await;
+        let r = client.profile(request(300)).await.expect("a capture");
+        assert!(!r.into_inner().empty_trace);
+    });
+
+    // Stopping it detaches its probes (the capture's were detached when
+    // it ended: --keep-probes 0).
+    block_on(async {
+        let mut client = server.client().await;
+        client
+            .stop_continuous_profiling(ebtrace_proto::tensorflow::StopContinuousProfilingRequest {})
+            .await
+            .expect("stop");
+        let status = client
+            .get_snapshot(GetSnapshotRequest::default())
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
+    });
+    assert!(server.wait_detached(Duration::from_secs(10)));
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
