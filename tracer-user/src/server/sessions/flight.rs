@@ -1,0 +1,111 @@
+//! The hub's side of the flight recorder: the commands that switch it on
+//! and off and take snapshots, and keeping it going on every tick.
+
+use std::{collections::BTreeSet, sync::atomic::Ordering, time::Duration, time::Instant};
+
+use super::{Command, Hub, Session, SessionError, TRIM_AFTER_IDLE};
+use crate::server::{recorder::FlightRecorder, validate::SessionSpec};
+
+impl Hub {
+    /// `StartRecorder`, `StopRecorder` and `Snapshot`.
+    pub(super) fn handle_recorder(&mut self, command: Command) {
+        match command {
+            Command::StartRecorder { spec, reply } => {
+                self.recorder_wanted = true;
+                let started = match &self.recorder {
+                    Some(_) => Ok(()),
+                    None => self.start_recorder(spec),
+                };
+                let _ = reply.send(started);
+            }
+            Command::StopRecorder { reply } => {
+                self.recorder_wanted = false;
+                let was_on = self.recorder.take().map(|r| {
+                    eprintln!(
+                        "ebtrace: flight recorder off ({} records held, {} forgotten)",
+                        r.held(),
+                        r.forgotten
+                    );
+                    self.detach(r);
+                    self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
+                });
+                let _ = reply.send(was_on.is_some());
+            }
+            Command::Snapshot {
+                snapshot_id,
+                client,
+                reply,
+            } => match self.recorder.as_mut() {
+                None => {
+                    let _ = reply.send(Err(SessionError::RecorderOff));
+                }
+                Some(r) => {
+                    let building = Instant::now();
+                    let timeline = r.snapshot(None);
+                    let mut spec = r.spec.clone();
+                    spec.session_id = snapshot_id;
+                    spec.client = client;
+                    spec.duration = Duration::from_nanos(timeline.duration_ns());
+                    let session = Session {
+                        duration_ns: timeline.duration_ns(),
+                        spec,
+                        reply,
+                        received: building,
+                        start_ns: 0,
+                        window: None,
+                        terminated: false,
+                    };
+                    self.deliver(session, timeline, building.elapsed());
+                }
+            },
+            _ => unreachable!("only the flight recorder's commands come here"),
+        }
+    }
+
+    /// Starts the flight recorder on every watched process.
+    pub(super) fn start_recorder(&mut self, spec: SessionSpec) -> Result<(), SessionError> {
+        self.watched.refresh();
+        let targets = self.watched.targets();
+        if targets.is_empty() {
+            return Err(SessionError::NothingWatched(self.watched.why_empty()));
+        }
+        let recorder =
+            FlightRecorder::start(targets, spec, &self.config.probe, self.config.retention)?;
+        self.recorder = Some(recorder);
+        Ok(())
+    }
+
+    /// Keeps the flight recorder going: drains it, forgets what is too
+    /// old, and starts it again on the processes watched now when they
+    /// changed (what it kept of the others is dropped).
+    pub(super) fn run_recorder(&mut self) {
+        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        if let Some(r) = self.recorder.as_mut()
+            && r.pids() == &pids
+            && !self.shutting_down
+        {
+            r.tick();
+            let counters = &self.config.metrics.server;
+            counters
+                .recorder_held
+                .store(r.held() as u64, Ordering::Relaxed);
+            counters
+                .recorder_forgotten
+                .store(r.forgotten, Ordering::Relaxed);
+            return;
+        }
+        let old = self.recorder.take();
+        let spec = old.as_ref().map(|r| r.spec.clone());
+        if let Some(r) = old {
+            self.detach(r);
+        }
+        if !self.recorder_wanted || self.shutting_down || pids.is_empty() {
+            return;
+        }
+        let spec = spec.unwrap_or_else(|| SessionSpec::flight_recorder(&self.config.hostname));
+        if let Err(e) = self.start_recorder(spec) {
+            eprintln!("ebtrace: the flight recorder could not start: {e}");
+            self.recorder_wanted = false;
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! The gRPC side's end of the session hub: the [`Command`]s it accepts,
+//! the [`HubHandle`] that sends them and awaits the answers, and why a
+//! session could not run ([`SessionError`]).
+
+use std::{fmt, sync::Arc, sync::mpsc, time::Duration};
+
+use ebtrace_proto::tensorflow::ProfileResponse;
+use tokio::sync::oneshot;
+
+use crate::{
+    attach::ProbeSetConfig,
+    metrics::Metrics,
+    procfs::TargetProcess,
+    server::{
+        recorder::Retention, validate::SessionSpec, watch::WatchMode, write_guard::WriteGuard,
+    },
+};
+
+pub type Reply = oneshot::Sender<Result<ProfileResponse, SessionError>>;
+
+/// What the gRPC methods ask of the hub.
+pub enum Command {
+    /// Run a session and answer with its trace.
+    Profile { spec: SessionSpec, reply: Reply },
+    /// End every session with this id now; answers how many there were.
+    Terminate {
+        session_id: String,
+        reply: oneshot::Sender<usize>,
+    },
+    /// Switches the flight recorder on (as this request asks) if it is off.
+    StartRecorder {
+        spec: SessionSpec,
+        reply: oneshot::Sender<Result<(), SessionError>>,
+    },
+    /// Switches the flight recorder off; answers whether it was on.
+    StopRecorder { reply: oneshot::Sender<bool> },
+    /// Answers with what the flight recorder kept.
+    Snapshot {
+        snapshot_id: String,
+        client: String,
+        reply: Reply,
+    },
+    /// The watched processes now.
+    Targets {
+        reply: oneshot::Sender<Vec<TargetProcess>>,
+    },
+    /// Finish every session with what it has, detach, stop.
+    Shutdown,
+}
+
+/// Why a session could not run; the service maps each to a gRPC status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionError {
+    Busy {
+        limit: usize,
+    },
+    NothingWatched(String),
+    PidNotWatched {
+        pid: u32,
+        watched: Vec<u32>,
+    },
+    Attach(String),
+    Response(String),
+    /// `GetSnapshot` while the flight recorder is off.
+    RecorderOff,
+    ShuttingDown,
+}
+
+impl fmt::Display for SessionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SessionError::Busy { limit } => write!(
+                f,
+                "{limit} captures are already in progress, the most this server runs at once \
+                 (ebtrace serve --max-sessions); retry when one has finished"
+            ),
+            SessionError::NothingWatched(why) => f.write_str(why),
+            SessionError::PidNotWatched { pid, watched } => write!(
+                f,
+                "pid {pid} is not watched by this server (watching: {})",
+                watched
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            SessionError::Attach(e) => write!(f, "attaching the probes failed: {e}"),
+            SessionError::Response(e) => f.write_str(e),
+            SessionError::RecorderOff => f.write_str(
+                "the flight recorder is off: call StartContinuousProfiling first, or start \
+                 ebtrace serve with --retain",
+            ),
+            SessionError::ShuttingDown => f.write_str("the server is shutting down"),
+        }
+    }
+}
+
+pub struct HubConfig {
+    pub watch: WatchMode,
+    pub max_sessions: usize,
+    /// The longest session allowed; captures are shared for at most twice this.
+    pub max_duration: Duration,
+    pub probe: ProbeSetConfig,
+    pub guard: Option<Arc<WriteGuard>>,
+    /// How long the probes of a finished capture stay attached, paused,
+    /// for the next session (zero: detached at once).
+    pub keep_probes: Duration,
+    /// Counts answered captures for `/metrics`.
+    pub metrics: Arc<Metrics>,
+    /// What the flight recorder keeps.
+    pub retention: Retention,
+    /// Whether the flight recorder runs from the start (`--retain`).
+    pub record_from_start: bool,
+    /// This machine's name, for the flight recorder's snapshots.
+    pub hostname: String,
+}
+
+/// The gRPC side's end of the hub.
+#[derive(Clone)]
+pub struct HubHandle {
+    pub(super) commands: mpsc::Sender<Command>,
+}
+
+impl HubHandle {
+    /// Runs a session; resolves when its response is ready. Dropping the
+    /// future (the client went away) ends the session and frees it.
+    pub async fn profile(&self, spec: SessionSpec) -> Result<ProfileResponse, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Profile { spec, reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)?
+    }
+
+    pub async fn terminate(&self, session_id: String) -> Result<usize, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Terminate { session_id, reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)
+    }
+
+    pub async fn start_recorder(&self, spec: SessionSpec) -> Result<(), SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::StartRecorder { spec, reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)?
+    }
+
+    pub async fn stop_recorder(&self) -> Result<bool, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::StopRecorder { reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)
+    }
+
+    pub async fn snapshot(
+        &self,
+        snapshot_id: String,
+        client: String,
+    ) -> Result<ProfileResponse, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Snapshot {
+                snapshot_id,
+                client,
+                reply,
+            })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)?
+    }
+
+    pub async fn targets(&self) -> Result<Vec<TargetProcess>, SessionError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::Targets { reply })
+            .map_err(|_| SessionError::ShuttingDown)?;
+        answer.await.map_err(|_| SessionError::ShuttingDown)
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}

@@ -1,0 +1,596 @@
+//! The session hub: the one thread that owns the watched processes, the
+//! probes and every profiling session. gRPC methods send it [`Command`]s
+//! and await the answer; nothing else touches this state.
+//!
+//! Overlapping sessions share probes: a session joins a running
+//! [`Capture`] with the same probe families and the same targets (started
+//! no longer ago than twice the longest allowed capture, which bounds the
+//! records one capture holds), or starts one a little before its requested
+//! start. The hub drains every capture on one tick and assembles each
+//! session's timeline for its own [`Window`] from the capture's
+//! [`Capture::sources`] with [`timeline::assemble`];
+//! a capture with no session left is paused and kept for the next session
+//! that asks for the same probes on the same processes (`--keep-probes`):
+//! its programs stay attached but record nothing
+//! ([`Capture::pause`]), so the next window opens without attaching.
+//! Past that time, or once the watched processes change, it is dropped,
+//! which detaches its probes.
+//! Turning a timeline into the response (XSpace encoding, saving) and
+//! detaching (the kernel waits for an RCU grace period per program, tens
+//! of milliseconds each) happen on worker threads, so draining and the
+//! next attach go on meanwhile.
+//!
+//! - [`handle`]: the commands and the gRPC side's handle;
+//! - [`kept`]: probes kept between captures;
+//! - [`flight`]: the flight recorder's commands and its tick.
+
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, mpsc},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use super::{
+    recorder::FlightRecorder,
+    response::{self, Delivered},
+    validate::SessionSpec,
+    watch::Watched,
+};
+use crate::{
+    capture::{Capture, CaptureOptions, ProbeFamilies},
+    clock::{self, ClockSync},
+    procfs::TargetProcess,
+    timeline::{self, Sources, Timeline, Window},
+};
+
+mod flight;
+mod handle;
+mod kept;
+
+pub use handle::{Command, HubConfig, HubHandle, Reply, SessionError};
+
+/// How often running captures are drained.
+const TICK: Duration = Duration::from_millis(50);
+/// How long before a session's requested start its probes are attached
+/// (attaching takes a few tens of milliseconds).
+const ATTACH_LEAD_NS: u64 = 250_000_000;
+/// Longest the hub sleeps with nothing running.
+const IDLE_WAIT: Duration = Duration::from_secs(1);
+/// How long after the last session the hub trims the allocator once more
+/// (responses are freed by the gRPC side after they were sent).
+const TRIM_AFTER_IDLE: Duration = Duration::from_secs(2);
+/// Captures detached in the background at once; past this the hub
+/// detaches itself, which slows it down instead of piling them up.
+const MAX_DETACHING: usize = 8;
+
+/// Starts the hub thread.
+pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> {
+    let (commands, inbox) = mpsc::channel();
+    let recorder_wanted = config.record_from_start;
+    let hub = Hub {
+        inbox,
+        watched: Watched::new(config.watch.clone()),
+        config,
+        waiting: Vec::new(),
+        running: Vec::new(),
+        kept: None,
+        recorder: None,
+        recorder_wanted,
+        delivering: Vec::new(),
+        detaching: Vec::new(),
+        trim_at: None,
+        shutting_down: false,
+    };
+    let thread = std::thread::Builder::new()
+        .name("ebtrace-hub".into())
+        .spawn(move || hub.run())?;
+    Ok((HubHandle { commands }, thread))
+}
+
+struct Session {
+    spec: SessionSpec,
+    reply: Reply,
+    received: Instant,
+    /// Requested start, monotonic ns.
+    start_ns: u64,
+    duration_ns: u64,
+    /// Its window once it has joined a capture (monotonic ns).
+    window: Option<(u64, u64)>,
+    terminated: bool,
+}
+
+/// Probes shared by the sessions inside it. `capture` is `None` when the
+/// sessions asked for no probe family at all (host_tracer_level 0 today):
+/// their traces are empty, and nothing is attached for them.
+struct Running {
+    capture: Option<Capture>,
+    families: ProbeFamilies,
+    targets: Vec<TargetProcess>,
+    started_ns: u64,
+    clock: ClockSync,
+    sessions: Vec<Session>,
+}
+
+impl Running {
+    fn pids(&self) -> BTreeSet<u32> {
+        self.targets.iter().map(|t| t.pid).collect()
+    }
+}
+
+struct Hub {
+    inbox: mpsc::Receiver<Command>,
+    config: HubConfig,
+    watched: Watched,
+    /// Sessions whose start is still ahead.
+    waiting: Vec<Session>,
+    running: Vec<Running>,
+    /// The paused capture kept for the next session, and since when.
+    kept: Option<(Running, Instant)>,
+    /// The flight recorder, while on.
+    recorder: Option<FlightRecorder>,
+    /// Whether it should be on (started, or asked for at start-up): it is
+    /// started again when the watched processes change.
+    recorder_wanted: bool,
+    /// Workers turning finished timelines into responses.
+    delivering: Vec<JoinHandle<()>>,
+    /// Workers dropping (detaching) captures nobody uses any more.
+    detaching: Vec<JoinHandle<()>>,
+    /// When to give freed memory back once idle (after a session ended).
+    trim_at: Option<Instant>,
+    shutting_down: bool,
+}
+
+impl Hub {
+    fn run(mut self) {
+        loop {
+            let wait = self.next_wait();
+            match self.inbox.recv_timeout(wait) {
+                Ok(command) => self.handle(command),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => self.shutting_down = true,
+            }
+            self.step();
+            if self.shutting_down {
+                break;
+            }
+        }
+        for worker in self.delivering.drain(..).chain(self.detaching.drain(..)) {
+            let _ = worker.join();
+        }
+    }
+
+    fn in_progress(&mut self) -> usize {
+        self.delivering.retain(|w| !w.is_finished());
+        self.waiting.len()
+            + self.running.iter().map(|r| r.sessions.len()).sum::<usize>()
+            + self.delivering.len()
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Profile { spec, reply } => {
+                if let Err(e) = self.admit(&spec) {
+                    eprintln!("ebtrace: refused a capture for {}: {e}", spec.client);
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                let (now_mono, now_wall) = (clock::monotonic_ns(), clock::realtime_ns());
+                let start_ns = match spec.start_wall_ns {
+                    Some(wall) if wall > now_wall => now_mono + (wall - now_wall),
+                    _ => now_mono,
+                };
+                self.waiting.push(Session {
+                    duration_ns: spec.duration.as_nanos() as u64,
+                    spec,
+                    reply,
+                    received: Instant::now(),
+                    start_ns,
+                    window: None,
+                    terminated: false,
+                });
+            }
+            Command::Terminate { session_id, reply } => {
+                let mut n = 0;
+                let all = self
+                    .waiting
+                    .iter_mut()
+                    .chain(self.running.iter_mut().flat_map(|r| r.sessions.iter_mut()));
+                for s in all.filter(|s| s.spec.session_id == session_id) {
+                    s.terminated = true;
+                    n += 1;
+                }
+                let _ = reply.send(n);
+            }
+            Command::Targets { reply } => {
+                self.watched.refresh();
+                let _ = reply.send(self.watched.targets());
+            }
+            Command::StartRecorder { .. }
+            | Command::StopRecorder { .. }
+            | Command::Snapshot { .. } => self.handle_recorder(command),
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Checks what depends on the hub's state: room, and the targets.
+    fn admit(&mut self, spec: &SessionSpec) -> Result<(), SessionError> {
+        if self.shutting_down {
+            return Err(SessionError::ShuttingDown);
+        }
+        let limit = self.config.max_sessions;
+        if self.in_progress() >= limit {
+            return Err(SessionError::Busy { limit });
+        }
+        self.watched.refresh();
+        let watched = self.watched.targets();
+        if watched.is_empty() {
+            return Err(SessionError::NothingWatched(self.watched.why_empty()));
+        }
+        for &pid in spec.pids.iter().flatten() {
+            if !self.watched.contains(pid) {
+                return Err(SessionError::PidNotWatched {
+                    pid,
+                    watched: watched.iter().map(|t| t.pid).collect(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn next_wait(&self) -> Duration {
+        let now = clock::monotonic_ns();
+        let mut deadlines: Vec<u64> = self
+            .waiting
+            .iter()
+            .map(|s| s.start_ns.saturating_sub(ATTACH_LEAD_NS))
+            .collect();
+        deadlines.extend(
+            self.running
+                .iter()
+                .flat_map(|r| &r.sessions)
+                .filter_map(|s| s.window.map(|(_, stop)| stop)),
+        );
+        let mut wait = deadlines
+            .into_iter()
+            .min()
+            .map_or(IDLE_WAIT, |d| Duration::from_nanos(d.saturating_sub(now)));
+        if self.running.iter().any(|r| r.capture.is_some()) || self.recorder.is_some() {
+            wait = wait.min(TICK);
+        }
+        let kept_until = self
+            .kept
+            .as_ref()
+            .map(|(_, since)| *since + self.config.keep_probes);
+        for at in self
+            .watched
+            .next_scan()
+            .into_iter()
+            .chain(self.trim_at)
+            .chain(kept_until)
+        {
+            wait = wait.min(at.saturating_duration_since(Instant::now()));
+        }
+        wait.min(IDLE_WAIT)
+    }
+
+    fn step(&mut self) {
+        self.watched.refresh();
+        self.run_recorder();
+        self.forget_cancelled();
+        self.start_due_sessions();
+        for r in &mut self.running {
+            if let Some(c) = r.capture.as_mut() {
+                c.poll(Duration::ZERO);
+            }
+        }
+        self.finish_due_sessions();
+        // A capture nobody uses any more is dropped: that detaches it.
+        let (idle, busy): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| r.sessions.is_empty());
+        self.running = busy;
+        for r in idle {
+            self.keep_or_detach(r);
+            self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
+        }
+        self.expire_kept();
+        if self.trim_at.is_some_and(|at| at <= Instant::now()) {
+            if self.in_progress() == 0 {
+                self.trim_at = None;
+                release_free_memory();
+            } else {
+                self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
+            }
+        }
+        if self.shutting_down {
+            for s in self.waiting.drain(..) {
+                let _ = s.reply.send(Err(SessionError::ShuttingDown));
+            }
+        }
+    }
+
+    /// Sessions whose client went away (cancelled, deadline) are dropped
+    /// with everything they held.
+    fn forget_cancelled(&mut self) {
+        let gone = |s: &Session| {
+            let closed = s.reply.is_closed();
+            if closed {
+                eprintln!(
+                    "ebtrace: session {} for {}: the client went away; capture dropped",
+                    s.spec.session_id.escape_debug(),
+                    s.spec.client
+                );
+            }
+            !closed
+        };
+        self.waiting.retain(gone);
+        for r in &mut self.running {
+            r.sessions.retain(gone);
+        }
+    }
+
+    fn start_due_sessions(&mut self) {
+        let now = clock::monotonic_ns();
+        let (due, later): (Vec<Session>, Vec<Session>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|s| {
+                s.terminated || self.shutting_down || s.start_ns <= now + ATTACH_LEAD_NS
+            });
+        self.waiting = later;
+        for mut s in due {
+            if s.terminated || self.shutting_down {
+                // Ended before it began: nothing was recorded.
+                let sources = Sources::new(
+                    now,
+                    ClockSync::measure(),
+                    processes(&self.watched.targets()),
+                );
+                let why = Some(end_reason(&s, self.shutting_down));
+                let tl = timeline::assemble(sources, &Window::between(now, now), 0, why);
+                self.deliver(s, tl, Duration::ZERO);
+                continue;
+            }
+            let index = match self.joinable(&s).or_else(|| self.resume_kept(&s)) {
+                Some(i) => i,
+                None => match self.start_capture(s.spec.families) {
+                    Ok(i) => i,
+                    Err(e) => {
+                        eprintln!("ebtrace: session {}: {e}", s.spec.session_id.escape_debug());
+                        let _ = s.reply.send(Err(e));
+                        continue;
+                    }
+                },
+            };
+            let r = &mut self.running[index];
+            let start = s.start_ns.max(r.started_ns);
+            s.window = Some((start, start + s.duration_ns));
+            r.sessions.push(s);
+        }
+    }
+
+    /// A running capture this session can share.
+    fn joinable(&self, s: &Session) -> Option<usize> {
+        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        let span = 2 * self.config.max_duration.as_nanos() as u64;
+        self.running.iter().position(|r| {
+            r.families == s.spec.families
+                && r.pids() == pids
+                && s.start_ns + s.duration_ns <= r.started_ns + span
+        })
+    }
+
+    fn start_capture(&mut self, families: ProbeFamilies) -> Result<usize, SessionError> {
+        let targets = self.watched.targets();
+        if targets.is_empty() {
+            return Err(SessionError::NothingWatched(self.watched.why_empty()));
+        }
+        let (capture, started_ns) = if families.is_empty() {
+            (None, clock::monotonic_ns())
+        } else {
+            let options = CaptureOptions {
+                probe: self.config.probe.clone(),
+                families,
+                ..CaptureOptions::default()
+            };
+            let c = Capture::start(targets.clone(), &options)
+                .map_err(|e| SessionError::Attach(e.to_string()))?;
+            eprintln!(
+                "ebtrace: probes attached in {} ms",
+                c.attach_time.as_millis()
+            );
+            for note in &c.notes {
+                eprintln!("ebtrace: {note}");
+            }
+            let start = c.start_ns();
+            (Some(c), start)
+        };
+        self.running.push(Running {
+            capture,
+            families,
+            targets,
+            started_ns,
+            clock: ClockSync::measure(),
+            sessions: Vec::new(),
+        });
+        Ok(self.running.len() - 1)
+    }
+
+    fn finish_due_sessions(&mut self) {
+        let now = clock::monotonic_ns();
+        let mut finished: Vec<(Session, Timeline, Duration)> = Vec::new();
+        for r in &mut self.running {
+            let alive: BTreeSet<u32> = r
+                .targets
+                .iter()
+                .filter(|t| t.is_alive())
+                .map(|t| t.pid)
+                .collect();
+            let (done, keep): (Vec<Session>, Vec<Session>) =
+                std::mem::take(&mut r.sessions).into_iter().partition(|s| {
+                    let (_, stop) = s.window.expect("running sessions have a window");
+                    let traced_alive = match &s.spec.pids {
+                        Some(pids) => pids.iter().any(|p| alive.contains(p)),
+                        None => !alive.is_empty(),
+                    };
+                    now >= stop || s.terminated || self.shutting_down || !traced_alive
+                });
+            r.sessions = keep;
+            for s in done {
+                let (start, stop) = s.window.expect("running sessions have a window");
+                let early = (now < stop).then(|| end_reason(&s, self.shutting_down));
+                let stop = now.min(stop).max(start);
+                let building = Instant::now();
+                let tl = session_timeline(r, &s, start, stop, early);
+                finished.push((s, tl, building.elapsed()));
+            }
+        }
+        for (s, tl, built_in) in finished {
+            self.deliver(s, tl, built_in);
+        }
+    }
+
+    /// Drops `probes` (a capture, the flight recorder) on a worker thread:
+    /// detaching waits for the kernel.
+    fn detach<T: Send + 'static>(&mut self, probes: T) {
+        self.detaching.retain(|w| !w.is_finished());
+        if self.detaching.len() >= MAX_DETACHING {
+            drop(probes);
+            return;
+        }
+        match std::thread::Builder::new()
+            .name("ebtrace-detach".into())
+            .spawn(move || {
+                drop(probes);
+                release_free_memory();
+            }) {
+            Ok(handle) => self.detaching.push(handle),
+            Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
+        }
+    }
+
+    /// Hands a finished session to a worker that builds and sends its
+    /// response.
+    fn deliver(&mut self, session: Session, timeline: Timeline, built_in: Duration) {
+        let guard = self.config.guard.clone();
+        let metrics = Arc::clone(&self.config.metrics);
+        let worker = std::thread::Builder::new()
+            .name("ebtrace-deliver".into())
+            .spawn(move || {
+                let encoding = Instant::now();
+                let result = response::respond(&timeline, &session.spec, guard.as_deref());
+                let timing = (built_in, encoding.elapsed());
+                match result {
+                    Ok((response, delivered)) => {
+                        log_delivered(&session, &timeline, &delivered, timing);
+                        let _ = session.reply.send(Ok(response));
+                    }
+                    Err(e) => {
+                        eprintln!(
+                            "ebtrace: session {}: {e}",
+                            session.spec.session_id.escape_debug()
+                        );
+                        let _ = session.reply.send(Err(SessionError::Response(e)));
+                    }
+                }
+                metrics.server.add_capture(timeline.stats.dropped);
+                drop(timeline);
+                release_free_memory();
+            });
+        match worker {
+            Ok(handle) => self.delivering.push(handle),
+            Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
+        }
+    }
+}
+
+/// Gives the memory of a finished session back to the system: the
+/// allocator keeps freed pages of worker threads' arenas otherwise, and an
+/// idle server would hold hundreds of MiB after a big capture.
+fn release_free_memory() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe { libc::malloc_trim(0) };
+}
+
+fn end_reason(s: &Session, shutting_down: bool) -> String {
+    if shutting_down {
+        "the server is shutting down".into()
+    } else if s.terminated {
+        format!(
+            "Terminate({}) was received",
+            s.spec.session_id.escape_debug()
+        )
+    } else {
+        "every traced process exited".into()
+    }
+}
+
+/// The session's window of a running capture: its pids, at most its
+/// `max_events` events.
+fn session_timeline(
+    r: &mut Running,
+    s: &Session,
+    start: u64,
+    stop: u64,
+    ended_early: Option<String>,
+) -> Timeline {
+    let window = Window {
+        start_ns: start,
+        stop_ns: stop,
+        pids: s.spec.pids.clone(),
+        max_events: s.spec.max_events,
+    };
+    match r.capture.as_mut() {
+        Some(capture) => {
+            let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
+            timeline::assemble(capture.sources(), &window, dropped, ended_early)
+        }
+        // No family was asked for: the window, its processes, no probe data.
+        None => {
+            let sources = Sources::new(r.started_ns, r.clock, processes(&r.targets));
+            timeline::assemble(sources, &window, 0, ended_early)
+        }
+    }
+}
+
+/// The traced processes as [`Sources`] lists them.
+fn processes(targets: &[TargetProcess]) -> Vec<(u32, String)> {
+    targets.iter().map(|t| (t.pid, t.name.clone())).collect()
+}
+
+/// One line per answered session; `timing` is (timeline built in, response
+/// built in).
+fn log_delivered(s: &Session, tl: &Timeline, d: &Delivered, timing: (Duration, Duration)) {
+    let mut line = format!(
+        "ebtrace: session {} for {}: {:.0} ms window, {} events, {} bytes",
+        s.spec.session_id.escape_debug(),
+        s.spec.client,
+        tl.duration_ns() as f64 / 1e6,
+        d.events,
+        d.bytes
+    );
+    if d.empty {
+        line.push_str(", empty trace");
+    }
+    if let Some(p) = &d.saved {
+        line.push_str(&format!(", saved to {}", p.display()));
+    }
+    if let Some(why) = &d.not_saved {
+        line.push_str(&format!(
+            ", not saved on this server ({why}; the client saves it from the response)"
+        ));
+    }
+    if let Some(why) = &tl.stats.ended_early {
+        line.push_str(&format!("; ended early: {why}"));
+    }
+    line.push_str(&format!(
+        " (answered {} ms after the request; timeline {} ms, XSpace {} ms: built {} ms, \
+         encoded {} ms)",
+        s.received.elapsed().as_millis(),
+        timing.0.as_millis(),
+        timing.1.as_millis(),
+        d.built.as_millis(),
+        d.encoded.as_millis()
+    ));
+    eprintln!("{line}");
+}
