@@ -46,7 +46,22 @@ impl ServeProcess {
     /// let [`ServeProcess::loopback`] do it) and waits until it listens on
     /// `listeners` addresses.
     pub fn start(args: &[&str], listeners: usize) -> Self {
-        let mut child = Command::new(ebtrace_bin())
+        Self::start_under(&[], args, listeners)
+    }
+
+    /// Like [`ServeProcess::start`], run through `wrapper` (a command that
+    /// runs the rest of its arguments: `setpriv ...`, `ip netns exec NS`).
+    pub fn start_under(wrapper: &[&str], args: &[&str], listeners: usize) -> Self {
+        let bin = ebtrace_bin();
+        let mut command = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        let mut child = command
             .arg("serve")
             .args(args)
             .stdin(Stdio::null())
