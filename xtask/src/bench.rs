@@ -11,6 +11,7 @@ mod cuda_links;
 mod gpu_activity;
 mod harness;
 mod jax;
+mod recorder;
 mod report;
 pub mod serve;
 mod traceme;
@@ -62,6 +63,9 @@ pub enum Suite {
     /// What the agent delivers from CUPTI: device records per second
     /// without loss, and the target's memory.
     GpuActivity,
+    /// The flight recorder of `ebtrace serve --retain 30s`: its cost while
+    /// it runs, and how fast it answers `GetSnapshot`.
+    Recorder,
 }
 
 /// What ebtrace reported about one capture.
@@ -141,6 +145,10 @@ struct Bench {
     target_cpu: Option<usize>,
 }
 
+/// How long the flight recorder runs before its snapshot: longer than the
+/// 30 s it keeps, so that it holds a whole window.
+const RECORDER_SECONDS: f64 = 35.0;
+
 pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     util::require_root("bench")?;
     if opts.rounds == 0 || opts.seconds <= 0.0 {
@@ -148,6 +156,18 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
     }
     setup::run_setup(root, setup::Options { bench: true })?;
     let ebtrace = util::build_release(root)?;
+    if opts.suite == Suite::Recorder {
+        let md = recorder::run(
+            &ebtrace,
+            &util::build_fixture(),
+            recorder::Options {
+                seconds: RECORDER_SECONDS,
+                retain: Duration::from_secs(30),
+                target_cpu: opts.target_cpu,
+            },
+        )?;
+        return write_report(root, "recorder.md", &md);
+    }
     if !matches!(
         opts.suite,
         Suite::Cuda | Suite::CudaLinks | Suite::GpuActivity

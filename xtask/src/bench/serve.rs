@@ -67,15 +67,16 @@ struct Answer {
     peak_rss_kib: u64,
 }
 
-struct Server {
-    child: Child,
-    addr: SocketAddr,
+/// A running `ebtrace serve` and its log.
+pub(super) struct Server {
+    pub(super) child: Child,
+    pub(super) addr: SocketAddr,
     lines: Arc<Mutex<Vec<String>>>,
 }
 
 impl Server {
     /// `ebtrace serve --pid PID` on a loopback port, with `extra` flags.
-    fn start(ebtrace: &Path, pid: u32, extra: &[&str]) -> Result<Self> {
+    pub(super) fn start(ebtrace: &Path, pid: u32, extra: &[&str]) -> Result<Self> {
         let mut child = Command::new(ebtrace)
             .args(["serve", "--pid", &pid.to_string(), "--bind", "127.0.0.1:0"])
             .args(extra)
@@ -145,7 +146,52 @@ impl Server {
         }
     }
 
-    fn stop(mut self) -> Result<()> {
+    /// Waits for a log line containing `needle`.
+    pub(super) fn wait_line(&self, needle: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let found = self
+                .lines
+                .lock()
+                .expect("lock")
+                .iter()
+                .find(|l| l.contains(needle))
+                .cloned();
+            if let Some(line) = found {
+                return Ok(line);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "ebtrace serve never said {needle:?}: {:?}",
+                    self.lines.lock().expect("lock")
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// GET `path` from its `--http` listener; the body.
+    pub(super) fn http_get(&self, path: &str) -> Result<String> {
+        use std::io::{Read as _, Write as _};
+        let line = self.wait_line("metrics on http://", Duration::from_secs(5))?;
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|a| a.strip_suffix("/metrics"))
+            .context("no metrics address")?;
+        let mut stream = std::net::TcpStream::connect(addr)?;
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response
+            .split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, body)| body.to_string()))
+    }
+
+    pub(super) fn stop(mut self) -> Result<()> {
         signal(self.child.id(), libc::SIGTERM);
         let status = self.child.wait()?;
         if !status.success() {

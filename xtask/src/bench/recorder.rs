@@ -1,0 +1,229 @@
+//! `cargo xtask bench --suite recorder`: what the flight recorder of
+//! `ebtrace serve --retain 30s` costs while it runs, and how fast it
+//! answers `GetSnapshot` once it holds its whole window.
+//!
+//! For each target (the fixture's light `mixed` mode and its ping-pong,
+//! pinned to one CPU): the target's rate untraced for the run's seconds,
+//! then with the recorder on for as long; ebtrace's own CPU time over that
+//! run (`/proc/PID/stat`), its resident memory, the records it holds; then
+//! one `GetSnapshot`, timed from sending to the decoded response.
+
+use std::{
+    fmt::Write as _,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+use ebtrace_proto::tensorflow::{
+    GetSnapshotRequest, profiler::XSpace, profiler_service_client::ProfilerServiceClient,
+};
+use prost::Message as _;
+
+use super::{
+    harness::{self, status_kib},
+    serve::Server,
+};
+use crate::util::{Workload, say};
+
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub seconds: f64,
+    pub retain: Duration,
+    pub target_cpu: Option<usize>,
+}
+
+struct Row {
+    mode: &'static str,
+    /// The target's own rate (round trips/s) untraced and with the recorder.
+    rate: (f64, f64),
+    /// ebtrace's CPU over the run, in percent of one CPU.
+    cpu_percent: f64,
+    rss_kib: u64,
+    held: u64,
+    forgotten: u64,
+    snapshot: Duration,
+    events: usize,
+    bytes: usize,
+}
+
+pub fn run(ebtrace: &Path, fixture: &Path, opts: Options) -> Result<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut rows = Vec::new();
+    for mode in ["mixed", "pingpong"] {
+        let untraced = target_rate(fixture, mode, opts, |_| Ok(()))?;
+        let mut row = None;
+        let traced = target_rate(fixture, mode, opts, |phase| match phase {
+            Phase::Stopped(pid) => {
+                let retain = format!("{}s", opts.retain.as_secs());
+                let server = Server::start(
+                    ebtrace,
+                    pid,
+                    &["--retain", &retain, "--http", "127.0.0.1:0"],
+                )?;
+                server.wait_line("flight recorder on", Duration::from_secs(60))?;
+                let cpu_start = ticks(server.child.id());
+                row = Some((server, cpu_start));
+                Ok(())
+            }
+            Phase::Ran => {
+                let (server, cpu_start) = row.take().context("the recorder did not start")?;
+                let measured = measure(&runtime, mode, &server, cpu_start)?;
+                server.stop()?;
+                rows.push(measured);
+                Ok(())
+            }
+        })?;
+        if let Some(r) = rows.last_mut() {
+            r.rate = (untraced, traced);
+        }
+    }
+    Ok(render(&rows, opts))
+}
+
+/// Where a run is when [`target_rate`] calls back.
+enum Phase {
+    /// The target (this pid) is stopped, before the run.
+    Stopped(u32),
+    /// The run's seconds are over; the target still runs.
+    Ran,
+}
+
+/// Runs the target for the run's seconds, calling `at` while it is stopped
+/// before the run and once the run is over; its round trips per second.
+fn target_rate(
+    fixture: &Path,
+    mode: &str,
+    opts: Options,
+    mut at: impl FnMut(Phase) -> Result<()>,
+) -> Result<f64> {
+    let mut cmd = harness::pinned(fixture, opts.target_cpu);
+    cmd.args(["--mode", mode]);
+    let workload = Workload::start(cmd)?;
+    let (_, stopped) = harness::while_stopped(workload.pid, || at(Phase::Stopped(workload.pid)))?;
+    std::thread::sleep(Duration::from_secs_f64(opts.seconds));
+    let measured = at(Phase::Ran);
+    let counters = workload.stop()?;
+    measured?;
+    let round_trips = counters["round_trips"].as_f64().context("round_trips")?;
+    let elapsed = counters["elapsed_s"].as_f64().context("elapsed_s")?;
+    Ok(round_trips / (elapsed - stopped.as_secs_f64()).max(1e-3))
+}
+
+/// ebtrace's cost over the run, what it holds, and one snapshot.
+fn measure(
+    runtime: &tokio::runtime::Runtime,
+    mode: &'static str,
+    server: &Server,
+    (cpu_start, started): (u64, Instant),
+) -> Result<Row> {
+    let pid = server.child.id();
+    let cpu_s = (ticks(pid).0 - cpu_start) as f64 / 100.0;
+    let cpu_percent = 100.0 * cpu_s / started.elapsed().as_secs_f64();
+    let metrics = server.http_get("/metrics")?;
+    let metric = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    let (held, forgotten) = (
+        metric("ebtrace_recorder_records"),
+        metric("ebtrace_recorder_forgotten_records_total"),
+    );
+    let rss_kib = status_kib(pid, "VmRSS").unwrap_or(0);
+    let asked = Instant::now();
+    let response = runtime.block_on(async {
+        let mut client = ProfilerServiceClient::connect(format!("http://{}", server.addr))
+            .await?
+            .max_decoding_message_size(usize::MAX);
+        let r = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "bench".into(),
+            })
+            .await?;
+        anyhow::Ok(r.into_inner())
+    })?;
+    let snapshot = asked.elapsed();
+    let data = &response.tool_data.first().context("no tool_data")?.data;
+    let space = XSpace::decode(data.as_slice())?;
+    let events = space
+        .planes
+        .iter()
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum();
+    say(format!(
+        "recorder {mode}: ebtrace {cpu_percent:.2}% CPU, {held} records held, snapshot in {:.0} ms ({events} events)",
+        snapshot.as_secs_f64() * 1e3
+    ));
+    Ok(Row {
+        mode,
+        rate: (0.0, 0.0),
+        cpu_percent,
+        rss_kib,
+        held,
+        forgotten,
+        snapshot,
+        events,
+        bytes: data.len(),
+    })
+}
+
+/// A process's user + system CPU ticks now, and when they were read.
+fn ticks(pid: u32) -> (u64, Instant) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<u64> = stat
+        .rfind(')')
+        .map(|i| &stat[i + 2..])
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    let t = fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0);
+    (t, Instant::now())
+}
+
+fn render(rows: &[Row], opts: Options) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "## Flight recorder: `ebtrace serve --retain {}s`\n",
+        opts.retain.as_secs()
+    );
+    let _ = writeln!(
+        md,
+        "- each target pinned to {}, {} s untraced, then {} s with the recorder on (default \
+         `--retain-memory` 256 MiB); then one `GetSnapshot`\n",
+        opts.target_cpu
+            .map_or("no CPU".to_string(), |c| format!("CPU {c}")),
+        opts.seconds,
+        opts.seconds
+    );
+    let _ = writeln!(
+        md,
+        "| target | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | events | XSpace |"
+    );
+    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in rows {
+        let _ = writeln!(
+            md,
+            "| {} | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.1} MB |",
+            r.mode,
+            r.rate.0,
+            r.rate.1,
+            harness::ratio(r.rate.1, r.rate.0),
+            r.cpu_percent,
+            r.rss_kib as f64 / 1024.0,
+            r.held,
+            r.forgotten,
+            r.snapshot.as_secs_f64() * 1e3,
+            r.events,
+            r.bytes as f64 / 1e6
+        );
+    }
+    md
+}
