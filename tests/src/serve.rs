@@ -121,6 +121,16 @@ impl ServeProcess {
         self.addrs[0].port()
     }
 
+    /// Asserts that the server reused the probes of an earlier capture.
+    pub fn assert_probes_kept(&self) {
+        assert!(
+            self.wait_line("probes kept from the last capture", Duration::from_secs(1))
+                .is_some(),
+            "the probes were not kept: {:?}",
+            self.lines()
+        );
+    }
+
     /// Its stderr so far.
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().expect("lock").clone()

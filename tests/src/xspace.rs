@@ -168,6 +168,16 @@ pub fn profile_window(space: &XSpace) -> (u64, u64) {
     )
 }
 
+/// How many events named `name` `plane` has, on all its lines.
+pub fn count_named(plane: &XPlane, name: &str) -> usize {
+    plane
+        .lines
+        .iter()
+        .flat_map(|l| line_events(plane, l.id))
+        .filter(|e| e.name == name)
+        .count()
+}
+
 /// The GPU planes (`/device:GPU:N`) of `space`.
 pub fn gpu_planes(space: &XSpace) -> impl Iterator<Item = &XPlane> {
     space

@@ -398,13 +398,7 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
             agent_traces(pid)
         );
     }
-    assert!(
-        server
-            .wait_line("probes kept from the last capture", Duration::from_secs(1))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    server.assert_probes_kept();
     server.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
     assert_eq!(agent_traces(pid), (0, 0, 0));
     signal(pid, libc::SIGTERM);

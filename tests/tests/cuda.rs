@@ -18,7 +18,7 @@ use ebtrace_tests::{
     fixture::SchedWorkload,
     loaded_bpf_program_names, record, require_root, serial, signal, spawn_record_with_env,
     xplane_files, xprof,
-    xspace::{self, Event, Stat, gpu_event_count, line_events, plane, plane_stats},
+    xspace::{self, Event, Stat, count_named, gpu_event_count, line_events, plane, plane_stats},
 };
 use serde_json::Value;
 
@@ -472,12 +472,7 @@ fn a_target_killed_while_ebtrace_stops_leaves_no_probe_behind() {
         assert_eq!(files.len(), 1, "{what}: {files:?}");
         let space = xspace::load(&files[0]);
         let host = plane(&space, "/host:CPU");
-        let launches = host
-            .lines
-            .iter()
-            .flat_map(|l| line_events(host, l.id))
-            .filter(|e| e.name == "cuLaunchKernel")
-            .count();
+        let launches = count_named(host, "cuLaunchKernel");
         assert!(launches > 100, "{what}: {launches} launches in the trace");
     }
     let released = std::time::Instant::now();

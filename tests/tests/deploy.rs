@@ -19,7 +19,7 @@ use ebtrace_tests::{
     require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     wait_with_deadline, xplane_files, xprof,
-    xspace::{line_events, plane},
+    xspace::{count_named, plane},
 };
 
 fn deploy_file(path: &str) -> String {
@@ -109,12 +109,7 @@ fn the_deployed_capabilities_are_enough_for_every_part_of_serve() {
     });
     for (what, space) in [("capture", &capture), ("snapshot", &snapshot)] {
         let host = plane(space, "/host:CPU");
-        let launches = host
-            .lines
-            .iter()
-            .flat_map(|l| line_events(host, l.id))
-            .filter(|e| e.name == "cuLaunchKernel")
-            .count();
+        let launches = count_named(host, "cuLaunchKernel");
         assert!(launches > 100, "{what}: {launches} driver calls traced");
     }
     let lines = server.lines();

@@ -425,13 +425,7 @@ fn probes_stay_attached_across_sessions_and_record_nothing_between() {
         let second = client.profile(request(500)).await.expect("second capture");
         assert_eq!(server.link_ids(), links, "probes attached again");
         assert!(server.records_submitted() > submitted);
-        assert!(
-            server
-                .wait_line("probes kept from the last capture", Duration::from_secs(1))
-                .is_some(),
-            "{:?}",
-            server.lines()
-        );
+        server.assert_probes_kept();
         let space = xspace_of(&second.into_inner());
         let host = plane(&space, HOST_CPU);
         // ping pauses 1 ms per round trip: hundreds of runs in 500 ms.

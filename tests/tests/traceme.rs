@@ -497,13 +497,7 @@ fn serve_switches_recording_off_between_captures_on_kept_probes() {
             assert_eq!(workload.trace_level(Toolchain::Gcc), -1, "{capture}");
         }
     });
-    assert!(
-        server
-            .wait_line("probes kept from the last capture", Duration::from_secs(1))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    server.assert_probes_kept();
     workload.stop();
 }
 

@@ -41,24 +41,35 @@ fn status_of(e: SessionError) -> Status {
     }
 }
 
+impl ProfilerServer {
+    /// A `ProfileRequest` checked against this server's limits.
+    fn checked(&self, request: &Request<ProfileRequest>) -> Result<validate::SessionSpec, Status> {
+        validate::profile_request(
+            request.get_ref(),
+            &self.limits,
+            self.guard.as_deref(),
+            clock::realtime_ns(),
+            &self.hostname,
+            client_of(request),
+        )
+        .map_err(|e| Status::invalid_argument(e.to_string()))
+    }
+}
+
+/// Who sent `request`, for the server's log.
+fn client_of<T>(request: &Request<T>) -> String {
+    request
+        .remote_addr()
+        .map_or_else(|| "a client".to_string(), |a| a.to_string())
+}
+
 #[tonic::async_trait]
 impl ProfilerService for ProfilerServer {
     async fn profile(
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        let client = request
-            .remote_addr()
-            .map_or_else(|| "a client".to_string(), |a| a.to_string());
-        let spec = validate::profile_request(
-            request.get_ref(),
-            &self.limits,
-            self.guard.as_deref(),
-            clock::realtime_ns(),
-            &self.hostname,
-            client,
-        )
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let spec = self.checked(&request)?;
         let response = self.hub.profile(spec).await.map_err(status_of)?;
         Ok(Response::new(response))
     }
@@ -128,18 +139,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
-        let client = request
-            .remote_addr()
-            .map_or_else(|| "a client".to_string(), |a| a.to_string());
-        let spec = validate::profile_request(
-            request.get_ref(),
-            &self.limits,
-            self.guard.as_deref(),
-            clock::realtime_ns(),
-            &self.hostname,
-            client,
-        )
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let spec = self.checked(&request)?;
         self.hub.start_recorder(spec).await.map_err(status_of)?;
         Ok(Response::new(ContinuousProfilingResponse {}))
     }
@@ -156,9 +156,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        let client = request
-            .remote_addr()
-            .map_or_else(|| "a client".to_string(), |a| a.to_string());
+        let client = client_of(&request);
         let id = request.into_inner().snapshot_session_id;
         let id = if id.is_empty() { "snapshot".into() } else { id };
         let response = self.hub.snapshot(id, client).await.map_err(status_of)?;

@@ -269,6 +269,16 @@ pub fn write_report(root: &Path, name: &str, md: &str) -> Result<()> {
     Ok(())
 }
 
+/// Events on every line of every plane of `space`.
+pub fn xspace_events(space: &ebtrace_proto::tensorflow::profiler::XSpace) -> usize {
+    space
+        .planes
+        .iter()
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len())
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

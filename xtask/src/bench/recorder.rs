@@ -150,12 +150,7 @@ fn measure(
     let snapshot = asked.elapsed();
     let data = &response.tool_data.first().context("no tool_data")?.data;
     let space = XSpace::decode(data.as_slice())?;
-    let events = space
-        .planes
-        .iter()
-        .flat_map(|p| &p.lines)
-        .map(|l| l.events.len())
-        .sum();
+    let events = harness::xspace_events(&space);
     say(format!(
         "recorder {mode}: ebtrace {cpu_percent:.2}% CPU, {held} records held, snapshot in {:.0} ms ({events} events)",
         snapshot.as_secs_f64() * 1e3

@@ -311,12 +311,7 @@ fn ask(
         .context("no tool_data in the response")?
         .data;
     let space = XSpace::decode(data.as_slice()).context("decoding the XSpace")?;
-    let events = space
-        .planes
-        .iter()
-        .flat_map(|p| &p.lines)
-        .map(|l| l.events.len())
-        .sum();
+    let events = harness::xspace_events(&space);
     Ok(Answer {
         mode,
         kept,
