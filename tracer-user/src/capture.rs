@@ -411,6 +411,7 @@ impl Capture {
         if uprobe_pids != self.uprobe_pids {
             return Err("the targets' TraceMe events now take another route".into());
         }
+        self.notes = notes;
         let resumed = (|| -> Result<()> {
             for t in &self.targets {
                 self.probe.resume_target(t.pid)?;
@@ -433,7 +434,6 @@ impl Capture {
             return Err(e.to_string());
         }
         self.framework = framework;
-        self.notes = notes;
         self.start_ns = monotonic_ns();
         self.clock = ClockSync::measure();
         self.last_collection = Instant::now();
