@@ -480,6 +480,9 @@ impl Hub {
                 let encoding = Instant::now();
                 let result = response::respond(&timeline, &session.spec, guard.as_deref());
                 let timing = (built_in, encoding.elapsed());
+                // Counted before the answer goes out: a client that scrapes
+                // /metrics once answered sees it.
+                metrics.server.add_capture(timeline.stats.dropped);
                 match result {
                     Ok((response, delivered)) => {
                         log_delivered(&session, &timeline, &delivered, timing);
@@ -493,7 +496,6 @@ impl Hub {
                         let _ = session.reply.send(Err(SessionError::Response(e)));
                     }
                 }
-                metrics.server.add_capture(timeline.stats.dropped);
                 drop(timeline);
                 release_free_memory();
             });
