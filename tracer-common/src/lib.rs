@@ -11,6 +11,7 @@
 #![no_std]
 
 pub mod cuda;
+pub mod stack;
 pub mod traceme;
 
 pub use traceme::TraceMeRecord;
@@ -152,6 +153,8 @@ pub enum RecordKind {
     CudaSymbol = 21,
     /// A [`TraceMeRecord`] (variable size).
     TraceMe = 7,
+    /// A CPU stack sample ([`stack::StackSampleRecord`]).
+    StackSample = 8,
 }
 
 impl RecordKind {
@@ -166,6 +169,7 @@ impl RecordKind {
             20 => Self::CudaCall,
             21 => Self::CudaSymbol,
             7 => Self::TraceMe,
+            8 => Self::StackSample,
             _ => return None,
         })
     }
@@ -319,6 +323,10 @@ mod tests {
         assert_eq!(size_of::<TaskRename>(), 40);
         assert_eq!(traceme::TRACEME_PREFIX, 56);
         assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
+        assert_eq!(
+            size_of::<stack::StackSampleRecord>(),
+            40 + 2 * 8 * stack::MAX_FRAMES
+        );
         assert_eq!(traceme::traceme_record_size(0), 56);
         assert_eq!(traceme::traceme_record_size(1), 64);
         assert_eq!(
@@ -329,10 +337,10 @@ mod tests {
 
     #[test]
     fn kinds_round_trip() {
-        for k in 1..=7u16 {
+        for k in 1..=8u16 {
             assert_eq!(RecordKind::from_u16(k).map(|k| k as u16), Some(k));
         }
         assert!(RecordKind::from_u16(0).is_none());
-        assert!(RecordKind::from_u16(8).is_none());
+        assert!(RecordKind::from_u16(9).is_none());
     }
 }

@@ -7,6 +7,7 @@
 #![no_std]
 #![no_main]
 
+mod cpu_sample;
 mod cuda;
 mod sched;
 mod traceme;
@@ -21,7 +22,7 @@ use aya_ebpf::{
 use tracer_common::{MAX_TARGETS, MAX_TRACKED_TIDS, RecordHeader, RecordKind, stat};
 
 #[map]
-static EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
+pub(crate) static EVENTS: RingBuf = RingBuf::with_byte_size(16 * 1024 * 1024, 0);
 
 #[map]
 static TARGET_TGIDS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TARGETS, 0);

@@ -6,7 +6,8 @@
 //! [`uprobe_multi`](super::uprobe_multi) links for the driver).
 
 use aya::programs::{
-    raw_trace_point::RawTracePointLink, trace_point::TracePointLink, uprobe::UProbeLink,
+    perf_event::PerfEventLink, raw_trace_point::RawTracePointLink, trace_point::TracePointLink,
+    uprobe::UProbeLink,
 };
 
 use super::uprobe_multi;
@@ -20,6 +21,13 @@ pub enum OwnedLink {
     RawTracePoint(RawTracePointLink),
     UProbe(UProbeLink),
     UProbeMulti(uprobe_multi::Link),
+    PerfEvent(PerfEventLink),
+}
+
+impl From<PerfEventLink> for OwnedLink {
+    fn from(link: PerfEventLink) -> Self {
+        OwnedLink::PerfEvent(link)
+    }
 }
 
 impl From<TracePointLink> for OwnedLink {

@@ -4,11 +4,13 @@
 //! probe family attaches its programs on it: [`sched`] for the scheduler
 //! tracepoints, [`cuda`] for the CUDA driver uprobes (with [`libcuda`]
 //! finding the library and [`uprobe_multi`] linking its programs), [`traceme`]
-//! for TraceMe events of jaxlib / TensorFlow / libtpu processes. [`tracefs`] finds and checks the kernel's
+//! for TraceMe events of jaxlib / TensorFlow / libtpu processes, [`cpu_sample`] for
+//! CPU stack samples. [`tracefs`] finds and checks the kernel's
 //! tracepoints first. [`inject`] loads ebtrace's in-process agent into a
 //! running process with ptrace.
 
 pub mod btf;
+pub mod cpu_sample;
 pub mod cuda;
 pub mod inject;
 pub mod libcuda;
@@ -19,6 +21,7 @@ pub mod tracefs;
 pub mod traceme;
 pub mod uprobe_multi;
 
+pub use cpu_sample::CpuSampler;
 pub use cuda::CudaProbe;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
 pub use sched::SchedProbe;

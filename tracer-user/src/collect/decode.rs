@@ -5,6 +5,7 @@ use tracer_common::{
     ProcessFork, RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew, TaskRename,
     TraceMeRecord,
     cuda::{CudaCall, CudaSymbol},
+    stack::{FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, StackSampleRecord},
     traceme::{FLAG_NAME_UNREADABLE, TRACEME_PREFIX, traceme_record_size},
 };
 
@@ -24,6 +25,24 @@ pub enum Record {
     CudaSymbol(Box<CudaSymbol>),
     /// Boxed: it is much larger than the others and much rarer.
     TraceMe(Box<TraceMeEvent>),
+    StackSample(Box<StackSample>),
+}
+
+/// A CPU stack sample: where a thread of a traced process was when the
+/// sampling clock of its CPU ticked.
+#[derive(Clone, Debug)]
+pub struct StackSample {
+    pub header: RecordHeader,
+    pub tid: u32,
+    pub tgid: u32,
+    /// User-space instruction addresses, innermost first (every one past
+    /// the first is a return address).
+    pub user: Box<[u64]>,
+    /// Kernel instruction addresses, innermost first.
+    pub kernel: Box<[u64]>,
+    /// The user stack could not be read (a kernel thread, or unwinding failed).
+    pub user_unreadable: bool,
+    pub kernel_unreadable: bool,
 }
 
 /// A `TraceMeRecorder::Record(Event&&)` call as the uprobe saw it.
@@ -59,6 +78,7 @@ impl Record {
             Record::CudaCall(r) => &r.header,
             Record::CudaSymbol(r) => &r.header,
             Record::TraceMe(r) => &r.header,
+            Record::StackSample(r) => &r.header,
         }
     }
 
@@ -155,6 +175,22 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         RecordKind::CudaCall => Record::CudaCall(Box::new(read(bytes, kind, size)?)),
         RecordKind::CudaSymbol => Record::CudaSymbol(Box::new(read(bytes, kind, size)?)),
         RecordKind::TraceMe => Record::TraceMe(Box::new(read_traceme(bytes, size)?)),
+        RecordKind::StackSample => Record::StackSample(Box::new(read_stack_sample(bytes, size)?)),
+    })
+}
+
+/// A stack sample keeps only the frames the kernel filled in.
+fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, DecodeError> {
+    let r: StackSampleRecord = read(bytes, RecordKind::StackSample, claimed)?;
+    let frames = |n: u32| (n as usize).min(MAX_FRAMES);
+    Ok(StackSample {
+        header: r.header,
+        tid: r.tid,
+        tgid: r.tgid,
+        user: r.user[..frames(r.user_frames)].into(),
+        kernel: r.kernel[..frames(r.kernel_frames)].into(),
+        user_unreadable: r.flags & FLAG_USER_UNREADABLE != 0,
+        kernel_unreadable: r.flags & FLAG_KERNEL_UNREADABLE != 0,
     })
 }
 
@@ -306,6 +342,40 @@ mod tests {
         bad[2] = 56;
         bad.truncate(56);
         assert!(matches!(decode(&bad), Err(DecodeError::Size { .. })));
+    }
+
+    #[test]
+    fn decodes_a_stack_sample_and_keeps_only_filled_frames() {
+        let mut rec = StackSampleRecord {
+            header: RecordHeader::new(
+                RecordKind::StackSample,
+                size_of::<StackSampleRecord>(),
+                1,
+                42,
+            ),
+            tid: 8,
+            tgid: 7,
+            user_frames: 2,
+            kernel_frames: 0,
+            flags: FLAG_KERNEL_UNREADABLE,
+            _pad: 0,
+            user: [0xdead; MAX_FRAMES],
+            kernel: [0; MAX_FRAMES],
+        };
+        rec.user[1] = 0xbeef;
+        let Record::StackSample(s) = decode(&bytes_of(&rec)).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!((s.tid, s.tgid, s.header.ts_ns), (8, 7, 42));
+        assert_eq!(&*s.user, &[0xdead, 0xbeef]);
+        assert!(s.kernel.is_empty() && s.kernel_unreadable && !s.user_unreadable);
+
+        // A frame count past the array is cut to it, never read beyond.
+        rec.user_frames = u32::MAX;
+        let Record::StackSample(s) = decode(&bytes_of(&rec)).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!(s.user.len(), MAX_FRAMES);
     }
 
     proptest::proptest! {

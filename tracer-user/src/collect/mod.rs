@@ -9,7 +9,7 @@ mod decode;
 use std::{os::fd::AsRawFd as _, time::Duration};
 
 use aya::maps::{MapData, RingBuf};
-pub use decode::{DecodeError, Record, TraceMeEvent, decode};
+pub use decode::{DecodeError, Record, StackSample, TraceMeEvent, decode};
 
 pub struct Collector {
     ring: RingBuf<MapData>,

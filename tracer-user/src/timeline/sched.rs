@@ -200,7 +200,10 @@ impl SchedTimelineBuilder {
             }
             // Other probe families' records are built by their own builders
             // (`timeline::cuda`, `timeline::traceme`).
-            Record::CudaCall(_) | Record::CudaSymbol(_) | Record::TraceMe(_) => {}
+            Record::CudaCall(_)
+            | Record::CudaSymbol(_)
+            | Record::TraceMe(_)
+            | Record::StackSample(_) => {}
         }
     }
 
