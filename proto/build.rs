@@ -12,6 +12,7 @@ const PROTOS: &[&str] = &[
     "tensorflow/profiler_service.proto",
     "tensorflow/profiler_analysis.proto",
     "perfetto/perfetto_trace.proto",
+    "perftools/profile.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -6,6 +6,8 @@
 //!   `ProfileAnalysis` service, each with client and server stubs.
 //! - [`perfetto::protos`]: Perfetto's native trace format (`perfetto_trace.pb`), pruned to the
 //!   packets ebtrace writes; field numbers are Perfetto's own.
+//! - [`perftools::profiles`]: the pprof profile (`go tool pprof`, Parca, Pyroscope), with
+//!   pprof's own field numbers.
 //!
 //! The `.proto` sources under `proto/` are our own, written from the published field numbers of
 //! the TSL profiler protos; `build.rs` compiles them with `protox`, so no `protoc` is needed.
@@ -25,5 +27,13 @@ pub mod perfetto {
     /// Perfetto's trace packets, pruned to the fields ebtrace writes.
     pub mod protos {
         tonic::include_proto!("perfetto.protos");
+    }
+}
+
+/// Package `perftools.profiles`: the pprof CPU profile.
+pub mod perftools {
+    /// pprof's `Profile` and the messages it is made of.
+    pub mod profiles {
+        tonic::include_proto!("perftools.profiles");
     }
 }

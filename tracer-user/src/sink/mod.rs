@@ -2,8 +2,10 @@
 //!
 //! [`xspace`] turns the timeline into XProf's `XSpace`; [`logdir`] writes
 //! it where XProf and TensorBoard look for runs. [`perfetto`] writes
-//! Perfetto's native trace beside it.
+//! Perfetto's native trace beside it. [`pprof`] writes CPU stack samples as
+//! a pprof profile.
 
 pub mod logdir;
 pub mod perfetto;
+pub mod pprof;
 pub mod xspace;

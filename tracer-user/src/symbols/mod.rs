@@ -6,10 +6,13 @@
 //!   symbols only) and maps virtual addresses to file offsets (uprobes are
 //!   attached by file offset);
 //! - [`maps`]: the objects a process has mapped (`/proc/PID/maps`), how to
-//!   open the very file that is mapped, and where it was loaded.
+//!   open the very file that is mapped, and where it was loaded;
+//! - [`stacks`]: names, inlined functions and lines for the addresses of
+//!   sampled stacks (blazesym).
 
 pub mod elf;
 pub mod maps;
+pub mod stacks;
 
 pub use elf::{ElfObject, FoundSymbol, LoadSegment, SymbolScan};
 pub use maps::{MappedObject, Mapping, mapped_objects};

@@ -1,0 +1,139 @@
+//! Names for the addresses of sampled stacks, with blazesym: functions
+//! (demangled), the functions inlined at an address, and file:line where
+//! the object has debug information. User addresses are resolved in the
+//! sampled process (its mappings, while it runs), kernel ones from
+//! `/proc/kallsyms`.
+
+use std::{collections::HashMap, rc::Rc};
+
+use blazesym::{
+    Pid,
+    symbolize::{
+        Input, Symbolized, Symbolizer,
+        source::{Kernel, Process, Source},
+    },
+};
+
+/// Whose address space an address is in.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Space {
+    Kernel,
+    Process(u32),
+}
+
+/// One function at an address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Frame {
+    pub function: String,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+}
+
+/// What is at one address: the functions inlined there, innermost first,
+/// then the function the address is in. Empty where nothing is known.
+#[derive(Clone, Debug, Default)]
+pub struct Symbol {
+    pub frames: Vec<Frame>,
+    /// The object the address is in, where known.
+    pub module: Option<String>,
+}
+
+/// Resolves addresses, each once per address space.
+pub struct StackSymbolizer {
+    symbolizer: Symbolizer,
+    cache: HashMap<(Space, u64), Rc<Symbol>>,
+}
+
+impl Default for StackSymbolizer {
+    fn default() -> Self {
+        StackSymbolizer {
+            symbolizer: Symbolizer::builder()
+                .enable_code_info(true)
+                .enable_inlined_fns(true)
+                .enable_demangling(true)
+                .build(),
+            cache: HashMap::new(),
+        }
+    }
+}
+
+/// The address to look up for frame `depth` of a stack: every frame past
+/// the innermost is a return address, which may already be the next
+/// line's (or, after a call that does not return, the next function's).
+pub fn lookup_address(depth: usize, address: u64) -> u64 {
+    if depth == 0 {
+        address
+    } else {
+        address.saturating_sub(1)
+    }
+}
+
+impl StackSymbolizer {
+    /// Resolves `addresses` of `space` (lookup addresses, see
+    /// [`lookup_address`]) and keeps the answers for [`Self::get`]. An
+    /// address that cannot be resolved (the process exited, the object has
+    /// no symbols) gets an empty [`Symbol`].
+    pub fn resolve(&mut self, space: Space, addresses: impl IntoIterator<Item = u64>) {
+        let mut wanted: Vec<u64> = addresses
+            .into_iter()
+            .filter(|a| !self.cache.contains_key(&(space, *a)))
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        if wanted.is_empty() {
+            return;
+        }
+        let source = match space {
+            Space::Kernel => Source::Kernel(Kernel::default()),
+            Space::Process(pid) => Source::Process(Process::new(Pid::from(pid))),
+        };
+        let found = self
+            .symbolizer
+            .symbolize(&source, Input::AbsAddr(&wanted))
+            .unwrap_or_default();
+        for (i, address) in wanted.into_iter().enumerate() {
+            let symbol = match found.get(i) {
+                Some(Symbolized::Sym(sym)) => {
+                    let mut frames: Vec<Frame> = sym
+                        .inlined
+                        .iter()
+                        .rev()
+                        .map(|f| Frame {
+                            function: f.name.to_string(),
+                            file: f
+                                .code_info
+                                .as_ref()
+                                .map(|c| c.to_path().display().to_string()),
+                            line: f.code_info.as_ref().and_then(|c| c.line),
+                        })
+                        .collect();
+                    frames.push(Frame {
+                        function: sym.name.to_string(),
+                        file: sym
+                            .code_info
+                            .as_ref()
+                            .map(|c| c.to_path().display().to_string()),
+                        line: sym.code_info.as_ref().and_then(|c| c.line),
+                    });
+                    Symbol {
+                        frames,
+                        module: sym
+                            .module
+                            .as_ref()
+                            .map(|m| m.to_string_lossy().into_owned()),
+                    }
+                }
+                _ => Symbol::default(),
+            };
+            self.cache.insert((space, address), Rc::new(symbol));
+        }
+    }
+
+    /// What [`Self::resolve`] found at `address` of `space`.
+    pub fn get(&self, space: Space, address: u64) -> Rc<Symbol> {
+        self.cache
+            .get(&(space, address))
+            .cloned()
+            .unwrap_or_default()
+    }
+}
