@@ -9,6 +9,7 @@
 pub mod cuda;
 pub mod fixture;
 pub mod gated;
+pub mod http;
 pub mod killed;
 pub mod perfetto;
 pub mod pjrt;
@@ -46,6 +47,22 @@ pub fn require_root(test: &str) -> bool {
     }
     eprintln!("skipping {test}: needs root to load BPF (run `sudo cargo xtask test`)");
     false
+}
+
+/// `/usr/bin/NAME`, a tool a Debian package installs (`cargo xtask
+/// setup` installs them); `None`, and the test is skipped, if it is
+/// missing, unless `EBTRACE_REQUIRE_INTEROP=1`.
+pub fn debian_tool(name: &str) -> Option<PathBuf> {
+    let path = Path::new("/usr/bin").join(name);
+    if path.exists() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() != Ok("1"),
+        "{name} is missing (run `cargo xtask setup`)"
+    );
+    eprintln!("skipping: {name} is missing (run `cargo xtask setup`)");
+    None
 }
 
 /// Serializes the tests that trace: on two cores, parallel captures would

@@ -121,6 +121,19 @@ impl ServeProcess {
         self.addrs[0].port()
     }
 
+    /// The address of its `--http` listener, from its log.
+    pub fn http_addr(&self) -> SocketAddr {
+        const LINE: &str = "ebtrace: serving Prometheus metrics on http://";
+        let line = self
+            .wait_line(LINE, Duration::from_secs(10))
+            .expect("the HTTP listener's address (was --http given?)");
+        line.split(LINE)
+            .nth(1)
+            .and_then(|a| a.strip_suffix("/metrics"))
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+    }
+
     /// Asserts that the server reused the probes of an earlier capture.
     pub fn assert_probes_kept(&self) {
         assert!(

@@ -3,7 +3,7 @@
 //! by a real Prometheus server (Debian's `prometheus` package).
 
 use std::{
-    io::{Read as _, Write as _},
+    io::Write as _,
     net::{SocketAddr, TcpListener, TcpStream},
     path::Path,
     process::{Child, Command, Stdio},
@@ -11,75 +11,27 @@ use std::{
 };
 
 use ebtrace_tests::{
-    TempDir,
+    TempDir, debian_tool,
     fixture::SchedWorkload,
-    require_root, serial,
+    http, require_root, serial,
     serve::{ServeProcess, block_on, request},
 };
 
-const METRICS_LINE: &str = "ebtrace: serving Prometheus metrics on http://";
-
-/// `ebtrace serve --pid PID --http 127.0.0.1:0`, and its metrics address.
+/// `ebtrace serve --pid PID --http 127.0.0.1:0`, and its HTTP address.
 fn serve_with_metrics(pid: u32) -> (ServeProcess, SocketAddr) {
     let server = ServeProcess::loopback(&["--pid", &pid.to_string(), "--http", "127.0.0.1:0"]);
-    let line = server
-        .wait_line(METRICS_LINE, Duration::from_secs(10))
-        .expect("the metrics listener's address");
-    let addr = line
-        .split(METRICS_LINE)
-        .nth(1)
-        .and_then(|a| a.strip_suffix("/metrics"))
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let addr = server.http_addr();
     (server, addr)
 }
 
-/// One plain HTTP/1.1 GET; (status, content type, body).
+/// `GET path`: (status, content type, body).
 fn get(addr: SocketAddr, path: &str) -> (u16, String, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("headers");
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status");
-    let content_type = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-type")
-                .then(|| v.trim().to_string())
-        })
-        .unwrap_or_default();
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    (status, content_type, body)
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if size == 0 {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = &rest[size + 2..];
-    }
-    out
+    let response = http::get(addr, path);
+    let content_type = response
+        .header("content-type")
+        .unwrap_or_default()
+        .to_string();
+    (response.status, content_type, response.text())
 }
 
 /// The value of `name` for `pid` in an exposition.
@@ -177,7 +129,7 @@ fn metrics_agree_with_proc_and_pass_promtool() {
         "{after_capture}"
     );
 
-    let Some(promtool) = tool("promtool") else {
+    let Some(promtool) = debian_tool("promtool") else {
         return;
     };
     let mut check = Command::new(promtool)
@@ -207,7 +159,7 @@ fn a_real_prometheus_scrapes_the_watched_process() {
     if !require_root("a_real_prometheus_scrapes_the_watched_process") {
         return;
     }
-    let Some(prometheus) = tool("prometheus") else {
+    let Some(prometheus) = debian_tool("prometheus") else {
         return;
     };
     let _serial = serial();
@@ -323,19 +275,4 @@ fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
-}
-
-/// A tool from Debian's `prometheus` package, or `None` to skip (unless
-/// `EBTRACE_REQUIRE_INTEROP=1`, where a skip is a failure).
-fn tool(name: &str) -> Option<std::path::PathBuf> {
-    let path = Path::new("/usr/bin").join(name);
-    if path.exists() {
-        return Some(path);
-    }
-    assert!(
-        std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() != Ok("1"),
-        "{name} is missing (run `cargo xtask setup`)"
-    );
-    eprintln!("skipping: {name} is missing (run `cargo xtask setup`)");
-    None
 }

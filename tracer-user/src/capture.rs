@@ -11,6 +11,7 @@
 //! was recorded up to then is kept.
 
 mod agents;
+pub mod cpu_profile;
 
 use std::{
     collections::{HashMap, VecDeque},

@@ -56,6 +56,10 @@ const APT_BASE: &[(&str, &str)] = &[
         "prometheus",
         "a real Prometheus server scrapes `ebtrace serve --http` in the tests (and promtool checks it)",
     ),
+    (
+        "golang-go",
+        "`go tool pprof` reads ebtrace's CPU profiles in the tests",
+    ),
 ];
 const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
 

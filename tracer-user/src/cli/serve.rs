@@ -69,10 +69,18 @@ pub struct ServeArgs {
 
     /// Also serve Prometheus metrics of the watched processes (on-CPU
     /// time, run-queue wait, context switches, threads) and of ebtrace
-    /// itself at http://ADDR/metrics, e.g. 127.0.0.1:9464. Anything but
-    /// loopback lets other machines read them.
+    /// itself at http://ADDR/metrics, and CPU profiles (pprof, as Parca,
+    /// Pyroscope and `go tool pprof` read them) at
+    /// http://ADDR/debug/pprof/profile?seconds=N, e.g. 127.0.0.1:9464.
+    /// Anything but loopback lets other machines read them.
     #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
     pub http: Option<SocketAddr>,
+
+    /// Stack samples a second per CPU of CPU profiles (a request's `hz`
+    /// overrides it).
+    #[arg(long, value_name = "HZ", default_value_t = crate::attach::cpu_sample::DEFAULT_HZ,
+          value_parser = clap::value_parser!(u64).range(1..=crate::attach::cpu_sample::MAX_HZ))]
+    pub sample_hz: u64,
 
     /// Run the flight recorder from the start: keep the last DURATION of
     /// every watched process (scheduling, CUDA driver calls) for
@@ -126,6 +134,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         allow_write_under: args.allow_write_under.clone(),
         keep_probes: args.keep_probes,
         http: args.http,
+        sample_hz: args.sample_hz,
         retention: Retention {
             window: args.retain.unwrap_or(DEFAULT_RETAIN),
             memory_bytes: args.retain_memory as usize * 1024 * 1024,

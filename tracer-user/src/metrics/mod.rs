@@ -4,12 +4,11 @@
 //! - [`totals`]: what each watched process did, read from `/proc` at each
 //!   scrape (no probe needed, so it costs the targets nothing);
 //! - [`exposition`]: the Prometheus text format;
-//! - [`http`]: the HTTP listener.
+//! - the HTTP listener is `server::http`.
 //!
 //! Everything is read when Prometheus scrapes; nothing runs in between.
 
 pub mod exposition;
-pub mod http;
 pub mod totals;
 
 use std::sync::{

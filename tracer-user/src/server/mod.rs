@@ -11,9 +11,11 @@
 //! - [`recorder`]: the flight recorder behind `GetSnapshot`;
 //! - [`watch`]: the watched processes (`--pid` or `--discover`);
 //! - [`monitor`]: the `Monitor` summary;
+//! - [`http`]: `--http`: Prometheus `/metrics` and pprof CPU profiles;
 //! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
 //!   half alive.
 
+pub mod http;
 pub mod monitor;
 pub mod panics;
 pub mod recorder;
@@ -34,7 +36,7 @@ use crate::{
     attach::{ProbeSet, ProbeSetConfig, tracefs},
     capture::check_privileges,
     error::{EXIT_FAILURE, Error, Result},
-    metrics::{self, Metrics},
+    metrics::Metrics,
     sink::xspace::local_hostname,
 };
 use panics::PanicWatch;
@@ -57,8 +59,10 @@ pub struct ServeConfig {
     /// How long a finished capture's probes stay attached (paused) for
     /// the next one.
     pub keep_probes: Duration,
-    /// Where to serve `/metrics` over HTTP, if anywhere.
+    /// Where to serve `/metrics` and `/debug/pprof/profile` over HTTP, if anywhere.
     pub http: Option<SocketAddr>,
+    /// Sampling rate of CPU profiles (per CPU).
+    pub sample_hz: u64,
     /// What the flight recorder keeps.
     pub retention: Retention,
     /// Whether it runs from the start (`--retain`) rather than from
@@ -183,11 +187,18 @@ async fn serve(
             .local_addr()
             .map_err(|e| Error::io("reading the bound address", e))?;
         eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
+        eprintln!("ebtrace: serving CPU profiles (pprof) on http://{local}/debug/pprof/profile");
         let mut stopped = stopped.clone();
         let shutdown = async move {
             let _ = stopped.wait_for(|s| *s).await;
         };
-        let server = metrics::http::serve(listener, Arc::clone(&metrics), hub.clone(), shutdown);
+        let server = http::serve(
+            listener,
+            Arc::clone(&metrics),
+            hub.clone(),
+            config.sample_hz,
+            shutdown,
+        );
         servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
     }
     if let Some(first) = config.binds.first() {

@@ -1,0 +1,268 @@
+//! `ebtrace serve --http`: `/debug/pprof/profile?seconds=N`, a CPU profile
+//! of the watched processes from stack samples, as pprof. Checked against
+//! the fixture's own source (which function burns the CPU, which lines
+//! are inlined), against `/proc` (how much CPU it used), and read by Go's
+//! own `go tool pprof` (Debian's `golang-go`).
+
+use std::{
+    io::{BufRead as _, BufReader, Read as _},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use ebtrace_proto::perftools::profiles::Profile;
+use ebtrace_tests::{
+    TempDir, debian_tool, fixture::build_c, http, require_root, serial, serve::ServeProcess,
+};
+use prost::Message as _;
+
+/// The running `cpu_hotspot` fixture; killed when dropped.
+struct Hotspot {
+    child: Child,
+    pid: u32,
+    hot_tid: u32,
+}
+
+impl Hotspot {
+    fn start() -> Self {
+        let mut child = Command::new(build_c("cpu_hotspot"))
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start cpu_hotspot");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped"))
+            .read_line(&mut line)
+            .expect("start line");
+        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON start line");
+        Hotspot {
+            pid: v["pid"].as_u64().expect("pid") as u32,
+            hot_tid: v["hot_tid"].as_u64().expect("hot_tid") as u32,
+            child,
+        }
+    }
+}
+
+impl Drop for Hotspot {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// CPU time (user + system) of `pid` so far, in ns (`/proc/PID/stat`,
+/// 100 ticks a second).
+fn cpu_ns(pid: u32) -> i64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<i64> = stat[stat.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    (fields[11] + fields[12]) * 10_000_000
+}
+
+fn gunzip(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(bytes)
+        .read_to_end(&mut out)
+        .expect("a gzipped profile");
+    out
+}
+
+/// The 1-based lines of the fixture's source that contain `needle`.
+fn source_lines(needle: &str) -> Vec<i64> {
+    let src = ebtrace_tests::workspace_root().join("tests/fixtures/cpu_hotspot.c");
+    std::fs::read_to_string(src)
+        .unwrap()
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.contains(needle))
+        .map(|(i, _)| i as i64 + 1)
+        .collect()
+}
+
+/// Each sample's stack as function names (innermost first, inlined
+/// functions included), with its thread label and its two values.
+fn stacks(p: &Profile) -> Vec<(Vec<String>, String, Vec<i64>)> {
+    let s = |i: i64| p.string_table[i as usize].clone();
+    p.sample
+        .iter()
+        .map(|sample| {
+            let names = sample
+                .location_id
+                .iter()
+                .flat_map(|id| {
+                    let loc = &p.location[*id as usize - 1];
+                    assert_eq!(loc.id, *id);
+                    loc.line.iter().map(|l| {
+                        let f = &p.function[l.function_id as usize - 1];
+                        s(f.name)
+                    })
+                })
+                .collect();
+            let thread = sample
+                .label
+                .iter()
+                .find(|l| s(l.key) == "thread")
+                .map(|l| s(l.str))
+                .unwrap_or_default();
+            (names, thread, sample.value.clone())
+        })
+        .collect()
+}
+
+#[test]
+fn pprof_profile_names_the_hot_function_and_go_tool_pprof_reads_it() {
+    if !require_root("pprof_profile_names_the_hot_function_and_go_tool_pprof_reads_it") {
+        return;
+    }
+    let _serial = serial();
+    let fixture = Hotspot::start();
+    let server =
+        ServeProcess::loopback(&["--pid", &fixture.pid.to_string(), "--http", "127.0.0.1:0"]);
+    let addr = server.http_addr();
+
+    let cpu_before = cpu_ns(fixture.pid);
+    let response = http::get(addr, "/debug/pprof/profile?seconds=2&hz=499");
+    let cpu_used = cpu_ns(fixture.pid) - cpu_before;
+    assert_eq!(response.status, 200, "{}", response.text());
+    let profile = Profile::decode(gunzip(&response.body).as_slice()).expect("a pprof Profile");
+
+    // Header: samples and CPU time, one period per sample.
+    let s = |i: i64| profile.string_table[i as usize].as_str();
+    let types: Vec<_> = profile
+        .sample_type
+        .iter()
+        .map(|t| (s(t.r#type), s(t.unit)))
+        .collect();
+    assert_eq!(types, [("samples", "count"), ("cpu", "nanoseconds")]);
+    assert_eq!(profile.period, 1_000_000_000 / 499);
+    assert!(
+        profile.duration_nanos >= 1_900_000_000,
+        "{}",
+        profile.duration_nanos
+    );
+
+    // The CPU time the samples stand for is the CPU time /proc counted
+    // over the request (which began a little before and ended a little
+    // after the sampling).
+    let stacks = stacks(&profile);
+    let sampled: i64 = stacks.iter().map(|(_, _, v)| v[1]).sum();
+    let ratio = sampled as f64 / cpu_used as f64;
+    assert!(
+        (0.7..=1.15).contains(&ratio),
+        "samples stand for {sampled} ns of CPU, /proc counted {cpu_used} ns"
+    );
+    for (_, _, v) in &stacks {
+        assert_eq!(v[1], v[0] * profile.period);
+    }
+
+    // The hot thread's samples are in the hot function, labelled with
+    // its thread name; some in the inlined helper, at its lines.
+    let hot: Vec<_> = stacks
+        .iter()
+        .filter(|(names, _, _)| names.iter().any(|n| n == "ebtrace_hot_spin"))
+        .collect();
+    let hot_samples: i64 = hot.iter().map(|(_, _, v)| v[0]).sum();
+    let all_samples: i64 = stacks.iter().map(|(_, _, v)| v[0]).sum();
+    assert!(
+        hot_samples * 10 >= all_samples * 8,
+        "{hot_samples} of {all_samples} samples in ebtrace_hot_spin"
+    );
+    assert!(hot.iter().all(|(_, thread, _)| thread == "hot-spinner"));
+    assert!(profile.sample.iter().any(|sample| {
+        sample
+            .label
+            .iter()
+            .any(|l| s(l.key) == "tid" && l.num == i64::from(fixture.hot_tid))
+    }));
+    let mix_lines = source_lines("x ^= x");
+    let inlined = profile.location.iter().find(|loc| {
+        let names: Vec<_> = loc
+            .line
+            .iter()
+            .map(|l| s(profile.function[l.function_id as usize - 1].name))
+            .collect();
+        names == ["mix_step", "ebtrace_hot_spin"] && mix_lines.contains(&loc.line[0].line)
+    });
+    let inlined = inlined.unwrap_or_else(|| {
+        panic!(
+            "no location of mix_step (lines {mix_lines:?}) inlined into ebtrace_hot_spin: {:?}",
+            profile.location
+        )
+    });
+    let file = s(profile.function[inlined.line[0].function_id as usize - 1].filename);
+    assert!(file.ends_with("tests/fixtures/cpu_hotspot.c"), "{file}");
+
+    // The reader's time is in the kernel: its kernel frames are named.
+    assert!(
+        stacks
+            .iter()
+            .any(|(names, thread, _)| thread == "zero-reader"
+                && names.iter().any(|n| n == "vfs_read")),
+        "no kernel stack through vfs_read in the zero-reader's samples"
+    );
+
+    // Go's own pprof reads it and puts the hot function on top.
+    let Some(go) = debian_tool("go") else {
+        return;
+    };
+    let dir = TempDir::new("cpu-profile");
+    let file = dir.path().join("profile.pb.gz");
+    std::fs::write(&file, &response.body).unwrap();
+    let out = Command::new(go)
+        .args(["tool", "pprof", "-top", "-symbolize=none"])
+        .arg(&file)
+        .env("HOME", dir.path())
+        .output()
+        .expect("run go tool pprof");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first_row = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("flat"))
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        first_row.trim_end().ends_with(" ebtrace_hot_spin"),
+        "go tool pprof -top:\n{text}"
+    );
+}
+
+#[test]
+fn pprof_requests_that_make_no_sense_get_one_line() {
+    if !require_root("pprof_requests_that_make_no_sense_get_one_line") {
+        return;
+    }
+    let _serial = serial();
+    let fixture = Hotspot::start();
+    let server =
+        ServeProcess::loopback(&["--pid", &fixture.pid.to_string(), "--http", "127.0.0.1:0"]);
+    let addr = server.http_addr();
+    for path in [
+        "/debug/pprof/profile?seconds=0",
+        "/debug/pprof/profile?seconds=abc",
+        "/debug/pprof/profile?hz=100000",
+    ] {
+        let r = http::get(addr, path);
+        assert_eq!(r.status, 400, "{path}");
+        assert_eq!(r.text().lines().count(), 1, "{}", r.text());
+    }
+
+    // One profile at a time: a second one, asked while the first runs,
+    // is refused; the first is answered.
+    let first = std::thread::spawn(move || http::get(addr, "/debug/pprof/profile?seconds=2"));
+    std::thread::sleep(Duration::from_millis(500));
+    let second = http::get(addr, "/debug/pprof/profile?seconds=1");
+    assert_eq!(second.status, 409, "{}", second.text());
+    assert_eq!(first.join().unwrap().status, 200);
+
+    // Nothing of the sampling is left attached once answered.
+    assert!(
+        server.wait_detached(Duration::from_secs(5)),
+        "probes still attached after the profile"
+    );
+}

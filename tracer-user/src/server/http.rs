@@ -1,0 +1,222 @@
+//! The HTTP listener of `ebtrace serve --http ADDR`:
+//! - `/metrics`: Prometheus text format (see [`crate::metrics`]);
+//! - `/debug/pprof/profile?seconds=N`: a CPU profile of the watched
+//!   processes, sampled for N seconds (default 30), as pprof, the endpoint
+//!   and format of Go's `net/http/pprof` that Parca, Pyroscope and
+//!   `go tool pprof` read. `hz=F` changes the sampling rate.
+//!
+//! Anything else gets 404 and the list of what is there.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    extract::{Query, State},
+    http::{StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+
+use super::sessions::HubHandle;
+use crate::{
+    attach::cpu_sample::MAX_HZ,
+    capture::cpu_profile::take_cpu_profile,
+    metrics::{Metrics, exposition},
+};
+
+/// Longest CPU profile one request may ask for.
+const MAX_PROFILE_SECONDS: u64 = 3600;
+/// Go's default when `seconds` is not given.
+const DEFAULT_PROFILE_SECONDS: u64 = 30;
+
+#[derive(Clone)]
+struct Shared {
+    metrics: Arc<Metrics>,
+    hub: HubHandle,
+    /// Sampling rate of CPU profiles unless a request gives `hz`.
+    sample_hz: u64,
+    /// Held while a CPU profile is being taken: one at a time.
+    profiling: Arc<tokio::sync::Mutex<()>>,
+    /// Set at shutdown: a profile in progress ends with what it has.
+    stopping: Arc<AtomicBool>,
+}
+
+/// Serves until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    hub: HubHandle,
+    sample_hz: u64,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let stopping = Arc::new(AtomicBool::new(false));
+    let app = Router::new()
+        .route("/metrics", get(scrape))
+        .route("/debug/pprof/profile", get(cpu_profile))
+        .fallback(not_found)
+        .with_state(Shared {
+            metrics,
+            hub,
+            sample_hz,
+            profiling: Arc::default(),
+            stopping: Arc::clone(&stopping),
+        });
+    let shutdown = async move {
+        shutdown.await;
+        stopping.store(true, Ordering::Relaxed);
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn scrape(State(shared): State<Shared>) -> impl IntoResponse {
+    // The hub knows the watched processes; a server shutting down has none.
+    let targets = shared.hub.targets().await.unwrap_or_default();
+    let metrics = Arc::clone(&shared.metrics);
+    // Reading /proc for every thread is blocking work.
+    let body = tokio::task::spawn_blocking(move || metrics.render(&targets))
+        .await
+        .unwrap_or_default();
+    ([(header::CONTENT_TYPE, exposition::CONTENT_TYPE)], body)
+}
+
+/// One line saying what went wrong and what to do, as Go's handler does.
+fn refuse(status: StatusCode, line: String) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        line + "\n",
+    )
+        .into_response()
+}
+
+/// `seconds` and `hz` of a profile request, checked.
+fn profile_parameters(
+    query: &HashMap<String, String>,
+    default_hz: u64,
+) -> Result<(Duration, u64), String> {
+    let number = |name: &str, default: u64, max: u64| -> Result<u64, String> {
+        match query.get(name) {
+            None => Ok(default),
+            Some(v) => match v.parse::<u64>() {
+                Ok(n) if (1..=max).contains(&n) => Ok(n),
+                _ => Err(format!(
+                    "{name}={v:?} is not a whole number from 1 to {max}; e.g. \
+                     /debug/pprof/profile?seconds=10"
+                )),
+            },
+        }
+    };
+    Ok((
+        Duration::from_secs(number(
+            "seconds",
+            DEFAULT_PROFILE_SECONDS,
+            MAX_PROFILE_SECONDS,
+        )?),
+        number("hz", default_hz, MAX_HZ)?,
+    ))
+}
+
+async fn cpu_profile(
+    State(shared): State<Shared>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let (duration, hz) = match profile_parameters(&query, shared.sample_hz) {
+        Ok(p) => p,
+        Err(line) => return refuse(StatusCode::BAD_REQUEST, line),
+    };
+    let Ok(_one_at_a_time) = shared.profiling.try_lock() else {
+        return refuse(
+            StatusCode::CONFLICT,
+            "a CPU profile is already being taken; ask again when it ends".to_string(),
+        );
+    };
+    let targets = shared.hub.targets().await.unwrap_or_default();
+    if targets.is_empty() {
+        return refuse(
+            StatusCode::NOT_FOUND,
+            "no process is watched: start ebtrace serve with --pid, --match or --discover"
+                .to_string(),
+        );
+    }
+    let stopping = Arc::clone(&shared.stopping);
+    let taken =
+        tokio::task::spawn_blocking(move || take_cpu_profile(&targets, duration, hz, &stopping))
+            .await;
+    match taken {
+        Ok(Ok(profile)) => {
+            if profile.dropped > 0 {
+                log::warn!(
+                    "CPU profile: {} samples kept, {} lost (ring buffer full)",
+                    profile.samples,
+                    profile.dropped
+                );
+            }
+            (
+                [
+                    (header::CONTENT_TYPE, "application/octet-stream"),
+                    (
+                        header::CONTENT_DISPOSITION,
+                        "attachment; filename=\"profile\"",
+                    ),
+                ],
+                profile.pprof,
+            )
+                .into_response()
+        }
+        Ok(Err(e)) => refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("could not take a CPU profile: {e}"),
+        ),
+        Err(e) => refuse(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the CPU profile failed: {e}"),
+        ),
+    }
+}
+
+async fn not_found() -> impl IntoResponse {
+    (
+        StatusCode::NOT_FOUND,
+        "not found; this server has /metrics (Prometheus) and \
+         /debug/pprof/profile?seconds=N (CPU profile, pprof)\n",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn profile_parameters_default_and_refuse_what_makes_no_sense() {
+        assert_eq!(
+            profile_parameters(&query(&[]), 99),
+            Ok((Duration::from_secs(30), 99))
+        );
+        assert_eq!(
+            profile_parameters(&query(&[("seconds", "2"), ("hz", "497")]), 99),
+            Ok((Duration::from_secs(2), 497))
+        );
+        for bad in ["0", "-1", "1.5", "", "99999999999999999999", "3601"] {
+            let err = profile_parameters(&query(&[("seconds", bad)]), 99).unwrap_err();
+            assert!(err.contains("seconds="), "{err}");
+        }
+        assert!(profile_parameters(&query(&[("hz", "10001")]), 99).is_err());
+    }
+}
