@@ -12,7 +12,12 @@ use std::{
 
 use ebtrace_proto::perftools::profiles::Profile;
 use ebtrace_tests::{
-    TempDir, debian_tool, fixture::build_c, http, require_root, serial, serve::ServeProcess,
+    TempDir, debian_tool,
+    fixture::build_c,
+    http, record, require_root, serial,
+    serve::ServeProcess,
+    xplane_files,
+    xspace::{self, line_events, plane},
 };
 use prost::Message as _;
 
@@ -21,6 +26,7 @@ struct Hotspot {
     child: Child,
     pid: u32,
     hot_tid: u32,
+    reader_tid: u32,
 }
 
 impl Hotspot {
@@ -37,6 +43,7 @@ impl Hotspot {
         Hotspot {
             pid: v["pid"].as_u64().expect("pid") as u32,
             hot_tid: v["hot_tid"].as_u64().expect("hot_tid") as u32,
+            reader_tid: v["reader_tid"].as_u64().expect("reader_tid") as u32,
             child,
         }
     }
@@ -264,5 +271,89 @@ fn pprof_requests_that_make_no_sense_get_one_line() {
     assert!(
         server.wait_detached(Duration::from_secs(5)),
         "probes still attached after the profile"
+    );
+}
+
+#[test]
+fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
+    if !require_root("record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran") {
+        return;
+    }
+    let _serial = serial();
+    let fixture = Hotspot::start();
+    let logdir = TempDir::new("cpu-samples");
+    let hz = 199.0;
+    let out = record(
+        &fixture.pid.to_string(),
+        "2s",
+        &logdir,
+        &["--sample-hz", "199"],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("CPU stack samples on the thread lines"),
+        "{stdout}"
+    );
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    xspace::assert_lines_nest(host);
+
+    // The hot thread: as many samples as its time on a CPU (from the
+    // scheduler's tracepoints, another probe) makes ticks, each inside
+    // one of its running intervals, each in the hot function or the one
+    // inlined into it.
+    let hot = line_events(host, i64::from(fixture.hot_tid));
+    let running: Vec<_> = hot.iter().filter(|e| e.name == "Running").collect();
+    let on_cpu_ns: f64 = running.iter().map(|e| e.duration_ns).sum();
+    let samples: Vec<_> = hot
+        .iter()
+        .filter(|e| e.stats.contains_key("cpu_sample_stack"))
+        .collect();
+    let expected = on_cpu_ns * hz / 1e9;
+    let ratio = samples.len() as f64 / expected;
+    assert!(
+        (0.8..=1.2).contains(&ratio),
+        "{} samples on the hot thread, {expected:.0} expected from {on_cpu_ns} ns on a CPU",
+        samples.len()
+    );
+    for s in &samples {
+        assert_eq!(s.duration_ns, 0.0);
+        assert!(
+            ["ebtrace_hot_spin", "mix_step"].contains(&s.name.as_str()),
+            "{}",
+            s.name
+        );
+        assert!(
+            running
+                .iter()
+                .any(|r| r.start_ns - 1e3 <= s.start_ns && s.start_ns <= r.end_ns() + 1e3),
+            "a sample at {} ns lies outside the thread's running intervals",
+            s.start_ns
+        );
+    }
+    assert!(
+        samples.iter().any(|s| {
+            let stack = s.stats["cpu_sample_stack"].as_str();
+            s.name == "mix_step"
+                && stack.starts_with("mix_step ")
+                && stack.contains("cpu_hotspot.c:")
+                && stack.contains("(inlined)")
+        }),
+        "no sample in the inlined mix_step with its file and line"
+    );
+
+    // The reader's samples show its kernel stack.
+    let reader = line_events(host, i64::from(fixture.reader_tid));
+    assert!(
+        reader.iter().any(|e| e
+            .stats
+            .get("cpu_sample_stack")
+            .is_some_and(|s| s.as_str().contains("vfs_read [k]"))),
+        "no sample of the reader in vfs_read"
     );
 }

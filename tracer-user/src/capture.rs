@@ -23,13 +23,14 @@ use crate::{
         AgentRecording, AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions,
     },
     attach::{
-        CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions, TraceMeProbe,
-        cuda, tracefs,
+        CpuSampler, CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions,
+        TraceMeProbe, cuda, tracefs,
     },
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, Record, TraceMeEvent},
     error::{Error, Result},
     procfs::{self, TargetProcess},
+    symbols::stacks::StackSymbolizer,
     timeline::{self, InitialState, Sources, Timeline, TraceMeInput, Window},
 };
 
@@ -94,6 +95,8 @@ pub struct ProbeFamilies {
     pub cuda: bool,
     /// TraceMe uprobes at this `host_tracer_level` (0: none).
     pub traceme_level: u32,
+    /// CPU stack samples a second per CPU, laid on the thread lines (0: none).
+    pub cpu_sample_hz: u32,
 }
 
 impl Default for ProbeFamilies {
@@ -102,6 +105,7 @@ impl Default for ProbeFamilies {
             sched: true,
             cuda: true,
             traceme_level: 2,
+            cpu_sample_hz: 0,
         }
     }
 }
@@ -112,6 +116,7 @@ impl ProbeFamilies {
         sched: false,
         cuda: false,
         traceme_level: 0,
+        cpu_sample_hz: 0,
     };
 
     pub fn is_empty(&self) -> bool {
@@ -164,6 +169,8 @@ pub struct Capture {
     options: CaptureOptions,
     /// Targets whose TraceMe events the uprobes collect.
     uprobe_pids: Vec<u32>,
+    /// Names for the stack samples' addresses, when stacks are sampled.
+    stacks: Option<StackSymbolizer>,
     /// What the user should know about the probes: one line each.
     pub notes: Vec<String>,
     /// Targets some probes could not cover: one line each.
@@ -230,6 +237,11 @@ impl Capture {
             _ => TraceMeProbe::discover(&uprobe_pids, &traceme_options),
         };
         let mut traceme = TraceMeProbe::attach(&mut probe, discovered, traceme_options)?;
+        let hz = options.families.cpu_sample_hz;
+        if hz > 0 {
+            CpuSampler::attach(&mut probe, u64::from(hz))?;
+            notes.push(format!("CPU stacks: sampled {hz} times a second per CPU"));
+        }
         for session in &mut framework {
             if let Err(why) = session.open_window() {
                 notes.push(format!(
@@ -268,6 +280,7 @@ impl Capture {
             cuda,
             options: options.clone(),
             uprobe_pids,
+            stacks: (hz > 0).then(StackSymbolizer::default),
             notes,
             warnings,
         })
@@ -572,6 +585,7 @@ impl Capture {
             warnings: self.traceme.warnings().to_vec(),
             recordings: &self.recordings,
             device_batches: &self.collected,
+            stacks: self.stacks.as_mut(),
         }
     }
 }

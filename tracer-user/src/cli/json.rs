@@ -122,6 +122,8 @@ pub struct Summary {
     pub traceme: Option<TraceMe>,
     /// Spans from different sources cut so that they nest.
     pub spans_cut_to_nest: u64,
+    /// CPU stack samples on the thread lines (`--sample-hz`), if sampled.
+    pub cpu_samples: Option<u64>,
     pub notes: Vec<String>,
     pub warnings: Vec<String>,
 }
@@ -404,6 +406,7 @@ impl Summary {
             gpus,
             traceme,
             spans_cut_to_nest: sources.spans_cut_to_nest,
+            cpu_samples: sources.cpu_samples,
             notes,
             warnings,
         }

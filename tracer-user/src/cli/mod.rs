@@ -106,6 +106,13 @@ pub struct RecordArgs {
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
     pub ring_buffer_mib: u32,
 
+    /// Also sample the targets' CPU stacks this many times a second per
+    /// CPU, and show each sample on its thread's line, named after its
+    /// innermost function, with the whole stack (0: no samples).
+    #[arg(long, value_name = "HZ", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=crate::attach::cpu_sample::MAX_HZ as i64))]
+    pub sample_hz: u32,
+
     /// TraceMe events of jaxlib / TensorFlow / libtpu targets, at this
     /// level (ProfileOptions' host_tracer_level): 0 none, 1 critical,
     /// 2 info, 3 verbose. A target with no profiler session of its own is

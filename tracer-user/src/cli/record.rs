@@ -51,6 +51,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         },
         families: ProbeFamilies {
             traceme_level: args.host_tracer_level,
+            cpu_sample_hz: args.sample_hz,
             ..ProbeFamilies::default()
         },
         traceme: TraceMeOptions {

@@ -76,8 +76,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
     pub http: Option<SocketAddr>,
 
-    /// Stack samples a second per CPU of CPU profiles (a request's `hz`
-    /// overrides it).
+    /// Stack samples a second per CPU: of CPU profiles (a request's `hz`
+    /// overrides it), and of the flight recorder, which lays them on its
+    /// snapshots' thread lines.
     #[arg(long, value_name = "HZ", default_value_t = crate::attach::cpu_sample::DEFAULT_HZ,
           value_parser = clap::value_parser!(u64).range(1..=crate::attach::cpu_sample::MAX_HZ))]
     pub sample_hz: u64,
@@ -138,6 +139,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         retention: Retention {
             window: args.retain.unwrap_or(DEFAULT_RETAIN),
             memory_bytes: args.retain_memory as usize * 1024 * 1024,
+            cpu_sample_hz: args.sample_hz as u32,
         },
         record_from_start: args.retain.is_some(),
     })

@@ -28,6 +28,8 @@ pub struct Retention {
     pub window: Duration,
     /// At most this many bytes of records.
     pub memory_bytes: usize,
+    /// CPU stack samples a second per CPU it records (0: none).
+    pub cpu_sample_hz: u32,
 }
 
 impl Retention {
@@ -62,6 +64,7 @@ impl FlightRecorder {
             sched: true,
             cuda: true,
             traceme_level: 0,
+            cpu_sample_hz: retention.cpu_sample_hz,
         };
         let options = CaptureOptions {
             probe: probe.clone(),

@@ -68,6 +68,9 @@ pub fn families_for(levels: TracerLevels) -> ProbeFamilies {
         sched: levels.host >= 1,
         cuda: levels.device >= 1,
         traceme_level: levels.host,
+        // ProfileOptions has no switch for stack samples: the flight
+        // recorder and /debug/pprof/profile take them.
+        cpu_sample_hz: 0,
     }
 }
 

@@ -4,7 +4,7 @@
 //! sampled process (its mappings, while it runs), kernel ones from
 //! `/proc/kallsyms`.
 
-use std::{collections::HashMap, rc::Rc};
+use std::{collections::HashMap, sync::Arc};
 
 use blazesym::{
     Pid,
@@ -38,23 +38,12 @@ pub struct Symbol {
     pub module: Option<String>,
 }
 
-/// Resolves addresses, each once per address space.
+/// Resolves addresses, each once per address space, and keeps the
+/// answers (a capture that lives on, such as the flight recorder, asks
+/// again for the same addresses).
+#[derive(Default)]
 pub struct StackSymbolizer {
-    symbolizer: Symbolizer,
-    cache: HashMap<(Space, u64), Rc<Symbol>>,
-}
-
-impl Default for StackSymbolizer {
-    fn default() -> Self {
-        StackSymbolizer {
-            symbolizer: Symbolizer::builder()
-                .enable_code_info(true)
-                .enable_inlined_fns(true)
-                .enable_demangling(true)
-                .build(),
-            cache: HashMap::new(),
-        }
-    }
+    cache: HashMap<(Space, u64), Arc<Symbol>>,
 }
 
 /// The address to look up for frame `depth` of a stack: every frame past
@@ -87,8 +76,16 @@ impl StackSymbolizer {
             Space::Kernel => Source::Kernel(Kernel::default()),
             Space::Process(pid) => Source::Process(Process::new(Pid::from(pid))),
         };
-        let found = self
-            .symbolizer
+        // blazesym's symbolizer keeps the objects it parsed: it lives for
+        // one batch, so that nothing of a target's libraries stays in
+        // memory between captures (and so that this type can move between
+        // threads, which blazesym's cannot).
+        let symbolizer = Symbolizer::builder()
+            .enable_code_info(true)
+            .enable_inlined_fns(true)
+            .enable_demangling(true)
+            .build();
+        let found = symbolizer
             .symbolize(&source, Input::AbsAddr(&wanted))
             .unwrap_or_default();
         for (i, address) in wanted.into_iter().enumerate() {
@@ -125,12 +122,12 @@ impl StackSymbolizer {
                 }
                 _ => Symbol::default(),
             };
-            self.cache.insert((space, address), Rc::new(symbol));
+            self.cache.insert((space, address), Arc::new(symbol));
         }
     }
 
     /// What [`Self::resolve`] found at `address` of `space`.
-    pub fn get(&self, space: Space, address: u64) -> Rc<Symbol> {
+    pub fn get(&self, space: Space, address: u64) -> Arc<Symbol> {
         self.cache
             .get(&(space, address))
             .cloned()

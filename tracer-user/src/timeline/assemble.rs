@@ -13,13 +13,14 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::{
     CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
-    SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, merge_device_activity,
-    merge_framework_space, nest,
+    SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, cpu_samples::add_cpu_samples,
+    merge_device_activity, merge_framework_space, nest,
 };
 use crate::{
     agent::{AgentRecording, KernelNaming},
     clock::ClockSync,
     collect::{Record, TraceMeEvent},
+    symbols::stacks::StackSymbolizer,
 };
 
 /// Everything a capture recorded so far, as [`assemble`] takes it.
@@ -53,6 +54,9 @@ pub struct Sources<'a> {
     pub recordings: &'a [AgentRecording],
     /// GPU activity batches taken from the agents while recording, by pid.
     pub device_batches: &'a [(u32, Vec<u8>)],
+    /// Names for the addresses of CPU stack samples, when stacks were
+    /// sampled (it resolves them in the live processes).
+    pub stacks: Option<&'a mut StackSymbolizer>,
 }
 
 impl Sources<'_> {
@@ -72,6 +76,7 @@ impl Sources<'_> {
             warnings: Vec::new(),
             recordings: &[],
             device_batches: &[],
+            stacks: None,
         }
     }
 }
@@ -104,10 +109,12 @@ pub fn assemble(
         SchedTimelineBuilder::new(window_start, stop_ns, sources.processes, sources.initial);
     // Records before the window still tell each thread's state at its start.
     let end = sources.records.partition_point(|r| r.ts() <= stop_ns);
+    let mut samples = Vec::new();
     for r in &sources.records[..end] {
         match r {
             Record::CudaCall(c) => cuda.push_call(c),
             Record::CudaSymbol(s) => cuda.push_symbol(s),
+            Record::StackSample(s) => samples.push(&**s),
             _ => builder.push(r),
         }
     }
@@ -137,6 +144,14 @@ pub fn assemble(
     }
     if let Some(traceme) = sources.traceme {
         add_traceme(&mut timeline, traceme);
+    }
+    if let Some(symbolizer) = sources.stacks {
+        let laid = add_cpu_samples(&mut timeline, &samples, (window_start, stop_ns), symbolizer);
+        timeline.stats.sources.cpu_samples = Some(laid);
+        timeline
+            .stats
+            .notes
+            .push(format!("{laid} CPU stack samples on the thread lines"));
     }
     add_framework(&mut timeline, sources.recordings);
     add_device_activity(&mut timeline, sources.recordings, sources.device_batches);

@@ -7,8 +7,8 @@
 //!   (running, runnable, blocked), consecutive and non-overlapping;
 //! - `marks`: instants (wake-ups issued, threads created, exit);
 //! - `spans`: named intervals from other sources (e.g. TraceMe ranges or
-//!   driver calls) that nest among themselves; sinks lay them above the
-//!   scheduling states.
+//!   driver calls, and CPU stack samples as instants) that nest among
+//!   themselves; sinks lay them above the scheduling states.
 //!
 //! Per GPU (`devices`) it keeps the work the host submitted to each stream
 //! (see [`cuda`]); a framework's own planes ride along (see [`framework`]).
@@ -18,6 +18,7 @@
 #[cfg(test)]
 pub(crate) mod arbitrary;
 pub mod assemble;
+pub mod cpu_samples;
 pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;

@@ -20,6 +20,8 @@ pub struct SourceStats {
     pub kernel_names: BTreeMap<u32, KernelNames>,
     /// Spans from different sources cut so that they nest.
     pub spans_cut_to_nest: u64,
+    /// CPU stack samples laid on the thread lines, when stacks were sampled.
+    pub cpu_samples: Option<u64>,
 }
 
 /// The TraceMe uprobe route's events and what became of them.

@@ -1,0 +1,96 @@
+//! CPU stack samples on the thread lines: each sample becomes an instant
+//! on its thread, named after the innermost function of its user stack
+//! (of its kernel stack while the thread ran in the kernel), with the
+//! whole stack as a stat.
+
+use super::{Span, Timeline, Value};
+use crate::{
+    collect::StackSample,
+    symbols::stacks::{Space, StackSymbolizer, lookup_address},
+};
+
+/// Stat of a sample's instant: its stack, innermost frame first, one per
+/// line; kernel frames marked `[k]`, inlined ones `(inlined)`.
+pub const STACK_STAT: &str = "cpu_sample_stack";
+/// Name of a sample whose innermost frame could not be named.
+pub const UNKNOWN_FRAME: &str = "[unknown]";
+
+/// Lays the samples of `[start_ns, stop_ns]` on their threads' lines;
+/// returns how many (samples of threads the timeline does not know are
+/// left out).
+pub fn add_cpu_samples(
+    timeline: &mut Timeline,
+    samples: &[&StackSample],
+    (start_ns, stop_ns): (u64, u64),
+    symbolizer: &mut StackSymbolizer,
+) -> u64 {
+    let samples: Vec<&StackSample> = samples
+        .iter()
+        .copied()
+        .filter(|s| (start_ns..=stop_ns).contains(&s.header.ts_ns))
+        .filter(|s| timeline.threads.contains_key(&s.tid))
+        .collect();
+    let frames = |s: &StackSample| {
+        let kernel = s
+            .kernel
+            .iter()
+            .enumerate()
+            .map(|(d, a)| (Space::Kernel, lookup_address(d, *a)));
+        let user = s
+            .user
+            .iter()
+            .enumerate()
+            .map(|(d, a)| (Space::Process(s.tgid), lookup_address(d, *a)));
+        kernel.chain(user).collect::<Vec<_>>()
+    };
+    let mut by_space: std::collections::HashMap<Space, Vec<u64>> = Default::default();
+    for s in &samples {
+        for (space, address) in frames(s) {
+            by_space.entry(space).or_default().push(address);
+        }
+    }
+    for (space, addresses) in by_space {
+        symbolizer.resolve(space, addresses);
+    }
+    for s in &samples {
+        let mut lines = Vec::new();
+        let mut innermost_user = None;
+        let mut innermost = None;
+        for (space, address) in frames(s) {
+            let symbol = symbolizer.get(space, address);
+            let mark = if space == Space::Kernel { " [k]" } else { "" };
+            if symbol.frames.is_empty() {
+                lines.push(format!("{address:#x}{mark}"));
+                continue;
+            }
+            for (i, f) in symbol.frames.iter().enumerate() {
+                let inlined = if i + 1 < symbol.frames.len() {
+                    " (inlined)"
+                } else {
+                    ""
+                };
+                let place = match (&f.file, f.line) {
+                    (Some(file), Some(line)) => format!(" {file}:{line}"),
+                    _ => String::new(),
+                };
+                lines.push(format!("{}{place}{mark}{inlined}", f.function));
+            }
+            let name = &symbol.frames[0].function;
+            innermost.get_or_insert_with(|| name.clone());
+            if space != Space::Kernel {
+                innermost_user.get_or_insert_with(|| name.clone());
+            }
+        }
+        let name = innermost_user
+            .or(innermost)
+            .unwrap_or_else(|| UNKNOWN_FRAME.to_string());
+        let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
+        thread.spans.push(Span {
+            start_ns: s.header.ts_ns,
+            end_ns: s.header.ts_ns,
+            name,
+            stats: vec![(STACK_STAT.to_string(), Value::Str(lines.join("\n")))],
+        });
+    }
+    samples.len() as u64
+}
