@@ -13,7 +13,7 @@ use ebtrace_proto::tensorflow::GetSnapshotRequest;
 use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
-    require_root, serial,
+    http, require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     signal, wait_with_deadline, xplane_files, xprof,
     xspace::{self, line_events, plane, profile_window},
@@ -87,6 +87,28 @@ fn xprof_snapshot_holds_what_happened_before_it_was_asked() {
         (150e6..260e6).contains(&running),
         "the late thread ran {running} ns (200 ms of CPU)"
     );
+    // Its CPU stacks were sampled (99 times a second by default) while it
+    // ran: a tick for each 10 ms on a CPU, most in its own function.
+    let samples: Vec<_> = events
+        .iter()
+        .filter_map(|e| e.stats.get("cpu_sample_stack"))
+        .map(|s| s.as_str())
+        .collect();
+    let expected = running * 99.0 / 1e9;
+    assert!(
+        (0.7 * expected..=1.3 * expected).contains(&(samples.len() as f64)),
+        "{} samples of the late thread, {expected:.0} expected",
+        samples.len()
+    );
+    let in_own_function = samples
+        .iter()
+        .filter(|s| s.contains("late_starter"))
+        .count();
+    assert!(
+        in_own_function * 2 >= samples.len(),
+        "{in_own_function} of {} samples name late_starter: {samples:?}",
+        samples.len()
+    );
     // The snapshot covers from the recorder's start up to the request.
     let (begin, end) = profile_window(&space);
     let covered = (end - begin) as f64;
@@ -135,17 +157,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         "--http",
         "127.0.0.1:0",
     ]);
-    let metrics_at = server
-        .wait_line("metrics on http://", Duration::from_secs(10))
-        .and_then(|l| {
-            Some(
-                l.split("http://")
-                    .nth(1)?
-                    .trim_end_matches("/metrics")
-                    .to_string(),
-            )
-        })
-        .expect("the metrics address");
+    let metrics_at = server.http_addr();
     assert!(
         server
             .wait_line("flight recorder on", Duration::from_secs(10))
@@ -164,7 +176,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
             .and_then(|v| v.parse::<f64>().ok())
             .unwrap_or_else(|| panic!("no {name} in {body}")) as u64
     };
-    let body = http_get(&metrics_at, "/metrics");
+    let body = http::get(metrics_at, "/metrics").text();
     let (held, forgotten) = (
         metric(&body, "ebtrace_recorder_records"),
         metric(&body, "ebtrace_recorder_forgotten_records_total"),
@@ -224,17 +236,4 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
     });
     assert!(server.wait_detached(Duration::from_secs(10)));
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read as _, Write as _};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
 }
