@@ -27,7 +27,7 @@ use crate::{
         TraceMeProbe, cuda, tracefs,
     },
     clock::{ClockSync, monotonic_ns},
-    collect::{Collector, Record, TraceMeEvent},
+    collect::{Collector, Record, StackSample, TraceMeEvent},
     error::{Error, Result},
     procfs::{self, TargetProcess},
     symbols::stacks::StackSymbolizer,
@@ -156,6 +156,8 @@ pub struct Capture {
     /// Decoded records but TraceMe events, oldest first (a deque: a flight
     /// recorder forgets from the front).
     records: VecDeque<Record>,
+    /// The memory `records` takes, in records (see [`record_slots`]).
+    record_slots: usize,
     /// Whether older records were forgotten (see [`Capture::forget_before`]).
     forgot: bool,
     clock: ClockSync,
@@ -272,6 +274,7 @@ impl Capture {
             targets,
             initial,
             records: VecDeque::new(),
+            record_slots: 0,
             forgot: false,
             clock,
             start_ns,
@@ -335,24 +338,29 @@ impl Capture {
                     self.traceme_events.push_back(*e);
                     traceme += 1;
                 }
-                other => self.records.push_back(other),
+                other => {
+                    self.record_slots += record_slots(&other);
+                    self.records.push_back(other);
+                }
             }
         }
         self.traceme.count_events(traceme);
     }
 
     /// Forgets the records older than `cutoff_ns`, and past that the
-    /// oldest ones beyond `max_records`: what a flight recorder keeps.
-    /// Returns how many records and TraceMe events it forgot.
+    /// oldest ones beyond the memory of `max_records` records (a stack
+    /// sample takes several): what a flight recorder keeps. Returns how
+    /// many records and TraceMe events it forgot.
     pub fn forget_before(&mut self, cutoff_ns: u64, max_records: usize) -> u64 {
         // Records arrive nearly in time order: stop at the first recent one.
-        let old = self
-            .records
-            .iter()
-            .position(|r| r.ts() >= cutoff_ns)
-            .unwrap_or(self.records.len());
-        let n = old.max(self.records.len().saturating_sub(max_records));
-        self.records.drain(..n);
+        let mut n = 0;
+        while let Some(r) = self.records.front()
+            && (r.ts() < cutoff_ns || self.record_slots > max_records)
+        {
+            self.record_slots -= record_slots(r);
+            self.records.pop_front();
+            n += 1;
+        }
         let old_traceme = self
             .traceme_events
             .iter()
@@ -459,6 +467,7 @@ impl Capture {
     /// Drops every record and recording kept so far.
     fn forget_recorded(&mut self) {
         self.records = VecDeque::new();
+        self.record_slots = 0;
         self.traceme_events = VecDeque::new();
         self.forgot = false;
         self.recordings = Vec::new();
@@ -590,6 +599,18 @@ impl Capture {
     }
 }
 
+/// The memory a held record takes, in records: one, but a stack sample
+/// also holds its frames.
+fn record_slots(r: &Record) -> usize {
+    match r {
+        Record::StackSample(s) => {
+            let frames = (s.user.len() + s.kernel.len()) * size_of::<u64>();
+            1 + (size_of::<StackSample>() + frames).div_ceil(size_of::<Record>())
+        }
+        _ => 1,
+    }
+}
+
 /// Follows the threads `targets` have now and notes how `/proc` shows
 /// them: thread creation must be followed already, so that a thread
 /// created in between is seen by one or the other.
@@ -639,5 +660,34 @@ impl AttachedProbes {
     pub fn release_after_exit(self) {
         crate::attach::links::release_after_exit();
         drop(self);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::{RecordHeader, RecordKind};
+
+    use super::*;
+
+    /// The flight recorder's memory cap counts a stack sample's frames.
+    #[test]
+    fn a_stack_sample_takes_the_room_of_its_frames() {
+        let sample = |frames: usize| {
+            Record::StackSample(Box::new(StackSample {
+                header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+                tid: 1,
+                tgid: 1,
+                user: vec![0; frames].into(),
+                kernel: vec![0; frames].into(),
+                user_unreadable: false,
+                kernel_unreadable: false,
+            }))
+        };
+        let switch = Record::sched_switch(0, 0, (1, 1), 0, (2, 2));
+        assert_eq!(record_slots(&switch), 1);
+        let (few, many) = (record_slots(&sample(1)), record_slots(&sample(127)));
+        assert!(few >= 2, "{few}");
+        // 254 frames of 8 bytes, in records of at most 48 bytes.
+        assert!(many > 254 * 8 / size_of::<Record>(), "{many}");
     }
 }

@@ -35,6 +35,8 @@ pub struct Options {
 
 struct Row {
     mode: &'static str,
+    /// The recorder's stack samples a second per CPU (`--sample-hz`).
+    sample_hz: &'static str,
     /// The target's own rate (round trips/s) untraced and with the recorder.
     rate: (f64, f64),
     /// ebtrace's CPU over the run, in percent of one CPU.
@@ -52,7 +54,13 @@ pub fn run(ebtrace: &Path, fixture: &Path, opts: Options) -> Result<String> {
         .enable_all()
         .build()?;
     let mut rows = Vec::new();
-    for mode in ["mixed", "pingpong"] {
+    // 1 Hz against the default 99: what the stack samples cost.
+    for (mode, sample_hz) in [
+        ("mixed", "1"),
+        ("mixed", "99"),
+        ("pingpong", "1"),
+        ("pingpong", "99"),
+    ] {
         let untraced = target_rate(fixture, mode, opts, |_| Ok(()))?;
         let mut row = None;
         let traced = target_rate(fixture, mode, opts, |phase| match phase {
@@ -61,7 +69,14 @@ pub fn run(ebtrace: &Path, fixture: &Path, opts: Options) -> Result<String> {
                 let server = Server::start(
                     ebtrace,
                     pid,
-                    &["--retain", &retain, "--http", "127.0.0.1:0"],
+                    &[
+                        "--retain",
+                        &retain,
+                        "--http",
+                        "127.0.0.1:0",
+                        "--sample-hz",
+                        sample_hz,
+                    ],
                 )?;
                 server.wait_line("flight recorder on", Duration::from_secs(60))?;
                 let cpu_start = ticks(server.child.id());
@@ -78,6 +93,7 @@ pub fn run(ebtrace: &Path, fixture: &Path, opts: Options) -> Result<String> {
         })?;
         if let Some(r) = rows.last_mut() {
             r.rate = (untraced, traced);
+            r.sample_hz = sample_hz;
         }
     }
     Ok(render(&rows, opts))
@@ -157,6 +173,7 @@ fn measure(
     ));
     Ok(Row {
         mode,
+        sample_hz: "",
         rate: (0.0, 0.0),
         cpu_percent,
         rss_kib,
@@ -200,14 +217,18 @@ fn render(rows: &[Row], opts: Options) -> String {
     );
     let _ = writeln!(
         md,
-        "| target | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | events | XSpace |"
+        "| target | stack samples | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | events | XSpace |"
     );
-    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        md,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for r in rows {
         let _ = writeln!(
             md,
-            "| {} | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.1} MB |",
+            "| {} | {} Hz | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.1} MB |",
             r.mode,
+            r.sample_hz,
             r.rate.0,
             r.rate.1,
             harness::ratio(r.rate.1, r.rate.0),
