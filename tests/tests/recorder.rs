@@ -236,4 +236,8 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
     });
     assert!(server.wait_detached(Duration::from_secs(10)));
+    // It holds nothing now; what it forgot stays counted (a counter).
+    let body = http::get(metrics_at, "/metrics").text();
+    assert_eq!(metric(&body, "ebtrace_recorder_records"), 0);
+    assert!(metric(&body, "ebtrace_recorder_forgotten_records_total") >= forgotten);
 }

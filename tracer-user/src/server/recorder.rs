@@ -47,6 +47,8 @@ pub struct FlightRecorder {
     retention: Retention,
     /// Records and TraceMe events forgotten since it started.
     pub forgotten: u64,
+    /// How many of those [`Self::newly_forgotten`] has reported.
+    reported: u64,
 }
 
 impl FlightRecorder {
@@ -90,11 +92,22 @@ impl FlightRecorder {
             spec,
             retention,
             forgotten: 0,
+            reported: 0,
         })
     }
 
     pub fn pids(&self) -> &BTreeSet<u32> {
         &self.pids
+    }
+
+    /// Records forgotten since the last call: what `/metrics` adds to its
+    /// counter, which goes on across recorders (a counter that went back
+    /// to 0 when the recorder starts again on new processes would read as
+    /// a reset).
+    pub fn newly_forgotten(&mut self) -> u64 {
+        let n = self.forgotten - self.reported;
+        self.reported = self.forgotten;
+        n
     }
 
     /// Drains the probes and forgets what is older than the retention.

@@ -26,7 +26,7 @@ impl Hub {
                         r.held(),
                         r.forgotten
                     );
-                    self.detach(r);
+                    self.retire_recorder(r);
                     self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
                 });
                 let _ = reply.send(was_on.is_some());
@@ -62,6 +62,17 @@ impl Hub {
         }
     }
 
+    /// Detaches a recorder that stops: what it held is gone from
+    /// `/metrics`, what it forgot stays counted.
+    fn retire_recorder(&mut self, mut r: FlightRecorder) {
+        let counters = &self.config.metrics.server;
+        counters
+            .recorder_forgotten
+            .fetch_add(r.newly_forgotten(), Ordering::Relaxed);
+        counters.recorder_held.store(0, Ordering::Relaxed);
+        self.detach(r);
+    }
+
     /// Starts the flight recorder on every watched process.
     pub(super) fn start_recorder(&mut self, spec: SessionSpec) -> Result<(), SessionError> {
         self.watched.refresh();
@@ -91,13 +102,13 @@ impl Hub {
                 .store(r.held() as u64, Ordering::Relaxed);
             counters
                 .recorder_forgotten
-                .store(r.forgotten, Ordering::Relaxed);
+                .fetch_add(r.newly_forgotten(), Ordering::Relaxed);
             return;
         }
         let old = self.recorder.take();
         let spec = old.as_ref().map(|r| r.spec.clone());
         if let Some(r) = old {
-            self.detach(r);
+            self.retire_recorder(r);
         }
         if !self.recorder_wanted || self.shutting_down || pids.is_empty() {
             return;
