@@ -6,6 +6,7 @@
 
 use std::{
     io::{BufRead as _, BufReader, Read as _},
+    net::SocketAddr,
     process::{Child, Command, Stdio},
     time::Duration,
 };
@@ -54,6 +55,16 @@ impl Drop for Hotspot {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The fixture, and `ebtrace serve` watching it with `--http`, and its
+/// HTTP address.
+fn serve_hotspot() -> (Hotspot, ServeProcess, SocketAddr) {
+    let fixture = Hotspot::start();
+    let server =
+        ServeProcess::loopback(&["--pid", &fixture.pid.to_string(), "--http", "127.0.0.1:0"]);
+    let addr = server.http_addr();
+    (fixture, server, addr)
 }
 
 /// CPU time (user + system) of `pid` so far, in ns (`/proc/PID/stat`,
@@ -123,10 +134,7 @@ fn pprof_profile_names_the_hot_function_and_go_tool_pprof_reads_it() {
         return;
     }
     let _serial = serial();
-    let fixture = Hotspot::start();
-    let server =
-        ServeProcess::loopback(&["--pid", &fixture.pid.to_string(), "--http", "127.0.0.1:0"]);
-    let addr = server.http_addr();
+    let (fixture, _server, addr) = serve_hotspot();
 
     let cpu_before = cpu_ns(fixture.pid);
     let response = http::get(addr, "/debug/pprof/profile?seconds=2&hz=499");
@@ -245,10 +253,7 @@ fn pprof_requests_that_make_no_sense_get_one_line() {
         return;
     }
     let _serial = serial();
-    let fixture = Hotspot::start();
-    let server =
-        ServeProcess::loopback(&["--pid", &fixture.pid.to_string(), "--http", "127.0.0.1:0"]);
-    let addr = server.http_addr();
+    let (_fixture, server, addr) = serve_hotspot();
     for path in [
         "/debug/pprof/profile?seconds=0",
         "/debug/pprof/profile?seconds=abc",

@@ -17,7 +17,7 @@ use prost::Message as _;
 
 use crate::{
     collect::StackSample,
-    symbols::stacks::{Space, StackSymbolizer, lookup_address},
+    symbols::stacks::{Space, StackSymbolizer, sample_frames},
 };
 
 /// The mapping name of kernel frames, as `perf` names it.
@@ -64,29 +64,9 @@ pub fn build(
     let period = 1_000_000_000 / info.hz.max(1) as i64;
     let mut counts: HashMap<ThreadStack, i64> = HashMap::new();
     for s in samples {
-        let stack = s
-            .kernel
-            .iter()
-            .enumerate()
-            .map(|(depth, a)| (Space::Kernel, lookup_address(depth, *a)))
-            .chain(
-                s.user
-                    .iter()
-                    .enumerate()
-                    .map(|(depth, a)| (Space::Process(s.tgid), lookup_address(depth, *a))),
-            )
-            .collect();
-        *counts.entry((s.tgid, s.tid, stack)).or_default() += 1;
+        *counts.entry((s.tgid, s.tid, sample_frames(s))).or_default() += 1;
     }
-    let mut by_space: HashMap<Space, Vec<u64>> = HashMap::new();
-    for (_, _, stack) in counts.keys() {
-        for (space, address) in stack {
-            by_space.entry(*space).or_default().push(*address);
-        }
-    }
-    for (space, addresses) in by_space {
-        symbolizer.resolve(space, addresses);
-    }
+    symbolizer.resolve_stacks(counts.keys().map(|(_, _, stack)| stack.as_slice()));
 
     let mut b = Builder::default();
     let samples_type = ValueType {

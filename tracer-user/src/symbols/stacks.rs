@@ -9,10 +9,12 @@ use std::{collections::HashMap, sync::Arc};
 use blazesym::{
     Pid,
     symbolize::{
-        Input, Symbolized, Symbolizer,
+        CodeInfo, Input, Symbolized, Symbolizer,
         source::{Kernel, Process, Source},
     },
 };
+
+use crate::collect::StackSample;
 
 /// Whose address space an address is in.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
@@ -57,7 +59,45 @@ pub fn lookup_address(depth: usize, address: u64) -> u64 {
     }
 }
 
+/// A sample's stack as the addresses to look up: kernel frames, then user
+/// frames, innermost first.
+pub fn sample_frames(sample: &StackSample) -> Vec<(Space, u64)> {
+    let kernel = sample
+        .kernel
+        .iter()
+        .enumerate()
+        .map(|(depth, a)| (Space::Kernel, lookup_address(depth, *a)));
+    let user = sample
+        .user
+        .iter()
+        .enumerate()
+        .map(|(depth, a)| (Space::Process(sample.tgid), lookup_address(depth, *a)));
+    kernel.chain(user).collect()
+}
+
+fn frame(function: &str, code_info: Option<&CodeInfo<'_>>) -> Frame {
+    Frame {
+        function: function.to_string(),
+        file: code_info.map(|c| c.to_path().display().to_string()),
+        line: code_info.and_then(|c| c.line),
+    }
+}
+
 impl StackSymbolizer {
+    /// Resolves every address of `stacks` (see [`sample_frames`]), one
+    /// batch per address space.
+    pub fn resolve_stacks<'a>(&mut self, stacks: impl IntoIterator<Item = &'a [(Space, u64)]>) {
+        let mut by_space: HashMap<Space, Vec<u64>> = HashMap::new();
+        for stack in stacks {
+            for (space, address) in stack {
+                by_space.entry(*space).or_default().push(*address);
+            }
+        }
+        for (space, addresses) in by_space {
+            self.resolve(space, addresses);
+        }
+    }
+
     /// Resolves `addresses` of `space` (lookup addresses, see
     /// [`lookup_address`]) and keeps the answers for [`Self::get`]. An
     /// address that cannot be resolved (the process exited, the object has
@@ -95,23 +135,9 @@ impl StackSymbolizer {
                         .inlined
                         .iter()
                         .rev()
-                        .map(|f| Frame {
-                            function: f.name.to_string(),
-                            file: f
-                                .code_info
-                                .as_ref()
-                                .map(|c| c.to_path().display().to_string()),
-                            line: f.code_info.as_ref().and_then(|c| c.line),
-                        })
+                        .map(|f| frame(&f.name, f.code_info.as_ref()))
                         .collect();
-                    frames.push(Frame {
-                        function: sym.name.to_string(),
-                        file: sym
-                            .code_info
-                            .as_ref()
-                            .map(|c| c.to_path().display().to_string()),
-                        line: sym.code_info.as_ref().and_then(|c| c.line),
-                    });
+                    frames.push(frame(&sym.name, sym.code_info.as_deref()));
                     Symbol {
                         frames,
                         module: sym

@@ -6,7 +6,7 @@
 use super::{Span, Timeline, Value};
 use crate::{
     collect::StackSample,
-    symbols::stacks::{Space, StackSymbolizer, lookup_address},
+    symbols::stacks::{Space, StackSymbolizer, sample_frames},
 };
 
 /// Stat of a sample's instant: its stack, innermost frame first, one per
@@ -30,33 +30,13 @@ pub fn add_cpu_samples(
         .filter(|s| (start_ns..=stop_ns).contains(&s.header.ts_ns))
         .filter(|s| timeline.threads.contains_key(&s.tid))
         .collect();
-    let frames = |s: &StackSample| {
-        let kernel = s
-            .kernel
-            .iter()
-            .enumerate()
-            .map(|(d, a)| (Space::Kernel, lookup_address(d, *a)));
-        let user = s
-            .user
-            .iter()
-            .enumerate()
-            .map(|(d, a)| (Space::Process(s.tgid), lookup_address(d, *a)));
-        kernel.chain(user).collect::<Vec<_>>()
-    };
-    let mut by_space: std::collections::HashMap<Space, Vec<u64>> = Default::default();
-    for s in &samples {
-        for (space, address) in frames(s) {
-            by_space.entry(space).or_default().push(address);
-        }
-    }
-    for (space, addresses) in by_space {
-        symbolizer.resolve(space, addresses);
-    }
-    for s in &samples {
+    let stacks: Vec<Vec<(Space, u64)>> = samples.iter().map(|s| sample_frames(s)).collect();
+    symbolizer.resolve_stacks(stacks.iter().map(Vec::as_slice));
+    for (s, stack) in samples.iter().zip(stacks) {
         let mut lines = Vec::new();
         let mut innermost_user = None;
         let mut innermost = None;
-        for (space, address) in frames(s) {
+        for (space, address) in stack {
             let symbol = symbolizer.get(space, address);
             let mark = if space == Space::Kernel { " [k]" } else { "" };
             if symbol.frames.is_empty() {
