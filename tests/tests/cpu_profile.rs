@@ -8,14 +8,14 @@ use std::{
     io::{BufRead as _, BufReader, Read as _},
     net::SocketAddr,
     process::{Child, Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ebtrace_proto::perftools::profiles::Profile;
 use ebtrace_tests::{
     TempDir, debian_tool,
     fixture::build_c,
-    http, record, require_root, serial,
+    http, loaded_bpf_program_names, record, require_root, serial,
     serve::ServeProcess,
     xplane_files,
     xspace::{self, line_events, plane},
@@ -361,4 +361,45 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
             .is_some_and(|s| s.as_str().contains("vfs_read [k]"))),
         "no sample of the reader in vfs_read"
     );
+}
+
+/// Whether the sampling program is loaded in the kernel now.
+fn sampling_loaded() -> bool {
+    loaded_bpf_program_names().iter().any(|n| n == "cpu_sample")
+}
+
+#[test]
+fn a_killed_server_leaves_no_sampling_behind() {
+    if !require_root("a_killed_server_leaves_no_sampling_behind") {
+        return;
+    }
+    let _serial = serial();
+    let (fixture, mut server, addr) = serve_hotspot();
+    assert!(!sampling_loaded(), "a sampling program is loaded already");
+    // The answer never comes: the server is killed while it samples.
+    let asking = std::thread::spawn(move || {
+        std::panic::catch_unwind(|| http::get(addr, "/debug/pprof/profile?seconds=60")).ok()
+    });
+    let start = Instant::now();
+    while !sampling_loaded() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "sampling never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    server.signal_and_wait(libc::SIGKILL, Duration::from_secs(10));
+    let start = Instant::now();
+    while sampling_loaded() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the sampling program outlived the killed server"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = asking.join();
+    // The target runs on, untouched: its hot thread still burns CPU.
+    let before = cpu_ns(fixture.pid);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(cpu_ns(fixture.pid) - before >= 100_000_000);
 }
