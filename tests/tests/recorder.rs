@@ -12,7 +12,7 @@ use std::{
 use ebtrace_proto::tensorflow::GetSnapshotRequest;
 use ebtrace_tests::{
     TempDir,
-    fixture::SchedWorkload,
+    fixture::{SchedWorkload, build_c_shared},
     http, require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     signal, wait_with_deadline, xplane_files, xprof,
@@ -240,4 +240,60 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
     let body = http::get(metrics_at, "/metrics").text();
     assert_eq!(metric(&body, "ebtrace_recorder_records"), 0);
     assert!(metric(&body, "ebtrace_recorder_forgotten_records_total") >= forgotten);
+}
+
+#[test]
+fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
+    if !require_root("with_discover_the_recorder_picks_up_a_process_started_after_the_daemon") {
+        return;
+    }
+    let _serial = serial();
+    // Processes that map a library named like the CUDA driver are the
+    // ones --discover watches.
+    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
+    let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
+    let first = SchedWorkload::start_with_env(&[], &preload);
+    let server = ServeProcess::loopback(&[
+        "--discover",
+        "--discover-interval",
+        "200ms",
+        "--retain",
+        "30s",
+    ]);
+    let watching = |pid: u32| {
+        server
+            .wait_line(
+                &format!("watching pid {pid} (sched_workload)"),
+                Duration::from_secs(10),
+            )
+            .unwrap_or_else(|| panic!("pid {pid} not discovered: {:?}", server.lines()))
+    };
+    watching(first.pid);
+    let later = SchedWorkload::start_with_env(&[], &preload);
+    watching(later.pid);
+    // Let the recorder, started again on both, record a while.
+    std::thread::sleep(Duration::from_secs(1));
+    let space = block_on(async {
+        let mut client = server.client().await;
+        let r = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "discovered".into(),
+            })
+            .await
+            .expect("a snapshot");
+        xspace_of(&r.into_inner())
+    });
+    let host = plane(&space, HOST_CPU);
+    for (which, workload) in [("first", &first), ("later", &later)] {
+        let burner = line_events(host, workload.tid("cpu-burner").into());
+        let running: f64 = burner
+            .iter()
+            .filter(|e| e.name == "Running")
+            .map(|e| e.duration_ns)
+            .sum();
+        assert!(
+            running > 100e6,
+            "the {which} process's cpu-burner ran {running} ns in the snapshot"
+        );
+    }
 }
