@@ -134,6 +134,16 @@ pub fn line_events(plane: &XPlane, line_id: i64) -> Vec<Event> {
         .collect()
 }
 
+/// The summed duration of the events named `name` (e.g. a thread's
+/// `Running` time), ns.
+pub fn sum_named(events: &[Event], name: &str) -> f64 {
+    events
+        .iter()
+        .filter(|e| e.name == name)
+        .map(|e| e.duration_ns)
+        .sum()
+}
+
 /// Checks that the events of every line nest: none partially overlaps another.
 pub fn assert_lines_nest(plane: &XPlane) {
     for line in &plane.lines {

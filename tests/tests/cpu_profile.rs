@@ -314,7 +314,7 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
     // inlined into it.
     let hot = line_events(host, i64::from(fixture.hot_tid));
     let running: Vec<_> = hot.iter().filter(|e| e.name == "Running").collect();
-    let on_cpu_ns: f64 = running.iter().map(|e| e.duration_ns).sum();
+    let on_cpu_ns = xspace::sum_named(&hot, "Running");
     let samples: Vec<_> = hot
         .iter()
         .filter(|e| e.stats.contains_key("cpu_sample_stack"))

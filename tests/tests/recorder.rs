@@ -78,11 +78,7 @@ fn xprof_snapshot_holds_what_happened_before_it_was_asked() {
         events.iter().any(|e| e.name == "Thread exit"),
         "the late thread's exit is not in the snapshot"
     );
-    let running: f64 = events
-        .iter()
-        .filter(|e| e.name == "Running")
-        .map(|e| e.duration_ns)
-        .sum();
+    let running = xspace::sum_named(&events, "Running");
     assert!(
         (150e6..260e6).contains(&running),
         "the late thread ran {running} ns (200 ms of CPU)"
@@ -286,11 +282,7 @@ fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
     let host = plane(&space, HOST_CPU);
     for (which, workload) in [("first", &first), ("later", &later)] {
         let burner = line_events(host, workload.tid("cpu-burner").into());
-        let running: f64 = burner
-            .iter()
-            .filter(|e| e.name == "Running")
-            .map(|e| e.duration_ns)
-            .sum();
+        let running = xspace::sum_named(&burner, "Running");
         assert!(
             running > 100e6,
             "the {which} process's cpu-burner ran {running} ns in the snapshot"

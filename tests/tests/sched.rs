@@ -9,18 +9,10 @@ use ebtrace_tests::{
     fixture::{SchedWorkload, SchedstatSampler},
     loaded_bpf_program_names, record, require_root, serial, spawn_record, spawn_record_with_env,
     wait_with_deadline, xplane_files,
-    xspace::{self, Event, line_events, plane},
+    xspace::{self, Event, line_events, plane, sum_named},
 };
 
 const CPU_LINE_BASE: i64 = 0xFFFF_0000;
-
-fn sum_named(events: &[Event], name: &str) -> f64 {
-    events
-        .iter()
-        .filter(|e| e.name == name)
-        .map(|e| e.duration_ns)
-        .sum()
-}
 
 fn one_trace(dir: &TempDir) -> ebtrace_proto::tensorflow::profiler::XSpace {
     let files = xplane_files(dir.path());

@@ -102,11 +102,7 @@ fn recorded_client_requests_get_the_fixture_threads_back() {
                 assert_eq!(line.name, thread);
             }
             let burner = line_events(host, workload.tid("cpu-burner").into());
-            let running: f64 = burner
-                .iter()
-                .filter(|e| e.name == "Running")
-                .map(|e| e.duration_ns)
-                .sum();
+            let running = xspace::sum_named(&burner, "Running");
             assert!(
                 running > 0.2 * window as f64,
                 "{name}: burner ran {running} ns"

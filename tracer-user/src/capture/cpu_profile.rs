@@ -61,15 +61,17 @@ pub fn take_cpu_profile(
     let mut batch = Vec::new();
     while !stop.load(Ordering::Relaxed) && started.elapsed() < duration {
         collector.wait(DRAIN_PERIOD.min(duration.saturating_sub(started.elapsed())));
+        let before = samples.len();
         keep_samples(&mut collector, &mut batch, &mut samples);
         // Names of threads that exit before the end are kept too.
-        note_thread_names(targets, &samples, &mut thread_names);
+        note_thread_names(targets, &samples[before..], &mut thread_names);
     }
     let sampled_for = started.elapsed();
     let dropped = set.stats().map(|s| s.dropped()).unwrap_or(0);
     set.detach();
+    let before = samples.len();
     keep_samples(&mut collector, &mut batch, &mut samples);
-    note_thread_names(targets, &samples, &mut thread_names);
+    note_thread_names(targets, &samples[before..], &mut thread_names);
     let process_names = targets.iter().map(|t| (t.pid, t.name.clone())).collect();
     let info = SamplingInfo {
         hz,
@@ -103,13 +105,13 @@ fn keep_samples(
     }));
 }
 
-/// Adds the names of sampled threads not named yet.
+/// Adds the names of threads of `new` samples not named yet.
 fn note_thread_names(
     targets: &[TargetProcess],
-    samples: &[StackSample],
+    new: &[StackSample],
     names: &mut HashMap<u32, String>,
 ) {
-    if samples.iter().all(|s| names.contains_key(&s.tid)) {
+    if new.iter().all(|s| names.contains_key(&s.tid)) {
         return;
     }
     for t in targets {
