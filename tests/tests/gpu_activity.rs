@@ -117,7 +117,15 @@ fn every_kernel_cupti_recorded_is_on_its_gpu_joined_to_its_launch() {
     let _serial = serial();
     let dir = TempDir::new("cupti-log");
     let log = dir.path().join("cupti.log");
-    let workload = launching(&[], &[("STANDIN_CUPTI_LOG", log.to_str().unwrap())]);
+    // A driver call ends as each capture stops: its record, written after
+    // the window, is not counted as dropped from it.
+    let workload = launching(
+        &[],
+        &[
+            ("STANDIN_CUPTI_LOG", log.to_str().unwrap()),
+            ("STANDIN_CUPTI_CALL_ENDS_AT_UNSUBSCRIBE", "1"),
+        ],
+    );
     let (stderr, space) = capture(workload.pid, "700ms", &[]);
     assert!(
         stderr.contains(

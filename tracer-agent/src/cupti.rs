@@ -327,23 +327,26 @@ impl Recording {
     }
 
     /// Adds what CUPTI dropped since the last reading to [`Self::dropped`].
+    /// A refused buffer request makes CUPTI drop (and count) the records it
+    /// would have held, so the refusals only bound the count from below.
     fn count_dropped(&mut self) -> u64 {
         let mut dropped = 0usize;
         // SAFETY: a valid out pointer; null context = all contexts.
         unsafe { (self.api.dropped)(core::ptr::null_mut(), 0, &mut dropped) };
-        self.dropped += dropped as u64 + REFUSED.swap(0, Ordering::AcqRel);
+        self.dropped += (dropped as u64).max(REFUSED.swap(0, Ordering::AcqRel));
         self.dropped
     }
 
-    /// The header of the batches handed over now.
-    fn header(&mut self, flags: u32) -> BatchHeader {
+    /// The header of the batches handed over now, with `dropped` records
+    /// missing from the window so far.
+    fn header(&self, flags: u32, dropped: u64) -> BatchHeader {
         let (gpu_ns, monotonic_ns) = self.api.calibrate();
         BatchHeader {
             api_version: self.version,
             flags,
             gpu_ns,
             monotonic_ns,
-            dropped: self.count_dropped(),
+            dropped,
         }
     }
 
@@ -353,7 +356,8 @@ impl Recording {
     pub fn collect(&mut self, mut deliver: impl FnMut(&[u8])) -> Option<Text> {
         // SAFETY: a plain call; 0 = only buffers whose records are complete.
         unsafe { (self.api.flush_all)(0) };
-        let header = self.header(0);
+        let dropped = self.count_dropped();
+        let header = self.header(0, dropped);
         forward(&self.api, &header, &mut deliver)
     }
 
@@ -362,11 +366,14 @@ impl Recording {
     /// wrong, if anything.
     pub fn stop(mut self, mut deliver: impl FnMut(&[u8])) -> Option<Text> {
         let finalized = self.stop_recording();
-        let header = self.header(if finalized {
+        let flags = if finalized {
             activity::FLAG_FINALIZED
         } else {
             0
-        });
+        };
+        // Counted by stop_recording: what CUPTI drops later (a call that
+        // ends as recording stops, with no buffer lent) is past the window.
+        let header = self.header(flags, self.dropped);
         let why = forward(&self.api, &header, &mut deliver);
         release_free_buffers();
         if finalized {
@@ -378,9 +385,9 @@ impl Recording {
         why
     }
 
-    /// Disables what was enabled, flushes, unsubscribes and restores the
-    /// thread-id type; true if CUPTI had been finalized by someone else
-    /// (our subscription was gone).
+    /// Disables what was enabled, flushes, counts the records dropped until
+    /// then, unsubscribes and restores the thread-id type; true if CUPTI had
+    /// been finalized by someone else (our subscription was gone).
     fn stop_recording(&mut self) -> bool {
         let api = &self.api;
         // SAFETY: plain calls on the handle this recording holds.
@@ -394,6 +401,8 @@ impl Recording {
             self.enabled = 0;
             (api.flush_all)(FLUSH_FORCED);
         }
+        self.count_dropped();
+        let api = &self.api;
         LENDING.store(false, Ordering::Release);
         // SAFETY: the handle cuptiSubscribe gave.
         let finalized = unsafe { (api.unsubscribe)(self.subscriber) } != SUCCESS;
