@@ -24,6 +24,17 @@ impl Response {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
     }
+
+    /// The body as a gzipped pprof profile.
+    pub fn pprof(&self) -> ebtrace_proto::perftools::profiles::Profile {
+        use prost::Message as _;
+        let mut raw = Vec::new();
+        flate2::read::GzDecoder::new(self.body.as_slice())
+            .read_to_end(&mut raw)
+            .expect("a gzipped profile");
+        ebtrace_proto::perftools::profiles::Profile::decode(raw.as_slice())
+            .expect("a pprof Profile")
+    }
 }
 
 /// `GET path` from `addr`.

@@ -5,7 +5,7 @@
 //! own `go tool pprof` (Debian's `golang-go`).
 
 use std::{
-    io::{BufRead as _, BufReader, Read as _},
+    io::{BufRead as _, BufReader},
     net::SocketAddr,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -17,10 +17,9 @@ use ebtrace_tests::{
     fixture::build_c,
     http, loaded_bpf_program_names, record, require_root, serial,
     serve::ServeProcess,
-    xplane_files,
+    spawn_record, wait_with_deadline, xplane_files,
     xspace::{self, line_events, plane},
 };
-use prost::Message as _;
 
 /// The running `cpu_hotspot` fixture; killed when dropped.
 struct Hotspot {
@@ -78,14 +77,6 @@ fn cpu_ns(pid: u32) -> i64 {
     (fields[11] + fields[12]) * 10_000_000
 }
 
-fn gunzip(bytes: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(bytes)
-        .read_to_end(&mut out)
-        .expect("a gzipped profile");
-    out
-}
-
 /// The 1-based lines of the fixture's source that contain `needle`.
 fn source_lines(needle: &str) -> Vec<i64> {
     let src = ebtrace_tests::workspace_root().join("tests/fixtures/cpu_hotspot.c");
@@ -140,7 +131,7 @@ fn pprof_profile_names_the_hot_function_and_go_tool_pprof_reads_it() {
     let response = http::get(addr, "/debug/pprof/profile?seconds=2&hz=499");
     let cpu_used = cpu_ns(fixture.pid) - cpu_before;
     assert_eq!(response.status, 200, "{}", response.text());
-    let profile = Profile::decode(gunzip(&response.body).as_slice()).expect("a pprof Profile");
+    let profile = response.pprof();
 
     // Header: samples and CPU time, one period per sample.
     let s = |i: i64| profile.string_table[i as usize].as_str();
@@ -361,6 +352,49 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
             .is_some_and(|s| s.as_str().contains("vfs_read [k]"))),
         "no sample of the reader in vfs_read"
     );
+}
+
+#[test]
+fn a_process_that_exits_mid_capture_keeps_its_stacks_named() {
+    if !require_root("a_process_that_exits_mid_capture_keeps_its_stacks_named") {
+        return;
+    }
+    let _serial = serial();
+    let mut fixture = Hotspot::start();
+    let logdir = TempDir::new("cpu-samples-exit");
+    let ebtrace = spawn_record(
+        &fixture.pid.to_string(),
+        "3s",
+        &logdir,
+        &["--sample-hz", "199"],
+    );
+    // Killed a second in: its stacks are symbolized after it is gone.
+    std::thread::sleep(Duration::from_secs(1));
+    fixture.child.kill().unwrap();
+    fixture.child.wait().unwrap();
+    let out = wait_with_deadline(ebtrace, Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let hot = line_events(plane(&space, "/host:CPU"), i64::from(fixture.hot_tid));
+    let samples: Vec<_> = hot
+        .iter()
+        .filter(|e| e.stats.contains_key("cpu_sample_stack"))
+        .collect();
+    // At least half a second of spinning was sampled.
+    assert!(samples.len() > 100, "{} samples", samples.len());
+    for s in &samples {
+        assert!(
+            ["ebtrace_hot_spin", "mix_step"].contains(&s.name.as_str()),
+            "{}: {}",
+            s.name,
+            s.stats["cpu_sample_stack"].as_str()
+        );
+    }
 }
 
 /// Whether the sampling program is loaded in the kernel now.

@@ -59,12 +59,17 @@ pub fn take_cpu_profile(
     let mut samples = Vec::new();
     let mut thread_names = HashMap::new();
     let mut batch = Vec::new();
+    let mut symbolizer = StackSymbolizer::default();
     while !stop.load(Ordering::Relaxed) && started.elapsed() < duration {
         collector.wait(DRAIN_PERIOD.min(duration.saturating_sub(started.elapsed())));
         let before = samples.len();
         keep_samples(&mut collector, &mut batch, &mut samples);
-        // Names of threads that exit before the end are kept too.
+        // Names of threads, and where the processes have their code, are
+        // kept for those that exit before the end.
         note_thread_names(targets, &samples[before..], &mut thread_names);
+        for s in &samples[before..] {
+            symbolizer.note_sample(s);
+        }
     }
     let sampled_for = started.elapsed();
     let dropped = set.stats().map(|s| s.dropped()).unwrap_or(0);
@@ -72,6 +77,9 @@ pub fn take_cpu_profile(
     let before = samples.len();
     keep_samples(&mut collector, &mut batch, &mut samples);
     note_thread_names(targets, &samples[before..], &mut thread_names);
+    for s in &samples[before..] {
+        symbolizer.note_sample(s);
+    }
     let process_names = targets.iter().map(|t| (t.pid, t.name.clone())).collect();
     let info = SamplingInfo {
         hz,
@@ -83,7 +91,7 @@ pub fn take_cpu_profile(
         &thread_names,
         &process_names,
         &info,
-        &mut StackSymbolizer::default(),
+        &mut symbolizer,
     );
     Ok(CpuProfile {
         pprof,

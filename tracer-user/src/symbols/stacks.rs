@@ -1,20 +1,31 @@
 //! Names for the addresses of sampled stacks, with blazesym: functions
 //! (demangled), the functions inlined at an address, and file:line where
 //! the object has debug information. User addresses are resolved in the
-//! sampled process (its mappings, while it runs), kernel ones from
-//! `/proc/kallsyms`.
+//! sampled process (its mappings, while it runs), or, once it has exited,
+//! in the files it had mapped where [`StackSymbolizer::note_sample`] saw
+//! them; kernel ones from `/proc/kallsyms`.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use blazesym::{
     Pid,
     symbolize::{
         CodeInfo, Input, Symbolized, Symbolizer,
-        source::{Kernel, Process, Source},
+        source::{Elf, Kernel, Process, Source},
     },
 };
 
+use super::maps::{self, Mapping};
 use crate::collect::StackSample;
+
+/// How often a process's mappings are read again when a sample has an
+/// address outside them (a library loaded since, or code that is in no
+/// file: JIT code, the vDSO, a frame-pointer walk gone astray).
+const MAPS_REREAD_AFTER: Duration = Duration::from_secs(1);
 
 /// Whose address space an address is in.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
@@ -46,6 +57,9 @@ pub struct Symbol {
 #[derive(Default)]
 pub struct StackSymbolizer {
     cache: HashMap<(Space, u64), Arc<Symbol>>,
+    /// Each sampled process's executable file mappings, by start address,
+    /// and when they were read.
+    code: HashMap<u32, (Vec<Mapping>, Instant)>,
 }
 
 /// The address to look up for frame `depth` of a stack: every frame past
@@ -75,6 +89,39 @@ pub fn sample_frames(sample: &StackSample) -> Vec<(Space, u64)> {
     kernel.chain(user).collect()
 }
 
+/// blazesym's symbolizer keeps the objects it parsed: it lives for one
+/// batch, so that nothing of a target's libraries stays in memory between
+/// captures (and so that [`StackSymbolizer`] can move between threads,
+/// which blazesym's cannot).
+fn symbolizer() -> Symbolizer {
+    Symbolizer::builder()
+        .enable_code_info(true)
+        .enable_inlined_fns(true)
+        .enable_demangling(true)
+        .build()
+}
+
+/// The functions blazesym found at one address, innermost first.
+fn symbol_of(result: &Symbolized<'_>) -> Option<Symbol> {
+    let Symbolized::Sym(sym) = result else {
+        return None;
+    };
+    let mut frames: Vec<Frame> = sym
+        .inlined
+        .iter()
+        .rev()
+        .map(|f| frame(&f.name, f.code_info.as_ref()))
+        .collect();
+    frames.push(frame(&sym.name, sym.code_info.as_deref()));
+    Some(Symbol {
+        frames,
+        module: sym
+            .module
+            .as_ref()
+            .map(|m| m.to_string_lossy().into_owned()),
+    })
+}
+
 fn frame(function: &str, code_info: Option<&CodeInfo<'_>>) -> Frame {
     Frame {
         function: function.to_string(),
@@ -83,7 +130,72 @@ fn frame(function: &str, code_info: Option<&CodeInfo<'_>>) -> Frame {
     }
 }
 
+/// The mapping of `maps` (sorted by start) that holds `address`.
+fn mapping_of(maps: &[Mapping], address: u64) -> Option<&Mapping> {
+    let i = maps.partition_point(|m| m.start <= address);
+    maps[..i].last().filter(|m| address < m.end)
+}
+
 impl StackSymbolizer {
+    /// Remembers where `sample`'s process has its code while it runs: its
+    /// addresses can then still be named after it exits. Reads its
+    /// mappings the first time, and again (at most once a second) when an
+    /// address is in none of them.
+    pub fn note_sample(&mut self, sample: &StackSample) {
+        let pid = sample.tgid;
+        if sample.user.is_empty() {
+            return;
+        }
+        if let Some((maps, read_at)) = self.code.get(&pid)
+            && (read_at.elapsed() < MAPS_REREAD_AFTER
+                || sample.user.iter().all(|a| mapping_of(maps, *a).is_some()))
+        {
+            return;
+        }
+        let Ok(all) = maps::read_maps(pid) else {
+            return;
+        };
+        let mut code: Vec<Mapping> = all
+            .into_iter()
+            .filter(|m| m.perms.contains('x') && m.path.starts_with('/') && !m.deleted)
+            .collect();
+        code.sort_by_key(|m| m.start);
+        self.code.insert(pid, (code, Instant::now()));
+    }
+
+    /// Names `addresses` of `pid`, which has exited, from the files it had
+    /// mapped; `None` where they are unknown.
+    fn resolve_in_files(&self, pid: u32, addresses: &[u64]) -> Vec<Option<Symbol>> {
+        let mut out = vec![None; addresses.len()];
+        let Some((maps, _)) = self.code.get(&pid) else {
+            return out;
+        };
+        let mut by_file: HashMap<&str, Vec<(usize, u64)>> = HashMap::new();
+        for (i, a) in addresses.iter().enumerate() {
+            if let Some(m) = mapping_of(maps, *a) {
+                by_file
+                    .entry(m.path.as_str())
+                    .or_default()
+                    .push((i, a - m.start + m.offset));
+            }
+        }
+        let symbolizer = symbolizer();
+        for (path, wanted) in by_file {
+            let offsets: Vec<u64> = wanted.iter().map(|(_, o)| *o).collect();
+            let source = Source::Elf(Elf::new(path));
+            let Ok(found) = symbolizer.symbolize(&source, Input::FileOffset(&offsets)) else {
+                continue;
+            };
+            for ((i, _), result) in wanted.iter().zip(&found) {
+                if let Some(mut symbol) = symbol_of(result) {
+                    symbol.module.get_or_insert_with(|| path.to_string());
+                    out[*i] = Some(symbol);
+                }
+            }
+        }
+        out
+    }
+
     /// Resolves every address of `stacks` (see [`sample_frames`]), one
     /// batch per address space.
     pub fn resolve_stacks<'a>(&mut self, stacks: impl IntoIterator<Item = &'a [(Space, u64)]>) {
@@ -116,39 +228,20 @@ impl StackSymbolizer {
             Space::Kernel => Source::Kernel(Kernel::default()),
             Space::Process(pid) => Source::Process(Process::new(Pid::from(pid))),
         };
-        // blazesym's symbolizer keeps the objects it parsed: it lives for
-        // one batch, so that nothing of a target's libraries stays in
-        // memory between captures (and so that this type can move between
-        // threads, which blazesym's cannot).
-        let symbolizer = Symbolizer::builder()
-            .enable_code_info(true)
-            .enable_inlined_fns(true)
-            .enable_demangling(true)
-            .build();
-        let found = symbolizer
-            .symbolize(&source, Input::AbsAddr(&wanted))
-            .unwrap_or_default();
-        for (i, address) in wanted.into_iter().enumerate() {
-            let symbol = match found.get(i) {
-                Some(Symbolized::Sym(sym)) => {
-                    let mut frames: Vec<Frame> = sym
-                        .inlined
-                        .iter()
-                        .rev()
-                        .map(|f| frame(&f.name, f.code_info.as_ref()))
-                        .collect();
-                    frames.push(frame(&sym.name, sym.code_info.as_deref()));
-                    Symbol {
-                        frames,
-                        module: sym
-                            .module
-                            .as_ref()
-                            .map(|m| m.to_string_lossy().into_owned()),
-                    }
-                }
-                _ => Symbol::default(),
+        let symbols: Vec<Option<Symbol>> =
+            match symbolizer().symbolize(&source, Input::AbsAddr(&wanted)) {
+                Ok(found) => found.iter().map(symbol_of).collect(),
+                // The process has exited: the files it had mapped when it
+                // was sampled still name its code. (Only then: a live
+                // process in a container sees other files at those paths.)
+                Err(_) => match space {
+                    Space::Process(pid) => self.resolve_in_files(pid, &wanted),
+                    Space::Kernel => vec![None; wanted.len()],
+                },
             };
-            self.cache.insert((space, address), Arc::new(symbol));
+        for (address, symbol) in wanted.into_iter().zip(symbols) {
+            self.cache
+                .insert((space, address), Arc::new(symbol.unwrap_or_default()));
         }
     }
 
@@ -158,5 +251,94 @@ impl StackSymbolizer {
             .get(&(space, address))
             .cloned()
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+
+    use tracer_common::{RecordHeader, RecordKind};
+
+    use super::*;
+
+    /// The executable mapping of `pid` that holds `address`.
+    fn code_mapping(pid: u32, address: u64) -> Option<Mapping> {
+        maps::read_maps(pid)
+            .ok()?
+            .into_iter()
+            .find(|m| m.perms.contains('x') && m.start <= address && address < m.end)
+    }
+
+    #[test]
+    fn an_exited_process_is_named_from_the_files_it_had_mapped() {
+        // libc's write() in this process, and where the same byte of the
+        // same file is in a child's address space.
+        let write = libc::write as *const () as u64;
+        let ours = code_mapping(std::process::id(), write).expect("write() is mapped");
+        assert!(ours.path.contains("libc"), "{ours:?}");
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start sleep");
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let theirs = loop {
+            let found = maps::read_maps(pid)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|m| m.path == ours.path && m.offset == ours.offset && m.perms.contains('x'));
+            match found {
+                Some(m) => break m,
+                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                None => panic!("sleep never mapped {}", ours.path),
+            }
+        };
+        let address = theirs.start + (write - ours.start);
+        let sample = StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+            tid: pid,
+            tgid: pid,
+            user: vec![address].into(),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+        };
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_sample(&sample);
+        child.kill().unwrap();
+        child.wait().unwrap();
+
+        symbolizer.resolve(Space::Process(pid), [address]);
+        let symbol = symbolizer.get(Space::Process(pid), address);
+        let function = &symbol.frames.last().expect("a name").function;
+        assert!(function.contains("write"), "{symbol:?}");
+        assert_eq!(symbol.module.as_deref(), Some(ours.path.as_str()));
+
+        // An address in no file it had mapped stays unknown.
+        symbolizer.resolve(Space::Process(pid), [8]);
+        assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
+    }
+
+    #[test]
+    fn an_address_is_in_the_mapping_that_starts_at_or_below_it() {
+        let m = |start, end| Mapping {
+            start,
+            end,
+            perms: "r-xp".into(),
+            offset: 0,
+            dev: "00:00".into(),
+            inode: 1,
+            path: "/x".into(),
+            deleted: false,
+        };
+        let maps = [m(0x1000, 0x2000), m(0x3000, 0x4000)];
+        assert_eq!(mapping_of(&maps, 0x1000).map(|m| m.start), Some(0x1000));
+        assert_eq!(mapping_of(&maps, 0x1fff).map(|m| m.start), Some(0x1000));
+        assert_eq!(mapping_of(&maps, 0x2000), None);
+        assert_eq!(mapping_of(&maps, 0x3800).map(|m| m.start), Some(0x3000));
+        assert_eq!(mapping_of(&maps, 0xfff), None);
+        assert_eq!(mapping_of(&[], 0x1000), None);
     }
 }
