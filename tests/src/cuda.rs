@@ -195,6 +195,13 @@ impl CudaWorkload {
         self.process.close_stdin();
     }
 
+    /// Lets a `--linger` workload run its calls and returns its report; it
+    /// lives on until dropped.
+    pub fn run_and_linger(&mut self, deadline: Duration) -> serde_json::Value {
+        self.process.go();
+        self.process.report_line(deadline)
+    }
+
     /// Lets it run its calls, waits for it to exit and returns its report.
     pub fn run(mut self, deadline: Duration) -> serde_json::Value {
         self.go();

@@ -64,6 +64,16 @@ impl Gated {
         drop(self.stdin.take());
     }
 
+    /// Waits for its report line; the process may go on.
+    pub fn report_line(&mut self, deadline: Duration) -> serde_json::Value {
+        let what = self.what;
+        let line = self
+            .lines
+            .recv_timeout(deadline)
+            .unwrap_or_else(|_| panic!("{what} report line"));
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad report {line:?}: {e}"))
+    }
+
     /// Waits for its report line and its successful exit.
     pub fn report(mut self, deadline: Duration) -> serde_json::Value {
         let what = self.what;

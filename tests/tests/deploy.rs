@@ -1,6 +1,7 @@
 //! What `deploy/` ships, run for real: the capabilities the systemd unit
 //! and the Kubernetes DaemonSet grant are enough for every part of
-//! `ebtrace serve` (probes, uprobes, the agent, the flight recorder), and
+//! `ebtrace serve` (probes, uprobes, the agent, the flight recorder, CPU
+//! profiles and metrics), and
 //! two servers on two hosts (network namespaces) are captured by one
 //! XProf call, one file per host in one run directory.
 
@@ -16,7 +17,7 @@ use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
     fixture::SchedWorkload,
-    require_root, serial,
+    http, require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     wait_with_deadline, xplane_files, xprof,
     xspace::{count_named, plane},
@@ -90,11 +91,35 @@ fn the_deployed_capabilities_are_enough_for_every_part_of_serve() {
     let pid = workload.pid.to_string();
     let server = ServeProcess::start_under(
         &wrapper,
-        &["--bind", "127.0.0.1:0", "--pid", &pid, "--retain", "10s"],
+        &[
+            "--bind",
+            "127.0.0.1:0",
+            "--pid",
+            &pid,
+            "--retain",
+            "10s",
+            "--http",
+            "127.0.0.1:0",
+        ],
         1,
     );
     workload.go();
     std::thread::sleep(Duration::from_millis(300));
+    // The CPU profile and the metrics counted from the recorder's probes.
+    let response = http::get(server.http_addr(), "/debug/pprof/profile?seconds=1");
+    assert_eq!(response.status, 200, "{}", response.text());
+    let profile = response.pprof();
+    assert!(profile.sample.len() > 5, "{} samples", profile.sample.len());
+    let metrics = http::get(server.http_addr(), "/metrics").text();
+    let launches = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("ebtrace_process_cuda_launches_total{")
+                && l.contains(&format!("pid=\"{pid}\""))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no launches counted: {metrics}"));
+    assert!(launches > 100.0, "{launches} launches counted");
     let (capture, snapshot) = block_on(async {
         let mut client = server.client().await;
         let capture = client.profile(request(500)).await.expect("a capture");

@@ -11,7 +11,9 @@ use std::{
 };
 
 use ebtrace_tests::{
-    TempDir, debian_tool,
+    TempDir,
+    cuda::CudaWorkload,
+    debian_tool,
     fixture::SchedWorkload,
     http, require_root, serial,
     serve::{ServeProcess, block_on, request},
@@ -129,6 +131,14 @@ fn metrics_agree_with_proc_and_pass_promtool() {
         "{after_capture}"
     );
 
+    // The probe-based series need the flight recorder.
+    assert!(!body.contains("ebtrace_process_cuda_"), "{body}");
+    promtool_accepts(&body);
+}
+
+/// `promtool check metrics` passes on `body` (where Debian's promtool is
+/// installed).
+fn promtool_accepts(body: &str) {
     let Some(promtool) = debian_tool("promtool") else {
         return;
     };
@@ -152,6 +162,78 @@ fn metrics_agree_with_proc_and_pass_promtool() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn the_flight_recorder_counts_cuda_launches_and_sync_waits_as_the_workload_does() {
+    if !require_root("the_flight_recorder_counts_cuda_launches_and_sync_waits_as_the_workload_does")
+    {
+        return;
+    }
+    let _serial = serial();
+    // --early: the driver is loaded before the recorder attaches.
+    // --own-cupti: the program profiles itself, which runs the stand-in
+    // GPU: the synchronizing calls wait for its work.
+    let mut workload = CudaWorkload::start_with_cupti(
+        &["--early", "--own-cupti", "--iters", "300", "--linger"],
+        &[],
+    );
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--retain",
+        "30s",
+        "--http",
+        "127.0.0.1:0",
+    ]);
+    let addr = server.http_addr();
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    let pid = workload.pid;
+    let launches = |body: &str| sample(body, "ebtrace_process_cuda_launches_total", pid);
+    let waited = |body: &str| sample(body, "ebtrace_process_cuda_sync_wait_seconds_total", pid);
+    let (_, _, body) = get(addr, "/metrics");
+    assert_eq!(launches(&body), Some(0.0), "{body}");
+
+    // The workload's own account: its successful launch calls (a launch
+    // with a zero grid fails and is not counted), and the time it spent
+    // inside the synchronizing calls.
+    let report = workload.run_and_linger(Duration::from_secs(60));
+    let expected: u64 = report["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| {
+            let f = c["function"].as_str().unwrap();
+            c["result"] == 0 && (f.starts_with("cuLaunch") || f.starts_with("cuGraphLaunch"))
+        })
+        .map(|c| c["count"].as_u64().unwrap())
+        .sum();
+    assert!(expected >= 900, "{report}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let body = loop {
+        let (_, _, body) = get(addr, "/metrics");
+        if launches(&body) == Some(expected as f64) || Instant::now() > deadline {
+            break body;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(launches(&body), Some(expected as f64), "{body}");
+    // ebtrace times each call from inside it (entry to return probe): a
+    // little less than the workload, which also counts the probes' traps.
+    let own = report["sync_wait_ns"].as_f64().unwrap() / 1e9;
+    let seen = waited(&body).expect(&body);
+    assert!(own > 0.0, "{report}");
+    assert!(
+        seen <= own + 1e-4 && seen >= 0.5 * own,
+        "ebtrace {seen} s in synchronizing calls, the workload {own} s"
+    );
+    promtool_accepts(&body);
 }
 
 #[test]

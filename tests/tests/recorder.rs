@@ -288,4 +288,53 @@ fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
             "the {which} process's cpu-burner ran {running} ns in the snapshot"
         );
     }
+
+    // A process that dies stays in what the recorder keeps: its last
+    // seconds are what a snapshot after a crash is for. The other one goes
+    // on being recorded.
+    let (first_pid, first_burner) = (first.pid, first.tid("cpu-burner"));
+    let started = server.count_lines("flight recorder on");
+    drop(first);
+    assert!(
+        server
+            .wait_line(
+                &format!("pid {first_pid} (sched_workload) exited"),
+                Duration::from_secs(10)
+            )
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let space = block_on(async {
+        let mut client = server.client().await;
+        let r = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "after-exit".into(),
+            })
+            .await
+            .expect("a snapshot");
+        xspace_of(&r.into_inner())
+    });
+    let host = plane(&space, HOST_CPU);
+    let before_exit = xspace::sum_named(&line_events(host, first_burner.into()), "Running");
+    assert!(
+        before_exit > 100e6,
+        "the exited process's cpu-burner ran {before_exit} ns in the snapshot"
+    );
+    // Event times count from the snapshot's start.
+    let (start, stop) = profile_window(&space);
+    let burner = line_events(host, later.tid("cpu-burner").into());
+    let latest_end = burner.iter().map(|e| e.end_ns()).fold(0.0, f64::max);
+    let unseen_ms = ((stop - start) as f64 - latest_end) / 1e6;
+    assert!(
+        unseen_ms < 300.0,
+        "the live process was last seen {unseen_ms} ms before the snapshot ended"
+    );
+    assert_eq!(
+        server.count_lines("flight recorder on"),
+        started,
+        "the recorder started again when a process exited: {:?}",
+        server.lines()
+    );
 }

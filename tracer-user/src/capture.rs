@@ -29,6 +29,7 @@ use crate::{
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, Record, StackSample, TraceMeEvent},
     error::{Error, Result},
+    metrics::activity::ActivityTally,
     procfs::{self, TargetProcess},
     symbols::stacks::StackSymbolizer,
     timeline::{self, InitialState, Sources, Timeline, TraceMeInput, Window},
@@ -160,6 +161,9 @@ pub struct Capture {
     record_slots: usize,
     /// Whether older records were forgotten (see [`Capture::forget_before`]).
     forgot: bool,
+    /// Launches and synchronizing waits counted as records arrive, until
+    /// [`Capture::take_activity`].
+    activity: ActivityTally,
     clock: ClockSync,
     start_ns: u64,
     families: ProbeFamilies,
@@ -276,6 +280,7 @@ impl Capture {
             records: VecDeque::new(),
             record_slots: 0,
             forgot: false,
+            activity: ActivityTally::default(),
             clock,
             start_ns,
             families: options.families,
@@ -339,6 +344,12 @@ impl Capture {
                     traceme += 1;
                 }
                 other => {
+                    self.activity.count(&other);
+                    if let (Record::StackSample(sample), Some(stacks)) =
+                        (&other, self.stacks.as_mut())
+                    {
+                        stacks.note_sample(sample);
+                    }
                     self.record_slots += record_slots(&other);
                     self.records.push_back(other);
                 }
@@ -370,6 +381,17 @@ impl Capture {
         let forgotten = (n + old_traceme) as u64;
         self.forgot |= forgotten > 0;
         forgotten
+    }
+
+    /// Stops recording target `pid`, which has exited, so that a process
+    /// that reuses its pid is not recorded; what it recorded stays.
+    pub fn forget_target(&mut self, pid: u32) -> Result<()> {
+        self.probe.remove_target(pid)
+    }
+
+    /// What the targets did through the probes since the last call.
+    pub fn take_activity(&mut self) -> ActivityTally {
+        self.activity.take()
     }
 
     /// Records held now (TraceMe events included).

@@ -3,20 +3,24 @@
 //!
 //! - [`totals`]: what each watched process did, read from `/proc` at each
 //!   scrape (no probe needed, so it costs the targets nothing);
+//! - [`activity`]: CUDA launches and synchronizing waits, counted from the
+//!   flight recorder's records while it runs;
 //! - [`exposition`]: the Prometheus text format;
 //! - the HTTP listener is `server::http`.
 //!
-//! Everything is read when Prometheus scrapes; nothing runs in between.
+//! Everything but [`activity`] is read when Prometheus scrapes.
 
+pub mod activity;
 pub mod exposition;
 pub mod totals;
 
 use std::sync::{
     Mutex,
-    atomic::{AtomicU64, Ordering},
+    atomic::{AtomicBool, AtomicU64, Ordering},
 };
 
 use crate::procfs::{self, TargetProcess};
+use activity::{ActivityTally, ProcessActivity};
 use exposition::{Exposition, Kind};
 use totals::{ProcessTotals, Totals};
 
@@ -44,6 +48,11 @@ impl ServerCounters {
 #[derive(Debug, Default)]
 pub struct Metrics {
     totals: Mutex<Totals>,
+    /// What the flight recorder counted, per process.
+    activity: Mutex<ActivityTally>,
+    /// Whether a flight recorder has counted: until then the probe-based
+    /// series are left out rather than shown as zeros.
+    activity_counted: AtomicBool,
     pub server: ServerCounters,
 }
 
@@ -83,7 +92,38 @@ const PER_PROCESS: [ProcessMetric; 5] = [
     ),
 ];
 
+/// A per-process metric counted from probes: name, help, value.
+type ActivityMetric = (&'static str, &'static str, fn(&ProcessActivity) -> f64);
+
+const PER_PROCESS_ACTIVITY: [ActivityMetric; 2] = [
+    (
+        "ebtrace_process_cuda_launches_total",
+        "Successful CUDA kernel and graph launches, counted while the flight recorder runs.",
+        |a| a.cuda_launches as f64,
+    ),
+    (
+        "ebtrace_process_cuda_sync_wait_seconds_total",
+        "Time threads spent in cuStreamSynchronize, cuCtxSynchronize and cuEventSynchronize, \
+         counted while the flight recorder runs.",
+        |a| a.cuda_sync_wait_ns as f64 / 1e9,
+    ),
+];
+
 impl Metrics {
+    /// A flight recorder started: the probe-based series are shown from
+    /// now on.
+    pub fn start_counting_activity(&self) {
+        self.activity_counted.store(true, Ordering::Relaxed);
+    }
+
+    /// Adds what a flight recorder counted.
+    pub fn add_activity(&self, counted: &ActivityTally) {
+        self.activity
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(counted);
+    }
+
     /// The text exposition of every metric, for `targets` (the processes
     /// watched now).
     pub fn render(&self, targets: &[TargetProcess]) -> String {
@@ -98,6 +138,18 @@ impl Metrics {
             for p in &processes {
                 let pid = p.pid.to_string();
                 e.sample(name, &[("pid", &pid), ("name", &p.name)], value(p));
+            }
+        }
+        if self.activity_counted.load(Ordering::Relaxed) {
+            let mut activity = self.activity.lock().unwrap_or_else(|e| e.into_inner());
+            activity.retain(|pid| processes.iter().any(|p| p.pid == pid));
+            for (name, help, value) in PER_PROCESS_ACTIVITY {
+                e.family(name, help, Kind::Counter);
+                for p in &processes {
+                    let pid = p.pid.to_string();
+                    let counted = activity.of(p.pid);
+                    e.sample(name, &[("pid", &pid), ("name", &p.name)], value(&counted));
+                }
             }
         }
         let own: [(&str, &str, Kind, f64); 7] = [

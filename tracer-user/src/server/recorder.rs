@@ -17,6 +17,7 @@ use crate::{
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock,
     collect::Record,
+    metrics::activity::ActivityTally,
     procfs::TargetProcess,
     timeline::{self, Timeline, Window},
 };
@@ -49,6 +50,8 @@ pub struct FlightRecorder {
     pub forgotten: u64,
     /// How many of those [`Self::newly_forgotten`] has reported.
     reported: u64,
+    /// Processes it no longer records (they exited); their records stay.
+    gone: BTreeSet<u32>,
 }
 
 impl FlightRecorder {
@@ -93,6 +96,7 @@ impl FlightRecorder {
             retention,
             forgotten: 0,
             reported: 0,
+            gone: BTreeSet::new(),
         })
     }
 
@@ -108,6 +112,19 @@ impl FlightRecorder {
         let n = self.forgotten - self.reported;
         self.reported = self.forgotten;
         n
+    }
+
+    /// Stops recording the processes it records that are not `watched`
+    /// any more (they exited), so that a process reusing a pid is not
+    /// recorded. What they recorded stays until it is too old.
+    pub fn forget_gone(&mut self, watched: &BTreeSet<u32>) {
+        for &pid in self.pids.difference(watched) {
+            if self.gone.insert(pid)
+                && let Err(e) = self.capture.forget_target(pid)
+            {
+                eprintln!("ebtrace: flight recorder: pid {pid} exited; its probes: {e}");
+            }
+        }
     }
 
     /// Drains the probes and forgets what is older than the retention.
@@ -144,6 +161,11 @@ impl FlightRecorder {
             ));
         }
         tl
+    }
+
+    /// What the watched processes did since the last call, for `/metrics`.
+    pub fn take_activity(&mut self) -> ActivityTally {
+        self.capture.take_activity()
     }
 
     /// Records held now.

@@ -70,6 +70,7 @@ impl Hub {
             .recorder_forgotten
             .fetch_add(r.newly_forgotten(), Ordering::Relaxed);
         counters.recorder_held.store(0, Ordering::Relaxed);
+        self.config.metrics.add_activity(&r.take_activity());
         self.detach(r);
     }
 
@@ -82,19 +83,23 @@ impl Hub {
         }
         let recorder =
             FlightRecorder::start(targets, spec, &self.config.probe, self.config.retention)?;
+        self.config.metrics.start_counting_activity();
         self.recorder = Some(recorder);
         Ok(())
     }
 
     /// Keeps the flight recorder going: drains it, forgets what is too
-    /// old, and starts it again on the processes watched now when they
-    /// changed (what it kept of the others is dropped).
+    /// old, and starts it again when a process it does not record is
+    /// watched now (what it kept is dropped then). A process that exited
+    /// stays in it until its records are too old: its last seconds are
+    /// what a snapshot is asked for after a crash.
     pub(super) fn run_recorder(&mut self) {
         let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
         if let Some(r) = self.recorder.as_mut()
-            && r.pids() == &pids
+            && pids.is_subset(r.pids())
             && !self.shutting_down
         {
+            r.forget_gone(&pids);
             r.tick();
             let counters = &self.config.metrics.server;
             counters
@@ -103,6 +108,7 @@ impl Hub {
             counters
                 .recorder_forgotten
                 .fetch_add(r.newly_forgotten(), Ordering::Relaxed);
+            self.config.metrics.add_activity(&r.take_activity());
             return;
         }
         let old = self.recorder.take();
