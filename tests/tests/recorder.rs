@@ -239,6 +239,78 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
 }
 
 #[test]
+fn a_process_that_dies_is_kept_until_its_records_are_too_old() {
+    if !require_root("a_process_that_dies_is_kept_until_its_records_are_too_old") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--retain",
+        "3s",
+        "--keep-probes",
+        "0",
+    ]);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    std::thread::sleep(Duration::from_millis(700));
+    let (pid, burner) = (workload.pid, workload.tid("cpu-burner"));
+    drop(workload);
+    assert!(
+        server
+            .wait_line(
+                &format!("pid {pid} (sched_workload) exited"),
+                Duration::from_secs(10)
+            )
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    // Its last moments are in a snapshot asked for after it died.
+    let snapshot = || {
+        block_on(async {
+            let mut client = server.client().await;
+            client
+                .get_snapshot(GetSnapshotRequest {
+                    snapshot_session_id: "after-death".into(),
+                })
+                .await
+                .map(|r| xspace_of(&r.into_inner()))
+        })
+    };
+    let space = snapshot().expect("a snapshot after the process died");
+    let running = xspace::sum_named(
+        &line_events(plane(&space, HOST_CPU), burner.into()),
+        "Running",
+    );
+    assert!(
+        running > 300e6,
+        "cpu-burner ran {running} ns in the snapshot"
+    );
+    // Once they are older than --retain, the recorder lets its probes go.
+    assert!(
+        server.wait_detached(Duration::from_secs(15)),
+        "{:?}",
+        server.lines()
+    );
+    assert_eq!(
+        server.count_lines("flight recorder paused"),
+        1,
+        "{:?}",
+        server.lines()
+    );
+    let status = snapshot().unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status}");
+}
+
+#[test]
 fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
     if !require_root("with_discover_the_recorder_picks_up_a_process_started_after_the_daemon") {
         return;

@@ -3,10 +3,13 @@
 //! recorded (and at most `--retain-memory` of records), so that
 //! `GetSnapshot` can answer with what already happened.
 //!
-//! It records scheduling and CUDA driver calls, whatever the request's
-//! tracer levels say. TraceMe events are left out: switching a framework's recording on for good would make the
+//! It records scheduling, CUDA driver calls and (at `--sample-hz`) CPU
+//! stacks, whatever the request's tracer levels say. TraceMe events are
+//! left out: switching a framework's recording on for good would make the
 //! target keep every event in its own memory until a profiler session of
-//! its own drains them.
+//! its own drains them. A process that exits stays in it until its
+//! records are too old: its last seconds are what a snapshot after a
+//! crash is for.
 
 use std::{collections::BTreeSet, time::Duration};
 
@@ -100,8 +103,13 @@ impl FlightRecorder {
         })
     }
 
-    pub fn pids(&self) -> &BTreeSet<u32> {
-        &self.pids
+    /// Whether it records every process of `watched` (a pid it stopped
+    /// recording when its process exited and that is watched again is a
+    /// new process, which it does not record).
+    pub fn records_all(&self, watched: &BTreeSet<u32>) -> bool {
+        watched
+            .iter()
+            .all(|pid| self.pids.contains(pid) && !self.gone.contains(pid))
     }
 
     /// Records forgotten since the last call: what `/metrics` adds to its

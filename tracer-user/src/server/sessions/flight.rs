@@ -92,11 +92,12 @@ impl Hub {
     /// old, and starts it again when a process it does not record is
     /// watched now (what it kept is dropped then). A process that exited
     /// stays in it until its records are too old: its last seconds are
-    /// what a snapshot is asked for after a crash.
+    /// what a snapshot is asked for after a crash. Once nothing is watched
+    /// and nothing is held, its probes are detached.
     pub(super) fn run_recorder(&mut self) {
         let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
         if let Some(r) = self.recorder.as_mut()
-            && pids.is_subset(r.pids())
+            && r.records_all(&pids)
             && !self.shutting_down
         {
             r.forget_gone(&pids);
@@ -109,11 +110,19 @@ impl Hub {
                 .recorder_forgotten
                 .fetch_add(r.newly_forgotten(), Ordering::Relaxed);
             self.config.metrics.add_activity(&r.take_activity());
-            return;
+            if !pids.is_empty() || r.held() > 0 {
+                return;
+            }
         }
         let old = self.recorder.take();
         let spec = old.as_ref().map(|r| r.spec.clone());
         if let Some(r) = old {
+            if pids.is_empty() && !self.shutting_down {
+                eprintln!(
+                    "ebtrace: flight recorder paused: no process is watched and what it held \
+                     is older than --retain; it starts again with the next watched process"
+                );
+            }
             self.retire_recorder(r);
         }
         if !self.recorder_wanted || self.shutting_down || pids.is_empty() {
