@@ -32,7 +32,9 @@ use crate::{
     metrics::activity::ActivityTally,
     procfs::{self, TargetProcess},
     symbols::stacks::StackSymbolizer,
-    timeline::{self, InitialState, Sources, Timeline, TraceMeInput, Window},
+    timeline::{
+        self, InitialState, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling,
+    },
 };
 
 /// How often the agents hand over what the GPUs ran during a capture.
@@ -83,6 +85,10 @@ pub struct CaptureOptions {
     /// Never record what the GPU ran through the agent (CUPTI): the GPU
     /// lines then show the work as the host submitted it.
     pub no_device_activity: bool,
+    /// The capture is shown once, as one window from its start to
+    /// [`Capture::finish`] (`ebtrace record`): its scheduler records become
+    /// thread states as they arrive instead of all being held to the end.
+    pub one_window: bool,
 }
 
 /// Which probe families a capture attaches. Each family has one switch
@@ -157,6 +163,10 @@ pub struct Capture {
     /// Decoded records but TraceMe events, oldest first (a deque: a flight
     /// recorder forgets from the front).
     records: VecDeque<Record>,
+    /// With [`CaptureOptions::one_window`], the scheduler records, built
+    /// into thread states as they arrive (until [`Capture::sources`] takes
+    /// them; records held in `records` from then on).
+    streamed: Option<StreamedScheduling>,
     /// The memory `records` takes, in records (see [`record_slots`]).
     record_slots: usize,
     /// Whether older records were forgotten (see [`Capture::forget_before`]).
@@ -264,6 +274,10 @@ impl Capture {
         let collector = Collector::new(probe.take_events());
         // After the window opened: every event recorded starts inside it.
         traceme.enable();
+        let streamed = options.one_window.then(|| {
+            let processes = targets.iter().map(|t| (t.pid, t.name.clone()));
+            StreamedScheduling::new(start_ns, processes, initial.clone())
+        });
         Ok(Capture {
             framework,
             recordings: Vec::new(),
@@ -278,6 +292,7 @@ impl Capture {
             targets,
             initial,
             records: VecDeque::new(),
+            streamed,
             record_slots: 0,
             forgot: false,
             activity: ActivityTally::default(),
@@ -343,6 +358,11 @@ impl Capture {
                     self.traceme_events.push_back(*e);
                     traceme += 1;
                 }
+                other if self.streamed.is_some() && StreamedScheduling::takes(&other) => {
+                    if let Some(streamed) = &mut self.streamed {
+                        streamed.push(other);
+                    }
+                }
                 other => {
                     self.activity.count(&other);
                     if let (Record::StackSample(sample), Some(stacks)) =
@@ -356,6 +376,9 @@ impl Capture {
             }
         }
         self.traceme.count_events(traceme);
+        if let Some(streamed) = &mut self.streamed {
+            streamed.settle();
+        }
     }
 
     /// Forgets the records older than `cutoff_ns`, and past that the
@@ -407,7 +430,7 @@ impl Capture {
             self.collect_device_activity();
         }
         PollStatus {
-            records: self.records.len(),
+            records: self.records.len() + self.streamed.as_ref().map_or(0, |s| s.len()),
             alive: self.targets.iter().filter(|t| t.is_alive()).count(),
         }
     }
@@ -489,6 +512,7 @@ impl Capture {
     /// Drops every record and recording kept so far.
     fn forget_recorded(&mut self) {
         self.records = VecDeque::new();
+        self.streamed = None;
         self.record_slots = 0;
         self.traceme_events = VecDeque::new();
         self.forgot = false;
@@ -610,6 +634,7 @@ impl Capture {
             names,
             scheduling: self.families.sched,
             records: self.records.make_contiguous(),
+            streamed: self.streamed.take(),
             malformed: self.collector.malformed,
             kernel_naming: Some(&self.kernel_naming),
             traceme,

@@ -64,6 +64,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             args.traceme
         },
         no_device_activity: args.no_agent || args.no_device_activity,
+        one_window: true,
     };
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;
@@ -134,12 +135,13 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         let logged = super::take_logged_warnings();
         json::Summary::new(start, &timeline, &probe_stats, asked, logged)
     });
-    let bytes = xspace::timeline_to_xspace_bytes(&timeline, &host);
+    let path = logdir::write_run_with(&args.logdir, &session, &host, |file| {
+        xspace::write_xspace(&timeline, &host, file)
+    })?;
     let perfetto_bytes = args.perfetto.then(|| {
         perfetto::timeline_to_perfetto_bytes(&timeline, perfetto::PerfettoClocks::measure())
     });
     drop(timeline);
-    let path = logdir::write_run(&args.logdir, &session, &host, &bytes)?;
     let perfetto_path = match perfetto_bytes {
         Some(bytes) => {
             let p = path.with_file_name(perfetto::FILE_NAME);

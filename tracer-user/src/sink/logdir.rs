@@ -6,7 +6,7 @@
 
 use std::{
     fs,
-    io::Write as _,
+    io::{BufWriter, Write as _},
     path::{Path, PathBuf},
 };
 
@@ -38,8 +38,17 @@ pub fn check_writable(logdir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes `xspace` bytes atomically to `path`, creating parent directories.
+/// Writes `bytes` atomically to `path`, creating parent directories.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomically_with(path, |f| f.write_all(bytes))
+}
+
+/// Writes to `path` atomically what `write` writes, creating parent
+/// directories: `path` appears once everything is written and on disk.
+pub fn write_atomically_with(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<fs::File>) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(
@@ -50,9 +59,9 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         std::process::id()
     ));
     let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        let mut f = BufWriter::with_capacity(1 << 20, fs::File::create(&tmp)?);
+        write(&mut f)?;
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         fs::rename(&tmp, path)
     })();
     if result.is_err() {
@@ -61,10 +70,16 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     result
 }
 
-/// Writes a run into `logdir` and returns the file's path. A run directory
-/// that already holds this host's file (two captures in one second) gets a
-/// numeric suffix instead of being overwritten.
-pub fn write_run(logdir: &Path, session: &str, host: &str, xspace: &[u8]) -> Result<PathBuf> {
+/// Writes a run into `logdir`, the file's bytes written by `write`, and
+/// returns the file's path. A run directory that already holds this host's
+/// file (two captures in one second) gets a numeric suffix instead of being
+/// overwritten.
+pub fn write_run_with(
+    logdir: &Path,
+    session: &str,
+    host: &str,
+    write: impl FnOnce(&mut BufWriter<fs::File>) -> std::io::Result<()>,
+) -> Result<PathBuf> {
     let profile_root = logdir.join("plugins").join("profile");
     let file = xplane_file_name(host);
     let mut run = profile_root.join(session);
@@ -74,7 +89,7 @@ pub fn write_run(logdir: &Path, session: &str, host: &str, xspace: &[u8]) -> Res
         run = profile_root.join(format!("{session}_{n}"));
     }
     let path = run.join(file);
-    write_atomically(&path, xspace)
+    write_atomically_with(&path, write)
         .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     Ok(path)
 }
@@ -110,8 +125,9 @@ mod tests {
             hostnames: vec!["h".into()],
             ..Default::default()
         };
-        let a = write_run(&dir, "s", "h", &xs.encode_to_vec()).unwrap();
-        let b = write_run(&dir, "s", "h", &xs.encode_to_vec()).unwrap();
+        let write = |f: &mut BufWriter<fs::File>| f.write_all(&xs.encode_to_vec());
+        let a = write_run_with(&dir, "s", "h", write).unwrap();
+        let b = write_run_with(&dir, "s", "h", write).unwrap();
         assert_ne!(a, b);
         assert!(a.ends_with("plugins/profile/s/h.xplane.pb"));
         assert!(b.ends_with("plugins/profile/s_2/h.xplane.pb"));

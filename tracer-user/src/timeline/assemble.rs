@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::{
     CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
     SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, cpu_samples::add_cpu_samples,
-    merge_device_activity, merge_framework_space, nest,
+    merge_device_activity, merge_framework_space, nest, streamed::StreamedScheduling,
 };
 use crate::{
     agent::{AgentRecording, KernelNaming},
@@ -42,6 +42,9 @@ pub struct Sources<'a> {
     /// buffer is shared by all CPUs: reservations are ordered, timestamps
     /// taken just before them are not quite). Sorted by time in place.
     pub records: &'a mut [Record],
+    /// The scheduler records already built into thread states as they
+    /// arrived, for a window from the start (`records` then holds none).
+    pub streamed: Option<StreamedScheduling>,
     /// Ring-buffer items that could not be decoded.
     pub malformed: u64,
     /// Kernel names asked of the driver inside the targets.
@@ -70,6 +73,7 @@ impl Sources<'_> {
             names: HashMap::new(),
             scheduling: false,
             records: &mut [],
+            streamed: None,
             malformed: 0,
             kernel_naming: None,
             traceme: None,
@@ -105,8 +109,18 @@ pub fn assemble(
     if let Some(k) = sources.kernel_naming {
         cuda.add_driver_names(&k.names);
     }
-    let mut builder =
-        SchedTimelineBuilder::new(window_start, stop_ns, sources.processes, sources.initial);
+    let mut builder = match sources.streamed {
+        Some(streamed) => {
+            let (mut builder, queued) = streamed.finish(stop_ns);
+            for r in &queued {
+                builder.push(r);
+            }
+            builder
+        }
+        None => {
+            SchedTimelineBuilder::new(window_start, stop_ns, sources.processes, sources.initial)
+        }
+    };
     // Records before the window still tell each thread's state at its start.
     let end = sources.records.partition_point(|r| r.ts() <= stop_ns);
     let mut samples = Vec::new();

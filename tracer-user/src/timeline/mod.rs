@@ -25,6 +25,7 @@ pub mod gpu_activity;
 pub mod nest;
 mod sched;
 mod sources;
+pub mod streamed;
 pub mod traceme;
 pub mod window;
 

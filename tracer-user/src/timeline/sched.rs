@@ -95,6 +95,12 @@ impl SchedTimelineBuilder {
         }
     }
 
+    /// Ends the window at `stop_ns`, for a builder made before the end was
+    /// known (see [`super::streamed`]); records fed so far must not be later.
+    pub fn stop_at(&mut self, stop_ns: u64) {
+        self.stop_ns = stop_ns;
+    }
+
     fn thread(&mut self, tid: u32, pid: u32) -> &mut ThreadBuild {
         let t = self.threads.entry(tid).or_default();
         if t.pid == 0 {

@@ -7,48 +7,70 @@
 //! Every line is streamed into its plane: a thread's three sources are each
 //! sorted already, so they are merged as they are encoded.
 
+use std::io::{self, Seek, Write};
+
 use rustc_hash::FxHashMap;
 
 use super::{
     BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent,
-    PER_CPU_PLANE, Stat, XPlaneBuilder, flow_stat_value,
+    PER_CPU_PLANE, PlaneStream, Stat, XPlaneBuilder, flow_stat_value,
 };
 use crate::timeline::{
     MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
 };
 
-/// Builds the host planes, `/host:CPU` first, then those of the per-CPU
-/// lines and of the threads blocked throughout when they have lines; `ps`
-/// turns a timeline time into picoseconds from the profile start.
+/// Writes the host planes to `out`, `/host:CPU` first, then those of the
+/// per-CPU lines and of the threads blocked throughout when they have
+/// lines; `ps` turns a timeline time into picoseconds from the profile
+/// start. Each line goes out as it is made.
 ///
 /// XProf's trace viewer shows each plane named `/host:CPU...` as a process
 /// of its own, and opens a process of more than 20 lines collapsed into
 /// one grey bar. A process's idle pool threads and the CPUs would take it
 /// past that; kept apart, `/host:CPU` holds the threads that ran, about
 /// those a profiler inside the process shows.
-pub(super) fn host_planes(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> Vec<XPlaneBuilder> {
-    let mut host = HostThreads::new(0, HOST_CPU_PLANE);
-    let mut blocked = HostThreads::new(3, BLOCKED_THREADS_PLANE);
-    for t in timeline.threads.values() {
+pub(super) fn write_host_planes<W: Write + Seek>(
+    timeline: &Timeline,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
+    let thread_lines = |blocked: bool| {
+        timeline
+            .threads
+            .values()
+            .filter(move |t| blocked_throughout(t) == blocked)
+    };
+    write_thread_plane(0, HOST_CPU_PLANE, thread_lines(false), timeline, ps, out)?;
+    if !timeline.cpus.values().all(Vec::is_empty) {
+        write_per_cpu_plane(timeline, ps, out)?;
+    }
+    let mut blocked = thread_lines(true).peekable();
+    if blocked.peek().is_some() {
+        write_thread_plane(3, BLOCKED_THREADS_PLANE, blocked, timeline, ps, out)?;
+    }
+    Ok(())
+}
+
+/// Writes plane `id`, named `name`, with one line per thread of `threads`.
+fn write_thread_plane<'a, W: Write + Seek>(
+    id: i64,
+    name: &str,
+    threads: impl Iterator<Item = &'a ThreadTrack>,
+    timeline: &Timeline,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
+    let mut plane = HostThreads::new(id, name);
+    let mut stream = PlaneStream::begin(out, 1)?;
+    for t in threads {
         let process = timeline
             .processes
             .get(&t.pid)
             .map_or("", |p| p.name.as_str());
-        let to = if blocked_throughout(t) {
-            &mut blocked
-        } else {
-            &mut host
-        };
-        to.write(t, process, ps);
+        plane.write(t, process, ps);
+        stream.flush(&mut plane.plane)?;
     }
-    let mut planes = vec![host.plane];
-    if let Some(cpus) = per_cpu_plane(timeline, ps) {
-        planes.push(cpus);
-    }
-    if blocked.lines > 0 {
-        planes.push(blocked.plane);
-    }
-    planes
+    stream.end(plane.plane)
 }
 
 /// Whether the capture saw `thread` do nothing: blocked from start to end,
@@ -67,18 +89,13 @@ fn blocked_throughout(thread: &ThreadTrack) -> bool {
 struct HostThreads {
     plane: XPlaneBuilder,
     ids: SchedIds,
-    lines: usize,
 }
 
 impl HostThreads {
     fn new(id: i64, name: &str) -> Self {
         let mut plane = XPlaneBuilder::new(id, name);
         let ids = SchedIds::new(&mut plane);
-        HostThreads {
-            plane,
-            ids,
-            lines: 0,
-        }
+        HostThreads { plane, ids }
     }
 
     /// Writes `t`'s line (`process` is its process's name).
@@ -119,16 +136,15 @@ impl HostThreads {
         };
         let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
         host.write_line(t.tid.into(), &t.name, &display, events);
-        self.lines += 1;
     }
 }
 
-/// The per-CPU lines, each slice named after the thread it ran; `None`
-/// when no CPU ran a traced thread.
-fn per_cpu_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> Option<XPlaneBuilder> {
-    if timeline.cpus.values().all(Vec::is_empty) {
-        return None;
-    }
+/// Writes the per-CPU lines, each slice named after the thread it ran.
+fn write_per_cpu_plane<W: Write + Seek>(
+    timeline: &Timeline,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
     let mut plane = XPlaneBuilder::new(2, PER_CPU_PLANE);
     let (tid_stat, pid_stat) = (plane.stat_metadata(TID), plane.stat_metadata("pid"));
     let mut thread_event: FxHashMap<u32, i64> = FxHashMap::default();
@@ -142,6 +158,7 @@ fn per_cpu_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> Option<XPlane
                 });
         }
     }
+    let mut stream = PlaneStream::begin(out, 1)?;
     for (cpu, slices) in &timeline.cpus {
         let events = slices.iter().map(|s| LineEvent {
             metadata_id: thread_event[&s.tid],
@@ -154,8 +171,9 @@ fn per_cpu_plane(timeline: &Timeline, ps: &impl Fn(u64) -> i64) -> Option<XPlane
         });
         let name = format!("CPU {cpu}");
         plane.write_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
+        stream.flush(&mut plane)?;
     }
-    Some(plane)
+    stream.end(plane)
 }
 
 /// Merges two event streams sorted by [`LineEvent::order_key`]; on equal

@@ -20,6 +20,8 @@
 //! CUDA calls) are laid above them, and a state slice is cut at every span
 //! boundary so both fit on one line.
 
+use std::io::{self, Cursor, Seek, Write};
+
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event};
 use prost::Message as _;
 
@@ -64,7 +66,7 @@ pub enum FlowDirection {
 mod host;
 mod plane;
 
-pub use plane::{Encoded, EventStats, LineEvent, Stat, XPlaneBuilder};
+pub use plane::{Encoded, EventStats, LineEvent, PlaneStream, Stat, XPlaneBuilder};
 
 /// Stat values are the timeline's values.
 pub use crate::timeline::Value as StatValue;
@@ -99,15 +101,35 @@ pub fn timeline_to_xspace(timeline: &Timeline, hostname: &str) -> XSpace {
 
 /// Converts a timeline into an encoded XSpace for `hostname`.
 pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> {
+    let mut out = Cursor::new(Vec::new());
+    write_xspace(timeline, hostname, &mut out).expect("a Vec grows as needed");
+    out.into_inner()
+}
+
+/// Writes `timeline` as an encoded XSpace for `hostname` to `out`, each
+/// line as it is made: the trace is never held whole.
+pub fn write_xspace<W: Write + Seek>(
+    timeline: &Timeline,
+    hostname: &str,
+    out: &mut W,
+) -> io::Result<()> {
     let start = timeline.start_ns;
     let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
-    let host = host::host_planes(timeline, &ps);
-
-    let devices = timeline
-        .devices
-        .values()
-        .map(|d| device_plane(d, &ps))
-        .collect::<Vec<_>>();
+    host::write_host_planes(timeline, &ps, out)?;
+    for device in timeline.devices.values() {
+        write_device_plane(device, &ps, out)?;
+    }
+    let mut carried = Vec::new();
+    for plane in &timeline.carried_planes {
+        carried.clear();
+        XSpace {
+            planes: vec![relative_to(&plane.plane, start)],
+            ..XSpace::default()
+        }
+        .encode(&mut carried)
+        .expect("a Vec grows as needed");
+        out.write_all(&carried)?;
+    }
 
     let mut env = XPlaneBuilder::new(1, TASK_ENV_PLANE);
     env.add_plane_stat(
@@ -163,34 +185,16 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
             .iter()
             .map(|w| format!("ebtrace: {w}")),
     );
-    // The host plane is by far the largest: its buffer becomes the output
-    // (fields may come in any order; XSpace's own follow its planes).
-    let mut host = host.into_iter();
-    let mut out = host.next().expect("/host:CPU comes first").into_field(1);
-    for plane in host {
-        out.extend_from_slice(&plane.into_field(1));
-    }
-    for device in devices {
-        out.extend_from_slice(&device.into_field(1));
-    }
-    for carried in &timeline.carried_planes {
-        XSpace {
-            planes: vec![relative_to(&carried.plane, start)],
-            ..XSpace::default()
+    out.write_all(&env.into_field(1))?;
+    out.write_all(
+        &XSpace {
+            planes: vec![],
+            errors: vec![],
+            warnings,
+            hostnames: vec![hostname.to_string()],
         }
-        .encode(&mut out)
-        .expect("a Vec grows as needed");
-    }
-    out.extend_from_slice(&env.into_field(1));
-    XSpace {
-        planes: vec![],
-        errors: vec![],
-        warnings,
-        hostnames: vec![hostname.to_string()],
-    }
-    .encode(&mut out)
-    .expect("a Vec grows as needed");
-    out
+        .encode_to_vec(),
+    )
 }
 
 /// A carried plane with its times made relative to the trace's start, as
@@ -213,9 +217,13 @@ fn relative_to(plane: &XPlane, start_ns: u64) -> XPlane {
     plane
 }
 
-/// A GPU plane: one line per stream, events as recorded (they neither
-/// overlap nor nest on a stream).
-fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder {
+/// Writes a GPU plane: one line per stream, events as recorded (they
+/// neither overlap nor nest on a stream).
+fn write_device_plane<W: Write + Seek>(
+    device: &DeviceTrack,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
     let mut plane = XPlaneBuilder::new(
         i64::from(device.ordinal),
         &format!("{GPU_PLANE_PREFIX}{}", device.ordinal),
@@ -231,6 +239,7 @@ fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder
         _ => HOST_OBSERVED_TIMING,
     };
     plane.add_plane_stat("ebtrace_timing", &StatValue::Str(timing.into()));
+    let mut lines = PlaneStream::begin(out, 1)?;
     for stream in device.streams.values() {
         for e in &stream.events {
             push_span(&mut plane, &e.name, ps(e.start_ns), ps(e.end_ns), &e.stats);
@@ -241,8 +250,9 @@ fn device_plane(device: &DeviceTrack, ps: &impl Fn(u64) -> i64) -> XPlaneBuilder
             StreamTiming::Device => format!("{name} ({})", stream.label),
         };
         plane.finish_line(stream.id, &name, &display);
+        lines.flush(&mut plane)?;
     }
-    plane
+    lines.end(plane)
 }
 
 #[cfg(test)]

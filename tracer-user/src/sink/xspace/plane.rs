@@ -15,6 +15,8 @@ use prost::{
     Message as _,
     encoding::{WireType, encode_key, encode_varint},
 };
+use std::io::{self, Seek, SeekFrom, Write};
+
 use rustc_hash::FxHashMap;
 
 use super::StatValue;
@@ -413,6 +415,63 @@ impl XPlaneBuilder {
 /// Room for a field's key (up to 5 bytes) and a length (up to 10).
 const FIELD_ROOM: usize = 15;
 
+/// Bytes of the length of a [`PlaneStream`]'s plane: up to 32 GiB.
+const PLANE_LENGTH_BYTES: usize = 5;
+
+/// A plane written into `out` as a field of the enclosing message while it
+/// is built: its lines go out as they are finished, so that only the line
+/// being built is held. The plane's length is known at its end: it is
+/// written then, in the [`PLANE_LENGTH_BYTES`] kept for it before the lines
+/// (a varint padded with continuation bytes, which protobuf parsers take
+/// as they take any).
+pub struct PlaneStream<'w, W: Write + Seek> {
+    out: &'w mut W,
+    /// Where the length goes.
+    length_at: u64,
+}
+
+impl<'w, W: Write + Seek> PlaneStream<'w, W> {
+    /// Starts a plane as field `field` of the message being written to `out`.
+    pub fn begin(out: &'w mut W, field: u32) -> io::Result<Self> {
+        let mut key = Vec::with_capacity(5);
+        encode_key(field, WireType::LengthDelimited, &mut key);
+        out.write_all(&key)?;
+        let length_at = out.stream_position()?;
+        out.write_all(&[0; PLANE_LENGTH_BYTES])?;
+        Ok(PlaneStream { out, length_at })
+    }
+
+    /// Writes the lines `plane` finished since the last call.
+    pub fn flush(&mut self, plane: &mut XPlaneBuilder) -> io::Result<()> {
+        self.out.write_all(&plane.lines[FIELD_ROOM..])?;
+        plane.lines.truncate(FIELD_ROOM);
+        Ok(())
+    }
+
+    /// Writes the rest of `plane` (its lines, then its id, name, metadata
+    /// and stats) and its length.
+    pub fn end(mut self, mut plane: XPlaneBuilder) -> io::Result<()> {
+        self.flush(&mut plane)?;
+        self.out.write_all(&plane.plane.encode_to_vec())?;
+        let end = self.out.stream_position()?;
+        let length = end - self.length_at - PLANE_LENGTH_BYTES as u64;
+        if length >= 1 << (7 * PLANE_LENGTH_BYTES) {
+            return Err(io::Error::other("a plane of 32 GiB or more"));
+        }
+        let mut padded = [0u8; PLANE_LENGTH_BYTES];
+        for (i, byte) in padded.iter_mut().enumerate() {
+            *byte = ((length >> (7 * i)) & 0x7f) as u8;
+            if i + 1 < PLANE_LENGTH_BYTES {
+                *byte |= 0x80;
+            }
+        }
+        self.out.seek(SeekFrom::Start(self.length_at))?;
+        self.out.write_all(&padded)?;
+        self.out.seek(SeekFrom::Start(end))?;
+        Ok(())
+    }
+}
+
 /// Room for a line's length: 5 varint bytes hold up to 32 GiB.
 const LINE_LENGTH_ROOM: usize = 5;
 
@@ -490,5 +549,43 @@ mod tests {
         assert_eq!(plane.lines[0].events.len(), 4);
         assert_eq!(plane.stats.len(), 1);
         assert_eq!(plane.event_metadata.len(), 2);
+    }
+
+    /// A plane streamed line by line decodes as the same plane built whole,
+    /// and the message goes on after it.
+    #[test]
+    fn a_streamed_plane_reads_as_one_built_whole() {
+        let build = |stream: Option<&mut PlaneStream<'_, std::io::Cursor<Vec<u8>>>>| {
+            let mut b = XPlaneBuilder::new(3, "p");
+            let id = b.event_metadata("step");
+            b.add_plane_stat("note", &StatValue::Str("hello".into()));
+            let mut stream = stream;
+            for line in 0..300 {
+                for i in 0..line {
+                    b.push_event(id, i * 10, 5, &[Stat::i64(id, i)]);
+                }
+                b.finish_line(line, &format!("line {line}"), "");
+                if let Some(s) = stream.as_deref_mut() {
+                    s.flush(&mut b).unwrap();
+                }
+            }
+            b
+        };
+        let whole = XSpace::decode(build(None).into_field(1).as_slice()).unwrap();
+
+        let mut out = std::io::Cursor::new(Vec::new());
+        let mut stream = PlaneStream::begin(&mut out, 1).unwrap();
+        let plane = build(Some(&mut stream));
+        stream.end(plane).unwrap();
+        XSpace {
+            hostnames: vec!["h".into()],
+            ..Default::default()
+        }
+        .encode(&mut out.get_mut())
+        .unwrap();
+        let streamed = XSpace::decode(out.get_ref().as_slice()).unwrap();
+        assert_eq!(streamed.planes, whole.planes);
+        assert_eq!(streamed.planes[0].lines.len(), 300);
+        assert_eq!(streamed.hostnames, ["h"]);
     }
 }

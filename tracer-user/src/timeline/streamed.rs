@@ -1,0 +1,160 @@
+//! Scheduling records turned into thread states as they arrive, for a
+//! capture that shows one window from its start to its end (`ebtrace
+//! record`): the records need not all be held until the end, only the
+//! thread states they make.
+//!
+//! The ring buffer delivers records almost in time order (each probe takes
+//! its timestamp just before it reserves its room, and another CPU may
+//! reserve in between), while [`SchedTimelineBuilder`] needs them in order:
+//! records wait in a short queue until every record up to
+//! [`REORDER_SLACK_NS`] older than the newest one seen has arrived.
+
+use std::collections::HashMap;
+
+use super::{InitialState, SchedTimelineBuilder};
+use crate::collect::Record;
+
+/// How much older than the newest record seen a record may still arrive.
+/// Far more than the disorder of one ring buffer (nanoseconds to a few
+/// microseconds), and short enough that the queue stays small.
+pub const REORDER_SLACK_NS: u64 = 100_000_000;
+
+/// The scheduler records of a capture so far: built into thread states up
+/// to [`REORDER_SLACK_NS`] before the newest, the rest queued.
+pub struct StreamedScheduling {
+    builder: SchedTimelineBuilder,
+    queued: Vec<Record>,
+    newest_ns: u64,
+    /// Records that arrived after a later one had been built in: fed in
+    /// anyway (the builder counts what they leave inconsistent).
+    pub late: u64,
+    built: usize,
+}
+
+impl StreamedScheduling {
+    /// A capture of `processes` whose window starts at `start_ns` and whose
+    /// threads were as `initial` says then.
+    pub fn new(
+        start_ns: u64,
+        processes: impl IntoIterator<Item = (u32, String)>,
+        initial: HashMap<u32, InitialState>,
+    ) -> Self {
+        StreamedScheduling {
+            builder: SchedTimelineBuilder::new(start_ns, u64::MAX, processes, initial),
+            queued: Vec::new(),
+            newest_ns: 0,
+            late: 0,
+            built: 0,
+        }
+    }
+
+    /// Whether [`Self::push`] takes `record` (the scheduler's records, which
+    /// [`SchedTimelineBuilder`] builds; other families have their own).
+    pub fn takes(record: &Record) -> bool {
+        matches!(
+            record,
+            Record::Switch(_)
+                | Record::Wakeup(_)
+                | Record::TaskNew(_)
+                | Record::Fork(_)
+                | Record::Exit(_)
+                | Record::Rename(_)
+        )
+    }
+
+    /// Queues a record [`Self::takes`]; [`Self::settle`] builds it in.
+    pub fn push(&mut self, record: Record) {
+        self.newest_ns = self.newest_ns.max(record.ts());
+        self.queued.push(record);
+    }
+
+    /// Builds in the queued records older than the newest by more than
+    /// [`REORDER_SLACK_NS`], in time order.
+    pub fn settle(&mut self) {
+        let ready_until = self.newest_ns.saturating_sub(REORDER_SLACK_NS);
+        // Stable: records with one timestamp keep the ring buffer's order.
+        self.queued.sort_by_key(Record::ts);
+        let ready = self.queued.partition_point(|r| r.ts() <= ready_until);
+        for r in self.queued.drain(..ready) {
+            self.builder.push(&r);
+        }
+        self.built += ready;
+    }
+
+    /// Records taken so far.
+    pub fn len(&self) -> usize {
+        self.built + self.queued.len()
+    }
+
+    /// Whether no record was taken.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The builder, whose window now ends at `stop_ns`, and the records
+    /// still queued, in time order (the caller feeds them with the others).
+    pub fn finish(mut self, stop_ns: u64) -> (SchedTimelineBuilder, Vec<Record>) {
+        self.builder.stop_at(stop_ns);
+        self.queued.sort_by_key(Record::ts);
+        (self.builder, self.queued)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{clock::ClockSync, timeline::Timeline};
+
+    fn switch(ts: u64, prev: u32, next: u32) -> Record {
+        Record::sched_switch(ts, 0, (prev, 1), 1, (next, 1))
+    }
+
+    fn built(stream: StreamedScheduling, stop_ns: u64) -> Timeline {
+        let (mut builder, rest) = stream.finish(stop_ns);
+        for r in &rest {
+            builder.push(r);
+        }
+        builder.finish(
+            ClockSync::from_offset(0),
+            &HashMap::new(),
+            Default::default(),
+        )
+    }
+
+    /// Records in any order within the slack make the timeline the same
+    /// records in order make, and only those past the slack are built in
+    /// before the end.
+    #[test]
+    fn records_out_of_order_within_the_slack_build_what_ordered_ones_do() {
+        let ms = 1_000_000;
+        let ordered: Vec<Record> = (1..=400u64)
+            .map(|i| switch(i * ms, 10 + (i % 2) as u32, 10 + ((i + 1) % 2) as u32))
+            .collect();
+        let mut expected =
+            SchedTimelineBuilder::new(0, 500 * ms, [(1, "p".into())], HashMap::new());
+        for r in &ordered {
+            expected.push(r);
+        }
+        let expected = expected.finish(
+            ClockSync::from_offset(0),
+            &HashMap::new(),
+            Default::default(),
+        );
+
+        let mut stream = StreamedScheduling::new(0, [(1, "p".into())], HashMap::new());
+        // Pairs swapped, in batches of 50, as drains deliver them.
+        for batch in ordered.chunks(50) {
+            for pair in batch.chunks(2) {
+                for r in pair.iter().rev() {
+                    assert!(StreamedScheduling::takes(r));
+                    stream.push(r.clone());
+                }
+            }
+            stream.settle();
+        }
+        assert_eq!(stream.len(), 400);
+        // 400 ms of records, 100 ms of slack: 300 built in, 100 queued.
+        assert_eq!(stream.queued.len(), 100);
+        assert_eq!(built(stream, 500 * ms), expected);
+    }
+}
