@@ -171,16 +171,16 @@ fn the_flight_recorder_counts_cuda_launches_and_sync_waits_as_the_workload_does(
         return;
     }
     let _serial = serial();
-    // --early: the driver is loaded before the recorder attaches.
-    // --own-cupti: the program profiles itself, which runs the stand-in
-    // GPU: the synchronizing calls wait for its work.
-    let mut workload = CudaWorkload::start_with_cupti(
-        &["--early", "--own-cupti", "--iters", "300", "--linger"],
-        &[],
-    );
+    // --early: the driver is loaded before the recorder attaches (and
+    // --discover watches the processes that map it). --own-cupti: the
+    // program profiles itself, which runs the stand-in GPU: the
+    // synchronizing calls wait for its work.
+    let args = ["--early", "--own-cupti", "--iters", "300", "--linger"];
+    let first = CudaWorkload::start_with_cupti(&args, &[]);
     let server = ServeProcess::loopback(&[
-        "--pid",
-        &workload.pid.to_string(),
+        "--discover",
+        "--discover-interval",
+        "200ms",
         "--retain",
         "30s",
         "--http",
@@ -194,46 +194,68 @@ fn the_flight_recorder_counts_cuda_launches_and_sync_waits_as_the_workload_does(
         "{:?}",
         server.lines()
     );
-    let pid = workload.pid;
-    let launches = |body: &str| sample(body, "ebtrace_process_cuda_launches_total", pid);
-    let waited = |body: &str| sample(body, "ebtrace_process_cuda_sync_wait_seconds_total", pid);
-    let (_, _, body) = get(addr, "/metrics");
-    assert_eq!(launches(&body), Some(0.0), "{body}");
-
-    // The workload's own account: its successful launch calls (a launch
-    // with a zero grid fails and is not counted), and the time it spent
-    // inside the synchronizing calls.
-    let report = workload.run_and_linger(Duration::from_secs(60));
-    let expected: u64 = report["calls"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|c| {
-            let f = c["function"].as_str().unwrap();
-            c["result"] == 0 && (f.starts_with("cuLaunch") || f.starts_with("cuGraphLaunch"))
-        })
-        .map(|c| c["count"].as_u64().unwrap())
-        .sum();
-    assert!(expected >= 900, "{report}");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let body = loop {
-        let (_, _, body) = get(addr, "/metrics");
-        if launches(&body) == Some(expected as f64) || Instant::now() > deadline {
-            break body;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert_eq!(launches(&body), Some(expected as f64), "{body}");
-    // ebtrace times each call from inside it (entry to return probe): a
-    // little less than the workload, which also counts the probes' traps.
-    let own = report["sync_wait_ns"].as_f64().unwrap() / 1e9;
-    let seen = waited(&body).expect(&body);
-    assert!(own > 0.0, "{report}");
+    // A process started once the recorder runs is taken on, its driver
+    // probed from then.
+    let later = CudaWorkload::start_with_cupti(&args, &[]);
     assert!(
-        seen <= own + 1e-4 && seen >= 0.5 * own,
-        "ebtrace {seen} s in synchronizing calls, the workload {own} s"
+        server
+            .wait_line(
+                &format!("recording pid {} ", later.pid),
+                Duration::from_secs(10)
+            )
+            .is_some(),
+        "{:?}",
+        server.lines()
     );
-    promtool_accepts(&body);
+    for mut workload in [first, later] {
+        let pid = workload.pid;
+        let launches = |body: &str| sample(body, "ebtrace_process_cuda_launches_total", pid);
+        let waited = |body: &str| sample(body, "ebtrace_process_cuda_sync_wait_seconds_total", pid);
+        let (_, _, body) = get(addr, "/metrics");
+        assert_eq!(launches(&body), Some(0.0), "{body}");
+
+        // The workload's own account: its successful launch calls (a
+        // launch with a zero grid fails and is not counted), and the time
+        // it spent inside the synchronizing calls.
+        let report = workload.run_and_linger(Duration::from_secs(60));
+        let expected: u64 = report["calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| {
+                let f = c["function"].as_str().unwrap();
+                c["result"] == 0 && (f.starts_with("cuLaunch") || f.starts_with("cuGraphLaunch"))
+            })
+            .map(|c| c["count"].as_u64().unwrap())
+            .sum();
+        assert!(expected >= 900, "{report}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let body = loop {
+            let (_, _, body) = get(addr, "/metrics");
+            if launches(&body) == Some(expected as f64) || Instant::now() > deadline {
+                break body;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert_eq!(launches(&body), Some(expected as f64), "pid {pid}: {body}");
+        // ebtrace times each call from inside it (entry to return probe):
+        // a little less than the workload, which also counts the probes'
+        // traps.
+        let own = report["sync_wait_ns"].as_f64().unwrap() / 1e9;
+        let seen = waited(&body).expect(&body);
+        assert!(own > 0.0, "{report}");
+        assert!(
+            seen <= own + 1e-4 && seen >= 0.5 * own,
+            "pid {pid}: ebtrace {seen} s in synchronizing calls, the workload {own} s"
+        );
+        promtool_accepts(&body);
+    }
+    assert_eq!(
+        server.count_lines("flight recorder on"),
+        1,
+        "the recorder started again for the new process: {:?}",
+        server.lines()
+    );
 }
 
 #[test]

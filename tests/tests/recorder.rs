@@ -311,8 +311,8 @@ fn a_process_that_dies_is_kept_until_its_records_are_too_old() {
 }
 
 #[test]
-fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
-    if !require_root("with_discover_the_recorder_picks_up_a_process_started_after_the_daemon") {
+fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
+    if !require_root("with_discover_the_recorder_takes_on_a_process_started_after_the_daemon") {
         return;
     }
     let _serial = serial();
@@ -337,9 +337,28 @@ fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
             .unwrap_or_else(|| panic!("pid {pid} not discovered: {:?}", server.lines()))
     };
     watching(first.pid);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    // The recorder holds a while of the first process when the second
+    // appears: it takes the second on and keeps what it holds.
+    std::thread::sleep(Duration::from_secs(1));
     let later = SchedWorkload::start_with_env(&[], &preload);
     watching(later.pid);
-    // Let the recorder, started again on both, record a while.
+    assert!(
+        server
+            .wait_line(
+                &format!("recording pid {} (sched_workload) too", later.pid),
+                Duration::from_secs(10)
+            )
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
     std::thread::sleep(Duration::from_secs(1));
     let space = block_on(async {
         let mut client = server.client().await;
@@ -352,6 +371,7 @@ fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
         xspace_of(&r.into_inner())
     });
     let host = plane(&space, HOST_CPU);
+    let mut first_seen_ns = Vec::new();
     for (which, workload) in [("first", &first), ("later", &later)] {
         let burner = line_events(host, workload.tid("cpu-burner").into());
         let running = xspace::sum_named(&burner, "Running");
@@ -359,7 +379,21 @@ fn with_discover_the_recorder_picks_up_a_process_started_after_the_daemon() {
             running > 100e6,
             "the {which} process's cpu-burner ran {running} ns in the snapshot"
         );
+        first_seen_ns.push(burner.iter().map(|e| e.start_ns).fold(f64::MAX, f64::min));
     }
+    assert_eq!(
+        server.count_lines("flight recorder on"),
+        1,
+        "the recorder started again for the new process: {:?}",
+        server.lines()
+    );
+    // The first process's line goes back to before the second appeared;
+    // the second's starts when it was taken on, not before.
+    let (first_from, later_from) = (first_seen_ns[0], first_seen_ns[1]);
+    assert!(
+        later_from - first_from > 800e6,
+        "the first process is seen from {first_from} ns, the later one from {later_from} ns"
+    );
 
     // A process that dies stays in what the recorder keeps: its last
     // seconds are what a snapshot after a crash is for. The other one goes

@@ -160,6 +160,9 @@ pub struct Capture {
     collector: Collector,
     targets: Vec<TargetProcess>,
     initial: HashMap<u32, InitialState>,
+    /// Targets added after the capture started ([`Capture::add_target`]),
+    /// and when.
+    tracked_from: Vec<(u32, u64)>,
     /// Decoded records but TraceMe events, oldest first (a deque: a flight
     /// recorder forgets from the front).
     records: VecDeque<Record>,
@@ -291,6 +294,7 @@ impl Capture {
             collector,
             targets,
             initial,
+            tracked_from: Vec::new(),
             records: VecDeque::new(),
             streamed,
             record_slots: 0,
@@ -404,6 +408,48 @@ impl Capture {
         let forgotten = (n + old_traceme) as u64;
         self.forgot |= forgotten > 0;
         forgotten
+    }
+
+    /// Records `target` too from now on (a process the flight recorder's
+    /// `--discover` found after it started): what was recorded of the
+    /// others stays. Returns what the user should know, one line each.
+    pub fn add_target(&mut self, target: TargetProcess) -> Result<Vec<String>> {
+        let pid = target.pid;
+        if self.targets.iter().any(|t| t.pid == pid) {
+            return Ok(Vec::new());
+        }
+        self.probe.add_target(pid)?;
+        let added = (|| -> Result<Vec<String>> {
+            let one = std::slice::from_ref(&target);
+            let initial = track_threads(&mut self.probe, one)?;
+            let mut notes = Vec::new();
+            if self.families.cuda {
+                match &mut self.cuda {
+                    Some(cuda) => notes.extend(cuda.add(&mut self.probe, one)),
+                    None => {
+                        let (cuda, warnings) = CudaProbe::attach(&mut self.probe, one)?;
+                        self.cuda = cuda;
+                        notes.extend(warnings);
+                    }
+                }
+                let probed = self.cuda.iter().flat_map(|c| &c.targets);
+                notes.extend(probed.filter(|c| c.pid == pid).map(cuda::describe));
+            }
+            self.probe.open_window(pid)?;
+            self.initial.extend(initial);
+            Ok(notes)
+        })();
+        match added {
+            Ok(notes) => {
+                self.tracked_from.push((pid, monotonic_ns()));
+                self.targets.push(target);
+                Ok(notes)
+            }
+            Err(e) => {
+                let _ = self.probe.remove_target(pid);
+                Err(e)
+            }
+        }
     }
 
     /// Stops recording target `pid`, which has exited, so that a process
@@ -633,6 +679,7 @@ impl Capture {
             initial,
             names,
             scheduling: self.families.sched,
+            tracked_from: self.tracked_from.clone(),
             records: self.records.make_contiguous(),
             streamed: self.streamed.take(),
             malformed: self.collector.malformed,

@@ -106,43 +106,10 @@ impl CudaProbe {
         set: &mut ProbeSet,
         targets: &[TargetProcess],
     ) -> Result<(Option<CudaProbe>, Warnings)> {
-        let mut warnings = Vec::new();
-        let found: Vec<(u32, Library)> = targets
-            .iter()
-            .filter_map(|t| match libcuda::locate(t.pid) {
-                Some(lib) => Some((t.pid, lib)),
-                None => {
-                    warnings.push(format!(
-                        "pid {} ({}) has not loaded {} and none is on its library path \
-                         (LD_LIBRARY_PATH, ld.so.cache, /usr/lib...): its CUDA driver calls are \
-                         not traced",
-                        t.pid,
-                        t.name,
-                        libcuda::SONAME
-                    ));
-                    None
-                }
-            })
-            .collect();
-        if found.is_empty() {
-            return Ok((None, warnings));
-        }
-        let no_multi = why_not_multi(set);
-        let mut attached = Vec::new();
         let mut links = Vec::new();
-        for (pid, library) in found {
-            match attach_library(set, pid, &library, no_multi.as_deref(), &mut links) {
-                Ok(target) if target.probed > 0 => attached.push(target),
-                Ok(target) => warnings.push(format!(
-                    "pid {pid}: {} exports none of the CUDA driver functions ebtrace probes{}",
-                    library.path.display(),
-                    describe_skips(&target.skipped)
-                )),
-                Err(e) => warnings.push(format!(
-                    "pid {pid}: cannot probe {}: {e}; its CUDA driver calls are not traced",
-                    library.path.display()
-                )),
-            }
+        let (attached, warnings) = attach_targets(set, targets, &mut links);
+        if attached.is_empty() {
+            return Ok((None, warnings));
         }
         let stats = set
             .ebpf()
@@ -162,6 +129,15 @@ impl CudaProbe {
             }),
             warnings,
         ))
+    }
+
+    /// Attaches to the driver library of `targets` too (processes a running
+    /// capture takes on); returns what [`Self::attach`] does for them: the
+    /// targets now probed, and warnings naming those left out.
+    pub fn add(&mut self, set: &mut ProbeSet, targets: &[TargetProcess]) -> Warnings {
+        let (attached, warnings) = attach_targets(set, targets, &mut self.links);
+        self.targets.extend(attached);
+        warnings
     }
 
     /// Detaches every probe, releasing the links concurrently.
@@ -190,6 +166,54 @@ impl CudaProbe {
             names_truncated: sum(stat::NAMES_TRUNCATED)?,
         })
     }
+}
+
+/// Attaches to the driver library of every target of `targets` that has
+/// one (or would load one), keeping the links in `links`: the targets
+/// probed, and warnings naming the processes left out.
+fn attach_targets(
+    set: &mut ProbeSet,
+    targets: &[TargetProcess],
+    links: &mut Vec<OwnedLink>,
+) -> (Vec<CudaTarget>, Warnings) {
+    let mut warnings = Vec::new();
+    let found: Vec<(u32, Library)> = targets
+        .iter()
+        .filter_map(|t| match libcuda::locate(t.pid) {
+            Some(lib) => Some((t.pid, lib)),
+            None => {
+                warnings.push(format!(
+                    "pid {} ({}) has not loaded {} and none is on its library path \
+                     (LD_LIBRARY_PATH, ld.so.cache, /usr/lib...): its CUDA driver calls are \
+                     not traced",
+                    t.pid,
+                    t.name,
+                    libcuda::SONAME
+                ));
+                None
+            }
+        })
+        .collect();
+    if found.is_empty() {
+        return (Vec::new(), warnings);
+    }
+    let no_multi = why_not_multi(set);
+    let mut attached = Vec::new();
+    for (pid, library) in found {
+        match attach_library(set, pid, &library, no_multi.as_deref(), links) {
+            Ok(target) if target.probed > 0 => attached.push(target),
+            Ok(target) => warnings.push(format!(
+                "pid {pid}: {} exports none of the CUDA driver functions ebtrace probes{}",
+                library.path.display(),
+                describe_skips(&target.skipped)
+            )),
+            Err(e) => warnings.push(format!(
+                "pid {pid}: cannot probe {}: {e}; its CUDA driver calls are not traced",
+                library.path.display()
+            )),
+        }
+    }
+    (attached, warnings)
 }
 
 /// One line per target saying what is traced, for the user.

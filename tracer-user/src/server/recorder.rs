@@ -9,7 +9,8 @@
 //! target keep every event in its own memory until a profiler session of
 //! its own drains them. A process that exits stays in it until its
 //! records are too old: its last seconds are what a snapshot after a
-//! crash is for.
+//! crash is for. A process watched after it started is recorded from
+//! then on, alongside the others.
 
 use std::{collections::BTreeSet, time::Duration};
 
@@ -55,6 +56,8 @@ pub struct FlightRecorder {
     reported: u64,
     /// Processes it no longer records (they exited); their records stay.
     gone: BTreeSet<u32>,
+    /// Processes it could not take on ([`Self::take_on`]).
+    left_out: BTreeSet<u32>,
 }
 
 impl FlightRecorder {
@@ -100,16 +103,45 @@ impl FlightRecorder {
             forgotten: 0,
             reported: 0,
             gone: BTreeSet::new(),
+            left_out: BTreeSet::new(),
         })
     }
 
-    /// Whether it records every process of `watched` (a pid it stopped
-    /// recording when its process exited and that is watched again is a
-    /// new process, which it does not record).
-    pub fn records_all(&self, watched: &BTreeSet<u32>) -> bool {
-        watched
-            .iter()
-            .all(|pid| self.pids.contains(pid) && !self.gone.contains(pid))
+    /// Whether it can record every process of `watched`: not where a pid
+    /// it stopped recording when its process exited is watched again (a
+    /// new process reusing the pid, which the records of the old one would
+    /// be mistaken for).
+    pub fn can_record_all(&self, watched: &BTreeSet<u32>) -> bool {
+        watched.iter().all(|pid| !self.gone.contains(pid))
+    }
+
+    /// Records the processes of `watched` it does not record yet, from
+    /// now on; what it holds of the others stays. A process it cannot
+    /// record is said once and left out.
+    pub fn take_on(&mut self, watched: Vec<TargetProcess>) {
+        // A pid left out that is no longer watched may be a new process
+        // when it is watched again.
+        self.left_out
+            .retain(|pid| watched.iter().any(|t| t.pid == *pid));
+        for target in watched {
+            let (pid, name) = (target.pid, target.name.clone());
+            if self.pids.contains(&pid) || self.left_out.contains(&pid) {
+                continue;
+            }
+            match self.capture.add_target(target) {
+                Ok(notes) => {
+                    eprintln!("ebtrace: flight recorder: recording pid {pid} ({name}) too");
+                    for note in notes {
+                        eprintln!("ebtrace: {note}");
+                    }
+                    self.pids.insert(pid);
+                }
+                Err(e) => {
+                    eprintln!("ebtrace: flight recorder: cannot record pid {pid} ({name}): {e}");
+                    self.left_out.insert(pid);
+                }
+            }
+        }
     }
 
     /// Records forgotten since the last call: what `/metrics` adds to its

@@ -41,6 +41,9 @@ pub struct Sources<'a> {
     /// The decoded records but TraceMe events, in ring-buffer order (one
     /// buffer is shared by all CPUs: reservations are ordered, timestamps
     /// taken just before them are not quite). Sorted by time in place.
+    /// Processes recorded only from some time on (added to a capture
+    /// already running), and from when.
+    pub tracked_from: Vec<(u32, u64)>,
     pub records: &'a mut [Record],
     /// The scheduler records already built into thread states as they
     /// arrived, for a window from the start (`records` then holds none).
@@ -72,6 +75,7 @@ impl Sources<'_> {
             initial: HashMap::new(),
             names: HashMap::new(),
             scheduling: false,
+            tracked_from: Vec::new(),
             records: &mut [],
             streamed: None,
             malformed: 0,
@@ -121,6 +125,9 @@ pub fn assemble(
             SchedTimelineBuilder::new(window_start, stop_ns, sources.processes, sources.initial)
         }
     };
+    for &(pid, since_ns) in &sources.tracked_from {
+        builder.tracked_from(pid, since_ns);
+    }
     // Records before the window still tell each thread's state at its start.
     let end = sources.records.partition_point(|r| r.ts() <= stop_ns);
     let mut samples = Vec::new();

@@ -52,6 +52,8 @@ pub struct SchedTimelineBuilder {
     stop_ns: u64,
     targets: BTreeSet<u32>,
     initial: FxHashMap<u32, InitialState>,
+    /// Processes traced from later than the window's start, and since when.
+    tracked_from: FxHashMap<u32, u64>,
     /// Looked up several times per record: a fast hash for small keys.
     threads: FxHashMap<u32, ThreadBuild>,
     processes: BTreeMap<u32, ProcessInfo>,
@@ -87,6 +89,7 @@ impl SchedTimelineBuilder {
             stop_ns,
             targets: processes.keys().copied().collect(),
             initial: initial.into_iter().collect(),
+            tracked_from: FxHashMap::default(),
             threads: FxHashMap::default(),
             processes,
             next_flow_id: 1,
@@ -99,6 +102,13 @@ impl SchedTimelineBuilder {
     /// known (see [`super::streamed`]); records fed so far must not be later.
     pub fn stop_at(&mut self, stop_ns: u64) {
         self.stop_ns = stop_ns;
+    }
+
+    /// Says that the probes follow process `pid` from `since_ns` only (it
+    /// was added to a capture already running): its threads' states
+    /// before then are unknown, not what their first records imply.
+    pub fn tracked_from(&mut self, pid: u32, since_ns: u64) {
+        self.tracked_from.insert(pid, since_ns);
     }
 
     fn thread(&mut self, tid: u32, pid: u32) -> &mut ThreadBuild {
@@ -114,10 +124,11 @@ impl SchedTimelineBuilder {
     fn close(&mut self, tid: u32, ts: u64, before_first: ThreadState) {
         let (start, stop) = (self.start_ns, self.stop_ns);
         let t = self.threads.get_mut(&tid).expect("thread exists");
+        let tracked_from = self.tracked_from.get(&t.pid).copied();
         let (state, since) = match t.cur {
             Some(cur) => cur,
             None if t.dead => return,
-            None => (before_first, t.born_ns.unwrap_or(start)),
+            None => (before_first, t.born_ns.or(tracked_from).unwrap_or(start)),
         };
         t.cur = None;
         let (from, to) = (since.max(start), ts.min(stop));
@@ -585,6 +596,47 @@ mod tests {
         assert_eq!(t.counters.unknown_ns, 500);
         assert_eq!(t.slices[2].state, ThreadState::Unknown);
         assert_eq!(tl.stats.inconsistencies, 1);
+    }
+
+    /// A process added to a running capture: its threads' lines start
+    /// when it was added, whether they ran then or stayed silent; another
+    /// process's from the window's start.
+    #[test]
+    fn a_process_tracked_from_later_starts_its_lines_then() {
+        let initial = [(7, PID), (8, PID + 1), (9, PID)]
+            .into_iter()
+            .map(|(tid, pid)| {
+                let name = format!("t{tid}");
+                let state = 'S';
+                (
+                    tid,
+                    InitialState {
+                        pid,
+                        name,
+                        state,
+                        cpu: 0,
+                    },
+                )
+            })
+            .collect();
+        let processes = [(PID, "p".into()), (PID + 1, "q".into())];
+        let mut b = SchedTimelineBuilder::new(1_000, 2_000, processes, initial);
+        b.tracked_from(PID, 1_500);
+        b.push(&Record::sched_switch(1_800, 0, (7, PID), 0x1, (0, 0)));
+        let tl = b.finish(
+            ClockSync::from_offset(0),
+            &HashMap::new(),
+            CaptureStats::default(),
+        );
+        let ran = &tl.threads[&7];
+        assert_partition(ran);
+        assert_eq!(
+            (ran.slices[0].start_ns, ran.slices[0].end_ns),
+            (1_500, 1_800)
+        );
+        assert!(matches!(ran.slices[0].state, ThreadState::Running { .. }));
+        assert_eq!(tl.threads[&9].slices[0].start_ns, 1_500);
+        assert_eq!(tl.threads[&8].slices[0].start_ns, 1_000);
     }
 
     #[test]

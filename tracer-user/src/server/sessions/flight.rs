@@ -89,18 +89,21 @@ impl Hub {
     }
 
     /// Keeps the flight recorder going: drains it, forgets what is too
-    /// old, and starts it again when a process it does not record is
-    /// watched now (what it kept is dropped then). A process that exited
-    /// stays in it until its records are too old: its last seconds are
-    /// what a snapshot is asked for after a crash. Once nothing is watched
-    /// and nothing is held, its probes are detached.
+    /// old, and records the processes watched since it started from now
+    /// on. A process that exited stays in it until its records are too
+    /// old: its last seconds are what a snapshot is asked for after a
+    /// crash. Only a new process reusing the pid of one it recorded starts
+    /// it again (what it kept is dropped then). Once nothing is watched and
+    /// nothing is held, its probes are detached.
     pub(super) fn run_recorder(&mut self) {
-        let pids: BTreeSet<u32> = self.watched.targets().iter().map(|t| t.pid).collect();
+        let watched = self.watched.targets();
+        let pids: BTreeSet<u32> = watched.iter().map(|t| t.pid).collect();
         if let Some(r) = self.recorder.as_mut()
-            && r.records_all(&pids)
+            && r.can_record_all(&pids)
             && !self.shutting_down
         {
             r.forget_gone(&pids);
+            r.take_on(watched);
             r.tick();
             let counters = &self.config.metrics.server;
             counters
