@@ -444,3 +444,61 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
         server.lines()
     );
 }
+
+/// A snapshot of a busy target holds millions of records and takes a
+/// while to build: the ring buffer goes on being drained meanwhile, so
+/// nothing the target does then is lost (a small ring would fill within
+/// the build otherwise).
+#[test]
+fn nothing_is_dropped_while_a_large_snapshot_is_built() {
+    if !require_root("nothing_is_dropped_while_a_large_snapshot_is_built") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&["--mode", "pingpong", "--seconds", "60"]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--retain",
+        "30s",
+        "--ring-buffer-mib",
+        "4",
+    ]);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    let snapshot = |id: &str| {
+        block_on(async {
+            let mut client = server.client().await;
+            let r = client
+                .get_snapshot(GetSnapshotRequest {
+                    snapshot_session_id: id.into(),
+                })
+                .await
+                .expect("a snapshot");
+            xspace_of(&r.into_inner())
+        })
+    };
+    let dropped = |space: &ebtrace_proto::tensorflow::profiler::XSpace| {
+        xspace::plane_stats(plane(space, "Task Environment"))["ebtrace_dropped_records"].as_u64()
+    };
+    let large = snapshot("large");
+    let records =
+        xspace::plane_stats(plane(&large, "Task Environment"))["ebtrace_records"].as_u64();
+    assert!(records > 1_000_000, "{records} records in the snapshot");
+    assert_eq!(dropped(&large), 0);
+    // Drops while it was built would show in the next one.
+    std::thread::sleep(Duration::from_millis(300));
+    let next = snapshot("next");
+    assert_eq!(
+        dropped(&next),
+        0,
+        "records were dropped while a snapshot was built"
+    );
+    drop(workload);
+}

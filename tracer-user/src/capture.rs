@@ -15,6 +15,7 @@ pub mod cpu_profile;
 
 use std::{
     collections::{HashMap, VecDeque},
+    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
@@ -36,6 +37,10 @@ use crate::{
         self, InitialState, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling,
     },
 };
+
+/// How long the draining thread of [`Capture::assemble_while_draining`]
+/// waits between drains at most.
+const DRAIN_WHILE_BUILDING: Duration = Duration::from_millis(20);
 
 /// How often the agents hand over what the GPUs ran during a capture.
 const DEVICE_COLLECTION_PERIOD: Duration = Duration::from_millis(250);
@@ -355,6 +360,11 @@ impl Capture {
     fn drain(&mut self) {
         let mut batch = Vec::new();
         self.collector.drain(&mut batch);
+        self.take_in(batch);
+    }
+
+    /// Keeps `batch`, records drained from the ring buffer.
+    fn take_in(&mut self, batch: Vec<Record>) {
         let mut traceme = 0;
         for r in batch {
             match r {
@@ -644,6 +654,41 @@ impl Capture {
     /// records, and what the agents recorded, collected now. The capture
     /// goes on running: overlapping windows can share one set of probes.
     pub fn sources(&mut self) -> Sources<'_> {
+        self.sources_and_collector().0
+    }
+
+    /// [`timeline::assemble`] of `window` from what is held so far, while
+    /// another thread goes on draining the ring buffer: a large window
+    /// (a flight recorder's snapshot) takes long enough to build that the
+    /// ring would fill meanwhile. What it drained is taken in afterwards.
+    pub fn assemble_while_draining(
+        &mut self,
+        window: &Window,
+        dropped: u64,
+        ended_early: Option<String>,
+    ) -> Timeline {
+        let (sources, collector) = self.sources_and_collector();
+        let built = AtomicBool::new(false);
+        let (timeline, drained) = std::thread::scope(|scope| {
+            let draining = scope.spawn(|| {
+                let mut batch = Vec::new();
+                while !built.load(Ordering::Acquire) {
+                    collector.wait(DRAIN_WHILE_BUILDING);
+                    collector.drain(&mut batch);
+                }
+                batch
+            });
+            let timeline = timeline::assemble(sources, window, dropped, ended_early);
+            built.store(true, Ordering::Release);
+            let drained = draining.join().expect("the draining thread does not panic");
+            (timeline, drained)
+        });
+        self.take_in(drained);
+        timeline
+    }
+
+    /// [`Self::sources`], and the collector, which they do not borrow.
+    fn sources_and_collector(&mut self) -> (Sources<'_>, &mut Collector) {
         self.collect_framework(true);
         self.name_kernels();
         let mut names = HashMap::new();
@@ -668,7 +713,7 @@ impl Capture {
         } else {
             self.initial.clone()
         };
-        Sources {
+        let sources = Sources {
             start_ns: self.start_ns,
             clock: self.clock,
             processes: self
@@ -689,7 +734,8 @@ impl Capture {
             recordings: &self.recordings,
             device_batches: &self.collected,
             stacks: self.stacks.as_mut(),
-        }
+        };
+        (sources, &mut self.collector)
     }
 }
 

@@ -23,7 +23,7 @@ use crate::{
     collect::Record,
     metrics::activity::ActivityTally,
     procfs::TargetProcess,
-    timeline::{self, Timeline, Window},
+    timeline::{Timeline, Window},
 };
 
 /// How much the flight recorder keeps.
@@ -190,7 +190,7 @@ impl FlightRecorder {
             max_events,
         };
         let dropped = self.capture.probe_stats().map_or(0, |p| p.dropped());
-        let mut tl = timeline::assemble(self.capture.sources(), &window, dropped, None);
+        let mut tl = self.capture.assemble_while_draining(&window, dropped, None);
         if self.forgotten > 0 {
             tl.stats.notes.push(format!(
                 "flight recorder: {} older records forgotten so far (--retain {}, \

@@ -545,7 +545,7 @@ fn session_timeline(
     match r.capture.as_mut() {
         Some(capture) => {
             let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
-            timeline::assemble(capture.sources(), &window, dropped, ended_early)
+            capture.assemble_while_draining(&window, dropped, ended_early)
         }
         // No family was asked for: the window, its processes, no probe data.
         None => {
