@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    CORRELATION_STAT, CaptureStats, CpuSlice, Cuts, DeviceTrack, Mark, MarkKind, ProcessInfo,
-    RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
-    ThreadState, ThreadTrack, Timeline, Value, Window, nest,
+    CORRELATION_STAT, CaptureStats, CpuSlice, Cuts, DeviceTrack, FlowId, Mark, MarkKind,
+    ProcessInfo, RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState,
+    ThreadCounters, ThreadState, ThreadTrack, Timeline, Value, Window, nest,
 };
 use crate::clock::ClockSync;
 
@@ -26,8 +26,8 @@ fn pieces(mut cuts: Vec<u64>) -> Vec<(u64, u64)> {
     cuts.windows(2).map(|w| (w[0], w[1])).collect()
 }
 
-fn link(id: Option<u8>) -> Option<u64> {
-    id.map(u64::from)
+fn link(id: Option<u8>) -> Option<FlowId> {
+    id.and_then(|id| FlowId::new(u32::from(id) + 1))
 }
 
 fn state(kind: u8, flow: Option<u8>) -> ThreadState {

@@ -306,7 +306,7 @@ mod tests {
     use super::*;
     use crate::{
         cuda_api,
-        timeline::{ProcessInfo, RunnableCause, Span, TaskState, ThreadState, Value},
+        timeline::{FlowId, ProcessInfo, RunnableCause, Span, TaskState, ThreadState, Value},
     };
 
     const PID: u32 = 7;
@@ -422,7 +422,7 @@ mod tests {
         let woken = RunnableCause::Woken {
             waker_tid: PID,
             waker_pid: PID,
-            flow_id: Some(1),
+            flow_id: FlowId::new(1),
         };
         let sleeping = TaskState::Sleeping;
         assert_eq!(

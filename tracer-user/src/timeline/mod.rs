@@ -43,6 +43,11 @@ pub use window::Window;
 
 use crate::clock::ClockSync;
 
+/// Links a wake-up to the slice of the thread it woke, numbered from 1 in
+/// each timeline. 32 bits (and never 0, which leaves `Option<FlowId>` as
+/// small): a capture's slices are the bulk of its memory.
+pub type FlowId = std::num::NonZeroU32;
+
 /// The state of a thread between two scheduler events.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ThreadState {
@@ -71,7 +76,7 @@ pub enum RunnableCause {
         waker_pid: u32,
         /// Links the waker's [`MarkKind::Wakeup`] to this slice; `None`
         /// when the trace does not show the waker's side.
-        flow_id: Option<u64>,
+        flow_id: Option<FlowId>,
     },
     /// First wake-up of a newly created thread.
     Created,
@@ -172,7 +177,7 @@ pub enum MarkKind {
     Wakeup {
         tid: u32,
         pid: u32,
-        flow_id: Option<u64>,
+        flow_id: Option<FlowId>,
     },
     /// This thread created a thread of its own process.
     ThreadCreated { tid: u32 },

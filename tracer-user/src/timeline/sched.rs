@@ -16,8 +16,8 @@ use rustc_hash::FxHashMap;
 use tracer_common::{CLONE_THREAD, PREEMPTED, WAKEUP_NEW};
 
 use super::{
-    CaptureStats, CpuSlice, Mark, MarkKind, ProcessInfo, RunnableCause, StateSlice, TaskState,
-    ThreadCounters, ThreadState, ThreadTrack, Timeline,
+    CaptureStats, CpuSlice, FlowId, Mark, MarkKind, ProcessInfo, RunnableCause, StateSlice,
+    TaskState, ThreadCounters, ThreadState, ThreadTrack, Timeline,
 };
 use crate::{clock::ClockSync, collect::Record};
 
@@ -57,7 +57,8 @@ pub struct SchedTimelineBuilder {
     /// Looked up several times per record: a fast hash for small keys.
     threads: FxHashMap<u32, ThreadBuild>,
     processes: BTreeMap<u32, ProcessInfo>,
-    next_flow_id: u64,
+    /// The next wake-up's flow id; 0 once they are all taken.
+    next_flow_id: u32,
     records: u64,
     inconsistencies: u64,
 }
@@ -340,22 +341,18 @@ impl SchedTimelineBuilder {
         let cause = if created {
             RunnableCause::Created
         } else {
-            let flow_id = self.next_flow_id;
-            self.next_flow_id += 1;
+            let flow_id = FlowId::new(self.next_flow_id);
+            self.next_flow_id = self.next_flow_id.checked_add(1).unwrap_or(0);
             if self.targets.contains(&waker_pid) && (self.start_ns..=self.stop_ns).contains(&ts) {
                 self.thread(waker_tid, waker_pid).marks.push(Mark {
                     ts_ns: ts,
-                    kind: MarkKind::Wakeup {
-                        tid,
-                        pid,
-                        flow_id: Some(flow_id),
-                    },
+                    kind: MarkKind::Wakeup { tid, pid, flow_id },
                 });
             }
             RunnableCause::Woken {
                 waker_tid,
                 waker_pid,
-                flow_id: Some(flow_id),
+                flow_id,
             }
         };
         if self.threads[&tid].born_ns.is_some() && self.threads[&tid].cur.is_none() {
@@ -398,7 +395,11 @@ impl SchedTimelineBuilder {
 
         let mut threads = BTreeMap::new();
         let mut cpus: BTreeMap<u32, Vec<CpuSlice>> = BTreeMap::new();
-        for (tid, t) in self.threads {
+        for (tid, mut t) in self.threads {
+            // What the vectors kept for growth goes back before the CPU
+            // lines are made: the largest buffers of a capture.
+            t.slices.shrink_to_fit();
+            t.marks.shrink_to_fit();
             let name = t
                 .name
                 .or_else(|| names.get(&tid).cloned())
@@ -637,6 +638,13 @@ mod tests {
         assert!(matches!(ran.slices[0].state, ThreadState::Running { .. }));
         assert_eq!(tl.threads[&9].slices[0].start_ns, 1_500);
         assert_eq!(tl.threads[&8].slices[0].start_ns, 1_000);
+    }
+
+    /// A capture's memory is mostly its slices and marks: they stay small.
+    #[test]
+    fn slices_and_marks_stay_small() {
+        assert_eq!(size_of::<StateSlice>(), 32);
+        assert_eq!(size_of::<Mark>(), 24);
     }
 
     #[test]

@@ -236,7 +236,7 @@ impl IdSet {
 
 fn wake_flow(kind: &MarkKind) -> Option<u64> {
     match *kind {
-        MarkKind::Wakeup { flow_id, .. } => flow_id,
+        MarkKind::Wakeup { flow_id, .. } => flow_id.map(|f| f.get().into()),
         _ => None,
     }
 }
@@ -245,7 +245,7 @@ fn woken_flow(state: &ThreadState) -> Option<u64> {
     match *state {
         ThreadState::Runnable {
             cause: RunnableCause::Woken { flow_id, .. },
-        } => flow_id,
+        } => flow_id.map(|f| f.get().into()),
         _ => None,
     }
 }
@@ -269,7 +269,7 @@ fn unlink_dangling(tl: &mut Timeline) {
     for t in tl.threads.values_mut() {
         for m in &mut t.marks {
             if let MarkKind::Wakeup { flow_id, .. } = &mut m.kind
-                && flow_id.is_some_and(|id| !woken.contains(id))
+                && flow_id.is_some_and(|id| !woken.contains(id.get().into()))
             {
                 *flow_id = None;
             }
@@ -278,7 +278,7 @@ fn unlink_dangling(tl: &mut Timeline) {
             if let ThreadState::Runnable {
                 cause: RunnableCause::Woken { flow_id, .. },
             } = &mut s.state
-                && flow_id.is_some_and(|id| !wakes.contains(id))
+                && flow_id.is_some_and(|id| !wakes.contains(id.get().into()))
             {
                 *flow_id = None;
             }
@@ -321,7 +321,7 @@ mod tests {
     use crate::{
         clock::ClockSync,
         timeline::{
-            CaptureStats, CpuSlice, DeviceTrack, StateSlice, StreamTiming, StreamTrack,
+            CaptureStats, CpuSlice, DeviceTrack, FlowId, StateSlice, StreamTiming, StreamTrack,
             ThreadCounters, ThreadTrack, arbitrary,
         },
     };
@@ -351,7 +351,7 @@ mod tests {
     }
 
     /// Flow ids of wake-ups, (out, in).
-    fn flows(tl: &Timeline) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    fn flows(tl: &Timeline) -> (BTreeSet<FlowId>, BTreeSet<FlowId>) {
         let mut out = BTreeSet::new();
         let mut into = BTreeSet::new();
         for t in tl.threads.values() {

@@ -9,8 +9,8 @@ use super::*;
 use crate::{
     clock::ClockSync,
     timeline::{
-        CaptureStats, CpuSlice, DeviceTrack, ProcessInfo, RunnableCause, StateSlice, StreamTiming,
-        StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
+        CaptureStats, CpuSlice, DeviceTrack, FlowId, ProcessInfo, RunnableCause, StateSlice,
+        StreamTiming, StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
     },
 };
 
@@ -38,7 +38,7 @@ fn timeline() -> Timeline {
         cause: RunnableCause::Woken {
             waker_tid: 12,
             waker_pid: 10,
-            flow_id: Some(1),
+            flow_id: FlowId::new(1),
         },
     };
     let thread = |tid: u32, name: &str, slices, spans| ThreadTrack {

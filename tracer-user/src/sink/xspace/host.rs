@@ -16,7 +16,7 @@ use super::{
     PER_CPU_PLANE, PlaneStream, Stat, XPlaneBuilder, flow_stat_value,
 };
 use crate::timeline::{
-    MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
+    FlowId, MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
 };
 
 /// Writes the host planes to `out`, `/host:CPU` first, then those of the
@@ -416,8 +416,9 @@ impl SchedIds {
     }
 
     /// The flow stat of a linked wake-up (unused when there is no link).
-    fn flow(&self, flow_id: Option<u64>, direction: FlowDirection) -> Stat {
-        Stat::u64(self.flow, flow_stat_value(flow_id.unwrap_or(0), direction))
+    fn flow(&self, flow_id: Option<FlowId>, direction: FlowDirection) -> Stat {
+        let id = flow_id.map_or(0, |f| f.get().into());
+        Stat::u64(self.flow, flow_stat_value(id, direction))
     }
 
     /// The event name and stats of an instant.
