@@ -12,6 +12,7 @@ use std::{
 use ebtrace_proto::tensorflow::GetSnapshotRequest;
 use ebtrace_tests::{
     TempDir,
+    cuda::CudaWorkload,
     fixture::{SchedWorkload, build_c_shared},
     http, require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
@@ -501,4 +502,90 @@ fn nothing_is_dropped_while_a_large_snapshot_is_built() {
         "records were dropped while a snapshot was built"
     );
     drop(workload);
+}
+
+/// The probe links ebtrace (pid `server`) holds: BPF links and perf events.
+fn probe_links(server: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{server}/fd"))
+        .expect("the server's descriptors")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| {
+            let target = target.to_string_lossy();
+            target.contains("bpf_link") || target.contains("perf_event")
+        })
+        .count()
+}
+
+/// A process that comes and goes while the recorder runs leaves no probe
+/// behind: the recorder of a fleet sees many, for days.
+#[test]
+fn the_driver_probes_of_a_process_that_exits_are_let_go() {
+    if !require_root("the_driver_probes_of_a_process_that_exits_are_let_go") {
+        return;
+    }
+    let _serial = serial();
+    // Keeps the recorder on (it maps a library named like the driver,
+    // which exports nothing ebtrace probes).
+    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
+    let keeper = SchedWorkload::start_with_env(&[], &[("LD_PRELOAD", stub.to_str().unwrap())]);
+    let server = ServeProcess::loopback(&[
+        "--discover",
+        "--discover-interval",
+        "200ms",
+        "--retain",
+        "30s",
+    ]);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    let before = probe_links(server.pid());
+    for round in 0..2 {
+        let mut driver_user =
+            CudaWorkload::start_with_cupti(&["--early", "--iters", "20", "--linger"], &[]);
+        let pid = driver_user.pid;
+        assert!(
+            server
+                .wait_line(&format!("recording pid {pid} "), Duration::from_secs(10))
+                .is_some(),
+            "{:?}",
+            server.lines()
+        );
+        driver_user.run_and_linger(Duration::from_secs(30));
+        let with = probe_links(server.pid());
+        assert!(
+            with > before,
+            "round {round}: {with} links with pid {pid}, {before} before"
+        );
+        drop(driver_user);
+        assert!(
+            server
+                .wait_line(
+                    &format!("pid {pid} (cuda_workload) exited"),
+                    Duration::from_secs(10)
+                )
+                .is_some(),
+            "{:?}",
+            server.lines()
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while probe_links(server.pid()) > before && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        assert_eq!(
+            probe_links(server.pid()),
+            before,
+            "round {round}: the probes of pid {pid} stayed after it exited"
+        );
+    }
+    assert_eq!(
+        server.count_lines("flight recorder on"),
+        1,
+        "{:?}",
+        server.lines()
+    );
+    drop(keeper);
 }

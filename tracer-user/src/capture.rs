@@ -463,8 +463,12 @@ impl Capture {
     }
 
     /// Stops recording target `pid`, which has exited, so that a process
-    /// that reuses its pid is not recorded; what it recorded stays.
+    /// that reuses its pid is not recorded, and lets its driver probes go;
+    /// what it recorded stays.
     pub fn forget_target(&mut self, pid: u32) -> Result<()> {
+        if let Some(cuda) = &mut self.cuda {
+            cuda.release_target(pid);
+        }
         self.probe.remove_target(pid)
     }
 

@@ -91,7 +91,8 @@ pub struct CudaProbeStats {
 
 pub struct CudaProbe {
     stats: PerCpuArray<MapData, u64>,
-    links: Vec<OwnedLink>,
+    /// Each link with the process it probes.
+    links: Vec<(u32, OwnedLink)>,
     pub targets: Vec<CudaTarget>,
 }
 
@@ -140,16 +141,43 @@ impl CudaProbe {
         warnings
     }
 
+    /// Detaches the probes of `pid`, which exited, on another thread (a
+    /// long-running capture, such as the flight recorder, would otherwise
+    /// keep them, and their descriptors, for every process that came and
+    /// went).
+    pub fn release_target(&mut self, pid: u32) {
+        let (gone, kept) = std::mem::take(&mut self.links)
+            .into_iter()
+            .partition(|(p, _)| *p == pid);
+        self.links = kept;
+        self.targets.retain(|t| t.pid != pid);
+        let gone: Vec<OwnedLink> = gone.into_iter().map(|(_, l)| l).collect();
+        if !gone.is_empty() {
+            let released = std::thread::Builder::new()
+                .name("ebtrace-release".into())
+                .spawn(move || super::links::release(gone));
+            // No thread to spare: released here, slower.
+            if let Err(e) = released {
+                eprintln!("ebtrace: releasing the probes of pid {pid} here: {e}");
+            }
+        }
+    }
+
     /// Detaches every probe, releasing the links concurrently.
     pub fn detach(&mut self) {
-        super::links::release(std::mem::take(&mut self.links));
+        super::links::release(self.take_links());
     }
 
     /// Starts detaching every probe on another thread and returns at once;
     /// the process's exit waits for the rest.
     pub fn detach_in_background(&mut self) -> std::thread::JoinHandle<()> {
-        let links = std::mem::take(&mut self.links);
+        let links = self.take_links();
         std::thread::spawn(move || super::links::release(links))
+    }
+
+    fn take_links(&mut self) -> Vec<OwnedLink> {
+        let links = std::mem::take(&mut self.links);
+        links.into_iter().map(|(_, l)| l).collect()
     }
 
     pub fn stats(&self) -> Result<CudaProbeStats> {
@@ -174,7 +202,7 @@ impl CudaProbe {
 fn attach_targets(
     set: &mut ProbeSet,
     targets: &[TargetProcess],
-    links: &mut Vec<OwnedLink>,
+    links: &mut Vec<(u32, OwnedLink)>,
 ) -> (Vec<CudaTarget>, Warnings) {
     let mut warnings = Vec::new();
     let found: Vec<(u32, Library)> = targets
@@ -200,7 +228,10 @@ fn attach_targets(
     let no_multi = why_not_multi(set);
     let mut attached = Vec::new();
     for (pid, library) in found {
-        match attach_library(set, pid, &library, no_multi.as_deref(), links) {
+        let mut made = Vec::new();
+        let attached_library = attach_library(set, pid, &library, no_multi.as_deref(), &mut made);
+        links.extend(made.into_iter().map(|l| (pid, l)));
+        match attached_library {
             Ok(target) if target.probed > 0 => attached.push(target),
             Ok(target) => warnings.push(format!(
                 "pid {pid}: {} exports none of the CUDA driver functions ebtrace probes{}",
