@@ -589,3 +589,74 @@ fn the_driver_probes_of_a_process_that_exits_are_let_go() {
     );
     drop(keeper);
 }
+
+/// Once the records of a process that exited are older than `--retain`,
+/// the recorder keeps nothing of it: not even its pid among the
+/// snapshot's processes (a recorder that runs for days sees many come and
+/// go).
+#[test]
+fn a_process_whose_records_are_all_too_old_is_forgotten() {
+    if !require_root("a_process_whose_records_are_all_too_old_is_forgotten") {
+        return;
+    }
+    let _serial = serial();
+    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
+    let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
+    let keeper = SchedWorkload::start_with_env(&[], &preload);
+    let server = ServeProcess::loopback(&[
+        "--discover",
+        "--discover-interval",
+        "200ms",
+        "--retain",
+        "2s",
+    ]);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    let brief = SchedWorkload::start_with_env(&[], &preload);
+    let pid = brief.pid;
+    assert!(
+        server
+            .wait_line(&format!("recording pid {pid} "), Duration::from_secs(10))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    let pids = || {
+        let space = block_on(async {
+            let mut client = server.client().await;
+            let r = client
+                .get_snapshot(GetSnapshotRequest {
+                    snapshot_session_id: "pids".into(),
+                })
+                .await
+                .expect("a snapshot");
+            xspace_of(&r.into_inner())
+        });
+        let env = xspace::plane_stats(plane(&space, "Task Environment"));
+        env["ebtrace_pids"].as_str().to_string()
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    drop(brief);
+    assert!(
+        server
+            .wait_line(
+                &format!("pid {pid} (sched_workload) exited"),
+                Duration::from_secs(10)
+            )
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    let listed = |pids: &str, pid: u32| pids.split(',').any(|p| p == pid.to_string());
+    let just_after = pids();
+    assert!(listed(&just_after, pid), "{just_after}");
+    std::thread::sleep(Duration::from_secs(3));
+    let later = pids();
+    assert!(!listed(&later, pid), "pid {pid} is still held: {later}");
+    assert!(listed(&later, keeper.pid), "{later}");
+}

@@ -472,6 +472,19 @@ impl Capture {
         self.probe.remove_target(pid)
     }
 
+    /// Forgets all it knows of target `pid`, which exited (see
+    /// [`Self::forget_target`]) and whose records are all forgotten: its
+    /// threads, the names of its code. A flight recorder would otherwise
+    /// keep them for every process that came and went.
+    pub fn drop_target(&mut self, pid: u32) {
+        self.targets.retain(|t| t.pid != pid);
+        self.initial.retain(|_, thread| thread.pid != pid);
+        self.tracked_from.retain(|(p, _)| *p != pid);
+        if let Some(stacks) = &mut self.stacks {
+            stacks.forget_process(pid);
+        }
+    }
+
     /// What the targets did through the probes since the last call.
     pub fn take_activity(&mut self) -> ActivityTally {
         self.activity.take()

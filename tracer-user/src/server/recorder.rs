@@ -8,11 +8,14 @@
 //! left out: switching a framework's recording on for good would make the
 //! target keep every event in its own memory until a profiler session of
 //! its own drains them. A process that exits stays in it until its
-//! records are too old: its last seconds are what a snapshot after a
-//! crash is for. A process watched after it started is recorded from
+//! records are too old (then nothing of it is kept): its last seconds are
+//! what a snapshot after a crash is for. A process watched after it started is recorded from
 //! then on, alongside the others.
 
-use std::{collections::BTreeSet, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet, btree_map::Entry},
+    time::Duration,
+};
 
 use super::{sessions::SessionError, validate::SessionSpec};
 use crate::{
@@ -54,8 +57,9 @@ pub struct FlightRecorder {
     pub forgotten: u64,
     /// How many of those [`Self::newly_forgotten`] has reported.
     reported: u64,
-    /// Processes it no longer records (they exited); their records stay.
-    gone: BTreeSet<u32>,
+    /// Processes it no longer records (they exited), and when it saw them
+    /// gone; their records stay until they are older than `--retain`.
+    gone: BTreeMap<u32, u64>,
     /// Processes it could not take on ([`Self::take_on`]).
     left_out: BTreeSet<u32>,
 }
@@ -102,7 +106,7 @@ impl FlightRecorder {
             retention,
             forgotten: 0,
             reported: 0,
-            gone: BTreeSet::new(),
+            gone: BTreeMap::new(),
             left_out: BTreeSet::new(),
         })
     }
@@ -112,7 +116,7 @@ impl FlightRecorder {
     /// new process reusing the pid, which the records of the old one would
     /// be mistaken for).
     pub fn can_record_all(&self, watched: &BTreeSet<u32>) -> bool {
-        watched.iter().all(|pid| !self.gone.contains(pid))
+        watched.iter().all(|pid| !self.gone.contains_key(pid))
     }
 
     /// Records the processes of `watched` it does not record yet, from
@@ -158,11 +162,13 @@ impl FlightRecorder {
     /// any more (they exited), so that a process reusing a pid is not
     /// recorded. What they recorded stays until it is too old.
     pub fn forget_gone(&mut self, watched: &BTreeSet<u32>) {
+        let now = clock::monotonic_ns();
         for &pid in self.pids.difference(watched) {
-            if self.gone.insert(pid)
-                && let Err(e) = self.capture.forget_target(pid)
-            {
-                eprintln!("ebtrace: flight recorder: pid {pid} exited; its probes: {e}");
+            if let Entry::Vacant(gone) = self.gone.entry(pid) {
+                gone.insert(now);
+                if let Err(e) = self.capture.forget_target(pid) {
+                    eprintln!("ebtrace: flight recorder: pid {pid} exited; its probes: {e}");
+                }
             }
         }
     }
@@ -174,6 +180,19 @@ impl FlightRecorder {
         self.forgotten += self
             .capture
             .forget_before(cutoff, self.retention.max_records());
+        // Every record of a process gone before the cutoff is forgotten:
+        // so is the process.
+        let expired: Vec<u32> = self
+            .gone
+            .iter()
+            .filter(|(_, gone_ns)| **gone_ns < cutoff)
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in expired {
+            self.gone.remove(&pid);
+            self.pids.remove(&pid);
+            self.capture.drop_target(pid);
+        }
     }
 
     /// The timeline of the last `--retain`, up to now.

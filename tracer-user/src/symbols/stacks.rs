@@ -245,6 +245,16 @@ impl StackSymbolizer {
         }
     }
 
+    /// Forgets what it knows of process `pid`, which exited and whose
+    /// samples are all gone: a long-running capture would keep the names
+    /// of every process that came and went (and give them to a new process
+    /// that reuses the pid).
+    pub fn forget_process(&mut self, pid: u32) {
+        self.cache
+            .retain(|(space, _), _| *space != Space::Process(pid));
+        self.code.remove(&pid);
+    }
+
     /// What [`Self::resolve`] found at `address` of `space`.
     pub fn get(&self, space: Space, address: u64) -> Arc<Symbol> {
         self.cache
@@ -319,6 +329,29 @@ mod tests {
         // An address in no file it had mapped stays unknown.
         symbolizer.resolve(Space::Process(pid), [8]);
         assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
+    }
+
+    #[test]
+    fn a_forgotten_process_keeps_nothing() {
+        let mut symbolizer = StackSymbolizer::default();
+        let pid = std::process::id();
+        let address = a_forgotten_process_keeps_nothing as *const () as u64;
+        symbolizer.resolve(Space::Process(pid), [address]);
+        symbolizer.resolve(Space::Process(pid + 1), [address]);
+        assert!(
+            !symbolizer
+                .get(Space::Process(pid), address)
+                .frames
+                .is_empty()
+        );
+        symbolizer.forget_process(pid);
+        assert!(
+            symbolizer
+                .get(Space::Process(pid), address)
+                .frames
+                .is_empty()
+        );
+        assert_eq!(symbolizer.cache.len(), 1);
     }
 
     #[test]
