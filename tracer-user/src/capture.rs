@@ -9,13 +9,23 @@
 //! windows (`ebtrace serve`) hands its [`Capture::sources`] to
 //! [`timeline::assemble`] per window instead. Whatever ends a capture, what
 //! was recorded up to then is kept.
+//!
+//! Its rooms: [`records`] (what it holds, and forgets), [`targets`] (the
+//! processes it records, taken on and let go while it runs), [`windows`]
+//! (what it hands over to be shown), [`agents`] (the in-process agent's
+//! sessions), [`cpu_profile`] (pprof profiles).
 
 mod agents;
 pub mod cpu_profile;
+mod records;
+mod targets;
+mod windows;
+
+pub use targets::open_targets;
+use targets::track_threads;
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
@@ -28,19 +38,13 @@ use crate::{
         TraceMeProbe, cuda, tracefs,
     },
     clock::{ClockSync, monotonic_ns},
-    collect::{Collector, Record, StackSample, TraceMeEvent},
+    collect::{Collector, Record, TraceMeEvent},
     error::{Error, Result},
     metrics::activity::ActivityTally,
     procfs::{self, TargetProcess},
     symbols::stacks::StackSymbolizer,
-    timeline::{
-        self, InitialState, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling,
-    },
+    timeline::{self, InitialState, Timeline, Window, streamed::StreamedScheduling},
 };
-
-/// How long the draining thread of [`Capture::assemble_while_draining`]
-/// waits between drains at most.
-const DRAIN_WHILE_BUILDING: Duration = Duration::from_millis(20);
 
 /// How often the agents hand over what the GPUs ran during a capture.
 const DEVICE_COLLECTION_PERIOD: Duration = Duration::from_millis(250);
@@ -65,18 +69,6 @@ pub fn check_privileges() -> Result<()> {
     Err(Error::NotPrivileged {
         missing: missing.join(", "),
     })
-}
-
-/// Opens every target pid (fails on the first unknown one).
-pub fn open_targets(pids: &[u32]) -> Result<Vec<TargetProcess>> {
-    let mut targets: Vec<TargetProcess> = Vec::new();
-    for &pid in pids {
-        let t = TargetProcess::open(pid)?;
-        if !targets.iter().any(|o| o.pid == t.pid) {
-            targets.push(t);
-        }
-    }
-    Ok(targets)
 }
 
 #[derive(Clone, Debug, Default)]
@@ -175,7 +167,7 @@ pub struct Capture {
     /// into thread states as they arrive (until [`Capture::sources`] takes
     /// them; records held in `records` from then on).
     streamed: Option<StreamedScheduling>,
-    /// The memory `records` takes, in records (see [`record_slots`]).
+    /// The memory `records` takes, in records (see [`records::record_slots`]).
     record_slots: usize,
     /// Whether older records were forgotten (see [`Capture::forget_before`]).
     forgot: bool,
@@ -356,143 +348,9 @@ impl Capture {
         lines
     }
 
-    /// Drains the ring buffer; TraceMe events go to their own list.
-    fn drain(&mut self) {
-        let mut batch = Vec::new();
-        self.collector.drain(&mut batch);
-        self.take_in(batch);
-    }
-
-    /// Keeps `batch`, records drained from the ring buffer.
-    fn take_in(&mut self, batch: Vec<Record>) {
-        let mut traceme = 0;
-        for r in batch {
-            match r {
-                Record::TraceMe(e) => {
-                    self.traceme_events.push_back(*e);
-                    traceme += 1;
-                }
-                other if self.streamed.is_some() && StreamedScheduling::takes(&other) => {
-                    if let Some(streamed) = &mut self.streamed {
-                        streamed.push(other);
-                    }
-                }
-                other => {
-                    self.activity.count(&other);
-                    if let (Record::StackSample(sample), Some(stacks)) =
-                        (&other, self.stacks.as_mut())
-                    {
-                        stacks.note_sample(sample);
-                    }
-                    self.record_slots += record_slots(&other);
-                    self.records.push_back(other);
-                }
-            }
-        }
-        self.traceme.count_events(traceme);
-        if let Some(streamed) = &mut self.streamed {
-            streamed.settle();
-        }
-    }
-
-    /// Forgets the records older than `cutoff_ns`, and past that the
-    /// oldest ones beyond the memory of `max_records` records (a stack
-    /// sample takes several): what a flight recorder keeps. Returns how
-    /// many records and TraceMe events it forgot.
-    pub fn forget_before(&mut self, cutoff_ns: u64, max_records: usize) -> u64 {
-        // Records arrive nearly in time order: stop at the first recent one.
-        let mut n = 0;
-        while let Some(r) = self.records.front()
-            && (r.ts() < cutoff_ns || self.record_slots > max_records)
-        {
-            self.record_slots -= record_slots(r);
-            self.records.pop_front();
-            n += 1;
-        }
-        let old_traceme = self
-            .traceme_events
-            .iter()
-            .position(|e| e.header.ts_ns >= cutoff_ns)
-            .unwrap_or(self.traceme_events.len());
-        self.traceme_events.drain(..old_traceme);
-        let forgotten = (n + old_traceme) as u64;
-        self.forgot |= forgotten > 0;
-        forgotten
-    }
-
-    /// Records `target` too from now on (a process the flight recorder's
-    /// `--discover` found after it started): what was recorded of the
-    /// others stays. Returns what the user should know, one line each.
-    pub fn add_target(&mut self, target: TargetProcess) -> Result<Vec<String>> {
-        let pid = target.pid;
-        if self.targets.iter().any(|t| t.pid == pid) {
-            return Ok(Vec::new());
-        }
-        self.probe.add_target(pid)?;
-        let added = (|| -> Result<Vec<String>> {
-            let one = std::slice::from_ref(&target);
-            let initial = track_threads(&mut self.probe, one)?;
-            let mut notes = Vec::new();
-            if self.families.cuda {
-                match &mut self.cuda {
-                    Some(cuda) => notes.extend(cuda.add(&mut self.probe, one)),
-                    None => {
-                        let (cuda, warnings) = CudaProbe::attach(&mut self.probe, one)?;
-                        self.cuda = cuda;
-                        notes.extend(warnings);
-                    }
-                }
-                let probed = self.cuda.iter().flat_map(|c| &c.targets);
-                notes.extend(probed.filter(|c| c.pid == pid).map(cuda::describe));
-            }
-            self.probe.open_window(pid)?;
-            self.initial.extend(initial);
-            Ok(notes)
-        })();
-        match added {
-            Ok(notes) => {
-                self.tracked_from.push((pid, monotonic_ns()));
-                self.targets.push(target);
-                Ok(notes)
-            }
-            Err(e) => {
-                let _ = self.probe.remove_target(pid);
-                Err(e)
-            }
-        }
-    }
-
-    /// Stops recording target `pid`, which has exited, so that a process
-    /// that reuses its pid is not recorded, and lets its driver probes go;
-    /// what it recorded stays.
-    pub fn forget_target(&mut self, pid: u32) -> Result<()> {
-        if let Some(cuda) = &mut self.cuda {
-            cuda.release_target(pid);
-        }
-        self.probe.remove_target(pid)
-    }
-
-    /// Forgets all it knows of target `pid`, which exited (see
-    /// [`Self::forget_target`]) and whose records are all forgotten: its
-    /// threads, the names of its code. A flight recorder would otherwise
-    /// keep them for every process that came and went.
-    pub fn drop_target(&mut self, pid: u32) {
-        self.targets.retain(|t| t.pid != pid);
-        self.initial.retain(|_, thread| thread.pid != pid);
-        self.tracked_from.retain(|(p, _)| *p != pid);
-        if let Some(stacks) = &mut self.stacks {
-            stacks.forget_process(pid);
-        }
-    }
-
     /// What the targets did through the probes since the last call.
     pub fn take_activity(&mut self) -> ActivityTally {
         self.activity.take()
-    }
-
-    /// Records held now (TraceMe events included).
-    pub fn held(&self) -> usize {
-        self.records.len() + self.traceme_events.len()
     }
 
     /// Waits up to `timeout` for data, drains it, and reports progress.
@@ -666,132 +524,6 @@ impl Capture {
         };
         Ok((timeline, stats, probes))
     }
-
-    /// Everything recorded so far, for [`timeline::assemble`]: drained
-    /// records, and what the agents recorded, collected now. The capture
-    /// goes on running: overlapping windows can share one set of probes.
-    pub fn sources(&mut self) -> Sources<'_> {
-        self.sources_and_collector().0
-    }
-
-    /// [`timeline::assemble`] of `window` from what is held so far, while
-    /// another thread goes on draining the ring buffer: a large window
-    /// (a flight recorder's snapshot) takes long enough to build that the
-    /// ring would fill meanwhile. What it drained is taken in afterwards.
-    pub fn assemble_while_draining(
-        &mut self,
-        window: &Window,
-        dropped: u64,
-        ended_early: Option<String>,
-    ) -> Timeline {
-        let (sources, collector) = self.sources_and_collector();
-        let built = AtomicBool::new(false);
-        let (timeline, drained) = std::thread::scope(|scope| {
-            let draining = scope.spawn(|| {
-                let mut batch = Vec::new();
-                while !built.load(Ordering::Acquire) {
-                    collector.wait(DRAIN_WHILE_BUILDING);
-                    collector.drain(&mut batch);
-                }
-                batch
-            });
-            let timeline = timeline::assemble(sources, window, dropped, ended_early);
-            built.store(true, Ordering::Release);
-            let drained = draining.join().expect("the draining thread does not panic");
-            (timeline, drained)
-        });
-        self.take_in(drained);
-        timeline
-    }
-
-    /// [`Self::sources`], and the collector, which they do not borrow.
-    fn sources_and_collector(&mut self) -> (Sources<'_>, &mut Collector) {
-        self.collect_framework(true);
-        self.name_kernels();
-        let mut names = HashMap::new();
-        for t in &self.targets {
-            for (tid, stat) in t.threads() {
-                names.insert(tid, stat.comm);
-            }
-        }
-        let traceme_events = self.traceme_events.make_contiguous();
-        let traceme = (!self.traceme.recorders.is_empty()).then(|| {
-            let mut notes = traceme_findings(&self.traceme);
-            notes.extend(self.traceme.left_in_targets());
-            TraceMeInput {
-                events: traceme_events,
-                notes,
-            }
-        });
-        // Once older records are forgotten, the threads' states when the
-        // capture began no longer lead up to the first record kept.
-        let initial = if self.forgot {
-            HashMap::new()
-        } else {
-            self.initial.clone()
-        };
-        let sources = Sources {
-            start_ns: self.start_ns,
-            clock: self.clock,
-            processes: self
-                .targets
-                .iter()
-                .map(|t| (t.pid, t.name.clone()))
-                .collect(),
-            initial,
-            names,
-            scheduling: self.families.sched,
-            tracked_from: self.tracked_from.clone(),
-            records: self.records.make_contiguous(),
-            streamed: self.streamed.take(),
-            malformed: self.collector.malformed,
-            kernel_naming: Some(&self.kernel_naming),
-            traceme,
-            warnings: self.traceme.warnings().to_vec(),
-            recordings: &self.recordings,
-            device_batches: &self.collected,
-            stacks: self.stacks.as_mut(),
-        };
-        (sources, &mut self.collector)
-    }
-}
-
-/// The memory a held record takes, in records: one, but a stack sample
-/// also holds its frames.
-fn record_slots(r: &Record) -> usize {
-    match r {
-        Record::StackSample(s) => {
-            let frames = (s.user.len() + s.kernel.len()) * size_of::<u64>();
-            1 + (size_of::<StackSample>() + frames).div_ceil(size_of::<Record>())
-        }
-        _ => 1,
-    }
-}
-
-/// Follows the threads `targets` have now and notes how `/proc` shows
-/// them: thread creation must be followed already, so that a thread
-/// created in between is seen by one or the other.
-fn track_threads(
-    probe: &mut ProbeSet,
-    targets: &[TargetProcess],
-) -> Result<HashMap<u32, InitialState>> {
-    let mut initial = HashMap::new();
-    for t in targets {
-        let threads = t.threads();
-        probe.track_threads(t.pid, threads.keys().copied())?;
-        for (tid, stat) in threads {
-            initial.insert(
-                tid,
-                InitialState {
-                    pid: t.pid,
-                    name: stat.comm,
-                    state: stat.state,
-                    cpu: stat.cpu,
-                },
-            );
-        }
-    }
-    Ok(initial)
 }
 
 /// The TraceMe recorders and Python gates found, one line each.
@@ -817,34 +549,5 @@ impl AttachedProbes {
     pub fn release_after_exit(self) {
         crate::attach::links::release_after_exit();
         drop(self);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use tracer_common::{RecordHeader, RecordKind};
-
-    use super::*;
-
-    /// The flight recorder's memory cap counts a stack sample's frames.
-    #[test]
-    fn a_stack_sample_takes_the_room_of_its_frames() {
-        let sample = |frames: usize| {
-            Record::StackSample(Box::new(StackSample {
-                header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
-                tid: 1,
-                tgid: 1,
-                user: vec![0; frames].into(),
-                kernel: vec![0; frames].into(),
-                user_unreadable: false,
-                kernel_unreadable: false,
-            }))
-        };
-        let switch = Record::sched_switch(0, 0, (1, 1), 0, (2, 2));
-        assert_eq!(record_slots(&switch), 1);
-        let (few, many) = (record_slots(&sample(1)), record_slots(&sample(127)));
-        assert!(few >= 2, "{few}");
-        // 254 frames of 8 bytes, in records of at most 48 bytes.
-        assert!(many > 254 * 8 / size_of::<Record>(), "{many}");
     }
 }

@@ -1,0 +1,120 @@
+//! The records a capture holds: taken in as the ring buffer is drained,
+//! and, for a flight recorder, forgotten once too old or too many.
+
+use super::Capture;
+use crate::{
+    collect::{Record, StackSample},
+    timeline::streamed::StreamedScheduling,
+};
+
+impl Capture {
+    /// Drains the ring buffer; TraceMe events go to their own list.
+    pub(super) fn drain(&mut self) {
+        let mut batch = Vec::new();
+        self.collector.drain(&mut batch);
+        self.take_in(batch);
+    }
+
+    /// Keeps `batch`, records drained from the ring buffer.
+    pub(super) fn take_in(&mut self, batch: Vec<Record>) {
+        let mut traceme = 0;
+        for r in batch {
+            match r {
+                Record::TraceMe(e) => {
+                    self.traceme_events.push_back(*e);
+                    traceme += 1;
+                }
+                other if self.streamed.is_some() && StreamedScheduling::takes(&other) => {
+                    if let Some(streamed) = &mut self.streamed {
+                        streamed.push(other);
+                    }
+                }
+                other => {
+                    self.activity.count(&other);
+                    if let (Record::StackSample(sample), Some(stacks)) =
+                        (&other, self.stacks.as_mut())
+                    {
+                        stacks.note_sample(sample);
+                    }
+                    self.record_slots += record_slots(&other);
+                    self.records.push_back(other);
+                }
+            }
+        }
+        self.traceme.count_events(traceme);
+        if let Some(streamed) = &mut self.streamed {
+            streamed.settle();
+        }
+    }
+
+    /// Forgets the records older than `cutoff_ns`, and past that the
+    /// oldest ones beyond the memory of `max_records` records (a stack
+    /// sample takes several): what a flight recorder keeps. Returns how
+    /// many records and TraceMe events it forgot.
+    pub fn forget_before(&mut self, cutoff_ns: u64, max_records: usize) -> u64 {
+        // Records arrive nearly in time order: stop at the first recent one.
+        let mut n = 0;
+        while let Some(r) = self.records.front()
+            && (r.ts() < cutoff_ns || self.record_slots > max_records)
+        {
+            self.record_slots -= record_slots(r);
+            self.records.pop_front();
+            n += 1;
+        }
+        let old_traceme = self
+            .traceme_events
+            .iter()
+            .position(|e| e.header.ts_ns >= cutoff_ns)
+            .unwrap_or(self.traceme_events.len());
+        self.traceme_events.drain(..old_traceme);
+        let forgotten = (n + old_traceme) as u64;
+        self.forgot |= forgotten > 0;
+        forgotten
+    }
+
+    /// Records held now (TraceMe events included).
+    pub fn held(&self) -> usize {
+        self.records.len() + self.traceme_events.len()
+    }
+}
+
+/// The memory a held record takes, in records: one, but a stack sample
+/// also holds its frames.
+pub(super) fn record_slots(r: &Record) -> usize {
+    match r {
+        Record::StackSample(s) => {
+            let frames = (s.user.len() + s.kernel.len()) * size_of::<u64>();
+            1 + (size_of::<StackSample>() + frames).div_ceil(size_of::<Record>())
+        }
+        _ => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracer_common::{RecordHeader, RecordKind};
+
+    use super::*;
+
+    /// The flight recorder's memory cap counts a stack sample's frames.
+    #[test]
+    fn a_stack_sample_takes_the_room_of_its_frames() {
+        let sample = |frames: usize| {
+            Record::StackSample(Box::new(StackSample {
+                header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+                tid: 1,
+                tgid: 1,
+                user: vec![0; frames].into(),
+                kernel: vec![0; frames].into(),
+                user_unreadable: false,
+                kernel_unreadable: false,
+            }))
+        };
+        let switch = Record::sched_switch(0, 0, (1, 1), 0, (2, 2));
+        assert_eq!(record_slots(&switch), 1);
+        let (few, many) = (record_slots(&sample(1)), record_slots(&sample(127)));
+        assert!(few >= 2, "{few}");
+        // 254 frames of 8 bytes, in records of at most 48 bytes.
+        assert!(many > 254 * 8 / size_of::<Record>(), "{many}");
+    }
+}

@@ -1,0 +1,109 @@
+//! What a capture hands over to be shown: its [`Sources`] for
+//! [`timeline::assemble`], or a window assembled while the ring buffer
+//! goes on being drained.
+
+use std::{
+    collections::HashMap,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
+
+use super::{Capture, traceme_findings};
+use crate::{
+    collect::Collector,
+    timeline::{self, Sources, Timeline, TraceMeInput, Window},
+};
+
+/// How long the draining thread of [`Capture::assemble_while_draining`]
+/// waits between drains at most.
+const DRAIN_WHILE_BUILDING: Duration = Duration::from_millis(20);
+
+impl Capture {
+    /// Everything recorded so far, for [`timeline::assemble`]: drained
+    /// records, and what the agents recorded, collected now. The capture
+    /// goes on running: overlapping windows can share one set of probes.
+    pub fn sources(&mut self) -> Sources<'_> {
+        self.sources_and_collector().0
+    }
+
+    /// [`timeline::assemble`] of `window` from what is held so far, while
+    /// another thread goes on draining the ring buffer: a large window
+    /// (a flight recorder's snapshot) takes long enough to build that the
+    /// ring would fill meanwhile. What it drained is taken in afterwards.
+    pub fn assemble_while_draining(
+        &mut self,
+        window: &Window,
+        dropped: u64,
+        ended_early: Option<String>,
+    ) -> Timeline {
+        let (sources, collector) = self.sources_and_collector();
+        let built = AtomicBool::new(false);
+        let (timeline, drained) = std::thread::scope(|scope| {
+            let draining = scope.spawn(|| {
+                let mut batch = Vec::new();
+                while !built.load(Ordering::Acquire) {
+                    collector.wait(DRAIN_WHILE_BUILDING);
+                    collector.drain(&mut batch);
+                }
+                batch
+            });
+            let timeline = timeline::assemble(sources, window, dropped, ended_early);
+            built.store(true, Ordering::Release);
+            let drained = draining.join().expect("the draining thread does not panic");
+            (timeline, drained)
+        });
+        self.take_in(drained);
+        timeline
+    }
+
+    /// [`Self::sources`], and the collector, which they do not borrow.
+    fn sources_and_collector(&mut self) -> (Sources<'_>, &mut Collector) {
+        self.collect_framework(true);
+        self.name_kernels();
+        let mut names = HashMap::new();
+        for t in &self.targets {
+            for (tid, stat) in t.threads() {
+                names.insert(tid, stat.comm);
+            }
+        }
+        let traceme_events = self.traceme_events.make_contiguous();
+        let traceme = (!self.traceme.recorders.is_empty()).then(|| {
+            let mut notes = traceme_findings(&self.traceme);
+            notes.extend(self.traceme.left_in_targets());
+            TraceMeInput {
+                events: traceme_events,
+                notes,
+            }
+        });
+        // Once older records are forgotten, the threads' states when the
+        // capture began no longer lead up to the first record kept.
+        let initial = if self.forgot {
+            HashMap::new()
+        } else {
+            self.initial.clone()
+        };
+        let sources = Sources {
+            start_ns: self.start_ns,
+            clock: self.clock,
+            processes: self
+                .targets
+                .iter()
+                .map(|t| (t.pid, t.name.clone()))
+                .collect(),
+            initial,
+            names,
+            scheduling: self.families.sched,
+            tracked_from: self.tracked_from.clone(),
+            records: self.records.make_contiguous(),
+            streamed: self.streamed.take(),
+            malformed: self.collector.malformed,
+            kernel_naming: Some(&self.kernel_naming),
+            traceme,
+            warnings: self.traceme.warnings().to_vec(),
+            recordings: &self.recordings,
+            device_batches: &self.collected,
+            stacks: self.stacks.as_mut(),
+        };
+        (sources, &mut self.collector)
+    }
+}
