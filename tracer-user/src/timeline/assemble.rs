@@ -13,8 +13,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::{
     CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
-    SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans, cpu_samples::add_cpu_samples,
-    merge_device_activity, merge_framework_space, nest, streamed::StreamedScheduling,
+    SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
+    cpu_samples::add_cpu_samples,
+    merge_device_activity, merge_framework_space, nest,
+    streamed::{REORDER_SLACK_NS, StreamedScheduling},
 };
 use crate::{
     agent::{AgentRecording, KernelNaming},
@@ -113,11 +115,20 @@ pub fn assemble(
     if let Some(k) = sources.kernel_naming {
         cuda.add_driver_names(&k.names);
     }
+    let mut warnings = sources.warnings;
     let mut builder = match sources.streamed {
         Some(streamed) => {
-            let (mut builder, queued) = streamed.finish(stop_ns);
+            let (mut builder, queued, late) = streamed.finish(stop_ns);
             for r in &queued {
                 builder.push(r);
+            }
+            if late > 0 {
+                warnings.push(format!(
+                    "{late} scheduler records reached ebtrace more than {} ms after later \
+                     ones and were laid out of order: some thread states around them may be \
+                     wrong",
+                    REORDER_SLACK_NS / 1_000_000
+                ));
             }
             builder
         }
@@ -146,7 +157,7 @@ pub fn assemble(
         inconsistencies: 0,
         ended_early,
         notes: Vec::new(),
-        warnings: sources.warnings,
+        warnings,
         sources: SourceStats {
             kernel_names: sources
                 .kernel_naming

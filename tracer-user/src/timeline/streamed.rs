@@ -26,8 +26,10 @@ pub struct StreamedScheduling {
     queued: Vec<Record>,
     newest_ns: u64,
     /// Records that arrived after a later one had been built in: fed in
-    /// anyway (the builder counts what they leave inconsistent).
-    pub late: u64,
+    /// anyway, out of order.
+    late: u64,
+    /// The time of the last record built in.
+    built_until_ns: u64,
     built: usize,
 }
 
@@ -44,6 +46,7 @@ impl StreamedScheduling {
             queued: Vec::new(),
             newest_ns: 0,
             late: 0,
+            built_until_ns: 0,
             built: 0,
         }
     }
@@ -64,6 +67,9 @@ impl StreamedScheduling {
 
     /// Queues a record [`Self::takes`]; [`Self::settle`] builds it in.
     pub fn push(&mut self, record: Record) {
+        if record.ts() < self.built_until_ns {
+            self.late += 1;
+        }
         self.newest_ns = self.newest_ns.max(record.ts());
         self.queued.push(record);
     }
@@ -76,6 +82,7 @@ impl StreamedScheduling {
         self.queued.sort_by_key(Record::ts);
         let ready = self.queued.partition_point(|r| r.ts() <= ready_until);
         for r in self.queued.drain(..ready) {
+            self.built_until_ns = self.built_until_ns.max(r.ts());
             self.builder.push(&r);
         }
         self.built += ready;
@@ -91,12 +98,13 @@ impl StreamedScheduling {
         self.len() == 0
     }
 
-    /// The builder, whose window now ends at `stop_ns`, and the records
-    /// still queued, in time order (the caller feeds them with the others).
-    pub fn finish(mut self, stop_ns: u64) -> (SchedTimelineBuilder, Vec<Record>) {
+    /// The builder, whose window now ends at `stop_ns`, the records still
+    /// queued, in time order (the caller feeds them with the others), and
+    /// how many records came later than [`REORDER_SLACK_NS`].
+    pub fn finish(mut self, stop_ns: u64) -> (SchedTimelineBuilder, Vec<Record>, u64) {
         self.builder.stop_at(stop_ns);
         self.queued.sort_by_key(Record::ts);
-        (self.builder, self.queued)
+        (self.builder, self.queued, self.late)
     }
 }
 
@@ -110,7 +118,8 @@ mod tests {
     }
 
     fn built(stream: StreamedScheduling, stop_ns: u64) -> Timeline {
-        let (mut builder, rest) = stream.finish(stop_ns);
+        let (mut builder, rest, late) = stream.finish(stop_ns);
+        assert_eq!(late, 0);
         for r in &rest {
             builder.push(r);
         }
@@ -156,5 +165,19 @@ mod tests {
         // 400 ms of records, 100 ms of slack: 300 built in, 100 queued.
         assert_eq!(stream.queued.len(), 100);
         assert_eq!(built(stream, 500 * ms), expected);
+    }
+
+    /// A record older than what was already built in is counted.
+    #[test]
+    fn a_record_later_than_the_slack_is_counted() {
+        let ms = 1_000_000;
+        let mut stream = StreamedScheduling::new(0, [(1, "p".into())], HashMap::new());
+        stream.push(switch(10 * ms, 10, 11));
+        stream.push(switch(300 * ms, 11, 10));
+        stream.settle();
+        stream.push(switch(5 * ms, 10, 11));
+        stream.settle();
+        let (_, queued, late) = stream.finish(400 * ms);
+        assert_eq!((queued.len(), late), (1, 1));
     }
 }
