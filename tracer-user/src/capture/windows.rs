@@ -18,6 +18,15 @@ use crate::{
 /// waits between drains at most.
 const DRAIN_WHILE_BUILDING: Duration = Duration::from_millis(20);
 
+/// Sets its flag when dropped.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 impl Capture {
     /// Everything recorded so far, for [`timeline::assemble`]: drained
     /// records, and what the agents recorded, collected now. The capture
@@ -47,8 +56,11 @@ impl Capture {
                 }
                 batch
             });
+            // Set however assembling ends: a panic must not leave the
+            // scope waiting for the draining thread.
+            let done = SetOnDrop(&built);
             let timeline = timeline::assemble(sources, window, dropped, ended_early);
-            built.store(true, Ordering::Release);
+            drop(done);
             let drained = draining.join().expect("the draining thread does not panic");
             (timeline, drained)
         });
