@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use ebtrace_proto::tensorflow::GetSnapshotRequest;
+use ebtrace_proto::tensorflow::{GetSnapshotRequest, profiler::XSpace};
 use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
@@ -22,6 +22,29 @@ use ebtrace_tests::{
 use tonic::Code;
 
 const HOST_CPU: &str = "/host:CPU";
+
+/// The server's answer to `GetSnapshot`, decoded.
+fn snapshot(server: &ServeProcess, id: &str) -> XSpace {
+    block_on(async {
+        let mut client = server.client().await;
+        let r = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: id.into(),
+            })
+            .await
+            .expect("a snapshot");
+        xspace_of(&r.into_inner())
+    })
+}
+
+/// Waits for a line of the server's stderr holding `needle`.
+fn expect_line(server: &ServeProcess, needle: &str) {
+    assert!(
+        server.wait_line(needle, Duration::from_secs(10)).is_some(),
+        "no line with {needle:?}: {:?}",
+        server.lines()
+    );
+}
 
 fn run_python(python: &Path, script: &str) -> Output {
     let child = Command::new(python)
@@ -155,13 +178,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         "127.0.0.1:0",
     ]);
     let metrics_at = server.http_addr();
-    assert!(
-        server
-            .wait_line("flight recorder on", Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_secs(2));
     // Stopped, the target makes no more records: what the probes wrote
     // is what the recorder holds plus what it forgot.
@@ -191,16 +208,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
 
     // The snapshot holds the newest records: the last moments of ping
     // and pong.
-    let space = block_on(async {
-        let mut client = server.client().await;
-        let r = client
-            .get_snapshot(GetSnapshotRequest {
-                snapshot_session_id: "bounded".into(),
-            })
-            .await
-            .expect("a snapshot");
-        xspace_of(&r.into_inner())
-    });
+    let space = snapshot(&server, "bounded");
     let host = plane(&space, HOST_CPU);
     for thread in ["ping", "pong"] {
         let events = line_events(host, workload.tid(thread).into());
@@ -254,13 +262,7 @@ fn a_process_that_dies_is_kept_until_its_records_are_too_old() {
         "--keep-probes",
         "0",
     ]);
-    assert!(
-        server
-            .wait_line("flight recorder on", Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_millis(700));
     let (pid, burner) = (workload.pid, workload.tid("cpu-burner"));
     drop(workload);
@@ -338,13 +340,7 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
             .unwrap_or_else(|| panic!("pid {pid} not discovered: {:?}", server.lines()))
     };
     watching(first.pid);
-    assert!(
-        server
-            .wait_line("flight recorder on", Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    expect_line(&server, "flight recorder on");
     // The recorder holds a while of the first process when the second
     // appears: it takes the second on and keeps what it holds.
     std::thread::sleep(Duration::from_secs(1));
@@ -361,16 +357,7 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
         server.lines()
     );
     std::thread::sleep(Duration::from_secs(1));
-    let space = block_on(async {
-        let mut client = server.client().await;
-        let r = client
-            .get_snapshot(GetSnapshotRequest {
-                snapshot_session_id: "discovered".into(),
-            })
-            .await
-            .expect("a snapshot");
-        xspace_of(&r.into_inner())
-    });
+    let space = snapshot(&server, "discovered");
     let host = plane(&space, HOST_CPU);
     let mut first_seen_ns = Vec::new();
     for (which, workload) in [("first", &first), ("later", &later)] {
@@ -413,16 +400,7 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
         server.lines()
     );
     std::thread::sleep(Duration::from_millis(500));
-    let space = block_on(async {
-        let mut client = server.client().await;
-        let r = client
-            .get_snapshot(GetSnapshotRequest {
-                snapshot_session_id: "after-exit".into(),
-            })
-            .await
-            .expect("a snapshot");
-        xspace_of(&r.into_inner())
-    });
+    let space = snapshot(&server, "after-exit");
     let host = plane(&space, HOST_CPU);
     let before_exit = xspace::sum_named(&line_events(host, first_burner.into()), "Running");
     assert!(
@@ -465,55 +443,25 @@ fn nothing_is_dropped_while_a_large_snapshot_is_built() {
         "--ring-buffer-mib",
         "4",
     ]);
-    assert!(
-        server
-            .wait_line("flight recorder on", Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_secs(5));
-    let snapshot = |id: &str| {
-        block_on(async {
-            let mut client = server.client().await;
-            let r = client
-                .get_snapshot(GetSnapshotRequest {
-                    snapshot_session_id: id.into(),
-                })
-                .await
-                .expect("a snapshot");
-            xspace_of(&r.into_inner())
-        })
-    };
-    let dropped = |space: &ebtrace_proto::tensorflow::profiler::XSpace| {
+    let dropped = |space: &XSpace| {
         xspace::plane_stats(plane(space, "Task Environment"))["ebtrace_dropped_records"].as_u64()
     };
-    let large = snapshot("large");
+    let large = snapshot(&server, "large");
     let records =
         xspace::plane_stats(plane(&large, "Task Environment"))["ebtrace_records"].as_u64();
     assert!(records > 1_000_000, "{records} records in the snapshot");
     assert_eq!(dropped(&large), 0);
     // Drops while it was built would show in the next one.
     std::thread::sleep(Duration::from_millis(300));
-    let next = snapshot("next");
+    let next = snapshot(&server, "next");
     assert_eq!(
         dropped(&next),
         0,
         "records were dropped while a snapshot was built"
     );
     drop(workload);
-}
-
-/// The probe links ebtrace (pid `server`) holds: BPF links and perf events.
-fn probe_links(server: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{server}/fd"))
-        .expect("the server's descriptors")
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|target| {
-            let target = target.to_string_lossy();
-            target.contains("bpf_link") || target.contains("perf_event")
-        })
-        .count()
 }
 
 /// A process that comes and goes while the recorder runs leaves no probe
@@ -535,27 +483,15 @@ fn the_driver_probes_of_a_process_that_exits_are_let_go() {
         "--retain",
         "30s",
     ]);
-    assert!(
-        server
-            .wait_line("flight recorder on", Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
-    let before = probe_links(server.pid());
+    expect_line(&server, "flight recorder on");
+    let before = server.probe_fds();
     for round in 0..2 {
         let mut driver_user =
             CudaWorkload::start_with_cupti(&["--early", "--iters", "20", "--linger"], &[]);
         let pid = driver_user.pid;
-        assert!(
-            server
-                .wait_line(&format!("recording pid {pid} "), Duration::from_secs(10))
-                .is_some(),
-            "{:?}",
-            server.lines()
-        );
+        expect_line(&server, &format!("recording pid {pid} "));
         driver_user.run_and_linger(Duration::from_secs(30));
-        let with = probe_links(server.pid());
+        let with = server.probe_fds();
         assert!(
             with > before,
             "round {round}: {with} links with pid {pid}, {before} before"
@@ -572,11 +508,11 @@ fn the_driver_probes_of_a_process_that_exits_are_let_go() {
             server.lines()
         );
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while probe_links(server.pid()) > before && std::time::Instant::now() < deadline {
+        while server.probe_fds() > before && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(100));
         }
         assert_eq!(
-            probe_links(server.pid()),
+            server.probe_fds(),
             before,
             "round {round}: the probes of pid {pid} stayed after it exited"
         );
@@ -610,33 +546,12 @@ fn a_process_whose_records_are_all_too_old_is_forgotten() {
         "--retain",
         "2s",
     ]);
-    assert!(
-        server
-            .wait_line("flight recorder on", Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    expect_line(&server, "flight recorder on");
     let brief = SchedWorkload::start_with_env(&[], &preload);
     let pid = brief.pid;
-    assert!(
-        server
-            .wait_line(&format!("recording pid {pid} "), Duration::from_secs(10))
-            .is_some(),
-        "{:?}",
-        server.lines()
-    );
+    expect_line(&server, &format!("recording pid {pid} "));
     let pids = || {
-        let space = block_on(async {
-            let mut client = server.client().await;
-            let r = client
-                .get_snapshot(GetSnapshotRequest {
-                    snapshot_session_id: "pids".into(),
-                })
-                .await
-                .expect("a snapshot");
-            xspace_of(&r.into_inner())
-        });
+        let space = snapshot(&server, "pids");
         let env = xspace::plane_stats(plane(&space, "Task Environment"));
         env["ebtrace_pids"].as_str().to_string()
     };
