@@ -374,6 +374,36 @@ fn overlapping_captures_share_one_set_of_probes_up_to_the_limit() {
             "b opened {b_delay} ns after it asked"
         );
         assert_eq!(thread_lines(&a), thread_lines(&b));
+        // a's thread states were built while it recorded, b's from the
+        // records at its end: where the windows overlap they are the same
+        // (the threads that switch often; the CPU burner may run throughout).
+        // Times in a trace are relative to its window's start.
+        for thread in ["sleeper-10ms", "ping", "pong"] {
+            let tid = workload.tid(thread).into();
+            let inside = |space: &XSpace, window_start: u64| -> Vec<(String, i64, i64)> {
+                line_events(plane(space, HOST_CPU), tid)
+                    .into_iter()
+                    .map(|e| {
+                        let start = window_start as i64 + e.start_ns.round() as i64;
+                        (e.name, start, e.duration_ns.round() as i64)
+                    })
+                    .filter(|(_, start, duration)| {
+                        *start > b_start as i64 && start + duration < a_stop as i64
+                    })
+                    .collect()
+            };
+            let (in_a, in_b) = (inside(&a, a_start), inside(&b, b_start));
+            assert!(
+                in_a.len() > 10,
+                "{thread}: {} events where the windows overlap",
+                in_a.len()
+            );
+            assert_eq!(in_a.len(), in_b.len(), "{thread}");
+            for (x, y) in in_a.iter().zip(&in_b) {
+                let same = x.0 == y.0 && (x.1 - y.1).abs() <= 2 && (x.2 - y.2).abs() <= 2;
+                assert!(same, "{thread}: {x:?} in a, {y:?} in b");
+            }
+        }
         assert!(
             server.wait_detached(Duration::from_secs(10)),
             "probes left attached"

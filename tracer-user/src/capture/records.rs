@@ -24,12 +24,18 @@ impl Capture {
                     self.traceme_events.push_back(*e);
                     traceme += 1;
                 }
-                other if self.streamed.is_some() && StreamedScheduling::takes(&other) => {
-                    if let Some(streamed) = &mut self.streamed {
-                        streamed.push(other);
-                    }
-                }
                 other => {
+                    if let Some(streamed) = &mut self.streamed
+                        && StreamedScheduling::takes(&other)
+                    {
+                        // A window with a known end is one `serve` session's:
+                        // the others sharing the capture need the records.
+                        if streamed.window().1.is_none() {
+                            streamed.push(other);
+                            continue;
+                        }
+                        streamed.push(other.clone());
+                    }
                     self.activity.count(&other);
                     if let (Record::StackSample(sample), Some(stacks)) =
                         (&other, self.stacks.as_mut())

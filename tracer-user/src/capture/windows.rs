@@ -1,6 +1,7 @@
 //! What a capture hands over to be shown: its [`Sources`] for
 //! [`timeline::assemble`], or a window assembled while the ring buffer
-//! goes on being drained.
+//! goes on being drained; and the one window whose scheduling is built
+//! while it is recorded.
 
 use std::{
     collections::HashMap,
@@ -11,7 +12,7 @@ use std::{
 use super::{Capture, traceme_findings};
 use crate::{
     collect::Collector,
-    timeline::{self, Sources, Timeline, TraceMeInput, Window},
+    timeline::{self, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling},
 };
 
 /// How long the draining thread of [`Capture::assemble_while_draining`]
@@ -28,11 +29,35 @@ impl Drop for SetOnDrop<'_> {
 }
 
 impl Capture {
+    /// Builds the scheduler records of the window `start_ns..stop_ns` into
+    /// thread states as they arrive, so that [`Self::assemble_while_draining`]
+    /// of that window has only the last ones left to build. The records are
+    /// still kept for other windows. Only for a window that starts when the
+    /// capture (or its [`Self::resume`]) did, before anything was drained:
+    /// returns whether it was taken.
+    pub fn stream_window(&mut self, start_ns: u64, stop_ns: u64) -> bool {
+        let fits = self.streamed.is_none()
+            && self.families.sched
+            && self.records.is_empty()
+            && start_ns == self.start_ns
+            && stop_ns > start_ns;
+        if fits {
+            let processes = self.targets.iter().map(|t| (t.pid, t.name.clone()));
+            self.streamed = Some(StreamedScheduling::until(
+                start_ns,
+                stop_ns,
+                processes,
+                self.initial.clone(),
+            ));
+        }
+        fits
+    }
+
     /// Everything recorded so far, for [`timeline::assemble`]: drained
     /// records, and what the agents recorded, collected now. The capture
     /// goes on running: overlapping windows can share one set of probes.
     pub fn sources(&mut self) -> Sources<'_> {
-        self.sources_and_collector().0
+        self.sources_and_collector(None).0
     }
 
     /// [`timeline::assemble`] of `window` from what is held so far, while
@@ -45,7 +70,7 @@ impl Capture {
         dropped: u64,
         ended_early: Option<String>,
     ) -> Timeline {
-        let (sources, collector) = self.sources_and_collector();
+        let (sources, collector) = self.sources_and_collector(Some(window));
         let built = AtomicBool::new(false);
         let (timeline, drained) = std::thread::scope(|scope| {
             let draining = scope.spawn(|| {
@@ -68,8 +93,23 @@ impl Capture {
         timeline
     }
 
-    /// [`Self::sources`], and the collector, which they do not borrow.
-    fn sources_and_collector(&mut self) -> (Sources<'_>, &mut Collector) {
+    /// The thread states built while recording, where they are `window`'s:
+    /// a capture's one window (`window` unknown here), or the window
+    /// [`Self::stream_window`] was given. Other windows take the records.
+    fn streamed_for(&mut self, window: Option<&Window>) -> Option<StreamedScheduling> {
+        let streamed = self.streamed.as_ref()?;
+        let fits = match (streamed.window(), window) {
+            ((_, None), _) => true,
+            ((start, Some(stop)), Some(w)) => (w.start_ns, w.stop_ns) == (start, stop),
+            (_, None) => false,
+        };
+        if fits { self.streamed.take() } else { None }
+    }
+
+    /// [`Self::sources`] for `window`, and the collector, which they do
+    /// not borrow.
+    fn sources_and_collector(&mut self, window: Option<&Window>) -> (Sources<'_>, &mut Collector) {
+        let streamed = self.streamed_for(window);
         self.collect_framework(true);
         self.name_kernels();
         let mut names = HashMap::new();
@@ -107,7 +147,7 @@ impl Capture {
             scheduling: self.families.sched,
             tracked_from: self.tracked_from.clone(),
             records: self.records.make_contiguous(),
-            streamed: self.streamed.take(),
+            streamed,
             malformed: self.collector.malformed,
             kernel_naming: Some(&self.kernel_naming),
             traceme,

@@ -40,15 +40,16 @@ pub struct Sources<'a> {
     /// Whether the scheduler was traced; without it, the thread states
     /// guessed from `initial` are left out (the threads are kept).
     pub scheduling: bool,
-    /// The decoded records but TraceMe events, in ring-buffer order (one
-    /// buffer is shared by all CPUs: reservations are ordered, timestamps
-    /// taken just before them are not quite). Sorted by time in place.
     /// Processes recorded only from some time on (added to a capture
     /// already running), and from when.
     pub tracked_from: Vec<(u32, u64)>,
+    /// The decoded records but TraceMe events, in ring-buffer order (one
+    /// buffer is shared by all CPUs: reservations are ordered, timestamps
+    /// taken just before them are not quite). Sorted by time in place.
     pub records: &'a mut [Record],
     /// The scheduler records already built into thread states as they
-    /// arrived, for a window from the start (`records` then holds none).
+    /// arrived, for a window from the start: the scheduler records in
+    /// `records`, if any, are the same ones and are not built again.
     pub streamed: Option<StreamedScheduling>,
     /// Ring-buffer items that could not be decoded.
     pub malformed: u64,
@@ -109,13 +110,13 @@ pub fn assemble(
     ended_early: Option<String>,
 ) -> Timeline {
     let stop_ns = window.stop_ns;
-    sources.records.sort_by_key(Record::ts);
     let window_start = window.start_ns.max(sources.start_ns);
     let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
     if let Some(k) = sources.kernel_naming {
         cuda.add_driver_names(&k.names);
     }
     let mut warnings = sources.warnings;
+    let streamed = sources.streamed.is_some();
     let mut builder = match sources.streamed {
         Some(streamed) => {
             let (mut builder, queued, late) = streamed.finish(stop_ns);
@@ -140,9 +141,8 @@ pub fn assemble(
         builder.tracked_from(pid, since_ns);
     }
     // Records before the window still tell each thread's state at its start.
-    let end = sources.records.partition_point(|r| r.ts() <= stop_ns);
     let mut samples = Vec::new();
-    for r in &sources.records[..end] {
+    for r in in_time_order(sources.records, stop_ns, streamed) {
         match r {
             Record::CudaCall(c) => cuda.push_call(c),
             Record::CudaSymbol(s) => cuda.push_symbol(s),
@@ -201,6 +201,29 @@ pub fn assemble(
     }
     window.apply(&mut timeline);
     timeline
+}
+
+/// The records up to `stop_ns` in time order; without the scheduler's
+/// when they were built while recording (`streamed`). Those are most of
+/// the records: the few others are sorted apart rather than all of them.
+fn in_time_order(
+    records: &mut [Record],
+    stop_ns: u64,
+    streamed: bool,
+) -> impl Iterator<Item = &Record> {
+    let (all, others) = if streamed {
+        let mut others: Vec<&Record> = records
+            .iter()
+            .filter(|r| r.ts() <= stop_ns && !StreamedScheduling::takes(r))
+            .collect();
+        others.sort_by_key(|r| r.ts());
+        (&[][..], others)
+    } else {
+        records.sort_by_key(Record::ts);
+        let end = records.partition_point(|r| r.ts() <= stop_ns);
+        (&records[..end], Vec::new())
+    };
+    all.iter().chain(others)
 }
 
 /// Without the scheduler probes the builder can only guess thread states
@@ -475,5 +498,68 @@ mod tests {
         let t = &tl.threads[&TID];
         assert!(t.slices.is_empty() && t.marks.is_empty() && tl.cpus.is_empty());
         assert_eq!(t.spans.len(), 2);
+    }
+
+    /// A window whose thread states were built while it was recorded, its
+    /// records kept as well (a `serve` session's), is the window built from
+    /// the records at the end: records past its end and driver calls among
+    /// them included.
+    #[test]
+    fn a_window_built_while_recording_is_the_one_built_at_the_end() {
+        let ms = 1_000_000;
+        let (start, stop) = (10 * ms, 400 * ms);
+        let (a, b) = (TID, TID + 1);
+        let mut records = Vec::new();
+        for i in 0..2_000u64 {
+            let ts = start + i * ms / 4;
+            let (prev, next) = if i % 2 == 0 { (a, b) } else { (b, a) };
+            records.push(Record::sched_waking(ts, (next, PID), (prev, PID)));
+            records.push(Record::sched_switch(ts + 1, 0, (prev, PID), 1, (next, PID)));
+            if i % 50 == 0 {
+                records.push(sync_call(ts + 2, ts + 1_000));
+            }
+        }
+        // Neighbours swapped, as the ring buffer may deliver them.
+        for pair in records.chunks_mut(2) {
+            pair.reverse();
+        }
+        let initial = || {
+            [a, b]
+                .into_iter()
+                .map(|tid| {
+                    let state = InitialState {
+                        pid: PID,
+                        name: "w".into(),
+                        state: 'S',
+                        cpu: 0,
+                    };
+                    (tid, state)
+                })
+                .collect::<HashMap<_, _>>()
+        };
+        let processes = || vec![(PID, "p".to_string())];
+        let mut streamed = StreamedScheduling::until(start, stop, processes(), initial());
+        for batch in records.chunks(300) {
+            for r in batch.iter().filter(|r| StreamedScheduling::takes(r)) {
+                streamed.push(r.clone());
+            }
+            streamed.settle();
+        }
+        let window = Window::between(start, stop);
+        let assembled = |streamed: Option<StreamedScheduling>, records: &mut [Record]| {
+            let sources = Sources {
+                scheduling: true,
+                initial: initial(),
+                records,
+                streamed,
+                ..Sources::new(start, ClockSync::from_offset(0), processes())
+            };
+            assemble(sources, &window, 0, None)
+        };
+        let at_the_end = assembled(None, &mut records.clone());
+        let while_recording = assembled(Some(streamed), &mut records);
+        assert!(at_the_end.threads[&a].slices.len() > 1_000);
+        assert_eq!(at_the_end.threads[&a].spans.len(), 32);
+        assert_eq!(while_recording, at_the_end);
     }
 }

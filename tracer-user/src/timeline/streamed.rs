@@ -1,7 +1,9 @@
 //! Scheduling records turned into thread states as they arrive, for a
-//! capture that shows one window from its start to its end (`ebtrace
-//! record`): the records need not all be held until the end, only the
-//! thread states they make.
+//! window that starts when the capture does: `ebtrace record`'s one window
+//! (the records need not all be held until the end, only the thread states
+//! they make), or the first `serve` session on a capture, whose end is
+//! known from the start (its answer then waits only for the last records,
+//! not for all of them to be built).
 //!
 //! The ring buffer delivers records almost in time order (each probe takes
 //! its timestamp just before it reserves its room, and another CPU may
@@ -23,6 +25,8 @@ pub const REORDER_SLACK_NS: u64 = 100_000_000;
 /// to [`REORDER_SLACK_NS`] before the newest, the rest queued.
 pub struct StreamedScheduling {
     builder: SchedTimelineBuilder,
+    /// The window: from the capture's start, to a known end or none yet.
+    window: (u64, Option<u64>),
     queued: Vec<Record>,
     newest_ns: u64,
     /// Records that arrived after a later one had been built in: fed in
@@ -41,8 +45,30 @@ impl StreamedScheduling {
         processes: impl IntoIterator<Item = (u32, String)>,
         initial: HashMap<u32, InitialState>,
     ) -> Self {
+        Self::with_end(start_ns, None, processes, initial)
+    }
+
+    /// Like [`Self::new`], for a window whose end `stop_ns` is known:
+    /// records past it are not taken.
+    pub fn until(
+        start_ns: u64,
+        stop_ns: u64,
+        processes: impl IntoIterator<Item = (u32, String)>,
+        initial: HashMap<u32, InitialState>,
+    ) -> Self {
+        Self::with_end(start_ns, Some(stop_ns), processes, initial)
+    }
+
+    fn with_end(
+        start_ns: u64,
+        stop_ns: Option<u64>,
+        processes: impl IntoIterator<Item = (u32, String)>,
+        initial: HashMap<u32, InitialState>,
+    ) -> Self {
+        let end = stop_ns.unwrap_or(u64::MAX);
         StreamedScheduling {
-            builder: SchedTimelineBuilder::new(start_ns, u64::MAX, processes, initial),
+            builder: SchedTimelineBuilder::new(start_ns, end, processes, initial),
+            window: (start_ns, stop_ns),
             queued: Vec::new(),
             newest_ns: 0,
             late: 0,
@@ -65,8 +91,17 @@ impl StreamedScheduling {
         )
     }
 
+    /// The window it builds: its start, and its end where known.
+    pub fn window(&self) -> (u64, Option<u64>) {
+        self.window
+    }
+
     /// Queues a record [`Self::takes`]; [`Self::settle`] builds it in.
+    /// Records past a known end are left out.
     pub fn push(&mut self, record: Record) {
+        if self.window.1.is_some_and(|stop| record.ts() > stop) {
+            return;
+        }
         if record.ts() < self.built_until_ns {
             self.late += 1;
         }

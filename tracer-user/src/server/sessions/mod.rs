@@ -8,7 +8,8 @@
 //! records one capture holds), or starts one a little before its requested
 //! start. The hub drains every capture on one tick and assembles each
 //! session's timeline for its own [`Window`] from the capture's
-//! [`Capture::sources`] with [`timeline::assemble`];
+//! [`Capture::sources`] with [`timeline::assemble`] (the first session's
+//! thread states are built while it records: [`Capture::stream_window`]);
 //! a capture with no session left is paused and kept for the next session
 //! that asks for the same probes on the same processes (`--keep-probes`):
 //! its programs stay attached but record nothing
@@ -364,7 +365,13 @@ impl Hub {
             };
             let r = &mut self.running[index];
             let start = s.start_ns.max(r.started_ns);
-            s.window = Some((start, start + s.duration_ns));
+            let stop = start + s.duration_ns;
+            s.window = Some((start, stop));
+            // The first window of a capture that began for it is built
+            // while it is recorded: its answer waits for less.
+            if let Some(capture) = r.capture.as_mut().filter(|_| r.sessions.is_empty()) {
+                capture.stream_window(start, stop);
+            }
             r.sessions.push(s);
         }
     }
