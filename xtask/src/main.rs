@@ -73,6 +73,11 @@ enum Task {
         /// --rounds and the target pinning).
         #[arg(long)]
         serve: bool,
+        /// With --serve: an earlier ebtrace binary, measured in the same
+        /// run after the one built here on each target, for a before/after
+        /// table.
+        #[arg(long, requires = "serve")]
+        against: Option<std::path::PathBuf>,
         /// Which benchmarks: all, sched, traceme (TraceMe cost per event
         /// against bpftrace, event rate, memory) or cuda (ns per traced
         /// cuLaunchKernel against bpftrace, launch rate).
@@ -105,12 +110,14 @@ fn run() -> Result<()> {
             target_cpu,
             unpinned,
             serve: true,
+            against,
             ..
         } => bench::serve::run(
             &root,
             bench::serve::Options {
                 rounds,
                 target_cpu: (!unpinned).then_some(target_cpu),
+                against,
             },
         ),
         Task::Bench {
@@ -122,6 +129,7 @@ fn run() -> Result<()> {
             serve: false,
             suite,
             cuda_seconds,
+            against: _,
         } => bench::run_bench(
             &root,
             bench::Options {

@@ -5,13 +5,15 @@
 //! minus the 2 s asked for, the events and bytes of the XSpace that came
 //! back, the server's own breakdown (timeline, XSpace encoding), and the
 //! server's resident memory idle and at its peak during the request.
+//! With `--against PATH`, an earlier binary answers the same requests on
+//! the same target right after the one built here, row by row.
 //! Results go to stdout and `target/bench/serve.md`.
 
 use std::{
     fmt::Write as _,
     io::{BufRead as _, BufReader},
     net::SocketAddr,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{
         Arc, Mutex,
@@ -39,15 +41,19 @@ const CAPTURE_MS: u64 = 2000;
 /// What TSL's clients send.
 const CLIENT_MAX_EVENTS: u64 = 1_000_000;
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     pub rounds: usize,
     pub target_cpu: Option<usize>,
+    /// An earlier ebtrace binary to measure beside the one built here.
+    pub against: Option<PathBuf>,
 }
 
 /// One answered request.
 struct Answer {
     mode: &'static str,
+    /// Which binary answered: "built" or "against".
+    binary: &'static str,
     /// Whether the probes were kept from the previous request (else
     /// attached for this one).
     kept: bool,
@@ -275,7 +281,7 @@ fn request(max_events: u64) -> ProfileRequest {
 fn ask(
     runtime: &tokio::runtime::Runtime,
     server: &Server,
-    (mode, kept): (&'static str, bool),
+    (mode, kept, binary): (&'static str, bool, &'static str),
     max_events: u64,
     n: usize,
 ) -> Result<Answer> {
@@ -314,6 +320,7 @@ fn ask(
     let events = harness::xspace_events(&space);
     Ok(Answer {
         mode,
+        binary,
         kept,
         max_events,
         overhead: elapsed.saturating_sub(Duration::from_millis(CAPTURE_MS)),
@@ -341,6 +348,13 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
     util::require_root("bench --serve")?;
     setup::run_setup(root, setup::Options::default())?;
     let ebtrace = util::build_release(root)?;
+    let mut binaries: Vec<(&'static str, PathBuf)> = vec![("built", ebtrace.clone())];
+    if let Some(against) = &opts.against {
+        if !against.is_file() {
+            bail!("--against {}: no such file", against.display());
+        }
+        binaries.push(("against", against.clone()));
+    }
     let fixture = util::build_fixture();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -362,35 +376,37 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
         for kept in [false, true] {
             let workload = start_workload(&fixture, mode, opts.target_cpu)?;
             let keep = if kept { "1h" } else { "0" };
-            let server = Server::start(&ebtrace, workload.pid, &["--keep-probes", keep])?;
-            thread::sleep(Duration::from_secs(1));
-            let idle_before = server.rss_kib();
-            let mut n = 0;
-            if kept {
-                ask(&runtime, &server, (mode, kept), limits[0], n)?;
-                n += 1;
-            }
-            for &max_events in limits {
-                for round in 0..opts.rounds {
-                    let a = ask(&runtime, &server, (mode, kept), max_events, n)?;
+            for (binary, bin) in &binaries {
+                let server = Server::start(bin, workload.pid, &["--keep-probes", keep])?;
+                thread::sleep(Duration::from_secs(1));
+                let idle_before = server.rss_kib();
+                let mut n = 0;
+                if kept {
+                    ask(&runtime, &server, (mode, kept, binary), limits[0], n)?;
                     n += 1;
-                    say(format!(
-                        "{mode} kept={kept} max_events={max_events} round {}: +{:.0} ms, {} events, {:.1} MB, peak RSS {:.0} MiB",
-                        round + 1,
-                        a.overhead.as_secs_f64() * 1e3,
-                        a.events,
-                        a.bytes as f64 / 1e6,
-                        a.peak_rss_kib as f64 / 1024.0
-                    ));
-                    answers.push(a);
                 }
+                for &max_events in limits {
+                    for round in 0..opts.rounds {
+                        let a = ask(&runtime, &server, (mode, kept, binary), max_events, n)?;
+                        n += 1;
+                        say(format!(
+                            "{mode} {binary} kept={kept} max_events={max_events} round {}: +{:.0} ms, {} events, {:.1} MB, peak RSS {:.0} MiB",
+                            round + 1,
+                            a.overhead.as_secs_f64() * 1e3,
+                            a.events,
+                            a.bytes as f64 / 1e6,
+                            a.peak_rss_kib as f64 / 1024.0
+                        ));
+                        answers.push(a);
+                    }
+                }
+                // Detaching finishes in the background; give it a moment.
+                thread::sleep(Duration::from_secs(2));
+                if !kept {
+                    idle.push((mode, *binary, idle_before, server.rss_kib()));
+                }
+                server.stop()?;
             }
-            // Detaching finishes in the background; give it a moment.
-            thread::sleep(Duration::from_secs(2));
-            if !kept {
-                idle.push((mode, idle_before, server.rss_kib()));
-            }
-            server.stop()?;
             workload.stop()?;
         }
     }
@@ -400,7 +416,7 @@ pub fn run(root: &Path, opts: Options) -> Result<()> {
         &ebtrace,
         &answers,
         &idle,
-        opts,
+        &opts,
         started.elapsed(),
         load,
     );
@@ -426,8 +442,8 @@ fn render(
     root: &Path,
     ebtrace: &Path,
     answers: &[Answer],
-    idle: &[(&str, u64, u64)],
-    opts: Options,
+    idle: &[(&str, &str, u64, u64)],
+    opts: &Options,
     took: Duration,
     load: (String, String),
 ) -> String {
@@ -470,20 +486,31 @@ fn render(
          probes \"attached\": for each request (`--keep-probes 0`), \"kept\": from the request \
          before (the default; the first request, which attaches them, is not counted)\n"
     );
+    if let Some(against) = &opts.against {
+        let _ = writeln!(
+            md,
+            "- binary \"built\": this tree; \"against\": {} ({}), on the same target right after\n",
+            against.display(),
+            stdout(Command::new(against).arg("--version"))
+        );
+    }
     let _ = writeln!(
         md,
-        "| target | probes | max_events | answer - 2 s (median, each) | of which in the server (median) | events in the XSpace | XSpace size | server ms (median): attach or resume / timeline / XSpace built / encoded | peak RSS during the request |"
+        "| target | binary | probes | max_events | answer - 2 s (median, each) | of which in the server (median) | events in the XSpace | XSpace size | server ms (median): attach or resume / timeline / XSpace built / encoded | peak RSS during the request |"
     );
-    let _ = writeln!(md, "|---|---|---:|---|---:|---:|---:|---|---:|");
-    let mut keys: Vec<(&str, bool, u64)> = answers
+    let _ = writeln!(md, "|---|---|---|---:|---|---:|---:|---:|---|---:|");
+    let mut keys: Vec<(&str, bool, u64, &str)> = answers
         .iter()
-        .map(|a| (a.mode, a.kept, a.max_events))
+        .map(|a| (a.mode, a.kept, a.max_events, a.binary))
         .collect();
+    keys.sort();
     keys.dedup();
-    for (mode, kept, max_events) in keys {
+    for (mode, kept, max_events, binary) in keys {
         let rows: Vec<&Answer> = answers
             .iter()
-            .filter(|a| a.mode == mode && a.kept == kept && a.max_events == max_events)
+            .filter(|a| {
+                (a.mode, a.kept, a.max_events, a.binary) == (mode, kept, max_events, binary)
+            })
             .collect();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let each = harness::each(&rows.iter().map(|a| ms(a.overhead)).collect::<Vec<_>>(), 0);
@@ -505,7 +532,7 @@ fn render(
         };
         let _ = writeln!(
             md,
-            "| {mode} | {} | {} | **{:.0} ms** ({}) | {:.0} ms | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
+            "| {mode} | {binary} | {} | {} | **{:.0} ms** ({}) | {:.0} ms | {:.0}{} | {:.1} MB | {server} | {:.0} MiB |",
             if kept { "kept" } else { "attached" },
             if max_events == 0 {
                 "none".to_string()
@@ -527,13 +554,13 @@ fn render(
     }
     let _ = writeln!(
         md,
-        "\n| target | RSS idle before the requests | RSS idle after them |"
+        "\n| target | binary | RSS idle before the requests | RSS idle after them |"
     );
-    let _ = writeln!(md, "|---|---:|---:|");
-    for (mode, before, after) in idle {
+    let _ = writeln!(md, "|---|---|---:|---:|");
+    for (mode, binary, before, after) in idle {
         let _ = writeln!(
             md,
-            "| {mode} | {:.1} MiB | {:.1} MiB |",
+            "| {mode} | {binary} | {:.1} MiB | {:.1} MiB |",
             *before as f64 / 1024.0,
             *after as f64 / 1024.0
         );
