@@ -29,26 +29,29 @@ impl Drop for SetOnDrop<'_> {
 }
 
 impl Capture {
-    /// Builds the scheduler records of the window `start_ns..stop_ns` into
-    /// thread states as they arrive, so that [`Self::assemble_while_draining`]
-    /// of that window has only the last ones left to build. The records are
-    /// still kept for other windows. Only for a window that starts when the
-    /// capture (or its [`Self::resume`]) did, before anything was drained:
-    /// returns whether it was taken.
-    pub fn stream_window(&mut self, start_ns: u64, stop_ns: u64) -> bool {
+    /// Builds the scheduler records of `window` into thread states as they
+    /// arrive, so that [`Self::assemble_while_draining`] of that window has
+    /// only the last ones left to build (and, for a window of every
+    /// process with `max_events`, none past where the trace will end). The
+    /// records are still kept for other windows. Only for a window that
+    /// starts when the capture (or its [`Self::resume`]) did, before
+    /// anything was drained: returns whether it was taken.
+    pub fn stream_window(&mut self, window: &Window) -> bool {
         let fits = self.streamed.is_none()
             && self.families.sched
             && self.records.is_empty()
-            && start_ns == self.start_ns
-            && stop_ns > start_ns;
+            && window.start_ns == self.start_ns
+            && window.stop_ns > window.start_ns;
         if fits {
             let processes = self.targets.iter().map(|t| (t.pid, t.name.clone()));
-            self.streamed = Some(StreamedScheduling::until(
-                start_ns,
-                stop_ns,
+            let streamed = StreamedScheduling::until(
+                window.start_ns,
+                window.stop_ns,
                 processes,
                 self.initial.clone(),
-            ));
+            );
+            let max_events = window.max_events.filter(|_| window.pids.is_none());
+            self.streamed = Some(streamed.at_most(max_events));
         }
         fits
     }

@@ -538,28 +538,47 @@ mod tests {
                 .collect::<HashMap<_, _>>()
         };
         let processes = || vec![(PID, "p".to_string())];
-        let mut streamed = StreamedScheduling::until(start, stop, processes(), initial());
-        for batch in records.chunks(300) {
-            for r in batch.iter().filter(|r| StreamedScheduling::takes(r)) {
-                streamed.push(r.clone());
+        let assembled = |max_events: Option<usize>, streaming: bool| {
+            let mut streamed =
+                StreamedScheduling::until(start, stop, processes(), initial()).at_most(max_events);
+            for batch in records.chunks(300) {
+                for r in batch.iter().filter(|r| StreamedScheduling::takes(r)) {
+                    streamed.push(r.clone());
+                }
+                streamed.settle();
             }
-            streamed.settle();
-        }
-        let window = Window::between(start, stop);
-        let assembled = |streamed: Option<StreamedScheduling>, records: &mut [Record]| {
             let sources = Sources {
                 scheduling: true,
                 initial: initial(),
-                records,
-                streamed,
+                records: &mut records.clone(),
+                streamed: streaming.then_some(streamed),
                 ..Sources::new(start, ClockSync::from_offset(0), processes())
+            };
+            let window = Window {
+                max_events,
+                ..Window::between(start, stop)
             };
             assemble(sources, &window, 0, None)
         };
-        let at_the_end = assembled(None, &mut records.clone());
-        let while_recording = assembled(Some(streamed), &mut records);
+        let at_the_end = assembled(None, false);
         assert!(at_the_end.threads[&a].slices.len() > 1_000);
         assert_eq!(at_the_end.threads[&a].spans.len(), 32);
-        assert_eq!(while_recording, at_the_end);
+        assert_eq!(assembled(None, true), at_the_end);
+
+        // Cut at max_events, where building stopped early: the same trace
+        // but for the threads' whole-window counters.
+        let without_counters = |mut tl: Timeline| {
+            tl.threads
+                .values_mut()
+                .for_each(|t| t.counters = Default::default());
+            tl
+        };
+        let at_the_end = without_counters(assembled(Some(1_000), false));
+        assert!(
+            at_the_end.stop_ns < stop / 2,
+            "cut at {}",
+            at_the_end.stop_ns
+        );
+        assert_eq!(without_counters(assembled(Some(1_000), true)), at_the_end);
     }
 }

@@ -59,6 +59,8 @@ pub struct SchedTimelineBuilder {
     processes: BTreeMap<u32, ProcessInfo>,
     /// The next wake-up's flow id; 0 once they are all taken.
     next_flow_id: u32,
+    /// State slices made so far, a Running one twice (its CPU slice).
+    slice_events: usize,
     records: u64,
     inconsistencies: u64,
 }
@@ -94,6 +96,7 @@ impl SchedTimelineBuilder {
             threads: FxHashMap::default(),
             processes,
             next_flow_id: 1,
+            slice_events: 0,
             records: 0,
             inconsistencies: 0,
         }
@@ -103,6 +106,19 @@ impl SchedTimelineBuilder {
     /// known (see [`super::streamed`]); records fed so far must not be later.
     pub fn stop_at(&mut self, stop_ns: u64) {
         self.stop_ns = stop_ns;
+    }
+
+    /// At least how many events the timeline will have that start no
+    /// later than the last record fed: the state slices made so far and
+    /// the CPU slices of the Running ones (marks not counted).
+    pub fn events_made(&self) -> usize {
+        self.slice_events
+    }
+
+    /// Counts `n` records of the window that were not fed (see
+    /// [`super::streamed`]).
+    pub fn count_unfed(&mut self, n: u64) {
+        self.records += n;
     }
 
     /// Says that the probes follow process `pid` from `since_ns` only (it
@@ -137,6 +153,11 @@ impl SchedTimelineBuilder {
             return;
         }
         let d = to - from;
+        self.slice_events += if matches!(state, ThreadState::Running { .. }) {
+            2
+        } else {
+            1
+        };
         match state {
             ThreadState::Running { .. } => t.counters.on_cpu_ns += d,
             ThreadState::Runnable { .. } => t.counters.runnable_ns += d,

@@ -3,7 +3,9 @@
 //! (the records need not all be held until the end, only the thread states
 //! they make), or the first `serve` session on a capture, whose end is
 //! known from the start (its answer then waits only for the last records,
-//! not for all of them to be built).
+//! not for all of them to be built). Such a window may also stop being
+//! built once it holds more events than the trace may show
+//! (`max_events`): the trace ends before then anyway.
 //!
 //! The ring buffer delivers records almost in time order (each probe takes
 //! its timestamp just before it reserves its room, and another CPU may
@@ -27,6 +29,11 @@ pub struct StreamedScheduling {
     builder: SchedTimelineBuilder,
     /// The window: from the capture's start, to a known end or none yet.
     window: (u64, Option<u64>),
+    /// Once the builder holds this many events, later records are left
+    /// out (see [`SchedTimelineBuilder::events_made`]).
+    max_events: Option<usize>,
+    /// Records left out for it.
+    unbuilt: u64,
     queued: Vec<Record>,
     newest_ns: u64,
     /// Records that arrived after a later one had been built in: fed in
@@ -46,6 +53,16 @@ impl StreamedScheduling {
         initial: HashMap<u32, InitialState>,
     ) -> Self {
         Self::with_end(start_ns, None, processes, initial)
+    }
+
+    /// Leaves out the records after the builder holds more than
+    /// `max_events` events:
+    /// a trace cut at `max_events` ([`super::Window::apply`] of every
+    /// process) ends before the last record built, so it is the same, all
+    /// but the threads' whole-window counters.
+    pub fn at_most(mut self, max_events: Option<usize>) -> Self {
+        self.max_events = max_events;
+        self
     }
 
     /// Like [`Self::new`], for a window whose end `stop_ns` is known:
@@ -69,6 +86,8 @@ impl StreamedScheduling {
         StreamedScheduling {
             builder: SchedTimelineBuilder::new(start_ns, end, processes, initial),
             window: (start_ns, stop_ns),
+            max_events: None,
+            unbuilt: 0,
             queued: Vec::new(),
             newest_ns: 0,
             late: 0,
@@ -102,6 +121,10 @@ impl StreamedScheduling {
         if self.window.1.is_some_and(|stop| record.ts() > stop) {
             return;
         }
+        if self.is_full() {
+            self.unbuilt += 1;
+            return;
+        }
         if record.ts() < self.built_until_ns {
             self.late += 1;
         }
@@ -116,16 +139,32 @@ impl StreamedScheduling {
         // Stable: records with one timestamp keep the ring buffer's order.
         self.queued.sort_by_key(Record::ts);
         let ready = self.queued.partition_point(|r| r.ts() <= ready_until);
-        for r in self.queued.drain(..ready) {
+        for (i, r) in self.queued.drain(..ready).enumerate() {
+            if holds_more_than(&self.builder, self.max_events) {
+                self.unbuilt += (ready - i) as u64;
+                break;
+            }
             self.built_until_ns = self.built_until_ns.max(r.ts());
             self.builder.push(&r);
+            self.built += 1;
         }
-        self.built += ready;
+        if self.is_full() {
+            self.unbuilt += self.queued.len() as u64;
+            self.queued = Vec::new();
+        }
+    }
+
+    /// Whether it holds more than `max_events` events and takes no more
+    /// records: the trace is cut where the event after the first
+    /// `max_events` starts, which then lies no later than the records
+    /// built.
+    fn is_full(&self) -> bool {
+        holds_more_than(&self.builder, self.max_events)
     }
 
     /// Records taken so far.
     pub fn len(&self) -> usize {
-        self.built + self.queued.len()
+        self.built + self.queued.len() + self.unbuilt as usize
     }
 
     /// Whether no record was taken.
@@ -138,9 +177,14 @@ impl StreamedScheduling {
     /// how many records came later than [`REORDER_SLACK_NS`].
     pub fn finish(mut self, stop_ns: u64) -> (SchedTimelineBuilder, Vec<Record>, u64) {
         self.builder.stop_at(stop_ns);
+        self.builder.count_unfed(self.unbuilt);
         self.queued.sort_by_key(Record::ts);
         (self.builder, self.queued, self.late)
     }
+}
+
+fn holds_more_than(builder: &SchedTimelineBuilder, max_events: Option<usize>) -> bool {
+    max_events.is_some_and(|max| builder.events_made() > max)
 }
 
 #[cfg(test)]
@@ -214,5 +258,29 @@ mod tests {
         stream.settle();
         let (_, queued, late) = stream.finish(400 * ms);
         assert_eq!((queued.len(), late), (1, 1));
+    }
+
+    /// With `max_events`, records stop being built once the thread states
+    /// hold more events than that, and are counted all the same.
+    #[test]
+    fn building_stops_past_max_events() {
+        let ms = 1_000_000;
+        let mut stream =
+            StreamedScheduling::until(0, 1_000 * ms, [(1, "p".into())], HashMap::new())
+                .at_most(Some(10));
+        for i in 1..=500u64 {
+            stream.push(switch(
+                i * ms,
+                10 + (i % 2) as u32,
+                10 + ((i + 1) % 2) as u32,
+            ));
+            stream.settle();
+        }
+        assert!(stream.built < 20, "{} built", stream.built);
+        assert_eq!(stream.len(), 500);
+        assert!(stream.queued.is_empty());
+        let (builder, queued, _) = stream.finish(1_000 * ms);
+        assert!(queued.is_empty());
+        assert!(builder.events_made() > 10);
     }
 }

@@ -370,7 +370,7 @@ impl Hub {
             // The first window of a capture that began for it is built
             // while it is recorded: its answer waits for less.
             if let Some(capture) = r.capture.as_mut().filter(|_| r.sessions.is_empty()) {
-                capture.stream_window(start, stop);
+                capture.stream_window(&session_window(&s, start, stop));
             }
             r.sessions.push(s);
         }
@@ -543,12 +543,7 @@ fn session_timeline(
     stop: u64,
     ended_early: Option<String>,
 ) -> Timeline {
-    let window = Window {
-        start_ns: start,
-        stop_ns: stop,
-        pids: s.spec.pids.clone(),
-        max_events: s.spec.max_events,
-    };
+    let window = session_window(s, start, stop);
     match r.capture.as_mut() {
         Some(capture) => {
             let dropped = capture.probe_stats().map(|p| p.dropped()).unwrap_or(0);
@@ -559,6 +554,17 @@ fn session_timeline(
             let sources = Sources::new(r.started_ns, r.clock, processes(&r.targets));
             timeline::assemble(sources, &window, 0, ended_early)
         }
+    }
+}
+
+/// What the session shows of `start..stop`: its pids, at most its
+/// `max_events` events.
+fn session_window(s: &Session, start: u64, stop: u64) -> Window {
+    Window {
+        start_ns: start,
+        stop_ns: stop,
+        pids: s.spec.pids.clone(),
+        max_events: s.spec.max_events,
     }
 }
 
