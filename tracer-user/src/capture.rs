@@ -360,8 +360,14 @@ impl Capture {
         if self.last_collection.elapsed() >= DEVICE_COLLECTION_PERIOD {
             self.collect_device_activity();
         }
+        // A window with a known end streams records that are also kept.
+        let streamed_only = self
+            .streamed
+            .as_ref()
+            .filter(|s| s.window().1.is_none())
+            .map_or(0, |s| s.len());
         PollStatus {
-            records: self.records.len() + self.streamed.as_ref().map_or(0, |s| s.len()),
+            records: self.records.len() + streamed_only,
             alive: self.targets.iter().filter(|t| t.is_alive()).count(),
         }
     }
