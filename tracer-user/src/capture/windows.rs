@@ -35,8 +35,8 @@ impl Capture {
     /// process with `max_events`, none past where the trace will end). The
     /// records are still kept for other windows. Only for a window that
     /// starts when the capture (or its [`Self::resume`]) did, before
-    /// anything was drained: returns whether it was taken.
-    pub fn stream_window(&mut self, window: &Window) -> bool {
+    /// anything was drained; other windows are left alone.
+    pub fn stream_window(&mut self, window: &Window) {
         let fits = self.streamed.is_none()
             && self.families.sched
             && self.records.is_empty()
@@ -53,7 +53,6 @@ impl Capture {
             let max_events = window.max_events.filter(|_| window.pids.is_none());
             self.streamed = Some(streamed.at_most(max_events));
         }
-        fits
     }
 
     /// Everything recorded so far, for [`timeline::assemble`]: drained
