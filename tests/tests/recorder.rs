@@ -46,6 +46,24 @@ fn expect_line(server: &ServeProcess, needle: &str) {
     );
 }
 
+/// A `--discover` flight recorder keeping the last `retain`, kept on by a
+/// process that maps a library named like the CUDA driver (which exports
+/// nothing ebtrace probes); and that library, which makes any process
+/// preloading it one the recorder takes on.
+fn discovering_recorder(retain: &str) -> (SchedWorkload, ServeProcess, std::path::PathBuf) {
+    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
+    let keeper = SchedWorkload::start_with_env(&[], &[("LD_PRELOAD", stub.to_str().unwrap())]);
+    let server = ServeProcess::loopback(&[
+        "--discover",
+        "--discover-interval",
+        "200ms",
+        "--retain",
+        retain,
+    ]);
+    expect_line(&server, "flight recorder on");
+    (keeper, server, stub)
+}
+
 fn run_python(python: &Path, script: &str) -> Output {
     let child = Command::new(python)
         .args(["-c", script])
@@ -319,18 +337,8 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
         return;
     }
     let _serial = serial();
-    // Processes that map a library named like the CUDA driver are the
-    // ones --discover watches.
-    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
+    let (first, server, stub) = discovering_recorder("30s");
     let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
-    let first = SchedWorkload::start_with_env(&[], &preload);
-    let server = ServeProcess::loopback(&[
-        "--discover",
-        "--discover-interval",
-        "200ms",
-        "--retain",
-        "30s",
-    ]);
     let watching = |pid: u32| {
         server
             .wait_line(
@@ -472,18 +480,7 @@ fn the_driver_probes_of_a_process_that_exits_are_let_go() {
         return;
     }
     let _serial = serial();
-    // Keeps the recorder on (it maps a library named like the driver,
-    // which exports nothing ebtrace probes).
-    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
-    let keeper = SchedWorkload::start_with_env(&[], &[("LD_PRELOAD", stub.to_str().unwrap())]);
-    let server = ServeProcess::loopback(&[
-        "--discover",
-        "--discover-interval",
-        "200ms",
-        "--retain",
-        "30s",
-    ]);
-    expect_line(&server, "flight recorder on");
+    let (keeper, server, _) = discovering_recorder("30s");
     let before = server.probe_fds();
     for round in 0..2 {
         let mut driver_user =
@@ -536,17 +533,8 @@ fn a_process_whose_records_are_all_too_old_is_forgotten() {
         return;
     }
     let _serial = serial();
-    let stub = build_c_shared("runtime_stub", "libcuda.so.1");
+    let (keeper, server, stub) = discovering_recorder("2s");
     let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
-    let keeper = SchedWorkload::start_with_env(&[], &preload);
-    let server = ServeProcess::loopback(&[
-        "--discover",
-        "--discover-interval",
-        "200ms",
-        "--retain",
-        "2s",
-    ]);
-    expect_line(&server, "flight recorder on");
     let brief = SchedWorkload::start_with_env(&[], &preload);
     let pid = brief.pid;
     expect_line(&server, &format!("recording pid {pid} "));
