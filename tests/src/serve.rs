@@ -259,6 +259,53 @@ impl ServeProcess {
             .expect("VmRSS")
     }
 
+    /// Resident memory once it is under `limit_kib`, or at `deadline`:
+    /// what a finished capture frees goes back on the server's worker
+    /// threads (detaching, delivering) a moment after its answer is sent
+    /// and its probes are gone.
+    pub fn rss_kib_settled(&self, limit_kib: u64, deadline: Duration) -> u64 {
+        let start = Instant::now();
+        loop {
+            let rss = self.rss_kib();
+            if rss < limit_kib || start.elapsed() >= deadline {
+                return rss;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The server's `n` mappings holding the most resident memory, a line
+    /// each: what a failed memory check shows.
+    pub fn largest_mappings(&self, n: usize) -> String {
+        let smaps =
+            std::fs::read_to_string(format!("/proc/{}/smaps", self.pid())).unwrap_or_default();
+        let mut mappings: Vec<(u64, String)> = Vec::new();
+        let mut header = String::new();
+        for line in smaps.lines() {
+            if let Some(kib) = line.strip_prefix("Rss:") {
+                let kib = kib
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse()
+                    .unwrap_or(0);
+                mappings.push((kib, header.clone()));
+            } else if line
+                .split_whitespace()
+                .next()
+                .is_some_and(|w| w.contains('-'))
+            {
+                header = line.to_string();
+            }
+        }
+        mappings.sort_by_key(|m| std::cmp::Reverse(m.0));
+        mappings
+            .iter()
+            .take(n)
+            .map(|(kib, header)| format!("{kib} KiB: {header}\n"))
+            .collect()
+    }
+
     /// A gRPC client connected to the first address.
     pub async fn client(&self) -> ProfilerServiceClient<Channel> {
         let url = match self.addrs[0] {

@@ -889,10 +889,12 @@ fn two_hundred_captures_leak_no_descriptor_and_little_memory() {
         capture(200).await;
         assert!(server.wait_detached(Duration::from_secs(10)));
         assert_eq!(server.open_fds(), fds, "descriptors leaked");
-        let grown = server.rss_kib() as i64 - rss as i64;
+        let after = server.rss_kib_settled(rss + 8 * 1024, Duration::from_secs(10));
+        let grown = after as i64 - rss as i64;
         assert!(
             grown < 8 * 1024,
-            "RSS grew by {grown} KiB over 200 captures (from {rss} KiB)"
+            "RSS grew by {grown} KiB over 200 captures (from {rss} KiB); largest mappings:\n{}",
+            server.largest_mappings(8)
         );
         eprintln!(
             "200 captures in {:.1?}; RSS {rss} -> {} KiB",

@@ -648,10 +648,13 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
         );
         let (fds, rss) = baseline.expect("measured after warming up");
         assert_eq!(server.open_fds(), fds, "descriptors leaked");
-        let grown = server.rss_kib() as i64 - rss as i64;
+        let after = server.rss_kib_settled(rss + 8 * 1024, Duration::from_secs(10));
+        let grown = after as i64 - rss as i64;
+        eprintln!("RSS {rss} KiB after warming up, grew by {grown} KiB");
         assert!(
             grown < 8 * 1024,
-            "RSS grew by {grown} KiB over the calls (from {rss} KiB)"
+            "RSS grew by {grown} KiB over the calls (from {rss} KiB); largest mappings:\n{}",
+            server.largest_mappings(8)
         );
     });
     eprintln!("{CALLS} calls in {:.1?}", started.elapsed());
