@@ -300,11 +300,17 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
     xspace::assert_lines_nest(host);
 
     // The hot thread: as many samples as its time on a CPU (from the
-    // scheduler's tracepoints, another probe) makes ticks, each inside
-    // one of its running intervals, each in the hot function or the one
-    // inlined into it.
+    // scheduler's tracepoints, another probe) makes ticks, each in the hot
+    // function or the one inlined into it, and each inside one of its
+    // running intervals, or else inside one the trace says is unknown: a
+    // switch the kernel does not report (on this kernel, switches away
+    // from a few of the machine's own threads reach no tracepoint) leaves
+    // when the next thread began to run unknown, never a wrong state.
     let hot = line_events(host, i64::from(fixture.hot_tid));
-    let running: Vec<_> = hot.iter().filter(|e| e.name == "Running").collect();
+    let within = |state: &str, t: f64| {
+        hot.iter()
+            .any(|r| r.name == state && r.start_ns - 1e3 <= t && t <= r.end_ns() + 1e3)
+    };
     let on_cpu_ns = xspace::sum_named(&hot, "Running");
     let samples: Vec<_> = hot
         .iter()
@@ -317,6 +323,7 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
         "{} samples on the hot thread, {expected:.0} expected from {on_cpu_ns} ns on a CPU",
         samples.len()
     );
+    let mut in_unknown = 0;
     for s in &samples {
         assert_eq!(s.duration_ns, 0.0);
         assert!(
@@ -324,14 +331,29 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
             "{}",
             s.name
         );
+        if within("Running", s.start_ns) {
+            continue;
+        }
+        in_unknown += 1;
         assert!(
-            running
-                .iter()
-                .any(|r| r.start_ns - 1e3 <= s.start_ns && s.start_ns <= r.end_ns() + 1e3),
-            "a sample at {} ns lies outside the thread's running intervals",
-            s.start_ns
+            within("Unknown", s.start_ns),
+            "a sample at {} ns lies outside the thread's running intervals; the line around \
+             it: {:?}; the trace's notes: {:?}",
+            s.start_ns,
+            hot.iter()
+                .filter(|e| e.name != s.name
+                    && e.end_ns() >= s.start_ns - 5e6
+                    && e.start_ns <= s.start_ns + 5e6)
+                .map(|e| (e.name.as_str(), e.start_ns, e.end_ns()))
+                .collect::<Vec<_>>(),
+            stdout
         );
     }
+    assert!(
+        in_unknown * 20 <= samples.len(),
+        "{in_unknown} of {} samples lie where the thread's state is unknown: {stdout}",
+        samples.len()
+    );
     assert!(
         samples.iter().any(|s| {
             let stack = s.stats["cpu_sample_stack"].as_str();
