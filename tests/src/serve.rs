@@ -250,13 +250,18 @@ impl ServeProcess {
 
     /// Resident memory of the server, KiB.
     pub fn rss_kib(&self) -> u64 {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmRSS")
+        status_kib(self.pid(), "VmRSS:")
+    }
+
+    /// Starts measuring [`Self::peak_rss_kib`] again from now.
+    pub fn reset_peak_rss(&self) {
+        std::fs::write(format!("/proc/{}/clear_refs", self.pid()), "5").expect("clear_refs");
+    }
+
+    /// The most resident memory the server held (since
+    /// [`Self::reset_peak_rss`]), KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        status_kib(self.pid(), "VmHWM:")
     }
 
     /// Resident memory once it is under `limit_kib`, or at `deadline`:
@@ -494,4 +499,14 @@ pub fn event_count(space: &XSpace) -> usize {
         .flat_map(|p| &p.lines)
         .map(|l| l.events.len())
         .sum()
+}
+
+/// The KiB of the `/proc/PID/status` field named `field` (with its colon).
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
 }

@@ -22,6 +22,9 @@ use ebtrace_tests::{
 use tonic::Code;
 
 const HOST_CPU: &str = "/host:CPU";
+/// What the loaded probes take beside their ring buffer, and what the ring
+/// delivers while a snapshot is built (taken in once it is), MiB.
+const PROBES_MIB: u64 = 16;
 
 /// The server's answer to `GetSnapshot`, decoded.
 fn snapshot(server: &ServeProcess, id: &str) -> XSpace {
@@ -35,6 +38,14 @@ fn snapshot(server: &ServeProcess, id: &str) -> XSpace {
             .expect("a snapshot");
         xspace_of(&r.into_inner())
     })
+}
+
+/// The value of the metric `name` in a `/metrics` body.
+fn metric(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no {name} in {body}")) as u64
 }
 
 /// Waits for a line of the server's stderr holding `needle`.
@@ -202,12 +213,6 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
     // is what the recorder holds plus what it forgot.
     signal(workload.pid, libc::SIGSTOP);
     std::thread::sleep(Duration::from_millis(500));
-    let metric = |body: &str, name: &str| -> u64 {
-        body.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in {body}")) as u64
-    };
     let body = http::get(metrics_at, "/metrics").text();
     let (held, forgotten) = (
         metric(&body, "ebtrace_recorder_records"),
@@ -436,6 +441,82 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
 /// while to build: the ring buffer goes on being drained meanwhile, so
 /// nothing the target does then is lost (a small ring would fill within
 /// the build otherwise).
+/// `--retain-memory` bounds what the recorder holds and what a snapshot
+/// built from it takes: on a target making far more records than that
+/// holds, the server's memory at its peak, while a snapshot is built and
+/// sent, stays within the cap above what it took before the recorder
+/// started (and the probes' own ring buffer).
+#[test]
+fn a_snapshot_is_built_within_the_retained_memory() {
+    if !require_root("a_snapshot_is_built_within_the_retained_memory") {
+        return;
+    }
+    let _serial = serial();
+    const CAP_MIB: u64 = 64;
+    const RING_MIB: u64 = 4;
+    let workload = SchedWorkload::start(&["--mode", "pingpong", "--seconds", "60"]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--keep-probes",
+        "0",
+        "--retain-memory",
+        &CAP_MIB.to_string(),
+        "--ring-buffer-mib",
+        &RING_MIB.to_string(),
+        "--http",
+        "127.0.0.1:0",
+    ]);
+    let metrics_at = server.http_addr();
+    let idle = server.rss_kib();
+    block_on(async {
+        let mut client = server.client().await;
+        client
+            .start_continuous_profiling(request(2000))
+            .await
+            .expect("StartContinuousProfiling");
+    });
+    expect_line(&server, "flight recorder on");
+    // Full: it forgets the oldest records to keep the newest.
+    let forgotten = || {
+        let body = http::get(metrics_at, "/metrics").text();
+        metric(&body, "ebtrace_recorder_forgotten_records_total")
+    };
+    let filling = std::time::Instant::now();
+    while forgotten() == 0 {
+        assert!(
+            filling.elapsed() < Duration::from_secs(30),
+            "the recorder never filled {CAP_MIB} MiB"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let holding = server.rss_kib();
+    server.reset_peak_rss();
+    let space = snapshot(&server, "capped");
+    let peak = server.peak_rss_kib();
+    let records =
+        xspace::plane_stats(plane(&space, "Task Environment"))["ebtrace_records"].as_u64();
+    eprintln!(
+        "RSS idle {idle} KiB, holding {holding} KiB, peak {peak} KiB; {records} records in \
+         the snapshot"
+    );
+    assert!(records > 50_000, "{records} records in the snapshot");
+    // The ring is mapped twice (its pages follow themselves); the probes
+    // and the records drained while the snapshot is built take a few MiB
+    // more.
+    let allowed = (CAP_MIB + 2 * RING_MIB + PROBES_MIB) * 1024;
+    assert!(
+        peak - idle <= allowed,
+        "the server grew by {} KiB at its peak, over the {CAP_MIB} MiB cap and the probes' \
+         {} MiB: {records} records in the snapshot; largest mappings:\n{}",
+        peak - idle,
+        2 * RING_MIB + PROBES_MIB,
+        server.largest_mappings(8)
+    );
+    drop(workload);
+}
+
 #[test]
 fn nothing_is_dropped_while_a_large_snapshot_is_built() {
     if !require_root("nothing_is_dropped_while_a_large_snapshot_is_built") {
@@ -448,6 +529,8 @@ fn nothing_is_dropped_while_a_large_snapshot_is_built() {
         &workload.pid.to_string(),
         "--retain",
         "30s",
+        "--retain-memory",
+        "512",
         "--ring-buffer-mib",
         "4",
     ]);

@@ -1,7 +1,8 @@
 //! The flight recorder: one capture of every watched process that goes on
 //! until it is stopped, keeping only the last `--retain` of what it
-//! recorded (and at most `--retain-memory` of records), so that
-//! `GetSnapshot` can answer with what already happened.
+//! recorded, and no more than fits with a snapshot of it in
+//! `--retain-memory`, so that `GetSnapshot` can answer with what already
+//! happened.
 //!
 //! It records scheduling, CUDA driver calls and (at `--sample-hz`) CPU
 //! stacks, whatever the request's tracer levels say. TraceMe events are
@@ -34,16 +35,26 @@ use crate::{
 pub struct Retention {
     /// The last this long.
     pub window: Duration,
-    /// At most this many bytes of records.
+    /// At most this many bytes of records and of a snapshot built from
+    /// them.
     pub memory_bytes: usize,
     /// CPU stack samples a second per CPU it records (0: none).
     pub cpu_sample_hz: u32,
 }
 
+/// What a snapshot takes while it is built and sent, per record held,
+/// beside the record: its share of the thread states, of the XSpace they
+/// make and of the copy gRPC sends (about 2.7 events and 80 bytes of
+/// XSpace per scheduler record). Measured on a flat-out ping-pong
+/// (BENCHMARKS.md, "Flight recorder").
+const SNAPSHOT_BYTES_PER_RECORD: usize = 200;
+
 impl Retention {
-    /// Records held at most: a deque of records may take twice their size.
-    fn max_records(&self) -> usize {
-        (self.memory_bytes / (2 * size_of::<Record>())).max(1)
+    /// Records held at most, so that they and a snapshot of them fit in
+    /// [`Self::memory_bytes`]: a deque of records may take twice their
+    /// size.
+    pub fn max_records(&self) -> usize {
+        (self.memory_bytes / (2 * size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD)).max(1)
     }
 }
 
@@ -92,10 +103,11 @@ impl FlightRecorder {
         let capture =
             Capture::start(targets, &options).map_err(|e| SessionError::Attach(e.to_string()))?;
         eprintln!(
-            "ebtrace: flight recorder on: keeping the last {} of pid {} (at most {} MiB of \
-             records; probes attached in {} ms)",
+            "ebtrace: flight recorder on: keeping the last {} of pid {} (at most {} records: \
+             with a snapshot of them, {} MiB; probes attached in {} ms)",
             humantime::format_duration(retention.window),
             pids_list(&pids),
+            retention.max_records(),
             retention.memory_bytes / (1024 * 1024),
             capture.attach_time.as_millis()
         );
