@@ -149,7 +149,9 @@ struct Bench {
 /// 30 s it keeps, so that it holds a whole window.
 const RECORDER_SECONDS: f64 = 35.0;
 
-pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
+/// Runs `opts.suite`; `against`, an earlier ebtrace binary, is measured
+/// beside the one built here by the recorder suite.
+pub fn run_bench(root: &Path, opts: Options, against: Option<PathBuf>) -> Result<()> {
     util::require_root("bench")?;
     if opts.rounds == 0 || opts.seconds <= 0.0 {
         bail!("--rounds and --seconds must be positive");
@@ -160,10 +162,11 @@ pub fn run_bench(root: &Path, opts: Options) -> Result<()> {
         let md = recorder::run(
             &ebtrace,
             &util::build_fixture(),
-            recorder::Options {
+            &recorder::Options {
                 seconds: RECORDER_SECONDS,
                 retain: Duration::from_secs(30),
                 target_cpu: opts.target_cpu,
+                against,
             },
         )?;
         return write_report(root, "recorder.md", &md);

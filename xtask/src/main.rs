@@ -73,10 +73,10 @@ enum Task {
         /// --rounds and the target pinning).
         #[arg(long)]
         serve: bool,
-        /// With --serve: an earlier ebtrace binary, measured in the same
-        /// run after the one built here on each target, for a before/after
-        /// table.
-        #[arg(long, requires = "serve")]
+        /// With --serve or --suite recorder: an earlier ebtrace binary,
+        /// measured in the same run after the one built here on each
+        /// target, for a before/after table.
+        #[arg(long)]
         against: Option<std::path::PathBuf>,
         /// Which benchmarks: all, sched, traceme (TraceMe cost per event
         /// against bpftrace, event rate, memory) or cuda (ns per traced
@@ -129,17 +129,23 @@ fn run() -> Result<()> {
             serve: false,
             suite,
             cuda_seconds,
-            against: _,
-        } => bench::run_bench(
-            &root,
-            bench::Options {
-                rounds,
-                seconds,
-                long_seconds,
-                target_cpu: (!unpinned).then_some(target_cpu),
-                suite,
-                cuda_seconds,
-            },
-        ),
+            against,
+        } => {
+            if against.is_some() && suite != bench::Suite::Recorder {
+                anyhow::bail!("--against measures --serve or --suite recorder; drop it or add one");
+            }
+            bench::run_bench(
+                &root,
+                bench::Options {
+                    rounds,
+                    seconds,
+                    long_seconds,
+                    target_cpu: (!unpinned).then_some(target_cpu),
+                    suite,
+                    cuda_seconds,
+                },
+                against,
+            )
+        }
     }
 }

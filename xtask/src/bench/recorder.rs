@@ -6,11 +6,14 @@
 //! pinned to one CPU): the target's rate untraced for the run's seconds,
 //! then with the recorder on for as long; ebtrace's own CPU time over that
 //! run (`/proc/PID/stat`), its resident memory, the records it holds; then
-//! one `GetSnapshot`, timed from sending to the decoded response.
+//! one `GetSnapshot`, timed from sending to the decoded response, and
+//! ebtrace's peak resident memory while it answered. With `--against
+//! PATH`, an earlier binary records the same target right after the one
+//! built here, row by row.
 
 use std::{
     fmt::Write as _,
-    path::Path,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -26,15 +29,19 @@ use super::{
 };
 use crate::util::{Workload, say};
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     pub seconds: f64,
     pub retain: Duration,
     pub target_cpu: Option<usize>,
+    /// An earlier ebtrace binary to measure beside the one built here.
+    pub against: Option<PathBuf>,
 }
 
 struct Row {
     mode: &'static str,
+    /// Which binary recorded: "built" or "against".
+    binary: &'static str,
     /// The recorder's stack samples a second per CPU (`--sample-hz`).
     sample_hz: &'static str,
     /// The target's own rate (round trips/s) untraced and with the recorder.
@@ -42,6 +49,8 @@ struct Row {
     /// ebtrace's CPU over the run, in percent of one CPU.
     cpu_percent: f64,
     rss_kib: u64,
+    /// ebtrace's peak resident memory while it answered the snapshot.
+    peak_rss_kib: u64,
     held: u64,
     forgotten: u64,
     snapshot: Duration,
@@ -49,10 +58,14 @@ struct Row {
     bytes: usize,
 }
 
-pub fn run(ebtrace: &Path, fixture: &Path, opts: Options) -> Result<String> {
+pub fn run(ebtrace: &Path, fixture: &Path, opts: &Options) -> Result<String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let mut binaries = vec![("built", ebtrace)];
+    if let Some(against) = &opts.against {
+        binaries.push(("against", against.as_path()));
+    }
     let mut rows = Vec::new();
     // 1 Hz against the default 99: what the stack samples cost.
     for (mode, sample_hz) in [
@@ -62,38 +75,41 @@ pub fn run(ebtrace: &Path, fixture: &Path, opts: Options) -> Result<String> {
         ("pingpong", "99"),
     ] {
         let untraced = target_rate(fixture, mode, opts, |_| Ok(()))?;
-        let mut row = None;
-        let traced = target_rate(fixture, mode, opts, |phase| match phase {
-            Phase::Stopped(pid) => {
-                let retain = format!("{}s", opts.retain.as_secs());
-                let server = Server::start(
-                    ebtrace,
-                    pid,
-                    &[
-                        "--retain",
-                        &retain,
-                        "--http",
-                        "127.0.0.1:0",
-                        "--sample-hz",
-                        sample_hz,
-                    ],
-                )?;
-                server.wait_line("flight recorder on", Duration::from_secs(60))?;
-                let cpu_start = ticks(server.child.id());
-                row = Some((server, cpu_start));
-                Ok(())
+        for &(binary, path) in &binaries {
+            let mut row = None;
+            let traced = target_rate(fixture, mode, opts, |phase| match phase {
+                Phase::Stopped(pid) => {
+                    let retain = format!("{}s", opts.retain.as_secs());
+                    let server = Server::start(
+                        path,
+                        pid,
+                        &[
+                            "--retain",
+                            &retain,
+                            "--http",
+                            "127.0.0.1:0",
+                            "--sample-hz",
+                            sample_hz,
+                        ],
+                    )?;
+                    server.wait_line("flight recorder on", Duration::from_secs(60))?;
+                    let cpu_start = ticks(server.child.id());
+                    row = Some((server, cpu_start));
+                    Ok(())
+                }
+                Phase::Ran => {
+                    let (server, cpu_start) = row.take().context("the recorder did not start")?;
+                    let measured = measure(&runtime, mode, &server, cpu_start)?;
+                    server.stop()?;
+                    rows.push(measured);
+                    Ok(())
+                }
+            })?;
+            if let Some(r) = rows.last_mut() {
+                r.rate = (untraced, traced);
+                r.sample_hz = sample_hz;
+                r.binary = binary;
             }
-            Phase::Ran => {
-                let (server, cpu_start) = row.take().context("the recorder did not start")?;
-                let measured = measure(&runtime, mode, &server, cpu_start)?;
-                server.stop()?;
-                rows.push(measured);
-                Ok(())
-            }
-        })?;
-        if let Some(r) = rows.last_mut() {
-            r.rate = (untraced, traced);
-            r.sample_hz = sample_hz;
         }
     }
     Ok(render(&rows, opts))
@@ -112,7 +128,7 @@ enum Phase {
 fn target_rate(
     fixture: &Path,
     mode: &str,
-    opts: Options,
+    opts: &Options,
     mut at: impl FnMut(Phase) -> Result<()>,
 ) -> Result<f64> {
     let mut cmd = harness::pinned(fixture, opts.target_cpu);
@@ -151,6 +167,8 @@ fn measure(
         metric("ebtrace_recorder_forgotten_records_total"),
     );
     let rss_kib = status_kib(pid, "VmRSS").unwrap_or(0);
+    // Resets VmHWM: the peak from here on is the snapshot's.
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
     let asked = Instant::now();
     let response = runtime.block_on(async {
         let mut client = ProfilerServiceClient::connect(format!("http://{}", server.addr))
@@ -164,6 +182,7 @@ fn measure(
         anyhow::Ok(r.into_inner())
     })?;
     let snapshot = asked.elapsed();
+    let peak_rss_kib = status_kib(pid, "VmHWM").unwrap_or(0);
     let data = &response.tool_data.first().context("no tool_data")?.data;
     let space = XSpace::decode(data.as_slice())?;
     let events = harness::xspace_events(&space);
@@ -173,10 +192,12 @@ fn measure(
     ));
     Ok(Row {
         mode,
+        binary: "built",
         sample_hz: "",
         rate: (0.0, 0.0),
         cpu_percent,
         rss_kib,
+        peak_rss_kib,
         held,
         forgotten,
         snapshot,
@@ -199,7 +220,7 @@ fn ticks(pid: u32) -> (u64, Instant) {
     (t, Instant::now())
 }
 
-fn render(rows: &[Row], opts: Options) -> String {
+fn render(rows: &[Row], opts: &Options) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
@@ -217,18 +238,19 @@ fn render(rows: &[Row], opts: Options) -> String {
     );
     let _ = writeln!(
         md,
-        "| target | stack samples | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | events | XSpace |"
+        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | peak RSS while answering | events | XSpace |"
     );
     let _ = writeln!(
         md,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for r in rows {
         let _ = writeln!(
             md,
-            "| {} | {} Hz | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.1} MB |",
+            "| {} | {} Hz | {} | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {:.0} MiB | {} | {:.1} MB |",
             r.mode,
             r.sample_hz,
+            r.binary,
             r.rate.0,
             r.rate.1,
             harness::ratio(r.rate.1, r.rate.0),
@@ -237,6 +259,7 @@ fn render(rows: &[Row], opts: Options) -> String {
             r.held,
             r.forgotten,
             r.snapshot.as_secs_f64() * 1e3,
+            r.peak_rss_kib as f64 / 1024.0,
             r.events,
             r.bytes as f64 / 1e6
         );
