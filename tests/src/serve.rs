@@ -288,13 +288,7 @@ impl ServeProcess {
         let mut header = String::new();
         for line in smaps.lines() {
             if let Some(kib) = line.strip_prefix("Rss:") {
-                let kib = kib
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse()
-                    .unwrap_or(0);
-                mappings.push((kib, header.clone()));
+                mappings.push((parse_kib(kib).unwrap_or(0), header.clone()));
             } else if line
                 .split_whitespace()
                 .next()
@@ -507,6 +501,11 @@ fn status_kib(pid: u32, field: &str) -> u64 {
     status
         .lines()
         .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .and_then(parse_kib)
         .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// A `/proc` size such as `  1234 kB`, in KiB.
+fn parse_kib(value: &str) -> Option<u64> {
+    value.trim().trim_end_matches("kB").trim().parse().ok()
 }

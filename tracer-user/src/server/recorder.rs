@@ -53,7 +53,7 @@ impl Retention {
     /// Records held at most, so that they and a snapshot of them fit in
     /// [`Self::memory_bytes`]: a deque of records may take twice their
     /// size.
-    pub fn max_records(&self) -> usize {
+    fn max_records(&self) -> usize {
         (self.memory_bytes / (2 * size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD)).max(1)
     }
 }
