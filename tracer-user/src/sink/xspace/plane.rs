@@ -39,26 +39,21 @@ pub struct Stat {
 }
 
 impl Stat {
+    pub fn new(metadata_id: i64, value: Encoded) -> Self {
+        Stat { metadata_id, value }
+    }
+
     pub fn i64(metadata_id: i64, v: i64) -> Self {
-        Stat {
-            metadata_id,
-            value: Encoded::I64(v),
-        }
+        Self::new(metadata_id, Encoded::I64(v))
     }
 
     pub fn u64(metadata_id: i64, v: u64) -> Self {
-        Stat {
-            metadata_id,
-            value: Encoded::U64(v),
-        }
+        Self::new(metadata_id, Encoded::U64(v))
     }
 
     /// A string stat whose string is the stat metadata `ref_id`.
     pub fn reference(metadata_id: i64, ref_id: i64) -> Self {
-        Stat {
-            metadata_id,
-            value: Encoded::Ref(ref_id as u64),
-        }
+        Self::new(metadata_id, Encoded::Ref(ref_id as u64))
     }
 
     fn as_proto(self) -> XStat {
@@ -71,30 +66,6 @@ impl Stat {
         XStat {
             metadata_id: self.metadata_id,
             value: Some(value),
-        }
-    }
-
-    /// `XStat`: metadata_id = 1; the value oneof: double 2, uint64 3,
-    /// int64 4, ref 7 (a oneof member is written even when zero).
-    fn encode_body(&self, out: &mut Vec<u8>) {
-        encode_int64(1, self.metadata_id, out);
-        match self.value {
-            Encoded::I64(v) => {
-                out.push(key_byte(4, WireType::Varint));
-                put_varint(v as u64, out);
-            }
-            Encoded::U64(v) => {
-                out.push(key_byte(3, WireType::Varint));
-                put_varint(v, out);
-            }
-            Encoded::F64(v) => {
-                out.push(key_byte(2, WireType::SixtyFourBit));
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            Encoded::Ref(v) => {
-                out.push(key_byte(7, WireType::Varint));
-                put_varint(v, out);
-            }
         }
     }
 }
@@ -141,8 +112,13 @@ pub enum EventStats<'a> {
 impl<'a> EventStats<'a> {
     /// Up to four stats, copied.
     pub fn inline(stats: &[Stat]) -> Self {
+        assert!(stats.len() <= 4, "at most four stats inline");
         let mut out = [Stat::i64(0, 0); 4];
-        out[..stats.len()].copy_from_slice(stats);
+        // Stat by stat: a slice copy of a size known only here would be a
+        // call (this is on every scheduling event's path).
+        for (to, from) in out.iter_mut().zip(stats) {
+            *to = *from;
+        }
         EventStats::Inline {
             len: stats.len() as u8,
             stats: out,
@@ -174,35 +150,131 @@ impl LineEvent<'_> {
 
     /// Writes the `events` field (4) of an `XLine` holding this event.
     ///
-    /// Lengths are written after what they measure: one byte is kept for
-    /// each, which is enough for any stat and for all but unusually large
-    /// events (those are moved up to make room).
+    /// The event is encoded into a buffer on the stack first (the hot
+    /// path: one per event), so that its length is known before it is
+    /// copied out once; an event with more stats than the buffer holds
+    /// takes the slower path.
     fn encode_field(&self, out: &mut Vec<u8>) {
+        let stats = self.stats.as_slice();
+        if stats.len() > EventBytes::MAX_STATS {
+            return self.encode_field_large(out);
+        }
+        let mut body = EventBytes::new();
+        body.header(self);
+        for s in stats {
+            body.stat_field(s);
+        }
+        let body = body.as_slice();
+        out.reserve(body.len() + 3);
         out.push(key_byte(4, WireType::LengthDelimited));
-        let length_at = out.len();
-        out.push(0);
-        // XEvent: metadata_id = 1, offset_ps = 2 (oneof: always written),
-        // duration_ps = 3, stats = 4.
-        encode_int64(1, self.metadata_id, out);
-        out.push(key_byte(2, WireType::Varint));
-        put_varint(self.offset_ps as u64, out);
-        encode_int64(3, self.duration_ps, out);
+        put_varint(body.len() as u64, out);
+        out.extend_from_slice(body);
+    }
+
+    /// [`Self::encode_field`] for an event of many stats: its parts are
+    /// encoded on the stack one by one and gathered here.
+    fn encode_field_large(&self, out: &mut Vec<u8>) {
+        let mut body = Vec::new();
+        let mut part = EventBytes::new();
+        part.header(self);
+        body.extend_from_slice(part.as_slice());
         for s in self.stats.as_slice() {
-            out.push(key_byte(4, WireType::LengthDelimited));
-            let stat_at = out.len();
-            out.push(0);
-            s.encode_body(out);
-            // At most 22 bytes: two keys and two varints.
-            out[stat_at] = (out.len() - stat_at - 1) as u8;
+            let mut part = EventBytes::new();
+            part.stat_field(s);
+            body.extend_from_slice(part.as_slice());
         }
-        let len = out.len() - length_at - 1;
-        if len < 0x80 {
-            out[length_at] = len as u8;
-        } else {
-            let mut length = Vec::with_capacity(10);
-            put_varint(len as u64, &mut length);
-            out.splice(length_at..=length_at, length);
+        out.push(key_byte(4, WireType::LengthDelimited));
+        put_varint(body.len() as u64, out);
+        out.extend_from_slice(&body);
+    }
+}
+
+/// An event's body being encoded, on the stack.
+struct EventBytes {
+    bytes: [u8; Self::CAPACITY],
+    len: usize,
+}
+
+impl EventBytes {
+    /// Stats an event may have to be encoded here.
+    const MAX_STATS: usize = 4;
+    /// Three keys and three varints, then per stat a key, a length byte
+    /// and a body of at most 22 bytes (two keys and two varints).
+    const CAPACITY: usize = 3 * 11 + Self::MAX_STATS * 24;
+
+    fn new() -> Self {
+        EventBytes {
+            bytes: [0; Self::CAPACITY],
+            len: 0,
         }
+    }
+
+    #[inline(always)]
+    fn push(&mut self, byte: u8) {
+        self.bytes[self.len] = byte;
+        self.len += 1;
+    }
+
+    #[inline(always)]
+    fn varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.push(v as u8 | 0x80);
+            v >>= 7;
+        }
+        self.push(v as u8);
+    }
+
+    #[inline(always)]
+    fn int64(&mut self, tag: u32, v: i64) {
+        if v != 0 {
+            self.push(key_byte(tag, WireType::Varint));
+            self.varint(v as u64);
+        }
+    }
+
+    /// An `XEvent`'s fields but its stats: metadata_id = 1, offset_ps = 2
+    /// (a oneof member: always written), duration_ps = 3.
+    #[inline(always)]
+    fn header(&mut self, event: &LineEvent<'_>) {
+        self.int64(1, event.metadata_id);
+        self.push(key_byte(2, WireType::Varint));
+        self.varint(event.offset_ps as u64);
+        self.int64(3, event.duration_ps);
+    }
+
+    /// A `stats` field (4) of an `XEvent`. `XStat`: metadata_id = 1; the
+    /// value oneof: double 2, uint64 3, int64 4, ref 7 (a oneof member is
+    /// written even when zero).
+    #[inline(always)]
+    fn stat_field(&mut self, s: &Stat) {
+        self.push(key_byte(4, WireType::LengthDelimited));
+        let length_at = self.len;
+        self.push(0);
+        self.int64(1, s.metadata_id);
+        match s.value {
+            Encoded::I64(v) => {
+                self.push(key_byte(4, WireType::Varint));
+                self.varint(v as u64);
+            }
+            Encoded::U64(v) => {
+                self.push(key_byte(3, WireType::Varint));
+                self.varint(v);
+            }
+            Encoded::F64(v) => {
+                self.push(key_byte(2, WireType::SixtyFourBit));
+                self.bytes[self.len..self.len + 8].copy_from_slice(&v.to_le_bytes());
+                self.len += 8;
+            }
+            Encoded::Ref(v) => {
+                self.push(key_byte(7, WireType::Varint));
+                self.varint(v);
+            }
+        }
+        self.bytes[length_at] = (self.len - length_at - 1) as u8;
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len]
     }
 }
 
@@ -302,10 +374,7 @@ impl XPlaneBuilder {
             StatValue::F64(v) => Encoded::F64(*v),
             StatValue::Str(s) => Encoded::Ref(self.stat_metadata(s) as u64),
         };
-        Stat {
-            metadata_id: self.stat_metadata(name),
-            value,
-        }
+        Stat::new(self.stat_metadata(name), value)
     }
 
     pub fn add_plane_stat(&mut self, name: &str, value: &StatValue) {
@@ -384,9 +453,14 @@ impl XPlaneBuilder {
         }
         encode_string(11, display_name, out);
         let body_len = out.len() - body_at;
+        assert!(body_len < 1 << (7 * LINE_LENGTH_ROOM), "a line over 32 GiB");
+        if body_len >= PADDED_LINE_LENGTH_FROM {
+            // Moving a large line would copy it once more than needed.
+            out[length_at..body_at].copy_from_slice(&padded_varint(body_len as u64));
+            return;
+        }
         let mut length = Vec::with_capacity(LINE_LENGTH_ROOM);
         put_varint(body_len as u64, &mut length);
-        assert!(length.len() <= LINE_LENGTH_ROOM, "a line over 32 GiB");
         out.copy_within(body_at.., length_at + length.len());
         out[length_at..length_at + length.len()].copy_from_slice(&length);
         out.truncate(length_at + length.len() + body_len);
@@ -415,8 +489,8 @@ impl XPlaneBuilder {
 /// Room for a field's key (up to 5 bytes) and a length (up to 10).
 const FIELD_ROOM: usize = 15;
 
-/// Bytes of the length of a [`PlaneStream`]'s plane: up to 32 GiB.
-const PLANE_LENGTH_BYTES: usize = 5;
+/// Bytes of the length of a [`PlaneStream`]'s plane.
+const PLANE_LENGTH_BYTES: usize = PADDED_VARINT_BYTES;
 
 /// A plane written into `out` as a field of the enclosing message while it
 /// is built: its lines go out as they are finished, so that only the line
@@ -458,22 +532,37 @@ impl<'w, W: Write + Seek> PlaneStream<'w, W> {
         if length >= 1 << (7 * PLANE_LENGTH_BYTES) {
             return Err(io::Error::other("a plane of 32 GiB or more"));
         }
-        let mut padded = [0u8; PLANE_LENGTH_BYTES];
-        for (i, byte) in padded.iter_mut().enumerate() {
-            *byte = ((length >> (7 * i)) & 0x7f) as u8;
-            if i + 1 < PLANE_LENGTH_BYTES {
-                *byte |= 0x80;
-            }
-        }
         self.out.seek(SeekFrom::Start(self.length_at))?;
-        self.out.write_all(&padded)?;
+        self.out.write_all(&padded_varint(length))?;
         self.out.seek(SeekFrom::Start(end))?;
         Ok(())
     }
 }
 
-/// Room for a line's length: 5 varint bytes hold up to 32 GiB.
-const LINE_LENGTH_ROOM: usize = 5;
+/// Bytes of a [`padded_varint`]: up to 32 GiB.
+const PADDED_VARINT_BYTES: usize = 5;
+
+/// Room for a line's length.
+const LINE_LENGTH_ROOM: usize = PADDED_VARINT_BYTES;
+
+/// Lines of this many bytes or more keep their length padded to
+/// [`LINE_LENGTH_ROOM`] bytes rather than being moved onto a shorter one.
+const PADDED_LINE_LENGTH_FROM: usize = 64 * 1024;
+
+/// `v` (below 2^35) as a varint of exactly five bytes, padded with
+/// continuation bits: protobuf parsers read it as they read the shortest
+/// form, and room for it can be kept before knowing how long that is.
+fn padded_varint(v: u64) -> [u8; PADDED_VARINT_BYTES] {
+    debug_assert!(v < 1 << (7 * PADDED_VARINT_BYTES));
+    let mut out = [0u8; PADDED_VARINT_BYTES];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = ((v >> (7 * i)) & 0x7f) as u8;
+        if i + 1 < PADDED_VARINT_BYTES {
+            *byte |= 0x80;
+        }
+    }
+    out
+}
 
 #[cfg(test)]
 mod tests {
@@ -490,13 +579,7 @@ mod tests {
         let cpu = b.stat_metadata("cpu");
         let cause = b.stat("cause", &StatValue::Str("woken".into()));
         let stats_a = [Stat::i64(cpu, -3), cause, Stat::u64(cpu, u64::MAX)];
-        let stats_b = [
-            Stat {
-                metadata_id: cpu,
-                value: Encoded::F64(1.5),
-            },
-            Stat::i64(cpu, 0),
-        ];
+        let stats_b = [Stat::new(cpu, Encoded::F64(1.5)), Stat::i64(cpu, 0)];
         // More than 127 bytes: a two-byte length.
         let stats_c = [Stat::u64(cpu, u64::MAX); 10];
         // Queued out of order; sorted by start, longest first.
@@ -549,6 +632,45 @@ mod tests {
         assert_eq!(plane.lines[0].events.len(), 4);
         assert_eq!(plane.stats.len(), 1);
         assert_eq!(plane.event_metadata.len(), 2);
+    }
+
+    /// A line too large to be moved onto its shortest length reads as
+    /// prost's encoding of it reads.
+    #[test]
+    fn a_large_line_decodes_as_prost_encodes_it() {
+        let mut b = XPlaneBuilder::new(0, "p");
+        let running = b.event_metadata("Running");
+        let cpu = b.stat_metadata("cpu");
+        let events: Vec<XEvent> = (0..10_000)
+            .map(|i| XEvent {
+                metadata_id: running,
+                duration_ps: 7,
+                stats: vec![Stat::i64(cpu, i % 3).as_proto()],
+                data: Some(x_event::Data::OffsetPs(i * 10)),
+            })
+            .collect();
+        for e in &events {
+            let Some(x_event::Data::OffsetPs(offset)) = e.data else {
+                unreachable!()
+            };
+            b.push_event(
+                running,
+                offset,
+                e.duration_ps,
+                &[Stat::i64(cpu, (offset / 10) % 3)],
+            );
+        }
+        b.finish_line(9, "big", "big [9]");
+        assert!(b.lines.len() > FIELD_ROOM + PADDED_LINE_LENGTH_FROM);
+        let expected = XLine {
+            id: 9,
+            name: "big".into(),
+            display_name: "big [9]".into(),
+            events,
+            ..Default::default()
+        };
+        let space = XSpace::decode(b.into_field(1).as_slice()).unwrap();
+        assert_eq!(space.planes[0].lines, [expected]);
     }
 
     /// A plane streamed line by line decodes as the same plane built whole,
