@@ -47,13 +47,92 @@ struct ThreadBuild {
     counters: ThreadCounters,
 }
 
-pub struct SchedTimelineBuilder {
+/// The window a thread's states are kept in, and the processes followed
+/// from later than its start.
+struct Bounds {
     start_ns: u64,
     stop_ns: u64,
+    tracked_from: FxHashMap<u32, u64>,
+}
+
+/// Thread `tid` of process `pid`, made on its first record.
+fn thread_entry(threads: &mut FxHashMap<u32, ThreadBuild>, tid: u32, pid: u32) -> &mut ThreadBuild {
+    let t = threads.entry(tid).or_default();
+    if t.pid == 0 {
+        t.pid = pid;
+    }
+    t
+}
+
+impl ThreadBuild {
+    /// Ends the current state at `ts`; `before_first` is what the thread
+    /// must have been doing if this is its first record. Returns the events
+    /// the slice kept makes (a Running one makes a CPU slice too).
+    fn close(&mut self, ts: u64, before_first: ThreadState, bounds: &Bounds) -> usize {
+        let (state, since) = match self.cur {
+            Some(cur) => cur,
+            None if self.dead => return 0,
+            None => {
+                let tracked_from = bounds.tracked_from.get(&self.pid).copied();
+                (
+                    before_first,
+                    self.born_ns.or(tracked_from).unwrap_or(bounds.start_ns),
+                )
+            }
+        };
+        self.cur = None;
+        let (from, to) = (since.max(bounds.start_ns), ts.min(bounds.stop_ns));
+        if to <= from {
+            return 0;
+        }
+        let d = to - from;
+        match state {
+            ThreadState::Running { .. } => self.counters.on_cpu_ns += d,
+            ThreadState::Runnable { .. } => self.counters.runnable_ns += d,
+            ThreadState::Blocked { .. } => self.counters.blocked_ns += d,
+            ThreadState::Unknown => self.counters.unknown_ns += d,
+        }
+        self.slices.push(StateSlice {
+            start_ns: from,
+            end_ns: to,
+            state,
+        });
+        if matches!(state, ThreadState::Running { .. }) {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Opens the state a switch-out leaves the thread in.
+    fn after_switch_out(&mut self, prev_state: u64, ts: u64) {
+        let next = if prev_state == PREEMPTED {
+            self.counters.involuntary_switches += 1;
+            ThreadState::Runnable {
+                cause: RunnableCause::Preempted,
+            }
+        } else if prev_state & 0xff == 0 {
+            self.counters.involuntary_switches += 1;
+            ThreadState::Runnable {
+                cause: RunnableCause::Yielded,
+            }
+        } else {
+            self.counters.voluntary_switches += 1;
+            let state = TaskState::from_prev_state(prev_state);
+            if state == TaskState::Dead {
+                self.dead = true;
+                return;
+            }
+            ThreadState::Blocked { state }
+        };
+        self.cur = Some((next, ts));
+    }
+}
+
+pub struct SchedTimelineBuilder {
+    bounds: Bounds,
     targets: BTreeSet<u32>,
     initial: FxHashMap<u32, InitialState>,
-    /// Processes traced from later than the window's start, and since when.
-    tracked_from: FxHashMap<u32, u64>,
     /// Looked up several times per record: a fast hash for small keys.
     threads: FxHashMap<u32, ThreadBuild>,
     processes: BTreeMap<u32, ProcessInfo>,
@@ -88,11 +167,13 @@ impl SchedTimelineBuilder {
             })
             .collect();
         SchedTimelineBuilder {
-            start_ns,
-            stop_ns,
+            bounds: Bounds {
+                start_ns,
+                stop_ns,
+                tracked_from: FxHashMap::default(),
+            },
             targets: processes.keys().copied().collect(),
             initial: initial.into_iter().collect(),
-            tracked_from: FxHashMap::default(),
             threads: FxHashMap::default(),
             processes,
             next_flow_id: 1,
@@ -105,7 +186,7 @@ impl SchedTimelineBuilder {
     /// Ends the window at `stop_ns`, for a builder made before the end was
     /// known (see [`super::streamed`]); records fed so far must not be later.
     pub fn stop_at(&mut self, stop_ns: u64) {
-        self.stop_ns = stop_ns;
+        self.bounds.stop_ns = stop_ns;
     }
 
     /// At least how many events the timeline will have that start no
@@ -125,64 +206,20 @@ impl SchedTimelineBuilder {
     /// was added to a capture already running): its threads' states
     /// before then are unknown, not what their first records imply.
     pub fn tracked_from(&mut self, pid: u32, since_ns: u64) {
-        self.tracked_from.insert(pid, since_ns);
+        self.bounds.tracked_from.insert(pid, since_ns);
     }
 
     fn thread(&mut self, tid: u32, pid: u32) -> &mut ThreadBuild {
-        let t = self.threads.entry(tid).or_default();
-        if t.pid == 0 {
-            t.pid = pid;
-        }
-        t
-    }
-
-    /// Ends `tid`'s current state at `ts`. `before_first` is what it must
-    /// have been doing if this is its first record.
-    fn close(&mut self, tid: u32, ts: u64, before_first: ThreadState) {
-        let (start, stop) = (self.start_ns, self.stop_ns);
-        let t = self.threads.get_mut(&tid).expect("thread exists");
-        let tracked_from = self.tracked_from.get(&t.pid).copied();
-        let (state, since) = match t.cur {
-            Some(cur) => cur,
-            None if t.dead => return,
-            None => (before_first, t.born_ns.or(tracked_from).unwrap_or(start)),
-        };
-        t.cur = None;
-        let (from, to) = (since.max(start), ts.min(stop));
-        if to <= from {
-            return;
-        }
-        let d = to - from;
-        self.slice_events += if matches!(state, ThreadState::Running { .. }) {
-            2
-        } else {
-            1
-        };
-        match state {
-            ThreadState::Running { .. } => t.counters.on_cpu_ns += d,
-            ThreadState::Runnable { .. } => t.counters.runnable_ns += d,
-            ThreadState::Blocked { .. } => t.counters.blocked_ns += d,
-            ThreadState::Unknown => t.counters.unknown_ns += d,
-        }
-        t.slices.push(StateSlice {
-            start_ns: from,
-            end_ns: to,
-            state,
-        });
-    }
-
-    fn open(&mut self, tid: u32, ts: u64, state: ThreadState) {
-        let t = self.threads.get_mut(&tid).expect("thread exists");
-        t.cur = Some((state, ts));
+        thread_entry(&mut self.threads, tid, pid)
     }
 
     /// Feeds one record; records must come in timestamp order.
     pub fn push(&mut self, record: &Record) {
         let ts = record.ts();
-        if ts > self.stop_ns {
+        if ts > self.bounds.stop_ns {
             return;
         }
-        if ts >= self.start_ns {
+        if ts >= self.bounds.start_ns {
             self.records += 1;
         }
         match record {
@@ -247,9 +284,9 @@ impl SchedTimelineBuilder {
     }
 
     fn switch_out(&mut self, tid: u32, pid: u32, cpu: u32, prev_state: u64, ts: u64) {
-        let t = self.thread(tid, pid);
-        match t.cur {
-            Some((ThreadState::Running { .. }, _)) => {}
+        let t = thread_entry(&mut self.threads, tid, pid);
+        let before_first = match t.cur {
+            Some((ThreadState::Running { .. }, _)) => ThreadState::Running { cpu },
             // Inferred wrongly before the first switch-in (e.g. a wake-up
             // that found it still on the CPU): it was running all along.
             _ if !t.seen_switch_in => {
@@ -259,52 +296,24 @@ impl SchedTimelineBuilder {
                     ..ThreadCounters::default()
                 };
                 t.cur = None;
+                ThreadState::Running { cpu }
             }
             // The switch-in (and maybe the wake-up) was never reported:
             // when it ran within this interval is unknown.
             Some((_, since)) => {
                 t.cur = Some((ThreadState::Unknown, since));
                 self.inconsistencies += 1;
-                let t = self.threads.get_mut(&tid).expect("thread exists");
-                t.last_cpu = Some(cpu);
-                self.close(tid, ts, ThreadState::Unknown);
-                self.after_switch_out(tid, prev_state, ts);
-                return;
+                ThreadState::Unknown
             }
-            None => {}
-        }
-        t.last_cpu = Some(cpu);
-        self.close(tid, ts, ThreadState::Running { cpu });
-        self.after_switch_out(tid, prev_state, ts);
-    }
-
-    /// Opens the state a switch-out leaves the thread in.
-    fn after_switch_out(&mut self, tid: u32, prev_state: u64, ts: u64) {
-        let t = self.threads.get_mut(&tid).expect("thread exists");
-        let next = if prev_state == PREEMPTED {
-            t.counters.involuntary_switches += 1;
-            ThreadState::Runnable {
-                cause: RunnableCause::Preempted,
-            }
-        } else if prev_state & 0xff == 0 {
-            t.counters.involuntary_switches += 1;
-            ThreadState::Runnable {
-                cause: RunnableCause::Yielded,
-            }
-        } else {
-            t.counters.voluntary_switches += 1;
-            let state = TaskState::from_prev_state(prev_state);
-            if state == TaskState::Dead {
-                t.dead = true;
-                return;
-            }
-            ThreadState::Blocked { state }
+            None => ThreadState::Running { cpu },
         };
-        self.open(tid, ts, next);
+        t.last_cpu = Some(cpu);
+        self.slice_events += t.close(ts, before_first, &self.bounds);
+        t.after_switch_out(prev_state, ts);
     }
 
     fn switch_in(&mut self, tid: u32, pid: u32, cpu: u32, ts: u64) {
-        let t = self.thread(tid, pid);
+        let t = thread_entry(&mut self.threads, tid, pid);
         if t.last_cpu.is_some_and(|c| c != cpu) {
             t.counters.migrations += 1;
         }
@@ -322,7 +331,6 @@ impl SchedTimelineBuilder {
             Some((ThreadState::Blocked { .. }, _)) => self.inconsistencies += 1,
             _ => {}
         }
-        let t = self.threads.get_mut(&tid).expect("thread exists");
         let before = ThreadState::Runnable {
             cause: if t.born_ns.is_some() {
                 RunnableCause::Created
@@ -330,8 +338,8 @@ impl SchedTimelineBuilder {
                 RunnableCause::AtStart
             },
         };
-        self.close(tid, ts, before);
-        self.open(tid, ts, ThreadState::Running { cpu });
+        self.slice_events += t.close(ts, before, &self.bounds);
+        t.cur = Some((ThreadState::Running { cpu }, ts));
     }
 
     fn wakeup(
@@ -364,7 +372,9 @@ impl SchedTimelineBuilder {
         } else {
             let flow_id = FlowId::new(self.next_flow_id);
             self.next_flow_id = self.next_flow_id.checked_add(1).unwrap_or(0);
-            if self.targets.contains(&waker_pid) && (self.start_ns..=self.stop_ns).contains(&ts) {
+            if self.targets.contains(&waker_pid)
+                && (self.bounds.start_ns..=self.bounds.stop_ns).contains(&ts)
+            {
                 self.thread(waker_tid, waker_pid).marks.push(Mark {
                     ts_ns: ts,
                     kind: MarkKind::Wakeup { tid, pid, flow_id },
@@ -376,13 +386,12 @@ impl SchedTimelineBuilder {
                 flow_id,
             }
         };
-        if self.threads[&tid].born_ns.is_some() && self.threads[&tid].cur.is_none() {
-            // Between creation and first wake-up a thread is not schedulable.
-            self.open(tid, ts, ThreadState::Runnable { cause });
-            return;
+        let t = self.threads.get_mut(&tid).expect("thread exists");
+        // Between creation and first wake-up a thread is not schedulable.
+        if t.born_ns.is_none() || t.cur.is_some() {
+            self.slice_events += t.close(ts, before, &self.bounds);
         }
-        self.close(tid, ts, before);
-        self.open(tid, ts, ThreadState::Runnable { cause });
+        t.cur = Some((ThreadState::Runnable { cause }, ts));
     }
 
     /// Closes every open state at the end of the window. `names` gives the
@@ -399,7 +408,7 @@ impl SchedTimelineBuilder {
         for (tid, init) in &initial {
             self.thread(*tid, init.pid);
         }
-        let stop = self.stop_ns;
+        let stop = self.bounds.stop_ns;
         let tids: Vec<u32> = self.threads.keys().copied().collect();
         for tid in tids {
             let before = match self.initial.get(&tid) {
@@ -411,7 +420,8 @@ impl SchedTimelineBuilder {
                     state: TaskState::Unknown,
                 },
             };
-            self.close(tid, stop, before);
+            let t = self.threads.get_mut(&tid).expect("thread exists");
+            self.slice_events += t.close(stop, before, &self.bounds);
         }
 
         let mut threads = BTreeMap::new();
@@ -437,7 +447,7 @@ impl SchedTimelineBuilder {
                 }
             }
             let mut marks = t.marks;
-            marks.retain(|m| m.ts_ns >= self.start_ns && m.ts_ns <= self.stop_ns);
+            marks.retain(|m| m.ts_ns >= self.bounds.start_ns && m.ts_ns <= self.bounds.stop_ns);
             threads.insert(
                 tid,
                 ThreadTrack {
@@ -457,8 +467,8 @@ impl SchedTimelineBuilder {
         stats.records = self.records;
         stats.inconsistencies = self.inconsistencies;
         Timeline {
-            start_ns: self.start_ns,
-            stop_ns: self.stop_ns,
+            start_ns: self.bounds.start_ns,
+            stop_ns: self.bounds.stop_ns,
             clock,
             processes: self.processes,
             threads,
