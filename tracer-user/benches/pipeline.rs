@@ -66,6 +66,8 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 fn main() {
+    // As the `ebtrace` binary allocates.
+    ebtrace::large_buffers_from_mmap();
     // `cargo bench` passes `--bench`; `cargo test --benches` runs it once, small.
     let testing = !std::env::args().any(|a| a == "--bench");
     let n = if testing {

@@ -30,3 +30,18 @@ pub mod symbols;
 pub mod timeline;
 
 pub use error::{Error, Result};
+
+/// Serves allocations of 1 MiB and more (records, timelines, XSpaces) with
+/// their own mappings: freeing one gives its memory back at once, so an idle
+/// `ebtrace serve` does not keep a finished capture's pages, and growing one
+/// remaps it instead of copying. (glibc otherwise raises this threshold as
+/// large blocks are freed, up to 32 MiB, and keeps what falls below it.)
+/// The `ebtrace` binary sets it first thing; benchmarks of the library do
+/// too.
+pub fn large_buffers_from_mmap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: a plain allocator setting, made before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}

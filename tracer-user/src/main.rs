@@ -24,7 +24,7 @@ impl log::Log for StderrWarnings {
 }
 
 fn main() {
-    large_buffers_from_mmap();
+    ebtrace::large_buffers_from_mmap();
     static LOGGER: StderrWarnings = StderrWarnings;
     if log::set_logger(&LOGGER).is_ok() {
         log::set_max_level(log::LevelFilter::Warn);
@@ -79,18 +79,5 @@ fn main() {
         }
         eprintln!("{line}");
         std::process::exit(err.exit_code());
-    }
-}
-
-/// Serves allocations of 1 MiB and more (records, timelines, XSpaces) with
-/// their own mappings: freeing one gives its memory back at once, so an idle
-/// `ebtrace serve` does not keep a finished capture's pages, and growing one
-/// remaps it instead of copying. (glibc otherwise raises this threshold as
-/// large blocks are freed, up to 32 MiB, and keeps what falls below it.)
-fn large_buffers_from_mmap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: a plain allocator setting, made before any thread starts.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
 }
