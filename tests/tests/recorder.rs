@@ -647,3 +647,95 @@ fn a_process_whose_records_are_all_too_old_is_forgotten() {
     assert!(!listed(&later, pid), "pid {pid} is still held: {later}");
     assert!(listed(&later, keeper.pid), "{later}");
 }
+
+/// Starts a sched_workload that preloads `env`'s library with pid `pid`,
+/// which must be free: the kernel hands out the pid after the one written
+/// to `ns_last_pid`, unless another process is created in between (then
+/// it tries again).
+fn start_on_pid(pid: u32, env: &[(&str, &str)]) -> SchedWorkload {
+    for _ in 0..50 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string())
+            .expect("write /proc/sys/kernel/ns_last_pid (root, in the initial pid namespace)");
+        let w = SchedWorkload::start_with_env(&[], env);
+        if w.pid == pid {
+            return w;
+        }
+    }
+    panic!("no process got pid {pid} in 50 tries");
+}
+
+#[test]
+fn a_new_process_on_a_recorded_pid_is_recorded_and_the_rest_kept() {
+    if !require_root("a_new_process_on_a_recorded_pid_is_recorded_and_the_rest_kept") {
+        return;
+    }
+    let _serial = serial();
+    let (keeper, server, stub) = discovering_recorder("30s");
+    let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
+    let old = SchedWorkload::start_with_env(&[], &preload);
+    let pid = old.pid;
+    expect_line(&server, &format!("recording pid {pid} "));
+    std::thread::sleep(Duration::from_millis(500));
+    drop(old);
+    expect_line(&server, &format!("pid {pid} (sched_workload) exited"));
+
+    let reused_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as f64;
+    let new = start_on_pid(pid, &preload);
+    expect_line(&server, &format!("pid {pid} now belongs to a new process"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server.count_lines(&format!("recording pid {pid} ")) < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the new process was not recorded: {:?}",
+            server.lines()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    let space = snapshot(&server, "reused");
+    assert_eq!(
+        server.count_lines("flight recorder on"),
+        1,
+        "the recorder started again: {:?}",
+        server.lines()
+    );
+    let start = profile_window(&space).0 as f64;
+    let host = plane(&space, HOST_CPU);
+    // What it held of the others from before stays.
+    let sleeper = line_events(host, keeper.tid("sleeper-10ms").into());
+    assert!(
+        sleeper
+            .iter()
+            .any(|e| start + e.start_ns < reused_at - 300e6),
+        "the keeper's line starts at the reuse: {:?}",
+        sleeper.first()
+    );
+    // The new process's lines hold the new process only: nothing from
+    // before it started (the old one's threads had the same tids).
+    for name in ["cpu-burner", "sleeper-10ms", "ping", "pong"] {
+        let tid = new.tid(name);
+        let events: Vec<_> = space
+            .planes
+            .iter()
+            .filter(|p| {
+                p.name.starts_with(HOST_CPU) && p.lines.iter().any(|l| l.id == i64::from(tid))
+            })
+            .flat_map(|p| line_events(p, tid.into()))
+            .collect();
+        assert!(!events.is_empty(), "no line for {name} ({tid})");
+        let first = events
+            .iter()
+            .map(|e| start + e.start_ns)
+            .fold(f64::INFINITY, f64::min);
+        assert!(
+            first >= reused_at,
+            "{name} ({tid}) has an event {} ms before the new process started",
+            (reused_at - first) / 1e6
+        );
+    }
+    let burner = line_events(host, new.tid("cpu-burner").into());
+    assert!(xspace::sum_named(&burner, "Running") > 100e6, "{burner:?}");
+}

@@ -78,9 +78,54 @@ impl Capture {
         forgotten
     }
 
+    /// Forgets what it holds of process `pid`, which exited and whose pid a
+    /// new process now has: the old one's records would be read as the new
+    /// one's. A scheduler record that also tells of another process keeps
+    /// that side (the old process reads as an untraced one there). Returns
+    /// how many records and TraceMe events it forgot.
+    pub fn forget_process(&mut self, pid: u32) -> u64 {
+        let (records, traceme) = (self.records.len(), self.traceme_events.len());
+        self.records.retain_mut(|r| without_process(r, pid));
+        self.traceme_events.retain(|e| e.tgid != pid);
+        self.record_slots = self.records.iter().map(record_slots).sum();
+        let forgotten = (records - self.records.len() + traceme - self.traceme_events.len()) as u64;
+        self.forgot |= forgotten > 0;
+        forgotten
+    }
+
     /// Records held now (TraceMe events included).
     pub fn held(&self) -> usize {
         self.records.len() + self.traceme_events.len()
+    }
+}
+
+/// Whether `r` still tells something once process `pid` is taken out of
+/// it: what it says of `pid` is cleared, what it says of others stays.
+fn without_process(r: &mut Record, pid: u32) -> bool {
+    match r {
+        Record::Switch(s) => {
+            if s.prev_tgid == pid {
+                s.prev_tgid = 0;
+            }
+            if s.next_tgid == pid {
+                s.next_tgid = 0;
+            }
+            s.prev_tgid != 0 || s.next_tgid != 0
+        }
+        Record::Wakeup(w) => {
+            if w.waker_tgid == pid {
+                w.waker_tgid = 0;
+            }
+            w.tgid != pid
+        }
+        Record::TaskNew(t) => t.parent_tgid != pid,
+        Record::Fork(f) => f.parent_tgid != pid,
+        Record::Exit(e) => e.tgid != pid,
+        Record::Rename(n) => n.tgid != pid,
+        Record::CudaCall(c) => c.tgid != pid,
+        Record::CudaSymbol(c) => c.tgid != pid,
+        Record::TraceMe(e) => e.tgid != pid,
+        Record::StackSample(s) => s.tgid != pid,
     }
 }
 
@@ -101,6 +146,31 @@ mod tests {
     use tracer_common::{RecordHeader, RecordKind};
 
     use super::*;
+
+    /// Taking an exited process out of the records keeps what they say of
+    /// the others.
+    #[test]
+    fn a_process_taken_out_leaves_the_others_sides() {
+        let (old, other) = (1000, 2000);
+        let mut records = vec![
+            Record::sched_switch(1, 0, (old, old), 1, (other, other)),
+            Record::sched_switch(2, 0, (other, other), 1, (3000, 3000)),
+            Record::sched_waking(3, (old + 1, old), (other, other)),
+            Record::sched_waking(4, (other, other), (old, old)),
+            Record::sched_switch(5, 0, (old, old), 1, (old + 1, old)),
+        ];
+        records.retain_mut(|r| without_process(r, old));
+        assert_eq!(records.len(), 3);
+        let Record::Switch(s) = &records[0] else {
+            panic!("{:?}", records[0])
+        };
+        assert_eq!((s.prev_tgid, s.next_tgid, s.next_tid), (0, other, other));
+        assert!(matches!(&records[1], Record::Switch(s) if s.prev_tgid == other));
+        let Record::Wakeup(w) = &records[2] else {
+            panic!("{:?}", records[2])
+        };
+        assert_eq!((w.tgid, w.waker_tgid), (other, 0));
+    }
 
     /// The flight recorder's memory cap counts a stack sample's frames.
     #[test]

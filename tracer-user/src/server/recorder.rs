@@ -123,12 +123,27 @@ impl FlightRecorder {
         })
     }
 
-    /// Whether it can record every process of `watched`: not where a pid
-    /// it stopped recording when its process exited is watched again (a
-    /// new process reusing the pid, which the records of the old one would
-    /// be mistaken for).
-    pub fn can_record_all(&self, watched: &BTreeSet<u32>) -> bool {
-        watched.iter().all(|pid| !self.gone.contains_key(pid))
+    /// Forgets what it holds of the processes it recorded until they
+    /// exited whose pids processes of `watched` now have (new processes
+    /// reusing them), so that [`Self::take_on`] records the new ones from
+    /// now on, beside the others.
+    pub fn forget_reused(&mut self, watched: &BTreeSet<u32>) {
+        let reused: Vec<u32> = self
+            .gone
+            .keys()
+            .filter(|pid| watched.contains(pid))
+            .copied()
+            .collect();
+        for pid in reused {
+            self.gone.remove(&pid);
+            self.pids.remove(&pid);
+            self.forgotten += self.capture.forget_process(pid);
+            self.capture.drop_target(pid);
+            eprintln!(
+                "ebtrace: flight recorder: pid {pid} now belongs to a new process: what it \
+                 held of the one that exited is forgotten"
+            );
+        }
     }
 
     /// Records the processes of `watched` it does not record yet, from

@@ -92,17 +92,17 @@ impl Hub {
     /// old, and records the processes watched since it started from now
     /// on. A process that exited stays in it until its records are too
     /// old: its last seconds are what a snapshot is asked for after a
-    /// crash. Only a new process reusing the pid of one it recorded starts
-    /// it again (what it kept is dropped then). Once nothing is watched and
-    /// nothing is held, its probes are detached.
+    /// crash, unless a new process takes its pid (then what it kept of the
+    /// old one is forgotten and the new one recorded). Once nothing is
+    /// watched and nothing is held, its probes are detached.
     pub(super) fn run_recorder(&mut self) {
         let watched = self.watched.targets();
         let pids: BTreeSet<u32> = watched.iter().map(|t| t.pid).collect();
         if let Some(r) = self.recorder.as_mut()
-            && r.can_record_all(&pids)
             && !self.shutting_down
         {
             r.forget_gone(&pids);
+            r.forget_reused(&pids);
             r.take_on(watched);
             r.tick();
             let counters = &self.config.metrics.server;
