@@ -7,13 +7,13 @@
 //! Every line is streamed into its plane: a thread's three sources are each
 //! sorted already, so they are merged as they are encoded.
 
-use std::io::{self, Seek, Write};
+use std::io;
 
 use rustc_hash::FxHashMap;
 
 use super::{
     BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent,
-    PER_CPU_PLANE, PlaneStream, Stat, XPlaneBuilder, flow_stat_value,
+    PER_CPU_PLANE, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_line, flow_stat_value,
 };
 use crate::timeline::{
     FlowId, MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
@@ -29,7 +29,7 @@ use crate::timeline::{
 /// one grey bar. A process's idle pool threads and the CPUs would take it
 /// past that; kept apart, `/host:CPU` holds the threads that ran, about
 /// those a profiler inside the process shows.
-pub(super) fn write_host_planes<W: Write + Seek>(
+pub(super) fn write_host_planes<W: PlaneOut>(
     timeline: &Timeline,
     ps: &impl Fn(u64) -> i64,
     out: &mut W,
@@ -52,7 +52,7 @@ pub(super) fn write_host_planes<W: Write + Seek>(
 }
 
 /// Writes plane `id`, named `name`, with one line per thread of `threads`.
-fn write_thread_plane<'a, W: Write + Seek>(
+fn write_thread_plane<'a, W: PlaneOut>(
     id: i64,
     name: &str,
     threads: impl Iterator<Item = &'a ThreadTrack>,
@@ -67,8 +67,8 @@ fn write_thread_plane<'a, W: Write + Seek>(
             .processes
             .get(&t.pid)
             .map_or("", |p| p.name.as_str());
-        plane.write(t, process, ps);
-        stream.flush(&mut plane.plane)?;
+        plane.write(t, process, ps, stream.line_buffer());
+        stream.line_done()?;
     }
     stream.end(plane.plane)
 }
@@ -98,8 +98,14 @@ impl HostThreads {
         HostThreads { plane, ids }
     }
 
-    /// Writes `t`'s line (`process` is its process's name).
-    fn write(&mut self, t: &ThreadTrack, process: &str, ps: &impl Fn(u64) -> i64) {
+    /// Encodes `t`'s line into `out` (`process` is its process's name).
+    fn write(
+        &mut self,
+        t: &ThreadTrack,
+        process: &str,
+        ps: &impl Fn(u64) -> i64,
+        out: &mut Vec<u8>,
+    ) {
         let host = &mut self.plane;
         self.ids.prepare(host, t);
         let spans = InternedSpans::new(host, &t.spans);
@@ -135,12 +141,12 @@ impl HostThreads {
             merge(merge(states, spans), marks)
         };
         let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
-        host.write_line(t.tid.into(), &t.name, &display, events);
+        encode_line(out, t.tid.into(), &t.name, &display, events);
     }
 }
 
 /// Writes the per-CPU lines, each slice named after the thread it ran.
-fn write_per_cpu_plane<W: Write + Seek>(
+fn write_per_cpu_plane<W: PlaneOut>(
     timeline: &Timeline,
     ps: &impl Fn(u64) -> i64,
     out: &mut W,
@@ -170,8 +176,9 @@ fn write_per_cpu_plane<W: Write + Seek>(
             ]),
         });
         let name = format!("CPU {cpu}");
-        plane.write_line(CPU_LINE_BASE + i64::from(*cpu), &name, &name, events);
-        stream.flush(&mut plane)?;
+        let id = CPU_LINE_BASE + i64::from(*cpu);
+        encode_line(stream.line_buffer(), id, &name, &name, events);
+        stream.line_done()?;
     }
     stream.end(plane)
 }

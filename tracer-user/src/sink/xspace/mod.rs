@@ -20,7 +20,7 @@
 //! CUDA calls) are laid above them, and a state slice is cut at every span
 //! boundary so both fit on one line.
 
-use std::io::{self, Cursor, Seek, Write};
+use std::io::{self, Cursor};
 
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event};
 use prost::Message as _;
@@ -66,7 +66,9 @@ pub enum FlowDirection {
 mod host;
 mod plane;
 
-pub use plane::{Encoded, EventStats, LineEvent, PlaneStream, Stat, XPlaneBuilder};
+pub use plane::{
+    Encoded, EventStats, LineEvent, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_line,
+};
 
 /// Stat values are the timeline's values.
 pub use crate::timeline::Value as StatValue;
@@ -111,7 +113,7 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
 
 /// Writes `timeline` as an encoded XSpace for `hostname` to `out`, each
 /// line as it is made: the trace is never held whole.
-pub fn write_xspace<W: Write + Seek>(
+pub fn write_xspace<W: PlaneOut>(
     timeline: &Timeline,
     hostname: &str,
     out: &mut W,
@@ -222,7 +224,7 @@ fn relative_to(plane: &XPlane, start_ns: u64) -> XPlane {
 
 /// Writes a GPU plane: one line per stream, events as recorded (they
 /// neither overlap nor nest on a stream).
-fn write_device_plane<W: Write + Seek>(
+fn write_device_plane<W: PlaneOut>(
     device: &DeviceTrack,
     ps: &impl Fn(u64) -> i64,
     out: &mut W,
@@ -279,6 +281,24 @@ mod tests {
         }
     }
 
+    /// Written to a file, as `record` writes it, `tl` reads as it does in
+    /// memory, as `serve` answers (where lines are encoded in place).
+    fn assert_file_and_memory_agree(tl: &Timeline) {
+        let path = std::env::temp_dir().join(format!(
+            "ebtrace-xspace-{}-{}.pb",
+            std::process::id(),
+            tl.threads.len()
+        ));
+        let mut file = io::BufWriter::new(std::fs::File::create(&path).unwrap());
+        write_xspace(tl, "host", &mut file).unwrap();
+        file.into_inner().unwrap();
+        let on_disk = std::fs::read(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        // Metadata maps are encoded in no set order: compare what they say.
+        let read = |bytes: &[u8]| XSpace::decode(bytes).expect("an XSpace");
+        assert_eq!(read(&on_disk), read(&timeline_to_xspace_bytes(tl, "host")));
+    }
+
     #[test]
     fn flow_bits() {
         assert_eq!(flow_stat_value(5, FlowDirection::Out), (5 << 2) | 2);
@@ -330,6 +350,7 @@ mod tests {
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),
         };
+        assert_file_and_memory_agree(&tl);
         let xs = timeline_to_xspace(&tl, "host");
         assert_eq!(xs.hostnames, vec!["host"]);
         let cpu = &xs.planes[0];
@@ -429,6 +450,7 @@ mod tests {
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),
         };
+        assert_file_and_memory_agree(&tl);
         let xs = timeline_to_xspace(&tl, "host");
         let names: Vec<&str> = xs.planes.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(

@@ -422,8 +422,8 @@ impl XPlaneBuilder {
     }
 
     /// Writes line `id` with `events`, which must come sorted by
-    /// [`LineEvent::order_key`] (parents before children). They are encoded
-    /// in place, as they come: nothing is held per event.
+    /// [`LineEvent::order_key`] (parents before children): see
+    /// [`encode_line`].
     pub fn write_line<'a>(
         &mut self,
         id: i64,
@@ -431,39 +431,7 @@ impl XPlaneBuilder {
         display_name: &str,
         events: impl IntoIterator<Item = LineEvent<'a>>,
     ) {
-        let events = events.into_iter();
-        let out = &mut self.lines;
-        // A typical event takes about 30 bytes.
-        out.reserve(64 + name.len() + display_name.len() + 32 * events.size_hint().0);
-        // The line's length is known once it is written: room is kept for
-        // the longest length varint, and the line moved down onto it after.
-        out.push(key_byte(3, WireType::LengthDelimited));
-        let length_at = out.len();
-        out.extend_from_slice(&[0; LINE_LENGTH_ROOM]);
-        let body_at = out.len();
-        // XLine: id = 1, name = 2, events = 4, display_name = 11 (prost
-        // writes fields in tag order; timestamp_ns stays 0: relative times).
-        encode_int64(1, id, out);
-        encode_string(2, name, out);
-        let mut last = None;
-        for e in events {
-            debug_assert!(last <= Some(e.order_key()), "events out of order");
-            last = Some(e.order_key());
-            e.encode_field(out);
-        }
-        encode_string(11, display_name, out);
-        let body_len = out.len() - body_at;
-        assert!(body_len < 1 << (7 * LINE_LENGTH_ROOM), "a line over 32 GiB");
-        if body_len >= PADDED_LINE_LENGTH_FROM {
-            // Moving a large line would copy it once more than needed.
-            out[length_at..body_at].copy_from_slice(&padded_varint(body_len as u64));
-            return;
-        }
-        let mut length = Vec::with_capacity(LINE_LENGTH_ROOM);
-        put_varint(body_len as u64, &mut length);
-        out.copy_within(body_at.., length_at + length.len());
-        out[length_at..length_at + length.len()].copy_from_slice(&length);
-        out.truncate(length_at + length.len() + body_len);
+        encode_line(&mut self.lines, id, name, display_name, events);
     }
 
     /// The plane encoded as field `field` of the enclosing message.
@@ -486,6 +454,51 @@ impl XPlaneBuilder {
     }
 }
 
+/// Appends line `id` with `events` to `out`, as the `lines` field (3) of
+/// an `XPlane`; the events must come sorted by [`LineEvent::order_key`]
+/// (parents before children). They are encoded in place, as they come:
+/// nothing is held per event.
+pub fn encode_line<'a>(
+    out: &mut Vec<u8>,
+    id: i64,
+    name: &str,
+    display_name: &str,
+    events: impl IntoIterator<Item = LineEvent<'a>>,
+) {
+    let events = events.into_iter();
+    // A typical event takes about 30 bytes.
+    out.reserve(64 + name.len() + display_name.len() + 32 * events.size_hint().0);
+    // The line's length is known once it is written: room is kept for
+    // the longest length varint, and the line moved down onto it after.
+    out.push(key_byte(3, WireType::LengthDelimited));
+    let length_at = out.len();
+    out.extend_from_slice(&[0; LINE_LENGTH_ROOM]);
+    let body_at = out.len();
+    // XLine: id = 1, name = 2, events = 4, display_name = 11 (prost
+    // writes fields in tag order; timestamp_ns stays 0: relative times).
+    encode_int64(1, id, out);
+    encode_string(2, name, out);
+    let mut last = None;
+    for e in events {
+        debug_assert!(last <= Some(e.order_key()), "events out of order");
+        last = Some(e.order_key());
+        e.encode_field(out);
+    }
+    encode_string(11, display_name, out);
+    let body_len = out.len() - body_at;
+    assert!(body_len < 1 << (7 * LINE_LENGTH_ROOM), "a line over 32 GiB");
+    if body_len >= PADDED_LINE_LENGTH_FROM {
+        // Moving a large line would copy it once more than needed.
+        out[length_at..body_at].copy_from_slice(&padded_varint(body_len as u64));
+        return;
+    }
+    let mut length = Vec::with_capacity(LINE_LENGTH_ROOM);
+    put_varint(body_len as u64, &mut length);
+    out.copy_within(body_at.., length_at + length.len());
+    out[length_at..length_at + length.len()].copy_from_slice(&length);
+    out.truncate(length_at + length.len() + body_len);
+}
+
 /// Room for a field's key (up to 5 bytes) and a length (up to 10).
 const FIELD_ROOM: usize = 15;
 
@@ -498,13 +511,36 @@ const PLANE_LENGTH_BYTES: usize = PADDED_VARINT_BYTES;
 /// written then, in the [`PLANE_LENGTH_BYTES`] kept for it before the lines
 /// (a varint padded with continuation bytes, which protobuf parsers take
 /// as they take any).
-pub struct PlaneStream<'w, W: Write + Seek> {
+pub struct PlaneStream<'w, W: PlaneOut> {
     out: &'w mut W,
     /// Where the length goes.
     length_at: u64,
+    /// Where a line is encoded when the output is not a buffer to encode
+    /// it in, and whether the line being encoded is in the output's own.
+    spare: Vec<u8>,
+    in_place: bool,
 }
 
-impl<'w, W: Write + Seek> PlaneStream<'w, W> {
+/// Where planes are streamed: a seekable writer. One that appends to a
+/// buffer in memory lends it, so that lines are encoded in place rather
+/// than encoded apart and copied (tens of MB for a large answer).
+pub trait PlaneOut: Write + Seek {
+    /// The buffer writes append to, if they append to one now.
+    fn buffer(&mut self) -> Option<&mut Vec<u8>> {
+        None
+    }
+}
+
+impl PlaneOut for io::Cursor<Vec<u8>> {
+    fn buffer(&mut self) -> Option<&mut Vec<u8>> {
+        let at_end = self.position() == self.get_ref().len() as u64;
+        at_end.then(|| self.get_mut())
+    }
+}
+
+impl PlaneOut for io::BufWriter<std::fs::File> {}
+
+impl<'w, W: PlaneOut> PlaneStream<'w, W> {
     /// Starts a plane as field `field` of the message being written to `out`.
     pub fn begin(out: &'w mut W, field: u32) -> io::Result<Self> {
         let mut key = Vec::with_capacity(5);
@@ -512,7 +548,35 @@ impl<'w, W: Write + Seek> PlaneStream<'w, W> {
         out.write_all(&key)?;
         let length_at = out.stream_position()?;
         out.write_all(&[0; PLANE_LENGTH_BYTES])?;
-        Ok(PlaneStream { out, length_at })
+        Ok(PlaneStream {
+            out,
+            length_at,
+            spare: Vec::new(),
+            in_place: false,
+        })
+    }
+
+    /// The buffer to encode the next line into (with [`encode_line`]),
+    /// then to hand over with [`Self::line_done`]: the output's own where
+    /// it lends it.
+    pub fn line_buffer(&mut self) -> &mut Vec<u8> {
+        self.in_place = self.out.buffer().is_some();
+        match self.in_place {
+            true => self.out.buffer().expect("lent just above"),
+            false => &mut self.spare,
+        }
+    }
+
+    /// Writes out the line encoded into [`Self::line_buffer`].
+    pub fn line_done(&mut self) -> io::Result<()> {
+        if self.in_place {
+            // The line was appended past the writer's position.
+            self.out.seek(SeekFrom::End(0))?;
+        } else {
+            self.out.write_all(&self.spare)?;
+            self.spare.clear();
+        }
+        Ok(())
     }
 
     /// Writes the lines `plane` finished since the last call.
