@@ -54,6 +54,9 @@ struct Row {
     held: u64,
     forgotten: u64,
     snapshot: Duration,
+    /// The server's own figures for the snapshot, from its log: building
+    /// the timeline, then building and encoding the XSpace (ms).
+    server_ms: Option<(u64, u64, u64)>,
     events: usize,
     bytes: usize,
 }
@@ -201,6 +204,10 @@ fn measure(
         held,
         forgotten,
         snapshot,
+        server_ms: (|| {
+            let logged = |key| server.logged_ms("ebtrace: session bench ", 0, key);
+            Some((logged("timeline ")?, logged("built ")?, logged("encoded ")?))
+        })(),
         events,
         bytes: data.len(),
     })
@@ -238,16 +245,16 @@ fn render(rows: &[Row], opts: &Options) -> String {
     );
     let _ = writeln!(
         md,
-        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | peak RSS while answering | events | XSpace |"
+        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | server ms: timeline / XSpace built / encoded | peak RSS while answering | events | XSpace |"
     );
     let _ = writeln!(
         md,
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
     );
     for r in rows {
         let _ = writeln!(
             md,
-            "| {} | {} Hz | {} | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {:.0} MiB | {} | {:.1} MB |",
+            "| {} | {} Hz | {} | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
             r.mode,
             r.sample_hz,
             r.binary,
@@ -259,6 +266,8 @@ fn render(rows: &[Row], opts: &Options) -> String {
             r.held,
             r.forgotten,
             r.snapshot.as_secs_f64() * 1e3,
+            r.server_ms
+                .map_or("n/a".to_string(), |(t, b, e)| format!("{t} / {b} / {e}")),
             r.peak_rss_kib as f64 / 1024.0,
             r.events,
             r.bytes as f64 / 1e6

@@ -124,7 +124,7 @@ impl Server {
 
     /// The `n`-th number after `key` in the log lines that start with
     /// `prefix` (waits a little for the line).
-    fn logged_ms(&self, prefix: &str, n: usize, key: &str) -> Option<u64> {
+    pub(super) fn logged_ms(&self, prefix: &str, n: usize, key: &str) -> Option<u64> {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let found = self
