@@ -65,10 +65,10 @@ pub enum FlowDirection {
 
 mod host;
 mod plane;
+mod wire;
 
-pub use plane::{
-    Encoded, EventStats, LineEvent, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_line,
-};
+pub use plane::{PlaneOut, PlaneStream, XPlaneBuilder};
+pub use wire::{Encoded, EventStats, LineEvent, Stat, encode_line};
 
 /// Stat values are the timeline's values.
 pub use crate::timeline::Value as StatValue;

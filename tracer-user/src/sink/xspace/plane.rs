@@ -1,282 +1,28 @@
-//! `XPlaneBuilder`: one `XPlane`, encoded as it is built.
+//! `XPlaneBuilder`: one `XPlane`, encoded as it is built, and
+//! `PlaneStream`, which writes a plane out line by line.
 //!
 //! Event and stat metadata are numbered from 1, like TSL's `XPlaneBuilder`,
 //! and interned by name; string stat values are interned too and written as
 //! `ref_value`, as TSL does. Lines are encoded straight into the plane's
-//! bytes: [`XPlaneBuilder::write_line`] takes events already in order and
-//! holds nothing per event (the host plane's large lines); for sources not
-//! in order, [`XPlaneBuilder::push_event`] queues events in a compact form
-//! and [`XPlaneBuilder::finish_line`] sorts and writes them. An event costs
-//! no allocation, and a line's bytes are exactly what prost would write for
-//! the same `XLine` (a test checks).
+//! bytes (see [`super::wire`]): [`XPlaneBuilder::write_line`] takes events
+//! already in order and holds nothing per event; for sources not in order,
+//! [`XPlaneBuilder::push_event`] queues events in a compact form and
+//! [`XPlaneBuilder::finish_line`] sorts and writes them. An event costs no
+//! allocation, and a line's bytes are what prost would write for the same
+//! `XLine` (a test checks).
 
-use ebtrace_proto::tensorflow::profiler::{XEventMetadata, XPlane, XStat, XStatMetadata, x_stat};
+use ebtrace_proto::tensorflow::profiler::{XEventMetadata, XPlane, XStatMetadata};
 use prost::{
     Message as _,
     encoding::{WireType, encode_key, encode_varint},
 };
+use rustc_hash::FxHashMap;
 use std::io::{self, Seek, SeekFrom, Write};
 
-use rustc_hash::FxHashMap;
-
-use super::StatValue;
-
-/// A stat value as written: strings are interned, so a value is 8 bytes.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Encoded {
-    I64(i64),
-    U64(u64),
-    F64(f64),
-    /// `ref_value`: the id of the stat metadata holding the string.
-    Ref(u64),
-}
-
-/// A stat ready to be written: its metadata id and value.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Stat {
-    pub metadata_id: i64,
-    pub value: Encoded,
-}
-
-impl Stat {
-    pub fn new(metadata_id: i64, value: Encoded) -> Self {
-        Stat { metadata_id, value }
-    }
-
-    pub fn i64(metadata_id: i64, v: i64) -> Self {
-        Self::new(metadata_id, Encoded::I64(v))
-    }
-
-    pub fn u64(metadata_id: i64, v: u64) -> Self {
-        Self::new(metadata_id, Encoded::U64(v))
-    }
-
-    /// A string stat whose string is the stat metadata `ref_id`.
-    pub fn reference(metadata_id: i64, ref_id: i64) -> Self {
-        Self::new(metadata_id, Encoded::Ref(ref_id as u64))
-    }
-
-    fn as_proto(self) -> XStat {
-        let value = match self.value {
-            Encoded::I64(v) => x_stat::Value::Int64Value(v),
-            Encoded::U64(v) => x_stat::Value::Uint64Value(v),
-            Encoded::F64(v) => x_stat::Value::DoubleValue(v),
-            Encoded::Ref(v) => x_stat::Value::RefValue(v),
-        };
-        XStat {
-            metadata_id: self.metadata_id,
-            value: Some(value),
-        }
-    }
-}
-
-/// A varint, written without prost's per-byte buffer checks (the hot path:
-/// several per event).
-#[inline]
-fn put_varint(mut v: u64, out: &mut Vec<u8>) {
-    while v >= 0x80 {
-        out.push(v as u8 | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-/// The one-byte key of a field with a tag below 16 (all tags written here).
-#[inline]
-const fn key_byte(tag: u32, wire_type: WireType) -> u8 {
-    ((tag << 3) | wire_type as u32) as u8
-}
-
-fn encode_int64(tag: u32, v: i64, out: &mut Vec<u8>) {
-    if v != 0 {
-        out.push(key_byte(tag, WireType::Varint));
-        put_varint(v as u64, out);
-    }
-}
-
-fn encode_string(tag: u32, s: &str, out: &mut Vec<u8>) {
-    if !s.is_empty() {
-        out.push(key_byte(tag, WireType::LengthDelimited));
-        put_varint(s.len() as u64, out);
-        out.extend_from_slice(s.as_bytes());
-    }
-}
-
-/// An event's stats: a few inline, or borrowed.
-#[derive(Clone, Copy, Debug)]
-pub enum EventStats<'a> {
-    Inline { len: u8, stats: [Stat; 4] },
-    Shared(&'a [Stat]),
-}
-
-impl<'a> EventStats<'a> {
-    /// Up to four stats, copied.
-    pub fn inline(stats: &[Stat]) -> Self {
-        assert!(stats.len() <= 4, "at most four stats inline");
-        let mut out = [Stat::i64(0, 0); 4];
-        // Stat by stat: a slice copy of a size known only here would be a
-        // call (this is on every scheduling event's path).
-        for (to, from) in out.iter_mut().zip(stats) {
-            *to = *from;
-        }
-        EventStats::Inline {
-            len: stats.len() as u8,
-            stats: out,
-        }
-    }
-
-    pub fn as_slice(&self) -> &[Stat] {
-        match self {
-            EventStats::Inline { len, stats } => &stats[..usize::from(*len)],
-            EventStats::Shared(stats) => stats,
-        }
-    }
-}
-
-/// One event of a line, as [`XPlaneBuilder::write_line`] writes it.
-#[derive(Clone, Copy, Debug)]
-pub struct LineEvent<'a> {
-    pub metadata_id: i64,
-    pub offset_ps: i64,
-    pub duration_ps: i64,
-    pub stats: EventStats<'a>,
-}
-
-impl LineEvent<'_> {
-    /// Parents before children: by start, then longest first.
-    pub fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
-        (self.offset_ps, std::cmp::Reverse(self.duration_ps))
-    }
-
-    /// Writes the `events` field (4) of an `XLine` holding this event.
-    ///
-    /// The event is encoded into a buffer on the stack first (the hot
-    /// path: one per event), so that its length is known before it is
-    /// copied out once; an event with more stats than the buffer holds
-    /// takes the slower path.
-    fn encode_field(&self, out: &mut Vec<u8>) {
-        let stats = self.stats.as_slice();
-        if stats.len() > EventBytes::MAX_STATS {
-            return self.encode_field_large(out);
-        }
-        let mut body = EventBytes::new();
-        body.header(self);
-        for s in stats {
-            body.stat_field(s);
-        }
-        let body = body.as_slice();
-        out.reserve(body.len() + 3);
-        out.push(key_byte(4, WireType::LengthDelimited));
-        put_varint(body.len() as u64, out);
-        out.extend_from_slice(body);
-    }
-
-    /// [`Self::encode_field`] for an event of many stats: its parts are
-    /// encoded on the stack one by one and gathered here.
-    fn encode_field_large(&self, out: &mut Vec<u8>) {
-        let mut body = Vec::new();
-        let mut part = EventBytes::new();
-        part.header(self);
-        body.extend_from_slice(part.as_slice());
-        for s in self.stats.as_slice() {
-            let mut part = EventBytes::new();
-            part.stat_field(s);
-            body.extend_from_slice(part.as_slice());
-        }
-        out.push(key_byte(4, WireType::LengthDelimited));
-        put_varint(body.len() as u64, out);
-        out.extend_from_slice(&body);
-    }
-}
-
-/// An event's body being encoded, on the stack.
-struct EventBytes {
-    bytes: [u8; Self::CAPACITY],
-    len: usize,
-}
-
-impl EventBytes {
-    /// Stats an event may have to be encoded here.
-    const MAX_STATS: usize = 4;
-    /// Three keys and three varints, then per stat a key, a length byte
-    /// and a body of at most 22 bytes (two keys and two varints).
-    const CAPACITY: usize = 3 * 11 + Self::MAX_STATS * 24;
-
-    fn new() -> Self {
-        EventBytes {
-            bytes: [0; Self::CAPACITY],
-            len: 0,
-        }
-    }
-
-    #[inline(always)]
-    fn push(&mut self, byte: u8) {
-        self.bytes[self.len] = byte;
-        self.len += 1;
-    }
-
-    #[inline(always)]
-    fn varint(&mut self, mut v: u64) {
-        while v >= 0x80 {
-            self.push(v as u8 | 0x80);
-            v >>= 7;
-        }
-        self.push(v as u8);
-    }
-
-    #[inline(always)]
-    fn int64(&mut self, tag: u32, v: i64) {
-        if v != 0 {
-            self.push(key_byte(tag, WireType::Varint));
-            self.varint(v as u64);
-        }
-    }
-
-    /// An `XEvent`'s fields but its stats: metadata_id = 1, offset_ps = 2
-    /// (a oneof member: always written), duration_ps = 3.
-    #[inline(always)]
-    fn header(&mut self, event: &LineEvent<'_>) {
-        self.int64(1, event.metadata_id);
-        self.push(key_byte(2, WireType::Varint));
-        self.varint(event.offset_ps as u64);
-        self.int64(3, event.duration_ps);
-    }
-
-    /// A `stats` field (4) of an `XEvent`. `XStat`: metadata_id = 1; the
-    /// value oneof: double 2, uint64 3, int64 4, ref 7 (a oneof member is
-    /// written even when zero).
-    #[inline(always)]
-    fn stat_field(&mut self, s: &Stat) {
-        self.push(key_byte(4, WireType::LengthDelimited));
-        let length_at = self.len;
-        self.push(0);
-        self.int64(1, s.metadata_id);
-        match s.value {
-            Encoded::I64(v) => {
-                self.push(key_byte(4, WireType::Varint));
-                self.varint(v as u64);
-            }
-            Encoded::U64(v) => {
-                self.push(key_byte(3, WireType::Varint));
-                self.varint(v);
-            }
-            Encoded::F64(v) => {
-                self.push(key_byte(2, WireType::SixtyFourBit));
-                self.bytes[self.len..self.len + 8].copy_from_slice(&v.to_le_bytes());
-                self.len += 8;
-            }
-            Encoded::Ref(v) => {
-                self.push(key_byte(7, WireType::Varint));
-                self.varint(v);
-            }
-        }
-        self.bytes[length_at] = (self.len - length_at - 1) as u8;
-    }
-
-    fn as_slice(&self) -> &[u8] {
-        &self.bytes[..self.len]
-    }
-}
+use super::{
+    StatValue,
+    wire::{Encoded, EventStats, LineEvent, PADDED_VARINT_BYTES, Stat, encode_line, padded_varint},
+};
 
 /// An event of the line being built; its stats are
 /// `stats[stats_start..stats_start + stats_len]` of the builder.
@@ -454,51 +200,6 @@ impl XPlaneBuilder {
     }
 }
 
-/// Appends line `id` with `events` to `out`, as the `lines` field (3) of
-/// an `XPlane`; the events must come sorted by [`LineEvent::order_key`]
-/// (parents before children). They are encoded in place, as they come:
-/// nothing is held per event.
-pub fn encode_line<'a>(
-    out: &mut Vec<u8>,
-    id: i64,
-    name: &str,
-    display_name: &str,
-    events: impl IntoIterator<Item = LineEvent<'a>>,
-) {
-    let events = events.into_iter();
-    // A typical event takes about 30 bytes.
-    out.reserve(64 + name.len() + display_name.len() + 32 * events.size_hint().0);
-    // The line's length is known once it is written: room is kept for
-    // the longest length varint, and the line moved down onto it after.
-    out.push(key_byte(3, WireType::LengthDelimited));
-    let length_at = out.len();
-    out.extend_from_slice(&[0; LINE_LENGTH_ROOM]);
-    let body_at = out.len();
-    // XLine: id = 1, name = 2, events = 4, display_name = 11 (prost
-    // writes fields in tag order; timestamp_ns stays 0: relative times).
-    encode_int64(1, id, out);
-    encode_string(2, name, out);
-    let mut last = None;
-    for e in events {
-        debug_assert!(last <= Some(e.order_key()), "events out of order");
-        last = Some(e.order_key());
-        e.encode_field(out);
-    }
-    encode_string(11, display_name, out);
-    let body_len = out.len() - body_at;
-    assert!(body_len < 1 << (7 * LINE_LENGTH_ROOM), "a line over 32 GiB");
-    if body_len >= PADDED_LINE_LENGTH_FROM {
-        // Moving a large line would copy it once more than needed.
-        out[length_at..body_at].copy_from_slice(&padded_varint(body_len as u64));
-        return;
-    }
-    let mut length = Vec::with_capacity(LINE_LENGTH_ROOM);
-    put_varint(body_len as u64, &mut length);
-    out.copy_within(body_at.., length_at + length.len());
-    out[length_at..length_at + length.len()].copy_from_slice(&length);
-    out.truncate(length_at + length.len() + body_len);
-}
-
 /// Room for a field's key (up to 5 bytes) and a length (up to 10).
 const FIELD_ROOM: usize = 15;
 
@@ -603,36 +304,12 @@ impl<'w, W: PlaneOut> PlaneStream<'w, W> {
     }
 }
 
-/// Bytes of a [`padded_varint`]: up to 32 GiB.
-const PADDED_VARINT_BYTES: usize = 5;
-
-/// Room for a line's length.
-const LINE_LENGTH_ROOM: usize = PADDED_VARINT_BYTES;
-
-/// Lines of this many bytes or more keep their length padded to
-/// [`LINE_LENGTH_ROOM`] bytes rather than being moved onto a shorter one.
-const PADDED_LINE_LENGTH_FROM: usize = 64 * 1024;
-
-/// `v` (below 2^35) as a varint of exactly five bytes, padded with
-/// continuation bits: protobuf parsers read it as they read the shortest
-/// form, and room for it can be kept before knowing how long that is.
-fn padded_varint(v: u64) -> [u8; PADDED_VARINT_BYTES] {
-    debug_assert!(v < 1 << (7 * PADDED_VARINT_BYTES));
-    let mut out = [0u8; PADDED_VARINT_BYTES];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = ((v >> (7 * i)) & 0x7f) as u8;
-        if i + 1 < PADDED_VARINT_BYTES {
-            *byte |= 0x80;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use ebtrace_proto::tensorflow::profiler::{XEvent, XLine, XSpace, x_event};
 
     use super::*;
+    use crate::sink::xspace::wire::PADDED_LINE_LENGTH_FROM;
 
     /// The hand-written encoding is byte for byte prost's.
     #[test]
