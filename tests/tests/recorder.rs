@@ -76,6 +76,14 @@ fn discovering_recorder(retain: &str) -> (SchedWorkload, ServeProcess, std::path
     (keeper, server, stub)
 }
 
+/// Starts a sched_workload that preloads `stub` (so that `--discover`
+/// watches it) and waits until `server`'s recorder records it.
+fn start_recorded(server: &ServeProcess, stub: &Path) -> SchedWorkload {
+    let workload = SchedWorkload::start_with_env(&[], &[("LD_PRELOAD", stub.to_str().unwrap())]);
+    expect_line(server, &format!("recording pid {} ", workload.pid));
+    workload
+}
+
 fn run_python(python: &Path, script: &str) -> Output {
     let child = Command::new(python)
         .args(["-c", script])
@@ -618,10 +626,8 @@ fn a_process_whose_records_are_all_too_old_is_forgotten() {
     }
     let _serial = serial();
     let (keeper, server, stub) = discovering_recorder("2s");
-    let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
-    let brief = SchedWorkload::start_with_env(&[], &preload);
+    let brief = start_recorded(&server, &stub);
     let pid = brief.pid;
-    expect_line(&server, &format!("recording pid {pid} "));
     let pids = || {
         let space = snapshot(&server, "pids");
         let env = xspace::plane_stats(plane(&space, "Task Environment"));
@@ -671,10 +677,8 @@ fn a_new_process_on_a_recorded_pid_is_recorded_and_the_rest_kept() {
     }
     let _serial = serial();
     let (keeper, server, stub) = discovering_recorder("30s");
-    let preload = [("LD_PRELOAD", stub.to_str().unwrap())];
-    let old = SchedWorkload::start_with_env(&[], &preload);
+    let old = start_recorded(&server, &stub);
     let pid = old.pid;
-    expect_line(&server, &format!("recording pid {pid} "));
     std::thread::sleep(Duration::from_millis(500));
     drop(old);
     expect_line(&server, &format!("pid {pid} (sched_workload) exited"));
@@ -683,7 +687,7 @@ fn a_new_process_on_a_recorded_pid_is_recorded_and_the_rest_kept() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos() as f64;
-    let new = start_on_pid(pid, &preload);
+    let new = start_on_pid(pid, &[("LD_PRELOAD", stub.to_str().unwrap())]);
     expect_line(&server, &format!("pid {pid} now belongs to a new process"));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while server.count_lines(&format!("recording pid {pid} ")) < 2 {
