@@ -58,7 +58,7 @@ impl Stat {
 /// A varint, written without prost's per-byte buffer checks (the hot path:
 /// several per event).
 #[inline]
-pub(super) fn put_varint(mut v: u64, out: &mut Vec<u8>) {
+fn put_varint(mut v: u64, out: &mut Vec<u8>) {
     while v >= 0x80 {
         out.push(v as u8 | 0x80);
         v >>= 7;
@@ -68,7 +68,7 @@ pub(super) fn put_varint(mut v: u64, out: &mut Vec<u8>) {
 
 /// The one-byte key of a field with a tag below 16 (all tags written here).
 #[inline]
-pub(super) const fn key_byte(tag: u32, wire_type: WireType) -> u8 {
+const fn key_byte(tag: u32, wire_type: WireType) -> u8 {
     ((tag << 3) | wire_type as u32) as u8
 }
 
