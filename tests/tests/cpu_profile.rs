@@ -238,6 +238,100 @@ fn pprof_profile_names_the_hot_function_and_go_tool_pprof_reads_it() {
     );
 }
 
+/// Whether `function` in `binary` sets up a frame pointer (`mov
+/// %rsp,%rbp`), by objdump's disassembly.
+fn keeps_frame_pointer(binary: &std::path::Path, function: &str) -> bool {
+    let out = Command::new("objdump")
+        .arg("-d")
+        .arg(format!("--disassemble={function}"))
+        .arg(binary)
+        .output()
+        .expect("run objdump");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("<{function}>:")), "{text}");
+    text.contains("mov    %rsp,%rbp")
+}
+
+/// The functions of `names` (a stack, innermost first) from `function` out.
+fn callers_from<'a>(names: &'a [String], function: &str) -> Option<&'a [String]> {
+    let at = names.iter().position(|n| n == function)?;
+    Some(&names[at..])
+}
+
+#[test]
+fn stacks_of_code_built_without_frame_pointers_reach_the_thread_start() {
+    if !require_root("stacks_of_code_built_without_frame_pointers_reach_the_thread_start") {
+        return;
+    }
+    let _serial = serial();
+    // The fixture is built as C usually is (-O2: no frame pointers), so
+    // the kernel's frame-pointer walk cannot get past its functions.
+    let binary = build_c("cpu_hotspot");
+    for function in [
+        "ebtrace_hot_spin",
+        "hot_main",
+        "ebtrace_read_zero",
+        "reader_main",
+    ] {
+        assert!(
+            !keeps_frame_pointer(&binary, function),
+            "{function} keeps a frame pointer: this test needs code without"
+        );
+    }
+    let (_fixture, _server, addr) = serve_hotspot();
+    let response = http::get(addr, "/debug/pprof/profile?seconds=2&hz=499");
+    assert_eq!(response.status, 200, "{}", response.text());
+    let stacks = stacks(&response.pprof());
+
+    // Every thread runs its start routine, which its thread function calls
+    // (the fixture's source): the unwound stacks show that chain, down to
+    // glibc's thread start.
+    let chain = |thread: &str, leaf: &str, caller: &str| {
+        let samples: Vec<_> = stacks.iter().filter(|(_, t, _)| t == thread).collect();
+        let count = |stacks: &[&(Vec<String>, String, Vec<i64>)]| -> i64 {
+            stacks.iter().map(|(_, _, v)| v[0]).sum()
+        };
+        let whole: Vec<_> = samples
+            .iter()
+            .copied()
+            .filter(|(names, _, _)| {
+                callers_from(names, leaf).is_some_and(|c| {
+                    c.get(1).is_some_and(|n| n == caller) && c.iter().any(|n| n == "start_thread")
+                })
+            })
+            .collect();
+        (count(&whole), count(&samples), samples)
+    };
+    let (whole, all, hot) = chain("hot-spinner", "ebtrace_hot_spin", "hot_main");
+    assert!(
+        all >= 200 && whole * 100 >= all * 95,
+        "{whole} of {all} hot-spinner samples go ebtrace_hot_spin <- hot_main <- start_thread: {:?}",
+        hot.iter()
+            .take(5)
+            .map(|(names, _, _)| names)
+            .collect::<Vec<_>>()
+    );
+    // The reader is mostly in the kernel: its user stack is the one it
+    // entered the kernel with, below the kernel's frames.
+    let (whole, all, reader) = chain("zero-reader", "ebtrace_read_zero", "reader_main");
+    assert!(
+        all > 0 && whole * 100 >= all * 80,
+        "{whole} of {all} zero-reader samples go ebtrace_read_zero <- reader_main <- start_thread: {:?}",
+        reader
+            .iter()
+            .take(5)
+            .map(|(names, _, _)| names)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        reader
+            .iter()
+            .any(|(names, _, _)| callers_from(names, "vfs_read")
+                .is_some_and(|c| c.iter().any(|n| n == "ebtrace_read_zero"))),
+        "no zero-reader stack from vfs_read down to ebtrace_read_zero"
+    );
+}
+
 #[test]
 fn pprof_requests_that_make_no_sense_get_one_line() {
     if !require_root("pprof_requests_that_make_no_sense_get_one_line") {

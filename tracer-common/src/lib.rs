@@ -153,7 +153,7 @@ pub enum RecordKind {
     CudaSymbol = 21,
     /// A [`TraceMeRecord`] (variable size).
     TraceMe = 7,
-    /// A CPU stack sample ([`stack::StackSampleRecord`]).
+    /// A CPU stack sample ([`stack::StackSampleWithCopy`]).
     StackSample = 8,
 }
 
@@ -325,7 +325,11 @@ mod tests {
         assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
         assert_eq!(
             size_of::<stack::StackSampleRecord>(),
-            40 + 2 * 8 * stack::MAX_FRAMES
+            40 + 2 * 8 * stack::MAX_FRAMES + 32
+        );
+        assert_eq!(
+            size_of::<stack::StackSampleWithCopy>(),
+            size_of::<stack::StackSampleRecord>() + stack::STACK_COPY_BYTES
         );
         assert_eq!(traceme::traceme_record_size(0), 56);
         assert_eq!(traceme::traceme_record_size(1), 64);

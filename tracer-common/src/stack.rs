@@ -2,9 +2,21 @@
 //! event at the sampling rate) that found a thread of a recorded process
 //! on the CPU. The program copies the thread's kernel and user call
 //! stacks as the kernel unwinds them (frame pointers for user code), as
-//! instruction addresses; userspace symbolizes them.
+//! instruction addresses, and, after them, the user registers and the top
+//! of the user stack: userspace unwinds that with the objects' call frame
+//! information, which code built without frame pointers still has, and
+//! symbolizes the result.
 
 use crate::RecordHeader;
+
+/// Bytes of the user stack copied, from the stack pointer up (perf's
+/// default for `--call-graph dwarf` is 8 KiB).
+pub const STACK_COPY_BYTES: usize = 16 * 1024;
+
+/// The copy is made in pieces of this many bytes, up to the first that
+/// cannot be read: the top of a main thread's stack is where its mapping
+/// ends.
+pub const STACK_COPY_CHUNK: usize = 1024;
 
 /// Most frames kept of each stack: the kernel's default
 /// `kernel.perf_event_max_stack`.
@@ -40,4 +52,19 @@ pub struct StackSampleRecord {
     pub _pad: u32,
     pub user: [u64; MAX_FRAMES],
     pub kernel: [u64; MAX_FRAMES],
+    /// The user registers unwinding starts from: instruction, stack and
+    /// frame pointer (x86-64's rip, rsp, rbp).
+    pub user_regs: [u64; 3],
+    /// Bytes of [`StackSampleWithCopy::stack`] copied from
+    /// `user_regs[1]` up (0: none).
+    pub stack_len: u32,
+    pub _pad2: u32,
+}
+
+/// What the program writes: the sample, then the top of the user stack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StackSampleWithCopy {
+    pub sample: StackSampleRecord,
+    pub stack: [u8; STACK_COPY_BYTES],
 }

@@ -1,19 +1,30 @@
 //! CPU stack sampling: a `perf_event` program on one clock event per CPU
 //! (attached by userspace at the sampling rate). A tick that lands in a
-//! thread of a recorded process writes its kernel and user stacks; every
-//! other tick costs one bitmap lookup.
+//! thread of a recorded process writes its kernel and user stacks as the
+//! kernel walks them, and the user registers and the top of the user
+//! stack for userspace to unwind; every other tick costs one bitmap
+//! lookup.
 
 use aya_ebpf::{
-    EbpfContext as _, bindings::BPF_F_USER_STACK, helpers::bpf_get_stack, macros::perf_event,
+    EbpfContext as _,
+    bindings::{BPF_F_USER_STACK, bpf_perf_event_data, pt_regs},
+    helpers::{
+        bpf_get_stack, bpf_probe_read_kernel,
+        generated::{bpf_get_current_task_btf, bpf_probe_read_user, bpf_task_pt_regs},
+    },
+    macros::perf_event,
     programs::PerfEventContext,
 };
 use tracer_common::{
     RecordKind,
-    stack::{FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, StackSampleRecord},
+    stack::{
+        FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
+        STACK_COPY_CHUNK, StackSampleWithCopy,
+    },
     stat,
 };
 
-use crate::{EVENTS, bump, count_submit, current, header, is_recording};
+use crate::{EVENTS, bump, count_large_submit, current, header, is_recording};
 
 const STACK_BYTES: u32 = (MAX_FRAMES * 8) as u32;
 
@@ -23,11 +34,14 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     if !is_recording(tgid) {
         return 0;
     }
-    let Some(mut entry) = EVENTS.reserve::<StackSampleRecord>(0) else {
+    let Some(mut entry) = EVENTS.reserve::<StackSampleWithCopy>(0) else {
         bump(stat::DROPPED_RINGBUF_FULL);
         return 0;
     };
-    let record = entry.as_mut_ptr();
+    let slot = entry.as_mut_ptr();
+    // SAFETY: `slot` is the reserved ring-buffer slot; this only takes the
+    // address of its first field.
+    let record = unsafe { &raw mut (*slot).sample };
     // SAFETY: `record` is the reserved, exclusively owned ring-buffer
     // slot; each copy is bounded by its array's size.
     unsafe {
@@ -43,7 +57,7 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
             STACK_BYTES,
             0,
         );
-        (*record).header = header(RecordKind::StackSample, size_of::<StackSampleRecord>());
+        (*record).header = header(RecordKind::StackSample, size_of::<StackSampleWithCopy>());
         (*record).tid = tid;
         (*record).tgid = tgid;
         (*record).user_frames = frames(user);
@@ -55,9 +69,66 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
                 0
             };
         (*record)._pad = 0;
+        (*record)._pad2 = 0;
+        (*record).stack_len = 0;
+        (*record).user_regs = [0; 3];
+        if let Some(regs) = user_regs(&ctx) {
+            (*record).user_regs = regs;
+            (*record).stack_len = copy_stack((*slot).stack.as_mut_ptr(), regs[1]);
+        }
     }
-    entry.submit(count_submit());
+    entry.submit(count_large_submit());
     0
+}
+
+/// The sampled thread's user registers (rip, rsp, rbp): the interrupted
+/// ones when the tick came in user mode, else those the kernel saved when
+/// the thread entered it. `None` for a kernel thread.
+///
+/// # Safety
+/// `ctx` is this program's context.
+#[inline(always)]
+unsafe fn user_regs(ctx: &PerfEventContext) -> Option<[u64; 3]> {
+    // SAFETY: a perf_event program's context is its `bpf_perf_event_data`,
+    // whose registers it may read.
+    let regs = unsafe { &(*ctx.as_ptr().cast::<bpf_perf_event_data>()).regs };
+    if regs.cs & 3 == 3 {
+        return Some([regs.rip, regs.rsp, regs.rbp]);
+    }
+    // SAFETY: the current task's saved user registers, read with a helper
+    // that checks the address.
+    let saved: pt_regs = unsafe {
+        let task = bpf_get_current_task_btf();
+        bpf_probe_read_kernel(bpf_task_pt_regs(task) as *const pt_regs).ok()?
+    };
+    (saved.cs & 3 == 3).then_some([saved.rip, saved.rsp, saved.rbp])
+}
+
+/// Copies the user stack from `sp` up into `out`, a piece at a time up to
+/// the first piece that cannot be read; returns the bytes copied.
+///
+/// # Safety
+/// `out` has room for `STACK_COPY_BYTES`.
+#[inline(always)]
+unsafe fn copy_stack(out: *mut u8, sp: u64) -> u32 {
+    let mut copied = 0;
+    for i in 0..STACK_COPY_BYTES / STACK_COPY_CHUNK {
+        let offset = i * STACK_COPY_CHUNK;
+        // SAFETY: `offset + STACK_COPY_CHUNK` is within `out`; the helper
+        // checks the source and zeroes the piece if it cannot read it.
+        let failed = unsafe {
+            bpf_probe_read_user(
+                out.add(offset).cast(),
+                STACK_COPY_CHUNK as u32,
+                (sp + offset as u64) as *const _,
+            )
+        } != 0;
+        if failed {
+            break;
+        }
+        copied += STACK_COPY_CHUNK as u32;
+    }
+    copied
 }
 
 /// Frames in a stack of `bytes` bytes (`bpf_get_stack`'s result).

@@ -101,12 +101,27 @@ pub(crate) fn count_submit() -> u64 {
     submit_flags(bump_to(stat::SUBMITTED))
 }
 
+/// [`count_submit`] for a large record (a stack sample with its copy of
+/// the stack): the fill level is looked at for each, as a few of them
+/// fill the ring faster than [`WAKEUP_CHECK_EVERY`] small ones.
+#[inline(always)]
+pub(crate) fn count_large_submit() -> u64 {
+    bump(stat::SUBMITTED);
+    wakeup_flags()
+}
+
 /// The flags for the `n`th record this CPU submits.
 #[inline(always)]
 fn submit_flags(n: u64) -> u64 {
     if n % WAKEUP_CHECK_EVERY != 0 {
         return BPF_RB_NO_WAKEUP as u64;
     }
+    wakeup_flags()
+}
+
+/// Wake the reader if the ring is past `WAKEUP_THRESHOLD`.
+#[inline(always)]
+fn wakeup_flags() -> u64 {
     // SAFETY: globals are read-only after load.
     let threshold = unsafe { core::ptr::read_volatile(&WAKEUP_THRESHOLD) };
     let flags = if EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= threshold {

@@ -19,7 +19,8 @@ use crate::{
     symbols::stacks::StackSymbolizer,
 };
 
-/// Room for a few seconds of samples of a large machine between drains.
+/// Room for about 200 samples (each with its 16 KiB copy of the user
+/// stack); the program wakes the drain once a quarter of it is used.
 const RING_BYTES: u32 = 4 * 1024 * 1024;
 /// How often the ring is drained while sampling.
 const DRAIN_PERIOD: Duration = Duration::from_millis(100);

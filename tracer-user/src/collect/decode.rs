@@ -5,7 +5,10 @@ use tracer_common::{
     ProcessFork, RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew, TaskRename,
     TraceMeRecord,
     cuda::{CudaCall, CudaSymbol},
-    stack::{FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, StackSampleRecord},
+    stack::{
+        FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
+        StackSampleRecord, StackSampleWithCopy,
+    },
     traceme::{FLAG_NAME_UNREADABLE, TRACEME_PREFIX, traceme_record_size},
 };
 
@@ -179,9 +182,20 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     })
 }
 
-/// A stack sample keeps only the frames the kernel filled in.
+/// A stack sample keeps only the frames the kernel filled in; the copy
+/// of the user stack behind it is read by [`user_stack`].
 fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, DecodeError> {
-    let r: StackSampleRecord = read(bytes, RecordKind::StackSample, claimed)?;
+    let kind = RecordKind::StackSample;
+    let expected = size_of::<StackSampleWithCopy>();
+    if claimed != expected || bytes.len() < expected {
+        return Err(DecodeError::Size {
+            kind,
+            claimed,
+            expected,
+            got: bytes.len(),
+        });
+    }
+    let r: StackSampleRecord = read(bytes, kind, size_of::<StackSampleRecord>())?;
     let frames = |n: u32| (n as usize).min(MAX_FRAMES);
     Ok(StackSample {
         header: r.header,
@@ -191,6 +205,29 @@ fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, Decode
         kernel: r.kernel[..frames(r.kernel_frames)].into(),
         user_unreadable: r.flags & FLAG_USER_UNREADABLE != 0,
         kernel_unreadable: r.flags & FLAG_KERNEL_UNREADABLE != 0,
+    })
+}
+
+/// The user registers and stack bytes a stack sample record carries
+/// (`bytes` decoded as a [`Record::StackSample`]), if it copied any.
+#[cfg(target_arch = "x86_64")]
+pub fn user_stack(bytes: &[u8]) -> Option<crate::symbols::unwind::UserStack<'_>> {
+    if bytes.len() < size_of::<StackSampleWithCopy>() {
+        return None;
+    }
+    // SAFETY: length checked; a plain #[repr(C)] record; unaligned read.
+    let r: StackSampleRecord = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let len = (r.stack_len as usize).min(STACK_COPY_BYTES);
+    if len == 0 {
+        return None;
+    }
+    let stack = &bytes[size_of::<StackSampleRecord>()..][..len];
+    let [ip, sp, bp] = r.user_regs;
+    Some(crate::symbols::unwind::UserStack {
+        ip,
+        sp,
+        bp,
+        bytes: stack,
     })
 }
 
@@ -346,36 +383,54 @@ mod tests {
 
     #[test]
     fn decodes_a_stack_sample_and_keeps_only_filled_frames() {
-        let mut rec = StackSampleRecord {
-            header: RecordHeader::new(
-                RecordKind::StackSample,
-                size_of::<StackSampleRecord>(),
-                1,
-                42,
-            ),
-            tid: 8,
-            tgid: 7,
-            user_frames: 2,
-            kernel_frames: 0,
-            flags: FLAG_KERNEL_UNREADABLE,
-            _pad: 0,
-            user: [0xdead; MAX_FRAMES],
-            kernel: [0; MAX_FRAMES],
-        };
-        rec.user[1] = 0xbeef;
-        let Record::StackSample(s) = decode(&bytes_of(&rec)).unwrap() else {
+        let mut rec = Box::new(StackSampleWithCopy {
+            sample: StackSampleRecord {
+                header: RecordHeader::new(
+                    RecordKind::StackSample,
+                    size_of::<StackSampleWithCopy>(),
+                    1,
+                    42,
+                ),
+                tid: 8,
+                tgid: 7,
+                user_frames: 2,
+                kernel_frames: 0,
+                flags: FLAG_KERNEL_UNREADABLE,
+                _pad: 0,
+                user: [0xdead; MAX_FRAMES],
+                kernel: [0; MAX_FRAMES],
+                user_regs: [0x1000, 0x7ff0, 0x7ff8],
+                stack_len: 16,
+                _pad2: 0,
+            },
+            stack: [0xab; STACK_COPY_BYTES],
+        });
+        rec.sample.user[1] = 0xbeef;
+        let bytes = bytes_of(&*rec);
+        let Record::StackSample(s) = decode(&bytes).unwrap() else {
             panic!("wrong kind")
         };
         assert_eq!((s.tid, s.tgid, s.header.ts_ns), (8, 7, 42));
         assert_eq!(&*s.user, &[0xdead, 0xbeef]);
         assert!(s.kernel.is_empty() && s.kernel_unreadable && !s.user_unreadable);
+        let stack = user_stack(&bytes).expect("a copied stack");
+        assert_eq!((stack.ip, stack.sp, stack.bp), (0x1000, 0x7ff0, 0x7ff8));
+        assert_eq!(stack.bytes, &[0xab; 16]);
 
-        // A frame count past the array is cut to it, never read beyond.
-        rec.user_frames = u32::MAX;
-        let Record::StackSample(s) = decode(&bytes_of(&rec)).unwrap() else {
+        // A frame count past the array, or a copy longer than the buffer,
+        // is cut to it, never read beyond.
+        rec.sample.user_frames = u32::MAX;
+        rec.sample.stack_len = u32::MAX;
+        let bytes = bytes_of(&*rec);
+        let Record::StackSample(s) = decode(&bytes).unwrap() else {
             panic!("wrong kind")
         };
         assert_eq!(s.user.len(), MAX_FRAMES);
+        assert_eq!(user_stack(&bytes).unwrap().bytes.len(), STACK_COPY_BYTES);
+
+        // Without a copy, there is nothing to unwind.
+        rec.sample.stack_len = 0;
+        assert!(user_stack(&bytes_of(&*rec)).is_none());
     }
 
     proptest::proptest! {

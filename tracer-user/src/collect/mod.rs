@@ -15,11 +15,19 @@ pub struct Collector {
     ring: RingBuf<MapData>,
     /// Records that could not be decoded (a kernel/userspace mismatch).
     pub malformed: u64,
+    /// Unwinds the user stacks of stack samples, made at the first one.
+    #[cfg(target_arch = "x86_64")]
+    unwinder: Option<Box<crate::symbols::unwind::StackUnwinder>>,
 }
 
 impl Collector {
     pub fn new(ring: RingBuf<MapData>) -> Self {
-        Collector { ring, malformed: 0 }
+        Collector {
+            ring,
+            malformed: 0,
+            #[cfg(target_arch = "x86_64")]
+            unwinder: None,
+        }
     }
 
     /// Waits until the kernel forces a wake-up or `timeout` passes.
@@ -39,10 +47,38 @@ impl Collector {
         let before = out.len();
         while let Some(item) = self.ring.next() {
             match decode(&item) {
+                #[cfg(target_arch = "x86_64")]
+                Ok(Record::StackSample(mut sample)) => {
+                    if let Some(stack) = decode::user_stack(&item) {
+                        let unwinder = self.unwinder.get_or_insert_default();
+                        unwind_user_stack(unwinder, &mut sample, &stack);
+                    }
+                    out.push(Record::StackSample(sample));
+                }
                 Ok(record) => out.push(record),
                 Err(_) => self.malformed += 1,
             }
         }
         out.len() - before
+    }
+}
+
+/// Replaces the kernel's frame-pointer walk of `sample`'s user stack with
+/// the unwinding of its copy where that went further: to the outermost
+/// frame, or past where the walk stopped. The walk stays where unwinding
+/// found less (no copy of a stack deeper than the copy, code that only
+/// frame pointers describe beyond it).
+#[cfg(target_arch = "x86_64")]
+fn unwind_user_stack(
+    unwinder: &mut crate::symbols::unwind::StackUnwinder,
+    sample: &mut StackSample,
+    stack: &crate::symbols::unwind::UserStack<'_>,
+) {
+    let Some(unwound) = unwinder.unwind(sample.tgid, stack) else {
+        return;
+    };
+    if unwound.complete || unwound.frames.len() > sample.user.len() {
+        sample.user = unwound.frames.into();
+        sample.user_unreadable = false;
     }
 }

@@ -9,7 +9,6 @@
 use std::{
     fs::File,
     io,
-    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -23,45 +22,21 @@ use object::{
 type FileHeader = object::elf::FileHeader64<Endianness>;
 
 /// A read-only private mapping of a whole file.
-struct Mmap {
-    ptr: *mut libc::c_void,
-    len: usize,
-}
+struct Mmap(memmap2::Mmap);
 
 impl Mmap {
     fn map(file: &File) -> io::Result<Self> {
-        let len = usize::try_from(file.metadata()?.len())
-            .map_err(|_| io::Error::other("file too large to map"))?;
-        if len == 0 {
+        if file.metadata()?.len() == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "empty file"));
         }
-        // SAFETY: a fresh read-only private mapping of an open file.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Mmap { ptr, len })
+        // SAFETY: a read-only private mapping. A process's libraries are
+        // replaced by new files, not written in place; one truncated under
+        // us would fault, as it would fault the process that maps it.
+        unsafe { memmap2::Mmap::map(file) }.map(Mmap)
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: the mapping lives as long as self and is never written.
-        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
-    }
-}
-
-impl Drop for Mmap {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what map() mapped.
-        unsafe { libc::munmap(self.ptr, self.len) };
+        &self.0
     }
 }
 
@@ -73,6 +48,15 @@ pub struct LoadSegment {
     pub offset: u64,
     pub filesz: u64,
     pub executable: bool,
+}
+
+/// Where a section is: see [`ElfObject::section`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SectionRange {
+    /// Its virtual addresses in the object.
+    pub svma: std::ops::Range<u64>,
+    /// Its contents in the file, if the file holds them.
+    pub file: Option<std::ops::Range<usize>>,
 }
 
 /// A defined symbol found by [`ElfObject::scan`].
@@ -214,6 +198,32 @@ impl ElfObject {
                 format!("file-{dev:x}-{ino:x}-{size:x}-{ctime:x}.{nsec:x}")
             }
         }
+    }
+
+    /// The section `name`: its virtual addresses and, if the file holds
+    /// its contents (not `SHT_NOBITS`), where in the file they are.
+    pub fn section(&self, name: &str) -> Option<SectionRange> {
+        let bytes = self.map.bytes();
+        let header = FileHeader::parse(bytes).ok()?;
+        let endian = header.endian().ok()?;
+        let sections = header.sections(endian, bytes).ok()?;
+        let (_, section) = sections.section_by_name(endian, name.as_bytes())?;
+        let address = section.sh_addr(endian);
+        let size = section.sh_size(endian);
+        let file = section.file_range(endian).and_then(|(offset, len)| {
+            let start = usize::try_from(offset).ok()?;
+            let end = start.checked_add(usize::try_from(len).ok()?)?;
+            (end <= bytes.len()).then_some(start..end)
+        });
+        Some(SectionRange {
+            svma: address..address.checked_add(size)?,
+            file,
+        })
+    }
+
+    /// The file's bytes in `range` (see [`Self::section`]).
+    pub fn bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
+        &self.map.bytes()[range]
     }
 
     /// The file's byte at `offset`, if the file has one there.

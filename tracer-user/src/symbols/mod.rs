@@ -7,12 +7,16 @@
 //!   attached by file offset);
 //! - [`maps`]: the objects a process has mapped (`/proc/PID/maps`), how to
 //!   open the very file that is mapped, and where it was loaded;
+//! - [`unwind`]: sampled user stacks unwound with the objects' call frame
+//!   information (framehop);
 //! - [`stacks`]: names, inlined functions and lines for the addresses of
 //!   sampled stacks (blazesym).
 
 pub mod elf;
 pub mod maps;
 pub mod stacks;
+#[cfg(target_arch = "x86_64")]
+pub mod unwind;
 
 pub use elf::{ElfObject, FoundSymbol, LoadSegment, SymbolScan};
 pub use maps::{MappedObject, Mapping, mapped_objects};

@@ -1,0 +1,307 @@
+//! Unwinding sampled user stacks with the objects' call frame information
+//! (`.eh_frame`, `.debug_frame`), with framehop.
+//!
+//! The kernel walks user stacks by frame pointers, and most code is built
+//! without them (Debian's Python, glibc, jaxlib): its walk stops after a
+//! frame or two, or wanders. So the sampling program also copies the user
+//! registers and the top of the user stack (see `tracer_common::stack`),
+//! and the stack is unwound here, while the process runs, from the very
+//! files it has mapped. Where an object has no call frame information for
+//! an address, framehop follows the frame pointer there.
+
+use std::{
+    collections::HashMap,
+    ops::{Deref, Range},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use framehop::{
+    ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _,
+    x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
+};
+
+use super::{ElfObject, MappedObject, elf::SectionRange, mapped_objects};
+
+/// How often a process's mappings are read again when a sample is in code
+/// outside them (a library loaded since, JIT code).
+const MAPS_REREAD_AFTER: Duration = Duration::from_secs(1);
+
+/// Most frames an unwound stack keeps (as many as the kernel's walk).
+const MAX_FRAMES: usize = tracer_common::stack::MAX_FRAMES;
+
+/// What the sampling program copied of a thread's user state.
+#[derive(Clone, Copy, Debug)]
+pub struct UserStack<'a> {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// The stack's bytes from `sp` up.
+    pub bytes: &'a [u8],
+}
+
+impl UserStack<'_> {
+    /// The 8 bytes at `address`, if the copy holds them.
+    fn read(&self, address: u64) -> Option<u64> {
+        let at = usize::try_from(address.checked_sub(self.sp)?).ok()?;
+        let word = self.bytes.get(at..at.checked_add(8)?)?;
+        Some(u64::from_le_bytes(word.try_into().ok()?))
+    }
+}
+
+/// An unwound stack: the instruction address, then return addresses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unwound {
+    pub frames: Vec<u64>,
+    /// It reached the stack's outermost frame (rather than stopping where
+    /// the copy ended or the information ran out).
+    pub complete: bool,
+}
+
+/// A section's bytes, in the mapped object they are in.
+#[derive(Clone)]
+struct SectionBytes {
+    object: Arc<ElfObject>,
+    range: Range<usize>,
+}
+
+impl Deref for SectionBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.object.bytes(self.range.clone())
+    }
+}
+
+/// One process's modules and the rules framehop found in them.
+struct ProcessUnwinder {
+    unwinder: UnwinderX86_64<SectionBytes>,
+    cache: CacheX86_64,
+    /// The modules' code, sorted: a sample elsewhere asks for the maps
+    /// again.
+    code: Vec<Range<u64>>,
+    read_at: Instant,
+}
+
+/// Unwinds the stacks of sampled processes, keeping each process's
+/// modules (and each object, shared between processes) between samples.
+#[derive(Default)]
+pub struct StackUnwinder {
+    processes: HashMap<u32, ProcessUnwinder>,
+    /// Objects by device and inode; `None`: not an ELF object it can read.
+    objects: HashMap<(String, u64), Option<Arc<ElfObject>>>,
+}
+
+impl StackUnwinder {
+    /// Unwinds `stack`, sampled in process `pid`; `None` when the process's
+    /// mappings cannot be read (it exited).
+    pub fn unwind(&mut self, pid: u32, stack: &UserStack<'_>) -> Option<Unwound> {
+        let stale = match self.processes.get(&pid) {
+            None => true,
+            Some(p) => !in_code(&p.code, stack.ip) && p.read_at.elapsed() >= MAPS_REREAD_AFTER,
+        };
+        if stale {
+            match self.process_unwinder(pid) {
+                Some(p) => {
+                    if self.processes.insert(pid, p).is_none() {
+                        self.forget_exited();
+                    }
+                }
+                None => {
+                    self.forget(pid);
+                    return None;
+                }
+            }
+        }
+        let process = self.processes.get_mut(&pid)?;
+        let mut read_stack = |address: u64| stack.read(address).ok_or(());
+        let mut frames = process.unwinder.iter_frames(
+            stack.ip,
+            UnwindRegsX86_64::new(stack.ip, stack.sp, stack.bp),
+            &mut process.cache,
+            &mut read_stack,
+        );
+        let mut out = Vec::new();
+        let complete = loop {
+            match frames.next() {
+                Ok(Some(frame)) if out.len() < MAX_FRAMES => out.push(address_of(frame)),
+                Ok(Some(_)) | Err(_) => break false,
+                Ok(None) => break true,
+            }
+        };
+        Some(Unwound {
+            frames: out,
+            complete,
+        })
+    }
+
+    /// Drops what it keeps of `pid`, and the objects no process maps now.
+    fn forget(&mut self, pid: u32) {
+        if self.processes.remove(&pid).is_some() {
+            self.forget_unmapped_objects();
+        }
+    }
+
+    /// Drops the processes that exited (a daemon samples processes that
+    /// come and go for days), and the objects only they mapped.
+    fn forget_exited(&mut self) {
+        let before = self.processes.len();
+        self.processes
+            .retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
+        if self.processes.len() < before {
+            self.forget_unmapped_objects();
+        }
+    }
+
+    fn forget_unmapped_objects(&mut self) {
+        // The modules of a process hold their objects' sections.
+        self.objects
+            .retain(|_, o| o.as_ref().is_none_or(|o| Arc::strong_count(o) > 1));
+    }
+
+    /// Reads `pid`'s mappings and makes a module of each object's code.
+    fn process_unwinder(&mut self, pid: u32) -> Option<ProcessUnwinder> {
+        let objects = mapped_objects(pid).ok()?;
+        let mut unwinder = UnwinderX86_64::new();
+        let mut code = Vec::new();
+        // SAFETY: sysconf has no preconditions.
+        let page_size = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        for mapped in &objects {
+            if !mapped.mappings.iter().any(|m| m.perms.contains('x')) {
+                continue;
+            }
+            let Some(object) = self.object(mapped) else {
+                continue;
+            };
+            let Some(bias) = mapped.load_bias(object.segments(), page_size) else {
+                continue;
+            };
+            for m in mapped.mappings.iter().filter(|m| m.perms.contains('x')) {
+                unwinder.add_module(Module::new(
+                    mapped.path.clone(),
+                    m.start..m.end,
+                    bias,
+                    section_info(&object),
+                ));
+                code.push(m.start..m.end);
+            }
+        }
+        code.sort_by_key(|r| r.start);
+        Some(ProcessUnwinder {
+            unwinder,
+            cache: CacheX86_64::new(),
+            code,
+            read_at: Instant::now(),
+        })
+    }
+
+    fn object(&mut self, mapped: &MappedObject) -> Option<Arc<ElfObject>> {
+        self.objects
+            .entry((mapped.dev.clone(), mapped.inode))
+            .or_insert_with(|| {
+                ElfObject::open(&mapped.open_path(), Some(mapped.inode))
+                    .ok()
+                    .map(Arc::new)
+            })
+            .clone()
+    }
+}
+
+/// Whether `address` is in one of the sorted `code` ranges.
+fn in_code(code: &[Range<u64>], address: u64) -> bool {
+    let i = code.partition_point(|r| r.start <= address);
+    code[..i].last().is_some_and(|r| address < r.end)
+}
+
+fn address_of(frame: FrameAddress) -> u64 {
+    match frame {
+        FrameAddress::InstructionPointer(a) => a,
+        FrameAddress::ReturnAddress(a) => a.get(),
+    }
+}
+
+/// The sections framehop reads, as the object holds them.
+fn section_info(object: &Arc<ElfObject>) -> ExplicitModuleSectionInfo<SectionBytes> {
+    let section = |name: &str| object.section(name);
+    let svma = |s: &Option<SectionRange>| s.as_ref().map(|s| s.svma.clone());
+    let bytes = |s: &Option<SectionRange>| {
+        s.as_ref()
+            .and_then(|s| s.file.clone())
+            .map(|range| SectionBytes {
+                object: Arc::clone(object),
+                range,
+            })
+    };
+    let text = section(".text");
+    let eh_frame = section(".eh_frame");
+    let eh_frame_hdr = section(".eh_frame_hdr");
+    let debug_frame = section(".debug_frame");
+    ExplicitModuleSectionInfo {
+        base_svma: 0,
+        text_svma: svma(&text),
+        text: bytes(&text),
+        got_svma: svma(&section(".got")),
+        eh_frame_svma: svma(&eh_frame),
+        eh_frame: bytes(&eh_frame),
+        eh_frame_hdr_svma: svma(&eh_frame_hdr),
+        eh_frame_hdr: bytes(&eh_frame_hdr),
+        debug_frame: bytes(&debug_frame),
+        // Mach-O's.
+        stubs_svma: None,
+        stub_helper_svma: None,
+        unwind_info: None,
+        text_segment_svma: None,
+        text_segment: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_copy_is_read_only_within_its_bytes() {
+        let bytes: Vec<u8> = (0u8..24).collect();
+        let stack = UserStack {
+            ip: 0,
+            sp: 0x1000,
+            bp: 0,
+            bytes: &bytes,
+        };
+        assert_eq!(
+            stack.read(0x1000),
+            Some(u64::from_le_bytes([0, 1, 2, 3, 4, 5, 6, 7]))
+        );
+        assert_eq!(
+            stack.read(0x1010),
+            Some(u64::from_le_bytes([16, 17, 18, 19, 20, 21, 22, 23]))
+        );
+        // Below the stack pointer, across the end, past it, at the top of
+        // the address space: not in the copy.
+        for address in [0xff8, 0x1011, 0x1018, u64::MAX - 3] {
+            assert_eq!(stack.read(address), None, "{address:#x}");
+        }
+    }
+
+    #[test]
+    fn code_ranges_hold_their_start_and_not_their_end() {
+        let code = [0x1000..0x2000, 0x5000..0x6000];
+        assert!(in_code(&code, 0x1000) && in_code(&code, 0x5fff));
+        assert!(!in_code(&code, 0x2000) && !in_code(&code, 0xfff) && !in_code(&code, 0x7000));
+        assert!(!in_code(&[], 0x1000));
+    }
+
+    #[test]
+    fn a_process_that_is_gone_is_not_unwound() {
+        let mut unwinder = StackUnwinder::default();
+        let stack = UserStack {
+            ip: 0x1000,
+            sp: 0x2000,
+            bp: 0,
+            bytes: &[0; 64],
+        };
+        // Above any pid_max.
+        assert_eq!(unwinder.unwind(u32::MAX, &stack), None);
+        assert!(unwinder.processes.is_empty() && unwinder.objects.is_empty());
+    }
+}
