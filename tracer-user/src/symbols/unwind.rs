@@ -77,8 +77,8 @@ impl Deref for SectionBytes {
 struct ProcessUnwinder {
     unwinder: UnwinderX86_64<SectionBytes>,
     cache: CacheX86_64,
-    /// The modules' code, sorted: a sample elsewhere asks for the maps
-    /// again.
+    /// The files' executable mappings, sorted: a sample elsewhere asks
+    /// for the maps again.
     code: Vec<Range<u64>>,
     read_at: Instant,
 }
@@ -100,18 +100,8 @@ impl StackUnwinder {
             None => true,
             Some(p) => !in_code(&p.code, stack.ip) && p.read_at.elapsed() >= MAPS_REREAD_AFTER,
         };
-        if stale {
-            match self.process_unwinder(pid) {
-                Some(p) => {
-                    if self.processes.insert(pid, p).is_none() {
-                        self.forget_exited();
-                    }
-                }
-                None => {
-                    self.forget(pid);
-                    return None;
-                }
-            }
+        if stale && !self.read_maps(pid) {
+            return None;
         }
         let process = self.processes.get_mut(&pid)?;
         let mut read_stack = |address: u64| stack.read(address).ok_or(());
@@ -159,14 +149,38 @@ impl StackUnwinder {
             .retain(|_, o| o.as_ref().is_none_or(|o| Arc::strong_count(o) > 1));
     }
 
-    /// Reads `pid`'s mappings and makes a module of each object's code.
-    fn process_unwinder(&mut self, pid: u32) -> Option<ProcessUnwinder> {
-        let objects = mapped_objects(pid).ok()?;
+    /// Reads `pid`'s mappings; makes a module of each object's code if they
+    /// changed. False if they cannot be read (the process exited).
+    fn read_maps(&mut self, pid: u32) -> bool {
+        let Ok(objects) = mapped_objects(pid) else {
+            self.forget(pid);
+            return false;
+        };
+        let code = code_ranges(&objects);
+        if let Some(known) = self.processes.get_mut(&pid)
+            && known.code == code
+        {
+            // Nothing loaded since: keep the rules found so far.
+            known.read_at = Instant::now();
+            return true;
+        }
+        let process = self.process_unwinder(&objects, code);
+        if self.processes.insert(pid, process).is_none() {
+            self.forget_exited();
+        }
+        true
+    }
+
+    /// A module of each object's code.
+    fn process_unwinder(
+        &mut self,
+        objects: &[MappedObject],
+        code: Vec<Range<u64>>,
+    ) -> ProcessUnwinder {
         let mut unwinder = UnwinderX86_64::new();
-        let mut code = Vec::new();
         // SAFETY: sysconf has no preconditions.
         let page_size = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
-        for mapped in &objects {
+        for mapped in objects {
             if !mapped.mappings.iter().any(|m| m.perms.contains('x')) {
                 continue;
             }
@@ -183,16 +197,14 @@ impl StackUnwinder {
                     bias,
                     section_info(&object),
                 ));
-                code.push(m.start..m.end);
             }
         }
-        code.sort_by_key(|r| r.start);
-        Some(ProcessUnwinder {
+        ProcessUnwinder {
             unwinder,
             cache: CacheX86_64::new(),
             code,
             read_at: Instant::now(),
-        })
+        }
     }
 
     fn object(&mut self, mapped: &MappedObject) -> Option<Arc<ElfObject>> {
@@ -205,6 +217,18 @@ impl StackUnwinder {
             })
             .clone()
     }
+}
+
+/// The executable mappings of files, sorted.
+fn code_ranges(objects: &[MappedObject]) -> Vec<Range<u64>> {
+    let mut code: Vec<Range<u64>> = objects
+        .iter()
+        .flat_map(|o| &o.mappings)
+        .filter(|m| m.perms.contains('x'))
+        .map(|m| m.start..m.end)
+        .collect();
+    code.sort_by_key(|r| r.start);
+    code
 }
 
 /// Whether `address` is in one of the sorted `code` ranges.
