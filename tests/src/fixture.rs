@@ -77,12 +77,27 @@ impl SchedWorkload {
         Self::start_with_env(args, &[])
     }
 
+    /// Like [`SchedWorkload::start`], with both threads on CPU 0: a
+    /// ping-pong then switches as fast as one CPU can, whatever a wake-up
+    /// across CPUs costs on the machine (on some virtual machines it makes
+    /// the unpinned ping-pong 7 times slower).
+    pub fn start_on_cpu0(args: &[&str]) -> Self {
+        Self::spawn(
+            Command::new("taskset")
+                .args(["-c", "0"])
+                .arg(build_c("sched_workload"))
+                .args(args),
+        )
+    }
+
     /// Like [`SchedWorkload::start`], with extra environment variables.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let bin = build_c("sched_workload");
-        let mut child = Command::new(bin)
-            .args(args)
-            .envs(env.iter().copied())
+        Self::spawn(Command::new(bin).args(args).envs(env.iter().copied()))
+    }
+
+    fn spawn(command: &mut Command) -> Self {
+        let mut child = command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .spawn()

@@ -202,7 +202,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
     let _serial = serial();
     // ping-pong makes hundreds of thousands of records a second; 1 MiB
     // holds about 11 thousand.
-    let workload = SchedWorkload::start(&["--mode", "pingpong"]);
+    let workload = SchedWorkload::start_on_cpu0(&["--mode", "pingpong"]);
     let server = ServeProcess::loopback(&[
         "--pid",
         &workload.pid.to_string(),
@@ -532,7 +532,7 @@ fn nothing_is_dropped_while_a_large_snapshot_is_built() {
         return;
     }
     let _serial = serial();
-    let workload = SchedWorkload::start(&["--mode", "pingpong", "--seconds", "60"]);
+    let workload = SchedWorkload::start_on_cpu0(&["--mode", "pingpong", "--seconds", "60"]);
     let server = ServeProcess::loopback(&[
         "--pid",
         &workload.pid.to_string(),
