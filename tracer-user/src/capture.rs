@@ -155,6 +155,10 @@ pub struct Capture {
     traceme_events: VecDeque<TraceMeEvent>,
     probe: ProbeSet,
     collector: Collector,
+    /// What one drain of the ring buffer decoded, on its way into
+    /// `records`: kept between drains, so that a flood does not map,
+    /// fault in and unmap megabytes of fresh memory at every one.
+    drained: Vec<Record>,
     targets: Vec<TargetProcess>,
     initial: HashMap<u32, InitialState>,
     /// Targets added after the capture started ([`Capture::add_target`]),
@@ -289,6 +293,7 @@ impl Capture {
             traceme_events: VecDeque::new(),
             probe,
             collector,
+            drained: Vec::new(),
             targets,
             initial,
             tracked_from: Vec::new(),

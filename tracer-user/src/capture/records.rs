@@ -10,15 +10,17 @@ use crate::{
 impl Capture {
     /// Drains the ring buffer; TraceMe events go to their own list.
     pub(super) fn drain(&mut self) {
-        let mut batch = Vec::new();
+        let mut batch = std::mem::take(&mut self.drained);
         self.collector.drain(&mut batch);
-        self.take_in(batch);
+        self.take_in(&mut batch);
+        self.drained = batch;
     }
 
-    /// Keeps `batch`, records drained from the ring buffer.
-    pub(super) fn take_in(&mut self, batch: Vec<Record>) {
+    /// Keeps `batch`, records drained from the ring buffer, leaving it
+    /// empty.
+    pub(super) fn take_in(&mut self, batch: &mut Vec<Record>) {
         let mut traceme = 0;
-        for r in batch {
+        for r in batch.drain(..) {
             match r {
                 Record::TraceMe(e) => {
                     self.traceme_events.push_back(*e);

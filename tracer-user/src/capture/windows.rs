@@ -72,11 +72,12 @@ impl Capture {
         dropped: u64,
         ended_early: Option<String>,
     ) -> Timeline {
+        let batch = std::mem::take(&mut self.drained);
         let (sources, collector) = self.sources_and_collector(Some(window));
         let built = AtomicBool::new(false);
-        let (timeline, drained) = std::thread::scope(|scope| {
+        let (timeline, mut drained) = std::thread::scope(|scope| {
             let draining = scope.spawn(|| {
-                let mut batch = Vec::new();
+                let mut batch = batch;
                 while !built.load(Ordering::Acquire) {
                     collector.wait(DRAIN_WHILE_BUILDING);
                     collector.drain(&mut batch);
@@ -91,7 +92,8 @@ impl Capture {
             let drained = draining.join().expect("the draining thread does not panic");
             (timeline, drained)
         });
-        self.take_in(drained);
+        self.take_in(&mut drained);
+        self.drained = drained;
         timeline
     }
 
