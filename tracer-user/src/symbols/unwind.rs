@@ -281,6 +281,8 @@ fn section_info(object: &Arc<ElfObject>) -> ExplicitModuleSectionInfo<SectionByt
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::Strategy as _;
+
     use super::*;
 
     #[test]
@@ -313,6 +315,48 @@ mod tests {
         assert!(in_code(&code, 0x1000) && in_code(&code, 0x5fff));
         assert!(!in_code(&code, 0x2000) && !in_code(&code, 0xfff) && !in_code(&code, 0x7000));
         assert!(!in_code(&[], 0x1000));
+    }
+
+    /// An address in this test binary's code.
+    fn own_code() -> u64 {
+        own_code as fn() -> u64 as usize as u64
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// A traced process controls its stack: whatever it holds, and
+        /// wherever its registers point, unwinding ends, within
+        /// `MAX_FRAMES`, without a panic. Words near real code make the
+        /// unwinder follow the call frame information of this process's
+        /// own objects.
+        #[test]
+        fn any_stack_unwinds_to_a_bounded_end(
+            words in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::prelude::any::<u64>(),
+                    (0u64..0x4000).prop_map(|o| own_code() + o),
+                    (0u64..0x800).prop_map(|o| 0x7ff0_0000_0000 + o * 8),
+                ],
+                0..600,
+            ),
+            ip_offset in proptest::option::of(0u64..0x4000),
+            sp in proptest::prelude::any::<u64>(),
+            bp in proptest::prelude::any::<u64>(),
+        ) {
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let stack = UserStack {
+                ip: ip_offset.map_or(sp ^ bp, |o| own_code() + o),
+                sp,
+                bp,
+                bytes: &bytes,
+            };
+            let mut unwinder = StackUnwinder::default();
+            let unwound = unwinder
+                .unwind(std::process::id(), &stack)
+                .expect("this process's maps are readable");
+            proptest::prop_assert!(unwound.frames.len() <= MAX_FRAMES);
+        }
     }
 
     #[test]
