@@ -143,10 +143,12 @@ impl StackUnwinder {
         }
     }
 
+    /// Drops the objects no process maps now, and what it could not open
+    /// (tried again when a process maps it next).
     fn forget_unmapped_objects(&mut self) {
         // The modules of a process hold their objects' sections.
         self.objects
-            .retain(|_, o| o.as_ref().is_none_or(|o| Arc::strong_count(o) > 1));
+            .retain(|_, o| o.as_ref().is_some_and(|o| Arc::strong_count(o) > 1));
     }
 
     /// Reads `pid`'s mappings; makes a module of each object's code if they
@@ -165,8 +167,10 @@ impl StackUnwinder {
             return true;
         }
         let process = self.process_unwinder(&objects, code);
-        if self.processes.insert(pid, process).is_none() {
-            self.forget_exited();
+        match self.processes.insert(pid, process) {
+            None => self.forget_exited(),
+            // Libraries it unloaded may be mapped by no process now.
+            Some(_) => self.forget_unmapped_objects(),
         }
         true
     }
@@ -370,6 +374,22 @@ mod tests {
         };
         // Above any pid_max.
         assert_eq!(unwinder.unwind(u32::MAX, &stack), None);
+        assert!(unwinder.processes.is_empty() && unwinder.objects.is_empty());
+    }
+
+    #[test]
+    fn objects_are_let_go_with_the_last_process_that_maps_them() {
+        let mut unwinder = StackUnwinder::default();
+        let bytes = [0u8; 64];
+        let stack = UserStack {
+            ip: own_code(),
+            sp: 0x1000,
+            bp: 0,
+            bytes: &bytes,
+        };
+        assert!(unwinder.unwind(std::process::id(), &stack).is_some());
+        assert!(unwinder.objects.values().any(Option::is_some));
+        unwinder.forget(std::process::id());
         assert!(unwinder.processes.is_empty() && unwinder.objects.is_empty());
     }
 }
