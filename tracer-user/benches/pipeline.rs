@@ -24,19 +24,16 @@ use ebtrace::{
     timeline::{InitialState, Sources, Window, assemble},
 };
 
+use common::{env_or, median};
+
+mod common;
+
 const PID: u32 = 1000;
 const PING: u32 = 1001;
 const PONG: u32 = 1002;
 const START_NS: u64 = 1_000_000_000;
 /// `prev_state` of a task that blocked in an interruptible sleep.
 const SLEEPING: u64 = 0x1;
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Four records per round trip: each thread wakes the other, then blocks
 /// and switches to it.
@@ -58,11 +55,6 @@ fn ping_pong(records: usize) -> Vec<Record> {
         pair.swap(0, 1);
     }
     out
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
 }
 
 fn main() {

@@ -16,7 +16,7 @@
 use std::{
     io::{BufRead as _, BufReader},
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use ebtrace::symbols::{
@@ -24,17 +24,9 @@ use ebtrace::symbols::{
     stacks::{Space, StackSymbolizer},
 };
 
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use common::{env_or, median};
 
-fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort();
-    times[times.len() / 2]
-}
+mod common;
 
 fn main() {
     let Some(python) = std::env::var_os("EBTRACE_BENCH_PYTHON") else {

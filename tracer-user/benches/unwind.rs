@@ -14,27 +14,14 @@
 //!   every stack, the cost a sample of a process seen for the first time
 //!   pays (median of `EBTRACE_BENCH_ROUNDS`, default 20).
 
-use std::{
-    fs::File,
-    hint::black_box,
-    os::unix::fs::FileExt as _,
-    time::{Duration, Instant},
-};
+use std::{fs::File, hint::black_box, os::unix::fs::FileExt as _, time::Instant};
 
 use ebtrace::symbols::unwind::{StackUnwinder, UserStack};
 use tracer_common::stack::{STACK_COPY_BYTES, STACK_COPY_CHUNK};
 
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+use common::{env_or, median};
 
-fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort();
-    times[times.len() / 2]
-}
+mod common;
 
 /// This thread's registers and stack, copied as the sampling program
 /// copies a sampled thread's.
