@@ -145,8 +145,14 @@ pub enum DecodeError {
     },
 }
 
-fn read<T: Copy>(bytes: &[u8], kind: RecordKind, claimed: usize) -> Result<T, DecodeError> {
-    let expected = size_of::<T>();
+/// A record of `kind` claims its size in its header: it must be the
+/// size of that kind, and the ring buffer's item must hold it.
+fn check_size(
+    bytes: &[u8],
+    kind: RecordKind,
+    claimed: usize,
+    expected: usize,
+) -> Result<(), DecodeError> {
     if claimed != expected || bytes.len() < expected {
         return Err(DecodeError::Size {
             kind,
@@ -155,6 +161,11 @@ fn read<T: Copy>(bytes: &[u8], kind: RecordKind, claimed: usize) -> Result<T, De
             got: bytes.len(),
         });
     }
+    Ok(())
+}
+
+fn read<T: Copy>(bytes: &[u8], kind: RecordKind, claimed: usize) -> Result<T, DecodeError> {
+    check_size(bytes, kind, claimed, size_of::<T>())?;
     // SAFETY: length checked; T is a plain #[repr(C)] record; unaligned read.
     Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }
@@ -186,15 +197,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
 /// of the user stack behind it is read by [`user_stack`].
 fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, DecodeError> {
     let kind = RecordKind::StackSample;
-    let expected = size_of::<StackSampleWithCopy>();
-    if claimed != expected || bytes.len() < expected {
-        return Err(DecodeError::Size {
-            kind,
-            claimed,
-            expected,
-            got: bytes.len(),
-        });
-    }
+    check_size(bytes, kind, claimed, size_of::<StackSampleWithCopy>())?;
     let r: StackSampleRecord = read(bytes, kind, size_of::<StackSampleRecord>())?;
     let frames = |n: u32| (n as usize).min(MAX_FRAMES);
     Ok(StackSample {
