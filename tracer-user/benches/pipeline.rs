@@ -95,11 +95,10 @@ fn main() {
     };
     let window = Window::between(START_NS, stop_ns);
     for _ in 0..rounds {
-        let mut records = source.clone();
         let sources = Sources {
             initial: initial.clone(),
             scheduling: true,
-            records: &mut records,
+            records: source.clone(),
             ..Sources::new(
                 START_NS,
                 ClockSync::from_offset(0),

@@ -38,7 +38,7 @@ use crate::{
         TraceMeProbe, cuda, tracefs,
     },
     clock::{ClockSync, monotonic_ns},
-    collect::{Collector, Record, TraceMeEvent},
+    collect::{Collector, EncodedRecords, Record, StackSample, TraceMeEvent},
     error::{Error, Result},
     metrics::activity::ActivityTally,
     procfs::{self, TargetProcess},
@@ -164,15 +164,20 @@ pub struct Capture {
     /// Targets added after the capture started ([`Capture::add_target`]),
     /// and when.
     tracked_from: Vec<(u32, u64)>,
-    /// Decoded records but TraceMe events, oldest first (a deque: a flight
-    /// recorder forgets from the front).
-    records: VecDeque<Record>,
+    /// The records but stack samples and TraceMe events, oldest first,
+    /// as the probes wrote them (a flight recorder holds hundreds of
+    /// thousands a second of a busy target, and forgets the oldest).
+    held: EncodedRecords,
+    /// The stack samples, decoded as they arrive (their user stacks are
+    /// unwound while the process still has the code it ran), oldest first.
+    stack_samples: VecDeque<Box<StackSample>>,
     /// With [`CaptureOptions::one_window`], the scheduler records, built
     /// into thread states as they arrive (until [`Capture::sources`] takes
     /// them; records held in `records` from then on).
     streamed: Option<StreamedScheduling>,
-    /// The memory `records` takes, in records (see [`records::record_slots`]).
-    record_slots: usize,
+    /// The memory `stack_samples` takes, in records (see
+    /// [`records::sample_slots`]).
+    sample_slots: usize,
     /// Whether older records were forgotten (see [`Capture::forget_before`]).
     forgot: bool,
     /// Launches and synchronizing waits counted as records arrive, until
@@ -297,9 +302,10 @@ impl Capture {
             targets,
             initial,
             tracked_from: Vec::new(),
-            records: VecDeque::new(),
+            held: EncodedRecords::default(),
+            stack_samples: VecDeque::new(),
             streamed,
-            record_slots: 0,
+            sample_slots: 0,
             forgot: false,
             activity: ActivityTally::default(),
             clock,
@@ -372,7 +378,7 @@ impl Capture {
             .filter(|s| s.window().1.is_none())
             .map_or(0, |s| s.len());
         PollStatus {
-            records: self.records.len() + streamed_only,
+            records: self.held.len() + self.stack_samples.len() + streamed_only,
             alive: self.targets.iter().filter(|t| t.is_alive()).count(),
         }
     }
@@ -453,15 +459,16 @@ impl Capture {
 
     /// Drops every record and recording kept so far.
     fn forget_recorded(&mut self) {
-        self.records = VecDeque::new();
+        self.held.clear();
+        self.stack_samples = VecDeque::new();
         self.streamed = None;
-        self.record_slots = 0;
+        self.sample_slots = 0;
         self.traceme_events = VecDeque::new();
         self.forgot = false;
         self.recordings = Vec::new();
         self.collected = Vec::new();
         self.kernel_naming = KernelNaming::default();
-        self.collector.malformed = 0;
+        self.collector.clear_malformed();
     }
 
     pub fn probe_stats(&self) -> Result<ProbeStats> {

@@ -5,6 +5,8 @@
 
 use std::time::Instant;
 
+use tracer_common::RecordKind;
+
 use super::Capture;
 
 impl Capture {
@@ -55,7 +57,8 @@ impl Capture {
         if !self.families.cuda {
             return;
         }
-        let unnamed = crate::timeline::cuda::unnamed_kernels(&self.records);
+        let driver_records = [RecordKind::CudaCall, RecordKind::CudaSymbol];
+        let unnamed = crate::timeline::cuda::unnamed_kernels(self.held.iter_of(&driver_records));
         self.kernel_naming
             .ask(unnamed, &mut self.framework, self.agent_for_devices);
     }

@@ -8,10 +8,17 @@ use crate::{
 };
 
 impl Capture {
-    /// Drains the ring buffer; TraceMe events go to their own list.
+    /// Drains the ring buffer: scheduler records are held as the probes
+    /// wrote them, unless thread states are built from them as they arrive;
+    /// TraceMe events go to their own list.
     pub(super) fn drain(&mut self) {
         let mut batch = std::mem::take(&mut self.drained);
-        self.collector.drain(&mut batch);
+        if self.streamed.is_some() {
+            self.collector.drain(&mut batch);
+        } else {
+            self.collector
+                .drain_keeping_scheduling(&mut self.held, &mut batch);
+        }
         self.take_in(&mut batch);
         self.drained = batch;
     }
@@ -26,6 +33,13 @@ impl Capture {
                     self.traceme_events.push_back(*e);
                     traceme += 1;
                 }
+                Record::StackSample(sample) => {
+                    if let Some(stacks) = self.stacks.as_mut() {
+                        stacks.note_sample(&sample);
+                    }
+                    self.sample_slots += sample_slots(&sample);
+                    self.stack_samples.push_back(sample);
+                }
                 other => {
                     if let Some(streamed) = &mut self.streamed
                         && StreamedScheduling::takes(&other)
@@ -39,13 +53,7 @@ impl Capture {
                         streamed.push(other.clone());
                     }
                     self.activity.count(&other);
-                    if let (Record::StackSample(sample), Some(stacks)) =
-                        (&other, self.stacks.as_mut())
-                    {
-                        stacks.note_sample(sample);
-                    }
-                    self.record_slots += record_slots(&other);
-                    self.records.push_back(other);
+                    self.held.push(&other);
                 }
             }
         }
@@ -57,17 +65,35 @@ impl Capture {
 
     /// Forgets the records older than `cutoff_ns`, and past that the
     /// oldest ones beyond the memory of `max_records` records (a stack
-    /// sample takes several): what a flight recorder keeps. Returns how
-    /// many records and TraceMe events it forgot.
+    /// sample takes several): what a flight recorder keeps. Scheduler
+    /// records go a chunk at a time, once all of a chunk is too old.
+    /// Returns how many records and TraceMe events it forgot.
     pub fn forget_before(&mut self, cutoff_ns: u64, max_records: usize) -> u64 {
-        // Records arrive nearly in time order: stop at the first recent one.
         let mut n = 0;
-        while let Some(r) = self.records.front()
-            && (r.ts() < cutoff_ns || self.record_slots > max_records)
-        {
-            self.record_slots -= record_slots(r);
-            self.records.pop_front();
-            n += 1;
+        loop {
+            let over = self.held.len() + self.sample_slots > max_records;
+            let chunk = self.held.oldest(cutoff_ns);
+            let sample = self.stack_samples.front().map(|s| s.header.ts_ns);
+            // Over the cap the oldest goes, whichever it is; under it, what
+            // is too old. Records arrive nearly in time order: stop at the
+            // first recent one.
+            let forget_chunk = match (chunk, sample) {
+                (Some((oldest, too_old)), Some(ts)) if over => oldest <= ts || too_old,
+                (Some((_, too_old)), _) => over || too_old,
+                (None, _) => false,
+            };
+            if forget_chunk {
+                n += self.held.forget_oldest();
+            } else if let Some(ts) = sample
+                && (over || ts < cutoff_ns)
+            {
+                if let Some(s) = self.stack_samples.pop_front() {
+                    self.sample_slots -= sample_slots(&s);
+                }
+                n += 1;
+            } else {
+                break;
+            }
         }
         let old_traceme = self
             .traceme_events
@@ -86,18 +112,32 @@ impl Capture {
     /// that side (the old process reads as an untraced one there). Returns
     /// how many records and TraceMe events it forgot.
     pub fn forget_process(&mut self, pid: u32) -> u64 {
-        let (records, traceme) = (self.records.len(), self.traceme_events.len());
-        self.records.retain_mut(|r| without_process(r, pid));
+        let (samples, traceme) = (self.stack_samples.len(), self.traceme_events.len());
+        let held = self.held.retain_mut(|r| without_process(r, pid));
+        self.stack_samples.retain(|s| s.tgid != pid);
         self.traceme_events.retain(|e| e.tgid != pid);
-        self.record_slots = self.records.iter().map(record_slots).sum();
-        let forgotten = (records - self.records.len() + traceme - self.traceme_events.len()) as u64;
+        self.sample_slots = self.stack_samples.iter().map(|s| sample_slots(s)).sum();
+        let forgotten = (held + samples - self.stack_samples.len() + traceme
+            - self.traceme_events.len()) as u64;
         self.forgot |= forgotten > 0;
         forgotten
     }
 
     /// Records held now (TraceMe events included).
     pub fn held(&self) -> usize {
-        self.records.len() + self.traceme_events.len()
+        self.held.len() + self.stack_samples.len() + self.traceme_events.len()
+    }
+
+    /// The records held but TraceMe events, decoded, for a timeline.
+    pub(super) fn records_decoded(&self) -> Vec<Record> {
+        let mut records = Vec::with_capacity(self.held.len() + self.stack_samples.len());
+        records.extend(self.held.iter());
+        records.extend(
+            self.stack_samples
+                .iter()
+                .map(|s| Record::StackSample(s.clone())),
+        );
+        records
     }
 }
 
@@ -131,16 +171,10 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
     }
 }
 
-/// The memory a held record takes, in records: one, but a stack sample
-/// also holds its frames.
-pub(super) fn record_slots(r: &Record) -> usize {
-    match r {
-        Record::StackSample(s) => {
-            let frames = (s.user.len() + s.kernel.len()) * size_of::<u64>();
-            1 + (size_of::<StackSample>() + frames).div_ceil(size_of::<Record>())
-        }
-        _ => 1,
-    }
+/// The memory a stack sample takes, in records: its own and its frames'.
+pub(super) fn sample_slots(s: &StackSample) -> usize {
+    let frames = (s.user.len() + s.kernel.len()) * size_of::<u64>();
+    1 + (size_of::<StackSample>() + frames).div_ceil(size_of::<Record>())
 }
 
 #[cfg(test)]
@@ -177,20 +211,16 @@ mod tests {
     /// The flight recorder's memory cap counts a stack sample's frames.
     #[test]
     fn a_stack_sample_takes_the_room_of_its_frames() {
-        let sample = |frames: usize| {
-            Record::StackSample(Box::new(StackSample {
-                header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
-                tid: 1,
-                tgid: 1,
-                user: vec![0; frames].into(),
-                kernel: vec![0; frames].into(),
-                user_unreadable: false,
-                kernel_unreadable: false,
-            }))
+        let sample = |frames: usize| StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+            tid: 1,
+            tgid: 1,
+            user: vec![0; frames].into(),
+            kernel: vec![0; frames].into(),
+            user_unreadable: false,
+            kernel_unreadable: false,
         };
-        let switch = Record::sched_switch(0, 0, (1, 1), 0, (2, 2));
-        assert_eq!(record_slots(&switch), 1);
-        let (few, many) = (record_slots(&sample(1)), record_slots(&sample(127)));
+        let (few, many) = (sample_slots(&sample(1)), sample_slots(&sample(127)));
         assert!(few >= 2, "{few}");
         // 254 frames of 8 bytes, in records of at most 48 bytes.
         assert!(many > 254 * 8 / size_of::<Record>(), "{many}");

@@ -39,7 +39,8 @@ impl Capture {
     pub fn stream_window(&mut self, window: &Window) {
         let fits = self.streamed.is_none()
             && self.families.sched
-            && self.records.is_empty()
+            && self.held.is_empty()
+            && self.stack_samples.is_empty()
             && window.start_ns == self.start_ns
             && window.stop_ns > window.start_ns;
         if fits {
@@ -122,6 +123,7 @@ impl Capture {
                 names.insert(tid, stat.comm);
             }
         }
+        let records = self.records_decoded();
         let traceme_events = self.traceme_events.make_contiguous();
         let traceme = (!self.traceme.recorders.is_empty()).then(|| {
             let mut notes = traceme_findings(&self.traceme);
@@ -150,9 +152,9 @@ impl Capture {
             names,
             scheduling: self.families.sched,
             tracked_from: self.tracked_from.clone(),
-            records: self.records.make_contiguous(),
+            records,
             streamed,
-            malformed: self.collector.malformed,
+            malformed: self.collector.malformed(),
             kernel_naming: Some(&self.kernel_naming),
             traceme,
             warnings: self.traceme.warnings().to_vec(),

@@ -193,6 +193,52 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     })
 }
 
+/// The length of the scheduler record `bytes` holds (a switch, a wake-up,
+/// a task's birth, fork, exit or new name), checked as [`decode`] checks
+/// it: the records a collector keeps as the probes wrote them. `None` for
+/// any other kind, and for bytes [`decode`] would refuse (it says why).
+pub fn scheduler_record_len(bytes: &[u8]) -> Option<usize> {
+    if bytes.len() < size_of::<RecordHeader>() {
+        return None;
+    }
+    // SAFETY: length checked above; unaligned read of a plain record.
+    let header: RecordHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let expected = match RecordKind::from_u16(header.kind)? {
+        RecordKind::SchedSwitch => size_of::<SchedSwitch>(),
+        RecordKind::SchedWakeup => size_of::<SchedWakeup>(),
+        RecordKind::TaskNew => size_of::<TaskNew>(),
+        RecordKind::ProcessFork => size_of::<ProcessFork>(),
+        RecordKind::TaskExit => size_of::<TaskExit>(),
+        RecordKind::TaskRename => size_of::<TaskRename>(),
+        _ => return None,
+    };
+    (usize::from(header.size) == expected && bytes.len() >= expected).then_some(expected)
+}
+
+/// Appends `record` to `out` as the probes write it, which [`decode`]
+/// reads back. False, and nothing written, for the records of variable
+/// size (stack samples, TraceMe events).
+pub fn encode(record: &Record, out: &mut Vec<u8>) -> bool {
+    match record {
+        Record::Switch(r) => out.extend_from_slice(bytes_of(r)),
+        Record::Wakeup(r) => out.extend_from_slice(bytes_of(r)),
+        Record::TaskNew(r) => out.extend_from_slice(bytes_of(&**r)),
+        Record::Fork(r) => out.extend_from_slice(bytes_of(r)),
+        Record::Exit(r) => out.extend_from_slice(bytes_of(&**r)),
+        Record::Rename(r) => out.extend_from_slice(bytes_of(&**r)),
+        Record::CudaCall(r) => out.extend_from_slice(bytes_of(&**r)),
+        Record::CudaSymbol(r) => out.extend_from_slice(bytes_of(&**r)),
+        Record::TraceMe(_) | Record::StackSample(_) => return false,
+    }
+    true
+}
+
+fn bytes_of<T: aya::Pod>(record: &T) -> &[u8] {
+    // SAFETY: a `Pod` record is plain `#[repr(C)]` data without implicit
+    // padding: every one of its bytes is initialized.
+    unsafe { std::slice::from_raw_parts((record as *const T).cast::<u8>(), size_of::<T>()) }
+}
+
 /// A stack sample keeps only the frames the kernel filled in; the copy
 /// of the user stack behind it is read by [`user_stack`].
 fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, DecodeError> {

@@ -1,20 +1,29 @@
-//! The collector: drains the eBPF ring buffer into decoded [`Record`]s.
+//! The collector: drains the eBPF ring buffer into decoded [`Record`]s, or
+//! into [`EncodedRecords`] kept as the probes wrote them.
 //!
 //! It owns the userspace end of the ring buffer. Producers do not wake it
 //! per record (see `tracer-ebpf`), so it drains on a timer and when the
 //! ring passes its fill threshold.
 
 mod decode;
+mod encoded;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 
 use aya::maps::{MapData, RingBuf};
 pub use decode::{DecodeError, Record, StackSample, TraceMeEvent, decode};
+pub use encoded::EncodedRecords;
 
 pub struct Collector {
     ring: RingBuf<MapData>,
+    decoder: Decoder,
+}
+
+/// Decodes the items the collector does not keep as they are.
+#[derive(Default)]
+struct Decoder {
     /// Records that could not be decoded (a kernel/userspace mismatch).
-    pub malformed: u64,
+    malformed: u64,
     /// Unwinds the user stacks of stack samples, made at the first one.
     #[cfg(target_arch = "x86_64")]
     unwinder: Option<Box<crate::symbols::unwind::StackUnwinder>>,
@@ -24,10 +33,18 @@ impl Collector {
     pub fn new(ring: RingBuf<MapData>) -> Self {
         Collector {
             ring,
-            malformed: 0,
-            #[cfg(target_arch = "x86_64")]
-            unwinder: None,
+            decoder: Decoder::default(),
         }
+    }
+
+    /// Ring-buffer items that could not be decoded (a kernel/userspace
+    /// mismatch) since it started or [`Self::clear_malformed`].
+    pub fn malformed(&self) -> u64 {
+        self.decoder.malformed
+    }
+
+    pub fn clear_malformed(&mut self) {
+        self.decoder.malformed = 0;
     }
 
     /// Waits until the kernel forces a wake-up or `timeout` passes.
@@ -42,24 +59,52 @@ impl Collector {
         unsafe { libc::poll(&mut pfd, 1, ms) };
     }
 
-    /// Moves everything in the ring buffer into `out`; returns how many.
+    /// Moves everything in the ring buffer into `out`, decoded; returns
+    /// how many.
     pub fn drain(&mut self, out: &mut Vec<Record>) -> usize {
         let before = out.len();
         while let Some(item) = self.ring.next() {
-            match decode(&item) {
-                #[cfg(target_arch = "x86_64")]
-                Ok(Record::StackSample(mut sample)) => {
-                    if let Some(stack) = decode::user_stack(&item) {
-                        let unwinder = self.unwinder.get_or_insert_default();
-                        unwind_user_stack(unwinder, &mut sample, &stack);
-                    }
-                    out.push(Record::StackSample(sample));
-                }
-                Ok(record) => out.push(record),
-                Err(_) => self.malformed += 1,
-            }
+            self.decoder.decode_into(&item, out);
         }
         out.len() - before
+    }
+
+    /// Moves everything in the ring buffer out of it: the scheduler records
+    /// into `held` as they are (most of a flood, and nothing is done with
+    /// them until a timeline is built), the others into `others`, decoded.
+    /// Returns how many.
+    pub fn drain_keeping_scheduling(
+        &mut self,
+        held: &mut EncodedRecords,
+        others: &mut Vec<Record>,
+    ) -> usize {
+        let (held_before, before) = (held.len(), others.len());
+        while let Some(item) = self.ring.next() {
+            match decode::scheduler_record_len(&item) {
+                Some(len) => held.push_bytes(&item[..len]),
+                None => self.decoder.decode_into(&item, others),
+            }
+        }
+        held.len() - held_before + others.len() - before
+    }
+}
+
+impl Decoder {
+    /// Decodes one ring-buffer item into `out`, unwinding a stack sample's
+    /// user stack; counts it as malformed if it cannot be decoded.
+    fn decode_into(&mut self, item: &[u8], out: &mut Vec<Record>) {
+        match decode(item) {
+            #[cfg(target_arch = "x86_64")]
+            Ok(Record::StackSample(mut sample)) => {
+                if let Some(stack) = decode::user_stack(item) {
+                    let unwinder = self.unwinder.get_or_insert_default();
+                    unwind_user_stack(unwinder, &mut sample, &stack);
+                }
+                out.push(Record::StackSample(sample));
+            }
+            Ok(record) => out.push(record),
+            Err(_) => self.malformed += 1,
+        }
     }
 }
 

@@ -18,6 +18,8 @@ use std::{
     time::Duration,
 };
 
+use tracer_common::SchedSwitch;
+
 use super::{sessions::SessionError, validate::SessionSpec};
 use crate::{
     agent::TraceMeRoute,
@@ -51,10 +53,11 @@ const SNAPSHOT_BYTES_PER_RECORD: usize = 200;
 
 impl Retention {
     /// Records held at most, so that they and a snapshot of them fit in
-    /// [`Self::memory_bytes`]: a deque of records may take twice their
-    /// size.
+    /// [`Self::memory_bytes`]: a record is held as the probes wrote it (a
+    /// scheduler record's size), and decoded while a snapshot is built.
     fn max_records(&self) -> usize {
-        (self.memory_bytes / (2 * size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD)).max(1)
+        let per_record = size_of::<SchedSwitch>() + size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD;
+        (self.memory_bytes / per_record).max(1)
     }
 }
 

@@ -46,7 +46,7 @@ pub struct Sources<'a> {
     /// The decoded records but TraceMe events, in ring-buffer order (one
     /// buffer is shared by all CPUs: reservations are ordered, timestamps
     /// taken just before them are not quite). Sorted by time in place.
-    pub records: &'a mut [Record],
+    pub records: Vec<Record>,
     /// The scheduler records already built into thread states as they
     /// arrived, for a window from the start: the scheduler records in
     /// `records`, if any, are the same ones and are not built again.
@@ -79,7 +79,7 @@ impl Sources<'_> {
             names: HashMap::new(),
             scheduling: false,
             tracked_from: Vec::new(),
-            records: &mut [],
+            records: Vec::new(),
             streamed: None,
             malformed: 0,
             kernel_naming: None,
@@ -142,7 +142,8 @@ pub fn assemble(
     }
     // Records before the window still tell each thread's state at its start.
     let mut samples = Vec::new();
-    for r in in_time_order(sources.records, stop_ns, streamed) {
+    let mut records = sources.records;
+    for r in in_time_order(&mut records, stop_ns, streamed) {
         match r {
             Record::CudaCall(c) => cuda.push_call(c),
             Record::CudaSymbol(s) => cuda.push_symbol(s),
@@ -417,7 +418,7 @@ mod tests {
     fn every_source_lands_on_one_timeline_whose_spans_nest() {
         let events = [traceme(1_200, 1_300, "step#n=1#")];
         let assembled = |scheduling: bool| {
-            let mut records = vec![
+            let records = vec![
                 Record::sched_switch(1_150, 0, (0, 0), 0, (TID, PID)),
                 Record::sched_waking(1_100, (TID, PID), (PID, PID)),
                 sync_call(1_250, 1_320),
@@ -434,7 +435,7 @@ mod tests {
             let sources = Sources {
                 scheduling,
                 initial: initial.into(),
-                records: &mut records,
+                records,
                 traceme: Some(TraceMeInput {
                     events: &events,
                     notes: vec!["recorder found".into()],
@@ -550,7 +551,7 @@ mod tests {
             let sources = Sources {
                 scheduling: true,
                 initial: initial(),
-                records: &mut records.clone(),
+                records: records.clone(),
                 streamed: streaming.then_some(streamed),
                 ..Sources::new(start, ClockSync::from_offset(0), processes())
             };

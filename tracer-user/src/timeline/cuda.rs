@@ -230,13 +230,11 @@ fn launched_function(rec: &CudaCall, function: &DriverFunction) -> Option<u64> {
 /// The function handles that successful launches among `records` ran and
 /// no symbol record among them names, by process: the kernels the
 /// program looked up before the capture.
-pub fn unnamed_kernels<'a>(
-    records: impl IntoIterator<Item = &'a Record>,
-) -> BTreeMap<u32, BTreeSet<u64>> {
+pub fn unnamed_kernels(records: impl IntoIterator<Item = Record>) -> BTreeMap<u32, BTreeSet<u64>> {
     let mut named = HashSet::new();
     let mut launched: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
     for r in records {
-        match r {
+        match &r {
             Record::CudaSymbol(s) if symbol_from(s).is_some() => {
                 named.insert((s.tgid, s.handle));
             }

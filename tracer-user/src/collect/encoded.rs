@@ -1,0 +1,280 @@
+//! Records held as the probes wrote them, decoded only when a timeline is
+//! built from them: a flight recorder keeps hundreds of thousands a second
+//! of a scheduling-heavy target, and keeping a record costs a copy of its
+//! bytes instead of a decode and a move into a deque of decoded records.
+
+use std::collections::VecDeque;
+
+use tracer_common::RecordKind;
+
+use super::decode::{Record, decode, encode};
+
+/// Bytes of records in one chunk: records are forgotten a chunk at a time,
+/// oldest first. Small enough for a `--retain-memory` of 1 MiB to hold a
+/// few dozen, large enough that a flood of 500k records a second makes
+/// only about a thousand a second.
+const CHUNK_BYTES: usize = 16 * 1024;
+
+/// Records one after the other, each starting with its header (whose
+/// `size` leads to the next), in chunks kept in the order they filled.
+#[derive(Debug, Default)]
+pub struct EncodedRecords {
+    chunks: VecDeque<Chunk>,
+    len: usize,
+    /// A forgotten chunk's buffer, for the next chunk.
+    spare: Option<Vec<u8>>,
+    /// Where [`Self::push`] encodes a record.
+    scratch: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Chunk {
+    bytes: Vec<u8>,
+    records: usize,
+    /// The oldest and the newest timestamp in it: records arrive nearly,
+    /// not exactly, in time order.
+    oldest_ns: u64,
+    newest_ns: u64,
+}
+
+impl EncodedRecords {
+    /// Records held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keeps `bytes`, one whole record (see
+    /// [`super::decode::scheduler_record_len`]).
+    pub fn push_bytes(&mut self, bytes: &[u8]) {
+        let ts_ns = u64::from_ne_bytes(bytes[8..16].try_into().expect("a record has a header"));
+        let chunk = self.chunk_for(bytes.len());
+        chunk.bytes.extend_from_slice(bytes);
+        chunk.note(ts_ns);
+        self.len += 1;
+    }
+
+    /// Keeps `record`, encoded; false (and nothing kept) for a record of
+    /// variable size, which [`encode`] does not write.
+    pub fn push(&mut self, record: &Record) -> bool {
+        let mut bytes = std::mem::take(&mut self.scratch);
+        bytes.clear();
+        let encoded = encode(record, &mut bytes);
+        if encoded {
+            self.push_bytes(&bytes);
+        }
+        self.scratch = bytes;
+        encoded
+    }
+
+    /// The chunk with room for `len` more bytes: the newest, or a new one.
+    fn chunk_for(&mut self, len: usize) -> &mut Chunk {
+        let full = self
+            .chunks
+            .back()
+            .is_none_or(|c| c.bytes.len() + len > c.bytes.capacity());
+        if full {
+            let mut bytes = self.spare.take().unwrap_or_default();
+            bytes.clear();
+            bytes.reserve_exact(CHUNK_BYTES.max(len));
+            self.chunks.push_back(Chunk {
+                bytes,
+                records: 0,
+                oldest_ns: u64::MAX,
+                newest_ns: 0,
+            });
+        }
+        self.chunks.back_mut().expect("a chunk was just made")
+    }
+
+    /// The oldest timestamp in the oldest chunk, and whether every record
+    /// of that chunk is older than `cutoff_ns`.
+    pub fn oldest(&self, cutoff_ns: u64) -> Option<(u64, bool)> {
+        let c = self.chunks.front()?;
+        Some((c.oldest_ns, c.newest_ns < cutoff_ns))
+    }
+
+    /// Forgets the oldest chunk; returns how many records it held.
+    pub fn forget_oldest(&mut self) -> usize {
+        let Some(chunk) = self.chunks.pop_front() else {
+            return 0;
+        };
+        self.len -= chunk.records;
+        self.spare = Some(chunk.bytes);
+        chunk.records
+    }
+
+    /// Forgets every record.
+    pub fn clear(&mut self) {
+        *self = EncodedRecords::default();
+    }
+
+    /// The records, decoded, oldest chunk first.
+    pub fn iter(&self) -> impl Iterator<Item = Record> + '_ {
+        self.chunks
+            .iter()
+            .flat_map(|c| records_in(&c.bytes, |_| true))
+    }
+
+    /// The records of `kinds`, decoded (the others are only stepped over).
+    pub fn iter_of<'a>(&'a self, kinds: &'a [RecordKind]) -> impl Iterator<Item = Record> + 'a {
+        self.chunks.iter().flat_map(move |c| {
+            records_in(&c.bytes, move |kind| {
+                kinds.iter().any(|k| *k as u16 == kind)
+            })
+        })
+    }
+
+    /// Keeps the records `keep` returns true for, as `keep` left them;
+    /// returns how many it forgot.
+    pub fn retain_mut(&mut self, mut keep: impl FnMut(&mut Record) -> bool) -> usize {
+        let before = self.len;
+        let mut kept = EncodedRecords::default();
+        for mut r in self.iter() {
+            if keep(&mut r) {
+                kept.push(&r);
+            }
+        }
+        *self = kept;
+        before - self.len
+    }
+}
+
+impl Chunk {
+    fn note(&mut self, ts_ns: u64) {
+        self.records += 1;
+        self.oldest_ns = self.oldest_ns.min(ts_ns);
+        self.newest_ns = self.newest_ns.max(ts_ns);
+    }
+}
+
+/// The records of one chunk's bytes (whole records when kept) whose kind
+/// `wanted` accepts.
+fn records_in<'a>(
+    mut bytes: &'a [u8],
+    wanted: impl Fn(u16) -> bool + 'a,
+) -> impl Iterator<Item = Record> + 'a {
+    std::iter::from_fn(move || {
+        loop {
+            let kind = u16::from_ne_bytes(bytes.get(0..2)?.try_into().ok()?);
+            let size = usize::from(u16::from_ne_bytes(bytes.get(2..4)?.try_into().ok()?));
+            let (record, rest) = bytes.split_at_checked(size.max(1))?;
+            bytes = rest;
+            if wanted(kind) {
+                let decoded = decode(record);
+                debug_assert!(decoded.is_ok(), "{decoded:?}");
+                return decoded.ok();
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collect::decode::scheduler_record_len;
+
+    fn switch(ts: u64, prev: u32, next: u32) -> Record {
+        Record::sched_switch(ts, 1, (prev, prev), 1, (next, next))
+    }
+
+    fn timestamps(held: &EncodedRecords) -> Vec<u64> {
+        held.iter().map(|r| r.ts()).collect()
+    }
+
+    /// What it gives back is what it was given, whether as records or as
+    /// the bytes the probes write, across chunks.
+    #[test]
+    fn records_come_back_as_they_were_kept() {
+        let mut held = EncodedRecords::default();
+        let n = 3 * CHUNK_BYTES / 40;
+        let mut bytes = Vec::new();
+        for ts in 0..n as u64 {
+            if ts % 2 == 0 {
+                assert!(held.push(&switch(ts, 10, 11)));
+            } else {
+                bytes.clear();
+                encode(&Record::sched_waking(ts, (12, 12), (13, 13)), &mut bytes);
+                assert_eq!(scheduler_record_len(&bytes), Some(bytes.len()));
+                held.push_bytes(&bytes);
+            }
+        }
+        assert_eq!(held.len(), n);
+        assert!(held.chunks.len() >= 3, "{} chunks", held.chunks.len());
+        assert_eq!(timestamps(&held), (0..n as u64).collect::<Vec<_>>());
+        let Some(Record::Wakeup(w)) = held.iter().nth(1) else {
+            panic!("not a wake-up")
+        };
+        assert_eq!((w.tid, w.waker_tgid), (12, 13));
+    }
+
+    /// Chunks are forgotten whole, and counted exactly; a chunk with one
+    /// record newer than the cutoff stays.
+    #[test]
+    fn the_oldest_chunk_goes_first_and_its_records_are_counted() {
+        let mut held = EncodedRecords::default();
+        let n = 2 * CHUNK_BYTES / 40;
+        for ts in 0..n as u64 {
+            held.push(&switch(1_000 + ts, 1, 2));
+        }
+        let first = held.chunks[0].records;
+        let (oldest, all_older) = held.oldest(1_000 + first as u64).unwrap();
+        assert_eq!((oldest, all_older), (1_000, true));
+        assert!(!held.oldest(1_000 + first as u64 - 1).unwrap().1);
+        assert_eq!(held.forget_oldest(), first);
+        assert_eq!(held.len(), n - first);
+        assert_eq!(timestamps(&held)[0], 1_000 + first as u64);
+        while held.forget_oldest() > 0 {}
+        assert!(held.is_empty());
+        assert_eq!(held.iter().count(), 0);
+    }
+
+    /// Records rewritten or left out by `retain_mut` read back so.
+    #[test]
+    fn retained_records_read_back_as_rewritten() {
+        let mut held = EncodedRecords::default();
+        for ts in 0..1_000 {
+            held.push(&switch(ts, 1 + (ts % 3) as u32, 7));
+        }
+        let forgotten = held.retain_mut(|r| match r {
+            Record::Switch(s) if s.prev_tgid == 1 => false,
+            Record::Switch(s) => {
+                s.next_tgid = 0;
+                true
+            }
+            _ => true,
+        });
+        assert_eq!(forgotten, 334);
+        assert_eq!(held.len(), 666);
+        assert!(held.iter().all(|r| matches!(
+            r,
+            Record::Switch(s) if s.prev_tgid != 1 && s.next_tgid == 0
+        )));
+    }
+
+    /// Stack samples and TraceMe events are not held here.
+    #[test]
+    fn records_of_variable_size_are_refused() {
+        let mut held = EncodedRecords::default();
+        let sample = Record::StackSample(Box::new(crate::collect::StackSample {
+            header: tracer_common::RecordHeader::new(
+                tracer_common::RecordKind::StackSample,
+                0,
+                0,
+                0,
+            ),
+            tid: 1,
+            tgid: 1,
+            user: Box::new([]),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+        }));
+        assert!(!held.push(&sample));
+        assert!(held.is_empty());
+        assert_eq!(held.iter().count(), 0);
+    }
+}
