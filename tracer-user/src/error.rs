@@ -79,7 +79,7 @@ pub enum Error {
     Map {
         name: &'static str,
         #[source]
-        source: Box<aya::maps::MapError>,
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 
     #[error(

@@ -7,7 +7,7 @@ use std::os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray},
 };
 use tracer_common::{names, stat};
 
@@ -17,7 +17,10 @@ use super::{
     sched::SchedRoute,
     uprobe_multi,
 };
-use crate::error::{Error, Result};
+use crate::{
+    collect::{RingError, RingReader},
+    error::{Error, Result},
+};
 
 #[derive(Clone, Debug)]
 pub struct ProbeSetConfig {
@@ -75,7 +78,7 @@ pub struct ProbeSet {
     ebpf: Option<Ebpf>,
     /// The families' links, released together by [`ProbeSet::detach`].
     links: Vec<OwnedLink>,
-    events: Option<RingBuf<MapData>>,
+    events: Option<RingReader>,
     stats: PerCpuArray<MapData, u64>,
     /// A descriptor of every map by name, kept from before the families
     /// took theirs, for the programs loaded for multi-uprobe links.
@@ -121,8 +124,14 @@ impl ProbeSet {
             .map(|(name, map)| Ok((name.to_string(), map_fd(map).try_clone_to_owned()?)))
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| Error::io("duplicating the eBPF maps' descriptors".to_string(), e))?;
-        let events = take_map(&mut ebpf, names::EVENTS)
-            .and_then(|m| RingBuf::try_from(m).map_err(|e| map_err(names::EVENTS, e)))?;
+        let events = match take_map(&mut ebpf, names::EVENTS)? {
+            Map::RingBuf(data) => RingReader::new(data),
+            _ => Err(RingError::NotARing),
+        }
+        .map_err(|e| Error::Map {
+            name: names::EVENTS,
+            source: Box::new(e),
+        })?;
         let stats = take_map(&mut ebpf, names::STATS)
             .and_then(|m| PerCpuArray::try_from(m).map_err(|e| map_err(names::STATS, e)))?;
         Ok(ProbeSet {
@@ -265,7 +274,7 @@ impl ProbeSet {
     }
 
     /// Hands over the ring buffer to a collector (once).
-    pub fn take_events(&mut self) -> RingBuf<MapData> {
+    pub fn take_events(&mut self) -> RingReader {
         self.events.take().expect("events taken once")
     }
 

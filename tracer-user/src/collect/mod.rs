@@ -7,15 +7,16 @@
 
 mod decode;
 mod encoded;
+mod ring;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 
-use aya::maps::{MapData, RingBuf};
 pub use decode::{DecodeError, Record, StackSample, TraceMeEvent, decode};
 pub use encoded::EncodedRecords;
+pub use ring::{RingError, RingReader};
 
 pub struct Collector {
-    ring: RingBuf<MapData>,
+    ring: RingReader,
     decoder: Decoder,
 }
 
@@ -30,7 +31,7 @@ struct Decoder {
 }
 
 impl Collector {
-    pub fn new(ring: RingBuf<MapData>) -> Self {
+    pub fn new(ring: RingReader) -> Self {
         Collector {
             ring,
             decoder: Decoder::default(),
@@ -50,7 +51,7 @@ impl Collector {
     /// Waits until the kernel forces a wake-up or `timeout` passes.
     pub fn wait(&self, timeout: Duration) {
         let mut pfd = libc::pollfd {
-            fd: self.ring.as_raw_fd(),
+            fd: self.ring.fd().as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -62,11 +63,8 @@ impl Collector {
     /// Moves everything in the ring buffer into `out`, decoded; returns
     /// how many.
     pub fn drain(&mut self, out: &mut Vec<Record>) -> usize {
-        let before = out.len();
-        while let Some(item) = self.ring.next() {
-            self.decoder.decode_into(&item, out);
-        }
-        out.len() - before
+        let decoder = &mut self.decoder;
+        self.ring.drain(|item| decoder.decode_into(item, out))
     }
 
     /// Moves everything in the ring buffer out of it: the scheduler records
@@ -78,14 +76,12 @@ impl Collector {
         held: &mut EncodedRecords,
         others: &mut Vec<Record>,
     ) -> usize {
-        let (held_before, before) = (held.len(), others.len());
-        while let Some(item) = self.ring.next() {
-            match decode::scheduler_record_len(&item) {
+        let decoder = &mut self.decoder;
+        self.ring
+            .drain(|item| match decode::scheduler_record_len(item) {
                 Some(len) => held.push_bytes(&item[..len]),
-                None => self.decoder.decode_into(&item, others),
-            }
-        }
-        held.len() - held_before + others.len() - before
+                None => decoder.decode_into(item, others),
+            })
     }
 }
 

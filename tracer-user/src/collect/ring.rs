@@ -1,0 +1,158 @@
+//! The userspace end of the probes' ring buffer, read in batches.
+//!
+//! aya's `RingBuf` hands out one item at a time and publishes the
+//! consumer position after each: on a flood that is a store per record to
+//! the cache line every reservation in the kernel reads, on the traced
+//! process's CPU. This reader walks every committed record up to the
+//! producer position it read once, and publishes how far it got once per
+//! batch (and every [`PUBLISH_EVERY`] bytes, so that a long batch frees
+//! room as it goes). The layout is the kernel's (`kernel/bpf/ringbuf.c`):
+//! a consumer page, a producer page, then the data pages mapped twice in a
+//! row, so that a record that wraps around reads as one slice.
+
+use std::{
+    os::fd::{AsFd as _, AsRawFd as _},
+    sync::atomic::{AtomicU32, AtomicUsize, Ordering},
+};
+
+use aya::maps::{MapData, MapType};
+use memmap2::{Mmap, MmapMut, MmapOptions};
+
+/// Each record's header: its length, with these two bits set while it is
+/// being written and when it was discarded; then its page offset.
+const HEADER_BYTES: usize = 8;
+const BUSY_BIT: u32 = 1 << 31;
+const DISCARD_BIT: u32 = 1 << 30;
+
+/// Bytes read between two publications of the consumer position.
+const PUBLISH_EVERY: usize = 256 * 1024;
+
+/// Why the ring buffer could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    #[error("the events map is not a ring buffer")]
+    NotARing,
+    #[error("reading the events map's size: {0}")]
+    Info(#[source] aya::maps::MapError),
+    #[error("mapping the ring buffer into memory: {0}")]
+    Map(#[source] std::io::Error),
+}
+
+pub struct RingReader {
+    /// Owns the map's descriptor.
+    map: MapData,
+    /// The consumer page: the position this reader publishes.
+    consumer: MmapMut,
+    /// The producer page (the kernel's position), then the data twice.
+    producer: Mmap,
+    data_offset: usize,
+    mask: usize,
+    /// How far this reader has read.
+    pos: usize,
+}
+
+impl RingReader {
+    /// Maps `map`, a `BPF_MAP_TYPE_RINGBUF`, and reads from where its
+    /// consumer position is.
+    pub fn new(map: MapData) -> Result<Self, RingError> {
+        let info = map.info().map_err(RingError::Info)?;
+        if !matches!(info.map_type(), Ok(MapType::RingBuf)) {
+            return Err(RingError::NotARing);
+        }
+        let size = info.max_entries() as usize;
+        let page = crate::symbols::maps::page_size() as usize;
+        let fd = map.fd().as_fd().as_raw_fd();
+        // SAFETY: a ring buffer's pages stay mapped as long as the mapping
+        // (the kernel pins them); the consumer page is only written through
+        // the atomic in `publish`, the others only read through atomics
+        // and byte slices the kernel no longer writes (committed records).
+        let consumer =
+            unsafe { MmapOptions::new().len(page).map_mut(fd) }.map_err(RingError::Map)?;
+        // SAFETY: as above.
+        let producer = unsafe {
+            MmapOptions::new()
+                .offset(page as u64)
+                .len(page + 2 * size)
+                .map(fd)
+        }
+        .map_err(RingError::Map)?;
+        let mut reader = RingReader {
+            map,
+            consumer,
+            producer,
+            data_offset: page,
+            mask: size - 1,
+            pos: 0,
+        };
+        reader.pos = reader.consumer_pos().load(Ordering::Acquire);
+        Ok(reader)
+    }
+
+    /// The ring buffer map's descriptor, to wait on.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.map.fd().as_fd()
+    }
+
+    fn consumer_pos(&self) -> &AtomicUsize {
+        // SAFETY: the consumer page is page-aligned and at least a usize
+        // long; the kernel reads it atomically.
+        unsafe { &*self.consumer.as_ptr().cast::<AtomicUsize>() }
+    }
+
+    fn producer_pos(&self) -> usize {
+        // SAFETY: as for `consumer_pos`; the kernel writes it with release
+        // ordering after the records before it are reserved.
+        unsafe { &*self.producer.as_ptr().cast::<AtomicUsize>() }.load(Ordering::Acquire)
+    }
+
+    /// Hands every committed record to `each`, in the ring's order, and
+    /// frees their room. Stops at a record still being written: the next
+    /// call reads it. Returns how many records it read.
+    pub fn drain(&mut self, mut each: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
+        let mut published = self.pos;
+        loop {
+            let producer = self.producer_pos();
+            if producer == self.pos {
+                break;
+            }
+            while self.pos != producer {
+                let offset = self.data_offset + (self.pos & self.mask);
+                let Some(header) = self.producer.get(offset..offset + HEADER_BYTES) else {
+                    break;
+                };
+                // SAFETY: 8-byte aligned (records are), inside the mapping;
+                // the kernel commits a record by clearing the busy bit with a
+                // fully ordered exchange: acquire pairs with it.
+                let len_and_flags =
+                    unsafe { &*header.as_ptr().cast::<AtomicU32>() }.load(Ordering::Acquire);
+                if len_and_flags & BUSY_BIT != 0 {
+                    self.publish(&mut published);
+                    return n;
+                }
+                let len = (len_and_flags & !(BUSY_BIT | DISCARD_BIT)) as usize;
+                if len_and_flags & DISCARD_BIT == 0 {
+                    let body = offset + HEADER_BYTES;
+                    if let Some(record) = self.producer.get(body..body + len) {
+                        each(record);
+                        n += 1;
+                    }
+                }
+                self.pos += (HEADER_BYTES + len).next_multiple_of(8);
+                if self.pos.wrapping_sub(published) >= PUBLISH_EVERY {
+                    self.publish(&mut published);
+                }
+            }
+        }
+        self.publish(&mut published);
+        n
+    }
+
+    fn publish(&self, published: &mut usize) {
+        if *published != self.pos {
+            // Release: the kernel reuses the room only after reading this.
+            self.consumer_pos().store(self.pos, Ordering::Release);
+            *published = self.pos;
+        }
+    }
+}
