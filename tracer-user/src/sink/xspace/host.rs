@@ -13,7 +13,8 @@ use rustc_hash::FxHashMap;
 
 use super::{
     BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent,
-    PER_CPU_PLANE, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_line, flow_stat_value,
+    LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_line,
+    flow_stat_value,
 };
 use crate::timeline::{
     FlowId, MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
@@ -67,8 +68,7 @@ fn write_thread_plane<'a, W: PlaneOut>(
             .processes
             .get(&t.pid)
             .map_or("", |p| p.name.as_str());
-        plane.write(t, process, ps, stream.line_buffer());
-        stream.line_done()?;
+        stream.line(|out| plane.write(t, process, ps, out))?;
     }
     stream.end(plane.plane)
 }
@@ -104,7 +104,7 @@ impl HostThreads {
         t: &ThreadTrack,
         process: &str,
         ps: &impl Fn(u64) -> i64,
-        out: &mut Vec<u8>,
+        out: &mut LineOut<'_>,
     ) {
         let host = &mut self.plane;
         self.ids.prepare(host, t);
@@ -177,8 +177,7 @@ fn write_per_cpu_plane<W: PlaneOut>(
         });
         let name = format!("CPU {cpu}");
         let id = CPU_LINE_BASE + i64::from(*cpu);
-        encode_line(stream.line_buffer(), id, &name, &name, events);
-        stream.line_done()?;
+        stream.line(|out| encode_line(out, id, &name, &name, events))?;
     }
     stream.end(plane)
 }

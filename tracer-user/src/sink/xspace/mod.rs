@@ -68,7 +68,7 @@ mod plane;
 mod wire;
 
 pub use plane::{PlaneOut, PlaneStream, XPlaneBuilder};
-pub use wire::{Encoded, EventStats, LineEvent, Stat, encode_line};
+pub use wire::{Encoded, EventStats, LineEvent, LineOut, Stat, encode_line};
 
 /// Stat values are the timeline's values.
 pub use crate::timeline::Value as StatValue;

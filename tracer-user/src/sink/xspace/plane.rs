@@ -21,7 +21,10 @@ use std::io::{self, Seek, SeekFrom, Write};
 
 use super::{
     StatValue,
-    wire::{Encoded, EventStats, LineEvent, PADDED_VARINT_BYTES, Stat, encode_line, padded_varint},
+    wire::{
+        Encoded, EventStats, LineEvent, LineOut, PADDED_VARINT_BYTES, SpillingLine, Stat,
+        encode_line, padded_varint,
+    },
 };
 
 /// An event of the line being built; its stats are
@@ -177,7 +180,13 @@ impl XPlaneBuilder {
         display_name: &str,
         events: impl IntoIterator<Item = LineEvent<'a>>,
     ) {
-        encode_line(&mut self.lines, id, name, display_name, events);
+        encode_line(
+            &mut LineOut::Buffer(&mut self.lines),
+            id,
+            name,
+            display_name,
+            events,
+        );
     }
 
     /// The plane encoded as field `field` of the enclosing message.
@@ -216,10 +225,9 @@ pub struct PlaneStream<'w, W: PlaneOut> {
     out: &'w mut W,
     /// Where the length goes.
     length_at: u64,
-    /// Where a line is encoded when the output is not a buffer to encode
-    /// it in, and whether the line being encoded is in the output's own.
+    /// What a line holds before it is written out, when the output is not
+    /// a buffer to encode it in.
     spare: Vec<u8>,
-    in_place: bool,
 }
 
 /// Where planes are streamed: a seekable writer. One that appends to a
@@ -253,31 +261,25 @@ impl<'w, W: PlaneOut> PlaneStream<'w, W> {
             out,
             length_at,
             spare: Vec::new(),
-            in_place: false,
         })
     }
 
-    /// The buffer to encode the next line into (with [`encode_line`]),
-    /// then to hand over with [`Self::line_done`]: the output's own where
-    /// it lends it.
-    pub fn line_buffer(&mut self) -> &mut Vec<u8> {
-        self.in_place = self.out.buffer().is_some();
-        match self.in_place {
-            true => self.out.buffer().expect("lent just above"),
-            false => &mut self.spare,
-        }
-    }
-
-    /// Writes out the line encoded into [`Self::line_buffer`].
-    pub fn line_done(&mut self) -> io::Result<()> {
-        if self.in_place {
+    /// Writes out the line `encode` encodes (with [`encode_line`]) into
+    /// what it is given: the output's own buffer where it lends it, or
+    /// else a buffer written out as it fills (a file's).
+    pub fn line(&mut self, encode: impl FnOnce(&mut LineOut<'_>)) -> io::Result<()> {
+        if let Some(buffer) = self.out.buffer() {
+            encode(&mut LineOut::Buffer(buffer));
             // The line was appended past the writer's position.
             self.out.seek(SeekFrom::End(0))?;
-        } else {
-            self.out.write_all(&self.spare)?;
-            self.spare.clear();
+            return Ok(());
         }
-        Ok(())
+        let mut out = LineOut::File(SpillingLine::new(&mut *self.out, &mut self.spare)?);
+        encode(&mut out);
+        match out {
+            LineOut::File(line) => line.finish(),
+            LineOut::Buffer(_) => unreachable!("the line stays a file's"),
+        }
     }
 
     /// Writes the lines `plane` finished since the last call.
@@ -309,7 +311,9 @@ mod tests {
     use ebtrace_proto::tensorflow::profiler::{XEvent, XLine, XSpace, x_event};
 
     use super::*;
-    use crate::sink::xspace::wire::PADDED_LINE_LENGTH_FROM;
+    use crate::sink::xspace::wire::{
+        PADDED_LINE_LENGTH_FROM, SPILL_BYTES as SPILL_BYTES_FOR_TESTS,
+    };
 
     /// The hand-written encoding is byte for byte prost's.
     #[test]
@@ -450,5 +454,67 @@ mod tests {
         assert_eq!(streamed.planes, whole.planes);
         assert_eq!(streamed.planes[0].lines.len(), 300);
         assert_eq!(streamed.hostnames, ["h"]);
+    }
+
+    /// An output that does not lend its buffer, as a file does not.
+    struct FileLike(std::io::Cursor<Vec<u8>>);
+
+    impl Write for FileLike {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.write(buf)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Seek for FileLike {
+        fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
+            self.0.seek(pos)
+        }
+    }
+
+    impl PlaneOut for FileLike {}
+
+    /// Lines written out as they are encoded (a file's, a line of several
+    /// MiB among small ones) read as the same lines encoded in memory.
+    #[test]
+    fn lines_written_out_as_they_fill_read_as_lines_built_in_memory() {
+        fn write<W: PlaneOut>(out: &mut W) {
+            let mut b = XPlaneBuilder::new(1, "p");
+            let id = b.event_metadata("Running");
+            let mut stream = PlaneStream::begin(out, 1).unwrap();
+            for (line, events) in [(1, 3), (2, 200_000), (3, 0), (4, 2_000)] {
+                let events = (0..events).map(|i| LineEvent {
+                    metadata_id: id,
+                    offset_ps: i * 1_000,
+                    duration_ps: 500,
+                    stats: EventStats::inline(&[Stat::i64(id, i)]),
+                });
+                let name = format!("line {line}");
+                stream
+                    .line(|out| encode_line(out, line, &name, "", events))
+                    .unwrap();
+            }
+            stream.end(b).unwrap();
+        }
+        let mut in_memory = std::io::Cursor::new(Vec::new());
+        write(&mut in_memory);
+        let mut file = FileLike(std::io::Cursor::new(Vec::new()));
+        write(&mut file);
+        let bytes = file.0.into_inner();
+        assert!(
+            bytes.len() > 2 * SPILL_BYTES_FOR_TESTS,
+            "{} bytes",
+            bytes.len()
+        );
+        let (a, b) = (
+            XSpace::decode(in_memory.get_ref().as_slice()).unwrap(),
+            XSpace::decode(bytes.as_slice()).unwrap(),
+        );
+        assert_eq!(a.planes, b.planes);
+        let lines: Vec<usize> = b.planes[0].lines.iter().map(|l| l.events.len()).collect();
+        assert_eq!(lines, [3, 200_000, 0, 2_000]);
+        assert_eq!(b.planes[0].lines[1].events[199_999].duration_ps, 500);
     }
 }

@@ -263,12 +263,122 @@ impl EventBytes {
     }
 }
 
+/// Where a line is encoded: a buffer that holds all of it (a plane's
+/// bytes, an in-memory answer), or one that a file's writer empties as it
+/// fills, so that a line of millions of events is not held whole.
+pub enum LineOut<'a> {
+    Buffer(&'a mut Vec<u8>),
+    File(SpillingLine<'a>),
+}
+
+/// A line on its way into a file: `buf` holds what is not written yet,
+/// which starts at `base` in the file.
+pub struct SpillingLine<'a> {
+    file: &'a mut dyn WriteSeek,
+    buf: &'a mut Vec<u8>,
+    base: u64,
+    error: Option<std::io::Error>,
+}
+
+/// A file, or anything written and seeked as one.
+pub trait WriteSeek: std::io::Write + std::io::Seek {}
+
+impl<T: std::io::Write + std::io::Seek> WriteSeek for T {}
+
+/// Bytes a [`SpillingLine`] holds before it writes them out.
+pub(super) const SPILL_BYTES: usize = 1 << 20;
+
+impl<'a> SpillingLine<'a> {
+    /// A line written to `file` from its current position, through `buf`
+    /// (empty).
+    pub fn new(file: &'a mut dyn WriteSeek, buf: &'a mut Vec<u8>) -> std::io::Result<Self> {
+        let base = file.stream_position()?;
+        Ok(SpillingLine {
+            file,
+            buf,
+            base,
+            error: None,
+        })
+    }
+
+    /// Writes out what it still holds; the first error met, if any.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        self.spill();
+        self.error.map_or(Ok(()), Err)
+    }
+
+    fn spill(&mut self) {
+        if self.error.is_none()
+            && let Err(e) = self.file.write_all(self.buf)
+        {
+            self.error = Some(e);
+        }
+        self.base += self.buf.len() as u64;
+        self.buf.clear();
+    }
+
+    /// Writes `bytes` over what was written at `at`, before `base`.
+    fn overwrite_written(&mut self, at: u64, bytes: &[u8]) {
+        use std::io::SeekFrom;
+        if self.error.is_some() {
+            return;
+        }
+        let written = (|| {
+            self.file.seek(SeekFrom::Start(at))?;
+            self.file.write_all(bytes)?;
+            self.file.seek(SeekFrom::Start(self.base)).map(drop)
+        })();
+        if let Err(e) = written {
+            self.error = Some(e);
+        }
+    }
+}
+
+impl LineOut<'_> {
+    fn bytes(&mut self) -> &mut Vec<u8> {
+        match self {
+            LineOut::Buffer(b) => b,
+            LineOut::File(f) => &mut *f.buf,
+        }
+    }
+
+    /// Where the next byte goes, in the whole output; and where what the
+    /// buffer holds starts.
+    fn position(&self) -> (u64, u64) {
+        match self {
+            LineOut::Buffer(b) => (b.len() as u64, 0),
+            LineOut::File(f) => (f.base + f.buf.len() as u64, f.base),
+        }
+    }
+
+    /// Between two events: a file's line is written out past a size.
+    fn between_events(&mut self) {
+        if let LineOut::File(f) = self
+            && f.buf.len() >= SPILL_BYTES
+        {
+            f.spill();
+        }
+    }
+
+    /// Writes `bytes` over the output's at `at`.
+    fn overwrite(&mut self, at: u64, bytes: &[u8]) {
+        let (_, base) = self.position();
+        match self {
+            LineOut::File(f) if at < base => f.overwrite_written(at, bytes),
+            _ => {
+                let i = (at - base) as usize;
+                self.bytes()[i..i + bytes.len()].copy_from_slice(bytes);
+            }
+        }
+    }
+}
+
 /// Appends line `id` with `events` to `out`, as the `lines` field (3) of
 /// an `XPlane`; the events must come sorted by [`LineEvent::order_key`]
 /// (parents before children). They are encoded in place, as they come:
 /// nothing is held per event.
 pub fn encode_line<'a>(
-    out: &mut Vec<u8>,
+    out: &mut LineOut<'_>,
     id: i64,
     name: &str,
     display_name: &str,
@@ -276,36 +386,46 @@ pub fn encode_line<'a>(
 ) {
     let events = events.into_iter();
     // A typical event takes about 30 bytes.
-    out.reserve(64 + name.len() + display_name.len() + 32 * events.size_hint().0);
+    let expected = 64 + name.len() + display_name.len() + 32 * events.size_hint().0;
+    let room = match out {
+        LineOut::Buffer(_) => expected,
+        LineOut::File(_) => expected.min(2 * SPILL_BYTES),
+    };
+    out.bytes().reserve(room);
     // The line's length is known once it is written: room is kept for
     // the longest length varint, and the line moved down onto it after.
-    out.push(key_byte(3, WireType::LengthDelimited));
-    let length_at = out.len();
-    out.extend_from_slice(&[0; LINE_LENGTH_ROOM]);
-    let body_at = out.len();
+    out.bytes().push(key_byte(3, WireType::LengthDelimited));
+    let (length_at, _) = out.position();
+    out.bytes().extend_from_slice(&[0; LINE_LENGTH_ROOM]);
+    let (body_at, _) = out.position();
     // XLine: id = 1, name = 2, events = 4, display_name = 11 (prost
     // writes fields in tag order; timestamp_ns stays 0: relative times).
-    encode_int64(1, id, out);
-    encode_string(2, name, out);
+    encode_int64(1, id, out.bytes());
+    encode_string(2, name, out.bytes());
     let mut last = None;
     for e in events {
         debug_assert!(last <= Some(e.order_key()), "events out of order");
         last = Some(e.order_key());
-        e.encode_field(out);
+        e.encode_field(out.bytes());
+        out.between_events();
     }
-    encode_string(11, display_name, out);
-    let body_len = out.len() - body_at;
+    encode_string(11, display_name, out.bytes());
+    let (end, base) = out.position();
+    let body_len = end - body_at;
     assert!(body_len < 1 << (7 * LINE_LENGTH_ROOM), "a line over 32 GiB");
-    if body_len >= PADDED_LINE_LENGTH_FROM {
-        // Moving a large line would copy it once more than needed.
-        out[length_at..body_at].copy_from_slice(&padded_varint(body_len as u64));
+    if body_len >= PADDED_LINE_LENGTH_FROM as u64 || length_at < base {
+        // Moving a large line would copy it once more than needed (and
+        // part of it may be written out already).
+        out.overwrite(length_at, &padded_varint(body_len));
         return;
     }
+    let (length_at, body_at) = ((length_at - base) as usize, (body_at - base) as usize);
+    let out = out.bytes();
     let mut length = Vec::with_capacity(LINE_LENGTH_ROOM);
-    put_varint(body_len as u64, &mut length);
+    put_varint(body_len, &mut length);
     out.copy_within(body_at.., length_at + length.len());
     out[length_at..length_at + length.len()].copy_from_slice(&length);
-    out.truncate(length_at + length.len() + body_len);
+    out.truncate(length_at + length.len() + body_len as usize);
 }
 
 /// Bytes of a [`padded_varint`]: up to 32 GiB.
