@@ -137,6 +137,12 @@ impl FlightRecorder {
             .filter(|pid| watched.contains(pid))
             .copied()
             .collect();
+        if !reused.is_empty() {
+            // The old process's last records (its threads' exits) may
+            // still be in the ring buffer: once drained after this they
+            // would read as the new process's.
+            self.capture.poll(Duration::ZERO);
+        }
         for pid in reused {
             self.gone.remove(&pid);
             self.pids.remove(&pid);
