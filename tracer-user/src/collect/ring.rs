@@ -119,7 +119,10 @@ impl RingReader {
             while self.pos != producer {
                 let offset = self.data_offset + (self.pos & self.mask);
                 let Some(header) = self.producer.get(offset..offset + HEADER_BYTES) else {
-                    break;
+                    // Cannot be: the data is mapped twice over. Stop rather
+                    // than spin on it.
+                    self.publish(&mut published);
+                    return n;
                 };
                 // SAFETY: 8-byte aligned (records are), inside the mapping;
                 // the kernel commits a record by clearing the busy bit with a
