@@ -155,8 +155,8 @@ pub struct Capture {
     traceme_events: VecDeque<TraceMeEvent>,
     probe: ProbeSet,
     collector: Collector,
-    /// What one drain of the ring buffer decoded, on its way into
-    /// `records`: kept between drains, so that a flood does not map,
+    /// What one drain of the ring buffer decoded, on its way into `held`
+    /// and the lists beside it: kept between drains, so that a flood does not map,
     /// fault in and unmap megabytes of fresh memory at every one.
     drained: Vec<Record>,
     targets: Vec<TargetProcess>,
@@ -173,7 +173,7 @@ pub struct Capture {
     stack_samples: VecDeque<Box<StackSample>>,
     /// With [`CaptureOptions::one_window`], the scheduler records, built
     /// into thread states as they arrive (until [`Capture::sources`] takes
-    /// them; records held in `records` from then on).
+    /// them; records held in `held` from then on).
     streamed: Option<StreamedScheduling>,
     /// The memory `stack_samples` takes, in records (see
     /// [`records::sample_slots`]).
