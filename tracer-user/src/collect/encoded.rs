@@ -10,9 +10,9 @@ use tracer_common::RecordKind;
 use super::decode::{Record, decode, encode};
 
 /// Bytes of records in one chunk: records are forgotten a chunk at a time,
-/// oldest first. Small enough for a `--retain-memory` of 1 MiB to hold a
-/// few dozen, large enough that a flood of 500k records a second makes
-/// only about a thousand a second.
+/// oldest first. Small enough that a `--retain-memory` of 1 MiB (about
+/// 3,600 records) holds nine, large enough that a flood of 500k records a
+/// second fills only about 1,200 a second.
 const CHUNK_BYTES: usize = 16 * 1024;
 
 /// Records one after the other, each starting with its header (whose
