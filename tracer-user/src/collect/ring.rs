@@ -113,10 +113,12 @@ impl RingReader {
         let mut published = self.pos;
         loop {
             let producer = self.producer_pos();
-            if producer == self.pos {
+            if producer <= self.pos {
                 break;
             }
-            while self.pos != producer {
+            // Positions only grow (64 bits do not wrap): `<` rather than
+            // `!=` also ends a walk that a wrong length took past the end.
+            while self.pos < producer {
                 let offset = self.data_offset + (self.pos & self.mask);
                 let Some(header) = self.producer.get(offset..offset + HEADER_BYTES) else {
                     // Cannot be: the data is mapped twice over. Stop rather
