@@ -504,11 +504,16 @@ fn a_process_that_exits_mid_capture_keeps_its_stacks_named() {
     // At least half a second of spinning was sampled.
     assert!(samples.len() > 100, "{} samples", samples.len());
     for s in &samples {
+        let stack = s.stats["cpu_sample_stack"].as_str();
+        // A tick may land while the killed thread is already in the
+        // kernel's exit path, its user memory gone: only kernel frames.
+        if stack.contains("do_exit [k]") {
+            continue;
+        }
         assert!(
             ["ebtrace_hot_spin", "mix_step"].contains(&s.name.as_str()),
-            "{}: {}",
+            "{}: {stack}",
             s.name,
-            s.stats["cpu_sample_stack"].as_str()
         );
     }
 }
