@@ -170,13 +170,18 @@ fn read<T: Copy>(bytes: &[u8], kind: RecordKind, claimed: usize) -> Result<T, De
     Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }
 
+/// The header every record starts with, if `bytes` hold one.
+fn header(bytes: &[u8]) -> Option<RecordHeader> {
+    if bytes.len() < size_of::<RecordHeader>() {
+        return None;
+    }
+    // SAFETY: length checked above; unaligned read of a plain record.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) })
+}
+
 /// Decodes one ring-buffer item.
 pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
-    if bytes.len() < size_of::<RecordHeader>() {
-        return Err(DecodeError::Short(bytes.len()));
-    }
-    // SAFETY: length checked above.
-    let header: RecordHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let header = header(bytes).ok_or(DecodeError::Short(bytes.len()))?;
     let kind = RecordKind::from_u16(header.kind).ok_or(DecodeError::UnknownKind(header.kind))?;
     let size = usize::from(header.size);
     Ok(match kind {
@@ -198,11 +203,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
 /// it: the records a collector keeps as the probes wrote them. `None` for
 /// any other kind, and for bytes [`decode`] would refuse (it says why).
 pub fn scheduler_record_len(bytes: &[u8]) -> Option<usize> {
-    if bytes.len() < size_of::<RecordHeader>() {
-        return None;
-    }
-    // SAFETY: length checked above; unaligned read of a plain record.
-    let header: RecordHeader = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let header = header(bytes)?;
     let expected = match RecordKind::from_u16(header.kind)? {
         RecordKind::SchedSwitch => size_of::<SchedSwitch>(),
         RecordKind::SchedWakeup => size_of::<SchedWakeup>(),
