@@ -1,5 +1,5 @@
 //! Arbitrary timelines for property tests: every kind of track (thread
-//! states, marks, spans, CPU slices, GPU streams), wake-up flows and
+//! states on several CPUs, marks, spans, GPU streams), wake-up flows and
 //! correlation ids that may or may not find their other end, all within
 //! the model's own rules (states partition time, spans nest, a stream's
 //! events follow each other).
@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    CORRELATION_STAT, CaptureStats, CpuSlice, Cuts, DeviceTrack, FlowId, Mark, MarkKind,
-    ProcessInfo, RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState,
-    ThreadCounters, ThreadState, ThreadTrack, Timeline, Value, Window, nest,
+    CORRELATION_STAT, CaptureStats, Cuts, DeviceTrack, FlowId, Mark, MarkKind, ProcessInfo,
+    RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
+    ThreadState, ThreadTrack, Timeline, Value, Window, nest,
 };
 use crate::clock::ClockSync;
 
@@ -32,7 +32,9 @@ fn link(id: Option<u8>) -> Option<FlowId> {
 
 fn state(kind: u8, flow: Option<u8>) -> ThreadState {
     match kind % 4 {
-        0 => ThreadState::Running { cpu: 0 },
+        0 => ThreadState::Running {
+            cpu: u32::from(kind / 4 % 3),
+        },
         1 => ThreadState::Runnable {
             cause: RunnableCause::Woken {
                 waker_tid: 1,
@@ -136,88 +138,67 @@ fn stream_parts() -> impl Strategy<Value = StreamParts> {
 
 /// A timeline of `0..HORIZON` with every kind of track.
 pub fn timeline() -> impl Strategy<Value = Timeline> {
-    (
-        vec(thread_parts(), 0..6),
-        vec((0..3u32, vec(0..HORIZON, 0..10)), 0..4),
-        vec(stream_parts(), 0..5),
-    )
-        .prop_map(|(threads, cpus, streams)| {
-            let threads: BTreeMap<u32, ThreadTrack> = threads
-                .into_iter()
-                .enumerate()
-                .map(|(i, parts)| {
-                    let tid = 100 + i as u32;
-                    (tid, thread(tid, parts))
-                })
-                .collect();
-            let mut tl = Timeline {
-                start_ns: 0,
-                stop_ns: HORIZON,
-                clock: ClockSync::from_offset(0),
-                processes: (1..=PIDS)
-                    .map(|pid| {
-                        let name = format!("p{pid}");
-                        (
+    (vec(thread_parts(), 0..6), vec(stream_parts(), 0..5)).prop_map(|(threads, streams)| {
+        let threads: BTreeMap<u32, ThreadTrack> = threads
+            .into_iter()
+            .enumerate()
+            .map(|(i, parts)| {
+                let tid = 100 + i as u32;
+                (tid, thread(tid, parts))
+            })
+            .collect();
+        let mut tl = Timeline {
+            start_ns: 0,
+            stop_ns: HORIZON,
+            clock: ClockSync::from_offset(0),
+            processes: (1..=PIDS)
+                .map(|pid| {
+                    let name = format!("p{pid}");
+                    (
+                        pid,
+                        ProcessInfo {
                             pid,
-                            ProcessInfo {
-                                pid,
-                                name,
-                                exited_ns: None,
-                            },
-                        )
-                    })
-                    .collect(),
-                threads,
-                cpus: BTreeMap::new(),
-                devices: BTreeMap::new(),
-                carried_planes: Vec::new(),
-                stats: CaptureStats::default(),
-            };
-            for (cpu, cuts) in cpus {
-                let line = pieces(cuts)
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, (start_ns, end_ns))| CpuSlice {
-                        start_ns,
-                        end_ns,
-                        tid: 7,
-                        pid: 1 + i as u32 % PIDS,
-                    })
-                    .collect::<Vec<_>>();
-                if !line.is_empty() {
-                    tl.cpus.insert(cpu, line);
-                }
-            }
-            for (ordinal, id, pid, cuts, correlations) in streams {
-                let events: Vec<Span> = pieces(cuts)
-                    .into_iter()
-                    .zip(correlations.iter().cycle())
-                    .map(|((start, end), &corr)| span(start, end - start, corr))
-                    .collect();
-                let device = tl.devices.entry(ordinal).or_insert_with(|| DeviceTrack {
-                    ordinal,
-                    streams: BTreeMap::new(),
-                });
-                if !events.is_empty() && !device.streams.contains_key(&id) {
-                    device.streams.insert(
-                        id,
-                        StreamTrack {
-                            id,
-                            pid,
-                            label: format!("stream {id}"),
-                            timing: if id % 2 == 0 {
-                                StreamTiming::Device
-                            } else {
-                                StreamTiming::HostObserved
-                            },
-                            events,
+                            name,
+                            exited_ns: None,
                         },
-                    );
-                }
+                    )
+                })
+                .collect(),
+            threads,
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats::default(),
+        };
+        for (ordinal, id, pid, cuts, correlations) in streams {
+            let events: Vec<Span> = pieces(cuts)
+                .into_iter()
+                .zip(correlations.iter().cycle())
+                .map(|((start, end), &corr)| span(start, end - start, corr))
+                .collect();
+            let device = tl.devices.entry(ordinal).or_insert_with(|| DeviceTrack {
+                ordinal,
+                streams: BTreeMap::new(),
+            });
+            if !events.is_empty() && !device.streams.contains_key(&id) {
+                device.streams.insert(
+                    id,
+                    StreamTrack {
+                        id,
+                        pid,
+                        label: format!("stream {id}"),
+                        timing: if id % 2 == 0 {
+                            StreamTiming::Device
+                        } else {
+                            StreamTiming::HostObserved
+                        },
+                        events,
+                    },
+                );
             }
-            tl.devices.retain(|_, d| !d.streams.is_empty());
-            tl
-        })
+        }
+        tl.devices.retain(|_, d| !d.streams.is_empty());
+        tl
+    })
 }
 
 /// A window over (and somewhat beyond) the timeline's times.

@@ -235,7 +235,6 @@ fn without_scheduling(timeline: &mut Timeline) {
         t.marks.clear();
         t.counters = Default::default();
     }
-    timeline.cpus.clear();
 }
 
 /// Lays the TraceMe events on the threads' lines and says how it went.
@@ -400,7 +399,6 @@ mod tests {
             )]
             .into(),
             threads: BTreeMap::new(),
-            cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats: CaptureStats {
@@ -492,12 +490,14 @@ mod tests {
         assert!(notes[1].starts_with("TraceMe: 1 events recorded, 1 spans"));
         assert!(notes[2].starts_with("1 spans from different sources overlapped"));
         assert_eq!(notes.len(), 3);
-        assert_eq!(tl.cpus[&0].len(), 1);
+        let lines = tl.cpu_lines();
+        let cpus: Vec<(u32, usize)> = lines.iter().map(|(cpu, l)| (cpu, l.count())).collect();
+        assert_eq!(cpus, vec![(0, 1)]);
 
         // Without the scheduler, the thread keeps its spans but no states.
         let tl = assembled(false);
         let t = &tl.threads[&TID];
-        assert!(t.slices.is_empty() && t.marks.is_empty() && tl.cpus.is_empty());
+        assert!(t.slices.is_empty() && t.marks.is_empty() && tl.cpu_lines().is_empty());
         assert_eq!(t.spans.len(), 2);
     }
 

@@ -1158,7 +1158,6 @@ mod tests {
                 clock: crate::clock::ClockSync::from_offset(0),
                 processes: BTreeMap::new(),
                 threads: BTreeMap::new(),
-                cpus: BTreeMap::new(),
                 devices: BTreeMap::new(),
                 carried_planes: Vec::new(),
                 stats: Default::default(),

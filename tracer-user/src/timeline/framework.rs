@@ -250,7 +250,6 @@ mod tests {
             clock,
             processes: BTreeMap::new(),
             threads: BTreeMap::new(),
-            cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),

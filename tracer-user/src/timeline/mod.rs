@@ -18,6 +18,7 @@
 #[cfg(test)]
 pub(crate) mod arbitrary;
 pub mod assemble;
+mod cpu_lines;
 pub mod cpu_samples;
 pub mod cuda;
 pub mod framework;
@@ -32,6 +33,7 @@ pub mod window;
 use std::collections::BTreeMap;
 
 pub use assemble::{Sources, TraceMeInput, assemble};
+pub use cpu_lines::{CpuLine, CpuLines};
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
@@ -330,7 +332,6 @@ pub struct Timeline {
     pub clock: ClockSync,
     pub processes: BTreeMap<u32, ProcessInfo>,
     pub threads: BTreeMap<u32, ThreadTrack>,
-    pub cpus: BTreeMap<u32, Vec<CpuSlice>>,
     /// GPUs by ordinal, with the work submitted to them.
     pub devices: BTreeMap<u32, DeviceTrack>,
     /// Planes a framework's own profiler recorded that have no model here
@@ -350,7 +351,7 @@ impl Timeline {
         for t in self.threads.values() {
             t.line_event_starts(&mut visit);
         }
-        self.cpus.values().flatten().for_each(|s| visit(s.start_ns));
+        self.running_slices().for_each(|s| visit(s.start_ns));
         self.device_events().for_each(|e| visit(e.start_ns));
     }
 
@@ -368,8 +369,16 @@ impl Timeline {
             .values()
             .map(|t| t.slices.len() + t.marks.len() + 3 * t.spans.len())
             .sum::<usize>()
-            + self.cpus.values().map(Vec::len).sum::<usize>()
+            + self.running_slices().count()
             + self.device_events().count()
+    }
+
+    /// The slices of the per-CPU lines (see [`cpu_lines`](Self::cpu_lines)).
+    fn running_slices(&self) -> impl Iterator<Item = &StateSlice> {
+        self.threads
+            .values()
+            .flat_map(|t| &t.slices)
+            .filter(|s| matches!(s.state, ThreadState::Running { .. }))
     }
 
     /// The work on every GPU stream.

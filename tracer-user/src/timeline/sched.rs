@@ -16,8 +16,8 @@ use rustc_hash::FxHashMap;
 use tracer_common::{CLONE_THREAD, PREEMPTED, WAKEUP_NEW};
 
 use super::{
-    CaptureStats, CpuSlice, FlowId, Mark, MarkKind, ProcessInfo, RunnableCause, StateSlice,
-    TaskState, ThreadCounters, ThreadState, ThreadTrack, Timeline,
+    CaptureStats, FlowId, Mark, MarkKind, ProcessInfo, RunnableCause, StateSlice, TaskState,
+    ThreadCounters, ThreadState, ThreadTrack, Timeline,
 };
 use crate::{clock::ClockSync, collect::Record};
 
@@ -425,10 +425,9 @@ impl SchedTimelineBuilder {
         }
 
         let mut threads = BTreeMap::new();
-        let mut cpus: BTreeMap<u32, Vec<CpuSlice>> = BTreeMap::new();
         for (tid, mut t) in self.threads {
-            // What the vectors kept for growth goes back before the CPU
-            // lines are made: the largest buffers of a capture.
+            // What the vectors kept for growth goes back: the largest
+            // buffers of a capture.
             t.slices.shrink_to_fit();
             t.marks.shrink_to_fit();
             let name = t
@@ -436,16 +435,6 @@ impl SchedTimelineBuilder {
                 .or_else(|| names.get(&tid).cloned())
                 .or_else(|| self.initial.get(&tid).map(|i| i.name.clone()))
                 .unwrap_or_else(|| format!("thread {tid}"));
-            for s in &t.slices {
-                if let ThreadState::Running { cpu } = s.state {
-                    cpus.entry(cpu).or_default().push(CpuSlice {
-                        start_ns: s.start_ns,
-                        end_ns: s.end_ns,
-                        tid,
-                        pid: t.pid,
-                    });
-                }
-            }
             let mut marks = t.marks;
             marks.retain(|m| m.ts_ns >= self.bounds.start_ns && m.ts_ns <= self.bounds.stop_ns);
             threads.insert(
@@ -461,9 +450,6 @@ impl SchedTimelineBuilder {
                 },
             );
         }
-        for slices in cpus.values_mut() {
-            slices.sort_by_key(|s| s.start_ns);
-        }
         stats.records = self.records;
         stats.inconsistencies = self.inconsistencies;
         Timeline {
@@ -472,7 +458,6 @@ impl SchedTimelineBuilder {
             clock,
             processes: self.processes,
             threads,
-            cpus,
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats,
@@ -574,7 +559,10 @@ mod tests {
                 flow_id
             }));
         // CPU 0 shows 101, then 102, then 101.
-        let cpu0: Vec<u32> = tl.cpus[&0].iter().map(|s| s.tid).collect();
+        let lines = tl.cpu_lines();
+        let (cpu, line) = lines.iter().next().expect("a CPU line");
+        assert_eq!(cpu, 0);
+        let cpu0: Vec<u32> = line.map(|s| s.tid).collect();
         assert_eq!(cpu0, vec![101, 102, 101]);
     }
 

@@ -345,7 +345,6 @@ mod tests {
             threads: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
-            cpus: BTreeMap::new(),
             stats: CaptureStats::default(),
         }
     }

@@ -65,9 +65,6 @@ impl Window {
 fn restrict_to(tl: &mut Timeline, pids: &BTreeSet<u32>) {
     tl.processes.retain(|pid, _| pids.contains(pid));
     tl.threads.retain(|_, t| pids.contains(&t.pid));
-    for slices in tl.cpus.values_mut() {
-        slices.retain(|s| pids.contains(&s.pid));
-    }
     for device in tl.devices.values_mut() {
         device.streams.retain(|_, s| pids.contains(&s.pid));
     }
@@ -96,13 +93,6 @@ fn clip(tl: &mut Timeline) {
         t.marks.retain(|m| (start..=stop).contains(&m.ts_ns));
         clip_spans(&mut t.spans, &inside);
     }
-    for slices in tl.cpus.values_mut() {
-        slices.retain_mut(|s| {
-            inside(s.start_ns, s.end_ns.max(s.start_ns))
-                .map(|(a, b)| (s.start_ns, s.end_ns) = (a, b))
-                .is_some()
-        });
-    }
     for device in tl.devices.values_mut() {
         for stream in device.streams.values_mut() {
             clip_spans(&mut stream.events, &inside);
@@ -121,7 +111,6 @@ fn clip_spans(spans: &mut Vec<Span>, inside: &impl Fn(u64, u64) -> Option<(u64, 
 }
 
 fn drop_empty_lines(tl: &mut Timeline) {
-    tl.cpus.retain(|_, slices| !slices.is_empty());
     for device in tl.devices.values_mut() {
         device.streams.retain(|_, s| !s.events.is_empty());
     }
@@ -172,12 +161,6 @@ fn truncate(tl: &mut Timeline, cut: u64) {
         }
         t.marks.retain(|m| m.ts_ns < cut);
         spans(&mut t.spans);
-    }
-    for slices in tl.cpus.values_mut() {
-        slices.retain(|x| x.start_ns < cut);
-        for x in slices.iter_mut() {
-            x.end_ns = x.end_ns.min(cut);
-        }
     }
     for stream in tl.devices.values_mut().flat_map(|d| d.streams.values_mut()) {
         spans(&mut stream.events);
@@ -321,7 +304,7 @@ mod tests {
     use crate::{
         clock::ClockSync,
         timeline::{
-            CaptureStats, CpuSlice, DeviceTrack, FlowId, StateSlice, StreamTiming, StreamTrack,
+            CaptureStats, DeviceTrack, FlowId, StateSlice, StreamTiming, StreamTrack,
             ThreadCounters, ThreadTrack, arbitrary,
         },
     };
@@ -334,7 +317,9 @@ mod tests {
             out.extend(t.marks.iter().map(|m| (m.ts_ns, m.ts_ns)));
             out.extend(t.spans.iter().map(|s| (s.start_ns, s.end_ns)));
         }
-        out.extend(tl.cpus.values().flatten().map(|s| (s.start_ns, s.end_ns)));
+        for (_, line) in tl.cpu_lines().iter() {
+            out.extend(line.map(|s| (s.start_ns, s.end_ns)));
+        }
         out.extend(tl.device_events().map(|e| (e.start_ns, e.end_ns)));
         out
     }
@@ -405,7 +390,8 @@ mod tests {
             // Only the asked processes.
             if let Some(pids) = &window.pids {
                 prop_assert!(tl.threads.values().all(|t| pids.contains(&t.pid)));
-                prop_assert!(tl.cpus.values().flatten().all(|s| pids.contains(&s.pid)));
+                let lines = tl.cpu_lines();
+                prop_assert!(lines.iter().flat_map(|(_, l)| l).all(|s| pids.contains(&s.pid)));
                 let streams = tl.devices.values().flat_map(|d| d.streams.values());
                 prop_assert!(streams.clone().all(|s| pids.contains(&s.pid)));
                 prop_assert!(tl.processes.keys().all(|p| pids.contains(p)));
@@ -415,7 +401,6 @@ mod tests {
                 assert_nested(&t.spans);
                 prop_assert!(t.slices.windows(2).all(|w| w[0].end_ns <= w[1].start_ns));
             }
-            prop_assert!(tl.cpus.values().all(|l| !l.is_empty()));
             let lines_with_events = |d: &DeviceTrack| {
                 !d.streams.is_empty() && d.streams.values().all(|s| !s.events.is_empty())
             };
@@ -470,7 +455,6 @@ mod tests {
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
             threads: BTreeMap::new(),
-            cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),
@@ -495,23 +479,6 @@ mod tests {
                 },
             );
         }
-        tl.cpus.insert(
-            0,
-            vec![
-                CpuSlice {
-                    start_ns: 0,
-                    end_ns: 5,
-                    tid: 1,
-                    pid: 1,
-                },
-                CpuSlice {
-                    start_ns: 5,
-                    end_ns: 9,
-                    tid: 3,
-                    pid: 3,
-                },
-            ],
-        );
         tl
     }
 
@@ -570,7 +537,10 @@ mod tests {
         };
         only_1.apply(&mut tl);
         assert_eq!(tl.threads.keys().copied().collect::<Vec<_>>(), vec![1, 2]);
-        assert_eq!(tl.cpus[&0].len(), 1);
+        let lines = tl.cpu_lines();
+        let on_cpus: Vec<u32> = lines.iter().flat_map(|(_, l)| l).map(|s| s.tid).collect();
+        assert_eq!(on_cpus.len(), 20);
+        assert!(on_cpus.iter().all(|&tid| tid == 1 || tid == 2));
         assert!(tl.devices.is_empty(), "{:?}", tl.devices);
         let mut all = timeline();
         Window::between(0, 1000).apply(&mut all);
@@ -579,11 +549,12 @@ mod tests {
 
     #[test]
     fn max_events_counts_and_cuts_device_work_too() {
-        // 32 host events and 100 pieces of state, 100 launches, 100 GPU
-        // events: a limit between the host and the total count.
+        // 30 states on CPU 0, the same 30 on its line, and 100 pieces of
+        // state, 100 launches, 100 GPU events: a limit between the host and
+        // the total count.
         let tl = with_launches(timeline(), 100);
         let total = tl.event_count();
-        assert_eq!(total, 32 + 2 * 100 + 2 * 100 - 10);
+        assert_eq!(total, 2 * 30 + 2 * 100 + 2 * 100 - 10);
         for max in [0, 1, 10, 50, 300, total - 1, total] {
             let mut cut = tl.clone();
             let window = Window {

@@ -129,14 +129,16 @@ pub(super) fn write_sched<W: Write>(
     };
 
     let mut switches = 0;
-    for (&cpu, slices) in &timeline.cpus {
+    let lines = timeline.cpu_lines();
+    for (cpu, slices) in lines.iter() {
         let mut b = Bundler {
             w: &mut *w,
             cpu,
             events: Vec::new(),
         };
         let mut prev_end: Option<(u64, u32)> = None;
-        for (i, slice) in slices.iter().enumerate() {
+        let mut slices = slices.peekable();
+        while let Some(slice) = slices.next() {
             // Switched in from the previous traced thread, or from idle.
             if prev_end.is_none_or(|(end, _)| end != slice.start_ns) {
                 b.push(switch(cpu, slice.start_ns, None, Some(slice.tid)))?;
@@ -152,7 +154,7 @@ pub(super) fn write_sched<W: Write>(
                 continue;
             };
             let next = slices
-                .get(i + 1)
+                .peek()
                 .filter(|n| n.start_ns == slice.end_ns)
                 .map(|n| n.tid);
             b.push(switch(

@@ -9,8 +9,8 @@ use super::*;
 use crate::{
     clock::ClockSync,
     timeline::{
-        CaptureStats, CpuSlice, DeviceTrack, FlowId, ProcessInfo, RunnableCause, StateSlice,
-        StreamTiming, StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
+        CaptureStats, DeviceTrack, FlowId, ProcessInfo, RunnableCause, StateSlice, StreamTiming,
+        StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
     },
 };
 
@@ -85,12 +85,6 @@ fn timeline() -> Timeline {
             ),
         ),
     ]);
-    let cpu = |start_ns, end_ns, tid| CpuSlice {
-        start_ns,
-        end_ns,
-        tid,
-        pid: 10,
-    };
     Timeline {
         start_ns: 100,
         stop_ns: 1_000,
@@ -104,10 +98,6 @@ fn timeline() -> Timeline {
             },
         )]),
         threads,
-        cpus: BTreeMap::from([
-            (0, vec![cpu(100, 1_000, 12)]),
-            (1, vec![cpu(100, 200, 11), cpu(350, 1_000, 11)]),
-        ]),
         devices: BTreeMap::from([(
             0,
             DeviceTrack {

@@ -17,7 +17,7 @@ use super::{
     flow_stat_value,
 };
 use crate::timeline::{
-    FlowId, MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
+    CpuLines, FlowId, MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
 };
 
 /// Writes the host planes to `out`, `/host:CPU` first, then those of the
@@ -42,9 +42,11 @@ pub(super) fn write_host_planes<W: PlaneOut>(
             .filter(move |t| blocked_throughout(t) == blocked)
     };
     write_thread_plane(0, HOST_CPU_PLANE, thread_lines(false), timeline, ps, out)?;
-    if !timeline.cpus.values().all(Vec::is_empty) {
-        write_per_cpu_plane(timeline, ps, out)?;
+    let cpu_lines = timeline.cpu_lines();
+    if !cpu_lines.is_empty() {
+        write_per_cpu_plane(&cpu_lines, ps, out)?;
     }
+    drop(cpu_lines);
     let mut blocked = thread_lines(true).peekable();
     if blocked.peek().is_some() {
         write_thread_plane(3, BLOCKED_THREADS_PLANE, blocked, timeline, ps, out)?;
@@ -147,26 +149,19 @@ impl HostThreads {
 
 /// Writes the per-CPU lines, each slice named after the thread it ran.
 fn write_per_cpu_plane<W: PlaneOut>(
-    timeline: &Timeline,
+    lines: &CpuLines<'_>,
     ps: &impl Fn(u64) -> i64,
     out: &mut W,
 ) -> io::Result<()> {
     let mut plane = XPlaneBuilder::new(2, PER_CPU_PLANE);
     let (tid_stat, pid_stat) = (plane.stat_metadata(TID), plane.stat_metadata("pid"));
-    let mut thread_event: FxHashMap<u32, i64> = FxHashMap::default();
-    for slices in timeline.cpus.values() {
-        for s in slices {
-            thread_event
-                .entry(s.tid)
-                .or_insert_with(|| match timeline.threads.get(&s.tid) {
-                    Some(t) => plane.event_metadata(&t.name),
-                    None => plane.event_metadata(&format!("thread {}", s.tid)),
-                });
-        }
-    }
+    let thread_event: FxHashMap<u32, i64> = lines
+        .threads()
+        .map(|t| (t.tid, plane.event_metadata(&t.name)))
+        .collect();
     let mut stream = PlaneStream::begin(out, 1)?;
-    for (cpu, slices) in &timeline.cpus {
-        let events = slices.iter().map(|s| LineEvent {
+    for (cpu, slices) in lines.iter() {
+        let events = slices.map(|s| LineEvent {
             metadata_id: thread_event[&s.tid],
             offset_ps: ps(s.start_ns),
             duration_ps: ps(s.end_ns) - ps(s.start_ns),
@@ -176,7 +171,7 @@ fn write_per_cpu_plane<W: PlaneOut>(
             ]),
         });
         let name = format!("CPU {cpu}");
-        let id = CPU_LINE_BASE + i64::from(*cpu);
+        let id = CPU_LINE_BASE + i64::from(cpu);
         stream.line(|out| encode_line(out, id, &name, &name, events))?;
     }
     stream.end(plane)

@@ -269,9 +269,7 @@ mod tests {
     use super::*;
     use crate::{
         clock::ClockSync,
-        timeline::{
-            CaptureStats, CpuSlice, StateSlice, TaskState, ThreadCounters, ThreadState, ThreadTrack,
-        },
+        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters, ThreadState, ThreadTrack},
     };
 
     fn offset_ps(e: &XEvent) -> i64 {
@@ -345,7 +343,6 @@ mod tests {
             clock: ClockSync::from_offset(1_000_000),
             processes: BTreeMap::new(),
             threads,
-            cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),
@@ -381,7 +378,7 @@ mod tests {
                 ("Blocked", 700_000, 300_000),
             ]
         );
-        let env = &xs.planes[1];
+        let env = xs.planes.iter().find(|p| p.name == TASK_ENV_PLANE).unwrap();
         let stat_names: HashMap<i64, &str> = env
             .stat_metadata
             .values()
@@ -429,23 +426,12 @@ mod tests {
             ),
         );
         threads.insert(8, thread(8, vec![slice(1_000, 2_000, blocked)]));
-        let mut cpus = BTreeMap::new();
-        cpus.insert(
-            3,
-            vec![CpuSlice {
-                start_ns: 1_000,
-                end_ns: 1_500,
-                tid: 7,
-                pid: 7,
-            }],
-        );
         let tl = Timeline {
             start_ns: 1_000,
             stop_ns: 2_000,
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
             threads,
-            cpus,
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),

@@ -401,7 +401,6 @@ mod tests {
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
             threads: BTreeMap::new(),
-            cpus: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats: CaptureStats::default(),

@@ -1,0 +1,255 @@
+//! The per-CPU lines: which traced thread ran on each CPU, and when.
+//!
+//! They are the threads' `Running` states seen from the CPU's side, so
+//! they are read out of the threads' slices when a sink writes them rather
+//! than kept beside them: held as slices of their own, they took a quarter
+//! of a large capture's memory, at its peak. Windowing, restricting to some
+//! processes and cutting at an event count apply to them through the
+//! threads' slices.
+
+use std::{cmp::Reverse, collections::BTreeMap, collections::BinaryHeap};
+
+use super::{CpuSlice, ThreadState, ThreadTrack, Timeline};
+
+/// Where each CPU's slices are among the threads': 8 bytes a slice.
+pub struct CpuLines<'t> {
+    threads: Vec<&'t ThreadTrack>,
+    /// Per CPU, `(thread, slice)` indices of its `Running` slices, thread
+    /// after thread, each thread's in the order of its slices.
+    per_cpu: BTreeMap<u32, Vec<(u32, u32)>>,
+}
+
+impl Timeline {
+    /// The per-CPU lines of this timeline's threads.
+    pub fn cpu_lines(&self) -> CpuLines<'_> {
+        let threads: Vec<&ThreadTrack> = self.threads.values().collect();
+        let mut per_cpu: BTreeMap<u32, Vec<(u32, u32)>> = BTreeMap::new();
+        for (t, thread) in threads.iter().enumerate() {
+            for (s, slice) in thread.slices.iter().enumerate() {
+                if let ThreadState::Running { cpu } = slice.state {
+                    per_cpu.entry(cpu).or_default().push((t as u32, s as u32));
+                }
+            }
+        }
+        CpuLines { threads, per_cpu }
+    }
+}
+
+impl<'t> CpuLines<'t> {
+    /// Whether no CPU has a slice.
+    pub fn is_empty(&self) -> bool {
+        self.per_cpu.is_empty()
+    }
+
+    /// Slices on all CPUs.
+    pub fn len(&self) -> usize {
+        self.per_cpu.values().map(Vec::len).sum()
+    }
+
+    /// The threads that ran on some CPU, each once.
+    pub fn threads(&self) -> impl Iterator<Item = &'t ThreadTrack> + '_ {
+        let mut ran = vec![false; self.threads.len()];
+        for &(t, _) in self.per_cpu.values().flatten() {
+            ran[t as usize] = true;
+        }
+        self.threads
+            .iter()
+            .zip(ran)
+            .filter_map(|(thread, ran)| ran.then_some(*thread))
+    }
+
+    /// Each CPU with a slice, in order, and its slices by start, the
+    /// longer first on equal starts (as sinks lay out nested events), then
+    /// by thread id. (A thread's own slices never share a start: states
+    /// are built with some length.)
+    pub fn iter(&self) -> impl Iterator<Item = (u32, CpuLine<'_, 't>)> {
+        self.per_cpu
+            .iter()
+            .map(|(&cpu, slices)| (cpu, CpuLine::new(&self.threads, slices)))
+    }
+}
+
+/// One CPU's slices, merged from its threads' runs of slices.
+pub struct CpuLine<'a, 't> {
+    threads: &'a [&'t ThreadTrack],
+    slices: &'a [(u32, u32)],
+    /// Per run of one thread's slices: the next one and the run's end.
+    runs: Vec<(usize, usize)>,
+    /// The next slice of each unfinished run, earliest first.
+    next: BinaryHeap<Reverse<(u64, Reverse<u64>, usize)>>,
+}
+
+impl<'a, 't> CpuLine<'a, 't> {
+    fn new(threads: &'a [&'t ThreadTrack], slices: &'a [(u32, u32)]) -> Self {
+        let mut runs = Vec::new();
+        let mut from = 0;
+        for i in 1..=slices.len() {
+            if i == slices.len() || slices[i].0 != slices[from].0 {
+                runs.push((from, i));
+                from = i;
+            }
+        }
+        let mut line = CpuLine {
+            threads,
+            slices,
+            next: BinaryHeap::with_capacity(runs.len()),
+            runs,
+        };
+        for run in 0..line.runs.len() {
+            line.queue(run);
+        }
+        line
+    }
+
+    fn slice(&self, at: usize) -> CpuSlice {
+        let (t, s) = self.slices[at];
+        let thread = self.threads[t as usize];
+        let slice = &thread.slices[s as usize];
+        CpuSlice {
+            start_ns: slice.start_ns,
+            end_ns: slice.end_ns,
+            tid: thread.tid,
+            pid: thread.pid,
+        }
+    }
+
+    /// Queues the next slice of `run`, if it has one.
+    fn queue(&mut self, run: usize) {
+        let (at, end) = self.runs[run];
+        if at < end {
+            let s = self.slice(at);
+            self.next
+                .push(Reverse((s.start_ns, Reverse(s.end_ns), run)));
+        }
+    }
+}
+
+impl Iterator for CpuLine<'_, '_> {
+    type Item = CpuSlice;
+
+    fn next(&mut self) -> Option<CpuSlice> {
+        let Reverse((_, _, run)) = self.next.pop()?;
+        let at = self.runs[run].0;
+        self.runs[run].0 += 1;
+        self.queue(run);
+        Some(self.slice(at))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        clock::ClockSync,
+        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters},
+    };
+
+    fn thread(tid: u32, pid: u32, slices: &[(u64, u64, Option<u32>)]) -> ThreadTrack {
+        ThreadTrack {
+            tid,
+            pid,
+            name: format!("t{tid}"),
+            slices: slices
+                .iter()
+                .map(|&(start_ns, end_ns, cpu)| StateSlice {
+                    start_ns,
+                    end_ns,
+                    state: match cpu {
+                        Some(cpu) => ThreadState::Running { cpu },
+                        None => ThreadState::Blocked {
+                            state: TaskState::Sleeping,
+                        },
+                    },
+                })
+                .collect(),
+            marks: vec![],
+            spans: vec![],
+            counters: ThreadCounters::default(),
+        }
+    }
+
+    fn timeline(threads: Vec<ThreadTrack>) -> Timeline {
+        Timeline {
+            start_ns: 0,
+            stop_ns: 100,
+            clock: ClockSync::from_offset(0),
+            processes: BTreeMap::new(),
+            threads: threads.into_iter().map(|t| (t.tid, t)).collect(),
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats::default(),
+        }
+    }
+
+    /// Per CPU: start, end, tid, pid of each slice.
+    type Lines = Vec<(u32, Vec<(u64, u64, u32, u32)>)>;
+
+    fn lines(tl: &Timeline) -> Lines {
+        tl.cpu_lines()
+            .iter()
+            .map(|(cpu, line)| {
+                let slices = line.map(|s| (s.start_ns, s.end_ns, s.tid, s.pid));
+                (cpu, slices.collect())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn threads_running_slices_read_per_cpu_in_time_order() {
+        let tl = timeline(vec![
+            thread(
+                1,
+                10,
+                &[(0, 10, Some(0)), (10, 20, None), (20, 30, Some(1))],
+            ),
+            thread(2, 10, &[(0, 5, None), (5, 15, Some(1)), (30, 40, Some(0))]),
+            thread(
+                3,
+                11,
+                &[(10, 20, Some(0)), (20, 25, Some(0)), (40, 50, None)],
+            ),
+        ]);
+        assert_eq!(
+            lines(&tl),
+            vec![
+                (
+                    0,
+                    vec![
+                        (0, 10, 1, 10),
+                        (10, 20, 3, 11),
+                        (20, 25, 3, 11),
+                        (30, 40, 2, 10)
+                    ]
+                ),
+                (1, vec![(5, 15, 2, 10), (20, 30, 1, 10)]),
+            ]
+        );
+        let lines = tl.cpu_lines();
+        assert_eq!(lines.len(), 6);
+        let ran: Vec<u32> = lines.threads().map(|t| t.tid).collect();
+        assert_eq!(ran, vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn equal_starts_read_longer_first_then_by_thread_and_a_thread_never_running_is_left_out() {
+        let tl = timeline(vec![
+            thread(4, 1, &[(7, 9, Some(2)), (9, 12, Some(2))]),
+            thread(2, 1, &[(7, 7, Some(2)), (9, 12, Some(2))]),
+            thread(3, 1, &[(5, 8, None), (9, 12, Some(2))]),
+            thread(9, 1, &[(0, 50, None)]),
+        ]);
+        let line = [(7, 9, 4), (7, 7, 2), (9, 12, 2), (9, 12, 3), (9, 12, 4)];
+        let line = line.map(|(start, end, tid)| (start, end, tid, 1)).to_vec();
+        assert_eq!(lines(&tl), vec![(2, line)]);
+        let lines = tl.cpu_lines();
+        assert_eq!(
+            lines.threads().map(|t| t.tid).collect::<Vec<_>>(),
+            [2, 3, 4]
+        );
+        assert!(
+            timeline(vec![thread(9, 1, &[(0, 50, None)])])
+                .cpu_lines()
+                .is_empty()
+        );
+    }
+}
