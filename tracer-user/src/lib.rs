@@ -45,20 +45,3 @@ pub fn large_buffers_from_mmap() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
     }
 }
-
-/// Asks the kernel to back the capacity of `buffer` with transparent huge
-/// pages where it can (`madvise` mode): a buffer of tens of MB written once
-/// then takes one page fault per 2 MiB instead of one per 4 KiB.
-pub fn huge_pages_for(buffer: &Vec<u8>) {
-    const HUGE: usize = 2 << 20;
-    let start = buffer.as_ptr() as usize;
-    let end = start + buffer.capacity();
-    let (from, to) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
-    if to > from {
-        // SAFETY: advice on whole pages inside the buffer's own allocation;
-        // it changes how they are backed, never their contents.
-        unsafe {
-            libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
-        }
-    }
-}

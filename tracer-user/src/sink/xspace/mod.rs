@@ -106,7 +106,6 @@ pub fn timeline_to_xspace_bytes(timeline: &Timeline, hostname: &str) -> Vec<u8> 
     // Room for all of it at once (an event takes about 30 bytes): growing
     // a buffer of tens of MB by doubling copies it each time.
     let mut out = Cursor::new(Vec::with_capacity(32 * timeline.event_count_bound()));
-    crate::huge_pages_for(out.get_ref());
     write_xspace(timeline, hostname, &mut out).expect("a Vec grows as needed");
     out.into_inner()
 }
