@@ -25,10 +25,18 @@ impl Timeline {
         let threads: Vec<&ThreadTrack> = self.threads.values().collect();
         let mut per_cpu: BTreeMap<u32, Vec<(u32, u32)>> = BTreeMap::new();
         for (t, thread) in threads.iter().enumerate() {
+            // A thread's consecutive runs are mostly on one CPU.
+            let mut last: Option<(u32, &mut Vec<(u32, u32)>)> = None;
             for (s, slice) in thread.slices.iter().enumerate() {
-                if let ThreadState::Running { cpu } = slice.state {
-                    per_cpu.entry(cpu).or_default().push((t as u32, s as u32));
-                }
+                let ThreadState::Running { cpu } = slice.state else {
+                    continue;
+                };
+                let line = match last {
+                    Some((on, line)) if on == cpu => line,
+                    _ => per_cpu.entry(cpu).or_default(),
+                };
+                line.push((t as u32, s as u32));
+                last = Some((cpu, line));
             }
         }
         CpuLines { threads, per_cpu }
@@ -71,68 +79,57 @@ impl<'t> CpuLines<'t> {
 
 /// One CPU's slices, merged from its threads' runs of slices.
 pub struct CpuLine<'a, 't> {
-    threads: &'a [&'t ThreadTrack],
-    slices: &'a [(u32, u32)],
-    /// Per run of one thread's slices: the next one and the run's end.
-    runs: Vec<(usize, usize)>,
-    /// The next slice of each unfinished run, earliest first.
+    /// Per run of one thread's slices on the CPU: the thread, and the
+    /// indices of the slices still to come.
+    runs: Vec<(&'t ThreadTrack, &'a [(u32, u32)])>,
+    /// The next slice of each unfinished run, earliest first: start, end
+    /// (the longer first) and run.
     next: BinaryHeap<Reverse<(u64, Reverse<u64>, usize)>>,
 }
 
 impl<'a, 't> CpuLine<'a, 't> {
-    fn new(threads: &'a [&'t ThreadTrack], slices: &'a [(u32, u32)]) -> Self {
-        let mut runs = Vec::new();
-        let mut from = 0;
-        for i in 1..=slices.len() {
-            if i == slices.len() || slices[i].0 != slices[from].0 {
-                runs.push((from, i));
-                from = i;
-            }
-        }
-        let mut line = CpuLine {
-            threads,
-            slices,
-            next: BinaryHeap::with_capacity(runs.len()),
-            runs,
-        };
-        for run in 0..line.runs.len() {
-            line.queue(run);
-        }
-        line
+    fn new(threads: &[&'t ThreadTrack], slices: &'a [(u32, u32)]) -> Self {
+        let runs: Vec<_> = slices
+            .chunk_by(|a, b| a.0 == b.0)
+            .map(|run| (threads[run[0].0 as usize], run))
+            .collect();
+        let next = (0..runs.len())
+            .filter_map(|run| head(&runs, run).map(Reverse))
+            .collect();
+        CpuLine { runs, next }
     }
+}
 
-    fn slice(&self, at: usize) -> CpuSlice {
-        let (t, s) = self.slices[at];
-        let thread = self.threads[t as usize];
-        let slice = &thread.slices[s as usize];
-        CpuSlice {
-            start_ns: slice.start_ns,
-            end_ns: slice.end_ns,
-            tid: thread.tid,
-            pid: thread.pid,
-        }
-    }
-
-    /// Queues the next slice of `run`, if it has one.
-    fn queue(&mut self, run: usize) {
-        let (at, end) = self.runs[run];
-        if at < end {
-            let s = self.slice(at);
-            self.next
-                .push(Reverse((s.start_ns, Reverse(s.end_ns), run)));
-        }
-    }
+/// The heap entry of the next slice of `run`, if it has one.
+fn head(runs: &[(&ThreadTrack, &[(u32, u32)])], run: usize) -> Option<(u64, Reverse<u64>, usize)> {
+    let (thread, rest) = runs[run];
+    let &(_, s) = rest.first()?;
+    let slice = &thread.slices[s as usize];
+    Some((slice.start_ns, Reverse(slice.end_ns), run))
 }
 
 impl Iterator for CpuLine<'_, '_> {
     type Item = CpuSlice;
 
     fn next(&mut self) -> Option<CpuSlice> {
-        let Reverse((_, _, run)) = self.next.pop()?;
-        let at = self.runs[run].0;
-        self.runs[run].0 += 1;
-        self.queue(run);
-        Some(self.slice(at))
+        let mut top = self.next.peek_mut()?;
+        let Reverse((start_ns, Reverse(end_ns), run)) = *top;
+        let (thread, rest) = &mut self.runs[run];
+        let out = CpuSlice {
+            start_ns,
+            end_ns,
+            tid: thread.tid,
+            pid: thread.pid,
+        };
+        *rest = &rest[1..];
+        // The run's next slice takes its place: one sift instead of two.
+        match head(&self.runs, run) {
+            Some(next) => *top = Reverse(next),
+            None => {
+                std::collections::binary_heap::PeekMut::pop(top);
+            }
+        }
+        Some(out)
     }
 }
 
