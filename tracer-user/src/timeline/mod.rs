@@ -10,6 +10,9 @@
 //!   driver calls, and CPU stack samples as instants) that nest among
 //!   themselves; sinks lay them above the scheduling states.
 //!
+//! The per-CPU lines are the running states seen from each CPU, read out
+//! of the threads when written (see [`Timeline::cpu_lines`]).
+//!
 //! Per GPU (`devices`) it keeps the work the host submitted to each stream
 //! (see [`cuda`]); a framework's own planes ride along (see [`framework`]).
 //! A trace shows the part of it a [`Window`] selects. [`assemble`] is the
