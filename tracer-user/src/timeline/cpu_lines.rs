@@ -85,6 +85,8 @@ pub struct CpuLine<'a, 't> {
     /// The next slice of each unfinished run, earliest first: start, end
     /// (the longer first) and run.
     next: BinaryHeap<Reverse<(u64, Reverse<u64>, usize)>>,
+    /// Slices still to come.
+    left: usize,
 }
 
 impl<'a, 't> CpuLine<'a, 't> {
@@ -96,7 +98,11 @@ impl<'a, 't> CpuLine<'a, 't> {
         let next = (0..runs.len())
             .filter_map(|run| head(&runs, run).map(Reverse))
             .collect();
-        CpuLine { runs, next }
+        CpuLine {
+            runs,
+            next,
+            left: slices.len(),
+        }
     }
 }
 
@@ -122,6 +128,7 @@ impl Iterator for CpuLine<'_, '_> {
             pid: thread.pid,
         };
         *rest = &rest[1..];
+        self.left -= 1;
         // The run's next slice takes its place: one sift instead of two.
         match head(&self.runs, run) {
             Some(next) => *top = Reverse(next),
@@ -130,6 +137,10 @@ impl Iterator for CpuLine<'_, '_> {
             }
         }
         Some(out)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
     }
 }
 
@@ -223,6 +234,8 @@ mod tests {
         );
         let lines = tl.cpu_lines();
         assert_eq!(lines.len(), 6);
+        let hints: Vec<_> = lines.iter().map(|(_, l)| l.size_hint()).collect();
+        assert_eq!(hints, [(4, Some(4)), (2, Some(2))]);
         let ran: Vec<u32> = lines.threads().map(|t| t.tid).collect();
         assert_eq!(ran, vec![1, 2, 3]);
     }
