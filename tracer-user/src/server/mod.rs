@@ -4,6 +4,8 @@
 //! XProf's "Capture profile" button can profile them unmodified.
 //!
 //! - [`service`]: the gRPC methods, thin: validate, ask the hub, map errors;
+//! - [`answer`]: `Profile` and `GetSnapshot` answers sent from the trace's
+//!   own buffer rather than copied into tonic's;
 //! - [`validate`]: request fields → a checked [`validate::SessionSpec`];
 //! - [`sessions`]: the hub thread that owns probes and sessions;
 //! - [`response`]: a finished timeline → `ProfileResponse`;
@@ -15,6 +17,7 @@
 //! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
 //!   half alive.
 
+pub mod answer;
 pub mod http;
 pub mod monitor;
 pub mod panics;
@@ -176,7 +179,10 @@ async fn serve(
         }
         let mut stopped = stopped.clone();
         let server = tonic::transport::Server::builder()
-            .add_service(ProfilerServiceServer::from_arc(Arc::clone(&service)))
+            .add_service(answer::Answering::new(
+                ProfilerServiceServer::from_arc(Arc::clone(&service)),
+                Arc::clone(&service),
+            ))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
                 let _ = stopped.wait_for(|s| *s).await;
             });

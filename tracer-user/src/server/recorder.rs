@@ -45,9 +45,9 @@ pub struct Retention {
 }
 
 /// What a snapshot takes while it is built and sent, per record held,
-/// beside the record: its share of the thread states, of the XSpace they
-/// make and of the copy gRPC sends (about 2.7 events and 80 bytes of
-/// XSpace per scheduler record). Measured on a flat-out ping-pong
+/// beside the record: its share of the thread states and of the XSpace
+/// they make (about 2.7 events and 80 bytes of XSpace per scheduler
+/// record), with room to spare. Measured on a flat-out ping-pong
 /// (BENCHMARKS.md, "Flight recorder").
 const SNAPSHOT_BYTES_PER_RECORD: usize = 200;
 
