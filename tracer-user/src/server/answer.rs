@@ -75,8 +75,7 @@ where
             PROFILE => Box::pin(async move {
                 let answer = async {
                     let (metadata, extensions, message) = unary(request).await?;
-                    let message = ProfileRequest::decode(message)
-                        .map_err(|e| Status::invalid_argument(format!("ProfileRequest: {e}")))?;
+                    let message = ProfileRequest::decode(message).map_err(undecodable)?;
                     let request = Request::from_parts(metadata, extensions, message);
                     Ok(server.profile(request).await?.into_inner())
                 };
@@ -85,9 +84,7 @@ where
             SNAPSHOT => Box::pin(async move {
                 let answer = async {
                     let (metadata, extensions, message) = unary(request).await?;
-                    let message = GetSnapshotRequest::decode(message).map_err(|e| {
-                        Status::invalid_argument(format!("GetSnapshotRequest: {e}"))
-                    })?;
+                    let message = GetSnapshotRequest::decode(message).map_err(undecodable)?;
                     let request = Request::from_parts(metadata, extensions, message);
                     Ok(server.get_snapshot(request).await?.into_inner())
                 };
@@ -98,7 +95,14 @@ where
     }
 }
 
+/// A request that is not the message it should be: `INTERNAL`, as tonic
+/// (and gRPC's other servers) answer it.
+fn undecodable(e: prost::DecodeError) -> Status {
+    Status::internal(format!("failed to decode Protobuf message: {e}"))
+}
+
 /// A unary call's metadata, extensions and one uncompressed message.
+/// Failures get the codes tonic gives them.
 async fn unary(
     request: http::Request<Body>,
 ) -> Result<(MetadataMap, http::Extensions, Bytes), Status> {
@@ -106,7 +110,7 @@ async fn unary(
     let body = Limited::new(body, MAX_REQUEST_BYTES + 5)
         .collect()
         .await
-        .map_err(|e| Status::invalid_argument(format!("reading the request: {e}")))?
+        .map_err(|e| Status::out_of_range(format!("reading the request: {e}")))?
         .to_bytes();
     let message = one_message(body)?;
     Ok((
@@ -119,7 +123,7 @@ async fn unary(
 /// The message of a gRPC body that holds exactly one, uncompressed.
 fn one_message(mut body: Bytes) -> Result<Bytes, Status> {
     if body.len() < 5 {
-        return Err(Status::invalid_argument("the request holds no message"));
+        return Err(Status::internal("the request holds no message"));
     }
     if body[0] != 0 {
         return Err(Status::unimplemented(
@@ -129,7 +133,7 @@ fn one_message(mut body: Bytes) -> Result<Bytes, Status> {
     let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
     let message = body.split_off(5);
     if message.len() != len {
-        return Err(Status::invalid_argument(
+        return Err(Status::internal(
             "the request must hold exactly one message",
         ));
     }
@@ -292,11 +296,8 @@ mod tests {
         assert_eq!(one_message(framed(0, 0, b"")).unwrap(), &b""[..]);
         let code = |b| one_message(b).unwrap_err().code();
         assert_eq!(code(framed(1, 3, b"abc")), tonic::Code::Unimplemented);
-        assert_eq!(code(framed(0, 4, b"abc")), tonic::Code::InvalidArgument);
-        assert_eq!(code(framed(0, 2, b"abc")), tonic::Code::InvalidArgument);
-        assert_eq!(
-            code(Bytes::from_static(b"\0\0")),
-            tonic::Code::InvalidArgument
-        );
+        assert_eq!(code(framed(0, 4, b"abc")), tonic::Code::Internal);
+        assert_eq!(code(framed(0, 2, b"abc")), tonic::Code::Internal);
+        assert_eq!(code(Bytes::from_static(b"\0\0")), tonic::Code::Internal);
     }
 }
