@@ -72,27 +72,37 @@ where
     fn call(&mut self, request: http::Request<Body>) -> Answer {
         let server = Arc::clone(&self.server);
         match request.uri().path() {
-            PROFILE => Box::pin(async move {
-                let answer = async {
-                    let (metadata, extensions, message) = unary(request).await?;
-                    let message = ProfileRequest::decode(message).map_err(undecodable)?;
-                    let request = Request::from_parts(metadata, extensions, message);
-                    Ok(server.profile(request).await?.into_inner())
-                };
-                Ok(respond(answer.await))
-            }),
-            SNAPSHOT => Box::pin(async move {
-                let answer = async {
-                    let (metadata, extensions, message) = unary(request).await?;
-                    let message = GetSnapshotRequest::decode(message).map_err(undecodable)?;
-                    let request = Request::from_parts(metadata, extensions, message);
-                    Ok(server.get_snapshot(request).await?.into_inner())
-                };
-                Ok(respond(answer.await))
-            }),
+            PROFILE => Box::pin(answered(
+                request,
+                move |r: Request<ProfileRequest>| async move { server.profile(r).await },
+            )),
+            SNAPSHOT => Box::pin(answered(
+                request,
+                move |r: Request<GetSnapshotRequest>| async move { server.get_snapshot(r).await },
+            )),
             _ => Box::pin(self.inner.call(request)),
         }
     }
+}
+
+/// The HTTP response to a unary call of `method` with a request of type
+/// `M`.
+async fn answered<M, F, A>(
+    request: http::Request<Body>,
+    method: F,
+) -> Result<http::Response<Body>, Infallible>
+where
+    M: Message + Default,
+    F: FnOnce(Request<M>) -> A,
+    A: Future<Output = Result<tonic::Response<ProfileResponse>, Status>>,
+{
+    let answer = async {
+        let (metadata, extensions, message) = unary(request).await?;
+        let message = M::decode(message).map_err(undecodable)?;
+        let request = Request::from_parts(metadata, extensions, message);
+        Ok(method(request).await?.into_inner())
+    };
+    Ok(respond(answer.await))
 }
 
 /// A request that is not the message it should be: `INTERNAL`, as tonic
