@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    CORRELATION_STAT, CaptureStats, Cuts, DeviceTrack, FlowId, Mark, MarkKind, ProcessInfo,
-    RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
-    ThreadState, ThreadTrack, Timeline, Value, Window, nest,
+    CORRELATION_STAT, CaptureStats, Cuts, DeviceTrack, FlowId, Mark, MarkKind, Peer, PeerId,
+    ProcessInfo, RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState,
+    ThreadCounters, ThreadState, ThreadTrack, Timeline, Value, Window, nest,
 };
 use crate::clock::ClockSync;
 
@@ -37,8 +37,7 @@ fn state(kind: u8, flow: Option<u8>) -> ThreadState {
         },
         1 => ThreadState::Runnable {
             cause: RunnableCause::Woken {
-                waker_tid: 1,
-                waker_pid: 1,
+                waker: PeerId::new(0).expect("a peer"),
                 flow_id: link(flow),
             },
         },
@@ -87,10 +86,8 @@ fn thread(tid: u32, (pid, cuts, states, spans, marks): ThreadParts) -> ThreadTra
     let slices = pieces(cuts)
         .into_iter()
         .zip(states.iter().cycle())
-        .map(|((start_ns, end_ns), &(kind, flow))| StateSlice {
-            start_ns,
-            end_ns,
-            state: state(kind, flow),
+        .map(|((start_ns, end_ns), &(kind, flow))| {
+            StateSlice::new(start_ns, end_ns, state(kind, flow))
         })
         .collect();
     let mut spans: Vec<Span> = spans
@@ -100,16 +97,15 @@ fn thread(tid: u32, (pid, cuts, states, spans, marks): ThreadParts) -> ThreadTra
     nest(&mut spans, Cuts::Marked);
     let mut marks: Vec<Mark> = marks
         .into_iter()
-        .map(|(ts_ns, flow)| Mark {
-            ts_ns,
-            kind: match flow {
+        .map(|(ts_ns, flow)| {
+            let kind = match flow {
                 Some(id) => MarkKind::Wakeup {
-                    tid: 1,
-                    pid: 1,
+                    woken: PeerId::new(0).expect("a peer"),
                     flow_id: link(Some(id)),
                 },
                 None => MarkKind::Exited,
-            },
+            };
+            Mark::new(ts_ns, kind)
         })
         .collect();
     marks.sort_by_key(|m| m.ts_ns);
@@ -148,6 +144,7 @@ pub fn timeline() -> impl Strategy<Value = Timeline> {
             })
             .collect();
         let mut tl = Timeline {
+            peers: vec![Peer { tid: 1, pid: 1 }],
             start_ns: 0,
             stop_ns: HORIZON,
             clock: ClockSync::from_offset(0),

@@ -340,7 +340,9 @@ mod tests {
     use super::*;
     use crate::{
         cuda_api,
-        timeline::{FlowId, ProcessInfo, RunnableCause, Span, TaskState, ThreadState, Value},
+        timeline::{
+            FlowId, Peer, PeerId, ProcessInfo, RunnableCause, Span, TaskState, ThreadState, Value,
+        },
     };
 
     const PID: u32 = 7;
@@ -386,6 +388,7 @@ mod tests {
         let sources = Sources::new(1_000, clock, vec![(PID, "p".into())]);
         let tl = assemble(sources, &Window::between(500, 2_000), 3, Some("why".into()));
         let expected = Timeline {
+            peers: Vec::new(),
             start_ns: 1_000,
             stop_ns: 2_000,
             clock,
@@ -449,12 +452,15 @@ mod tests {
         let slices: Vec<(u64, u64, ThreadState)> = t
             .slices
             .iter()
-            .map(|s| (s.start_ns, s.end_ns, s.state))
+            .map(|s| (s.start_ns, s.end_ns, s.state()))
             .collect();
         // The waker's line shows its wake-up mark: the flow has both ends.
+        let waker = tl
+            .peers
+            .iter()
+            .position(|&p| p == Peer { tid: PID, pid: PID });
         let woken = RunnableCause::Woken {
-            waker_tid: PID,
-            waker_pid: PID,
+            waker: waker.and_then(PeerId::new).expect("the waker is a peer"),
             flow_id: FlowId::new(1),
         };
         let sleeping = TaskState::Sleeping;

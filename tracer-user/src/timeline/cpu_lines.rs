@@ -28,7 +28,7 @@ impl Timeline {
             // A thread's consecutive runs are mostly on one CPU.
             let mut last: Option<(u32, &mut Vec<(u32, u32)>)> = None;
             for (s, slice) in thread.slices.iter().enumerate() {
-                let ThreadState::Running { cpu } = slice.state else {
+                let ThreadState::Running { cpu } = slice.state() else {
                     continue;
                 };
                 let line = match last {
@@ -159,15 +159,17 @@ mod tests {
             name: format!("t{tid}"),
             slices: slices
                 .iter()
-                .map(|&(start_ns, end_ns, cpu)| StateSlice {
-                    start_ns,
-                    end_ns,
-                    state: match cpu {
-                        Some(cpu) => ThreadState::Running { cpu },
-                        None => ThreadState::Blocked {
-                            state: TaskState::Sleeping,
+                .map(|&(start_ns, end_ns, cpu)| {
+                    StateSlice::new(
+                        start_ns,
+                        end_ns,
+                        match cpu {
+                            Some(cpu) => ThreadState::Running { cpu },
+                            None => ThreadState::Blocked {
+                                state: TaskState::Sleeping,
+                            },
                         },
-                    },
+                    )
                 })
                 .collect(),
             marks: vec![],
@@ -182,6 +184,7 @@ mod tests {
             stop_ns: 100,
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads: threads.into_iter().map(|t| (t.tid, t)).collect(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),

@@ -1158,6 +1158,7 @@ mod tests {
                 clock: crate::clock::ClockSync::from_offset(0),
                 processes: BTreeMap::new(),
                 threads: BTreeMap::new(),
+                peers: Vec::new(),
                 devices: BTreeMap::new(),
                 carried_planes: Vec::new(),
                 stats: Default::default(),

@@ -249,6 +249,7 @@ mod tests {
             stop_ns: u64::MAX / 2,
             clock,
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),

@@ -27,6 +27,8 @@ pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;
 pub mod nest;
+mod packed;
+mod peers;
 mod sched;
 mod sources;
 pub mod streamed;
@@ -41,6 +43,8 @@ pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
 pub use nest::{Cuts, Nestable, nest};
+use packed::{PackedMark, PackedState};
+pub use peers::{Peer, PeerId, PeerTable, peer_in};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use sources::{KernelNames, SourceStats, TraceMeSource};
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
@@ -77,8 +81,8 @@ pub enum RunnableCause {
     Yielded,
     /// Woken by another task.
     Woken {
-        waker_tid: u32,
-        waker_pid: u32,
+        /// In [`Timeline::peers`].
+        waker: PeerId,
         /// Links the waker's [`MarkKind::Wakeup`] to this slice; `None`
         /// when the trace does not show the waker's side.
         flow_id: Option<FlowId>,
@@ -159,10 +163,27 @@ impl TaskState {
 pub struct StateSlice {
     pub start_ns: u64,
     pub end_ns: u64,
-    pub state: ThreadState,
+    state: PackedState,
 }
 
 impl StateSlice {
+    pub fn new(start_ns: u64, end_ns: u64, state: ThreadState) -> Self {
+        StateSlice {
+            start_ns,
+            end_ns,
+            state: PackedState::new(state),
+        }
+    }
+
+    #[inline]
+    pub fn state(&self) -> ThreadState {
+        self.state.get()
+    }
+
+    pub fn set_state(&mut self, state: ThreadState) {
+        self.state = PackedState::new(state);
+    }
+
     pub fn duration_ns(&self) -> u64 {
         self.end_ns - self.start_ns
     }
@@ -172,16 +193,34 @@ impl StateSlice {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mark {
     pub ts_ns: u64,
-    pub kind: MarkKind,
+    kind: PackedMark,
+}
+
+impl Mark {
+    pub fn new(ts_ns: u64, kind: MarkKind) -> Self {
+        Mark {
+            ts_ns,
+            kind: PackedMark::new(kind),
+        }
+    }
+
+    #[inline]
+    pub fn kind(&self) -> MarkKind {
+        self.kind.get()
+    }
+
+    pub fn set_kind(&mut self, kind: MarkKind) {
+        self.kind = PackedMark::new(kind);
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MarkKind {
-    /// This thread woke `tid`; `flow_id` matches the woken thread's slice
-    /// (`None` when the trace does not show that slice).
+    /// This thread woke `woken` (in [`Timeline::peers`]); `flow_id`
+    /// matches the woken thread's slice (`None` when the trace does not
+    /// show that slice).
     Wakeup {
-        tid: u32,
-        pid: u32,
+        woken: PeerId,
         flow_id: Option<FlowId>,
     },
     /// This thread created a thread of its own process.
@@ -335,6 +374,8 @@ pub struct Timeline {
     pub clock: ClockSync,
     pub processes: BTreeMap<u32, ProcessInfo>,
     pub threads: BTreeMap<u32, ThreadTrack>,
+    /// The threads wake-ups name, numbered by [`PeerId`].
+    pub peers: Vec<Peer>,
     /// GPUs by ordinal, with the work submitted to them.
     pub devices: BTreeMap<u32, DeviceTrack>,
     /// Planes a framework's own profiler recorded that have no model here
@@ -346,6 +387,12 @@ pub struct Timeline {
 impl Timeline {
     pub fn duration_ns(&self) -> u64 {
         self.stop_ns - self.start_ns
+    }
+
+    /// The thread a wake-up names (tid and pid 0 if `id` is not from this
+    /// timeline).
+    pub fn peer(&self, id: PeerId) -> Peer {
+        peer_in(&self.peers, id)
     }
 
     /// Shows `visit` the start of every event a sink writes: thread lines
@@ -381,7 +428,7 @@ impl Timeline {
         self.threads
             .values()
             .flat_map(|t| &t.slices)
-            .filter(|s| matches!(s.state, ThreadState::Running { .. }))
+            .filter(|s| matches!(s.state(), ThreadState::Running { .. }))
     }
 
     /// The work on every GPU stream.

@@ -16,8 +16,8 @@ use rustc_hash::FxHashMap;
 use tracer_common::{CLONE_THREAD, PREEMPTED, WAKEUP_NEW};
 
 use super::{
-    CaptureStats, FlowId, Mark, MarkKind, ProcessInfo, RunnableCause, StateSlice, TaskState,
-    ThreadCounters, ThreadState, ThreadTrack, Timeline,
+    CaptureStats, FlowId, Mark, MarkKind, Peer, PeerTable, ProcessInfo, RunnableCause, StateSlice,
+    TaskState, ThreadCounters, ThreadState, ThreadTrack, Timeline,
 };
 use crate::{clock::ClockSync, collect::Record};
 
@@ -92,11 +92,7 @@ impl ThreadBuild {
             ThreadState::Blocked { .. } => self.counters.blocked_ns += d,
             ThreadState::Unknown => self.counters.unknown_ns += d,
         }
-        self.slices.push(StateSlice {
-            start_ns: from,
-            end_ns: to,
-            state,
-        });
+        self.slices.push(StateSlice::new(from, to, state));
         if matches!(state, ThreadState::Running { .. }) {
             2
         } else {
@@ -138,6 +134,8 @@ pub struct SchedTimelineBuilder {
     processes: BTreeMap<u32, ProcessInfo>,
     /// The next wake-up's flow id; 0 once they are all taken.
     next_flow_id: u32,
+    /// The threads wake-ups name.
+    peers: PeerTable,
     /// State slices made so far, a Running one twice (its CPU slice).
     slice_events: usize,
     records: u64,
@@ -177,6 +175,7 @@ impl SchedTimelineBuilder {
             threads: FxHashMap::default(),
             processes,
             next_flow_id: 1,
+            peers: PeerTable::default(),
             slice_events: 0,
             records: 0,
             inconsistencies: 0,
@@ -242,26 +241,21 @@ impl SchedTimelineBuilder {
                     let child = self.thread(r.child_tid, r.parent_tgid);
                     child.born_ns = Some(ts);
                     child.name = Some(name);
-                    self.thread(r.parent_tid, r.parent_tgid).marks.push(Mark {
-                        ts_ns: ts,
-                        kind: MarkKind::ThreadCreated { tid: r.child_tid },
-                    });
+                    self.thread(r.parent_tid, r.parent_tgid)
+                        .marks
+                        .push(Mark::new(ts, MarkKind::ThreadCreated { tid: r.child_tid }));
                 }
             }
             Record::Fork(r) => {
                 if r.is_thread == 0 {
-                    self.thread(r.parent_tid, r.parent_tgid).marks.push(Mark {
-                        ts_ns: ts,
-                        kind: MarkKind::ProcessForked { pid: r.child_tid },
-                    });
+                    self.thread(r.parent_tid, r.parent_tgid)
+                        .marks
+                        .push(Mark::new(ts, MarkKind::ProcessForked { pid: r.child_tid }));
                 }
             }
             Record::Exit(r) => {
                 let t = self.thread(r.tid, r.tgid);
-                t.marks.push(Mark {
-                    ts_ns: ts,
-                    kind: MarkKind::Exited,
-                });
+                t.marks.push(Mark::new(ts, MarkKind::Exited));
                 if t.name.is_none() {
                     t.name = Some(comm_to_string(&r.comm));
                 }
@@ -375,14 +369,15 @@ impl SchedTimelineBuilder {
             if self.targets.contains(&waker_pid)
                 && (self.bounds.start_ns..=self.bounds.stop_ns).contains(&ts)
             {
-                self.thread(waker_tid, waker_pid).marks.push(Mark {
-                    ts_ns: ts,
-                    kind: MarkKind::Wakeup { tid, pid, flow_id },
-                });
+                let woken = self.peers.id(Peer { tid, pid });
+                let mark = Mark::new(ts, MarkKind::Wakeup { woken, flow_id });
+                self.thread(waker_tid, waker_pid).marks.push(mark);
             }
             RunnableCause::Woken {
-                waker_tid,
-                waker_pid,
+                waker: self.peers.id(Peer {
+                    tid: waker_tid,
+                    pid: waker_pid,
+                }),
                 flow_id,
             }
         };
@@ -458,6 +453,7 @@ impl SchedTimelineBuilder {
             clock,
             processes: self.processes,
             threads,
+            peers: self.peers.into_peers(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
             stats,
@@ -537,27 +533,25 @@ mod tests {
         assert_eq!(b.counters.wakeups, 1);
         // 102 slept from the window start until woken at 1090.
         assert_eq!(
-            b.slices[0].state,
+            b.slices[0].state(),
             ThreadState::Blocked {
                 state: TaskState::Sleeping
             }
         );
         assert_eq!((b.slices[0].start_ns, b.slices[0].end_ns), (1_000, 1_090));
         let ThreadState::Runnable {
-            cause: RunnableCause::Woken {
-                waker_tid, flow_id, ..
-            },
-        } = b.slices[1].state
+            cause: RunnableCause::Woken { waker, flow_id },
+        } = b.slices[1].state()
         else {
             panic!("{:?}", b.slices[1])
         };
-        assert_eq!(waker_tid, 101);
-        assert!(a.marks.iter().any(|m| m.kind
-            == MarkKind::Wakeup {
-                tid: 102,
-                pid: PID,
-                flow_id
-            }));
+        assert_eq!(tl.peer(waker), Peer { tid: 101, pid: PID });
+        assert!(flow_id.is_some());
+        assert!(a.marks.iter().any(|m| match m.kind() {
+            MarkKind::Wakeup { woken, flow_id: f } =>
+                tl.peer(woken) == Peer { tid: 102, pid: PID } && f == flow_id,
+            _ => false,
+        }));
         // CPU 0 shows 101, then 102, then 101.
         let lines = tl.cpu_lines();
         let (cpu, line) = lines.iter().next().expect("a CPU line");
@@ -614,7 +608,7 @@ mod tests {
         assert_partition(t);
         assert_eq!(t.counters.on_cpu_ns, 100);
         assert_eq!(t.counters.unknown_ns, 500);
-        assert_eq!(t.slices[2].state, ThreadState::Unknown);
+        assert_eq!(t.slices[2].state(), ThreadState::Unknown);
         assert_eq!(tl.stats.inconsistencies, 1);
     }
 
@@ -654,7 +648,7 @@ mod tests {
             (ran.slices[0].start_ns, ran.slices[0].end_ns),
             (1_500, 1_800)
         );
-        assert!(matches!(ran.slices[0].state, ThreadState::Running { .. }));
+        assert!(matches!(ran.slices[0].state(), ThreadState::Running { .. }));
         assert_eq!(tl.threads[&9].slices[0].start_ns, 1_500);
         assert_eq!(tl.threads[&8].slices[0].start_ns, 1_000);
     }
@@ -662,8 +656,8 @@ mod tests {
     /// A capture's memory is mostly its slices and marks: they stay small.
     #[test]
     fn slices_and_marks_stay_small() {
-        assert_eq!(size_of::<StateSlice>(), 32);
-        assert_eq!(size_of::<Mark>(), 24);
+        assert_eq!(size_of::<StateSlice>(), 24);
+        assert_eq!(size_of::<Mark>(), 16);
     }
 
     #[test]

@@ -342,6 +342,7 @@ mod tests {
             stop_ns: 10_000,
             clock: ClockSync::from_offset(1_000_000),
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),

@@ -217,15 +217,15 @@ impl IdSet {
     }
 }
 
-fn wake_flow(kind: &MarkKind) -> Option<u64> {
-    match *kind {
+fn wake_flow(kind: MarkKind) -> Option<u64> {
+    match kind {
         MarkKind::Wakeup { flow_id, .. } => flow_id.map(|f| f.get().into()),
         _ => None,
     }
 }
 
-fn woken_flow(state: &ThreadState) -> Option<u64> {
-    match *state {
+fn woken_flow(state: ThreadState) -> Option<u64> {
+    match state {
         ThreadState::Runnable {
             cause: RunnableCause::Woken { flow_id, .. },
         } => flow_id.map(|f| f.get().into()),
@@ -240,30 +240,45 @@ fn unlink_dangling(tl: &mut Timeline) {
     let wakes = IdSet::new(
         threads()
             .flat_map(|t| &t.marks)
-            .filter_map(|m| wake_flow(&m.kind))
+            .filter_map(|m| wake_flow(m.kind()))
             .collect(),
     );
     let woken = IdSet::new(
         threads()
             .flat_map(|t| &t.slices)
-            .filter_map(|s| woken_flow(&s.state))
+            .filter_map(|s| woken_flow(s.state()))
             .collect(),
     );
     for t in tl.threads.values_mut() {
         for m in &mut t.marks {
-            if let MarkKind::Wakeup { flow_id, .. } = &mut m.kind
-                && flow_id.is_some_and(|id| !woken.contains(id.get().into()))
+            if let MarkKind::Wakeup {
+                woken: peer,
+                flow_id: Some(id),
+            } = m.kind()
+                && !woken.contains(id.get().into())
             {
-                *flow_id = None;
+                m.set_kind(MarkKind::Wakeup {
+                    woken: peer,
+                    flow_id: None,
+                });
             }
         }
         for s in &mut t.slices {
             if let ThreadState::Runnable {
-                cause: RunnableCause::Woken { flow_id, .. },
-            } = &mut s.state
-                && flow_id.is_some_and(|id| !wakes.contains(id.get().into()))
+                cause:
+                    RunnableCause::Woken {
+                        waker,
+                        flow_id: Some(id),
+                    },
+            } = s.state()
+                && !wakes.contains(id.get().into())
             {
-                *flow_id = None;
+                s.set_state(ThreadState::Runnable {
+                    cause: RunnableCause::Woken {
+                        waker,
+                        flow_id: None,
+                    },
+                });
             }
         }
     }
@@ -343,7 +358,7 @@ mod tests {
             for m in &t.marks {
                 if let MarkKind::Wakeup {
                     flow_id: Some(id), ..
-                } = m.kind
+                } = m.kind()
                 {
                     out.insert(id);
                 }
@@ -354,7 +369,7 @@ mod tests {
                         RunnableCause::Woken {
                             flow_id: Some(id), ..
                         },
-                } = s.state
+                } = s.state()
                 {
                     into.insert(id);
                 }
@@ -454,6 +469,7 @@ mod tests {
             stop_ns: 1000,
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
@@ -467,10 +483,8 @@ mod tests {
                     pid,
                     name: format!("t{tid}"),
                     slices: (0..10)
-                        .map(|i| StateSlice {
-                            start_ns: i * 100,
-                            end_ns: (i + 1) * 100,
-                            state: ThreadState::Running { cpu: 0 },
+                        .map(|i| {
+                            StateSlice::new(i * 100, (i + 1) * 100, ThreadState::Running { cpu: 0 })
                         })
                         .collect(),
                     marks: vec![],

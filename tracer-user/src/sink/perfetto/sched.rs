@@ -46,13 +46,13 @@ fn state_from(thread: &ThreadTrack, ts_ns: u64) -> Option<ThreadState> {
         .slices
         .get(i)
         .filter(|s| s.start_ns == ts_ns)
-        .map(|s| s.state)
+        .map(|s| s.state())
 }
 
 /// The CPU `thread` ran on at `ts_ns`, if it was running.
 fn cpu_at(thread: &ThreadTrack, ts_ns: u64) -> Option<u32> {
     let i = thread.slices.partition_point(|s| s.end_ns <= ts_ns);
-    match thread.slices.get(i)?.state {
+    match thread.slices.get(i)?.state() {
         ThreadState::Running { cpu } => Some(cpu),
         _ => None,
     }
@@ -61,7 +61,7 @@ fn cpu_at(thread: &ThreadTrack, ts_ns: u64) -> Option<u32> {
 /// The CPU `thread` ran on next after `ts_ns`.
 fn next_cpu(thread: &ThreadTrack, ts_ns: u64) -> Option<u32> {
     let i = thread.slices.partition_point(|s| s.start_ns < ts_ns);
-    thread.slices[i..].iter().find_map(|s| match s.state {
+    thread.slices[i..].iter().find_map(|s| match s.state() {
         ThreadState::Running { cpu } => Some(cpu),
         _ => None,
     })
@@ -176,10 +176,10 @@ pub(super) fn write_sched<W: Write>(
     let mut bundles: std::collections::BTreeMap<u32, Vec<FtraceEvent>> = Default::default();
     for thread in timeline.threads.values() {
         for slice in &thread.slices {
-            let waker = match slice.state {
+            let waker = match slice.state() {
                 ThreadState::Runnable {
-                    cause: RunnableCause::Woken { waker_tid, .. },
-                } => waker_tid,
+                    cause: RunnableCause::Woken { waker, .. },
+                } => timeline.peer(waker).tid,
                 ThreadState::Runnable {
                     cause: RunnableCause::Created,
                 } => 0,

@@ -9,8 +9,8 @@ use super::*;
 use crate::{
     clock::ClockSync,
     timeline::{
-        CaptureStats, DeviceTrack, FlowId, ProcessInfo, RunnableCause, StateSlice, StreamTiming,
-        StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
+        CaptureStats, DeviceTrack, FlowId, Peer, PeerId, ProcessInfo, RunnableCause, StateSlice,
+        StreamTiming, StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
     },
 };
 
@@ -29,15 +29,10 @@ fn span(name: &str, start_ns: u64, end_ns: u64, correlation: Option<u64>) -> Spa
 /// Thread 11 runs on CPU 1, sleeps, is woken by 12 (running on CPU 0)
 /// and runs again; it launches a kernel that runs on stream 1 of GPU 0.
 fn timeline() -> Timeline {
-    let slice = |start_ns, end_ns, state| StateSlice {
-        start_ns,
-        end_ns,
-        state,
-    };
+    let slice = |start_ns, end_ns, state| StateSlice::new(start_ns, end_ns, state);
     let woken = ThreadState::Runnable {
         cause: RunnableCause::Woken {
-            waker_tid: 12,
-            waker_pid: 10,
+            waker: PeerId::new(0).expect("a peer"),
             flow_id: FlowId::new(1),
         },
     };
@@ -86,6 +81,7 @@ fn timeline() -> Timeline {
         ),
     ]);
     Timeline {
+        peers: vec![Peer { tid: 12, pid: 10 }],
         start_ns: 100,
         stop_ns: 1_000,
         clock: ClockSync::from_offset(5_000),

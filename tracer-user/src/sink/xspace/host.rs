@@ -17,7 +17,8 @@ use super::{
     flow_stat_value,
 };
 use crate::timeline::{
-    CpuLines, FlowId, MarkKind, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack, Timeline,
+    CpuLines, FlowId, MarkKind, Peer, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack,
+    Timeline, peer_in,
 };
 
 /// Writes the host planes to `out`, `/host:CPU` first, then those of the
@@ -70,7 +71,7 @@ fn write_thread_plane<'a, W: PlaneOut>(
             .processes
             .get(&t.pid)
             .map_or("", |p| p.name.as_str());
-        stream.line(|out| plane.write(t, process, ps, out))?;
+        stream.line(|out| plane.write(t, process, &timeline.peers, ps, out))?;
     }
     stream.end(plane.plane)
 }
@@ -82,7 +83,7 @@ fn blocked_throughout(thread: &ThreadTrack) -> bool {
         && thread
             .slices
             .iter()
-            .all(|s| matches!(s.state, ThreadState::Blocked { .. }))
+            .all(|s| matches!(s.state(), ThreadState::Blocked { .. }))
         && thread.spans.is_empty()
         && thread.marks.is_empty()
 }
@@ -100,11 +101,13 @@ impl HostThreads {
         HostThreads { plane, ids }
     }
 
-    /// Encodes `t`'s line into `out` (`process` is its process's name).
+    /// Encodes `t`'s line into `out` (`process` is its process's name,
+    /// `peers` the timeline's).
     fn write(
         &mut self,
         t: &ThreadTrack,
         process: &str,
+        peers: &[Peer],
         ps: &impl Fn(u64) -> i64,
         out: &mut LineOut<'_>,
     ) {
@@ -119,6 +122,7 @@ impl HostThreads {
                 slices: t.slices.iter(),
                 edges: &edges,
                 ids,
+                peers,
                 ps,
                 current: None,
             };
@@ -132,7 +136,7 @@ impl HostThreads {
                 }
             });
             let marks = t.marks.iter().map(|m| {
-                let (name, stats) = ids.mark(&m.kind);
+                let (name, stats) = ids.mark(m.kind(), peers);
                 LineEvent {
                     metadata_id: name,
                     offset_ps: ps(m.ts_ns),
@@ -226,6 +230,7 @@ struct StateEvents<'a, P: Fn(u64) -> i64> {
     slices: std::slice::Iter<'a, StateSlice>,
     edges: &'a [u64],
     ids: &'a SchedIds,
+    peers: &'a [Peer],
     ps: P,
     /// The state being cut: its name, stats, where the next piece starts
     /// and where the state ends.
@@ -245,7 +250,7 @@ impl<'a, P: Fn(u64) -> i64> Iterator for StateEvents<'a, P> {
             Some(c) => c,
             None => {
                 let s = self.slices.next()?;
-                let (name, stats) = self.ids.state(&s.state);
+                let (name, stats) = self.ids.state(s.state(), self.peers);
                 (name, stats, s.start_ns, s.end_ns)
             }
         };
@@ -337,7 +342,7 @@ impl SchedIds {
             });
         };
         for s in &thread.slices {
-            match s.state {
+            match s.state() {
                 ThreadState::Runnable {
                     cause: RunnableCause::Yielded,
                 } => need(YIELDED, false),
@@ -357,7 +362,7 @@ impl SchedIds {
             }
         }
         for m in &thread.marks {
-            match m.kind {
+            match m.kind() {
                 MarkKind::ThreadCreated { .. } => {
                     need(THREAD_CREATED, true);
                     need(TID, false);
@@ -378,22 +383,19 @@ impl SchedIds {
     }
 
     /// The event name and stats of a scheduling state.
-    fn state(&self, state: &ThreadState) -> (i64, EventStats<'static>) {
+    fn state(&self, state: ThreadState, peers: &[Peer]) -> (i64, EventStats<'static>) {
         let one = |s: Stat| EventStats::inline(&[s]);
-        match *state {
+        match state {
             ThreadState::Running { cpu } => (self.running, one(Stat::i64(self.cpu, cpu.into()))),
             ThreadState::Runnable { cause } => {
                 let cause_is = |id| Stat::reference(self.cause, id);
                 let stats = match cause {
-                    RunnableCause::Woken {
-                        waker_tid,
-                        waker_pid,
-                        flow_id,
-                    } => {
+                    RunnableCause::Woken { waker, flow_id } => {
+                        let waker = peer_in(peers, waker);
                         let stats = [
                             cause_is(self.woken),
-                            Stat::i64(self.waker_tid, waker_tid.into()),
-                            Stat::i64(self.waker_pid, waker_pid.into()),
+                            Stat::i64(self.waker_tid, waker.tid.into()),
+                            Stat::i64(self.waker_pid, waker.pid.into()),
                             self.flow(flow_id, FlowDirection::In),
                         ];
                         EventStats::inline(&stats[..if flow_id.is_some() { 4 } else { 3 }])
@@ -423,12 +425,13 @@ impl SchedIds {
     }
 
     /// The event name and stats of an instant.
-    fn mark(&self, kind: &MarkKind) -> (i64, EventStats<'static>) {
-        match *kind {
-            MarkKind::Wakeup { tid, pid, flow_id } => {
+    fn mark(&self, kind: MarkKind, peers: &[Peer]) -> (i64, EventStats<'static>) {
+        match kind {
+            MarkKind::Wakeup { woken, flow_id } => {
+                let woken = peer_in(peers, woken);
                 let stats = [
-                    Stat::i64(self.woken_tid, tid.into()),
-                    Stat::i64(self.woken_pid, pid.into()),
+                    Stat::i64(self.woken_tid, woken.tid.into()),
+                    Stat::i64(self.woken_pid, woken.pid.into()),
                     self.flow(flow_id, FlowDirection::Out),
                 ];
                 let n = if flow_id.is_some() { 3 } else { 2 };

@@ -305,18 +305,14 @@ mod tests {
     #[test]
     fn builds_relative_lines_and_task_environment() {
         let slices = vec![
-            StateSlice {
-                start_ns: 1_000,
-                end_ns: 1_500,
-                state: ThreadState::Running { cpu: 1 },
-            },
-            StateSlice {
-                start_ns: 1_500,
-                end_ns: 2_000,
-                state: ThreadState::Blocked {
+            StateSlice::new(1_000, 1_500, ThreadState::Running { cpu: 1 }),
+            StateSlice::new(
+                1_500,
+                2_000,
+                ThreadState::Blocked {
                     state: TaskState::Sleeping,
                 },
-            },
+            ),
         ];
         let mut threads = BTreeMap::new();
         threads.insert(
@@ -341,6 +337,7 @@ mod tests {
             stop_ns: 2_000,
             clock: ClockSync::from_offset(1_000_000),
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads,
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
@@ -405,11 +402,7 @@ mod tests {
 
     #[test]
     fn idle_threads_and_cpus_get_planes_of_their_own() {
-        let slice = |start_ns, end_ns, state| StateSlice {
-            start_ns,
-            end_ns,
-            state,
-        };
+        let slice = |start_ns, end_ns, state| StateSlice::new(start_ns, end_ns, state);
         let blocked = ThreadState::Blocked {
             state: TaskState::DiskSleep,
         };
@@ -430,6 +423,7 @@ mod tests {
             stop_ns: 2_000,
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads,
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),

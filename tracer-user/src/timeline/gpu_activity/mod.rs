@@ -400,6 +400,7 @@ mod tests {
             stop_ns: 10_000_000,
             clock: ClockSync::from_offset(0),
             processes: BTreeMap::new(),
+            peers: Vec::new(),
             threads: BTreeMap::new(),
             devices: BTreeMap::new(),
             carried_planes: Vec::new(),
