@@ -117,35 +117,58 @@ impl HostThreads {
         // Spans sit above the states: cut each state at every span edge.
         let edges = t.span_edges();
         let ids = &self.ids;
-        let events = {
-            let states = StateEvents {
-                slices: t.slices.iter(),
-                edges: &edges,
-                ids,
-                peers,
-                ps,
-                current: None,
-            };
-            let spans = spans.order.iter().map(|&i| {
-                let span = &t.spans[i];
+        let states = StateEvents {
+            slices: t.slices.iter(),
+            edges: &edges,
+            ps,
+            current: None,
+        };
+        let spans_in_order = spans.order.iter().map(|&index| {
+            let span = &t.spans[index];
+            LineItem::Span {
+                index,
+                offset_ps: ps(span.start_ns),
+                duration_ps: ps(span.end_ns) - ps(span.start_ns),
+            }
+        });
+        let marks = t.marks.iter().map(|m| LineItem::Mark {
+            kind: m.kind(),
+            offset_ps: ps(m.ts_ns),
+        });
+        let events = merge(merge(states, spans_in_order), marks).map(|item| match item {
+            LineItem::State {
+                state,
+                offset_ps,
+                duration_ps,
+            } => {
+                let (metadata_id, stats) = ids.state(state, peers);
                 LineEvent {
-                    metadata_id: spans.names[i],
-                    offset_ps: ps(span.start_ns),
-                    duration_ps: ps(span.end_ns) - ps(span.start_ns),
-                    stats: EventStats::Shared(&spans.stats[spans.ranges[i].clone()]),
+                    metadata_id,
+                    offset_ps,
+                    duration_ps,
+                    stats,
                 }
-            });
-            let marks = t.marks.iter().map(|m| {
-                let (name, stats) = ids.mark(m.kind(), peers);
+            }
+            LineItem::Span {
+                index,
+                offset_ps,
+                duration_ps,
+            } => LineEvent {
+                metadata_id: spans.names[index],
+                offset_ps,
+                duration_ps,
+                stats: EventStats::Shared(&spans.stats[spans.ranges[index].clone()]),
+            },
+            LineItem::Mark { kind, offset_ps } => {
+                let (metadata_id, stats) = ids.mark(kind, peers);
                 LineEvent {
-                    metadata_id: name,
-                    offset_ps: ps(m.ts_ns),
+                    metadata_id,
+                    offset_ps,
                     duration_ps: 0,
                     stats,
                 }
-            });
-            merge(merge(states, spans), marks)
-        };
+            }
+        });
         let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
         encode_line(out, t.tid.into(), &t.name, &display, events);
     }
@@ -169,7 +192,7 @@ fn write_per_cpu_plane<W: PlaneOut>(
             metadata_id: thread_event[&s.tid],
             offset_ps: ps(s.start_ns),
             duration_ps: ps(s.end_ns) - ps(s.start_ns),
-            stats: EventStats::inline(&[
+            stats: EventStats::inline([
                 Stat::i64(tid_stat, s.tid.into()),
                 Stat::i64(pid_stat, s.pid.into()),
             ]),
@@ -181,17 +204,61 @@ fn write_per_cpu_plane<W: PlaneOut>(
     stream.end(plane)
 }
 
-/// Merges two event streams sorted by [`LineEvent::order_key`]; on equal
-/// keys `a`'s event comes first (as a stable sort of `a` then `b` would).
-struct Merge<'a, A: Iterator<Item = LineEvent<'a>>, B: Iterator<Item = LineEvent<'a>>> {
+/// An event of a thread's line before it is made: the states, spans and
+/// marks are merged by time as these (a few words each), and each becomes
+/// a [`LineEvent`] (its stats inline, over a hundred bytes) only once,
+/// as it is encoded.
+#[derive(Clone, Copy)]
+enum LineItem {
+    /// A scheduling state, or a piece of one cut at a span edge.
+    State {
+        state: ThreadState,
+        offset_ps: i64,
+        duration_ps: i64,
+    },
+    /// The thread's span `index`.
+    Span {
+        index: usize,
+        offset_ps: i64,
+        duration_ps: i64,
+    },
+    Mark {
+        kind: MarkKind,
+        offset_ps: i64,
+    },
+}
+
+impl LineItem {
+    /// [`LineEvent::order_key`] of the event it becomes.
+    fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
+        let (offset_ps, duration_ps) = match *self {
+            LineItem::State {
+                offset_ps,
+                duration_ps,
+                ..
+            }
+            | LineItem::Span {
+                offset_ps,
+                duration_ps,
+                ..
+            } => (offset_ps, duration_ps),
+            LineItem::Mark { offset_ps, .. } => (offset_ps, 0),
+        };
+        (offset_ps, std::cmp::Reverse(duration_ps))
+    }
+}
+
+/// Merges two item streams sorted by [`LineItem::order_key`]; on equal
+/// keys `a`'s item comes first (as a stable sort of `a` then `b` would).
+struct Merge<A: Iterator<Item = LineItem>, B: Iterator<Item = LineItem>> {
     a: std::iter::Peekable<A>,
     b: std::iter::Peekable<B>,
 }
 
-fn merge<'a, A, B>(a: A, b: B) -> Merge<'a, A, B>
+fn merge<A, B>(a: A, b: B) -> Merge<A, B>
 where
-    A: Iterator<Item = LineEvent<'a>>,
-    B: Iterator<Item = LineEvent<'a>>,
+    A: Iterator<Item = LineItem>,
+    B: Iterator<Item = LineItem>,
 {
     Merge {
         a: a.peekable(),
@@ -199,19 +266,19 @@ where
     }
 }
 
-impl<'a, A, B> Iterator for Merge<'a, A, B>
+impl<A, B> Iterator for Merge<A, B>
 where
-    A: Iterator<Item = LineEvent<'a>>,
-    B: Iterator<Item = LineEvent<'a>>,
+    A: Iterator<Item = LineItem>,
+    B: Iterator<Item = LineItem>,
 {
-    type Item = LineEvent<'a>;
+    type Item = LineItem;
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         (self.a.size_hint().0 + self.b.size_hint().0, None)
     }
 
     #[inline]
-    fn next(&mut self) -> Option<LineEvent<'a>> {
+    fn next(&mut self) -> Option<LineItem> {
         let Some(y) = self.b.peek() else {
             return self.a.next();
         };
@@ -223,35 +290,32 @@ where
     }
 }
 
-/// A thread's scheduling states as events, each cut at every span edge
-/// inside it (`edges` sorted, without repeats). States partition time, so
-/// the edges are walked once.
+/// A thread's scheduling states as line items, each cut at every span
+/// edge inside it (`edges` sorted, without repeats). States partition
+/// time, so the edges are walked once.
 struct StateEvents<'a, P: Fn(u64) -> i64> {
     slices: std::slice::Iter<'a, StateSlice>,
     edges: &'a [u64],
-    ids: &'a SchedIds,
-    peers: &'a [Peer],
     ps: P,
-    /// The state being cut: its name, stats, where the next piece starts
-    /// and where the state ends.
-    current: Option<(i64, EventStats<'static>, u64, u64)>,
+    /// The state being cut: where the next piece starts and where the
+    /// state ends.
+    current: Option<(ThreadState, u64, u64)>,
 }
 
-impl<'a, P: Fn(u64) -> i64> Iterator for StateEvents<'a, P> {
-    type Item = LineEvent<'a>;
+impl<P: Fn(u64) -> i64> Iterator for StateEvents<'_, P> {
+    type Item = LineItem;
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         (self.slices.len(), None)
     }
 
     #[inline]
-    fn next(&mut self) -> Option<LineEvent<'a>> {
-        let (name, stats, from, end) = match self.current.take() {
+    fn next(&mut self) -> Option<LineItem> {
+        let (state, from, end) = match self.current.take() {
             Some(c) => c,
             None => {
                 let s = self.slices.next()?;
-                let (name, stats) = self.ids.state(s.state(), self.peers);
-                (name, stats, s.start_ns, s.end_ns)
+                (s.state(), s.start_ns, s.end_ns)
             }
         };
         while self.edges.first().is_some_and(|&e| e <= from) {
@@ -259,16 +323,15 @@ impl<'a, P: Fn(u64) -> i64> Iterator for StateEvents<'a, P> {
         }
         let to = match self.edges.first() {
             Some(&e) if e < end => {
-                self.current = Some((name, stats, e, end));
+                self.current = Some((state, e, end));
                 e
             }
             _ => end,
         };
-        Some(LineEvent {
-            metadata_id: name,
+        Some(LineItem::State {
+            state,
             offset_ps: (self.ps)(from),
             duration_ps: (self.ps)(to) - (self.ps)(from),
-            stats,
         })
     }
 }
@@ -384,7 +447,7 @@ impl SchedIds {
 
     /// The event name and stats of a scheduling state.
     fn state(&self, state: ThreadState, peers: &[Peer]) -> (i64, EventStats<'static>) {
-        let one = |s: Stat| EventStats::inline(&[s]);
+        let one = |s: Stat| EventStats::inline([s]);
         match state {
             ThreadState::Running { cpu } => (self.running, one(Stat::i64(self.cpu, cpu.into()))),
             ThreadState::Runnable { cause } => {
@@ -398,7 +461,7 @@ impl SchedIds {
                             Stat::i64(self.waker_pid, waker.pid.into()),
                             self.flow(flow_id, FlowDirection::In),
                         ];
-                        EventStats::inline(&stats[..if flow_id.is_some() { 4 } else { 3 }])
+                        EventStats::first(if flow_id.is_some() { 4 } else { 3 }, stats)
                     }
                     RunnableCause::Preempted => one(cause_is(self.preempted)),
                     RunnableCause::Yielded => one(cause_is(self.rare(YIELDED))),
@@ -433,19 +496,20 @@ impl SchedIds {
                     Stat::i64(self.woken_tid, woken.tid.into()),
                     Stat::i64(self.woken_pid, woken.pid.into()),
                     self.flow(flow_id, FlowDirection::Out),
+                    Stat::i64(0, 0),
                 ];
                 let n = if flow_id.is_some() { 3 } else { 2 };
-                (self.wakeup, EventStats::inline(&stats[..n]))
+                (self.wakeup, EventStats::first(n, stats))
             }
             MarkKind::ThreadCreated { tid } => (
                 self.rare(THREAD_CREATED),
-                EventStats::inline(&[Stat::i64(self.rare(TID), tid.into())]),
+                EventStats::inline([Stat::i64(self.rare(TID), tid.into())]),
             ),
             MarkKind::ProcessForked { pid } => (
                 self.rare(PROCESS_FORKED),
-                EventStats::inline(&[Stat::i64(self.rare(CHILD_PID), pid.into())]),
+                EventStats::inline([Stat::i64(self.rare(CHILD_PID), pid.into())]),
             ),
-            MarkKind::Exited => (self.rare(THREAD_EXIT), EventStats::inline(&[])),
+            MarkKind::Exited => (self.rare(THREAD_EXIT), EventStats::inline([])),
         }
     }
 }

@@ -489,7 +489,7 @@ mod tests {
                     metadata_id: id,
                     offset_ps: i * 1_000,
                     duration_ps: 500,
-                    stats: EventStats::inline(&[Stat::i64(id, i)]),
+                    stats: EventStats::inline([Stat::i64(id, i)]),
                 });
                 let name = format!("line {line}");
                 stream

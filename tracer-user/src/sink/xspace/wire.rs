@@ -95,18 +95,25 @@ pub enum EventStats<'a> {
 }
 
 impl<'a> EventStats<'a> {
-    /// Up to four stats, copied.
-    pub fn inline(stats: &[Stat]) -> Self {
-        assert!(stats.len() <= 4, "at most four stats inline");
+    /// Up to four stats, copied (a size known when compiled: this is on
+    /// every scheduling event's path).
+    #[inline(always)]
+    pub fn inline<const N: usize>(stats: [Stat; N]) -> Self {
+        const { assert!(N <= 4, "at most four stats inline") };
         let mut out = [Stat::i64(0, 0); 4];
-        // Stat by stat: a slice copy of a size known only here would be a
-        // call (this is on every scheduling event's path).
-        for (to, from) in out.iter_mut().zip(stats) {
-            *to = *from;
-        }
+        out[..N].copy_from_slice(&stats);
         EventStats::Inline {
-            len: stats.len() as u8,
+            len: N as u8,
             stats: out,
+        }
+    }
+
+    /// The first `len` of `stats` (at most four).
+    #[inline(always)]
+    pub fn first(len: usize, stats: [Stat; 4]) -> Self {
+        EventStats::Inline {
+            len: len.min(4) as u8,
+            stats,
         }
     }
 
