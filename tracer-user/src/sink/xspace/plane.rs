@@ -327,7 +327,11 @@ mod tests {
         let stats_b = [Stat::new(cpu, Encoded::F64(1.5)), Stat::i64(cpu, 0)];
         // More than 127 bytes: a two-byte length.
         let stats_c = [Stat::u64(cpu, u64::MAX); 10];
+        // As many stats as are encoded in place, and still a two-byte
+        // length (negative ids and values take ten bytes each).
+        let stats_d = [Stat::i64(-1, i64::MIN); 4];
         // Queued out of order; sorted by start, longest first.
+        b.push_event(-1, -1, -1, &stats_d);
         b.push_event(running, 500, 0, &stats_b);
         b.push_event(step, 900, -1, &stats_c);
         b.push_event(step, 0, 1_000, &[]);
@@ -349,6 +353,7 @@ mod tests {
                 name: "worker".into(),
                 display_name: "worker [42]".into(),
                 events: vec![
+                    event(-1, -1, -1, &stats_d),
                     event(step, 0, 1_000, &[]),
                     event(running, 0, 400, &stats_a),
                     event(running, 500, 0, &stats_b),
@@ -374,7 +379,7 @@ mod tests {
         let plane = &space.planes[0];
         assert_eq!((plane.id, plane.name.as_str()), (0, "p"));
         assert_eq!(plane.lines.len(), 2);
-        assert_eq!(plane.lines[0].events.len(), 4);
+        assert_eq!(plane.lines[0].events.len(), 5);
         assert_eq!(plane.stats.len(), 1);
         assert_eq!(plane.event_metadata.len(), 2);
     }

@@ -3,6 +3,8 @@
 //! of events per trace) and byte for byte what prost would write for the
 //! same messages, but for the padded length of very large lines.
 
+use std::mem::MaybeUninit;
+
 use ebtrace_proto::tensorflow::profiler::{XStat, x_stat};
 use prost::encoding::WireType;
 
@@ -142,38 +144,50 @@ impl LineEvent<'_> {
 
     /// Writes the `events` field (4) of an `XLine` holding this event.
     ///
-    /// The event is encoded into a buffer on the stack first (the hot
-    /// path: one per event), so that its length is known before it is
-    /// copied out once; an event with more stats than the buffer holds
-    /// takes the slower path.
+    /// The event is encoded in place, past a length of one byte (the hot
+    /// path: one per event, and nearly all take fewer than 128 bytes): a
+    /// longer one is moved up one byte after. An event with more stats
+    /// than [`EventBytes`] holds takes the slower path.
     fn encode_field(&self, out: &mut Vec<u8>) {
         let stats = self.stats.as_slice();
         if stats.len() > EventBytes::MAX_STATS {
             return self.encode_field_large(out);
         }
-        let mut body = EventBytes::new();
+        out.reserve(3 + EventBytes::CAPACITY);
+        let start = out.len();
+        let (head, rest) = out.spare_capacity_mut().split_at_mut(2);
+        let mut body = EventBytes {
+            bytes: rest,
+            len: 0,
+        };
         body.header(self);
         for s in stats {
             body.stat_field(s);
         }
-        let body = body.as_slice();
-        out.reserve(body.len() + 3);
-        out.push(key_byte(4, WireType::LengthDelimited));
-        put_varint(body.len() as u64, out);
-        out.extend_from_slice(body);
+        let len = body.len;
+        head[0].write(key_byte(4, WireType::LengthDelimited));
+        let written = if len < 0x80 {
+            head[1].write(len as u8);
+            2 + len
+        } else {
+            // At most `CAPACITY` (under 2^14): two length bytes.
+            rest.copy_within(..len, 1);
+            head[1].write(len as u8 | 0x80);
+            rest[0].write((len >> 7) as u8);
+            3 + len
+        };
+        // SAFETY: the `written` bytes past `start` (the key, the length and
+        // the body) were all written above, within the capacity reserved.
+        unsafe { out.set_len(start + written) };
     }
 
     /// [`Self::encode_field`] for an event of many stats: its parts are
-    /// encoded on the stack one by one and gathered here.
+    /// encoded one by one and gathered here.
     fn encode_field_large(&self, out: &mut Vec<u8>) {
         let mut body = Vec::new();
-        let mut part = EventBytes::new();
-        part.header(self);
-        body.extend_from_slice(part.as_slice());
+        EventBytes::append(&mut body, |b| b.header(self));
         for s in self.stats.as_slice() {
-            let mut part = EventBytes::new();
-            part.stat_field(s);
-            body.extend_from_slice(part.as_slice());
+            EventBytes::append(&mut body, |b| b.stat_field(s));
         }
         out.push(key_byte(4, WireType::LengthDelimited));
         put_varint(body.len() as u64, out);
@@ -181,29 +195,39 @@ impl LineEvent<'_> {
     }
 }
 
-/// An event's body being encoded, on the stack.
-struct EventBytes {
-    bytes: [u8; Self::CAPACITY],
+/// An event's body being encoded, straight into the spare capacity of
+/// the output (no buffer to clear, nothing to copy out).
+struct EventBytes<'a> {
+    bytes: &'a mut [MaybeUninit<u8>],
     len: usize,
 }
 
-impl EventBytes {
+impl EventBytes<'_> {
     /// Stats an event may have to be encoded here.
     const MAX_STATS: usize = 4;
     /// Three keys and three varints, then per stat a key, a length byte
     /// and a body of at most 22 bytes (two keys and two varints).
     const CAPACITY: usize = 3 * 11 + Self::MAX_STATS * 24;
 
-    fn new() -> Self {
-        EventBytes {
-            bytes: [0; Self::CAPACITY],
+    /// Appends to `out` what `write` encodes (at most [`Self::CAPACITY`]
+    /// bytes).
+    fn append(out: &mut Vec<u8>, write: impl FnOnce(&mut EventBytes<'_>)) {
+        out.reserve(Self::CAPACITY);
+        let start = out.len();
+        let mut bytes = EventBytes {
+            bytes: out.spare_capacity_mut(),
             len: 0,
-        }
+        };
+        write(&mut bytes);
+        let len = bytes.len;
+        // SAFETY: `write` wrote the `len` bytes past `start`, within the
+        // capacity reserved (every write is bounds-checked against it).
+        unsafe { out.set_len(start + len) };
     }
 
     #[inline(always)]
     fn push(&mut self, byte: u8) {
-        self.bytes[self.len] = byte;
+        self.bytes[self.len].write(byte);
         self.len += 1;
     }
 
@@ -254,19 +278,16 @@ impl EventBytes {
             }
             Encoded::F64(v) => {
                 self.push(key_byte(2, WireType::SixtyFourBit));
-                self.bytes[self.len..self.len + 8].copy_from_slice(&v.to_le_bytes());
-                self.len += 8;
+                for byte in v.to_le_bytes() {
+                    self.push(byte);
+                }
             }
             Encoded::Ref(v) => {
                 self.push(key_byte(7, WireType::Varint));
                 self.varint(v);
             }
         }
-        self.bytes[length_at] = (self.len - length_at - 1) as u8;
-    }
-
-    fn as_slice(&self) -> &[u8] {
-        &self.bytes[..self.len]
+        self.bytes[length_at].write((self.len - length_at - 1) as u8);
     }
 }
 
