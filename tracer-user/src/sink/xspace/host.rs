@@ -357,6 +357,9 @@ struct SchedIds {
     prev_state: i64,
     /// Names used by fewer events, interned on first use.
     rare: FxHashMap<&'static str, i64>,
+    /// Those of the blocked states (by [`crate::timeline::TaskState`]), looked up per
+    /// blocked state, which is not rare.
+    blocked_states: [Option<i64>; 8],
 }
 
 /// The rarer names: why a thread was runnable, blocked states, instants.
@@ -390,32 +393,44 @@ impl SchedIds {
             preempted: plane.stat_metadata("preempted"),
             prev_state: plane.stat_metadata("prev_state"),
             rare: FxHashMap::default(),
+            blocked_states: [None; 8],
         }
     }
 
     /// Interns the rarer names `thread`'s events use.
     fn prepare(&mut self, plane: &mut XPlaneBuilder, thread: &ThreadTrack) {
         let mut need = |name: &'static str, event: bool| {
-            self.rare.entry(name).or_insert_with(|| {
+            *self.rare.entry(name).or_insert_with(|| {
                 if event {
                     plane.event_metadata(name)
                 } else {
                     plane.stat_metadata(name)
                 }
-            });
+            })
         };
         for s in &thread.slices {
             match s.state() {
                 ThreadState::Runnable {
                     cause: RunnableCause::Yielded,
-                } => need(YIELDED, false),
+                } => {
+                    need(YIELDED, false);
+                }
                 ThreadState::Runnable {
                     cause: RunnableCause::Created,
-                } => need(NEW_THREAD, false),
+                } => {
+                    need(NEW_THREAD, false);
+                }
                 ThreadState::Runnable {
                     cause: RunnableCause::AtStart,
-                } => need(AT_START, false),
-                ThreadState::Blocked { state } => need(state.describe(), false),
+                } => {
+                    need(AT_START, false);
+                }
+                ThreadState::Blocked { state } => {
+                    let id = &mut self.blocked_states[state as usize];
+                    if id.is_none() {
+                        *id = Some(need(state.describe(), false));
+                    }
+                }
                 ThreadState::Unknown => {
                     need(UNKNOWN, true);
                     need(REASON, false);
@@ -434,7 +449,9 @@ impl SchedIds {
                     need(PROCESS_FORKED, true);
                     need(CHILD_PID, false);
                 }
-                MarkKind::Exited => need(THREAD_EXIT, true),
+                MarkKind::Exited => {
+                    need(THREAD_EXIT, true);
+                }
                 MarkKind::Wakeup { .. } => {}
             }
         }
@@ -471,7 +488,7 @@ impl SchedIds {
                 (self.runnable, stats)
             }
             ThreadState::Blocked { state } => {
-                let text = self.rare(state.describe());
+                let text = self.blocked_states[state as usize].expect("interned by prepare");
                 (self.blocked, one(Stat::reference(self.prev_state, text)))
             }
             ThreadState::Unknown => {
