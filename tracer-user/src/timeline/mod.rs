@@ -10,6 +10,10 @@
 //!   driver calls, and CPU stack samples as instants) that nest among
 //!   themselves; sinks lay them above the scheduling states.
 //!
+//! States and marks are the bulk of a capture's memory: each is stored in
+//! eight bytes (module `packed`), a wake-up naming the other thread by its
+//! number in the timeline's [`peers`](Timeline::peers).
+//!
 //! The per-CPU lines are the running states seen from each CPU, read out
 //! of the threads when written (see [`Timeline::cpu_lines`]).
 //!
@@ -167,6 +171,7 @@ pub struct StateSlice {
 }
 
 impl StateSlice {
+    /// `state` over `[start_ns, end_ns)`, stored packed (eight bytes).
     pub fn new(start_ns: u64, end_ns: u64, state: ThreadState) -> Self {
         StateSlice {
             start_ns,
@@ -175,11 +180,13 @@ impl StateSlice {
         }
     }
 
+    /// The state, unpacked.
     #[inline]
     pub fn state(&self) -> ThreadState {
         self.state.get()
     }
 
+    /// Replaces the state.
     pub fn set_state(&mut self, state: ThreadState) {
         self.state = PackedState::new(state);
     }
@@ -197,6 +204,7 @@ pub struct Mark {
 }
 
 impl Mark {
+    /// `kind` at `ts_ns`, stored packed (eight bytes).
     pub fn new(ts_ns: u64, kind: MarkKind) -> Self {
         Mark {
             ts_ns,
@@ -204,11 +212,13 @@ impl Mark {
         }
     }
 
+    /// The kind, unpacked.
     #[inline]
     pub fn kind(&self) -> MarkKind {
         self.kind.get()
     }
 
+    /// Replaces the kind.
     pub fn set_kind(&mut self, kind: MarkKind) {
         self.kind = PackedMark::new(kind);
     }
