@@ -12,9 +12,9 @@ use std::io;
 use rustc_hash::FxHashMap;
 
 use super::{
-    BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EventStats, FlowDirection, HOST_CPU_PLANE, LineEvent,
-    LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_line,
-    flow_stat_value,
+    BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EncodeEvent, EventStats, FlowDirection, HOST_CPU_PLANE,
+    LineEvent, LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_event,
+    encode_line, flow_stat_value,
 };
 use crate::timeline::{
     CpuLines, FlowId, MarkKind, Peer, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack,
@@ -116,7 +116,6 @@ impl HostThreads {
         let spans = InternedSpans::new(host, &t.spans);
         // Spans sit above the states: cut each state at every span edge.
         let edges = t.span_edges();
-        let ids = &self.ids;
         let states = StateEvents {
             slices: t.slices.iter(),
             edges: &edges,
@@ -135,40 +134,13 @@ impl HostThreads {
             kind: m.kind(),
             offset_ps: ps(m.ts_ns),
         });
-        let events = merge(merge(states, spans_in_order), marks).map(|item| match item {
-            LineItem::State {
-                state,
-                offset_ps,
-                duration_ps,
-            } => {
-                let (metadata_id, stats) = ids.state(state, peers);
-                LineEvent {
-                    metadata_id,
-                    offset_ps,
-                    duration_ps,
-                    stats,
-                }
-            }
-            LineItem::Span {
-                index,
-                offset_ps,
-                duration_ps,
-            } => LineEvent {
-                metadata_id: spans.names[index],
-                offset_ps,
-                duration_ps,
-                stats: EventStats::Shared(&spans.stats[spans.ranges[index].clone()]),
-            },
-            LineItem::Mark { kind, offset_ps } => {
-                let (metadata_id, stats) = ids.mark(kind, peers);
-                LineEvent {
-                    metadata_id,
-                    offset_ps,
-                    duration_ps: 0,
-                    stats,
-                }
-            }
-        });
+        let line = LineContext {
+            ids: &self.ids,
+            peers,
+            spans: &spans,
+        };
+        let events = merge(merge(states, spans_in_order), marks)
+            .map(|item| ThreadEvent { item, line: &line });
         let display = format!("{} [{}] ({} {})", t.name, t.tid, process, t.pid);
         encode_line(out, t.tid.into(), &t.name, &display, events);
     }
@@ -204,10 +176,9 @@ fn write_per_cpu_plane<W: PlaneOut>(
     stream.end(plane)
 }
 
-/// An event of a thread's line before it is made: the states, spans and
-/// marks are merged by time as these (a few words each), and each becomes
-/// a [`LineEvent`] (its stats inline, over a hundred bytes) only once,
-/// as it is encoded.
+/// An event of a thread's line: the states, spans and marks are merged by
+/// time as these (a few words each), and each makes its stats (inline,
+/// over a hundred bytes) only once it is encoded (see [`ThreadEvent`]).
 #[derive(Clone, Copy)]
 enum LineItem {
     /// A scheduling state, or a piece of one cut at a span edge.
@@ -229,7 +200,7 @@ enum LineItem {
 }
 
 impl LineItem {
-    /// [`LineEvent::order_key`] of the event it becomes.
+    /// [`LineEvent::order_key`] of the event it is.
     fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
         let (offset_ps, duration_ps) = match *self {
             LineItem::State {
@@ -245,6 +216,53 @@ impl LineItem {
             LineItem::Mark { offset_ps, .. } => (offset_ps, 0),
         };
         (offset_ps, std::cmp::Reverse(duration_ps))
+    }
+}
+
+/// What a thread line's items need to become events.
+struct LineContext<'a> {
+    ids: &'a SchedIds,
+    peers: &'a [Peer],
+    spans: &'a InternedSpans,
+}
+
+/// A thread line's item as [`encode_line`] takes it: its stats are made
+/// as it is encoded, not carried through the merge.
+struct ThreadEvent<'a> {
+    item: LineItem,
+    line: &'a LineContext<'a>,
+}
+
+impl EncodeEvent for ThreadEvent<'_> {
+    fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
+        self.item.order_key()
+    }
+
+    #[inline]
+    fn encode_field(&self, out: &mut Vec<u8>) {
+        let LineContext { ids, peers, spans } = self.line;
+        match self.item {
+            LineItem::State {
+                state,
+                offset_ps,
+                duration_ps,
+            } => {
+                let (name, stats) = ids.state(state, peers);
+                encode_event(out, name, offset_ps, duration_ps, stats.as_slice());
+            }
+            LineItem::Span {
+                index,
+                offset_ps,
+                duration_ps,
+            } => {
+                let stats = &spans.stats[spans.ranges[index].clone()];
+                encode_event(out, spans.names[index], offset_ps, duration_ps, stats);
+            }
+            LineItem::Mark { kind, offset_ps } => {
+                let (name, stats) = ids.mark(kind, peers);
+                encode_event(out, name, offset_ps, 0, stats.as_slice());
+            }
+        }
     }
 }
 

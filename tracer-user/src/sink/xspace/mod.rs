@@ -68,7 +68,9 @@ mod plane;
 mod wire;
 
 pub use plane::{PlaneOut, PlaneStream, XPlaneBuilder};
-pub use wire::{Encoded, EventStats, LineEvent, LineOut, Stat, encode_line};
+pub use wire::{
+    EncodeEvent, Encoded, EventStats, LineEvent, LineOut, Stat, encode_event, encode_line,
+};
 
 /// Stat values are the timeline's values.
 pub use crate::timeline::Value as StatValue;

@@ -141,58 +141,100 @@ impl LineEvent<'_> {
     pub fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
         (self.offset_ps, std::cmp::Reverse(self.duration_ps))
     }
+}
+
+/// An event [`encode_line`] writes: a [`LineEvent`], or a sink's own
+/// smaller one that makes its stats only as it is encoded (with
+/// [`encode_event`]), rather than carrying them.
+pub trait EncodeEvent {
+    /// See [`LineEvent::order_key`].
+    fn order_key(&self) -> (i64, std::cmp::Reverse<i64>);
 
     /// Writes the `events` field (4) of an `XLine` holding this event.
-    ///
-    /// The event is encoded in place, past a length of one byte (the hot
-    /// path: one per event, and nearly all take fewer than 128 bytes): a
-    /// longer one is moved up one byte after. An event with more stats
-    /// than [`EventBytes`] holds takes the slower path.
-    fn encode_field(&self, out: &mut Vec<u8>) {
-        let stats = self.stats.as_slice();
-        if stats.len() > EventBytes::MAX_STATS {
-            return self.encode_field_large(out);
-        }
-        out.reserve(3 + EventBytes::CAPACITY);
-        let start = out.len();
-        let (head, rest) = out.spare_capacity_mut().split_at_mut(2);
-        let mut body = EventBytes {
-            bytes: rest,
-            len: 0,
-        };
-        body.header(self);
-        for s in stats {
-            body.stat_field(s);
-        }
-        let len = body.len;
-        head[0].write(key_byte(4, WireType::LengthDelimited));
-        let written = if len < 0x80 {
-            head[1].write(len as u8);
-            2 + len
-        } else {
-            // At most `CAPACITY` (under 2^14): two length bytes.
-            rest.copy_within(..len, 1);
-            head[1].write(len as u8 | 0x80);
-            rest[0].write((len >> 7) as u8);
-            3 + len
-        };
-        // SAFETY: the `written` bytes past `start` (the key, the length and
-        // the body) were all written above, within the capacity reserved.
-        unsafe { out.set_len(start + written) };
+    fn encode_field(&self, out: &mut Vec<u8>);
+}
+
+impl EncodeEvent for LineEvent<'_> {
+    fn order_key(&self) -> (i64, std::cmp::Reverse<i64>) {
+        LineEvent::order_key(self)
     }
 
-    /// [`Self::encode_field`] for an event of many stats: its parts are
-    /// encoded one by one and gathered here.
-    fn encode_field_large(&self, out: &mut Vec<u8>) {
-        let mut body = Vec::new();
-        EventBytes::append(&mut body, |b| b.header(self));
-        for s in self.stats.as_slice() {
-            EventBytes::append(&mut body, |b| b.stat_field(s));
-        }
-        out.push(key_byte(4, WireType::LengthDelimited));
-        put_varint(body.len() as u64, out);
-        out.extend_from_slice(&body);
+    #[inline]
+    fn encode_field(&self, out: &mut Vec<u8>) {
+        encode_event(
+            out,
+            self.metadata_id,
+            self.offset_ps,
+            self.duration_ps,
+            self.stats.as_slice(),
+        );
     }
+}
+
+/// Writes the `events` field (4) of an `XLine` holding an event of
+/// `metadata_id`, times and `stats`.
+///
+/// The event is encoded in place, past a length of one byte (the hot
+/// path: one per event, and nearly all take fewer than 128 bytes): a
+/// longer one is moved up one byte after. An event with more stats than
+/// [`EventBytes`] holds takes the slower path.
+#[inline(always)]
+pub fn encode_event(
+    out: &mut Vec<u8>,
+    metadata_id: i64,
+    offset_ps: i64,
+    duration_ps: i64,
+    stats: &[Stat],
+) {
+    if stats.len() > EventBytes::MAX_STATS {
+        return encode_large_event(out, metadata_id, offset_ps, duration_ps, stats);
+    }
+    out.reserve(3 + EventBytes::CAPACITY);
+    let start = out.len();
+    let (head, rest) = out.spare_capacity_mut().split_at_mut(2);
+    let mut body = EventBytes {
+        bytes: rest,
+        len: 0,
+    };
+    body.header(metadata_id, offset_ps, duration_ps);
+    for s in stats {
+        body.stat_field(s);
+    }
+    let len = body.len;
+    head[0].write(key_byte(4, WireType::LengthDelimited));
+    let written = if len < 0x80 {
+        head[1].write(len as u8);
+        2 + len
+    } else {
+        // At most `CAPACITY` (under 2^14): two length bytes.
+        rest.copy_within(..len, 1);
+        head[1].write(len as u8 | 0x80);
+        rest[0].write((len >> 7) as u8);
+        3 + len
+    };
+    // SAFETY: the `written` bytes past `start` (the key, the length and the
+    // body) were all written above, within the capacity reserved.
+    unsafe { out.set_len(start + written) };
+}
+
+/// [`encode_event`] for an event of many stats: its parts are encoded one
+/// by one and gathered here.
+#[cold]
+fn encode_large_event(
+    out: &mut Vec<u8>,
+    metadata_id: i64,
+    offset_ps: i64,
+    duration_ps: i64,
+    stats: &[Stat],
+) {
+    let mut body = Vec::new();
+    EventBytes::append(&mut body, |b| b.header(metadata_id, offset_ps, duration_ps));
+    for s in stats {
+        EventBytes::append(&mut body, |b| b.stat_field(s));
+    }
+    out.push(key_byte(4, WireType::LengthDelimited));
+    put_varint(body.len() as u64, out);
+    out.extend_from_slice(&body);
 }
 
 /// An event's body being encoded, straight into the spare capacity of
@@ -251,11 +293,11 @@ impl EventBytes<'_> {
     /// An `XEvent`'s fields but its stats: metadata_id = 1, offset_ps = 2
     /// (a oneof member: always written), duration_ps = 3.
     #[inline(always)]
-    fn header(&mut self, event: &LineEvent<'_>) {
-        self.int64(1, event.metadata_id);
+    fn header(&mut self, metadata_id: i64, offset_ps: i64, duration_ps: i64) {
+        self.int64(1, metadata_id);
         self.push(key_byte(2, WireType::Varint));
-        self.varint(event.offset_ps as u64);
-        self.int64(3, event.duration_ps);
+        self.varint(offset_ps as u64);
+        self.int64(3, duration_ps);
     }
 
     /// A `stats` field (4) of an `XEvent`. `XStat`: metadata_id = 1; the
@@ -405,12 +447,12 @@ impl LineOut<'_> {
 /// an `XPlane`; the events must come sorted by [`LineEvent::order_key`]
 /// (parents before children). They are encoded in place, as they come:
 /// nothing is held per event.
-pub fn encode_line<'a>(
+pub fn encode_line<E: EncodeEvent>(
     out: &mut LineOut<'_>,
     id: i64,
     name: &str,
     display_name: &str,
-    events: impl IntoIterator<Item = LineEvent<'a>>,
+    events: impl IntoIterator<Item = E>,
 ) {
     let events = events.into_iter();
     // A typical event takes about 30 bytes.
