@@ -54,20 +54,34 @@ pub fn peer_in(peers: &[Peer], id: PeerId) -> Peer {
 pub struct PeerTable {
     peers: Vec<Peer>,
     ids: FxHashMap<Peer, PeerId>,
+    /// The last peer numbered per slot of its tid's low bits: a wake-up
+    /// names one of a few threads most of the time, each twice (as the
+    /// woken and as the waker).
+    recent: [Option<(Peer, PeerId)>; RECENT],
 }
+
+/// Slots of [`PeerTable::recent`].
+const RECENT: usize = 32;
 
 impl PeerTable {
     /// The number of `peer`, given on first sight. Past 2^29 distinct
     /// threads (a hundred times Linux's whole pid space, and gigabytes of
     /// table) later ones share the last number.
     pub fn id(&mut self, peer: Peer) -> PeerId {
-        *self.ids.entry(peer).or_insert_with(|| {
+        if let Some((seen, id)) = self.recent[peer.tid as usize % RECENT]
+            && seen == peer
+        {
+            return id;
+        }
+        let id = *self.ids.entry(peer).or_insert_with(|| {
             let id = PeerId::new(self.peers.len()).unwrap_or(PeerId(PeerId::MAX));
             if id.index() == self.peers.len() {
                 self.peers.push(peer);
             }
             id
-        })
+        });
+        self.recent[peer.tid as usize % RECENT] = Some((peer, id));
+        id
     }
 
     /// The peers, in the order of their numbers.
