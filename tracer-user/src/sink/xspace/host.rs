@@ -481,6 +481,7 @@ impl SchedIds {
     }
 
     /// The event name and stats of a scheduling state.
+    #[inline]
     fn state(&self, state: ThreadState, peers: &[Peer]) -> (i64, EventStats<'static>) {
         let one = |s: Stat| EventStats::inline([s]);
         match state {
@@ -523,6 +524,7 @@ impl SchedIds {
     }
 
     /// The event name and stats of an instant.
+    #[inline]
     fn mark(&self, kind: MarkKind, peers: &[Peer]) -> (i64, EventStats<'static>) {
         match kind {
             MarkKind::Wakeup { woken, flow_id } => {
