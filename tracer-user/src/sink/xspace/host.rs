@@ -375,8 +375,8 @@ struct SchedIds {
     prev_state: i64,
     /// Names used by fewer events, interned on first use.
     rare: FxHashMap<&'static str, i64>,
-    /// Those of the blocked states (by [`crate::timeline::TaskState`]), looked up per
-    /// blocked state, which is not rare.
+    /// Those of the blocked states, by [`crate::timeline::TaskState`]:
+    /// looked up for every blocked state, which is not rare.
     blocked_states: [Option<i64>; 8],
 }
 
