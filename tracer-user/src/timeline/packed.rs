@@ -22,6 +22,7 @@ const BLOCKED: u64 = 6;
 const UNKNOWN: u64 = 7;
 const STATE_TAG_BITS: u32 = 3;
 
+/// Every task state, in declaration order: a packed one is its index.
 const TASK_STATES: [TaskState; 8] = [
     TaskState::Sleeping,
     TaskState::DiskSleep,
@@ -43,7 +44,12 @@ fn peer(packed: u64, tag_bits: u32) -> PeerId {
 }
 
 fn flow(packed: u64) -> Option<FlowId> {
-    FlowId::new((packed >> 32) as u32)
+    FlowId::new(high(packed))
+}
+
+/// `value` in the high 32 bits above `tag`.
+fn with_high(tag: u64, value: u32) -> u64 {
+    tag | u64::from(value) << 32
 }
 
 /// A field in the high 32 bits.
@@ -53,9 +59,8 @@ fn high(packed: u64) -> u32 {
 
 impl PackedState {
     pub fn new(state: ThreadState) -> Self {
-        let with = |tag: u64, value: u32| tag | u64::from(value) << 32;
         PackedState(match state {
-            ThreadState::Running { cpu } => with(RUNNING, cpu),
+            ThreadState::Running { cpu } => with_high(RUNNING, cpu),
             ThreadState::Runnable { cause } => match cause {
                 RunnableCause::Preempted => PREEMPTED,
                 RunnableCause::Yielded => YIELDED,
@@ -65,10 +70,7 @@ impl PackedState {
                 RunnableCause::Created => CREATED,
                 RunnableCause::AtStart => AT_START,
             },
-            ThreadState::Blocked { state } => {
-                let index = TASK_STATES.iter().position(|&s| s == state);
-                with(BLOCKED, index.unwrap_or(TASK_STATES.len() - 1) as u32)
-            }
+            ThreadState::Blocked { state } => with_high(BLOCKED, state as u32),
             ThreadState::Unknown => UNKNOWN,
         })
     }
@@ -113,11 +115,10 @@ const MARK_TAG_BITS: u32 = 2;
 
 impl PackedMark {
     pub fn new(kind: MarkKind) -> Self {
-        let with = |tag: u64, value: u32| tag | u64::from(value) << 32;
         PackedMark(match kind {
             MarkKind::Wakeup { woken, flow_id } => link(WAKEUP, MARK_TAG_BITS, woken, flow_id),
-            MarkKind::ThreadCreated { tid } => with(THREAD_CREATED, tid),
-            MarkKind::ProcessForked { pid } => with(PROCESS_FORKED, pid),
+            MarkKind::ThreadCreated { tid } => with_high(THREAD_CREATED, tid),
+            MarkKind::ProcessForked { pid } => with_high(PROCESS_FORKED, pid),
             MarkKind::Exited => EXITED,
         })
     }
