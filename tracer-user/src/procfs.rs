@@ -1,7 +1,13 @@
 //! What `/proc` tells about the traced processes: existence, threads,
 //! names and the state each thread is in when the capture starts.
 
-use std::{collections::BTreeMap, fs, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    fs,
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::PathBuf,
+    sync::Arc,
+};
 
 use crate::error::{Error, Result};
 
@@ -53,11 +59,19 @@ pub fn parse_stat(line: &str) -> Option<TaskStat> {
 pub struct TargetProcess {
     pub pid: u32,
     pub name: String,
+    /// A pidfd of it, readable once it has exited: a watcher asks many
+    /// times a second whether its targets still run, and reading `/proc`
+    /// each time would cost more than the rest of its work. None where
+    /// the kernel has no pidfds.
+    exit_fd: Option<Arc<OwnedFd>>,
 }
 
 impl TargetProcess {
     /// Checks that `pid` names a live process (not a thread of another one).
     pub fn open(pid: u32) -> Result<Self> {
+        // Opened before the process is checked, so that it is the process
+        // checked, not one that took its pid after.
+        let exit_fd = pidfd_open(pid).ok().map(Arc::new);
         let stat = fs::read_to_string(proc_root().join(pid.to_string()).join("stat"))
             .ok()
             .and_then(|s| parse_stat(&s))
@@ -73,6 +87,7 @@ impl TargetProcess {
         Ok(TargetProcess {
             pid,
             name: stat.comm,
+            exit_fd,
         })
     }
 
@@ -89,10 +104,35 @@ impl TargetProcess {
             .collect()
     }
 
-    /// True while the process exists and has not exited (zombies count as gone).
+    /// True while the process exists and has not exited (zombies count as
+    /// gone). Never true of a process that took the pid after it.
     pub fn is_alive(&self) -> bool {
-        is_alive(self.pid)
+        let Some(fd) = &self.exit_fd else {
+            return is_alive(self.pid);
+        };
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait.
+        match unsafe { libc::poll(&mut pfd, 1, 0) } {
+            0 => true,
+            1 => pfd.revents & libc::POLLIN == 0,
+            _ => is_alive(self.pid),
+        }
     }
+}
+
+/// A pidfd of process `pid` (Linux 5.3+).
+pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: plain syscall.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
 /// True while process `pid` exists and has not exited (zombies count as gone).
@@ -222,6 +262,28 @@ mod tests {
         let started = start_time_ticks(me).unwrap();
         assert!(started > 0);
         assert_eq!(start_time_ticks(me), Some(started));
+    }
+
+    /// Gone once it exited, before it is reaped (a zombie), as `/proc`
+    /// says; and not alive again when reaped.
+    #[test]
+    fn a_child_that_exits_is_gone_while_still_a_zombie() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let target = TargetProcess::open(child.id()).unwrap();
+        assert!(target.exit_fd.is_some(), "no pidfd on this kernel");
+        assert!(target.is_alive());
+        child.kill().unwrap();
+        let gone = std::time::Instant::now();
+        while target.is_alive() {
+            assert!(gone.elapsed().as_secs() < 10, "still alive after SIGKILL");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!is_alive(child.id()), "/proc still shows it running");
+        child.wait().unwrap();
+        assert!(!target.is_alive());
     }
 
     #[test]

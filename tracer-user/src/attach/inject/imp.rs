@@ -74,17 +74,10 @@ fn take_fd(pid: u32, pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, InjectError> {
 }
 
 fn pidfd_open(pid: u32) -> Result<OwnedFd, InjectError> {
-    // SAFETY: plain syscall.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0) };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ESRCH) => InjectError::NoSuchProcess { pid },
-            _ => io_err(format!("pidfd_open of pid {pid} (needs Linux 5.3+)"), e),
-        });
-    }
-    // SAFETY: a fresh descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+    crate::procfs::pidfd_open(pid).map_err(|e| match e.raw_os_error() {
+        Some(libc::ESRCH) => InjectError::NoSuchProcess { pid },
+        _ => io_err(format!("pidfd_open of pid {pid} (needs Linux 5.3+)"), e),
+    })
 }
 
 /// Calls on the thread of a session, by function name.
