@@ -202,6 +202,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
 /// a task's birth, fork, exit or new name), checked as [`decode`] checks
 /// it: the records a collector keeps as the probes wrote them. `None` for
 /// any other kind, and for bytes [`decode`] would refuse (it says why).
+#[inline]
 pub fn scheduler_record_len(bytes: &[u8]) -> Option<usize> {
     let header = header(bytes)?;
     let expected = match RecordKind::from_u16(header.kind)? {

@@ -15,6 +15,10 @@ use super::decode::{Record, decode, encode};
 /// second fills only about 1,200 a second.
 const CHUNK_BYTES: usize = 16 * 1024;
 
+/// The size of a switch and of a wake-up record.
+const COMMON_RECORD_BYTES: usize = size_of::<tracer_common::SchedSwitch>();
+const _: () = assert!(size_of::<tracer_common::SchedWakeup>() == COMMON_RECORD_BYTES);
+
 /// Records one after the other, each starting with its header (whose
 /// `size` leads to the next), in chunks kept in the order they filled.
 #[derive(Debug, Default)]
@@ -49,10 +53,25 @@ impl EncodedRecords {
 
     /// Keeps `bytes`, one whole record (see
     /// [`super::decode::scheduler_record_len`]).
+    #[inline]
     pub fn push_bytes(&mut self, bytes: &[u8]) {
         let ts_ns = u64::from_ne_bytes(bytes[8..16].try_into().expect("a record has a header"));
         let chunk = self.chunk_for(bytes.len());
-        chunk.bytes.extend_from_slice(bytes);
+        // Most records of a flood are switches and wake-ups of one size:
+        // copied as such, not through a call to `memmove`.
+        let filled = chunk.bytes.len();
+        match chunk
+            .bytes
+            .spare_capacity_mut()
+            .get_mut(..COMMON_RECORD_BYTES)
+        {
+            Some(room) if bytes.len() == COMMON_RECORD_BYTES => {
+                room.write_copy_of_slice(bytes);
+                // SAFETY: the bytes up to there were just written.
+                unsafe { chunk.bytes.set_len(filled + COMMON_RECORD_BYTES) };
+            }
+            _ => chunk.bytes.extend_from_slice(bytes),
+        }
         chunk.note(ts_ns);
         self.len += 1;
     }
@@ -71,23 +90,29 @@ impl EncodedRecords {
     }
 
     /// The chunk with room for `len` more bytes: the newest, or a new one.
+    #[inline]
     fn chunk_for(&mut self, len: usize) -> &mut Chunk {
         let full = self
             .chunks
             .back()
             .is_none_or(|c| c.bytes.len() + len > c.bytes.capacity());
         if full {
-            let mut bytes = self.spare.take().unwrap_or_default();
-            bytes.clear();
-            bytes.reserve_exact(CHUNK_BYTES.max(len));
-            self.chunks.push_back(Chunk {
-                bytes,
-                records: 0,
-                oldest_ns: u64::MAX,
-                newest_ns: 0,
-            });
+            self.start_chunk(len);
         }
         self.chunks.back_mut().expect("a chunk was just made")
+    }
+
+    #[cold]
+    fn start_chunk(&mut self, len: usize) {
+        let mut bytes = self.spare.take().unwrap_or_default();
+        bytes.clear();
+        bytes.reserve_exact(CHUNK_BYTES.max(len));
+        self.chunks.push_back(Chunk {
+            bytes,
+            records: 0,
+            oldest_ns: u64::MAX,
+            newest_ns: 0,
+        });
     }
 
     /// The oldest timestamp in the oldest chunk, and whether every record
@@ -144,6 +169,7 @@ impl EncodedRecords {
 }
 
 impl Chunk {
+    #[inline]
     fn note(&mut self, ts_ns: u64) {
         self.records += 1;
         self.oldest_ns = self.oldest_ns.min(ts_ns);
