@@ -364,6 +364,11 @@ impl Capture {
         self.activity.take()
     }
 
+    /// Bytes drained from the probes' ring buffer so far, and its size.
+    pub fn ring_usage(&self) -> crate::collect::RingUsage {
+        self.collector.ring_usage()
+    }
+
     /// Waits up to `timeout` for data, drains it, and reports progress.
     pub fn poll(&mut self, timeout: Duration) -> PollStatus {
         self.collector.wait(timeout);

@@ -13,7 +13,7 @@ use std::{os::fd::AsRawFd as _, time::Duration};
 
 pub use decode::{DecodeError, Record, StackSample, TraceMeEvent, decode};
 pub use encoded::EncodedRecords;
-pub use ring::{RingError, RingReader};
+pub use ring::{RingError, RingReader, RingUsage};
 
 pub struct Collector {
     ring: RingReader,
@@ -46,6 +46,11 @@ impl Collector {
 
     pub fn clear_malformed(&mut self) {
         self.decoder.malformed = 0;
+    }
+
+    /// Bytes read from the ring buffer so far, and its size.
+    pub fn ring_usage(&self) -> RingUsage {
+        self.ring.usage()
     }
 
     /// Waits until the kernel forces a wake-up or `timeout` passes.

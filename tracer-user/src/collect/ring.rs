@@ -38,6 +38,15 @@ pub enum RingError {
     Map(#[source] std::io::Error),
 }
 
+/// How much went through a ring buffer, and how much it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingUsage {
+    /// Bytes read from it so far (records and their headers).
+    pub read: u64,
+    /// Its size in bytes.
+    pub size: usize,
+}
+
 pub struct RingReader {
     /// Owns the map's descriptor.
     map: MapData,
@@ -86,6 +95,14 @@ impl RingReader {
         };
         reader.pos = reader.consumer_pos().load(Ordering::Acquire);
         Ok(reader)
+    }
+
+    /// Bytes read from the ring since it was made, and its size.
+    pub fn usage(&self) -> RingUsage {
+        RingUsage {
+            read: self.pos as u64,
+            size: self.mask + 1,
+        }
     }
 
     /// The ring buffer map's descriptor, to wait on.

@@ -15,7 +15,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tracer_common::SchedSwitch;
@@ -51,6 +51,13 @@ pub struct Retention {
 /// (BENCHMARKS.md, "Flight recorder").
 const SNAPSHOT_BYTES_PER_RECORD: usize = 200;
 
+/// The shortest and the longest time between two drains of the
+/// recorder's ring buffer. Each drain costs the same few system calls and
+/// wake-ups however little it reads, a noticeable part of an always-on
+/// recorder's CPU: it drains as seldom as the ring allows.
+const DRAIN_PERIOD_MIN: Duration = Duration::from_millis(50);
+const DRAIN_PERIOD_MAX: Duration = Duration::from_millis(250);
+
 impl Retention {
     /// Records held at most, so that they and a snapshot of them fit in
     /// [`Self::memory_bytes`]: a record is held as the probes wrote it (a
@@ -76,6 +83,10 @@ pub struct FlightRecorder {
     gone: BTreeMap<u32, u64>,
     /// Processes it could not take on ([`Self::take_on`]).
     left_out: BTreeSet<u32>,
+    /// When it last drained, and what the ring had given by then.
+    last_drain: Option<(Instant, u64)>,
+    /// When to drain next, after the last drain ([`Self::drain_period`]).
+    drain_period: Duration,
 }
 
 impl FlightRecorder {
@@ -123,6 +134,8 @@ impl FlightRecorder {
             reported: 0,
             gone: BTreeMap::new(),
             left_out: BTreeSet::new(),
+            last_drain: None,
+            drain_period: DRAIN_PERIOD_MIN,
         })
     }
 
@@ -212,6 +225,7 @@ impl FlightRecorder {
     /// Drains the probes and forgets what is older than the retention.
     pub fn tick(&mut self) {
         self.capture.poll(Duration::ZERO);
+        self.pace();
         let cutoff = clock::monotonic_ns().saturating_sub(self.retention.window.as_nanos() as u64);
         self.forgotten += self
             .capture
@@ -229,6 +243,28 @@ impl FlightRecorder {
             self.pids.remove(&pid);
             self.capture.drop_target(pid);
         }
+    }
+
+    /// How long until the ring buffer should be drained again: when it
+    /// would be a fifth full at the rate it filled since the last drain
+    /// (the probes wake a reader at a quarter), within [`DRAIN_PERIOD_MIN`]
+    /// and [`DRAIN_PERIOD_MAX`]. At the longest, a 16 MiB ring takes a jump
+    /// from nothing to 1M records a second without dropping any.
+    pub fn drain_period(&self) -> Duration {
+        self.drain_period
+    }
+
+    fn pace(&mut self) {
+        let now = Instant::now();
+        let usage = self.capture.ring_usage();
+        if let Some((then, read)) = self.last_drain {
+            self.drain_period = drain_period(
+                usage.read.saturating_sub(read),
+                now.duration_since(then),
+                usage.size,
+            );
+        }
+        self.last_drain = Some((now, usage.read));
     }
 
     /// The timeline of the last `--retain`, up to now.
@@ -269,9 +305,50 @@ impl FlightRecorder {
     }
 }
 
+/// When a ring of `ring_size` bytes that took `read` bytes in `elapsed`
+/// would be a fifth full, within [`DRAIN_PERIOD_MIN`] and
+/// [`DRAIN_PERIOD_MAX`].
+fn drain_period(read: u64, elapsed: Duration, ring_size: usize) -> Duration {
+    let bytes_per_s = read as f64 / elapsed.as_secs_f64().max(1e-3);
+    Duration::try_from_secs_f64(ring_size as f64 / 5.0 / bytes_per_s.max(1.0))
+        .unwrap_or(DRAIN_PERIOD_MAX)
+        .clamp(DRAIN_PERIOD_MIN, DRAIN_PERIOD_MAX)
+}
+
 fn pids_list(pids: &BTreeSet<u32>) -> String {
     pids.iter()
         .map(u32::to_string)
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1024 * 1024;
+
+    /// A quiet target is drained at the longest period, a flood as often
+    /// as its ring needs, and never so seldom that the fill of the last
+    /// period, kept up, would pass a fifth of the ring.
+    #[test]
+    fn the_ring_is_drained_as_seldom_as_its_fill_allows() {
+        let second = Duration::from_secs(1);
+        assert_eq!(drain_period(0, second, 16 * MIB), DRAIN_PERIOD_MAX);
+        assert_eq!(drain_period(300_000, second, 16 * MIB), DRAIN_PERIOD_MAX);
+        // 550k records a second of 48 bytes: 26 MB/s.
+        let flood = drain_period(26_400_000, second, 16 * MIB);
+        assert!(
+            flood > DRAIN_PERIOD_MIN && flood < DRAIN_PERIOD_MAX,
+            "{flood:?}"
+        );
+        assert!(26_400_000.0 * flood.as_secs_f64() <= (16 * MIB) as f64 / 5.0 * 1.000_001);
+        // The same flood in a 4 MiB ring: as often as allowed.
+        assert_eq!(drain_period(26_400_000, second, 4 * MIB), DRAIN_PERIOD_MIN);
+        // A first period of no time at all reads as a flood, not a quiet one.
+        assert_eq!(
+            drain_period(1 << 20, Duration::ZERO, 16 * MIB),
+            DRAIN_PERIOD_MIN
+        );
+    }
 }

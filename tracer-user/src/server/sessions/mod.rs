@@ -256,8 +256,11 @@ impl Hub {
             .into_iter()
             .min()
             .map_or(IDLE_WAIT, |d| Duration::from_nanos(d.saturating_sub(now)));
-        if self.running.iter().any(|r| r.capture.is_some()) || self.recorder.is_some() {
+        if self.running.iter().any(|r| r.capture.is_some()) {
             wait = wait.min(TICK);
+        }
+        if let Some(r) = &self.recorder {
+            wait = wait.min(r.drain_period());
         }
         let kept_until = self
             .kept
