@@ -201,7 +201,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
     }
     let _serial = serial();
     // ping-pong makes hundreds of thousands of records a second; 1 MiB
-    // holds about 11 thousand.
+    // holds about 3,900 (with what a snapshot of them takes).
     let workload = SchedWorkload::start_on_cpu0(&["--mode", "pingpong"]);
     let server = ServeProcess::loopback(&[
         "--pid",

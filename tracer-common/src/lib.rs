@@ -141,8 +141,9 @@ pub const CLONE_THREAD: u64 = 0x0001_0000;
 #[repr(u16)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordKind {
-    SchedSwitch = 1,
-    SchedWakeup = 2,
+    /// 1 and 2 were their 40-byte layouts.
+    SchedSwitch = 9,
+    SchedWakeup = 10,
     TaskNew = 3,
     ProcessFork = 4,
     TaskExit = 5,
@@ -160,8 +161,8 @@ pub enum RecordKind {
 impl RecordKind {
     pub const fn from_u16(v: u16) -> Option<Self> {
         Some(match v {
-            1 => Self::SchedSwitch,
-            2 => Self::SchedWakeup,
+            9 => Self::SchedSwitch,
+            10 => Self::SchedWakeup,
             3 => Self::TaskNew,
             4 => Self::ProcessFork,
             5 => Self::TaskExit,
@@ -184,7 +185,12 @@ pub struct RecordHeader {
     /// Size in bytes of the whole record, header included.
     pub size: u16,
     /// CPU the program ran on.
-    pub cpu: u32,
+    pub cpu: u16,
+    /// A small field of the record's own, here so that the most frequent
+    /// records, switches and wake-ups, take 32 bytes: see
+    /// [`SchedSwitch::prev_state`] and [`SchedWakeup::target_cpu`]; 0 in
+    /// the others.
+    pub detail: u16,
     /// `CLOCK_MONOTONIC` nanoseconds.
     pub ts_ns: u64,
 }
@@ -194,7 +200,8 @@ impl RecordHeader {
         Self {
             kind: kind as u16,
             size: size as u16,
-            cpu,
+            cpu: cpu as u16,
+            detail: 0,
             ts_ns,
         }
     }
@@ -204,6 +211,7 @@ impl RecordHeader {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct SchedSwitch {
+    /// Its `detail` is the tracepoint's `prev_state`.
     pub header: RecordHeader,
     pub prev_tid: u32,
     /// Thread group of `prev_tid` if it is traced, else 0.
@@ -211,9 +219,15 @@ pub struct SchedSwitch {
     pub next_tid: u32,
     /// Thread group of `next_tid` if it is traced, else 0.
     pub next_tgid: u32,
+}
+
+impl SchedSwitch {
     /// The tracepoint's `prev_state`: 0 = still runnable, [`PREEMPTED`]
-    /// = preempted, else one bit per reported task state (S, D, T, ...).
-    pub prev_state: u64,
+    /// = preempted, else one bit per reported task state (S, D, T, ...):
+    /// never past `PREEMPTED`, so it fits the header's `detail`.
+    pub const fn prev_state(&self) -> u64 {
+        self.header.detail as u64
+    }
 }
 
 /// `prev_state` value the kernel reports for a preempted task (`TASK_REPORT_MAX`).
@@ -227,6 +241,8 @@ pub const PREEMPTED: u64 = 0x100;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct SchedWakeup {
+    /// Its `detail` is the target CPU, with [`WAKEUP_NEW`] set for
+    /// `sched_wakeup_new`.
     pub header: RecordHeader,
     pub tid: u32,
     pub tgid: u32,
@@ -234,15 +250,32 @@ pub struct SchedWakeup {
     /// fired; for a wake-up from an interrupt, the task it interrupted).
     pub waker_tid: u32,
     pub waker_tgid: u32,
-    /// For `sched_waking`, the CPU the task last ran on; for
-    /// `sched_wakeup_new`, the CPU it was placed on.
-    pub target_cpu: u32,
-    /// [`WAKEUP_NEW`] for `sched_wakeup_new` (first wake-up of a new task).
-    pub flags: u32,
 }
 
-/// Flag in [`SchedWakeup::flags`].
-pub const WAKEUP_NEW: u32 = 1;
+/// The bit of a wake-up's `detail` set for `sched_wakeup_new` (the first
+/// wake-up of a new task).
+pub const WAKEUP_NEW: u16 = 0x8000;
+
+impl SchedWakeup {
+    /// The header's `detail` of a wake-up of a task to `target_cpu`.
+    pub const fn detail(target_cpu: u32, new: bool) -> u16 {
+        (target_cpu as u16 & !WAKEUP_NEW) | if new { WAKEUP_NEW } else { 0 }
+    }
+
+    /// For `sched_waking`, the CPU the task last ran on; for
+    /// `sched_wakeup_new`, the CPU it was placed on.
+    pub const fn target_cpu(&self) -> u32 {
+        (self.header.detail & !WAKEUP_NEW) as u32
+    }
+
+    /// A `sched_wakeup_new`: the first wake-up of a new task.
+    pub const fn is_new(&self) -> bool {
+        self.header.detail & WAKEUP_NEW != 0
+    }
+}
+
+// The two records of a scheduling flood: 32 bytes each.
+const _: () = assert!(size_of::<SchedSwitch>() == 32 && size_of::<SchedWakeup>() == 32);
 
 /// `task:task_newtask` called by a traced thread.
 #[repr(C)]
@@ -315,8 +348,8 @@ mod tests {
     #[test]
     fn layouts_are_padded_to_8_bytes() {
         assert_eq!(size_of::<RecordHeader>(), 16);
-        assert_eq!(size_of::<SchedSwitch>(), 40);
-        assert_eq!(size_of::<SchedWakeup>(), 40);
+        assert_eq!(size_of::<SchedSwitch>(), 32);
+        assert_eq!(size_of::<SchedWakeup>(), 32);
         assert_eq!(size_of::<TaskNew>(), 56);
         assert_eq!(size_of::<ProcessFork>(), 32);
         assert_eq!(size_of::<TaskExit>(), 48);
@@ -341,10 +374,12 @@ mod tests {
 
     #[test]
     fn kinds_round_trip() {
-        for k in 1..=8u16 {
+        for k in (3..=10u16).chain([20, 21]) {
             assert_eq!(RecordKind::from_u16(k).map(|k| k as u16), Some(k));
         }
-        assert!(RecordKind::from_u16(0).is_none());
-        assert!(RecordKind::from_u16(9).is_none());
+        // 1 and 2 were the switch's and the wake-up's 40-byte layouts.
+        for gone in [0, 1, 2, 11, 19, 22] {
+            assert!(RecordKind::from_u16(gone).is_none(), "{gone}");
+        }
     }
 }

@@ -24,7 +24,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     CLONE_THREAD, COMM_LEN, ProcessFork, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew,
-    TaskRename, WAKEUP_NEW, tp,
+    TaskRename, tp,
 };
 
 use crate::{
@@ -138,31 +138,33 @@ fn switch(
     if !is_recording(prev_tgid) && !is_recording(next_tgid) {
         return 0;
     }
+    let mut header = header(RecordKind::SchedSwitch, size_of::<SchedSwitch>());
+    // The kernel's states stop at TASK_REPORT_MAX (0x100).
+    header.detail = prev_state() as u16;
     emit(SchedSwitch {
-        header: header(RecordKind::SchedSwitch, size_of::<SchedSwitch>()),
+        header,
         prev_tid,
         prev_tgid,
         next_tid,
         next_tgid,
-        prev_state: prev_state(),
     });
     0
 }
 
 #[inline(always)]
-fn wakeup(ctx: &TracePointContext, flags: u32) -> u32 {
+fn wakeup(ctx: &TracePointContext, new: bool) -> u32 {
     let (Some(tid), Some(target_cpu)) = (
         read::<u32>(ctx, tp::WAKEUP_PID),
         read::<u32>(ctx, tp::WAKEUP_TARGET_CPU),
     ) else {
         return 0;
     };
-    woken(tid, target_cpu, flags)
+    woken(tid, target_cpu, new)
 }
 
 /// `sched_waking(task_struct *p)` and `sched_wakeup_new(task_struct *p)`.
 #[inline(always)]
-fn raw_wakeup(ctx: &RawTracePointContext, flags: u32) -> i32 {
+fn raw_wakeup(ctx: &RawTracePointContext, new: bool) -> i32 {
     let task: *const u8 = ctx.arg(0);
     let (Some(tid), Some(target_cpu)) = (
         task_field(task, &TASK_PID_OFFSET),
@@ -170,24 +172,24 @@ fn raw_wakeup(ctx: &RawTracePointContext, flags: u32) -> i32 {
     ) else {
         return 0;
     };
-    woken(tid, target_cpu, flags) as i32
+    woken(tid, target_cpu, new) as i32
 }
 
 #[inline(always)]
-fn woken(tid: u32, target_cpu: u32, flags: u32) -> u32 {
+fn woken(tid: u32, target_cpu: u32, new: bool) -> u32 {
     let tgid = tracked_tgid(tid);
     if !is_recording(tgid) {
         return 0;
     }
     let (waker_tid, waker_tgid) = current();
+    let mut header = header(RecordKind::SchedWakeup, size_of::<SchedWakeup>());
+    header.detail = SchedWakeup::detail(target_cpu, new);
     emit(SchedWakeup {
-        header: header(RecordKind::SchedWakeup, size_of::<SchedWakeup>()),
+        header,
         tid,
         tgid,
         waker_tid,
         waker_tgid,
-        target_cpu,
-        flags,
     });
     0
 }
@@ -196,22 +198,22 @@ fn woken(tid: u32, target_cpu: u32, flags: u32) -> u32 {
 /// waker's context (see `tracer_common::SchedWakeup`).
 #[tracepoint(category = "sched", name = "sched_waking")]
 pub fn sched_waking(ctx: TracePointContext) -> u32 {
-    wakeup(&ctx, 0)
+    wakeup(&ctx, false)
 }
 
 #[tracepoint(category = "sched", name = "sched_wakeup_new")]
 pub fn sched_wakeup_new(ctx: TracePointContext) -> u32 {
-    wakeup(&ctx, WAKEUP_NEW)
+    wakeup(&ctx, true)
 }
 
 #[raw_tracepoint(tracepoint = "sched_waking")]
 pub fn raw_sched_waking(ctx: RawTracePointContext) -> i32 {
-    raw_wakeup(&ctx, 0)
+    raw_wakeup(&ctx, false)
 }
 
 #[raw_tracepoint(tracepoint = "sched_wakeup_new")]
 pub fn raw_sched_wakeup_new(ctx: RawTracePointContext) -> i32 {
-    raw_wakeup(&ctx, WAKEUP_NEW)
+    raw_wakeup(&ctx, true)
 }
 
 /// Fires in the parent while it creates a task; only here are `clone_flags`

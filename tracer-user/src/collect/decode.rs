@@ -100,18 +100,19 @@ impl Record {
         prev_state: u64,
         next: (u32, u32),
     ) -> Record {
+        let mut header = RecordHeader::new(
+            RecordKind::SchedSwitch,
+            size_of::<SchedSwitch>(),
+            cpu,
+            ts_ns,
+        );
+        header.detail = prev_state as u16;
         Record::Switch(SchedSwitch {
-            header: RecordHeader::new(
-                RecordKind::SchedSwitch,
-                size_of::<SchedSwitch>(),
-                cpu,
-                ts_ns,
-            ),
+            header,
             prev_tid: prev.0,
             prev_tgid: prev.1,
             next_tid: next.0,
             next_tgid: next.1,
-            prev_state,
         })
     }
 
@@ -124,8 +125,6 @@ impl Record {
             tgid: woken.1,
             waker_tid: waker.0,
             waker_tgid: waker.1,
-            target_cpu: 0,
-            flags: 0,
         })
     }
 }
@@ -354,18 +353,49 @@ mod tests {
 
     #[test]
     fn decodes_a_switch() {
-        let rec = SchedSwitch {
+        let mut rec = SchedSwitch {
             header: RecordHeader::new(RecordKind::SchedSwitch, size_of::<SchedSwitch>(), 1, 99),
             prev_tid: 10,
             prev_tgid: 10,
             next_tid: 11,
             next_tgid: 0,
-            prev_state: 1,
         };
+        rec.header.detail = tracer_common::PREEMPTED as u16;
         let Record::Switch(got) = decode(&bytes_of(&rec)).unwrap() else {
             panic!("wrong kind")
         };
         assert_eq!((got.prev_tid, got.next_tid, got.header.ts_ns), (10, 11, 99));
+        assert_eq!(
+            (got.header.cpu, got.prev_state()),
+            (1, tracer_common::PREEMPTED)
+        );
+    }
+
+    /// A wake-up's target CPU and whether it is a new task's share the
+    /// header's `detail`, each read back as written.
+    #[test]
+    fn decodes_a_wakeup_of_a_new_task_and_its_target_cpu() {
+        for (cpu, new) in [
+            (0, false),
+            (0, true),
+            (5, true),
+            (4095, false),
+            (32767, true),
+        ] {
+            let mut rec = SchedWakeup {
+                header: RecordHeader::new(RecordKind::SchedWakeup, size_of::<SchedWakeup>(), 3, 7),
+                tid: 1,
+                tgid: 1,
+                waker_tid: 2,
+                waker_tgid: 2,
+            };
+            rec.header.detail = SchedWakeup::detail(cpu, new);
+            let Record::Wakeup(got) = decode(&bytes_of(&rec)).unwrap() else {
+                panic!("wrong kind")
+            };
+            assert_eq!((got.target_cpu(), got.is_new()), (cpu, new));
+            assert_eq!((got.header.cpu, got.waker_tid), (3, 2));
+        }
     }
 
     #[test]
@@ -376,8 +406,6 @@ mod tests {
             tgid: 1,
             waker_tid: 2,
             waker_tgid: 2,
-            target_cpu: 0,
-            flags: 0,
         };
         assert!(matches!(
             decode(&bytes_of(&rec)),

@@ -216,7 +216,7 @@ mod tests {
     #[test]
     fn records_come_back_as_they_were_kept() {
         let mut held = EncodedRecords::default();
-        let n = 3 * CHUNK_BYTES / 40;
+        let n = 3 * CHUNK_BYTES / COMMON_RECORD_BYTES;
         let mut bytes = Vec::new();
         for ts in 0..n as u64 {
             if ts % 2 == 0 {
@@ -242,7 +242,7 @@ mod tests {
     #[test]
     fn the_oldest_chunk_goes_first_and_its_records_are_counted() {
         let mut held = EncodedRecords::default();
-        let n = 2 * CHUNK_BYTES / 40;
+        let n = 2 * CHUNK_BYTES / COMMON_RECORD_BYTES;
         for ts in 0..n as u64 {
             held.push(&switch(1_000 + ts, 1, 2));
         }

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use rustc_hash::FxHashMap;
 
-use tracer_common::{CLONE_THREAD, PREEMPTED, WAKEUP_NEW};
+use tracer_common::{CLONE_THREAD, PREEMPTED};
 
 use super::{
     CaptureStats, FlowId, Mark, MarkKind, Peer, PeerTable, ProcessInfo, RunnableCause, StateSlice,
@@ -223,17 +223,16 @@ impl SchedTimelineBuilder {
         }
         match record {
             Record::Switch(r) => {
-                let cpu = r.header.cpu;
+                let cpu = u32::from(r.header.cpu);
                 if r.prev_tgid != 0 {
-                    self.switch_out(r.prev_tid, r.prev_tgid, cpu, r.prev_state, ts);
+                    self.switch_out(r.prev_tid, r.prev_tgid, cpu, r.prev_state(), ts);
                 }
                 if r.next_tgid != 0 {
                     self.switch_in(r.next_tid, r.next_tgid, cpu, ts);
                 }
             }
             Record::Wakeup(r) => {
-                let created = r.flags & WAKEUP_NEW != 0;
-                self.wakeup(r.tid, r.tgid, r.waker_tid, r.waker_tgid, created, ts);
+                self.wakeup(r.tid, r.tgid, r.waker_tid, r.waker_tgid, r.is_new(), ts);
             }
             Record::TaskNew(r) => {
                 if r.clone_flags & CLONE_THREAD != 0 {
