@@ -20,6 +20,10 @@ fn main() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow!("tracer-ebpf manifest has no parent directory"))?;
     let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").context("OUT_DIR")?);
     let object = out.join("tracer-ebpf");
+    // aya-build watches the eBPF crate only; the records it writes are
+    // defined beside it, and a change there must rebuild both sides.
+    let common = root_dir.join("../tracer-common/src");
+    println!("cargo:rerun-if-changed={common}");
     aya_build::build_ebpf(
         [aya_build::Package {
             name: ebpf.name.as_str(),
