@@ -27,7 +27,11 @@
 
 use std::{
     collections::BTreeSet,
-    sync::{Arc, mpsc},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+        mpsc,
+    },
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -79,6 +83,7 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
         recorder: None,
         recorder_wanted,
         delivering: Vec::new(),
+        unanswered: Arc::default(),
         detaching: Vec::new(),
         trim_at: None,
         shutting_down: false,
@@ -135,6 +140,10 @@ struct Hub {
     recorder_wanted: bool,
     /// Workers turning finished timelines into responses.
     delivering: Vec<JoinHandle<()>>,
+    /// Sessions of those workers whose answer has not gone out yet: a
+    /// worker goes on freeing the timeline after it answered, and a
+    /// client that asks again at once is not refused for it.
+    unanswered: Arc<AtomicUsize>,
     /// Workers dropping (detaching) captures nobody uses any more.
     detaching: Vec<JoinHandle<()>>,
     /// When to give freed memory back once idle (after a session ended).
@@ -165,7 +174,7 @@ impl Hub {
         self.delivering.retain(|w| !w.is_finished());
         self.waiting.len()
             + self.running.iter().map(|r| r.sessions.len()).sum::<usize>()
-            + self.delivering.len()
+            + self.unanswered.load(Ordering::Acquire)
     }
 
     fn handle(&mut self, command: Command) {
@@ -484,6 +493,7 @@ impl Hub {
     fn deliver(&mut self, session: Session, timeline: Timeline, built_in: Duration) {
         let guard = self.config.guard.clone();
         let metrics = Arc::clone(&self.config.metrics);
+        let unanswered = Unanswered::count(&self.unanswered);
         let worker = std::thread::Builder::new()
             .name("ebtrace-deliver".into())
             .spawn(move || {
@@ -506,6 +516,7 @@ impl Hub {
                         let _ = session.reply.send(Err(SessionError::Response(e)));
                     }
                 }
+                drop(unanswered);
                 drop(timeline);
                 release_free_memory();
             });
@@ -513,6 +524,23 @@ impl Hub {
             Ok(handle) => self.delivering.push(handle),
             Err(e) => eprintln!("ebtrace: cannot start a worker thread: {e}"),
         }
+    }
+}
+
+/// One session counted in [`Hub::unanswered`] until this is dropped (also
+/// when its worker could not start).
+struct Unanswered(Arc<AtomicUsize>);
+
+impl Unanswered {
+    fn count(unanswered: &Arc<AtomicUsize>) -> Self {
+        unanswered.fetch_add(1, Ordering::AcqRel);
+        Unanswered(Arc::clone(unanswered))
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
