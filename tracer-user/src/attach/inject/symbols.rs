@@ -114,13 +114,15 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
 
 /// Where `len` bytes of code can go in `pid`: the unused tail of the last
 /// page of an executable segment (file bytes past the segment, never run),
-/// 16-byte aligned. The dynamic loader and the C library are tried first;
-/// the same place is found every time.
+/// 16-byte aligned. The dynamic loader and the C library, never unloaded,
+/// are tried first; the same place is found every time.
 pub fn code_room(pid: u32, len: u64) -> Result<u64, InjectError> {
     let mut objects = mapped_objects(pid).map_err(|e| InjectError::Io {
         context: format!("reading /proc/{pid}/maps"),
         source: e,
     })?;
+    // The agent's own library goes away in the middle of an unload.
+    objects.retain(|o| !o.path.contains(super::MEMFD_NAME));
     objects.sort_by_key(|o| {
         let name = o.file_name();
         (!name.starts_with("ld-"), !is_libc(o))
