@@ -16,7 +16,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ebtrace_tests::{fixture, require_root, run_ebtrace, serial, signal, spawn_ebtrace};
+use ebtrace_tests::{
+    fixture, require_root, run_ebtrace, serial, signal, spawn_ebtrace, wait_with_deadline,
+};
 
 /// A running `inject_target`, killed when dropped.
 struct Target {
@@ -143,7 +145,9 @@ fn check_args(pid: u32, cycles: u32, library: Library) -> Vec<String> {
 /// Runs `cycles` load/ping/unload cycles; returns one JSON value a cycle.
 fn inject_check(pid: u32, cycles: u32, library: Library) -> Vec<serde_json::Value> {
     let args = check_args(pid, cycles, library);
-    let out = run_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let child = spawn_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // A takeover that deadlocks the target never ends.
+    let out = wait_with_deadline(child, Duration::from_secs(120));
     assert!(
         out.status.success(),
         "inject-check ({library:?}) failed: {}",
@@ -224,6 +228,27 @@ fn loaded_and_unloaded_in_every_thread_state_unnoticed() {
             agent_traces(target.pid)
         );
     }
+}
+
+/// A thread taken over while inside malloc (its arena locked) would wait
+/// for itself in the loader's first allocation: it is taken only where it
+/// holds no lock of the C library, and goes on unharmed.
+#[test]
+fn a_thread_busy_in_malloc_is_taken_over_outside_it() {
+    if !require_root("a_thread_busy_in_malloc_is_taken_over_outside_it") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("malloc");
+    let cycles = inject_check(target.pid, 30, Library::Agent);
+    for c in &cycles {
+        // The thread in epoll_wait is never stopped: it would see EINTR.
+        assert_eq!(c["tid"].as_u64(), Some(target.pid as u64), "{c}");
+    }
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0, "the program saw the takeover");
+    assert_eq!(target.status("TracerPid"), "0");
+    assert!(agent_traces(target.pid).is_empty());
 }
 
 fn median_us(cycles: &[serde_json::Value], phase: &str, field: &str) -> u64 {

@@ -8,47 +8,81 @@ use std::{
         fd::{FromRawFd as _, OwnedFd},
         unix::net::UnixStream,
     },
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME, process_alive,
-    session::{Session, code_len},
+    session::{RESTARTED_WAITS, Session, code_len},
     symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
 };
 
 const SYS_MEMFD_CREATE: u64 = 319;
-
-/// Syscalls a thread can be taken out of and put back into without the
-/// program seeing a difference: the kernel restarts them (or resumes them
-/// through `restart_syscall`) after a stop. `read` (0), `poll` (7),
-/// `select` (23), `pause` (34), `nanosleep` (35), `wait4` (61),
-/// `clock_nanosleep` (230), `pselect6` (270), `ppoll` (271).
-/// (`epoll_wait` is not one: it fails with EINTR.)
-const RESTARTED: [i64; 9] = [0, 7, 23, 34, 35, 61, 230, 270, 271];
 const SYS_FUTEX: i64 = 202;
 
-/// The thread to make the calls on: preferably one blocked in a syscall
-/// the kernel restarts, then one waiting on a futex, then a running one;
-/// never one of the agent's.
-fn pick_thread(pid: u32) -> Result<u32, InjectError> {
-    let mut best: Option<(u8, u32)> = None;
+/// How long a session waits for a thread of the target to stop at a safe
+/// point (see [`super::session::at_safe_point`]).
+const SAFE_POINT_WAIT: Duration = Duration::from_secs(3);
+
+/// The threads to make the calls on, in the order to try them: blocked in
+/// a syscall the kernel restarts, then waiting on a futex, then running;
+/// never one of the agent's, nor one in another syscall (stopping it could
+/// end that syscall with EINTR).
+fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
+    let mut ranked: Vec<(u8, u32)> = Vec::new();
     for tid in super::program_threads(pid)? {
         let syscall =
             fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).unwrap_or_default();
         let first = syscall.split_whitespace().next().unwrap_or("");
         let tier = match first.parse::<i64>() {
-            Ok(nr) if RESTARTED.contains(&nr) => 0,
             Ok(SYS_FUTEX) => 1,
+            Ok(nr) if RESTARTED_WAITS.contains(&nr) => 0,
+            // In user code: preempted, or running now.
+            Ok(-1) => 2,
             _ if first == "running" => 2,
-            _ => 3,
+            _ => continue,
         };
-        if best.is_none_or(|b| (tier, tid) < b) {
-            best = Some((tier, tid));
-        }
+        ranked.push((tier, tid));
     }
-    best.map(|(_, tid)| tid)
-        .ok_or(InjectError::NoSuchProcess { pid })
+    ranked.sort_unstable();
+    Ok(ranked.into_iter().map(|(_, tid)| tid).collect())
+}
+
+/// A session on the first thread found at a safe point, the candidates
+/// tried again and again for up to [`SAFE_POINT_WAIT`].
+fn open_session(pid: u32) -> Result<Session, InjectError> {
+    let code = symbols::code_room(pid, code_len())?;
+    let runtime = symbols::runtime_code(pid)?;
+    let began = Instant::now();
+    let mut tries = 0;
+    loop {
+        for tid in candidate_threads(pid)? {
+            tries += 1;
+            match Session::open(pid, tid, code, &runtime) {
+                Ok(Some(session)) => return Ok(session),
+                Ok(None) => {}
+                // The thread ended in between.
+                Err(_) if thread_gone(pid, tid) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if !process_alive(pid) {
+            return Err(InjectError::NoSuchProcess { pid });
+        }
+        if began.elapsed() >= SAFE_POINT_WAIT {
+            return Err(InjectError::NoSafePoint {
+                pid,
+                seconds: SAFE_POINT_WAIT.as_secs(),
+                tries,
+            });
+        }
+        // Lets the threads move on from where they were.
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn thread_gone(pid: u32, tid: u32) -> bool {
+    process_alive(pid) && !std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
 }
 
 fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
@@ -206,9 +240,8 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     unload_leftovers(pid, AGENT_DETACH)?;
     let fns = symbols::resolve(pid)?;
     let pidfd = pidfd_open(pid)?;
-    let tid = pick_thread(pid)?;
-    let code = symbols::code_room(pid, code_len())?;
-    let mut s = Session::open(pid, tid, code)?;
+    let mut s = open_session(pid)?;
+    let tid = s.tid();
     let mut c = Calls { s: &mut s, fns };
     let mut partial = Partial::default();
     let loaded = load_calls(&mut c, &mut partial, &pidfd, library, entry);
@@ -292,9 +325,7 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
         return Err(InjectError::TargetExited { pid });
     }
     let fns = symbols::resolve(pid)?;
-    let tid = pick_thread(pid)?;
-    let code = symbols::code_room(pid, code_len())?;
-    let mut s = Session::open(pid, tid, code)?;
+    let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
     let unloaded = unload_agent(&mut c, injected.handle, injected.memfd, exit);
     let diverted = s.close();
@@ -385,9 +416,7 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
         return Ok(0);
     }
     let fns = symbols::resolve(pid)?;
-    let tid = pick_thread(pid)?;
-    let code = symbols::code_room(pid, code_len())?;
-    let mut s = Session::open(pid, tid, code)?;
+    let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
     let mut unloaded = 0;
     let mut result = Ok(());

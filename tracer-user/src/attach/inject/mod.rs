@@ -12,7 +12,11 @@
 //! syscall is set up exactly as the kernel's restart logic would
 //! ([`session::normalize`]), so an interrupted `read` or `nanosleep` is
 //! replayed and no EINTR reaches the program. A thread found inside a call
-//! that a killed ebtrace left under way is let finish it first.
+//! that a killed ebtrace left under way is let finish it first. The calls
+//! allocate and take the loader's lock, so the thread must hold neither:
+//! one stopped inside the C library or the loader (in `malloc`, say) is
+//! let go and another moment or thread is tried
+//! ([`session::at_safe_point`]).
 //!
 //! The library is written to a memfd named `ebtrace-agent` that stays open
 //! in the target until [`Injected::unload`]; an ebtrace killed meanwhile
@@ -126,6 +130,14 @@ pub enum InjectError {
         call: &'static str,
         signal: i32,
     },
+
+    #[error(
+        "no thread of pid {pid} stopped where it could call into the C library in {seconds} s \
+         ({tries} tries: each was inside the C library or the loader, or in a syscall the \
+         kernel does not restart); try again, or start the program with the agent preloaded \
+         (`ebtrace agent-library --help`)"
+    )]
+    NoSafePoint { pid: u32, seconds: u64, tries: u32 },
 
     #[error("ptrace {what} of thread {tid} failed: {source}")]
     Ptrace {

@@ -1,7 +1,10 @@
 //! One session with a target: a seized thread, its interrupted state made
 //! resumable, and the trampoline through which it calls functions.
 
-use std::time::{Duration, Instant};
+use std::{
+    ops::Range,
+    time::{Duration, Instant},
+};
 
 use super::{
     InjectError,
@@ -43,6 +46,31 @@ pub fn normalize(mut regs: Regs) -> Regs {
     regs
 }
 
+/// Syscalls a thread can be taken out of and put back into without the
+/// program seeing a difference: the kernel restarts them (or resumes them
+/// through `restart_syscall`) after a stop. `read` (0), `poll` (7),
+/// `select` (23), `pause` (34), `nanosleep` (35), `wait4` (61), `futex`
+/// (202), `clock_nanosleep` (230), `pselect6` (270), `ppoll` (271).
+/// (`epoll_wait` is not one: it fails with EINTR.)
+pub const RESTARTED_WAITS: [i64; 10] = [0, 7, 23, 34, 35, 61, 202, 230, 270, 271];
+
+/// Whether a thread stopped with `raw` registers can call into the C
+/// library without meeting a lock it holds itself (malloc's arena, the
+/// loader's): blocked in a wait the kernel restarts, or stopped in code
+/// outside `runtime` (the C library and the loader). A thread stopped
+/// inside `malloc`, or in the `brk` it makes with its arena locked, would
+/// wait for itself in the session's first `dlopen`.
+pub fn at_safe_point(raw: &Regs, runtime: &[Range<u64>]) -> bool {
+    if (raw.orig_rax as i64) >= 0 {
+        let restarted = matches!(
+            raw.rax as i64,
+            ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND | ERESTART_RESTARTBLOCK
+        );
+        return restarted && RESTARTED_WAITS.contains(&(raw.orig_rax as i64));
+    }
+    !runtime.iter().any(|r| r.contains(&raw.rip))
+}
+
 /// A seized thread, ready to call functions through the trampoline.
 pub struct Session {
     tracee: Tracee,
@@ -63,8 +91,15 @@ pub struct Session {
 
 impl Session {
     /// Seizes `tid` and writes the trampoline's code at `code` (room found
-    /// by [`super::symbols::code_room`] for [`code_len`] bytes).
-    pub fn open(pid: u32, tid: u32, code: u64) -> Result<Self, InjectError> {
+    /// by [`super::symbols::code_room`] for [`code_len`] bytes). `None`:
+    /// the thread was not [at a safe point](at_safe_point) (`runtime` is
+    /// the C library's and the loader's code) and was let go untouched.
+    pub fn open(
+        pid: u32,
+        tid: u32,
+        code: u64,
+        runtime: &[Range<u64>],
+    ) -> Result<Option<Self>, InjectError> {
         let shstk = super::status_field(&format!("{pid}/task/{tid}"), "x86_Thread_features")
             .is_some_and(|f| f.contains("shstk"));
         if shstk {
@@ -88,11 +123,15 @@ impl Session {
                 what: format!("pid {pid} runs 32-bit code"),
             });
         }
+        if !at_safe_point(&raw, runtime) {
+            tracee.detach()?;
+            return Ok(None);
+        }
         let saved = normalize(raw);
         let (bytes, marker_end) = trampoline::code(fp);
         tracee.write(code, &bytes)?;
         let block = trampoline::block_at(saved.rsp);
-        Ok(Session {
+        Ok(Some(Session {
             fp_header: block - fp.header_below_block(),
             tracee,
             saved,
@@ -102,11 +141,16 @@ impl Session {
             scratch: SCRATCH,
             stopped_at,
             closed: false,
-        })
+        }))
     }
 
     pub fn pid(&self) -> u32 {
         self.tracee.pid
+    }
+
+    /// The thread the calls are made on.
+    pub fn tid(&self) -> u32 {
+        self.tracee.tid
     }
 
     /// Makes the whole scratch area free again (what was put there is used
@@ -287,5 +331,24 @@ mod tests {
         // Not in a syscall: only orig_rax (already -1) is set.
         let n = normalize(regs(u64::MAX, ERESTARTSYS));
         assert_eq!((n.rip, n.rax), (0x1002, ERESTARTSYS as u64));
+    }
+
+    #[test]
+    fn only_restarted_waits_and_code_outside_the_c_library_are_safe() {
+        let libc = [0x1000..0x2000, 0x8000..0x9000];
+        // Blocked in futex, read, nanosleep: the kernel restarts them.
+        assert!(at_safe_point(&regs(202, ERESTARTSYS), &libc));
+        assert!(at_safe_point(&regs(0, ERESTARTSYS), &libc));
+        assert!(at_safe_point(&regs(35, ERESTART_RESTARTBLOCK), &libc));
+        // In malloc's brk, its arena locked; a finished read; epoll_wait,
+        // which fails with EINTR.
+        assert!(!at_safe_point(&regs(12, 0x5555_0000), &libc));
+        assert!(!at_safe_point(&regs(0, 4), &libc));
+        assert!(!at_safe_point(&regs(232, ERESTARTNOHAND), &libc));
+        // Running: in the C library (0x1002) or in the program's code.
+        assert!(!at_safe_point(&regs(u64::MAX, 0), &libc));
+        let mut outside = regs(u64::MAX, 0);
+        outside.rip = 0x4000;
+        assert!(at_safe_point(&outside, &libc));
     }
 }

@@ -2,6 +2,8 @@
 //! dynamic symbol tables of the libraries the target has mapped, and room
 //! for the trampoline's code.
 
+use std::ops::Range;
+
 use super::InjectError;
 use crate::symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size};
 
@@ -110,6 +112,26 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         socketpair: socketpair.ok_or_else(no_loader)?,
         close: close.ok_or_else(no_loader)?,
     })
+}
+
+/// The executable mappings of the C library (with `libdl` and
+/// `libpthread`) and the dynamic loader in `pid`: a thread stopped in them
+/// may hold their locks (see [`super::session::at_safe_point`]).
+pub fn runtime_code(pid: u32) -> Result<Vec<Range<u64>>, InjectError> {
+    let objects = mapped_objects(pid).map_err(|e| InjectError::Io {
+        context: format!("reading /proc/{pid}/maps"),
+        source: e,
+    })?;
+    Ok(objects
+        .iter()
+        .filter(|o| {
+            let name = o.file_name();
+            is_libc(o) || name.starts_with("ld-") || name.starts_with("libpthread")
+        })
+        .flat_map(|o| &o.mappings)
+        .filter(|m| m.perms.contains('x'))
+        .map(|m| m.start..m.end)
+        .collect())
 }
 
 /// Where `len` bytes of code can go in `pid`: the unused tail of the last
