@@ -394,8 +394,9 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
         // Between captures the probes stay, the agent does not.
         assert!(
             wait_until(Duration::from_secs(10), || agent_traces(pid) == (0, 0, 0)),
-            "{capture}: the agent is still in the target: {:?}",
-            agent_traces(pid)
+            "{capture}: the agent is still in the target: {:?}\nserver: {:?}",
+            agent_traces(pid),
+            server.lines()
         );
     }
     server.assert_probes_kept();

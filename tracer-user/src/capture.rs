@@ -395,8 +395,14 @@ impl Capture {
     /// are taken out of the targets, as at the end of a capture.
     pub fn pause(&mut self) -> Result<()> {
         for session in self.framework.drain(..) {
+            let pid = session.pid;
             // A target that exited took its agent with it.
-            let _ = session.close();
+            let exited = session.target_exited();
+            if let Err(why) = session.close()
+                && !exited
+            {
+                log::warn!("pid {pid}: taking the agent out: {why}");
+            }
         }
         self.traceme.restore();
         for t in &self.targets {

@@ -320,9 +320,23 @@ impl AgentSession {
         {
             log::warn!("pid {}: the agent did not say goodbye: {why}", self.pid);
         }
-        injected
-            .unload(inject::AGENT_DETACH)
-            .map_err(|e| e.to_string())
+        let failed = match injected.unload(inject::AGENT_DETACH) {
+            Ok(report) => return Ok(report),
+            Err(e) if self.target_exited() => return Err(e.to_string()),
+            Err(e) => e,
+        };
+        // What the failed unload left (the library, or only its memfd) is
+        // taken out as if a killed ebtrace had left it.
+        match inject::unload_leftovers(self.pid, inject::AGENT_DETACH) {
+            Ok(_) => {
+                log::warn!(
+                    "pid {}: the agent was taken out at the second try ({failed})",
+                    self.pid
+                );
+                Ok(InjectReport::default())
+            }
+            Err(again) => Err(format!("{failed}; and again: {again}")),
+        }
     }
 
     /// Notes each live thread's `pthread_self()`, so that the framework's
