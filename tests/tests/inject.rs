@@ -232,7 +232,9 @@ fn loaded_and_unloaded_in_every_thread_state_unnoticed() {
 
 /// A thread taken over while inside malloc (its arena locked) would wait
 /// for itself in the loader's first allocation: it is taken only where it
-/// holds no lock of the C library, and goes on unharmed.
+/// holds no lock of the C library, and goes on unharmed. The thread
+/// blocked in `epoll_wait` is never taken over, and stopping it to read its
+/// `pthread_self()` does not end its wait with EINTR.
 #[test]
 fn a_thread_busy_in_malloc_is_taken_over_outside_it() {
     if !require_root("a_thread_busy_in_malloc_is_taken_over_outside_it") {
@@ -242,8 +244,8 @@ fn a_thread_busy_in_malloc_is_taken_over_outside_it() {
     let target = Target::start("malloc");
     let cycles = inject_check(target.pid, 30, Library::Agent);
     for c in &cycles {
-        // The thread in epoll_wait is never stopped: it would see EINTR.
         assert_eq!(c["tid"].as_u64(), Some(target.pid as u64), "{c}");
+        assert_eq!(c["threads"].as_u64(), Some(2), "{c}");
     }
     target.wait_progress(5);
     assert_eq!(target.errors(), 0, "the program saw the takeover");

@@ -1,6 +1,7 @@
 //! `ebtrace inject-check`: loads the agent into a process, exchanges a
-//! ping with it and unloads it, a number of times, printing one JSON line
-//! per cycle with the timings. It exists for the tests and for diagnosing
+//! ping with it, reads every thread's `pthread_self()` as an agent session
+//! does, and unloads it, a number of times, printing one JSON line per
+//! cycle with the timings and the number of threads read. It exists for the tests and for diagnosing
 //! the loader on a machine (hidden from `--help`). With `--library`, the
 //! library given is loaded instead and pinged with one byte, which it
 //! answers plus one (the tests' loader probe).
@@ -74,11 +75,12 @@ fn one_cycle(
     let load = injected.report;
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     ping(&mut sock, cycle)?;
+    let threads = super::thread_pointers(pid)?.len();
     // Tells the library to finish (it stops at end of file).
     drop(sock);
     let unload = injected.unload(AGENT_DETACH)?;
     Ok(format!(
-        "{{\"cycle\":{cycle},\"pid\":{pid},\"tid\":{tid},\"load\":{},\"unload\":{}}}",
+        "{{\"cycle\":{cycle},\"pid\":{pid},\"tid\":{tid},\"threads\":{threads},\"load\":{},         \"unload\":{}}}",
         report_json(&load),
         report_json(&unload)
     ))

@@ -22,6 +22,13 @@ const PTRACE_EVENT_STOP: i32 = 128;
 const SYSCALL_INFO_ENTRY: u8 = 1;
 const SYSCALL_INFO_EXIT: u8 = 2;
 
+/// Syscalls that a stop ends with EINTR even where no handler runs
+/// (signal(7)): `semop` (65), `rt_sigtimedwait` (128), `semtimedop` (220),
+/// `epoll_wait` (232), `epoll_pwait` (281), `epoll_pwait2` (441).
+const ENDED_BY_A_STOP: [u64; 6] = [65, 128, 220, 232, 281, 441];
+/// The x86-64 `syscall` instruction.
+const SYSCALL_INSN: [u8; 2] = [0x0f, 0x05];
+
 /// The general-purpose registers, as `PTRACE_GETREGS` gives them.
 pub type Regs = libc::user_regs_struct;
 
@@ -61,7 +68,9 @@ fn ptrace(req: libc::c_long, tid: u32, addr: u64, data: u64) -> io::Result<libc:
 
 impl Tracee {
     /// Seizes `tid` of `pid` and stops it. Nothing in the target changes if
-    /// ebtrace dies now: a tracer's exit lets its tracees go.
+    /// ebtrace dies now: a tracer's exit lets its tracees go (a wait the
+    /// stop ended is replayed from then on, see
+    /// [`Self::replay_wait_ended_by_the_stop`]).
     pub fn seize(pid: u32, tid: u32) -> Result<Self, InjectError> {
         let mem = File::options()
             .read(true)
@@ -80,13 +89,39 @@ impl Tracee {
         t.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
         loop {
             match t.wait()? {
-                Stop::Event => return Ok(t),
+                Stop::Event => {
+                    t.replay_wait_ended_by_the_stop()?;
+                    return Ok(t);
+                }
                 Stop::Signal(_) | Stop::SyscallEntry { .. } | Stop::SyscallExit => {
                     // Suppressed (and remembered); the interrupt is still due.
                     t.request(PTRACE_SYSCALL, 0, 0, "resume")?;
                 }
             }
         }
+    }
+
+    /// Sets a wait that this stop ended with EINTR (no signal having come)
+    /// up to be issued again when the thread resumes, as the kernel does
+    /// for the waits it restarts: the program never sees it end. A wait
+    /// with a timeout starts it afresh.
+    fn replay_wait_ended_by_the_stop(&mut self) -> Result<(), InjectError> {
+        if !self.pending.is_empty() {
+            return Ok(());
+        }
+        let mut regs = self.regs()?;
+        if !ENDED_BY_A_STOP.contains(&regs.orig_rax) || regs.rax as i64 != -i64::from(libc::EINTR) {
+            return Ok(());
+        }
+        let mut insn = [0u8; 2];
+        let at = regs.rip.wrapping_sub(2);
+        if self.read(at, &mut insn).is_err() || insn != SYSCALL_INSN {
+            return Ok(());
+        }
+        regs.rip = at;
+        regs.rax = regs.orig_rax;
+        regs.orig_rax = u64::MAX;
+        self.set_regs(&regs)
     }
 
     fn request(
