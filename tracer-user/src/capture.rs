@@ -396,11 +396,7 @@ impl Capture {
     pub fn pause(&mut self) -> Result<()> {
         for session in self.framework.drain(..) {
             let pid = session.pid;
-            // A target that exited took its agent with it.
-            let exited = session.target_exited();
-            if let Err(why) = session.close()
-                && !exited
-            {
+            if let Err(why) = session.close() {
                 log::warn!("pid {pid}: taking the agent out: {why}");
             }
         }
@@ -510,10 +506,7 @@ impl Capture {
         self.name_kernels();
         for session in self.framework.drain(..) {
             let pid = session.pid;
-            let exited = session.target_exited();
-            if let Err(why) = session.close()
-                && !exited
-            {
+            if let Err(why) = session.close() {
                 self.traceme
                     .warn(format!("pid {pid}: taking the agent out: {why}"));
             }

@@ -276,7 +276,8 @@ impl AgentSession {
         })
     }
 
-    /// Stops everything the agent started and unloads it.
+    /// Stops everything the agent started and unloads it (nothing to do,
+    /// and no error, where the target has exited and taken it along).
     pub fn close(mut self) -> Result<InjectReport, String> {
         self.shut_down()
     }
@@ -322,7 +323,8 @@ impl AgentSession {
         }
         let failed = match injected.unload(inject::AGENT_DETACH) {
             Ok(report) => return Ok(report),
-            Err(e) if self.target_exited() => return Err(e.to_string()),
+            // A target that exited took its agent with it.
+            Err(_) if self.target_exited() => return Ok(InjectReport::default()),
             Err(e) => e,
         };
         // What the failed unload left (the library, or only its memfd) is
