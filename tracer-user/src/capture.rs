@@ -501,6 +501,11 @@ impl Capture {
         ended_early: Option<String>,
     ) -> Result<(Timeline, ProbeStats, AttachedProbes)> {
         let stop_ns = monotonic_ns();
+        // Records keep coming while the agents deliver; the states built of
+        // them must still end with the window.
+        if let Some(streamed) = &mut self.streamed {
+            streamed.end_at(stop_ns);
+        }
         self.collect_framework(false);
         self.drain();
         self.name_kernels();

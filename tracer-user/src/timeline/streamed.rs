@@ -29,6 +29,9 @@ pub struct StreamedScheduling {
     builder: SchedTimelineBuilder,
     /// The window: from the capture's start, to a known end or none yet.
     window: (u64, Option<u64>),
+    /// Records later than this are not taken: the window's end, once
+    /// known.
+    taken_until_ns: u64,
     /// Once the builder holds this many events, later records are left
     /// out (see [`SchedTimelineBuilder::events_made`]).
     max_events: Option<usize>,
@@ -86,6 +89,7 @@ impl StreamedScheduling {
         StreamedScheduling {
             builder: SchedTimelineBuilder::new(start_ns, end, processes, initial),
             window: (start_ns, stop_ns),
+            taken_until_ns: end,
             max_events: None,
             unbuilt: 0,
             queued: Vec::new(),
@@ -94,6 +98,17 @@ impl StreamedScheduling {
             built_until_ns: 0,
             built: 0,
         }
+    }
+
+    /// Ends the window at `stop_ns`, which must be no earlier than the
+    /// records built so far: later records are not taken. For a capture
+    /// that goes on draining after its window ended (while an agent
+    /// delivers the framework's session), whose states must still stop
+    /// where the window does.
+    pub fn end_at(&mut self, stop_ns: u64) {
+        self.taken_until_ns = stop_ns;
+        self.builder.stop_at(stop_ns);
+        self.queued.retain(|r| r.ts() <= stop_ns);
     }
 
     /// Whether [`Self::push`] takes `record` (the scheduler's records, which
@@ -118,7 +133,7 @@ impl StreamedScheduling {
     /// Queues a record [`Self::takes`]; [`Self::settle`] builds it in.
     /// Records past a known end are left out.
     pub fn push(&mut self, record: Record) {
-        if self.window.1.is_some_and(|stop| record.ts() > stop) {
+        if record.ts() > self.taken_until_ns {
             return;
         }
         if self.is_full() {
@@ -282,5 +297,37 @@ mod tests {
         let (builder, queued, _) = stream.finish(1_000 * ms);
         assert!(queued.is_empty());
         assert!(builder.events_made() > 10);
+    }
+
+    /// A window ended while records go on arriving (an agent still
+    /// delivering): no state runs past its end, however long the records
+    /// keep coming, and each thread's time adds up to the window.
+    #[test]
+    fn records_after_an_ended_window_build_nothing_past_it() {
+        let ms = 1_000_000;
+        let mut stream = StreamedScheduling::new(0, [(1, "p".into())], HashMap::new());
+        let feed = |stream: &mut StreamedScheduling, from: u64, to: u64| {
+            for i in from..=to {
+                stream.push(switch(
+                    i * ms,
+                    10 + (i % 2) as u32,
+                    10 + ((i + 1) % 2) as u32,
+                ));
+            }
+            stream.settle();
+        };
+        feed(&mut stream, 1, 500);
+        stream.end_at(450 * ms);
+        // Five more seconds of records, built in as drains bring them.
+        for second in 0..5 {
+            feed(&mut stream, 501 + second * 1_000, 1_500 + second * 1_000);
+        }
+        let timeline = built(stream, 450 * ms);
+        for t in timeline.threads.values() {
+            assert!(t.slices.iter().all(|s| s.end_ns <= 450 * ms), "{t:?}");
+            let c = &t.counters;
+            let total = c.on_cpu_ns + c.runnable_ns + c.blocked_ns + c.unknown_ns;
+            assert_eq!(total, 450 * ms, "thread {}: {c:?}", t.tid);
+        }
     }
 }
