@@ -33,8 +33,14 @@ impl PythonWorkload {
     /// Starts `script` with `python` and extra environment `env`; waits for
     /// its start line.
     pub fn start(python: &Path, script: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with(python, script, &[], env)
+    }
+
+    /// Like [`Self::start`], with the script's arguments `args`.
+    pub fn start_with(python: &Path, script: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(python)
             .arg(workspace_root().join("tests/fixtures/traceme").join(script))
+            .args(args)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

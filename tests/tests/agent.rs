@@ -12,6 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use ebtrace_proto::tensorflow::profiler::{XEvent, x_event, x_stat};
 use ebtrace_tests::{
     TempDir, ebtrace_bin,
     python::{PythonWorkload, jax_python, start_jax},
@@ -488,5 +489,123 @@ fn tensorflow_own_session_runs_inside_the_target() {
     assert!(steps.len() >= 50, "{} Train steps", steps.len());
     assert!(steps.windows(2).all(|w| w[1] == w[0] + 1), "{steps:?}");
     assert!(main.iter().any(|e| e.name == "Running"));
+    signal(pid, libc::SIGTERM);
+}
+
+/// A jax process entering TraceMe scopes as fast as one thread can (about
+/// 3M a second here), captured through the agent: every scope of the
+/// window is in the trace (checked against the fixture's own count,
+/// carried by a mark every 100,000 scopes), and the thread states stop
+/// with the window although the agent delivers seconds after it.
+#[test]
+fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
+    if !require_root("a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = PythonWorkload::start_with(
+        &python,
+        "jax_workload.py",
+        &["--flood"],
+        &[("JAX_PLATFORMS", "cpu")],
+    );
+    let pid = workload.pid;
+    let dir = TempDir::new("agent-flood");
+    let out = record(
+        &pid.to_string(),
+        "1s",
+        &dir,
+        &["--traceme", "agent", "--max-events", "50000000", "--json"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON summary");
+    let duration_ns = summary["window"]["duration_ns"].as_u64().expect("duration");
+
+    // Each thread's time adds up to no more than the window.
+    for t in summary["threads"].as_array().expect("threads") {
+        let total: u64 = ["on_cpu_ns", "runnable_ns", "blocked_ns", "unknown_ns"]
+            .iter()
+            .map(|k| t[k].as_u64().expect("counter"))
+            .sum();
+        assert!(total <= duration_ns, "{t} spans more than {duration_ns} ns");
+    }
+
+    let space = xspace::load(&xplane_files(dir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    let name_of = |id: i64| host.event_metadata[&id].name.as_str();
+    let stat_id = |name: &str| {
+        host.stat_metadata
+            .values()
+            .find(|m| m.name == name)
+            .map(|m| m.id)
+    };
+    let n_id = stat_id("n").expect("the marks' stat");
+    // Times in the file are from the window's start, as in TSL's.
+    let line = host
+        .lines
+        .iter()
+        .find(|l| l.id == i64::from(pid))
+        .expect("the Python thread's line");
+    let at_ns = |e: &XEvent| match e.data {
+        Some(x_event::Data::OffsetPs(o)) => line.timestamp_ns as f64 + o as f64 / 1000.0,
+        ref other => panic!("event without offset: {other:?}"),
+    };
+    // The scopes, and the marks with the count of scopes before them.
+    let mut scopes: Vec<(f64, Option<i64>)> = Vec::new();
+    for e in &line.events {
+        let end_ns = at_ns(e) + e.duration_ps as f64 / 1000.0;
+        match name_of(e.metadata_id) {
+            "flood" => scopes.push((at_ns(e), None)),
+            "flood_mark" => {
+                let n = e
+                    .stats
+                    .iter()
+                    .find(|s| s.metadata_id == n_id)
+                    .and_then(|s| match s.value {
+                        Some(x_stat::Value::Int64Value(v)) => Some(v),
+                        Some(x_stat::Value::Uint64Value(v)) => Some(v as i64),
+                        _ => None,
+                    })
+                    .expect("a mark's count");
+                scopes.push((at_ns(e), Some(n)));
+            }
+            state @ ("Running" | "Runnable" | "Blocked") => assert!(
+                end_ns <= duration_ns as f64 + 1_000.0 && at_ns(e) >= 0.0,
+                "{state} at {} ns ends {} ns past the window",
+                at_ns(e),
+                end_ns - duration_ns as f64
+            ),
+            _ => {}
+        }
+    }
+    scopes.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let marks: Vec<(usize, i64)> = scopes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, n))| n.map(|n| (i, n)))
+        .collect();
+    assert!(
+        marks.len() >= 5,
+        "{} marks: the fixture made fewer than 500,000 scopes in the window",
+        marks.len()
+    );
+    for pair in marks.windows(2) {
+        let ((i, a), (j, b)) = (pair[0], pair[1]);
+        assert_eq!(
+            (j - i - 1) as i64,
+            b - a - 1,
+            "scopes between the marks of {a} and {b}"
+        );
+    }
+    eprintln!(
+        "{} scopes, {} marks in a {duration_ns} ns window",
+        scopes.len(),
+        marks.len()
+    );
     signal(pid, libc::SIGTERM);
 }
