@@ -29,8 +29,14 @@ struct Target {
 
 impl Target {
     fn start(mode: &str) -> Self {
+        Self::start_with(mode, &[])
+    }
+
+    /// [`Self::start`] with `env` added to the target's environment.
+    fn start_with(mode: &str, env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(fixture::build_c("inject_target"))
             .arg(mode)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .spawn()
@@ -247,10 +253,88 @@ fn a_thread_busy_in_malloc_is_taken_over_outside_it() {
         assert_eq!(c["tid"].as_u64(), Some(target.pid as u64), "{c}");
         assert_eq!(c["threads"].as_u64(), Some(2), "{c}");
     }
+    assert_stopped_outside(target.pid, &cycles, &["libc.so", "ld-linux"]);
     target.wait_progress(5);
     assert_eq!(target.errors(), 0, "the program saw the takeover");
     assert_eq!(target.status("TracerPid"), "0");
     assert!(agent_traces(target.pid).is_empty());
+}
+
+/// The same with tcmalloc preloaded in place of the C library's malloc:
+/// the busy thread spends its time in tcmalloc, whose locks the loader's
+/// own allocations would meet, and is never taken over there.
+#[test]
+fn a_thread_busy_in_a_preloaded_malloc_is_taken_over_outside_it() {
+    if !require_root("a_thread_busy_in_a_preloaded_malloc_is_taken_over_outside_it") {
+        return;
+    }
+    let _serial = serial();
+    let tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4";
+    assert!(
+        std::path::Path::new(tcmalloc).exists(),
+        "{tcmalloc} is missing: install the Debian package libtcmalloc-minimal4 \
+         (`cargo xtask setup` does)"
+    );
+    let target = Target::start_with("malloc", &[("LD_PRELOAD", tcmalloc)]);
+    assert!(
+        !exec_ranges(target.pid, &["libtcmalloc"]).is_empty(),
+        "tcmalloc is not mapped in the target"
+    );
+    let cycles = inject_check(target.pid, 30, Library::Agent);
+    for c in &cycles {
+        assert_eq!(c["tid"].as_u64(), Some(target.pid as u64), "{c}");
+    }
+    assert_stopped_outside(target.pid, &cycles, &["libc.so", "ld-linux", "libtcmalloc"]);
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0, "the program saw the takeover");
+    assert_eq!(target.status("TracerPid"), "0");
+    assert!(agent_traces(target.pid).is_empty());
+}
+
+/// The executable mappings in `pid` of the objects whose file name starts
+/// with one of `names`, as `/proc/PID/maps` lists them.
+fn exec_ranges(pid: u32, names: &[&str]) -> Vec<(u64, u64, String)> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .expect("maps")
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let path = *f.get(5)?;
+            let file = path.rsplit('/').next()?;
+            if !f[1].contains('x') || !names.iter().any(|n| file.starts_with(n)) {
+                return None;
+            }
+            let (a, b) = f[0].split_once('-')?;
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+                file.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// No load or unload of `cycles` took a thread over while it ran code of
+/// the objects named (a wait blocked in the C library is fine).
+fn assert_stopped_outside(pid: u32, cycles: &[serde_json::Value], names: &[&str]) {
+    let ranges = exec_ranges(pid, names);
+    assert!(!ranges.is_empty(), "none of {names:?} is mapped in {pid}");
+    let (mut in_code, mut in_waits) = (0, 0);
+    for c in cycles {
+        for phase in ["load", "unload"] {
+            let stopped = &c[phase]["stopped"];
+            let Some(ip) = stopped["ip"].as_u64() else {
+                assert!(stopped["wait"].is_i64(), "{c}");
+                in_waits += 1;
+                continue;
+            };
+            in_code += 1;
+            if let Some((_, _, file)) = ranges.iter().find(|(a, b, _)| (*a..*b).contains(&ip)) {
+                panic!("the {phase} of cycle {c} took the thread over inside {file}");
+            }
+        }
+    }
+    eprintln!("taken over in its own code {in_code} times, in a wait {in_waits} times");
 }
 
 fn median_us(cycles: &[serde_json::Value], phase: &str, field: &str) -> u64 {

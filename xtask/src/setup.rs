@@ -45,6 +45,10 @@ const APT_BASE: &[(&str, &str)] = &[
     ("libc++abi-dev", "libc++abi for the TraceMe test fixture"),
     ("binutils", "strip and nm for the TraceMe tests"),
     (
+        "libtcmalloc-minimal4",
+        "an allocator preloaded in place of the C library's in the agent loader's tests",
+    ),
+    (
         "chromium",
         "headless browser: the interop test opens XProf's trace viewer and screenshots it",
     ),

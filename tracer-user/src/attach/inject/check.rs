@@ -13,7 +13,7 @@ use std::{
     time::Duration,
 };
 
-use super::{AGENT_DETACH, InjectReport};
+use super::{AGENT_DETACH, InjectReport, StopPoint};
 
 /// The agent's entry point.
 pub const AGENT_ATTACH: &str = "ebtrace_agent_attach";
@@ -23,8 +23,13 @@ fn micros(d: Duration) -> u128 {
 }
 
 fn report_json(r: &InjectReport) -> String {
+    let stopped = match r.stopped {
+        Some(StopPoint::Wait { syscall }) => format!("{{\"wait\":{syscall}}}"),
+        Some(StopPoint::Code { ip }) => format!("{{\"ip\":{ip}}}"),
+        None => "null".to_string(),
+    };
     format!(
-        "{{\"thread_diverted_us\":{},\"total_us\":{}}}",
+        "{{\"thread_diverted_us\":{},\"total_us\":{},\"stopped\":{stopped}}}",
         micros(r.thread_diverted),
         micros(r.total)
     )

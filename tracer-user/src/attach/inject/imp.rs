@@ -248,9 +248,11 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     if loaded.is_err() {
         partial.undo(&mut c);
     }
+    let stopped = Some(s.stopped());
     let diverted = s.close();
     let (handle, ours) = loaded?;
     let report = InjectReport {
+        stopped,
         thread_diverted: diverted?,
         total: began.elapsed(),
     };
@@ -328,9 +330,11 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
     let unloaded = unload_agent(&mut c, injected.handle, injected.memfd, exit);
+    let stopped = Some(s.stopped());
     let diverted = s.close();
     unloaded?;
     Ok(InjectReport {
+        stopped,
         thread_diverted: diverted?,
         total: began.elapsed(),
     })

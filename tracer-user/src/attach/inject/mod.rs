@@ -14,8 +14,8 @@
 //! replayed and no EINTR reaches the program. A thread found inside a call
 //! that a killed ebtrace left under way is let finish it first. The calls
 //! allocate and take the loader's lock, so the thread must hold neither:
-//! one stopped inside the C library or the loader (in `malloc`, say) is
-//! let go and another moment or thread is tried
+//! one stopped inside the C library, the loader or a preloaded allocator
+//! (in `malloc`, say) is let go and another moment or thread is tried
 //! ([`session::at_safe_point`]).
 //!
 //! The library is written to a memfd named `ebtrace-agent` that stays open
@@ -67,6 +67,15 @@ pub struct Injected {
     pub report: InjectReport,
 }
 
+/// Where a thread taken over was stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopPoint {
+    /// Blocked in this restarted wait (syscall number).
+    Wait { syscall: i64 },
+    /// Running its own code at this instruction.
+    Code { ip: u64 },
+}
+
 /// How long a load or unload took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InjectReport {
@@ -74,6 +83,8 @@ pub struct InjectReport {
     pub thread_diverted: Duration,
     /// The whole operation, from ebtrace's side.
     pub total: Duration,
+    /// Where the thread was taken over (none when none was).
+    pub stopped: Option<StopPoint>,
 }
 
 /// Why a load or unload failed, one actionable line each.

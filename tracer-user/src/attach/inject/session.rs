@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::{
-    InjectError,
+    InjectError, StopPoint,
     ptrace::{Regs, Stop, Tracee},
     trampoline::{self, BLOCK_LEN, RESULT, SCRATCH},
 };
@@ -71,6 +71,18 @@ pub fn at_safe_point(raw: &Regs, runtime: &[Range<u64>]) -> bool {
     !runtime.iter().any(|r| r.contains(&raw.rip))
 }
 
+impl StopPoint {
+    pub(super) fn of(raw: &Regs) -> Self {
+        if (raw.orig_rax as i64) >= 0 {
+            StopPoint::Wait {
+                syscall: raw.orig_rax as i64,
+            }
+        } else {
+            StopPoint::Code { ip: raw.rip }
+        }
+    }
+}
+
 /// A seized thread, ready to call functions through the trampoline.
 pub struct Session {
     tracee: Tracee,
@@ -86,6 +98,7 @@ pub struct Session {
     /// block itself, with FXSAVE).
     fp_header: u64,
     stopped_at: Instant,
+    stopped: StopPoint,
     closed: bool,
 }
 
@@ -140,6 +153,7 @@ impl Session {
             block,
             scratch: SCRATCH,
             stopped_at,
+            stopped: StopPoint::of(&raw),
             closed: false,
         }))
     }
@@ -151,6 +165,11 @@ impl Session {
     /// The thread the calls are made on.
     pub fn tid(&self) -> u32 {
         self.tracee.tid
+    }
+
+    /// Where that thread was stopped.
+    pub fn stopped(&self) -> StopPoint {
+        self.stopped
     }
 
     /// Makes the whole scratch area free again (what was put there is used

@@ -114,9 +114,29 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
     })
 }
 
-/// The executable mappings of the C library (with `libdl` and
-/// `libpthread`) and the dynamic loader in `pid`: a thread stopped in them
-/// may hold their locks (see [`super::session::at_safe_point`]).
+/// Allocators that programs preload in place of the C library's
+/// `malloc`: the loader's calls allocate through them.
+const ALLOCATORS: [&str; 4] = [
+    "libtcmalloc",
+    "libjemalloc",
+    "libmimalloc",
+    "libc_malloc_debug",
+];
+
+/// Whether a thread stopped in `obj`'s code may hold a lock the agent's
+/// loading needs: the C library (with `libdl` and `libpthread`), the
+/// dynamic loader, and a `malloc` put in their place.
+fn is_runtime(obj: &MappedObject) -> bool {
+    let name = obj.file_name();
+    is_libc(obj)
+        || name.starts_with("ld-")
+        || name.starts_with("libpthread")
+        || ALLOCATORS.iter().any(|a| name.starts_with(a))
+}
+
+/// The executable mappings of the code [`is_runtime`] names in `pid`: a
+/// thread stopped in them may hold their locks (see
+/// [`super::session::at_safe_point`]).
 pub fn runtime_code(pid: u32) -> Result<Vec<Range<u64>>, InjectError> {
     let objects = mapped_objects(pid).map_err(|e| InjectError::Io {
         context: format!("reading /proc/{pid}/maps"),
@@ -124,10 +144,7 @@ pub fn runtime_code(pid: u32) -> Result<Vec<Range<u64>>, InjectError> {
     })?;
     Ok(objects
         .iter()
-        .filter(|o| {
-            let name = o.file_name();
-            is_libc(o) || name.starts_with("ld-") || name.starts_with("libpthread")
-        })
+        .filter(|o| is_runtime(o))
         .flat_map(|o| &o.mappings)
         .filter(|m| m.perms.contains('x'))
         .map(|m| m.start..m.end)
