@@ -9,8 +9,12 @@
 //! - [`perftools::profiles`]: the pprof profile (`go tool pprof`, Parca, Pyroscope), with
 //!   pprof's own field numbers.
 //!
+//! - [`xspace_parts`]: an encoded XSpace read a plane, a line and an event at a time.
+//!
 //! The `.proto` sources under `proto/` are our own, written from the published field numbers of
 //! the TSL profiler protos; `build.rs` compiles them with `protox`, so no `protoc` is needed.
+
+pub mod xspace_parts;
 
 /// Package `tensorflow`: profiler options and the profiler gRPC services.
 pub mod tensorflow {
