@@ -56,7 +56,7 @@ fn span(start: u64, len: u64, correlation: Option<u8>) -> Span {
     Span {
         start_ns: start,
         end_ns: start + len,
-        name: format!("s{}", len % 3),
+        name: format!("s{}", len % 3).into(),
         stats,
     }
 }

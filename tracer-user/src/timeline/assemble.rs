@@ -242,26 +242,26 @@ fn add_framework(timeline: &mut Timeline, recordings: &[AgentRecording]) {
         .iter()
         .flat_map(|r| r.xspaces.iter().map(move |x| (r, x)))
     {
-        match merge_framework_space(timeline, r.pid, xspace, &r.threads) {
-            Ok(m) => {
-                timeline.stats.sources.add_framework(r.pid, &m);
-                timeline.stats.notes.push(format!(
-                    "pid {}: the framework's own session: {} events on the thread lines, \
-                     {} planes carried over",
-                    r.pid, m.spans, m.planes
-                ));
-                if m.unnamed_lines > 0 {
-                    timeline.stats.warnings.push(format!(
-                        "pid {}: {} events of {} framework threads left out: those threads \
-                         ended before ebtrace could name them",
-                        r.pid, m.unnamed_events, m.unnamed_lines
-                    ));
-                }
-            }
-            Err(e) => timeline.stats.warnings.push(format!(
-                "pid {}: the framework's XSpace is unreadable ({e}); its events are missing",
+        let (m, merged) = merge_framework_space(timeline, r.pid, xspace, &r.threads);
+        timeline.stats.sources.add_framework(r.pid, &m);
+        timeline.stats.notes.push(format!(
+            "pid {}: the framework's own session: {} events on the thread lines, \
+             {} planes carried over",
+            r.pid, m.spans, m.planes
+        ));
+        if m.unnamed_lines > 0 {
+            timeline.stats.warnings.push(format!(
+                "pid {}: {} events of {} framework threads left out: those threads \
+                 ended before ebtrace could name them",
+                r.pid, m.unnamed_events, m.unnamed_lines
+            ));
+        }
+        if let Err(e) = merged {
+            timeline.stats.warnings.push(format!(
+                "pid {}: the framework's XSpace is malformed ({e}): what came before that \
+                 point is in the trace, the rest is missing",
                 r.pid
-            )),
+            ));
         }
     }
 }
@@ -453,7 +453,7 @@ mod tests {
         let spans: Vec<(&str, u64, u64)> = t
             .spans
             .iter()
-            .map(|s| (s.name.as_str(), s.start_ns, s.end_ns))
+            .map(|s| (&*s.name, s.start_ns, s.end_ns))
             .collect();
         assert_eq!(
             spans,

@@ -68,7 +68,7 @@ pub fn add_cpu_samples(
         thread.spans.push(Span {
             start_ns: s.header.ts_ns,
             end_ns: s.header.ts_ns,
-            name,
+            name: name.into(),
             stats: vec![(STACK_STAT.to_string(), Value::Str(lines.join("\n")))],
         });
     }

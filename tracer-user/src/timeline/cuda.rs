@@ -743,7 +743,7 @@ impl CudaTimelineBuilder {
                 .push(Span {
                     start_ns: start,
                     end_ns: end,
-                    name: work.name,
+                    name: work.name.into(),
                     stats: device_stats,
                 });
         }
@@ -755,7 +755,7 @@ impl CudaTimelineBuilder {
             .push(Span {
                 start_ns: start,
                 end_ns: end,
-                name: function.name.to_string(),
+                name: function.name.into(),
                 stats,
             });
     }
@@ -939,7 +939,7 @@ mod tests {
         ));
         let tl = b.finish();
         let spans = &tl.spans[&7].1;
-        let launch = spans.iter().find(|s| s.name == "cuLaunchKernel").unwrap();
+        let launch = spans.iter().find(|s| &*s.name == "cuLaunchKernel").unwrap();
         assert_eq!(
             stat(launch, "kernel"),
             &Value::Str("vecAdd(float const*, float const*, float*, int)".into())
@@ -1032,7 +1032,7 @@ mod tests {
         assert_eq!(stat(&spans[1], "bytes"), &Value::U64(192));
         assert_eq!(stat(&spans[1], "direction"), &Value::Str("HtoD".into()));
         let line = &tl.devices[&0].streams[&1];
-        let names: Vec<&str> = line.events.iter().map(|e| e.name.as_str()).collect();
+        let names: Vec<&str> = line.events.iter().map(|e| &*e.name).collect();
         assert_eq!(names, ["<unresolved 0xf1>", "MemcpyH2D"]);
     }
 
@@ -1089,7 +1089,7 @@ mod tests {
         serialize(&mut events);
         let got: Vec<(&str, u64, u64)> = events
             .iter()
-            .map(|e| (e.name.as_str(), e.start_ns, e.end_ns))
+            .map(|e| (&*e.name, e.start_ns, e.end_ns))
             .collect();
         assert_eq!(got, vec![("a", 10, 50), ("b", 50, 50), ("c", 60, 70)]);
     }

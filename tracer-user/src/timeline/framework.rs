@@ -15,10 +15,11 @@
 //! (`profile_start_time`, wall-clock ns); [`ClockSync`] maps them to
 //! monotonic time. Everything read here comes from the target: any value.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
-use ebtrace_proto::tensorflow::profiler::{
-    XPlane, XSpace, XStat, XStatMetadata, x_event::Data, x_stat,
+use ebtrace_proto::{
+    tensorflow::profiler::{XPlane, XStat, XStatMetadata, x_event::Data, x_stat},
+    xspace_parts::{self, PartError},
 };
 use prost::Message as _;
 
@@ -68,31 +69,68 @@ pub struct FrameworkMerge {
     pub planes: u64,
 }
 
-/// Merges the XSpace `bytes` that process `pid`'s framework recorded.
+/// Merges the XSpace `bytes` that process `pid`'s framework recorded, a
+/// plane and an event at a time. Malformed bytes end the merge with the
+/// error; what came before them stays merged and counted.
 pub fn merge_framework_space(
     timeline: &mut Timeline,
     pid: u32,
     bytes: &[u8],
     threads: &ThreadIds,
-) -> Result<FrameworkMerge, prost::DecodeError> {
-    let space = XSpace::decode(bytes)?;
-    let base_wall_ns = space
-        .planes
+) -> (FrameworkMerge, Result<(), PartError>) {
+    let mut merge = FrameworkMerge::default();
+    let merged = merge_planes(timeline, pid, bytes, threads, &mut merge);
+    (merge, merged)
+}
+
+fn merge_planes(
+    timeline: &mut Timeline,
+    pid: u32,
+    bytes: &[u8],
+    threads: &ThreadIds,
+    merge: &mut FrameworkMerge,
+) -> Result<(), PartError> {
+    // The planes up to the first malformed one are merged all the same.
+    let mut planes = Vec::new();
+    let mut names = Vec::new();
+    let mut malformed = None;
+    for plane in xspace_parts::planes(bytes) {
+        match plane.and_then(|p| Ok((p, xspace_parts::plane_name(p)?))) {
+            Ok((plane, name)) => {
+                planes.push(plane);
+                names.push(name);
+            }
+            Err(e) => {
+                malformed = Some(e);
+                break;
+            }
+        }
+    }
+    let environment = planes
         .iter()
-        .find(|p| p.name == TASK_ENVIRONMENT_PLANE)
-        .and_then(|p| plane_stat_u64(p, "profile_start_time"))
-        .unwrap_or(0);
+        .zip(&names)
+        .find(|(_, name)| *name == TASK_ENVIRONMENT_PLANE)
+        .map(|(plane, _)| XPlane::decode(*plane))
+        .transpose()?;
+    let base_wall_ns = match environment.and_then(|p| plane_stat_u64(&p, "profile_start_time")) {
+        Some(base) => base,
+        // Cut before its start time (TSL writes it last): no event can be
+        // placed.
+        None => match malformed {
+            Some(e) => return Err(e),
+            None => 0,
+        },
+    };
     let to_monotonic = TimeBase {
         base_wall_ns,
         clock: timeline.clock,
     };
-    let mut merge = FrameworkMerge::default();
-    for plane in space.planes {
-        match plane.name.as_str() {
-            HOST_PLANE => add_host_plane(timeline, pid, &plane, threads, &to_monotonic, &mut merge),
+    for (plane, name) in planes.into_iter().zip(&names) {
+        match name.as_str() {
+            HOST_PLANE => add_host_plane(timeline, pid, plane, threads, &to_monotonic, merge)?,
             TASK_ENVIRONMENT_PLANE => {}
             _ => {
-                let mut plane = plane;
+                let mut plane = XPlane::decode(plane)?;
                 for line in &mut plane.lines {
                     line.timestamp_ns = to_monotonic.line_start(line.timestamp_ns) as i64;
                 }
@@ -101,7 +139,7 @@ pub fn merge_framework_space(
             }
         }
     }
-    Ok(merge)
+    malformed.map_or(Ok(()), Err)
 }
 
 /// Maps a session's relative times to monotonic ns.
@@ -117,18 +155,24 @@ impl TimeBase {
     }
 }
 
+/// Lays the events of the host plane encoded in `plane` on the threads'
+/// lines, decoding one event at a time.
 fn add_host_plane(
     timeline: &mut Timeline,
     pid: u32,
-    plane: &XPlane,
+    plane: &[u8],
     threads: &ThreadIds,
     time: &TimeBase,
     merge: &mut FrameworkMerge,
-) {
-    for line in &plane.lines {
+) -> Result<(), PartError> {
+    let (plane, lines) = xspace_parts::plane_without_lines(plane)?;
+    // One name per metadata id, shared by its events.
+    let mut names: HashMap<i64, Arc<str>> = HashMap::new();
+    for line in lines {
+        let (line, count, events) = xspace_parts::line_without_events(line)?;
         let Some(&tid) = threads.get(&line.id) else {
             merge.unnamed_lines += 1;
-            merge.unnamed_events += line.events.len() as u64;
+            merge.unnamed_events += count as u64;
             continue;
         };
         let line_start = time.line_start(line.timestamp_ns);
@@ -141,22 +185,25 @@ fn add_host_plane(
             spans: Vec::new(),
             counters: ThreadCounters::default(),
         });
-        for event in &line.events {
+        // Millions of spans on one line: grown by doubling, the vector
+        // would hold up to twice their room, and three times while it moves.
+        track.spans.reserve_exact(count);
+        for event in events {
+            let event = event?;
             let Some(Data::OffsetPs(offset_ps)) = event.data else {
                 continue;
             };
             let start_ns = line_start.saturating_add_signed(offset_ps / 1000);
             let end_ns = start_ns.saturating_add(event.duration_ps.max(0) as u64 / 1000);
             let metadata = plane.event_metadata.get(&event.metadata_id);
-            let name = metadata
-                .map(|m| {
-                    if m.display_name.is_empty() {
-                        m.name.clone()
-                    } else {
-                        m.display_name.clone()
-                    }
+            let name = names
+                .entry(event.metadata_id)
+                .or_insert_with(|| match metadata {
+                    Some(m) if !m.display_name.is_empty() => m.display_name.as_str().into(),
+                    Some(m) => m.name.as_str().into(),
+                    None => "".into(),
                 })
-                .unwrap_or_default();
+                .clone();
             let stats = metadata
                 .into_iter()
                 .flat_map(|m| &m.stats)
@@ -172,6 +219,7 @@ fn add_host_plane(
             merge.spans += 1;
         }
     }
+    Ok(())
 }
 
 /// Keeps the carried events `inside` accepts, cut as it says (the
@@ -231,6 +279,8 @@ fn plane_stat_u64(plane: &XPlane, name: &str) -> Option<u64> {
 mod tests {
     use std::collections::BTreeMap;
 
+    use ebtrace_proto::tensorflow::profiler::XSpace;
+
     use super::*;
     use crate::timeline::{CaptureStats, Window};
 
@@ -282,7 +332,8 @@ mod tests {
         // Monotonic time 1 s before the session started.
         let clock = ClockSync::from_offset(start as i64 - 1_000_000_000);
         let mut tl = empty_timeline(clock);
-        let merge = merge_framework_space(&mut tl, 7, &bytes, &threads).unwrap();
+        let (merge, merged) = merge_framework_space(&mut tl, 7, &bytes, &threads);
+        merged.unwrap();
 
         let events: u64 = host.lines.iter().map(|l| l.events.len() as u64).sum();
         assert_eq!(merge.unnamed_lines, 1);
@@ -301,7 +352,7 @@ mod tests {
             1_000_000_000 + line.timestamp_ns as u64 + offset_ps as u64 / 1000
         );
         assert_eq!(span.end_ns - span.start_ns, first.duration_ps as u64 / 1000);
-        assert_eq!(span.name, host.event_metadata[&first.metadata_id].name);
+        assert_eq!(*span.name, *host.event_metadata[&first.metadata_id].name);
 
         // Everything but the host plane and TSL's Task Environment rides
         // along, on the monotonic clock.
@@ -318,6 +369,79 @@ mod tests {
             .collect();
         assert_eq!(carried, expected);
         assert!(carried.contains(&"/host:metadata"));
+    }
+
+    /// A session cut short (TSL writes its start time last) merges
+    /// nothing it could not place; one with a malformed event keeps the
+    /// events before it, and says so.
+    #[test]
+    fn a_malformed_space_keeps_only_what_it_can_place() {
+        use ebtrace_proto::tensorflow::profiler::{XEvent, XLine};
+        use prost::encoding::{WireType, encode_key, encode_varint};
+
+        let bytes = jax_space();
+        for cut in (1..bytes.len()).step_by(bytes.len() / 97 + 1) {
+            let mut tl = empty_timeline(ClockSync::from_offset(0));
+            let (merge, merged) =
+                merge_framework_space(&mut tl, 7, &bytes[..cut], &ThreadIds::new());
+            assert!(merged.is_err(), "cut at {cut} of {}", bytes.len());
+            assert_eq!((merge.spans, merge.planes), (0, 0), "cut at {cut}");
+            assert!(tl.carried_planes.is_empty());
+        }
+
+        // A line of three events whose second does not decode.
+        let event = |at: i64| XEvent {
+            data: Some(Data::OffsetPs(at * 1000)),
+            duration_ps: 1000,
+            ..Default::default()
+        };
+        let mut line = XLine {
+            id: 5,
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let field = |out: &mut Vec<u8>, number: u32, payload: &[u8]| {
+            encode_key(number, WireType::LengthDelimited, out);
+            encode_varint(payload.len() as u64, out);
+            out.extend_from_slice(payload);
+        };
+        field(&mut line, 4, &event(10).encode_to_vec());
+        field(&mut line, 4, &[0x22, 0x09, 0x00]);
+        field(&mut line, 4, &event(30).encode_to_vec());
+        let environment = XPlane {
+            name: TASK_ENVIRONMENT_PLANE.into(),
+            stat_metadata: [(
+                1,
+                XStatMetadata {
+                    id: 1,
+                    name: "profile_start_time".into(),
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            stats: vec![XStat {
+                metadata_id: 1,
+                value: Some(x_stat::Value::Uint64Value(1_000_000)),
+            }],
+            ..Default::default()
+        };
+        let mut host = XPlane {
+            name: HOST_PLANE.into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        field(&mut host, 3, &line);
+        let mut space = Vec::new();
+        field(&mut space, 1, &environment.encode_to_vec());
+        field(&mut space, 1, &host);
+
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        let threads: ThreadIds = [(5, 1005)].into();
+        let (merge, merged) = merge_framework_space(&mut tl, 7, &space, &threads);
+        assert!(merged.is_err());
+        assert_eq!(merge.spans, 1);
+        let span = &tl.threads[&1005].spans[0];
+        assert_eq!((span.start_ns, span.end_ns), (1_000_010, 1_000_011));
     }
 
     #[test]

@@ -258,7 +258,9 @@ pub enum Value {
 pub struct Span {
     pub start_ns: u64,
     pub end_ns: u64,
-    pub name: String,
+    /// Shared by the spans of one name (a framework's session repeats a
+    /// few names millions of times).
+    pub name: std::sync::Arc<str>,
     pub stats: Vec<(String, Value)>,
 }
 

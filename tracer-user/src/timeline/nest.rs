@@ -138,7 +138,7 @@ mod tests {
     fn flat(spans: &[Span]) -> Vec<(&str, u64, u64)> {
         spans
             .iter()
-            .map(|s| (s.name.as_str(), s.start_ns, s.end_ns))
+            .map(|s| (&*s.name, s.start_ns, s.end_ns))
             .collect()
     }
 

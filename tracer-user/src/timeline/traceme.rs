@@ -225,7 +225,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
             Span {
                 start_ns,
                 end_ns,
-                name: UNREADABLE_NAME.to_string(),
+                name: UNREADABLE_NAME.into(),
                 stats: Vec::new(),
             }
         } else {
@@ -233,7 +233,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
             Span {
                 start_ns,
                 end_ns,
-                name: parsed.name,
+                name: parsed.name.into(),
                 stats: parsed.stats,
             }
         };
@@ -357,7 +357,7 @@ mod tests {
         tl.threads[&tid]
             .spans
             .iter()
-            .map(|s| (s.name.clone(), s.start_ns, s.end_ns, s.stats.clone()))
+            .map(|s| (s.name.to_string(), s.start_ns, s.end_ns, s.stats.clone()))
             .collect()
     }
 

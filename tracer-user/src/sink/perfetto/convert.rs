@@ -97,7 +97,9 @@ pub fn write_xspace<W: Write>(space: &XSpace, out: W) -> io::Result<PerfettoStat
                 Span {
                     start_ns,
                     end_ns: start_ns.saturating_add(duration_ns),
-                    name: names.get(&e.metadata_id).cloned().unwrap_or_default(),
+                    name: names
+                        .get(&e.metadata_id)
+                        .map_or_else(|| "".into(), |n| n.as_str().into()),
                     stats: Vec::new(),
                 }
             }));

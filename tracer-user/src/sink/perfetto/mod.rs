@@ -290,7 +290,7 @@ fn write_spans<W: Write>(
                     track_event::Type::SliceBegin
                 } as i32),
                 track_uuid: Some(track),
-                name_field: Some(track_event::NameField::Name(span.name.clone())),
+                name_field: Some(track_event::NameField::Name(span.name.to_string())),
                 debug_annotations: span.stats.iter().map(annotation).collect(),
                 flow_ids: flow.filter(|_| !device).into_iter().collect(),
                 terminating_flow_ids: flow.filter(|_| device).into_iter().collect(),

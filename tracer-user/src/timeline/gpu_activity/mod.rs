@@ -134,7 +134,7 @@ pub fn merge_device_activity(
         events.push(Span {
             start_ns: start,
             end_ns: clock.to_monotonic_ns(at.end.max(at.start)),
-            name,
+            name: name.into(),
             stats,
         });
         submitted.insert(at.correlation, (at.device, line, events.len() - 1));
@@ -171,7 +171,7 @@ pub fn merge_device_activity(
                 if let Some(name) = kernel_names.get(&call.correlation) {
                     name_unresolved_kernel(span, name);
                 }
-                span.name.clone()
+                span.name.to_string()
             }
             None => {
                 let Some(track) = timeline.threads.get_mut(&call.tid) else {
@@ -197,7 +197,7 @@ pub fn merge_device_activity(
                 track.spans.push(Span {
                     start_ns: start,
                     end_ns: end,
-                    name: name.clone(),
+                    name: name.as_str().into(),
                     stats,
                 });
                 name
@@ -270,7 +270,7 @@ fn uprobe_span(
                 && s.end_ns.saturating_add(JOIN_TOLERANCE_NS) >= end
         })
         .filter(|(_, s)| match function {
-            Some(f) => s.name == f,
+            Some(f) => &*s.name == f,
             None => s.name.starts_with("cu"),
         })
         .filter(|(i, _)| free(*i))
@@ -500,7 +500,7 @@ mod tests {
         let events = &stream[&7].events;
         assert_eq!(events[0].start_ns, 120_000);
         assert_eq!(events[0].end_ns, 150_000);
-        assert_eq!(events[0].name, "early(float*)");
+        assert_eq!(&*events[0].name, "early(float*)");
         let correlation = |s: &Span| {
             s.stats
                 .iter()
@@ -521,7 +521,7 @@ mod tests {
         );
         // The third launch got its span from CUPTI's record.
         assert_eq!(spans[2].start_ns, 302_000);
-        assert_eq!(spans[2].name, "cuLaunchKernel");
+        assert_eq!(&*spans[2].name, "cuLaunchKernel");
         assert_eq!(correlation(&spans[2]), correlation(&events[2]));
     }
 
