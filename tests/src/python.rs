@@ -7,6 +7,8 @@ use std::{
     process::{Child, Command, Stdio},
 };
 
+use ebtrace_proto::tensorflow::profiler::{XSpace, x_event, x_stat};
+
 use crate::{workspace_root, xprof};
 
 /// The venv Python with jax and xprof, or `None` to skip (a failure when
@@ -103,4 +105,75 @@ pub fn symbol_address(pid: u32, suffix: &str, symbol: &str) -> u64 {
         .or_else(|| in_table(true))
         .unwrap_or_else(|| panic!("{symbol} not in nm's output for {path}"));
     start + vaddr
+}
+
+/// What a trace holds of the scopes `jax_workload.py --flood` entered on
+/// its main thread (line `pid` of `/host:CPU`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FloodCount {
+    /// "flood" and "flood_mark" events on the line.
+    pub scopes: u64,
+    /// "flood_mark" events: each carries the number of scopes the fixture
+    /// entered before it.
+    pub marks: u64,
+    /// Scopes between the first and the last mark that the fixture entered
+    /// and the trace lacks (negative: more in the trace than entered).
+    pub missing: i64,
+}
+
+/// Counts the flood's scopes in `space` against the fixture's own counts.
+pub fn flood_count(space: &XSpace, pid: u32) -> FloodCount {
+    let host = crate::xspace::plane(space, "/host:CPU");
+    let name_of = |id: i64| host.event_metadata.get(&id).map(|m| m.name.as_str());
+    let n_id = host
+        .stat_metadata
+        .values()
+        .find(|m| m.name == "n")
+        .map(|m| m.id);
+    let Some(line) = host.lines.iter().find(|l| l.id == i64::from(pid)) else {
+        return FloodCount {
+            scopes: 0,
+            marks: 0,
+            missing: 0,
+        };
+    };
+    // (start in ps, the mark's count if a mark)
+    let mut scopes: Vec<(i64, Option<i64>)> = Vec::new();
+    for e in &line.events {
+        let Some(x_event::Data::OffsetPs(at)) = e.data else {
+            continue;
+        };
+        match name_of(e.metadata_id) {
+            Some("flood") => scopes.push((at, None)),
+            Some("flood_mark") => {
+                let n = e
+                    .stats
+                    .iter()
+                    .find(|s| Some(s.metadata_id) == n_id)
+                    .and_then(|s| match s.value {
+                        Some(x_stat::Value::Int64Value(v)) => Some(v),
+                        Some(x_stat::Value::Uint64Value(v)) => i64::try_from(v).ok(),
+                        _ => None,
+                    })
+                    .expect("a flood mark without its count");
+                scopes.push((at, Some(n)));
+            }
+            _ => {}
+        }
+    }
+    scopes.sort_by_key(|s| s.0);
+    let marks: Vec<(usize, i64)> = scopes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, n))| n.map(|n| (i, n)))
+        .collect();
+    let missing = marks
+        .windows(2)
+        .map(|w| (w[1].1 - w[0].1) - (w[1].0 - w[0].0) as i64)
+        .sum();
+    FloodCount {
+        scopes: scopes.len() as u64,
+        marks: marks.len() as u64,
+        missing,
+    }
 }

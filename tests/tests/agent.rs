@@ -12,10 +12,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ebtrace_proto::tensorflow::profiler::{XEvent, x_event, x_stat};
+use ebtrace_proto::tensorflow::profiler::x_event;
 use ebtrace_tests::{
     TempDir, ebtrace_bin,
-    python::{PythonWorkload, jax_python, start_jax},
+    python::{PythonWorkload, flood_count, jax_python, start_jax},
     record, require_root, serial,
     serve::ServeProcess,
     signal,
@@ -536,76 +536,35 @@ fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
     }
 
     let space = xspace::load(&xplane_files(dir.path())[0]);
+    let flood = flood_count(&space, pid);
+    assert!(
+        flood.marks >= 5,
+        "{flood:?}: the fixture made fewer than 500,000 scopes in the window"
+    );
+    assert_eq!(flood.missing, 0, "{flood:?}");
+    eprintln!("{flood:?} in a {duration_ns} ns window");
+
+    // No thread state outlasts the window; times in the file are from the
+    // window's start, as in TSL's.
     let host = plane(&space, "/host:CPU");
-    let name_of = |id: i64| host.event_metadata[&id].name.as_str();
-    let stat_id = |name: &str| {
-        host.stat_metadata
-            .values()
-            .find(|m| m.name == name)
-            .map(|m| m.id)
-    };
-    let n_id = stat_id("n").expect("the marks' stat");
-    // Times in the file are from the window's start, as in TSL's.
-    let line = host
-        .lines
-        .iter()
-        .find(|l| l.id == i64::from(pid))
-        .expect("the Python thread's line");
-    let at_ns = |e: &XEvent| match e.data {
-        Some(x_event::Data::OffsetPs(o)) => line.timestamp_ns as f64 + o as f64 / 1000.0,
-        ref other => panic!("event without offset: {other:?}"),
-    };
-    // The scopes, and the marks with the count of scopes before them.
-    let mut scopes: Vec<(f64, Option<i64>)> = Vec::new();
-    for e in &line.events {
-        let end_ns = at_ns(e) + e.duration_ps as f64 / 1000.0;
-        match name_of(e.metadata_id) {
-            "flood" => scopes.push((at_ns(e), None)),
-            "flood_mark" => {
-                let n = e
-                    .stats
-                    .iter()
-                    .find(|s| s.metadata_id == n_id)
-                    .and_then(|s| match s.value {
-                        Some(x_stat::Value::Int64Value(v)) => Some(v),
-                        Some(x_stat::Value::Uint64Value(v)) => Some(v as i64),
-                        _ => None,
-                    })
-                    .expect("a mark's count");
-                scopes.push((at_ns(e), Some(n)));
+    for line in &host.lines {
+        for e in &line.events {
+            let name = host.event_metadata[&e.metadata_id].name.as_str();
+            if !matches!(name, "Running" | "Runnable" | "Blocked") {
+                continue;
             }
-            state @ ("Running" | "Runnable" | "Blocked") => assert!(
-                end_ns <= duration_ns as f64 + 1_000.0 && at_ns(e) >= 0.0,
-                "{state} at {} ns ends {} ns past the window",
-                at_ns(e),
-                end_ns - duration_ns as f64
-            ),
-            _ => {}
+            let Some(x_event::Data::OffsetPs(at)) = e.data else {
+                panic!("a state without its offset")
+            };
+            let start_ps = line.timestamp_ns * 1000 + at;
+            let end_ps = start_ps + e.duration_ps;
+            assert!(
+                start_ps >= 0 && end_ps <= duration_ns as i64 * 1000 + 1_000_000,
+                "thread {}: {name} ends {} ns past the window",
+                line.id,
+                end_ps / 1000 - duration_ns as i64
+            );
         }
     }
-    scopes.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let marks: Vec<(usize, i64)> = scopes
-        .iter()
-        .enumerate()
-        .filter_map(|(i, (_, n))| n.map(|n| (i, n)))
-        .collect();
-    assert!(
-        marks.len() >= 5,
-        "{} marks: the fixture made fewer than 500,000 scopes in the window",
-        marks.len()
-    );
-    for pair in marks.windows(2) {
-        let ((i, a), (j, b)) = (pair[0], pair[1]);
-        assert_eq!(
-            (j - i - 1) as i64,
-            b - a - 1,
-            "scopes between the marks of {a} and {b}"
-        );
-    }
-    eprintln!(
-        "{} scopes, {} marks in a {duration_ns} ns window",
-        scopes.len(),
-        marks.len()
-    );
     signal(pid, libc::SIGTERM);
 }

@@ -15,6 +15,7 @@ mod recorder;
 mod report;
 pub mod serve;
 mod traceme;
+mod traceme_flood;
 mod tracer;
 
 use std::{
@@ -66,6 +67,10 @@ pub enum Suite {
     /// The flight recorder of `ebtrace serve --retain 30s`: its cost while
     /// it runs, and how fast it answers `GetSnapshot`.
     Recorder,
+    /// TraceMe through the agent end to end, on a jax process entering
+    /// scopes as fast as it can: events per second kept, none missing,
+    /// time after the window and ebtrace's memory.
+    TracemeFlood,
 }
 
 /// What ebtrace reported about one capture.
@@ -150,7 +155,7 @@ struct Bench {
 const RECORDER_SECONDS: f64 = 35.0;
 
 /// Runs `opts.suite`; `against`, an earlier ebtrace binary, is measured
-/// beside the one built here by the recorder suite.
+/// beside the one built here by the recorder and TraceMe flood suites.
 pub fn run_bench(root: &Path, opts: Options, against: Option<PathBuf>) -> Result<()> {
     util::require_root("bench")?;
     if opts.rounds == 0 || opts.seconds <= 0.0 {
@@ -170,6 +175,17 @@ pub fn run_bench(root: &Path, opts: Options, against: Option<PathBuf>) -> Result
             },
         )?;
         return write_report(root, "recorder.md", &md);
+    }
+    if opts.suite == Suite::TracemeFlood {
+        let md = traceme_flood::run(
+            root,
+            &ebtrace,
+            &traceme_flood::Options {
+                rounds: opts.rounds,
+                against,
+            },
+        )?;
+        return write_report(root, "traceme_flood.md", &md);
     }
     if !matches!(
         opts.suite,

@@ -73,7 +73,8 @@ enum Task {
         /// --rounds and the target pinning).
         #[arg(long)]
         serve: bool,
-        /// With --serve or --suite recorder: an earlier ebtrace binary,
+        /// With --serve, --suite recorder or --suite traceme-flood: an
+        /// earlier ebtrace binary,
         /// measured in the same run after the one built here on each
         /// target, for a before/after table.
         #[arg(long)]
@@ -131,8 +132,13 @@ fn run() -> Result<()> {
             cuda_seconds,
             against,
         } => {
-            if against.is_some() && suite != bench::Suite::Recorder {
-                anyhow::bail!("--against measures --serve or --suite recorder; drop it or add one");
+            if against.is_some()
+                && !matches!(suite, bench::Suite::Recorder | bench::Suite::TracemeFlood)
+            {
+                anyhow::bail!(
+                    "--against measures --serve, --suite recorder or --suite traceme-flood; \
+                     drop it or add one"
+                );
             }
             bench::run_bench(
                 &root,
