@@ -568,3 +568,82 @@ fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
     }
     signal(pid, libc::SIGTERM);
 }
+
+/// The same flood with a small `--max-events`: once the target grew by
+/// what that many events take in the framework's recorder, ebtrace stops
+/// the framework's session, so the target's memory stays near that
+/// (against about 460 MB a second without), while the events up to the
+/// stop are all in the trace and scheduling goes on to the window's end.
+#[test]
+fn a_flood_past_max_events_stops_the_framework_session_early() {
+    if !require_root("a_flood_past_max_events_stops_the_framework_session_early") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = PythonWorkload::start_with(
+        &python,
+        "jax_workload.py",
+        &["--flood"],
+        &[("JAX_PLATFORMS", "cpu")],
+    );
+    let pid = workload.pid;
+    let kib = |field: &str| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .expect("status")
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("a kB field")
+    };
+    // "5" resets the peak resident set (VmHWM) to the current one.
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset VmHWM");
+    let before_kib = kib("VmRSS");
+    let dir = TempDir::new("agent-flood-bounded");
+    let out = record(
+        &pid.to_string(),
+        "3s",
+        &dir,
+        &["--traceme", "agent", "--max-events", "300000", "--json"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let growth_mib = kib("VmHWM").saturating_sub(before_kib) / 1024;
+    assert!(
+        stderr.contains("stopped it there to spare the process's memory"),
+        "{stderr}"
+    );
+    assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
+    // 300,000 events take about 40 MB; the session stops within a poll and
+    // a GIL switch of that, and then converts what it holds.
+    assert!(growth_mib < 400, "the target grew by {growth_mib} MiB");
+
+    let space = xspace::load(&xplane_files(dir.path())[0]);
+    let flood = flood_count(&space, pid);
+    assert!(flood.marks >= 2, "{flood:?}");
+    assert_eq!(flood.missing, 0, "{flood:?}");
+    assert!(
+        (300_000..3_000_000).contains(&flood.scopes),
+        "{flood:?}: the session was not stopped near 300,000 events"
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON summary");
+    let duration_ns = summary["window"]["duration_ns"].as_u64().expect("duration");
+    let main = summary["threads"]
+        .as_array()
+        .expect("threads")
+        .iter()
+        .find(|t| t["tid"].as_u64() == Some(u64::from(pid)))
+        .expect("the Python thread");
+    let covered: u64 = ["on_cpu_ns", "runnable_ns", "blocked_ns"]
+        .iter()
+        .map(|k| main[k].as_u64().expect("counter"))
+        .sum();
+    assert!(
+        covered >= duration_ns * 9 / 10,
+        "the Python thread's states cover {covered} of {duration_ns} ns"
+    );
+    eprintln!("{flood:?}; the target grew by {growth_mib} MiB at most");
+    signal(pid, libc::SIGTERM);
+}

@@ -182,6 +182,18 @@ pub fn serve(fd: c_int) {
                     send_frame(fd, protocol::STOPPED, why);
                 }
             },
+            protocol::STOP_FRAMEWORK => match &mut session {
+                None => {
+                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                }
+                Some(s) => {
+                    let why = s.stop_framework(|kind, payload| {
+                        send_frame(fd, kind, payload);
+                    });
+                    let why = why.as_ref().map(Text::as_bytes).unwrap_or_default();
+                    send_frame(fd, protocol::STOPPED, why);
+                }
+            },
             protocol::SHUTDOWN => {
                 if let Some(s) = session.take() {
                     let _ = s.stop(|_, _| {});

@@ -71,6 +71,11 @@ pub const NAME_KERNELS: u32 = 6;
 /// [`COLLECTED`] (payload: why some could not be handed over, or nothing);
 /// [`FAILED`] with no session running.
 pub const COLLECT: u32 = 7;
+/// ebtrace → agent: stop the framework's profiler session only (it
+/// recorded as much as the capture allows); the device activity goes on.
+/// Answer: one [`XSPACE`] per framework session, then [`STOPPED`];
+/// [`FAILED`] with no session running.
+pub const STOP_FRAMEWORK: u32 = 8;
 /// Handles one [`NAME_KERNELS`] request may carry.
 pub const MAX_NAMED_KERNELS: usize = 1024;
 /// Longest request payload the agent reads.

@@ -103,6 +103,14 @@ impl Sources {
             .and_then(|r| r.collect(|batch| deliver(protocol::DEVICE_ACTIVITY, batch)))
     }
 
+    /// Stops the framework's session alone, handing its XSpace to
+    /// `deliver`; returns why it did not stop cleanly.
+    pub fn stop_framework(&mut self, mut deliver: impl FnMut(u32, &[u8])) -> Option<Text> {
+        self.framework
+            .take()
+            .and_then(|s| s.stop(|xspace| deliver(protocol::XSPACE, xspace)))
+    }
+
     /// Stops every source, handing what each recorded to `deliver` as
     /// `(frame kind, payload)`; returns why a source did not stop cleanly.
     pub fn stop(self, mut deliver: impl FnMut(u32, &[u8])) -> Option<Text> {

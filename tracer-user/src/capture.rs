@@ -373,6 +373,7 @@ impl Capture {
     pub fn poll(&mut self, timeout: Duration) -> PollStatus {
         self.collector.wait(timeout);
         self.drain();
+        self.bound_framework_sessions();
         if self.last_collection.elapsed() >= DEVICE_COLLECTION_PERIOD {
             self.collect_device_activity();
         }

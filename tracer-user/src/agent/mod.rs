@@ -15,7 +15,7 @@ use std::{
     collections::HashMap,
     io::{Read, Write},
     os::unix::net::UnixStream,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tracer_agent::protocol::{self, Header, SessionLevels};
@@ -74,6 +74,9 @@ pub struct AgentSession {
     pub load: InjectReport,
     /// Kernel tid → `pthread_self()` of the target's threads.
     thread_pointers: HashMap<u32, u64>,
+    /// While the framework's session runs: the target's resident bytes
+    /// when it started, and when.
+    framework_since: Option<(u64, Instant)>,
     closed: bool,
 }
 
@@ -162,6 +165,7 @@ impl AgentSession {
             started: Started::default(),
             load,
             thread_pointers: HashMap::new(),
+            framework_since: None,
             closed: false,
         };
         let (kind, _) = session.receive()?;
@@ -198,7 +202,15 @@ impl AgentSession {
     fn start_session(&mut self) -> Result<Started, String> {
         self.send(protocol::START, &self.levels.encode())?;
         match self.receive()? {
-            (protocol::STARTED, p) => Ok(Started::parse(&p)),
+            (protocol::STARTED, p) => {
+                let started = Started::parse(&p);
+                self.framework_since = started
+                    .framework
+                    .as_ref()
+                    .and_then(|_| crate::procfs::resident_bytes(self.pid))
+                    .map(|bytes| (bytes, Instant::now()));
+                Ok(started)
+            }
             (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
             (kind, _) => Err(format!("the agent answered START with frame {kind}")),
         }
@@ -236,8 +248,35 @@ impl AgentSession {
     /// Stops the session and returns what it recorded; with `restart`, a
     /// new session starts right away (a long capture served in windows).
     pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, String> {
+        let recording = self.stop_with(protocol::STOP, "STOP")?;
+        // What was recorded is kept even if the next session cannot start
+        // (the process may have started one of its own meanwhile).
+        if restart && let Err(why) = self.start_session() {
+            log::warn!("pid {}: the next session did not start: {why}", self.pid);
+        }
+        Ok(recording)
+    }
+
+    /// Stops the framework's session alone and returns what it recorded;
+    /// the GPU's activity goes on recording.
+    pub fn stop_framework(&mut self) -> Result<AgentRecording, String> {
+        self.stop_with(protocol::STOP_FRAMEWORK, "STOP_FRAMEWORK")
+    }
+
+    /// While the framework's session runs: how much the target's resident
+    /// memory grew since it started (what the framework's recorder holds,
+    /// and anything else the program allocated), and how long ago that was.
+    pub fn framework_growth(&self) -> Option<(u64, Duration)> {
+        let (since, at) = self.framework_since?;
+        let now = crate::procfs::resident_bytes(self.pid)?;
+        Some((now.saturating_sub(since), at.elapsed()))
+    }
+
+    /// Sends `request` (a stop) and gathers the recording it answers with.
+    fn stop_with(&mut self, request: u32, name: &str) -> Result<AgentRecording, String> {
         self.read_thread_pointers();
-        self.send(protocol::STOP, &[])?;
+        self.framework_since = None;
+        self.send(request, &[])?;
         let (mut xspaces, mut device_activity, mut problem) = (Vec::new(), Vec::new(), None);
         loop {
             match self.receive()? {
@@ -255,13 +294,8 @@ impl AgentSession {
                     break;
                 }
                 (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
-                (kind, _) => return Err(format!("the agent answered STOP with frame {kind}")),
+                (kind, _) => return Err(format!("the agent answered {name} with frame {kind}")),
             }
-        }
-        // What was recorded is kept even if the next session cannot start
-        // (the process may have started one of its own meanwhile).
-        if restart && let Err(why) = self.start_session() {
-            log::warn!("pid {}: the next session did not start: {why}", self.pid);
         }
         Ok(AgentRecording {
             pid: self.pid,

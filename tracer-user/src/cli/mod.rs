@@ -144,9 +144,10 @@ pub struct RecordArgs {
     #[arg(long)]
     pub no_device_activity: bool,
 
-    /// Switch TraceMe recording off again after this many events. The
-    /// target's recorder keeps every event it records in memory until a
-    /// profiler session of its own drains it (jaxlib: about 140 bytes each).
+    /// Switch TraceMe recording off again after this many events (through
+    /// the agent: once the target grew by what they take). The target's
+    /// recorder keeps every event it records in memory until a profiler
+    /// session drains it (jaxlib: about 140 bytes each).
     #[arg(long, value_name = "N", default_value_t = 1_000_000,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_events: u64,
