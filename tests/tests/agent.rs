@@ -18,7 +18,7 @@ use ebtrace_tests::{
     python::{PythonWorkload, flood_count, jax_python, start_jax},
     record, require_root, serial,
     serve::ServeProcess,
-    signal,
+    signal, spawn_record,
     viewer::{self, TraceViewerPage},
     wait_with_deadline, xplane_files, xprof,
     xspace::{self, assert_lines_nest, line_events, plane},
@@ -646,5 +646,79 @@ fn a_flood_past_max_events_stops_the_framework_session_early() {
         "the Python thread's states cover {covered} of {duration_ns} ns: {main}"
     );
     eprintln!("{flood:?}; the target grew by {growth_mib} MiB at most");
+    signal(pid, libc::SIGTERM);
+}
+
+/// A program that holds Python's GIL through the end of a capture (a C
+/// call that does not release it): the agent's thread cannot stop the
+/// session, so ebtrace leaves the agent loaded rather than unload it from
+/// a thread of the program, which could hold the GIL the agent's thread
+/// waits for and hang the program for good. Once the call returns, the
+/// program goes on, the agent's thread ends, and the next ebtrace takes
+/// the library out.
+#[test]
+fn an_agent_kept_from_the_gil_is_left_loaded_and_taken_out_later() {
+    if !require_root("an_agent_kept_from_the_gil_is_left_loaded_and_taken_out_later") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    // The GIL is held from 1.5 s to 81.5 s: past the 60 s ebtrace waits
+    // for the session to stop.
+    let workload = PythonWorkload::start_with(
+        &python,
+        "jax_workload.py",
+        &["--hold-gil", "1.5,80"],
+        &[("JAX_PLATFORMS", "cpu")],
+    );
+    let pid = workload.pid;
+    let dir = TempDir::new("agent-gil-held");
+    let child = spawn_record(&pid.to_string(), "2s", &dir, &["--traceme", "agent"]);
+    // It gives up on the session after 60 s and does not wait again, nor
+    // take a thread of the program over to unload (which would keep that
+    // thread until the GIL comes free, or for ever if it holds it).
+    let out = wait_with_deadline(child, Duration::from_secs(72));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("so it was left loaded"), "{said}");
+    assert_eq!(xplane_files(dir.path()).len(), 1, "the trace is written");
+
+    // The call returns; the agent's thread then stops the session and ends.
+    assert!(
+        wait_until(Duration::from_secs(90), || agent_threads(pid) == 0),
+        "the agent's thread did not end"
+    );
+    let cpu_ticks = || -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .expect("comm")
+            .1
+            .split_whitespace()
+            .collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let before = cpu_ticks();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(cpu_ticks() > before, "the program does not go on");
+    let (mapped, memfds, _) = agent_traces(pid);
+    assert!(mapped + memfds > 0, "the agent was unloaded all the same");
+
+    // The next capture takes the library out, records, and leaves nothing.
+    let next = TempDir::new("agent-gil-next");
+    let out = record(&pid.to_string(), "1s", &next, &["--traceme", "agent"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("TraceMe through ebtrace's agent"),
+        "{stderr}"
+    );
+    assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
     signal(pid, libc::SIGTERM);
 }

@@ -77,6 +77,10 @@ pub struct AgentSession {
     /// While the framework's session runs: the target's resident bytes
     /// when it started, and when.
     framework_since: Option<(u64, Instant)>,
+    /// A request went unanswered: the agent's thread may be waiting for
+    /// the program (for Python's GIL), and later frames cannot be matched
+    /// to requests.
+    unanswered: bool,
     closed: bool,
 }
 
@@ -166,6 +170,7 @@ impl AgentSession {
             load,
             thread_pointers: HashMap::new(),
             framework_since: None,
+            unanswered: false,
             closed: false,
         };
         let (kind, _) = session.receive()?;
@@ -346,14 +351,27 @@ impl AgentSession {
             return Ok(InjectReport::default());
         };
         // BYE means the agent's thread is done with Python: unloading never
-        // waits for the GIL.
-        let bye = self
-            .send(protocol::SHUTDOWN, &[])
-            .and_then(|()| self.receive());
-        if let Err(why) = bye
-            && !self.target_exited()
-        {
-            log::warn!("pid {}: the agent did not say goodbye: {why}", self.pid);
+        // waits for the GIL. Without it, that thread may still wait for the
+        // GIL, which the thread the unload takes over may hold: the unload
+        // would wait for ever. The library is left instead, inert once its
+        // thread ends (the socket closes with this session), and the next
+        // ebtrace takes it out.
+        let bye = self.send(protocol::SHUTDOWN, &[]).and_then(|()| {
+            if self.unanswered {
+                // It did not answer before: it will not say goodbye now.
+                return Err("an earlier request went unanswered".to_string());
+            }
+            self.receive()
+        });
+        if let Err(why) = bye {
+            if self.target_exited() {
+                return Ok(InjectReport::default());
+            }
+            return Err(format!(
+                "the agent did not say goodbye ({why}), so it was left loaded: it stops once \
+                 the program lets its thread run, and the next ebtrace on pid {} takes it out",
+                self.pid
+            ));
         }
         let failed = match injected.unload(inject::AGENT_DETACH) {
             Ok(report) => return Ok(report),
@@ -398,6 +416,13 @@ impl AgentSession {
     }
 
     fn receive(&mut self) -> Result<(u32, Vec<u8>), String> {
+        let answer = self.read_answer();
+        // Whatever comes later could be the answer to this request.
+        self.unanswered |= answer.is_err();
+        answer
+    }
+
+    fn read_answer(&mut self) -> Result<(u32, Vec<u8>), String> {
         let pid = self.pid;
         let lost = |e: std::io::Error| format!("no answer from the agent in pid {pid}: {e}");
         self.control

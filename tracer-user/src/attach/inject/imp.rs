@@ -23,6 +23,10 @@ const SYS_FUTEX: i64 = 202;
 /// How long a session waits for a thread of the target to stop at a safe
 /// point (see [`super::session::at_safe_point`]).
 const SAFE_POINT_WAIT: Duration = Duration::from_secs(3);
+/// How long an earlier agent's thread may take to end before its library
+/// is left in place: stopping a framework session it was told to stop
+/// converts the session's events first (seconds for millions).
+const LEFTOVER_THREAD_WAIT: Duration = Duration::from_secs(5);
 
 /// The threads to make the calls on, in the order to try them: blocked in
 /// a syscall the kernel restarts, then waiting on a futex, then running;
@@ -418,6 +422,20 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     let fds = leftover_fds(pid)?;
     if fds.is_empty() {
         return Ok(0);
+    }
+    // The library's exit joins its thread. A thread still running may wait
+    // for something the thread taken over holds (Python's GIL): the join
+    // would wait for ever. One that ebtrace's exit just told to stop ends
+    // within milliseconds.
+    let began = Instant::now();
+    while super::agent_thread_running(pid) {
+        if began.elapsed() >= LEFTOVER_THREAD_WAIT {
+            return Err(InjectError::AgentThreadRunning {
+                pid,
+                seconds: LEFTOVER_THREAD_WAIT.as_secs(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;

@@ -150,6 +150,13 @@ pub enum InjectError {
     )]
     NoSafePoint { pid: u32, seconds: u64, tries: u32 },
 
+    #[error(
+        "an earlier agent's thread in pid {pid} has not ended after {seconds} s (it waits for \
+         the program, such as for Python's GIL): its library stays loaded, inert once the thread \
+         ends; try again later, or use --traceme uprobe"
+    )]
+    AgentThreadRunning { pid: u32, seconds: u64 },
+
     #[error("ptrace {what} of thread {tid} failed: {source}")]
     Ptrace {
         what: &'static str,
@@ -233,11 +240,19 @@ fn program_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
     let tids = crate::procfs::thread_ids(pid).map_err(|_| InjectError::NoSuchProcess { pid })?;
     Ok(tids
         .into_iter()
-        .filter(|tid| {
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"));
-            !comm.is_ok_and(|c| c.starts_with(AGENT_THREAD_PREFIX))
-        })
+        .filter(|tid| !is_agent_thread(pid, *tid))
         .collect())
+}
+
+fn is_agent_thread(pid: u32, tid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .is_ok_and(|c| c.starts_with(AGENT_THREAD_PREFIX))
+}
+
+/// Whether an agent's thread runs in `pid`.
+fn agent_thread_running(pid: u32) -> bool {
+    crate::procfs::thread_ids(pid)
+        .is_ok_and(|tids| tids.into_iter().any(|t| is_agent_thread(pid, t)))
 }
 
 /// True while `pid` exists and is not a zombie.
