@@ -24,6 +24,12 @@ pub fn start_jax(python: &Path, env: &[(&str, &str)]) -> PythonWorkload {
     PythonWorkload::start(python, "jax_workload.py", &all)
 }
 
+/// The jax workload on the CPU backend with the arguments `args` (a mode
+/// such as `--flood`).
+pub fn start_jax_with(python: &Path, args: &[&str]) -> PythonWorkload {
+    PythonWorkload::start_with(python, "jax_workload.py", args, &[("JAX_PLATFORMS", "cpu")])
+}
+
 /// A running `tests/fixtures/traceme/<script>`, killed when dropped. The
 /// script prints `{"pid": N}` once warmed up.
 pub struct PythonWorkload {

@@ -496,7 +496,7 @@ pub fn event_count(space: &XSpace) -> usize {
 }
 
 /// The KiB of the `/proc/PID/status` field named `field` (with its colon).
-fn status_kib(pid: u32, field: &str) -> u64 {
+pub fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
     status
         .lines()

@@ -15,9 +15,9 @@ use std::{
 use ebtrace_proto::tensorflow::profiler::x_event;
 use ebtrace_tests::{
     TempDir, ebtrace_bin,
-    python::{PythonWorkload, flood_count, jax_python, start_jax},
+    python::{PythonWorkload, flood_count, jax_python, start_jax, start_jax_with},
     record, require_root, serial,
-    serve::ServeProcess,
+    serve::{ServeProcess, status_kib},
     signal, spawn_record,
     viewer::{self, TraceViewerPage},
     wait_with_deadline, xplane_files, xprof,
@@ -506,12 +506,7 @@ fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
         return;
     };
     let _serial = serial();
-    let workload = PythonWorkload::start_with(
-        &python,
-        "jax_workload.py",
-        &["--flood"],
-        &[("JAX_PLATFORMS", "cpu")],
-    );
+    let workload = start_jax_with(&python, &["--flood"]);
     let pid = workload.pid;
     let dir = TempDir::new("agent-flood");
     let out = record(
@@ -583,24 +578,12 @@ fn a_flood_past_max_events_stops_the_framework_session_early() {
         return;
     };
     let _serial = serial();
-    let workload = PythonWorkload::start_with(
-        &python,
-        "jax_workload.py",
-        &["--flood"],
-        &[("JAX_PLATFORMS", "cpu")],
-    );
+    let workload = start_jax_with(&python, &["--flood"]);
     let pid = workload.pid;
-    let kib = |field: &str| -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .expect("status")
-            .lines()
-            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("a kB field")
-    };
+    let kib = |field: &str| status_kib(pid, field);
     // "5" resets the peak resident set (VmHWM) to the current one.
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset VmHWM");
-    let before_kib = kib("VmRSS");
+    let before_kib = kib("VmRSS:");
     let dir = TempDir::new("agent-flood-bounded");
     let out = record(
         &pid.to_string(),
@@ -610,7 +593,7 @@ fn a_flood_past_max_events_stops_the_framework_session_early() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let growth_mib = kib("VmHWM").saturating_sub(before_kib) / 1024;
+    let growth_mib = kib("VmHWM:").saturating_sub(before_kib) / 1024;
     assert!(
         stderr.contains("stopped it there to spare the process's memory"),
         "{stderr}"
@@ -667,12 +650,7 @@ fn an_agent_kept_from_the_gil_is_left_loaded_and_taken_out_later() {
     let _serial = serial();
     // The GIL is held from 1.5 s to 81.5 s: past the 60 s ebtrace waits
     // for the session to stop.
-    let workload = PythonWorkload::start_with(
-        &python,
-        "jax_workload.py",
-        &["--hold-gil", "1.5,80"],
-        &[("JAX_PLATFORMS", "cpu")],
-    );
+    let workload = start_jax_with(&python, &["--hold-gil", "1.5,80"]);
     let pid = workload.pid;
     let dir = TempDir::new("agent-gil-held");
     let child = spawn_record(&pid.to_string(), "2s", &dir, &["--traceme", "agent"]);

@@ -24,7 +24,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use ebtrace_tests::{
-    python::{PythonWorkload, flood_count},
+    python::{flood_count, start_jax_with},
     xspace,
 };
 
@@ -104,12 +104,7 @@ pub fn run(root: &Path, ebtrace: &Path, opts: &Options) -> Result<String> {
 /// One capture of a fresh flood process by `ebtrace`; its log directory
 /// and the process's pid, for [`flood_count`].
 fn one_capture(python: &Path, ebtrace: &Path) -> Result<(Round, (PathBuf, u32))> {
-    let workload = PythonWorkload::start_with(
-        python,
-        "jax_workload.py",
-        &["--flood"],
-        &[("JAX_PLATFORMS", "cpu")],
-    );
+    let workload = start_jax_with(python, &["--flood"]);
     // Past jax's start-up: the loop is flat out.
     std::thread::sleep(Duration::from_secs(2));
     let pid = workload.pid;
