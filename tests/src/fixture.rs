@@ -217,6 +217,8 @@ struct Sample {
     schedstat: BTreeMap<u32, Schedstat>,
     /// Values of the sampled counters, in the order their addresses were given.
     counters: Vec<u64>,
+    /// Steal time of all CPUs so far (`/proc/stat`), in ticks.
+    steal_ticks: u64,
 }
 
 /// `/proc/PID/task/TID/schedstat`: on-CPU ns and number of times run.
@@ -224,6 +226,17 @@ struct Sample {
 pub struct Schedstat {
     pub on_cpu_ns: u64,
     pub timeslices: u64,
+}
+
+/// Time the hypervisor gave this machine's CPUs to others, so far: the
+/// `steal` column of `/proc/stat`'s first line, in ticks.
+fn read_steal_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines()
+        .next()
+        .and_then(|cpu| cpu.split_whitespace().nth(8))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Reads an 8-byte counter at `addr` through an open `/proc/PID/mem`.
@@ -266,11 +279,13 @@ impl SchedstatSampler {
                     .iter()
                     .map(|&addr| read_counter(&mem, addr))
                     .collect();
+                let steal_ticks = read_steal_ticks();
                 let after = crate::realtime_ns();
                 samples.push(Sample {
                     wall_ns: before / 2 + after / 2,
                     schedstat,
                     counters,
+                    steal_ticks,
                 });
                 std::thread::sleep(every);
             }
@@ -295,6 +310,24 @@ impl SchedstatSeries {
     /// On-CPU ns of `tid` at wall time `t` (linear interpolation).
     pub fn at(&self, tid: u32, t: u64) -> u64 {
         self.interpolate(t, |s| s.schedstat.get(&tid).map(|v| v.on_cpu_ns))
+    }
+
+    /// At most how long the hypervisor stopped this machine's CPUs while
+    /// sampling, in ns: 0 if it reported none, else what it reported, plus
+    /// the tick each CPU's count may hide. On a CPU it stopped, the thread
+    /// that was running stays switched in, so a trace shows it running,
+    /// while schedstat (the scheduler's task clock) leaves that time out.
+    pub fn steal_bound_ns(&self) -> u64 {
+        const TICK_NS: u64 = 10_000_000;
+        let (Some(first), Some(last)) = (self.0.first(), self.0.last()) else {
+            return 0;
+        };
+        let ticks = last.steal_ticks.saturating_sub(first.steal_ticks);
+        if ticks == 0 {
+            return 0;
+        }
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        (ticks + cpus) * TICK_NS
     }
 
     /// Times `tid` was switched in, up to wall time `t` (interpolated).
