@@ -289,8 +289,10 @@ fn a_process_that_dies_is_kept_until_its_records_are_too_old() {
     let server = ServeProcess::loopback(&[
         "--pid",
         &workload.pid.to_string(),
+        // Long enough that its records are still there when the snapshot
+        // comes, on a machine slow to notice the exit.
         "--retain",
-        "3s",
+        "6s",
         "--keep-probes",
         "0",
     ]);
