@@ -10,11 +10,12 @@
 //! - [`unwind`]: sampled user stacks unwound with the objects' call frame
 //!   information (framehop);
 //! - [`stacks`]: names, inlined functions and lines for the addresses of
-//!   sampled stacks (blazesym).
+//!   sampled stacks (blazesym, on a thread of its own: `symbolizer_thread`).
 
 pub mod elf;
 pub mod maps;
 pub mod stacks;
+mod symbolizer_thread;
 #[cfg(target_arch = "x86_64")]
 pub mod unwind;
 

@@ -3,23 +3,23 @@
 //! the object has debug information. User addresses are resolved in the
 //! sampled process (its mappings, while it runs), or, once it has exited,
 //! in the files it had mapped where [`StackSymbolizer::note_sample`] saw
-//! them; kernel ones from `/proc/kallsyms`.
+//! them; kernel ones from `/proc/kallsyms`. The addresses of each sample
+//! are named as it arrives, on a thread of its own
+//! (`super::symbolizer_thread`), so that a trace built later finds them
+//! named.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use blazesym::{
-    Pid,
-    symbolize::{
-        CodeInfo, Input, Symbolized, Symbolizer,
-        source::{Elf, Kernel, Process, Source},
-    },
-};
+use blazesym::symbolize::{CodeInfo, Symbolized};
 
-use super::maps::{self, Mapping};
+use super::{
+    maps::{self, Mapping},
+    symbolizer_thread::{Answer, Place, SymbolizerThread},
+};
 use crate::collect::StackSample;
 
 /// How often a process's mappings are read again when a sample has an
@@ -60,6 +60,10 @@ pub struct StackSymbolizer {
     /// Each sampled process's executable file mappings, by start address,
     /// and when they were read.
     code: HashMap<u32, (Vec<Mapping>, Instant)>,
+    /// Where blazesym runs, keeping what it parsed while this lives.
+    thread: SymbolizerThread,
+    /// Addresses asked of it and not answered yet.
+    asked: HashSet<(Space, u64)>,
 }
 
 /// The address to look up for frame `depth` of a stack: every frame past
@@ -89,20 +93,8 @@ pub fn sample_frames(sample: &StackSample) -> Vec<(Space, u64)> {
     kernel.chain(user).collect()
 }
 
-/// blazesym's symbolizer keeps the objects it parsed: it lives for one
-/// batch, so that nothing of a target's libraries stays in memory between
-/// captures (and so that [`StackSymbolizer`] can move between threads,
-/// which blazesym's cannot).
-fn symbolizer() -> Symbolizer {
-    Symbolizer::builder()
-        .enable_code_info(true)
-        .enable_inlined_fns(true)
-        .enable_demangling(true)
-        .build()
-}
-
 /// The functions blazesym found at one address, innermost first.
-fn symbol_of(result: &Symbolized<'_>) -> Option<Symbol> {
+pub(super) fn symbol_of(result: &Symbolized<'_>) -> Option<Symbol> {
     let Symbolized::Sym(sym) = result else {
         return None;
     };
@@ -130,6 +122,21 @@ fn frame(function: &str, code_info: Option<&CodeInfo<'_>>) -> Frame {
     }
 }
 
+fn place_of(space: Space) -> Place {
+    match space {
+        Space::Kernel => Place::Kernel,
+        Space::Process(pid) => Place::Process(pid),
+    }
+}
+
+fn space_of(place: &Place) -> Option<Space> {
+    match place {
+        Place::Kernel => Some(Space::Kernel),
+        Place::Process(pid) => Some(Space::Process(*pid)),
+        Place::File(_) => None,
+    }
+}
+
 /// The mapping of `maps` (sorted by start) that holds `address`.
 fn mapping_of(maps: &[Mapping], address: u64) -> Option<&Mapping> {
     let i = maps.partition_point(|m| m.start <= address);
@@ -142,6 +149,58 @@ impl StackSymbolizer {
     /// mappings the first time, and again (at most once a second) when an
     /// address is in none of them.
     pub fn note_sample(&mut self, sample: &StackSample) {
+        self.take_answers();
+        self.ask_ahead(&sample_frames(sample));
+        self.note_code(sample);
+    }
+
+    /// Asks for the names of the addresses of `stack` not named yet,
+    /// without waiting.
+    fn ask_ahead(&mut self, stack: &[(Space, u64)]) {
+        let mut by_space: HashMap<Space, Vec<u64>> = HashMap::new();
+        for &(space, address) in stack {
+            if !self.cache.contains_key(&(space, address)) && self.asked.insert((space, address)) {
+                by_space.entry(space).or_default().push(address);
+            }
+        }
+        for (space, addresses) in by_space {
+            let asked = addresses.clone();
+            if !self.thread.ask(place_of(space), addresses) {
+                for a in asked {
+                    self.asked.remove(&(space, a));
+                }
+            }
+        }
+    }
+
+    /// Keeps the names that came, without waiting.
+    fn take_answers(&mut self) {
+        for answer in self.thread.answers() {
+            self.keep(answer);
+        }
+    }
+
+    /// Keeps the names of `answer`. An address of a place that could not
+    /// be read is left unnamed: [`Self::resolve`] looks again.
+    fn keep(&mut self, answer: Answer) {
+        let Some(space) = space_of(&answer.place) else {
+            return;
+        };
+        for a in &answer.addresses {
+            self.asked.remove(&(space, *a));
+        }
+        let Some(symbols) = answer.symbols else {
+            return;
+        };
+        for (address, symbol) in answer.addresses.into_iter().zip(symbols) {
+            self.cache
+                .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+        }
+    }
+
+    /// Remembers where `sample`'s process has its code (see
+    /// [`Self::note_sample`]).
+    fn note_code(&mut self, sample: &StackSample) {
         let pid = sample.tgid;
         if sample.user.is_empty() {
             return;
@@ -165,35 +224,44 @@ impl StackSymbolizer {
 
     /// Names `addresses` of `pid`, which has exited, from the files it had
     /// mapped; `None` where they are unknown.
-    fn resolve_in_files(&self, pid: u32, addresses: &[u64]) -> Vec<Option<Symbol>> {
+    fn resolve_in_files(&mut self, pid: u32, addresses: &[u64]) -> Vec<Option<Symbol>> {
         let mut out = vec![None; addresses.len()];
         let Some((maps, _)) = self.code.get(&pid) else {
             return out;
         };
-        let mut by_file: HashMap<&str, Vec<(usize, u64)>> = HashMap::new();
+        let mut by_file: HashMap<String, Vec<(usize, u64)>> = HashMap::new();
         for (i, a) in addresses.iter().enumerate() {
             if let Some(m) = mapping_of(maps, *a) {
                 by_file
-                    .entry(m.path.as_str())
+                    .entry(m.path.clone())
                     .or_default()
                     .push((i, a - m.start + m.offset));
             }
         }
-        let symbolizer = symbolizer();
         for (path, wanted) in by_file {
             let offsets: Vec<u64> = wanted.iter().map(|(_, o)| *o).collect();
-            let source = Source::Elf(Elf::new(path));
-            let Ok(found) = symbolizer.symbolize(&source, Input::FileOffset(&offsets)) else {
+            let Some(found) = self.look_up(Place::File(path.clone()), offsets) else {
                 continue;
             };
-            for ((i, _), result) in wanted.iter().zip(&found) {
-                if let Some(mut symbol) = symbol_of(result) {
-                    symbol.module.get_or_insert_with(|| path.to_string());
+            for ((i, _), symbol) in wanted.iter().zip(found) {
+                if let Some(mut symbol) = symbol {
+                    symbol.module.get_or_insert_with(|| path.clone());
                     out[*i] = Some(symbol);
                 }
             }
         }
         out
+    }
+
+    /// Looks `addresses` of `place` up and waits; what earlier lookups
+    /// answered meanwhile is kept.
+    fn look_up(&mut self, place: Place, addresses: Vec<u64>) -> Option<Vec<Option<Symbol>>> {
+        let mut answers = self.thread.look_up(place, addresses);
+        let ours = answers.pop()?;
+        for answer in answers {
+            self.keep(answer);
+        }
+        ours.symbols
     }
 
     /// Resolves every address of `stacks` (see [`sample_frames`]), one
@@ -215,6 +283,9 @@ impl StackSymbolizer {
     /// address that cannot be resolved (the process exited, the object has
     /// no symbols) gets an empty [`Symbol`].
     pub fn resolve(&mut self, space: Space, addresses: impl IntoIterator<Item = u64>) {
+        for answer in self.thread.wait_for_all() {
+            self.keep(answer);
+        }
         let mut wanted: Vec<u64> = addresses
             .into_iter()
             .filter(|a| !self.cache.contains_key(&(space, *a)))
@@ -224,21 +295,16 @@ impl StackSymbolizer {
         if wanted.is_empty() {
             return;
         }
-        let source = match space {
-            Space::Kernel => Source::Kernel(Kernel::default()),
-            Space::Process(pid) => Source::Process(Process::new(Pid::from(pid))),
+        let symbols: Vec<Option<Symbol>> = match self.look_up(place_of(space), wanted.clone()) {
+            Some(found) => found,
+            // The process has exited: the files it had mapped when it was
+            // sampled still name its code. (Only then: a live process in a
+            // container sees other files at those paths.)
+            None => match space {
+                Space::Process(pid) => self.resolve_in_files(pid, &wanted),
+                Space::Kernel => vec![None; wanted.len()],
+            },
         };
-        let symbols: Vec<Option<Symbol>> =
-            match symbolizer().symbolize(&source, Input::AbsAddr(&wanted)) {
-                Ok(found) => found.iter().map(symbol_of).collect(),
-                // The process has exited: the files it had mapped when it
-                // was sampled still name its code. (Only then: a live
-                // process in a container sees other files at those paths.)
-                Err(_) => match space {
-                    Space::Process(pid) => self.resolve_in_files(pid, &wanted),
-                    Space::Kernel => vec![None; wanted.len()],
-                },
-            };
         for (address, symbol) in wanted.into_iter().zip(symbols) {
             self.cache
                 .insert((space, address), Arc::new(symbol.unwrap_or_default()));
@@ -252,7 +318,12 @@ impl StackSymbolizer {
     pub fn forget_process(&mut self, pid: u32) {
         self.cache
             .retain(|(space, _), _| *space != Space::Process(pid));
+        self.asked
+            .retain(|(space, _)| *space != Space::Process(pid));
         self.code.remove(&pid);
+        // What was parsed for it goes too (blazesym keeps a process's
+        // objects under its pid).
+        self.thread.forget_parsed();
     }
 
     /// What [`Self::resolve`] found at `address` of `space`.
@@ -329,6 +400,44 @@ mod tests {
         // An address in no file it had mapped stays unknown.
         symbolizer.resolve(Space::Process(pid), [8]);
         assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
+    }
+
+    /// A noted sample's addresses are named in the background: a trace
+    /// built later finds them named without waiting for blazesym.
+    #[test]
+    fn a_noted_sample_is_named_before_it_is_asked_for() {
+        let pid = std::process::id();
+        let address = a_noted_sample_is_named_before_it_is_asked_for as *const () as u64;
+        let sample = StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+            tid: pid,
+            tgid: pid,
+            user: vec![address].into(),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+        };
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_sample(&sample);
+        assert!(symbolizer.asked.contains(&(Space::Process(pid), address)));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !symbolizer.asked.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            symbolizer.take_answers();
+        }
+        let symbol = symbolizer.get(Space::Process(pid), address);
+        let function = &symbol
+            .frames
+            .last()
+            .expect("named in the background")
+            .function;
+        assert!(
+            function.contains("a_noted_sample_is_named_before_it_is_asked_for"),
+            "{symbol:?}"
+        );
+        // Noted again, it is not asked again.
+        symbolizer.note_sample(&sample);
+        assert!(symbolizer.asked.is_empty());
     }
 
     #[test]
