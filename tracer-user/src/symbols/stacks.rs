@@ -9,12 +9,13 @@
 //! named.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use blazesym::symbolize::{CodeInfo, Symbolized};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{
     maps::{self, Mapping},
@@ -56,14 +57,14 @@ pub struct Symbol {
 /// again for the same addresses).
 #[derive(Default)]
 pub struct StackSymbolizer {
-    cache: HashMap<(Space, u64), Arc<Symbol>>,
+    cache: FxHashMap<(Space, u64), Arc<Symbol>>,
     /// Each sampled process's executable file mappings, by start address,
     /// and when they were read.
     code: HashMap<u32, (Vec<Mapping>, Instant)>,
     /// Where blazesym runs, keeping what it parsed while this lives.
     thread: SymbolizerThread,
     /// Addresses asked of it and not answered yet.
-    asked: HashSet<(Space, u64)>,
+    asked: FxHashSet<(Space, u64)>,
 }
 
 /// The address to look up for frame `depth` of a stack: every frame past
@@ -150,25 +151,41 @@ impl StackSymbolizer {
     /// address is in none of them.
     pub fn note_sample(&mut self, sample: &StackSample) {
         self.take_answers();
-        self.ask_ahead(&sample_frames(sample));
+        self.ask_ahead(sample);
         self.note_code(sample);
     }
 
-    /// Asks for the names of the addresses of `stack` not named yet,
-    /// without waiting.
-    fn ask_ahead(&mut self, stack: &[(Space, u64)]) {
-        let mut by_space: HashMap<Space, Vec<u64>> = HashMap::new();
-        for &(space, address) in stack {
+    /// Asks for the names of the addresses of `sample` not named yet,
+    /// without waiting. (Called for every sample: most addresses are
+    /// named already, and this looks them up without allocating.)
+    fn ask_ahead(&mut self, sample: &StackSample) {
+        let kernel = sample
+            .kernel
+            .iter()
+            .enumerate()
+            .map(|(depth, a)| lookup_address(depth, *a));
+        self.ask_for(Space::Kernel, kernel);
+        let user = sample
+            .user
+            .iter()
+            .enumerate()
+            .map(|(depth, a)| lookup_address(depth, *a));
+        self.ask_for(Space::Process(sample.tgid), user);
+    }
+
+    fn ask_for(&mut self, space: Space, addresses: impl Iterator<Item = u64>) {
+        let mut unnamed = Vec::new();
+        for address in addresses {
             if !self.cache.contains_key(&(space, address)) && self.asked.insert((space, address)) {
-                by_space.entry(space).or_default().push(address);
+                unnamed.push(address);
             }
         }
-        for (space, addresses) in by_space {
-            let asked = addresses.clone();
-            if !self.thread.ask(place_of(space), addresses) {
-                for a in asked {
-                    self.asked.remove(&(space, a));
-                }
+        if unnamed.is_empty() {
+            return;
+        }
+        if !self.thread.ask(place_of(space), unnamed.clone()) {
+            for a in unnamed {
+                self.asked.remove(&(space, a));
             }
         }
     }
