@@ -197,21 +197,23 @@ impl StackSymbolizer {
         }
     }
 
-    /// Keeps the names of `answer`. An address of a place that could not
-    /// be read is left unnamed: [`Self::resolve`] looks again.
+    /// Keeps the names `answer` found for addresses still asked for (not
+    /// those of a process forgotten since). An address of a place that
+    /// could not be read is left unnamed: [`Self::resolve`] looks again.
     fn keep(&mut self, answer: Answer) {
         let Some(space) = space_of(&answer.place) else {
             return;
         };
-        for a in &answer.addresses {
-            self.asked.remove(&(space, *a));
-        }
-        let Some(symbols) = answer.symbols else {
-            return;
-        };
-        for (address, symbol) in answer.addresses.into_iter().zip(symbols) {
-            self.cache
-                .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+        let symbols = answer.symbols.map(Vec::into_iter);
+        let mut symbols = symbols.into_iter().flatten();
+        for address in answer.addresses {
+            let symbol = symbols.next();
+            if self.asked.remove(&(space, address))
+                && let Some(symbol) = symbol
+            {
+                self.cache
+                    .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+            }
         }
     }
 
@@ -273,12 +275,11 @@ impl StackSymbolizer {
     /// Looks `addresses` of `place` up and waits; what earlier lookups
     /// answered meanwhile is kept.
     fn look_up(&mut self, place: Place, addresses: Vec<u64>) -> Option<Vec<Option<Symbol>>> {
-        let mut answers = self.thread.look_up(place, addresses);
-        let ours = answers.pop()?;
-        for answer in answers {
+        let (earlier, ours) = self.thread.look_up(place, addresses);
+        for answer in earlier {
             self.keep(answer);
         }
-        ours.symbols
+        ours?.symbols
     }
 
     /// Resolves every address of `stacks` (see [`sample_frames`]), one
@@ -454,6 +455,34 @@ mod tests {
         );
         // Noted again, it is not asked again.
         symbolizer.note_sample(&sample);
+        assert!(symbolizer.asked.is_empty());
+    }
+
+    /// Names asked for a process that is forgotten before they come are
+    /// not kept (its pid may be a new process's by then).
+    #[test]
+    fn names_that_come_after_their_process_was_forgotten_are_dropped() {
+        let pid = std::process::id();
+        let address =
+            names_that_come_after_their_process_was_forgotten_are_dropped as *const () as u64;
+        let sample = StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+            tid: pid,
+            tgid: pid,
+            user: vec![address].into(),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+        };
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_sample(&sample);
+        symbolizer.forget_process(pid);
+        let answers = symbolizer.thread.wait_for_all();
+        assert_eq!(answers.len(), 1);
+        for answer in answers {
+            symbolizer.keep(answer);
+        }
+        assert!(symbolizer.cache.is_empty());
         assert!(symbolizer.asked.is_empty());
     }
 

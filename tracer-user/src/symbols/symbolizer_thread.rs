@@ -169,13 +169,16 @@ impl SymbolizerThread {
         self.receive_until(|_| false)
     }
 
-    /// Looks `addresses` of `place` up and waits for the answer; returns
-    /// it last, after those of earlier lookups still to come.
-    pub fn look_up(&mut self, place: Place, addresses: Vec<u64>) -> Vec<Answer> {
+    /// Looks `addresses` of `place` up and waits for the answer: the
+    /// answers of earlier lookups still to come, then its own (none if
+    /// the thread ended).
+    pub fn look_up(&mut self, place: Place, addresses: Vec<u64>) -> (Vec<Answer>, Option<Answer>) {
         if !self.send(place, addresses, true) {
-            return Vec::new();
+            return (Vec::new(), None);
         }
-        self.receive_until(|a| a.waited)
+        let mut earlier = self.receive_until(|a| a.waited);
+        let ours = earlier.pop_if(|a| a.waited);
+        (earlier, ours)
     }
 
     fn receive_until(&mut self, last: impl Fn(&Answer) -> bool) -> Vec<Answer> {
