@@ -361,6 +361,19 @@ mod tests {
 
     use super::*;
 
+    /// A sample of process `pid` whose user stack is `address` alone.
+    fn user_sample(pid: u32, address: u64) -> StackSample {
+        StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
+            tid: pid,
+            tgid: pid,
+            user: vec![address].into(),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+        }
+    }
+
     /// The executable mapping of `pid` that holds `address`.
     fn code_mapping(pid: u32, address: u64) -> Option<Mapping> {
         maps::read_maps(pid)
@@ -395,15 +408,7 @@ mod tests {
             }
         };
         let address = theirs.start + (write - ours.start);
-        let sample = StackSample {
-            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
-            tid: pid,
-            tgid: pid,
-            user: vec![address].into(),
-            kernel: Box::new([]),
-            user_unreadable: false,
-            kernel_unreadable: false,
-        };
+        let sample = user_sample(pid, address);
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.note_sample(&sample);
         child.kill().unwrap();
@@ -426,15 +431,7 @@ mod tests {
     fn a_noted_sample_is_named_before_it_is_asked_for() {
         let pid = std::process::id();
         let address = a_noted_sample_is_named_before_it_is_asked_for as *const () as u64;
-        let sample = StackSample {
-            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
-            tid: pid,
-            tgid: pid,
-            user: vec![address].into(),
-            kernel: Box::new([]),
-            user_unreadable: false,
-            kernel_unreadable: false,
-        };
+        let sample = user_sample(pid, address);
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.note_sample(&sample);
         assert!(symbolizer.asked.contains(&(Space::Process(pid), address)));
@@ -465,15 +462,7 @@ mod tests {
         let pid = std::process::id();
         let address =
             names_that_come_after_their_process_was_forgotten_are_dropped as *const () as u64;
-        let sample = StackSample {
-            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
-            tid: pid,
-            tgid: pid,
-            user: vec![address].into(),
-            kernel: Box::new([]),
-            user_unreadable: false,
-            kernel_unreadable: false,
-        };
+        let sample = user_sample(pid, address);
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.note_sample(&sample);
         symbolizer.forget_process(pid);
