@@ -467,12 +467,13 @@ impl CudaTimelineBuilder {
                     (dims(gx, gy, gz), dims(bx, by, bz), halves(x[3]).0, x[4])
                 };
                 let (name, mangled) = self.kernel_name(pid, f);
-                let mut details = vec![
+                let mut details = Vec::with_capacity(6);
+                details.extend([
                     ("kernel".to_string(), Value::Str(name.clone())),
                     ("grid".to_string(), grid),
                     ("block".to_string(), block),
                     ("shared_memory_bytes".to_string(), Value::U64(shared)),
-                ];
+                ]);
                 if let Some(m) = mangled {
                     details.push(("mangled_name".to_string(), Value::Str(m)));
                 }
@@ -697,6 +698,8 @@ impl CudaTimelineBuilder {
         );
         self.out.calls += 1;
         let (mut stats, work) = self.describe(rec, function);
+        // Exactly: a flight recorder's snapshot holds many thousands of calls.
+        stats.reserve_exact(5);
         stats.push((
             "result_code".into(),
             Value::I64(i64::from(rec.result as i32)),
@@ -723,6 +726,7 @@ impl CudaTimelineBuilder {
             stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
             stats.push((CORRELATION_STAT.into(), Value::U64(correlation)));
             let mut device_stats = work.stats;
+            device_stats.reserve_exact(6);
             device_stats.extend([
                 (CORRELATION_STAT.to_string(), Value::U64(correlation)),
                 ("stream".to_string(), Value::Str(line.1)),
