@@ -11,7 +11,8 @@ use std::{
 
 use super::{Capture, traceme_findings};
 use crate::{
-    collect::Collector,
+    collect::{Collector, EncodedRecords},
+    metrics::activity::ActivityTally,
     timeline::{self, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling},
 };
 
@@ -25,6 +26,16 @@ struct SetOnDrop<'a>(&'a AtomicBool);
 impl Drop for SetOnDrop<'_> {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Release);
+    }
+}
+
+/// Whether the thread states `streamed` builds are `window`'s (see
+/// [`Capture::streamed_for`]).
+fn streamed_fits(streamed: &StreamedScheduling, window: Option<&Window>) -> bool {
+    match (streamed.window(), window) {
+        ((_, None), _) => true,
+        ((start, Some(stop)), Some(w)) => (w.start_ns, w.stop_ns) == (start, stop),
+        (_, None) => false,
     }
 }
 
@@ -66,7 +77,9 @@ impl Capture {
     /// [`timeline::assemble`] of `window` from what is held so far, while
     /// another thread goes on draining the ring buffer: a large window
     /// (a flight recorder's snapshot) takes long enough to build that the
-    /// ring would fill meanwhile. What it drained is taken in afterwards.
+    /// ring would fill meanwhile. What it drained is taken in afterwards;
+    /// the records a capture holds as the probes wrote them are held so
+    /// from the start, as they take a fraction of their decoded size.
     pub fn assemble_while_draining(
         &mut self,
         window: &Window,
@@ -74,16 +87,28 @@ impl Capture {
         ended_early: Option<String>,
     ) -> Timeline {
         let batch = std::mem::take(&mut self.drained);
+        // Thread states still built as records arrive need them decoded.
+        let hold = self
+            .streamed
+            .as_ref()
+            .is_none_or(|s| streamed_fits(s, Some(window)));
         let (sources, collector) = self.sources_and_collector(Some(window));
         let built = AtomicBool::new(false);
-        let (timeline, mut drained) = std::thread::scope(|scope| {
+        let (timeline, (mut drained, arrived, tally)) = std::thread::scope(|scope| {
             let draining = scope.spawn(|| {
                 let mut batch = batch;
+                let mut arrived = EncodedRecords::default();
+                let mut tally = ActivityTally::default();
                 while !built.load(Ordering::Acquire) {
                     collector.wait(DRAIN_WHILE_BUILDING);
-                    collector.drain(&mut batch);
+                    if hold {
+                        collector
+                            .drain_holding(&mut arrived, &mut batch, |call| tally.count_call(call));
+                    } else {
+                        collector.drain(&mut batch);
+                    }
                 }
-                batch
+                (batch, arrived, tally)
             });
             // Set however assembling ends: a panic must not leave the
             // scope waiting for the draining thread.
@@ -93,6 +118,8 @@ impl Capture {
             let drained = draining.join().expect("the draining thread does not panic");
             (timeline, drained)
         });
+        self.held.append(arrived);
+        self.activity.add(&tally);
         self.take_in(&mut drained);
         self.drained = drained;
         timeline
@@ -103,12 +130,11 @@ impl Capture {
     /// [`Self::stream_window`] was given. Other windows take the records.
     fn streamed_for(&mut self, window: Option<&Window>) -> Option<StreamedScheduling> {
         let streamed = self.streamed.as_ref()?;
-        let fits = match (streamed.window(), window) {
-            ((_, None), _) => true,
-            ((start, Some(stop)), Some(w)) => (w.start_ns, w.stop_ns) == (start, stop),
-            (_, None) => false,
-        };
-        if fits { self.streamed.take() } else { None }
+        if streamed_fits(streamed, window) {
+            self.streamed.take()
+        } else {
+            None
+        }
     }
 
     /// [`Self::sources`] for `window`, and the collector, which they do

@@ -197,12 +197,13 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
     })
 }
 
-/// The length of the scheduler record `bytes` holds (a switch, a wake-up,
-/// a task's birth, fork, exit or new name), checked as [`decode`] checks
-/// it: the records a collector keeps as the probes wrote them. `None` for
-/// any other kind, and for bytes [`decode`] would refuse (it says why).
+/// The length of the record `bytes` holds if it is one a collector keeps
+/// as the probes wrote it: a scheduler record (a switch, a wake-up, a new
+/// task, a fork, an exit, a rename) or a CUDA driver record (a call, a
+/// kernel's name). `None` for any other kind, and for bytes [`decode`]
+/// would refuse (it says why).
 #[inline]
-pub fn scheduler_record_len(bytes: &[u8]) -> Option<usize> {
+pub fn held_record_len(bytes: &[u8]) -> Option<usize> {
     let header = header(bytes)?;
     let expected = match RecordKind::from_u16(header.kind)? {
         RecordKind::SchedSwitch => size_of::<SchedSwitch>(),
@@ -211,9 +212,20 @@ pub fn scheduler_record_len(bytes: &[u8]) -> Option<usize> {
         RecordKind::ProcessFork => size_of::<ProcessFork>(),
         RecordKind::TaskExit => size_of::<TaskExit>(),
         RecordKind::TaskRename => size_of::<TaskRename>(),
+        RecordKind::CudaCall => size_of::<CudaCall>(),
+        RecordKind::CudaSymbol => size_of::<CudaSymbol>(),
         _ => return None,
     };
     (usize::from(header.size) == expected && bytes.len() >= expected).then_some(expected)
+}
+
+/// The driver call `bytes` holds, if they hold one.
+#[inline]
+pub fn driver_call(bytes: &[u8]) -> Option<CudaCall> {
+    let header = header(bytes)?;
+    (header.kind == RecordKind::CudaCall as u16)
+        .then(|| read(bytes, RecordKind::CudaCall, usize::from(header.size)).ok())
+        .flatten()
 }
 
 /// Appends `record` to `out` as the probes write it, which [`decode`]

@@ -25,6 +25,9 @@ const _: () = assert!(size_of::<tracer_common::SchedWakeup>() == COMMON_RECORD_B
 pub struct EncodedRecords {
     chunks: VecDeque<Chunk>,
     len: usize,
+    /// How many of them are CUDA driver records, which take far more of a
+    /// timeline than a scheduler record.
+    driver_records: usize,
     /// A forgotten chunk's buffer, for the next chunk.
     spare: Option<Vec<u8>>,
     /// Where [`Self::push`] encodes a record.
@@ -35,6 +38,7 @@ pub struct EncodedRecords {
 struct Chunk {
     bytes: Vec<u8>,
     records: usize,
+    driver_records: usize,
     /// The oldest and the newest timestamp in it: records arrive nearly,
     /// not exactly, in time order.
     oldest_ns: u64,
@@ -51,8 +55,13 @@ impl EncodedRecords {
         self.len == 0
     }
 
+    /// CUDA driver records held (calls and kernel names), of [`Self::len`].
+    pub fn driver_records(&self) -> usize {
+        self.driver_records
+    }
+
     /// Keeps `bytes`, one whole record (see
-    /// [`super::decode::scheduler_record_len`]).
+    /// [`super::decode::held_record_len`]).
     #[inline]
     pub fn push_bytes(&mut self, bytes: &[u8]) {
         let ts_ns = u64::from_ne_bytes(bytes[8..16].try_into().expect("a record has a header"));
@@ -60,6 +69,7 @@ impl EncodedRecords {
         // Most records of a flood are switches and wake-ups of one size:
         // copied as such, not through a call to `memmove`.
         let filled = chunk.bytes.len();
+        let mut driver = false;
         match chunk
             .bytes
             .spare_capacity_mut()
@@ -70,9 +80,16 @@ impl EncodedRecords {
                 // SAFETY: the bytes up to there were just written.
                 unsafe { chunk.bytes.set_len(filled + COMMON_RECORD_BYTES) };
             }
-            _ => chunk.bytes.extend_from_slice(bytes),
+            _ => {
+                chunk.bytes.extend_from_slice(bytes);
+                let kind = u16::from_ne_bytes([bytes[0], bytes[1]]);
+                driver =
+                    kind == RecordKind::CudaCall as u16 || kind == RecordKind::CudaSymbol as u16;
+            }
         }
         chunk.note(ts_ns);
+        chunk.driver_records += usize::from(driver);
+        self.driver_records += usize::from(driver);
         self.len += 1;
     }
 
@@ -110,6 +127,7 @@ impl EncodedRecords {
         self.chunks.push_back(Chunk {
             bytes,
             records: 0,
+            driver_records: 0,
             oldest_ns: u64::MAX,
             newest_ns: 0,
         });
@@ -128,8 +146,16 @@ impl EncodedRecords {
             return 0;
         };
         self.len -= chunk.records;
+        self.driver_records -= chunk.driver_records;
         self.spare = Some(chunk.bytes);
         chunk.records
+    }
+
+    /// Keeps the records of `newer` after its own, as they are.
+    pub fn append(&mut self, mut newer: EncodedRecords) {
+        self.len += newer.len;
+        self.driver_records += newer.driver_records;
+        self.chunks.append(&mut newer.chunks);
     }
 
     /// Forgets every record.
@@ -201,7 +227,7 @@ fn records_in<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collect::decode::scheduler_record_len;
+    use crate::collect::decode::held_record_len;
 
     fn switch(ts: u64, prev: u32, next: u32) -> Record {
         Record::sched_switch(ts, 1, (prev, prev), 1, (next, next))
@@ -224,7 +250,7 @@ mod tests {
             } else {
                 bytes.clear();
                 encode(&Record::sched_waking(ts, (12, 12), (13, 13)), &mut bytes);
-                assert_eq!(scheduler_record_len(&bytes), Some(bytes.len()));
+                assert_eq!(held_record_len(&bytes), Some(bytes.len()));
                 held.push_bytes(&bytes);
             }
         }
@@ -256,6 +282,53 @@ mod tests {
         while held.forget_oldest() > 0 {}
         assert!(held.is_empty());
         assert_eq!(held.iter().count(), 0);
+    }
+
+    /// Driver records are counted apart, and leave the count with their
+    /// chunk, or when left out, or with the records they were appended to.
+    #[test]
+    fn driver_records_are_counted_wherever_they_go() {
+        use tracer_common::{RecordHeader, cuda::CudaCall};
+        let call = || {
+            Record::CudaCall(Box::new(CudaCall {
+                header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 0, 1),
+                tid: 7,
+                tgid: 7,
+                start_ns: 0,
+                function: 0,
+                _pad: 0,
+                result: 0,
+                args: [0; 6],
+                extra: [0; 8],
+                out_value: 0,
+            }))
+        };
+        let mut held = EncodedRecords::default();
+        let mut bytes = Vec::new();
+        encode(&call(), &mut bytes);
+        assert_eq!(held_record_len(&bytes), Some(bytes.len()));
+        while held.chunks.len() < 2 {
+            held.push(&switch(1, 1, 2));
+            held.push_bytes(&bytes);
+        }
+        assert_eq!(held.driver_records(), held.len() / 2);
+        let mut newer = EncodedRecords::default();
+        newer.push(&call());
+        newer.push(&switch(2, 1, 2));
+        let first = held.chunks[0].records;
+        held.append(newer);
+        let before = held.driver_records();
+        assert_eq!(
+            held.iter()
+                .filter(|r| matches!(r, Record::CudaCall(_)))
+                .count(),
+            before
+        );
+        held.forget_oldest();
+        assert_eq!(held.driver_records(), before - first / 2);
+        held.retain_mut(|r| !matches!(r, Record::CudaCall(_)));
+        assert_eq!(held.driver_records(), 0);
+        assert!(!held.is_empty());
     }
 
     /// Records rewritten or left out by `retain_mut` read back so.

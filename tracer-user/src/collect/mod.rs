@@ -11,6 +11,8 @@ mod ring;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 
+use tracer_common::cuda::CudaCall;
+
 pub use decode::{DecodeError, Record, StackSample, TraceMeEvent, decode};
 pub use encoded::EncodedRecords;
 pub use ring::{RingError, RingReader, RingUsage};
@@ -72,21 +74,30 @@ impl Collector {
         self.ring.drain(|item| decoder.decode_into(item, out))
     }
 
-    /// Moves everything in the ring buffer out of it: the scheduler records
-    /// into `held` as they are (most of a flood, and nothing is done with
-    /// them until a timeline is built), the others into `others`, decoded.
+    /// Moves everything in the ring buffer out of it: the scheduler and
+    /// driver records into `held` as they are (most of a flood, and nothing
+    /// more is done with them until a timeline is built), each driver call
+    /// shown to `tally` on the way, the others into `others`, decoded.
     /// Returns how many.
-    pub fn drain_keeping_scheduling(
+    pub fn drain_holding(
         &mut self,
         held: &mut EncodedRecords,
         others: &mut Vec<Record>,
+        mut tally: impl FnMut(&CudaCall),
     ) -> usize {
         let decoder = &mut self.decoder;
-        self.ring
-            .drain(|item| match decode::scheduler_record_len(item) {
-                Some(len) => held.push_bytes(&item[..len]),
-                None => decoder.decode_into(item, others),
-            })
+        self.ring.drain(|item| match decode::held_record_len(item) {
+            Some(len) => {
+                let record = &item[..len];
+                if len != size_of::<tracer_common::SchedSwitch>()
+                    && let Some(call) = decode::driver_call(record)
+                {
+                    tally(&call);
+                }
+                held.push_bytes(record);
+            }
+            None => decoder.decode_into(item, others),
+        })
     }
 }
 

@@ -4,6 +4,8 @@
 
 use std::collections::BTreeMap;
 
+use tracer_common::cuda::CudaCall;
+
 use crate::{
     collect::Record,
     cuda_api::{self, Op},
@@ -36,9 +38,13 @@ pub struct ActivityTally {
 impl ActivityTally {
     /// Counts `record` if it is a driver call these metrics follow.
     pub fn count(&mut self, record: &Record) {
-        let Record::CudaCall(call) = record else {
-            return;
-        };
+        if let Record::CudaCall(call) = record {
+            self.count_call(call);
+        }
+    }
+
+    /// Counts one driver call.
+    pub fn count_call(&mut self, call: &CudaCall) {
         let Some(function) = cuda_api::function(call.function) else {
             return;
         };
