@@ -104,15 +104,19 @@ pub fn cuda_enter_registers(ctx: ProbeContext) -> u32 {
     enter(&ctx, |_, _| [0; 8])
 }
 
-/// Arguments 7.. of an x86-64 call sit above the return address.
+/// Arguments 7.. of an x86-64 call sit above the return address; they are
+/// read in one copy (each helper call costs about 70 ns in a uprobe).
 #[uprobe]
 pub fn cuda_enter_stack(ctx: ProbeContext) -> u32 {
     enter(&ctx, |_, sp| {
         let mut extra = [0u64; 8];
-        let mut i = 0;
-        while i < STACK_WORDS {
-            extra[i] = read_user_u64(sp + 8 * (i as u64 + 1));
-            i += 1;
+        // SAFETY: the helper checks the address; a fault yields an error.
+        if let Ok(words) = unsafe { bpf_probe_read_user((sp + 8) as *const [u64; STACK_WORDS]) } {
+            let mut i = 0;
+            while i < STACK_WORDS {
+                extra[i] = words[i];
+                i += 1;
+            }
         }
         extra
     })
