@@ -45,7 +45,11 @@ pub enum Error {
         expected: usize,
     },
 
-    #[error("tracefs is not mounted and mounting it at {path} failed: {source}")]
+    #[error(
+        "tracefs is not mounted and mounting it at {path} failed: {source} (mount it first: \
+         `mount -t tracefs nodev /sys/kernel/tracing`; in a container, mount the host's \
+         /sys/kernel/tracing, as deploy/ does)"
+    )]
     TracefsMount {
         path: PathBuf,
         #[source]
@@ -67,6 +71,24 @@ pub enum Error {
 
     #[error("loading the eBPF programs failed: {0}")]
     Load(#[source] Box<aya::EbpfError>),
+
+    #[error(
+        "the kernel refused ebtrace's bpf() calls (operation not permitted) although it has \
+         CAP_BPF and CAP_PERFMON: {}",
+        if *.seccomp {
+            "a seccomp filter denies them, as container runtimes' default profiles do without \
+             CAP_SYS_ADMIN; run the container with seccomp unconfined \
+             (`--security-opt seccomp=unconfined`, or in Kubernetes \
+             `seccompProfile: {type: Unconfined}` as deploy/kubernetes/daemonset.yaml sets)"
+        } else {
+            "a security module (SELinux, AppArmor) or the kernel's lockdown denies them; \
+             check `dmesg` and the host's security policy"
+        }
+    )]
+    BpfRefused {
+        /// Whether a seccomp filter is in force on this process.
+        seccomp: bool,
+    },
 
     #[error("attaching {what} failed: {source}")]
     Attach {
@@ -123,6 +145,7 @@ impl Error {
             | Error::LogdirNotWritable { .. }
             | Error::Bind { .. }
             | Error::AllowWriteUnder { .. }
+            | Error::BpfRefused { .. }
             | Error::NoEbpfObject => EXIT_USAGE,
             Error::Load(_)
             | Error::Attach { .. }
@@ -130,6 +153,25 @@ impl Error {
             | Error::Panicked(_)
             | Error::Io { .. } => EXIT_FAILURE,
         }
+    }
+
+    /// [`Error::Load`] of `source`, or [`Error::BpfRefused`] where the
+    /// kernel said EPERM: with the capabilities checked before, that is a
+    /// seccomp filter or a security module, not a missing privilege.
+    pub(crate) fn load(source: aya::EbpfError) -> Self {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&source);
+        while let Some(e) = cause {
+            if e.downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::raw_os_error)
+                == Some(libc::EPERM)
+            {
+                return Error::BpfRefused {
+                    seccomp: crate::procfs::seccomp_filtered(),
+                };
+            }
+            cause = e.source();
+        }
+        Error::Load(Box::new(source))
     }
 
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
@@ -141,3 +183,32 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use aya::{EbpfError, maps::MapError};
+
+    use super::*;
+
+    fn create_error(errno: i32) -> EbpfError {
+        EbpfError::MapError(MapError::CreateError {
+            name: "EVENTS".into(),
+            io_error: std::io::Error::from_raw_os_error(errno),
+        })
+    }
+
+    /// A refused bpf() says what refuses it and what to do, and exits as a
+    /// usage error; other load failures keep aya's own words.
+    #[test]
+    fn a_refused_bpf_call_names_its_cause() {
+        let refused = Error::load(create_error(libc::EPERM));
+        assert!(matches!(refused, Error::BpfRefused { .. }), "{refused:?}");
+        assert_eq!(refused.exit_code(), EXIT_USAGE);
+        let seccomp = Error::BpfRefused { seccomp: true }.to_string();
+        assert!(seccomp.contains("seccomp=unconfined"), "{seccomp}");
+        let other = Error::BpfRefused { seccomp: false }.to_string();
+        assert!(other.contains("security module"), "{other}");
+        let failed = Error::load(create_error(libc::EINVAL));
+        assert!(matches!(failed, Error::Load(_)), "{failed:?}");
+    }
+}

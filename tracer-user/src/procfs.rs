@@ -237,6 +237,15 @@ pub fn effective_capabilities() -> u64 {
         .unwrap_or(0)
 }
 
+/// Whether a seccomp filter is in force on this process (`Seccomp: 2`).
+pub fn seccomp_filtered() -> bool {
+    fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Seccomp:"))
+            .is_some_and(|v| v.trim() == "2")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

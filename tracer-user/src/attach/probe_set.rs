@@ -118,7 +118,7 @@ impl ProbeSet {
             .map_max_entries(names::TRACKED_TIDS, pid_max())
             .map_max_entries(names::RECORDING_TGIDS, pid_max().div_ceil(64))
             .load(EBPF_OBJECT)
-            .map_err(|e| Error::Load(Box::new(e)))?;
+            .map_err(Error::load)?;
         let map_fds = ebpf
             .maps()
             .map(|(name, map)| Ok((name.to_string(), map_fd(map).try_clone_to_owned()?)))
