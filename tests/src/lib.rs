@@ -7,6 +7,7 @@
 //! is a failure.
 
 pub mod cuda;
+pub mod deploy;
 pub mod fixture;
 pub mod gated;
 pub mod http;

@@ -7,7 +7,7 @@
 
 use std::{
     collections::BTreeSet,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
     time::Duration,
 };
@@ -16,41 +16,13 @@ use ebtrace_proto::tensorflow::GetSnapshotRequest;
 use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
+    deploy::{daemonset_capabilities, deploy_file},
     fixture::SchedWorkload,
     http, require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     wait_with_deadline, xplane_files, xprof,
     xspace::{count_named, plane},
 };
-
-fn deploy_file(path: &str) -> String {
-    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("deploy")
-        .join(path);
-    std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
-}
-
-/// The capabilities the DaemonSet adds (`SYS_PTRACE`, ...).
-fn daemonset_capabilities() -> BTreeSet<String> {
-    let yaml = deploy_file("kubernetes/daemonset.yaml");
-    let mut caps = BTreeSet::new();
-    let mut in_add = false;
-    for line in yaml.lines() {
-        let trimmed = line.trim();
-        if trimmed == "add:" {
-            in_add = true;
-        } else if in_add {
-            match trimmed.strip_prefix("- ") {
-                Some(cap) => {
-                    caps.insert(cap.trim().to_string());
-                }
-                None => in_add = false,
-            }
-        }
-    }
-    caps
-}
 
 /// The capabilities the systemd unit keeps, without their `CAP_`.
 fn unit_capabilities(key: &str) -> BTreeSet<String> {

@@ -64,6 +64,15 @@ const APT_BASE: &[(&str, &str)] = &[
         "golang-go",
         "`go tool pprof` reads ebtrace's CPU profiles in the tests",
     ),
+    (
+        "podman",
+        "a test builds deploy/container/Containerfile and runs the image as the DaemonSet does",
+    ),
+    ("runc", "the container runtime of that test"),
+    (
+        "debootstrap",
+        "that test's base image, Debian built from its packages",
+    ),
 ];
 const APT_BENCH: &[(&str, &str)] = &[("bpftrace", "the comparison tracer of `cargo xtask bench`")];
 

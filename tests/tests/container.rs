@@ -1,0 +1,284 @@
+//! The container image of `deploy/container/Containerfile`, built and run
+//! as the Kubernetes DaemonSet runs it: the host's processes, its network,
+//! only the capabilities and the seccomp setting the DaemonSet gives, and
+//! the tracefs, debugfs and BTF mounts. It finds a process that uses the
+//! CUDA driver, and a snapshot holds that process's driver calls. Run under
+//! the runtime's default seccomp profile instead, it exits with the line
+//! that says why and what to do.
+//!
+//! The image's base, `debian:bookworm-slim`, is pulled from a registry on
+//! a real node; here it is the same distribution built from Debian's
+//! packages (`debootstrap --variant=minbase bookworm`) and imported under
+//! that name, once per machine.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use ebtrace_proto::tensorflow::{
+    GetSnapshotRequest, profiler_service_client::ProfilerServiceClient,
+};
+use ebtrace_tests::{
+    TempDir,
+    cuda::CudaWorkload,
+    debian_tool,
+    deploy::{daemonset_capabilities, daemonset_list, daemonset_seccomp, deploy_path},
+    ebtrace_bin, require_root, serial,
+    serve::xspace_of,
+    xspace::{count_named, plane},
+};
+
+const BASE: &str = "debian:bookworm-slim";
+const IMAGE: &str = "localhost/ebtrace-test:latest";
+
+/// podman, with what this test machine needs of it: `runc` and cgroupfs
+/// (crun refuses a host with both cgroup versions mounted), and limits no
+/// higher than the host's (root here lacks CAP_SYS_RESOURCE to raise them).
+fn podman() -> Command {
+    let mut cmd = Command::new("podman");
+    cmd.args(["--runtime", "runc", "--cgroup-manager", "cgroupfs"]);
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The base image, made from Debian's packages if this machine has none.
+fn ensure_base() {
+    let exists = podman()
+        .args(["image", "exists", BASE])
+        .status()
+        .is_ok_and(|s| s.success());
+    if exists {
+        return;
+    }
+    let root = TempDir::new("container-base");
+    let rootfs = root.path().join("rootfs");
+    run(Command::new("debootstrap").args([
+        "--variant=minbase",
+        "bookworm",
+        rootfs.to_str().unwrap(),
+        "http://deb.debian.org/debian",
+    ]));
+    let tar = root.path().join("rootfs.tar");
+    run(Command::new("tar").args([
+        "-C",
+        rootfs.to_str().unwrap(),
+        "-cf",
+        tar.to_str().unwrap(),
+        ".",
+    ]));
+    run(podman().args(["import", tar.to_str().unwrap(), BASE]));
+}
+
+/// Builds the image from the Containerfile, the binary under test placed
+/// where the Containerfile takes it from.
+fn build_image() {
+    let context = TempDir::new("container-context");
+    let release = context.path().join("target/release");
+    std::fs::create_dir_all(&release).unwrap();
+    std::fs::copy(ebtrace_bin(), release.join("ebtrace")).unwrap();
+    let containerfile = deploy_path("container/Containerfile");
+    run(podman().args([
+        "build",
+        "--pull=never",
+        "-f",
+        containerfile.to_str().unwrap(),
+        "-t",
+        IMAGE,
+        context.path().to_str().unwrap(),
+    ]));
+}
+
+/// A container started from the image; removed when dropped.
+struct Container {
+    name: String,
+}
+
+impl Container {
+    /// Runs the image as the DaemonSet does, its arguments but the
+    /// listening addresses (any free loopback port instead), under the
+    /// runtime's default seccomp profile unless `as_the_daemonset`.
+    fn start(name: &str, as_the_daemonset: bool) -> Self {
+        let _ = podman().args(["rm", "-f", name]).output();
+        let limits = |resource: &str| {
+            let out = Command::new("sh")
+                .args(["-c", &format!("ulimit -H{resource}")])
+                .output()
+                .unwrap();
+            let n = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            format!("{n}:{n}")
+        };
+        let mut cmd = podman();
+        cmd.args(["run", "-d", "--name", name, "--pid=host", "--network=host"])
+            .args(["--ulimit", &format!("nofile={}", limits("n"))])
+            .args(["--ulimit", "nproc=4096:4096"])
+            .args(["--cap-drop=ALL", "--security-opt", "no-new-privileges"]);
+        for cap in daemonset_capabilities() {
+            cmd.arg(format!("--cap-add={cap}"));
+        }
+        if as_the_daemonset {
+            let profile = daemonset_seccomp().expect("the DaemonSet sets a seccomp profile");
+            assert_eq!(
+                profile, "Unconfined",
+                "the DaemonSet's seccomp profile changed"
+            );
+            cmd.args(["--security-opt", "seccomp=unconfined"]);
+        }
+        for (host, ro) in [
+            ("/sys/kernel/tracing", ":ro"),
+            ("/sys/kernel/debug", ""),
+            ("/sys/kernel/btf", ":ro"),
+        ] {
+            cmd.args(["-v", &format!("{host}:{host}{ro}")]);
+        }
+        cmd.arg(IMAGE);
+        let mut args = daemonset_list("args:");
+        assert_eq!(args.first().map(String::as_str), Some("serve"), "{args:?}");
+        for flag in ["--bind", "--http"] {
+            let at = args.iter().position(|a| a == flag).expect(flag);
+            args[at + 1] = "127.0.0.1:0".into();
+        }
+        cmd.args(&args);
+        run(&mut cmd);
+        Container { name: name.into() }
+    }
+
+    fn logs(&self) -> String {
+        let out = podman().args(["logs", &self.name]).output().unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
+    /// The first log line that starts with `prefix`, without it, waiting
+    /// up to `deadline`.
+    fn wait_line(&self, prefix: &str, deadline: Duration) -> Option<String> {
+        let start = Instant::now();
+        loop {
+            let logs = self.logs();
+            let found = logs
+                .lines()
+                .find_map(|l| l.strip_prefix(prefix))
+                .map(str::to_string);
+            if found.is_some() || start.elapsed() > deadline {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn running(&self) -> bool {
+        let out = podman()
+            .args(["inspect", "-f", "{{.State.Running}}", &self.name])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim() == "true"
+    }
+}
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = podman().args(["rm", "-f", "-t", "2", &self.name]).output();
+    }
+}
+
+/// podman, runc and debootstrap (`cargo xtask setup` installs them).
+fn tools() -> Option<Vec<PathBuf>> {
+    ["podman", "runc"]
+        .iter()
+        .map(|t| debian_tool(t))
+        .chain([Some(PathBuf::from("/usr/sbin/debootstrap")).filter(|p| p.exists())])
+        .collect()
+}
+
+#[test]
+fn the_image_runs_as_the_daemonset_runs_it_and_records_a_cuda_process() {
+    if !require_root("the_image_runs_as_the_daemonset_runs_it_and_records_a_cuda_process") {
+        return;
+    }
+    if tools().is_none() {
+        return;
+    }
+    let _serial = serial();
+    ensure_base();
+    build_image();
+
+    // Under the runtime's own seccomp profile: one line that says what to do.
+    let refused = Container::start("ebtrace-test-seccomp", false);
+    let start = Instant::now();
+    while refused.running() && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let logs = refused.logs();
+    assert!(
+        !refused.running(),
+        "it runs under the default profile: {logs}"
+    );
+    assert!(
+        logs.contains("a seccomp filter denies them") && logs.contains("seccomp=unconfined"),
+        "{logs}"
+    );
+    drop(refused);
+
+    let container = Container::start("ebtrace-test-daemonset", true);
+    let addr = container
+        .wait_line(
+            "ebtrace: serving tensorflow.ProfilerService on ",
+            Duration::from_secs(60),
+        )
+        .unwrap_or_else(|| panic!("the server did not start: {}", container.logs()));
+    let mut workload = CudaWorkload::start(&["--bench-seconds", "30"]);
+    workload.go();
+    let pid = workload.pid;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // --discover rescans /proc every 2 s; then the recorder holds its calls.
+    let start = Instant::now();
+    loop {
+        let space = runtime.block_on(async {
+            let mut client = ProfilerServiceClient::connect(format!("http://{addr}"))
+                .await
+                .expect("connect")
+                .max_decoding_message_size(usize::MAX);
+            client
+                .get_snapshot(GetSnapshotRequest::default())
+                .await
+                .ok()
+                .map(|r| xspace_of(&r.into_inner()))
+        });
+        // The workload is the only process here that calls the driver.
+        let launches = space.as_ref().map_or(0, |space| {
+            count_named(plane(space, "/host:CPU"), "cuLaunchKernel")
+        });
+        if launches > 100 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no driver calls of pid {pid} in a snapshot ({launches}): {}",
+            container.logs()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let logs = container.logs();
+    assert!(
+        logs.contains(&format!("pid {pid}")),
+        "the server never named the workload: {logs}"
+    );
+    assert!(!logs.contains("Operation not permitted"), "{logs}");
+}
