@@ -49,9 +49,9 @@ fn state(kind: u8, flow: Option<u8>) -> ThreadState {
 }
 
 fn span(start: u64, len: u64, correlation: Option<u8>) -> Span {
-    let mut stats = vec![("k".to_string(), Value::I64(1))];
+    let mut stats = vec![("k".into(), Value::I64(1))];
     if let Some(id) = correlation {
-        stats.push((CORRELATION_STAT.to_string(), Value::U64(id.into())));
+        stats.push((CORRELATION_STAT.into(), Value::U64(id.into())));
     }
     Span {
         start_ns: start,

@@ -22,6 +22,7 @@
 //!
 //! Records must be fed in return-time order (the header time).
 
+use crate::timeline::StatName;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
@@ -298,7 +299,7 @@ fn struct_direction(src: u64, dst: u64) -> &'static str {
 struct Work {
     name: String,
     stream: u64,
-    stats: Vec<(String, Value)>,
+    stats: Vec<(StatName, Value)>,
 }
 
 impl CudaTimelineBuilder {
@@ -447,9 +448,9 @@ impl CudaTimelineBuilder {
         &mut self,
         rec: &CudaCall,
         function: &DriverFunction,
-    ) -> (Vec<(String, Value)>, Option<Work>) {
+    ) -> (Vec<(StatName, Value)>, Option<Work>) {
         let (pid, a, x, out) = (rec.tgid, rec.args, rec.extra, rec.out_value);
-        let mut stats: Vec<(String, Value)> = Vec::new();
+        let mut stats: Vec<(StatName, Value)> = Vec::new();
         let work = match function.op {
             Op::Launch | Op::LaunchEx => {
                 let f = launched_function(rec, function).unwrap_or(0);
@@ -469,15 +470,15 @@ impl CudaTimelineBuilder {
                 let (name, mangled) = self.kernel_name(pid, f);
                 let mut details = Vec::with_capacity(6);
                 details.extend([
-                    ("kernel".to_string(), Value::Str(name.clone())),
-                    ("grid".to_string(), grid),
-                    ("block".to_string(), block),
-                    ("shared_memory_bytes".to_string(), Value::U64(shared)),
+                    ("kernel".into(), Value::Str(name.clone())),
+                    ("grid".into(), grid),
+                    ("block".into(), block),
+                    ("shared_memory_bytes".into(), Value::U64(shared)),
                 ]);
                 if let Some(m) = mangled {
-                    details.push(("mangled_name".to_string(), Value::Str(m)));
+                    details.push(("mangled_name".into(), Value::Str(m)));
                 }
-                details.push(("function_handle".to_string(), hex(f)));
+                details.push(("function_handle".into(), hex(f)));
                 stats.extend(details.iter().cloned());
                 Some(Work {
                     name,
@@ -510,11 +511,11 @@ impl CudaTimelineBuilder {
                     _ => (a[0], a[1]),
                 };
                 let details = vec![
-                    ("bytes".to_string(), Value::U64(a[bytes])),
-                    ("direction".to_string(), Value::Str(direction.into())),
-                    ("async".to_string(), Value::I64(i64::from(stream.is_some()))),
-                    ("dst".to_string(), hex(dst)),
-                    ("src".to_string(), hex(src)),
+                    ("bytes".into(), Value::U64(a[bytes])),
+                    ("direction".into(), Value::Str(direction.into())),
+                    ("async".into(), Value::I64(i64::from(stream.is_some()))),
+                    ("dst".into(), hex(dst)),
+                    ("src".into(), hex(src)),
                 ];
                 stats.extend(details.iter().cloned());
                 Some(Work {
@@ -532,14 +533,14 @@ impl CudaTimelineBuilder {
                 let direction = struct_direction(x[0], x[2]);
                 let details = vec![
                     (
-                        "bytes".to_string(),
+                        "bytes".into(),
                         Value::U64(width.saturating_mul(height).saturating_mul(depth)),
                     ),
-                    ("direction".to_string(), Value::Str(direction.into())),
-                    ("async".to_string(), Value::I64(i64::from(stream.is_some()))),
-                    ("width_bytes".to_string(), Value::U64(width)),
-                    ("height".to_string(), Value::U64(height)),
-                    ("depth".to_string(), Value::U64(depth)),
+                    ("direction".into(), Value::Str(direction.into())),
+                    ("async".into(), Value::I64(i64::from(stream.is_some()))),
+                    ("width_bytes".into(), Value::U64(width)),
+                    ("height".into(), Value::U64(height)),
+                    ("depth".into(), Value::U64(depth)),
                 ];
                 stats.extend(details.iter().cloned());
                 Some(Work {
@@ -559,12 +560,12 @@ impl CudaTimelineBuilder {
                 };
                 let details = vec![
                     (
-                        "bytes".to_string(),
+                        "bytes".into(),
                         Value::U64(elements.saturating_mul(element_bytes)),
                     ),
-                    ("element_bytes".to_string(), Value::U64(element_bytes)),
-                    ("async".to_string(), Value::I64(i64::from(stream.is_some()))),
-                    ("dst".to_string(), hex(a[0])),
+                    ("element_bytes".into(), Value::U64(element_bytes)),
+                    ("async".into(), Value::I64(i64::from(stream.is_some()))),
+                    ("dst".into(), hex(a[0])),
                 ];
                 stats.extend(details.iter().cloned());
                 Some(Work {
@@ -728,13 +729,13 @@ impl CudaTimelineBuilder {
             let mut device_stats = work.stats;
             device_stats.reserve_exact(6);
             device_stats.extend([
-                (CORRELATION_STAT.to_string(), Value::U64(correlation)),
-                ("stream".to_string(), Value::Str(line.1)),
-                ("submitted_by".to_string(), Value::Str(function.name.into())),
-                ("tid".to_string(), Value::I64(i64::from(rec.tid))),
-                ("pid".to_string(), Value::I64(i64::from(rec.tgid))),
+                (CORRELATION_STAT.into(), Value::U64(correlation)),
+                ("stream".into(), Value::Str(line.1)),
+                ("submitted_by".into(), Value::Str(function.name.into())),
+                ("tid".into(), Value::I64(i64::from(rec.tid))),
+                ("pid".into(), Value::I64(i64::from(rec.tgid))),
                 (
-                    "device_ordinal_source".to_string(),
+                    "device_ordinal_source".into(),
                     Value::Str(source.describe().into()),
                 ),
             ]);
@@ -820,8 +821,8 @@ impl CudaTimelineBuilder {
     }
 }
 
-fn put(stats: &mut Vec<(String, Value)>, name: &str, value: Value) {
-    stats.push((name.to_string(), value));
+fn put(stats: &mut Vec<(StatName, Value)>, name: &'static str, value: Value) {
+    stats.push((name.into(), value));
 }
 
 fn memory_name(memory: Memory) -> &'static str {

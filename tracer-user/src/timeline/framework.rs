@@ -15,6 +15,7 @@
 //! (`profile_start_time`, wall-clock ns); [`ClockSync`] maps them to
 //! monotonic time. Everything read here comes from the target: any value.
 
+use crate::timeline::StatName;
 use std::{collections::HashMap, sync::Arc};
 
 use ebtrace_proto::{
@@ -249,7 +250,7 @@ pub(super) fn clip_carried(
 }
 
 /// A stat as a timeline value; bytes (serialized protos) are left out.
-fn stat(metadata: &HashMap<i64, XStatMetadata>, s: &XStat) -> Option<(String, Value)> {
+fn stat(metadata: &HashMap<i64, XStatMetadata>, s: &XStat) -> Option<(StatName, Value)> {
     let name = metadata.get(&s.metadata_id)?.name.clone();
     let value = match s.value.as_ref()? {
         x_stat::Value::DoubleValue(v) => Value::F64(*v),
@@ -259,7 +260,7 @@ fn stat(metadata: &HashMap<i64, XStatMetadata>, s: &XStat) -> Option<(String, Va
         x_stat::Value::RefValue(id) => Value::Str(metadata.get(&(*id as i64))?.name.clone()),
         x_stat::Value::BytesValue(_) => return None,
     };
-    Some((name, value))
+    Some((name.into(), value))
 }
 
 fn plane_stat_u64(plane: &XPlane, name: &str) -> Option<u64> {

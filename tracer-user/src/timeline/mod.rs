@@ -261,8 +261,12 @@ pub struct Span {
     /// Shared by the spans of one name (a framework's session repeats a
     /// few names millions of times).
     pub name: std::sync::Arc<str>,
-    pub stats: Vec<(String, Value)>,
+    pub stats: Vec<(StatName, Value)>,
 }
+
+/// A stat's name: nearly always one the code spells out, allocated only
+/// when made at run time (a framework's own metadata).
+pub type StatName = std::borrow::Cow<'static, str>;
 
 /// Stat on a span that had to be shortened to nest: the ns cut off.
 pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";

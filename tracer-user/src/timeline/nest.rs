@@ -93,7 +93,7 @@ pub fn nest<T: Nestable>(items: &mut [T], cuts: Cuts) -> u64 {
             if cuts == Cuts::Marked {
                 item.span_mut()
                     .stats
-                    .push((CLIPPED_STAT.to_string(), Value::I64(ns as i64)));
+                    .push((CLIPPED_STAT.into(), Value::I64(ns as i64)));
             }
         }
     }
@@ -163,10 +163,7 @@ mod tests {
                 ("instant", 200, 200),
             ]
         );
-        assert_eq!(
-            spans[1].stats,
-            vec![(CLIPPED_STAT.to_string(), Value::I64(3))]
-        );
+        assert_eq!(spans[1].stats, vec![(CLIPPED_STAT.into(), Value::I64(3))]);
     }
 
     #[test]
@@ -200,14 +197,8 @@ mod tests {
                 ("later scoped", 80, 100),
             ]
         );
-        assert_eq!(
-            spans[1].stats,
-            vec![(CLIPPED_STAT.to_string(), Value::I64(70))]
-        );
-        assert_eq!(
-            spans[2].stats,
-            vec![(CLIPPED_STAT.to_string(), Value::I64(20))]
-        );
+        assert_eq!(spans[1].stats, vec![(CLIPPED_STAT.into(), Value::I64(70))]);
+        assert_eq!(spans[2].stats, vec![(CLIPPED_STAT.into(), Value::I64(20))]);
     }
 
     proptest! {
@@ -242,7 +233,7 @@ mod tests {
                 shrunk += u64::from(lost > 0);
                 let expected = match (lost, cuts) {
                     (0, _) | (_, Cuts::Silent) => vec![],
-                    (ns, Cuts::Marked) => vec![(CLIPPED_STAT.to_string(), Value::I64(ns as i64))],
+                    (ns, Cuts::Marked) => vec![(CLIPPED_STAT.into(), Value::I64(ns as i64))],
                 };
                 prop_assert_eq!(&a.stats, &expected);
                 for y in &items[i + 1..] {

@@ -22,6 +22,7 @@
 //! same kind cut the later one. A cut span says by how much in its
 //! `ebtrace_clipped_ns` stat.
 
+use crate::timeline::StatName;
 use std::collections::{BTreeMap, HashMap};
 
 use super::{Cuts, Nestable, Span, ThreadCounters, ThreadTrack, Timeline, Value, nest};
@@ -53,7 +54,7 @@ pub struct TraceMeSpanStats {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParsedName {
     pub name: String,
-    pub stats: Vec<(String, Value)>,
+    pub stats: Vec<(StatName, Value)>,
 }
 
 /// A metadata value, typed as TSL's `ParseAndAddStatValue` types it.
@@ -110,13 +111,13 @@ fn split_pairs(metadata: &str) -> Vec<&str> {
     pairs
 }
 
-fn parse_metadata(metadata: &str) -> Vec<(String, Value)> {
+fn parse_metadata(metadata: &str) -> Vec<(StatName, Value)> {
     split_pairs(metadata)
         .into_iter()
         .filter_map(|pair| {
             let (k, v) = pair.split_once('=')?;
             let (k, v) = (k.trim(), v.trim());
-            (!k.is_empty() && !v.is_empty()).then(|| (k.to_string(), parse_stat_value(v)))
+            (!k.is_empty() && !v.is_empty()).then(|| (k.to_string().into(), parse_stat_value(v)))
         })
         .collect()
 }
@@ -238,10 +239,8 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
             }
         };
         if named.truncated {
-            span.stats.push((
-                TRUNCATED_STAT.to_string(),
-                Value::I64(i64::from(named.name_len)),
-            ));
+            span.stats
+                .push((TRUNCATED_STAT.into(), Value::I64(i64::from(named.name_len))));
         }
         per_thread
             .entry(e.tid)
@@ -351,7 +350,7 @@ mod tests {
     }
 
     /// A span as (name, start, end, stats).
-    type Flat = (String, u64, u64, Vec<(String, Value)>);
+    type Flat = (String, u64, u64, Vec<(StatName, Value)>);
 
     fn spans(tl: &Timeline, tid: u32) -> Vec<Flat> {
         tl.threads[&tid]
@@ -495,8 +494,8 @@ mod tests {
             let raw = format!("{name}#{}#", metadata.join(","));
             let parsed = parse_traceme_name(&raw, false);
             proptest::prop_assert_eq!(parsed.name, name.trim());
-            let expected: Vec<(String, Value)> =
-                pairs.iter().map(|(k, v)| (k.clone(), parse_stat_value(v))).collect();
+            let expected: Vec<(StatName, Value)> =
+                pairs.iter().map(|(k, v)| (k.clone().into(), parse_stat_value(v))).collect();
             proptest::prop_assert_eq!(parsed.stats, expected);
         }
 

@@ -18,6 +18,7 @@
 pub mod convert;
 mod sched;
 
+use crate::timeline::StatName;
 use std::io::{self, Write};
 
 use ebtrace_proto::perfetto::protos::{
@@ -276,7 +277,7 @@ fn write_spans<W: Write>(
             end(w, e)?;
             open.pop();
         }
-        let flow = span.stats.iter().find_map(|(k, v)| match (k.as_str(), v) {
+        let flow = span.stats.iter().find_map(|(k, v)| match (&**k, v) {
             ("correlation_id", Value::U64(c)) => Some(launch_flow(*c)),
             _ => None,
         });
@@ -307,10 +308,10 @@ fn write_spans<W: Write>(
     Ok(())
 }
 
-fn annotation((name, value): &(String, Value)) -> DebugAnnotation {
+fn annotation((name, value): &(StatName, Value)) -> DebugAnnotation {
     use debug_annotation::Value as V;
     DebugAnnotation {
-        name_field: Some(debug_annotation::NameField::Name(name.clone())),
+        name_field: Some(debug_annotation::NameField::Name(name.to_string())),
         value: Some(match value {
             Value::I64(v) => V::IntValue(*v),
             Value::U64(v) => V::UintValue(*v),

@@ -20,7 +20,7 @@ fn span(name: &str, start_ns: u64, end_ns: u64, correlation: Option<u64>) -> Spa
         end_ns,
         name: name.into(),
         stats: correlation
-            .map(|c| ("correlation_id".to_string(), Value::U64(c)))
+            .map(|c| ("correlation_id".into(), Value::U64(c)))
             .into_iter()
             .collect(),
     }

@@ -81,7 +81,7 @@ fn push_span(
     name: &str,
     start: i64,
     end: i64,
-    stats: &[(String, StatValue)],
+    stats: &[(crate::timeline::StatName, StatValue)],
 ) {
     let id = plane.event_metadata(name);
     let stats: Vec<Stat> = stats.iter().map(|(k, v)| plane.stat(k, v)).collect();

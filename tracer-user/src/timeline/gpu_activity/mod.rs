@@ -17,6 +17,7 @@
 
 pub mod records;
 
+use crate::timeline::StatName;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tracer_agent::activity::{self, BatchHeader};
@@ -105,24 +106,21 @@ pub fn merge_device_activity(
             }
             Activity::Memset(t) => {
                 merge.memsets += 1;
-                (t.at, "Memset".to_string(), memset_stats(t))
+                (t.at, "Memset".into(), memset_stats(t))
             }
             Activity::Driver(_) => continue,
         };
         let line = stream_line(timeline, at.device, pid, at.stream);
         let mut stats = stats;
         stats.extend([
-            ("device_id".to_string(), Value::U64(u64::from(at.device))),
+            ("device_id".into(), Value::U64(u64::from(at.device))),
+            ("context_id".into(), Value::Str(format!("$${}", at.context))),
+            ("stream_id".into(), Value::U64(u64::from(at.stream))),
             (
-                "context_id".to_string(),
-                Value::Str(format!("$${}", at.context)),
-            ),
-            ("stream_id".to_string(), Value::U64(u64::from(at.stream))),
-            (
-                "cupti_correlation_id".to_string(),
+                "cupti_correlation_id".into(),
                 Value::U64(u64::from(at.correlation)),
             ),
-            ("pid".to_string(), Value::I64(i64::from(pid))),
+            ("pid".into(), Value::I64(i64::from(pid))),
         ]);
         let start = clock.to_monotonic_ns(at.start);
         let events = &mut timeline
@@ -182,17 +180,17 @@ pub fn merge_device_activity(
                     .map_or_else(|| format!("CUDA driver call {}", call.cbid), str::to_string);
                 let mut stats = vec![
                     (
-                        "source".to_string(),
+                        "source".into(),
                         Value::Str("CUPTI driver API record".into()),
                     ),
                     (
-                        "result_code".to_string(),
+                        "result_code".into(),
                         Value::I64(i64::from(call.result as i32)),
                     ),
-                    (CORRELATION_STAT.to_string(), Value::U64(id)),
+                    (CORRELATION_STAT.into(), Value::U64(id)),
                 ];
                 if let Some(kernel) = kernel_names.get(&call.correlation) {
-                    stats.push(("kernel".to_string(), Value::Str(kernel.clone())));
+                    stats.push(("kernel".into(), Value::Str(kernel.clone())));
                 }
                 track.spans.push(Span {
                     start_ns: start,
@@ -212,9 +210,9 @@ pub fn merge_device_activity(
             .expect("made above")
             .events[index];
         event.stats.extend([
-            (CORRELATION_STAT.to_string(), Value::U64(id)),
-            ("submitted_by".to_string(), Value::Str(submitted_by)),
-            ("tid".to_string(), Value::I64(i64::from(call.tid))),
+            (CORRELATION_STAT.into(), Value::U64(id)),
+            ("submitted_by".into(), Value::Str(submitted_by)),
+            ("tid".into(), Value::I64(i64::from(call.tid))),
         ]);
     }
     for track in timeline.threads.values_mut().filter(|t| t.pid == pid) {
@@ -282,8 +280,7 @@ fn uprobe_span(
 /// its host-observed device event).
 fn set_correlation(span: &mut Span, id: u64) {
     span.stats.retain(|(k, _)| k != CORRELATION_STAT);
-    span.stats
-        .push((CORRELATION_STAT.to_string(), Value::U64(id)));
+    span.stats.push((CORRELATION_STAT.into(), Value::U64(id)));
 }
 
 /// Names the kernel of a launch span whose function handle was looked up
@@ -321,35 +318,35 @@ fn stream_line(timeline: &mut Timeline, device: u32, pid: u32, stream: u32) -> i
 }
 
 /// XProf's `kernel_details` (what its kernel_stats tool parses) and more.
-fn kernel_stats(k: &Kernel) -> Vec<(String, Value)> {
+fn kernel_stats(k: &Kernel) -> Vec<(StatName, Value)> {
     let [gx, gy, gz] = k.grid;
     let [bx, by, bz] = k.block;
     let mut stats = vec![
         (
-            "kernel_details".to_string(),
+            "kernel_details".into(),
             Value::Str(format!(
                 "regs:{} static_shared:{} dynamic_shared:{} grid:{gx},{gy},{gz} block:{bx},{by},{bz}",
                 k.registers, k.static_shared, k.dynamic_shared
             )),
         ),
-        ("grid_id".to_string(), Value::I64(k.grid_id)),
+        ("grid_id".into(), Value::I64(k.grid_id)),
     ];
     if demangle(&k.name).is_some() {
-        stats.push(("mangled_name".to_string(), Value::Str(k.name.clone())));
+        stats.push(("mangled_name".into(), Value::Str(k.name.clone())));
     }
     if let Some(g) = k.graph_id.filter(|&g| g != 0) {
-        stats.push(("graph_id".to_string(), Value::U64(u64::from(g))));
+        stats.push(("graph_id".into(), Value::U64(u64::from(g))));
     }
     if let Some(p) = k.priority {
-        stats.push(("stream_priority".to_string(), Value::I64(i64::from(p))));
+        stats.push(("stream_priority".into(), Value::I64(i64::from(p))));
     }
     stats
 }
 
 /// XProf's `memcpy_details`.
-fn copy_stats(t: &Transfer) -> Vec<(String, Value)> {
+fn copy_stats(t: &Transfer) -> Vec<(StatName, Value)> {
     vec![(
-        "memcpy_details".to_string(),
+        "memcpy_details".into(),
         Value::Str(format!(
             "kind_src:{} kind_dst:{} size:{} dest:{} async:{}",
             memory_kind_name(t.src_kind),
@@ -362,9 +359,9 @@ fn copy_stats(t: &Transfer) -> Vec<(String, Value)> {
 }
 
 /// XProf's `Memset_details`.
-fn memset_stats(t: &Transfer) -> Vec<(String, Value)> {
+fn memset_stats(t: &Transfer) -> Vec<(StatName, Value)> {
     vec![(
-        "Memset_details".to_string(),
+        "Memset_details".into(),
         Value::Str(format!(
             "kind:{} size:{} value:{:#x} async:{}",
             memory_kind_name(t.kind),
