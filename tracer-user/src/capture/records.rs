@@ -187,11 +187,11 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 /// each): it is held in 160 bytes rather than 32, and becomes two spans
 /// with a dozen stats (the call on its thread, the work on its stream's
 /// line) rather than a share of a thread state. Measured on a flat-out
-/// launch loop: about 3.4 KB a call at a snapshot's peak, the calls made
-/// while it is built included; counted as 5.4 KB, as the server's own
+/// launch loop: about 2.7 KB a call at a snapshot's peak, the calls made
+/// while it is built included; counted as 4.4 KB, as the server's own
 /// memory beside the cap (the objects stack samples are named from, the
 /// ring buffer) leaves the cap little room to spare.
-pub(super) const DRIVER_RECORD_SLOTS: usize = 20;
+pub(super) const DRIVER_RECORD_SLOTS: usize = 16;
 
 /// The memory a stack sample takes, in records: its own and its frames'.
 pub(super) fn sample_slots(s: &StackSample) -> usize {
