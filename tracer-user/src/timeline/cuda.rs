@@ -22,12 +22,11 @@
 //!
 //! Records must be fed in return-time order (the header time).
 
-use crate::timeline::StatName;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
-use super::{CORRELATION_STAT, Cuts, Span, Value, nest};
+use super::{CORRELATION_STAT, Cuts, Span, StatName, Value, nest};
 use crate::{
     collect::Record,
     cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},

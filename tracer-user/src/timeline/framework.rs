@@ -15,7 +15,6 @@
 //! (`profile_start_time`, wall-clock ns); [`ClockSync`] maps them to
 //! monotonic time. Everything read here comes from the target: any value.
 
-use crate::timeline::StatName;
 use std::{collections::HashMap, sync::Arc};
 
 use ebtrace_proto::{
@@ -24,7 +23,7 @@ use ebtrace_proto::{
 };
 use prost::Message as _;
 
-use super::{Span, ThreadCounters, ThreadTrack, Timeline, Value};
+use super::{Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value};
 use crate::clock::ClockSync;
 
 /// The plane of host threads in TSL's XSpaces.

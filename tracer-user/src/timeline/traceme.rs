@@ -22,10 +22,9 @@
 //! same kind cut the later one. A cut span says by how much in its
 //! `ebtrace_clipped_ns` stat.
 
-use crate::timeline::StatName;
 use std::collections::{BTreeMap, HashMap};
 
-use super::{Cuts, Nestable, Span, ThreadCounters, ThreadTrack, Timeline, Value, nest};
+use super::{Cuts, Nestable, Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value, nest};
 use crate::collect::TraceMeEvent;
 
 /// Stat on a span whose end was moved to make it nest: nanoseconds cut.

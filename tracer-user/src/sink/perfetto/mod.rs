@@ -18,7 +18,6 @@
 pub mod convert;
 mod sched;
 
-use crate::timeline::StatName;
 use std::io::{self, Write};
 
 use ebtrace_proto::perfetto::protos::{
@@ -30,7 +29,7 @@ use prost::Message as _;
 
 use crate::{
     clock::now_ns,
-    timeline::{Span, Timeline, Value},
+    timeline::{Span, StatName, Timeline, Value},
 };
 
 /// File name written next to the `.xplane.pb`.

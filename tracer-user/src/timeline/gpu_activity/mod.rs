@@ -17,7 +17,6 @@
 
 pub mod records;
 
-use crate::timeline::StatName;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tracer_agent::activity::{self, BatchHeader};
@@ -26,7 +25,8 @@ pub use records::{Activity, DriverCall, Kernel, Transfer, decode};
 use records::{copy_kind_name, driver_function, memory_kind_name};
 
 use super::{
-    CORRELATION_STAT, DeviceTrack, Span, StreamTiming, StreamTrack, Timeline, Value, cuda::demangle,
+    CORRELATION_STAT, DeviceTrack, Span, StatName, StreamTiming, StreamTrack, Timeline, Value,
+    cuda::demangle,
 };
 use crate::clock::ClockSync;
 
