@@ -50,13 +50,16 @@ pub fn require_root(test: &str) -> bool {
     false
 }
 
-/// `/usr/bin/NAME`, a tool a Debian package installs (`cargo xtask
-/// setup` installs them); `None`, and the test is skipped, if it is
-/// missing, unless `EBTRACE_REQUIRE_INTEROP=1`.
+/// `/usr/bin/NAME` or `/usr/sbin/NAME`, a tool a Debian package installs
+/// (`cargo xtask setup` installs them); `None`, and the test is skipped,
+/// if it is missing, unless `EBTRACE_REQUIRE_INTEROP=1`.
 pub fn debian_tool(name: &str) -> Option<PathBuf> {
-    let path = Path::new("/usr/bin").join(name);
-    if path.exists() {
-        return Some(path);
+    let found = ["/usr/bin", "/usr/sbin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(name))
+        .find(|path| path.exists());
+    if found.is_some() {
+        return found;
     }
     assert!(
         std::env::var("EBTRACE_REQUIRE_INTEROP").as_deref() != Ok("1"),
