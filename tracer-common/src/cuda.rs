@@ -15,7 +15,7 @@ pub mod names {
 
 /// Indices into the per-CPU `CUDA_STATS` array.
 pub mod stat {
-    /// Calls whose entry could not be saved (`CUDA_PENDING` full): lost.
+    /// Calls whose entry could not be saved (no slot in `CUDA_PENDING`): lost.
     pub const PENDING_FULL: u32 = 0;
     /// Returns without a saved entry (entered before the probe was attached).
     pub const UNPAIRED_RETURNS: u32 = 1;
@@ -25,8 +25,9 @@ pub mod stat {
     pub const COUNT: u32 = 3;
 }
 
-/// Capacity of `CUDA_PENDING`: driver calls in flight at once, all threads.
-pub const MAX_PENDING_CALLS: u32 = 16_384;
+/// Capacity of `CUDA_PENDING`: one slot per thread and driver function it
+/// calls, all threads; the least recently used are forgotten first.
+pub const MAX_PENDING_CALLS: u32 = 32_768;
 
 /// Bytes of a kernel name the probes copy, terminating NUL included.
 pub const CUDA_NAME_LEN: usize = 1024;
