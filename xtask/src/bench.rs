@@ -165,6 +165,7 @@ pub fn run_bench(root: &Path, opts: Options, against: Option<PathBuf>) -> Result
     let ebtrace = util::build_release(root)?;
     if opts.suite == Suite::Recorder {
         let md = recorder::run(
+            root,
             &ebtrace,
             &util::build_fixture(),
             &recorder::Options {

@@ -153,9 +153,9 @@ struct Sample {
 }
 
 /// The running jax workload.
-struct Target {
+pub(super) struct Target {
     child: Child,
-    pid: u32,
+    pub(super) pid: u32,
     samples: Arc<Mutex<Vec<Sample>>>,
     /// `{"session": ...}` lines.
     sessions: Receiver<String>,
@@ -163,7 +163,7 @@ struct Target {
 }
 
 impl Target {
-    fn start(python: &Path, fixture: &Path, cpu: Option<usize>) -> Result<Self> {
+    pub(super) fn start(python: &Path, fixture: &Path, cpu: Option<usize>) -> Result<Self> {
         let mut child = harness::pinned(python, cpu)
             .arg(fixture)
             .arg("--bench")
@@ -216,7 +216,7 @@ impl Target {
     /// Steps per second and CPU ns per step between the first and the last
     /// progress line stamped within `[from, to]` (CLOCK_MONOTONIC seconds).
     /// Waits until `to` has passed.
-    fn measure(&self, from: f64, to: f64) -> Result<(f64, f64)> {
+    pub(super) fn measure(&self, from: f64, to: f64) -> Result<(f64, f64)> {
         sleep_until(to + 0.05);
         let samples = self.samples.lock().expect("not poisoned");
         let inside: Vec<&Sample> = samples
@@ -444,7 +444,7 @@ fn process_cpu_ns(pid: u32) -> u64 {
 
 /// CLOCK_MONOTONIC in seconds: the clock of Python's `time.monotonic()`,
 /// which stamps the workload's progress lines.
-fn monotonic_s() -> f64 {
+pub(super) fn monotonic_s() -> f64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

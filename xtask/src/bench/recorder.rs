@@ -2,18 +2,22 @@
 //! `ebtrace serve --retain 30s` costs while it runs, and how fast it
 //! answers `GetSnapshot` once it holds its whole window.
 //!
-//! For each target (the fixture's light `mixed` mode and its ping-pong,
-//! pinned to one CPU): the target's rate untraced for the run's seconds,
-//! then with the recorder on for as long; ebtrace's own CPU time over that
-//! run (`/proc/PID/stat`), its resident memory, the records it holds; then
-//! one `GetSnapshot`, timed from sending to the decoded response, and
-//! ebtrace's peak resident memory while it answered. With `--against
-//! PATH`, an earlier binary records the same target right after the one
-//! built here, row by row.
+//! For each target, pinned to one CPU (the scheduling fixture's light
+//! `mixed` mode and its ping-pong; a jax loop, `jax_workload.py --bench`;
+//! `cuda_workload --bench-seconds` launching kernels flat out, and with
+//! 10 µs of its own work between launches): the target's rate untraced for
+//! the run's seconds, then with the recorder on for as long; ebtrace's own
+//! CPU time over that run (`/proc/PID/stat`), its resident memory, the
+//! records it holds; then one `GetSnapshot`, timed from sending to the
+//! decoded response, and ebtrace's peak resident memory while it answered.
+//! With `--against PATH`, an earlier binary records the same target right
+//! after the one built here, row by row.
 
 use std::{
     fmt::Write as _,
+    io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
@@ -25,9 +29,10 @@ use prost::Message as _;
 
 use super::{
     harness::{self, status_kib},
+    jax,
     serve::Server,
 };
-use crate::util::{Workload, say};
+use crate::util::{self, Workload, say};
 
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -39,7 +44,9 @@ pub struct Options {
 }
 
 struct Row {
+    /// The target, and what its rate counts.
     mode: &'static str,
+    unit: &'static str,
     /// Which binary recorded: "built" or "against".
     binary: &'static str,
     /// The recorder's stack samples a second per CPU (`--sample-hz`).
@@ -61,7 +68,7 @@ struct Row {
     bytes: usize,
 }
 
-pub fn run(ebtrace: &Path, fixture: &Path, opts: &Options) -> Result<String> {
+pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Result<String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -79,29 +86,15 @@ pub fn run(ebtrace: &Path, fixture: &Path, opts: &Options) -> Result<String> {
     ] {
         let untraced = target_rate(fixture, mode, opts, |_| Ok(()))?;
         for &(binary, path) in &binaries {
-            let mut row = None;
+            let mut recording = None;
             let traced = target_rate(fixture, mode, opts, |phase| match phase {
                 Phase::Stopped(pid) => {
-                    let retain = format!("{}s", opts.retain.as_secs());
-                    let server = Server::start(
-                        path,
-                        pid,
-                        &[
-                            "--retain",
-                            &retain,
-                            "--http",
-                            "127.0.0.1:0",
-                            "--sample-hz",
-                            sample_hz,
-                        ],
-                    )?;
-                    server.wait_line("flight recorder on", Duration::from_secs(60))?;
-                    let cpu_start = ticks(server.child.id());
-                    row = Some((server, cpu_start));
+                    recording = Some(start_recorder(path, pid, opts, sample_hz)?);
                     Ok(())
                 }
                 Phase::Ran => {
-                    let (server, cpu_start) = row.take().context("the recorder did not start")?;
+                    let (server, cpu_start) =
+                        recording.take().context("the recorder did not start")?;
                     let measured = measure(&runtime, mode, &server, cpu_start)?;
                     server.stop()?;
                     rows.push(measured);
@@ -115,7 +108,142 @@ pub fn run(ebtrace: &Path, fixture: &Path, opts: &Options) -> Result<String> {
             }
         }
     }
+    jax_rows(root, &runtime, &binaries, opts, &mut rows)?;
+    let (lib_dir, workload) = ebtrace_tests::cuda::build();
+    for (mode, gap_ns) in [("cuda, flat out", 0), ("cuda, 10 µs apart", 10_000)] {
+        let untraced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |_| Ok(()))?;
+        for &(binary, path) in &binaries {
+            let mut recording = None;
+            let traced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |phase| match phase {
+                Phase::Stopped(pid) => {
+                    recording = Some(start_recorder(path, pid, opts, "99")?);
+                    Ok(())
+                }
+                Phase::Ran => {
+                    let (server, cpu_start) =
+                        recording.take().context("the recorder did not start")?;
+                    let measured = measure(&runtime, mode, &server, cpu_start)?;
+                    server.stop()?;
+                    rows.push(measured);
+                    Ok(())
+                }
+            })?;
+            if let Some(r) = rows.last_mut() {
+                r.rate = (untraced, traced);
+                r.unit = "launches";
+                r.sample_hz = "99";
+                r.binary = binary;
+            }
+        }
+    }
     Ok(render(&rows, opts))
+}
+
+/// `ebtrace serve --pid PID --retain ...`, once its recorder is on, and its
+/// CPU ticks then.
+fn start_recorder(
+    ebtrace: &Path,
+    pid: u32,
+    opts: &Options,
+    sample_hz: &str,
+) -> Result<(Server, (u64, Instant))> {
+    let retain = format!("{}s", opts.retain.as_secs());
+    let server = Server::start(
+        ebtrace,
+        pid,
+        &[
+            "--retain",
+            &retain,
+            "--http",
+            "127.0.0.1:0",
+            "--sample-hz",
+            sample_hz,
+        ],
+    )?;
+    server.wait_line("flight recorder on", Duration::from_secs(60))?;
+    let cpu_start = ticks(server.child.id());
+    Ok((server, cpu_start))
+}
+
+/// One jax process: its steps per second over a window untraced, then
+/// over a window of each binary's recorder.
+fn jax_rows(
+    root: &Path,
+    runtime: &tokio::runtime::Runtime,
+    binaries: &[(&'static str, &Path)],
+    opts: &Options,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let python = root.join(".venv/bin/python");
+    if !util::succeeds(std::process::Command::new(&python).args(["-c", "import jax"])) {
+        say("no jax in .venv: skipping the jax target (run `cargo xtask setup`)");
+        return Ok(());
+    }
+    let target = jax::Target::start(
+        &python,
+        &root.join("tests/fixtures/traceme/jax_workload.py"),
+        opts.target_cpu,
+    )?;
+    std::thread::sleep(Duration::from_secs(2));
+    let from = jax::monotonic_s();
+    let (untraced, _) = target.measure(from, from + opts.seconds)?;
+    for &(binary, path) in binaries {
+        let (server, cpu_start) = start_recorder(path, target.pid, opts, "99")?;
+        let from = jax::monotonic_s();
+        let (traced, _) = target.measure(from, from + opts.seconds)?;
+        let mut row = measure(runtime, "jax", &server, cpu_start)?;
+        server.stop()?;
+        row.rate = (untraced, traced);
+        row.unit = "steps";
+        row.sample_hz = "99";
+        row.binary = binary;
+        rows.push(row);
+    }
+    Ok(())
+}
+
+/// Runs `cuda_workload --bench-seconds` for the run's seconds, calling `at`
+/// before its launches start and once they are over; its launches per
+/// second.
+fn cuda_rate(
+    lib_dir: &Path,
+    workload: &Path,
+    gap_ns: u64,
+    opts: &Options,
+    mut at: impl FnMut(Phase) -> Result<()>,
+) -> Result<f64> {
+    let mut child = harness::pinned(workload, opts.target_cpu)
+        .args(["--bench-seconds", &opts.seconds.to_string()])
+        .args(["--bench-gap-ns", &gap_ns.to_string()])
+        .env("LD_LIBRARY_PATH", lib_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting cuda_workload")?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    stdout.read_line(&mut line)?;
+    let started: serde_json::Value =
+        serde_json::from_str(&line).with_context(|| format!("start line {line:?}"))?;
+    let pid = started["pid"].as_u64().context("no pid")? as u32;
+    let result = (|| {
+        at(Phase::Stopped(pid))?;
+        stdin.write_all(b"go\n")?;
+        line.clear();
+        stdout.read_line(&mut line)?;
+        at(Phase::Ran)
+    })();
+    if result.is_err() {
+        let _ = child.kill();
+    }
+    let status = child.wait()?;
+    result?;
+    util::check_status("cuda_workload", status)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&line).with_context(|| format!("result line {line:?}"))?;
+    let num = |k: &str| v[k].as_f64().with_context(|| format!("no {k} in {line:?}"));
+    Ok(num("launches")? / num("elapsed_s")?.max(1e-3))
 }
 
 /// Where a run is when [`target_rate`] calls back.
@@ -195,6 +323,7 @@ fn measure(
     ));
     Ok(Row {
         mode,
+        unit: "round trips",
         binary: "built",
         sample_hz: "",
         rate: (0.0, 0.0),
@@ -254,11 +383,12 @@ fn render(rows: &[Row], opts: &Options) -> String {
     for r in rows {
         let _ = writeln!(
             md,
-            "| {} | {} Hz | {} | {:.0}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
+            "| {} | {} Hz | {} | {:.0} {}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
             r.mode,
             r.sample_hz,
             r.binary,
             r.rate.0,
+            r.unit,
             r.rate.1,
             harness::ratio(r.rate.1, r.rate.0),
             r.cpu_percent,
