@@ -32,6 +32,12 @@ pub mod names {
     /// (its new threads tracked) but writes nothing: probes kept attached
     /// between captures cost no ring-buffer space.
     pub const RECORDING_TGIDS: &str = "RECORDING_TGIDS";
+    /// Processes whose driver calls are recorded now: a bitmap like
+    /// [`RECORDING_TGIDS`], a process's bit set when its capture window
+    /// opens, so that calls made while the probes attach do not fill the
+    /// ring buffer with events the window cuts anyway. Every driver call
+    /// asks it, so it is an array the verifier inlines, not a hash.
+    pub const DRIVER_CALL_TGIDS: &str = "DRIVER_CALL_TGIDS";
     /// Per-CPU outcome counters, indexed by [`crate::stat`].
     pub const STATS: &str = "STATS";
     /// Global `u64`: fill level (bytes) of `EVENTS` past which a submit wakes the reader.
@@ -68,13 +74,10 @@ pub const MAX_TARGETS: u32 = 1_024;
 
 /// `TARGET_TGIDS` values: bits of what the programs do for a process.
 pub mod target {
-    /// Its threads are followed (from the start of the attach).
+    /// Its threads are followed (from the start of the attach). What is
+    /// recorded of it is gated by `RECORDING_TGIDS` and
+    /// `DRIVER_CALL_TGIDS`.
     pub const FOLLOWED: u32 = 1;
-    /// Its driver calls are recorded: set when the capture window opens,
-    /// so that calls made while the probes attach do not fill the ring
-    /// buffer with events the window cuts anyway. (Its other events are
-    /// gated by `RECORDING_TGIDS`, from the start of the attach.)
-    pub const DRIVER_CALLS: u32 = 2;
 }
 
 /// Tracepoint fields the eBPF programs read, as (category, event, field,

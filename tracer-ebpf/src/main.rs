@@ -38,6 +38,11 @@ pub(crate) static TRACKED_TIDS: Array<u32> = Array::with_max_entries(MAX_TRACKED
 #[map]
 static RECORDING_TGIDS: Array<u64> = Array::with_max_entries(MAX_TRACKED_TIDS / 64, 0);
 
+/// The processes whose driver calls are recorded now (see
+/// `tracer_common::names::DRIVER_CALL_TGIDS`), a bitmap like the one above.
+#[map]
+static DRIVER_CALL_TGIDS: Array<u64> = Array::with_max_entries(MAX_TRACKED_TIDS / 64, 0);
+
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 
@@ -164,23 +169,22 @@ pub(crate) fn is_target(tgid: u32) -> bool {
 /// window is open).
 #[inline(always)]
 pub(crate) fn records_driver_calls(tgid: u32) -> bool {
-    if tgid == 0 {
-        return false;
-    }
-    match TARGET_TGIDS.get_ptr(tgid) {
-        // SAFETY: pointer into a live map value.
-        Some(bits) => (unsafe { *bits } & tracer_common::target::DRIVER_CALLS) != 0,
-        None => false,
-    }
+    has_bit(&DRIVER_CALL_TGIDS, tgid)
 }
 
 /// Whether the events of process `tgid` are recorded now.
 #[inline(always)]
 pub(crate) fn is_recording(tgid: u32) -> bool {
+    has_bit(&RECORDING_TGIDS, tgid)
+}
+
+/// Whether `tgid`'s bit is set in a bitmap of tgids.
+#[inline(always)]
+fn has_bit(bitmap: &Array<u64>, tgid: u32) -> bool {
     if tgid == 0 {
         return false;
     }
-    match RECORDING_TGIDS.get(tgid / 64) {
+    match bitmap.get(tgid / 64) {
         Some(word) => *word & (1u64 << (tgid % 64)) != 0,
         None => false,
     }

@@ -117,6 +117,7 @@ impl ProbeSet {
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .map_max_entries(names::TRACKED_TIDS, pid_max())
             .map_max_entries(names::RECORDING_TGIDS, pid_max().div_ceil(64))
+            .map_max_entries(names::DRIVER_CALL_TGIDS, pid_max().div_ceil(64))
             .load(EBPF_OBJECT)
             .map_err(Error::load)?;
         let map_fds = ebpf
@@ -177,33 +178,33 @@ impl ProbeSet {
     /// [`Self::open_window`].
     pub fn add_target(&mut self, tgid: u32) -> Result<()> {
         self.set_target(tgid, Some(tracer_common::target::FOLLOWED))?;
-        self.set_recording(tgid, true)
+        self.set_bit(names::RECORDING_TGIDS, tgid, true)
     }
 
     /// Opens the capture window of a process added with [`Self::add_target`]:
     /// its driver calls are recorded from now on.
     pub fn open_window(&mut self, tgid: u32) -> Result<()> {
-        let bits = tracer_common::target::FOLLOWED | tracer_common::target::DRIVER_CALLS;
-        self.set_target(tgid, Some(bits))
+        self.set_bit(names::DRIVER_CALL_TGIDS, tgid, true)
     }
 
     /// Stops recording a process while the programs stay attached: its
     /// threads are still followed (new ones tracked, exited ones
     /// forgotten), but nothing is written to the ring buffer.
     pub fn pause_target(&mut self, tgid: u32) -> Result<()> {
-        self.set_target(tgid, Some(tracer_common::target::FOLLOWED))?;
-        self.set_recording(tgid, false)
+        self.set_bit(names::DRIVER_CALL_TGIDS, tgid, false)?;
+        self.set_bit(names::RECORDING_TGIDS, tgid, false)
     }
 
     /// Records a paused process again (its driver calls from the next
     /// [`Self::open_window`]).
     pub fn resume_target(&mut self, tgid: u32) -> Result<()> {
-        self.set_recording(tgid, true)
+        self.set_bit(names::RECORDING_TGIDS, tgid, true)
     }
 
     /// Stops tracing a process: programs still attached ignore it.
     pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
-        self.set_recording(tgid, false)?;
+        self.set_bit(names::DRIVER_CALL_TGIDS, tgid, false)?;
+        self.set_bit(names::RECORDING_TGIDS, tgid, false)?;
         self.set_target(tgid, None)
     }
 
@@ -217,23 +218,17 @@ impl ProbeSet {
         .map_err(|e| map_err(names::TARGET_TGIDS, e))
     }
 
-    /// Sets or clears the bit of `tgid` in `RECORDING_TGIDS`. Only this
-    /// process writes the bitmap, so read-modify-write is safe.
-    fn set_recording(&mut self, tgid: u32, on: bool) -> Result<()> {
-        let map = self
-            .ebpf()
-            .map_mut(names::RECORDING_TGIDS)
-            .expect("map is in the object");
+    /// Sets or clears the bit of `tgid` in the bitmap of tgids `name`
+    /// (`RECORDING_TGIDS`, `DRIVER_CALL_TGIDS`). Only this process writes
+    /// the bitmaps, so read-modify-write is safe.
+    fn set_bit(&mut self, name: &'static str, tgid: u32, on: bool) -> Result<()> {
+        let map = self.ebpf().map_mut(name).expect("map is in the object");
         let mut bitmap: Array<&mut MapData, u64> =
-            Array::try_from(map).map_err(|e| map_err(names::RECORDING_TGIDS, e))?;
+            Array::try_from(map).map_err(|e| map_err(name, e))?;
         let (index, bit) = (tgid / 64, 1u64 << (tgid % 64));
-        let word = bitmap
-            .get(&index, 0)
-            .map_err(|e| map_err(names::RECORDING_TGIDS, e))?;
+        let word = bitmap.get(&index, 0).map_err(|e| map_err(name, e))?;
         let word = if on { word | bit } else { word & !bit };
-        bitmap
-            .set(index, word, 0)
-            .map_err(|e| map_err(names::RECORDING_TGIDS, e))
+        bitmap.set(index, word, 0).map_err(|e| map_err(name, e))
     }
 
     /// Marks existing threads as members of a traced process.
