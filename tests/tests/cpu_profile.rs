@@ -5,25 +5,26 @@
 //! own `go tool pprof` (Debian's `golang-go`).
 
 use std::{
-    io::{BufRead as _, BufReader},
+    io::{BufRead, BufReader},
     net::SocketAddr,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use ebtrace_proto::perftools::profiles::Profile;
+use ebtrace_proto::{perftools::profiles::Profile, tensorflow::GetSnapshotRequest};
 use ebtrace_tests::{
     TempDir, debian_tool,
-    fixture::build_c,
+    fixture::{build_c, build_c_shared},
     http, loaded_bpf_program_names, record, require_root, serial,
-    serve::ServeProcess,
-    spawn_record, wait_with_deadline, xplane_files,
+    serve::{ServeProcess, block_on, xspace_of},
+    signal, spawn_record, wait_with_deadline, xplane_files,
     xspace::{self, line_events, plane},
 };
 
 /// The running `cpu_hotspot` fixture; killed when dropped.
 struct Hotspot {
     child: Child,
+    stdout: BufReader<std::process::ChildStdout>,
     pid: u32,
     hot_tid: u32,
     reader_tid: u32,
@@ -31,22 +32,31 @@ struct Hotspot {
 
 impl Hotspot {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    fn start_with(args: &[&str]) -> Self {
         let mut child = Command::new(build_c("cpu_hotspot"))
+            .args(args)
             .stdout(Stdio::piped())
             .spawn()
             .expect("start cpu_hotspot");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("piped"))
-            .read_line(&mut line)
-            .expect("start line");
-        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON start line");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let v = read_json_line(&mut stdout);
         Hotspot {
             pid: v["pid"].as_u64().expect("pid") as u32,
             hot_tid: v["hot_tid"].as_u64().expect("hot_tid") as u32,
             reader_tid: v["reader_tid"].as_u64().expect("reader_tid") as u32,
             child,
+            stdout,
         }
     }
+}
+
+fn read_json_line(from: &mut impl BufRead) -> serde_json::Value {
+    let mut line = String::new();
+    from.read_line(&mut line).expect("a line from the fixture");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
 }
 
 impl Drop for Hotspot {
@@ -562,4 +572,70 @@ fn a_killed_server_leaves_no_sampling_behind() {
     let before = cpu_ns(fixture.pid);
     std::thread::sleep(Duration::from_millis(300));
     assert!(cpu_ns(fixture.pid) - before >= 100_000_000);
+}
+
+#[test]
+fn a_library_loaded_while_the_recorder_runs_gets_its_names() {
+    if !require_root("a_library_loaded_while_the_recorder_runs_gets_its_names") {
+        return;
+    }
+    let _serial = serial();
+    let late_lib = build_c_shared("late_spin", "libebtrace_late_spin.so");
+    let mut fixture = Hotspot::start_with(&["--late-lib", late_lib.to_str().unwrap()]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &fixture.pid.to_string(),
+        "--retain",
+        "30s",
+        "--sample-hz",
+        "199",
+    ]);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(30))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    // The hot thread's samples have been named by now: the recorder has
+    // read the process's mappings, and the library is in none of them.
+    std::thread::sleep(Duration::from_secs(2));
+    signal(fixture.pid, libc::SIGUSR1);
+    let late_tid = read_json_line(&mut fixture.stdout)["late_tid"]
+        .as_u64()
+        .expect("late_tid") as u32;
+    std::thread::sleep(Duration::from_secs(3));
+
+    let space = block_on(async {
+        let mut client = server.client().await;
+        let r = client
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_session_id: "late-library".into(),
+            })
+            .await
+            .expect("a snapshot");
+        xspace_of(&r.into_inner())
+    });
+    let late = line_events(plane(&space, "/host:CPU"), i64::from(late_tid));
+    let samples: Vec<_> = late
+        .iter()
+        .filter(|e| e.stats.contains_key("cpu_sample_stack"))
+        .collect();
+    // Three seconds of spinning at 199 Hz.
+    assert!(samples.len() > 200, "{} samples", samples.len());
+    let named = samples
+        .iter()
+        .filter(|s| s.name == "ebtrace_late_spin")
+        .count();
+    assert!(
+        named * 100 >= samples.len() * 95,
+        "{named} of {} samples named ebtrace_late_spin; others: {:?}",
+        samples.len(),
+        samples
+            .iter()
+            .filter(|s| s.name != "ebtrace_late_spin")
+            .take(5)
+            .map(|s| (&s.name, s.stats["cpu_sample_stack"].as_str()))
+            .collect::<Vec<_>>()
+    );
 }

@@ -199,7 +199,8 @@ impl StackSymbolizer {
 
     /// Keeps the names `answer` found for addresses still asked for (not
     /// those of a process forgotten since). An address of a place that
-    /// could not be read is left unnamed: [`Self::resolve`] looks again.
+    /// could not be read, or not yet in its mappings, is left unnamed:
+    /// the next sample or [`Self::resolve`] asks again.
     fn keep(&mut self, answer: Answer) {
         let Some(space) = space_of(&answer.place) else {
             return;
@@ -209,6 +210,7 @@ impl StackSymbolizer {
         for address in answer.addresses {
             let symbol = symbols.next();
             if self.asked.remove(&(space, address))
+                && !answer.not_yet.contains(&address)
                 && let Some(symbol) = symbol
             {
                 self.cache
@@ -259,7 +261,7 @@ impl StackSymbolizer {
         }
         for (path, wanted) in by_file {
             let offsets: Vec<u64> = wanted.iter().map(|(_, o)| *o).collect();
-            let Some(found) = self.look_up(Place::File(path.clone()), offsets) else {
+            let Some((found, _)) = self.look_up(Place::File(path.clone()), offsets) else {
                 continue;
             };
             for ((i, _), symbol) in wanted.iter().zip(found) {
@@ -273,13 +275,19 @@ impl StackSymbolizer {
     }
 
     /// Looks `addresses` of `place` up and waits; what earlier lookups
-    /// answered meanwhile is kept.
-    fn look_up(&mut self, place: Place, addresses: Vec<u64>) -> Option<Vec<Option<Symbol>>> {
+    /// answered meanwhile is kept. With the addresses to ask again later
+    /// (see [`Answer::not_yet`]).
+    fn look_up(
+        &mut self,
+        place: Place,
+        addresses: Vec<u64>,
+    ) -> Option<(Vec<Option<Symbol>>, Vec<u64>)> {
         let (earlier, ours) = self.thread.look_up(place, addresses);
         for answer in earlier {
             self.keep(answer);
         }
-        ours?.symbols
+        let ours = ours?;
+        Some((ours.symbols?, ours.not_yet))
     }
 
     /// Resolves every address of `stacks` (see [`sample_frames`]), one
@@ -313,19 +321,21 @@ impl StackSymbolizer {
         if wanted.is_empty() {
             return;
         }
-        let symbols: Vec<Option<Symbol>> = match self.look_up(place_of(space), wanted.clone()) {
-            Some(found) => found,
+        let (symbols, not_yet) = match self.look_up(place_of(space), wanted.clone()) {
+            Some((found, not_yet)) => (found, not_yet),
             // The process has exited: the files it had mapped when it was
             // sampled still name its code. (Only then: a live process in a
             // container sees other files at those paths.)
             None => match space {
-                Space::Process(pid) => self.resolve_in_files(pid, &wanted),
-                Space::Kernel => vec![None; wanted.len()],
+                Space::Process(pid) => (self.resolve_in_files(pid, &wanted), Vec::new()),
+                Space::Kernel => (vec![None; wanted.len()], Vec::new()),
             },
         };
         for (address, symbol) in wanted.into_iter().zip(symbols) {
-            self.cache
-                .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+            if !not_yet.contains(&address) {
+                self.cache
+                    .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+            }
         }
     }
 

@@ -5,16 +5,23 @@
 //! as long as it runs. It cannot move between threads itself, and a
 //! thread of its own also lets addresses be named while stacks are being
 //! sampled, without the recording waiting for it.
+//!
+//! A process's memory map is read once and kept ([`ProcessMaps`]): blazesym
+//! otherwise reads `/proc/PID/maps` at every lookup, and a Python process
+//! with jaxlib maps thousands of regions, so that reading took most of a
+//! recorder's CPU on a jax loop.
 
 use std::{
+    collections::HashMap,
     sync::mpsc::{self, Receiver, Sender},
     thread::JoinHandle,
+    time::{Duration, Instant},
 };
 
 use blazesym::{
     Pid,
     symbolize::{
-        Input, Symbolizer,
+        Input, Reason, Symbolized, Symbolizer, cache,
         source::{Elf, Kernel, Process, Source},
     },
 };
@@ -38,6 +45,10 @@ pub(super) struct Answer {
     pub place: Place,
     pub addresses: Vec<u64>,
     pub symbols: Option<Vec<Option<Symbol>>>,
+    /// Addresses outside the process's mappings as last read, which were
+    /// read too recently to be read again: a library loaded since may hold
+    /// them, so they are to be asked again rather than kept nameless.
+    pub not_yet: Vec<u64>,
     /// Whether its asker waits for it ([`SymbolizerThread::look_up`]).
     waited: bool,
 }
@@ -76,11 +87,80 @@ fn symbolizer() -> Symbolizer {
         .build()
 }
 
+/// How long a process's memory map, once read, names its addresses before
+/// it is read again (a library unloaded and another loaded in its place).
+const MAPS_KEPT: Duration = Duration::from_secs(10);
+/// How soon an address outside every mapping read has them read again
+/// sooner: a library loaded since. Code a JIT wrote to anonymous memory is
+/// never in them, so this is at most once a second.
+const MAPS_RECHECKED: Duration = Duration::from_secs(1);
+
+/// When blazesym last kept each process's memory map.
+#[derive(Default)]
+struct ProcessMaps {
+    read_at: HashMap<u32, Instant>,
+}
+
+impl ProcessMaps {
+    /// Names `addresses` of process `pid`, from its memory map as last
+    /// kept; with the addresses outside it that are to be asked again
+    /// later (see [`Answer::not_yet`]).
+    fn symbolize<'s>(
+        &mut self,
+        symbolizer: &'s Symbolizer,
+        pid: u32,
+        addresses: &[u64],
+    ) -> blazesym::Result<(Vec<Symbolized<'s>>, Vec<u64>)> {
+        let read_within =
+            |maps: &Self, age: Duration| maps.read_at.get(&pid).is_some_and(|t| t.elapsed() < age);
+        let read_now = !read_within(self, MAPS_KEPT);
+        if read_now {
+            self.read(symbolizer, pid);
+        }
+        let source = Source::Process(Process::new(Pid::from(pid)));
+        let found = symbolizer.symbolize(&source, Input::AbsAddr(addresses))?;
+        let not_yet: Vec<u64> = addresses
+            .iter()
+            .zip(&found)
+            .filter(|(_, s)| matches!(s, Symbolized::Unknown(Reason::Unmapped)))
+            .map(|(a, _)| *a)
+            .collect();
+        if not_yet.is_empty() || read_now {
+            return Ok((found, Vec::new()));
+        }
+        if read_within(self, MAPS_RECHECKED) {
+            return Ok((found, not_yet));
+        }
+        // What is still outside once read again is outside for good.
+        self.read(symbolizer, pid);
+        let found = symbolizer.symbolize(&source, Input::AbsAddr(addresses))?;
+        Ok((found, Vec::new()))
+    }
+
+    /// Has blazesym read and keep `pid`'s memory map. Where that fails (the
+    /// process is gone) what was kept stays, and the next lookup tries
+    /// again; a new process taking the pid makes its owner forget it all
+    /// ([`SymbolizerThread::forget_parsed`]).
+    fn read(&mut self, symbolizer: &Symbolizer, pid: u32) {
+        let mut process = cache::Process::new(Pid::from(pid));
+        process.cache_perf_map = false;
+        if symbolizer.cache(&cache::Cache::Process(process)).is_ok() {
+            self.read_at.insert(pid, Instant::now());
+        } else {
+            self.read_at.remove(&pid);
+        }
+    }
+}
+
 fn serve(jobs: Receiver<Job>, answers: Sender<Answer>) {
     let mut parsed: Option<Symbolizer> = None;
+    let mut maps = ProcessMaps::default();
     for job in jobs {
         match job {
-            Job::Forget => parsed = None,
+            Job::Forget => {
+                parsed = None;
+                maps = ProcessMaps::default();
+            }
             Job::LookUp {
                 place,
                 addresses,
@@ -88,22 +168,26 @@ fn serve(jobs: Receiver<Job>, answers: Sender<Answer>) {
             } => {
                 let symbolizer = parsed.get_or_insert_with(symbolizer);
                 let found = match &place {
-                    Place::Kernel => symbolizer.symbolize(
-                        &Source::Kernel(Kernel::default()),
-                        Input::AbsAddr(&addresses),
-                    ),
-                    Place::Process(pid) => symbolizer.symbolize(
-                        &Source::Process(Process::new(Pid::from(*pid))),
-                        Input::AbsAddr(&addresses),
-                    ),
+                    Place::Kernel => symbolizer
+                        .symbolize(
+                            &Source::Kernel(Kernel::default()),
+                            Input::AbsAddr(&addresses),
+                        )
+                        .map(|f| (f, Vec::new())),
+                    Place::Process(pid) => maps.symbolize(symbolizer, *pid, &addresses),
                     Place::File(path) => symbolizer
-                        .symbolize(&Source::Elf(Elf::new(path)), Input::FileOffset(&addresses)),
+                        .symbolize(&Source::Elf(Elf::new(path)), Input::FileOffset(&addresses))
+                        .map(|f| (f, Vec::new())),
                 };
-                let symbols = found.ok().map(|f| f.iter().map(symbol_of).collect());
+                let (symbols, not_yet) = match found {
+                    Ok((f, not_yet)) => (Some(f.iter().map(symbol_of).collect()), not_yet),
+                    Err(_) => (None, Vec::new()),
+                };
                 let answer = Answer {
                     place,
                     addresses,
                     symbols,
+                    not_yet,
                     waited,
                 };
                 if answers.send(answer).is_err() {
@@ -225,5 +309,65 @@ impl Drop for SymbolizerThread {
             drop(answers);
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A page of anonymous executable memory mapped now, as a library or
+    /// a JIT would.
+    fn map_code_page() -> u64 {
+        // SAFETY: a fresh anonymous mapping, never unmapped by the test.
+        let page = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_EXEC,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(page, libc::MAP_FAILED);
+        page as u64
+    }
+
+    #[test]
+    fn a_mapping_made_after_the_maps_were_read_is_asked_again_then_found() {
+        let symbolizer = symbolizer();
+        let mut maps = ProcessMaps::default();
+        let pid = std::process::id();
+        let known = map_code_page as *const () as u64;
+        let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[known]).unwrap();
+        assert!(matches!(found[0], Symbolized::Sym(_)), "{:?}", found[0]);
+        assert!(not_yet.is_empty());
+
+        // Mapped after the read: outside what was kept, and too soon to read
+        // the maps again.
+        let page = map_code_page();
+        let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[page]).unwrap();
+        assert!(matches!(found[0], Symbolized::Unknown(Reason::Unmapped)));
+        assert_eq!(not_yet, [page]);
+
+        // A second on, the maps are read again and hold it.
+        std::thread::sleep(MAPS_RECHECKED);
+        let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[page]).unwrap();
+        assert!(
+            !matches!(found[0], Symbolized::Unknown(Reason::Unmapped)),
+            "{:?}",
+            found[0]
+        );
+        assert!(not_yet.is_empty());
+
+        // An address in no mapping at all waits like it, and is settled
+        // once the maps are read again.
+        let (_, not_yet) = maps.symbolize(&symbolizer, pid, &[8]).unwrap();
+        assert_eq!(not_yet, [8]);
+        std::thread::sleep(MAPS_RECHECKED);
+        let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[8]).unwrap();
+        assert!(matches!(found[0], Symbolized::Unknown(Reason::Unmapped)));
+        assert!(not_yet.is_empty());
     }
 }
