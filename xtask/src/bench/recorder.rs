@@ -86,21 +86,8 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
     ] {
         let untraced = target_rate(fixture, mode, opts, |_| Ok(()))?;
         for &(binary, path) in &binaries {
-            let mut recording = None;
-            let traced = target_rate(fixture, mode, opts, |phase| match phase {
-                Phase::Stopped(pid) => {
-                    recording = Some(start_recorder(path, pid, opts, sample_hz)?);
-                    Ok(())
-                }
-                Phase::Ran => {
-                    let (server, cpu_start) =
-                        recording.take().context("the recorder did not start")?;
-                    let measured = measure(&runtime, mode, &server, cpu_start)?;
-                    server.stop()?;
-                    rows.push(measured);
-                    Ok(())
-                }
-            })?;
+            let recorded = recorded_run(&runtime, path, mode, sample_hz, opts, &mut rows);
+            let traced = target_rate(fixture, mode, opts, recorded)?;
             if let Some(r) = rows.last_mut() {
                 r.rate = (untraced, traced);
                 r.sample_hz = sample_hz;
@@ -113,21 +100,8 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
     for (mode, gap_ns) in [("cuda, flat out", 0), ("cuda, 10 µs apart", 10_000)] {
         let untraced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |_| Ok(()))?;
         for &(binary, path) in &binaries {
-            let mut recording = None;
-            let traced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |phase| match phase {
-                Phase::Stopped(pid) => {
-                    recording = Some(start_recorder(path, pid, opts, "99")?);
-                    Ok(())
-                }
-                Phase::Ran => {
-                    let (server, cpu_start) =
-                        recording.take().context("the recorder did not start")?;
-                    let measured = measure(&runtime, mode, &server, cpu_start)?;
-                    server.stop()?;
-                    rows.push(measured);
-                    Ok(())
-                }
-            })?;
+            let recorded = recorded_run(&runtime, path, mode, "99", opts, &mut rows);
+            let traced = cuda_rate(&lib_dir, &workload, gap_ns, opts, recorded)?;
             if let Some(r) = rows.last_mut() {
                 r.rate = (untraced, traced);
                 r.unit = "launches";
@@ -137,6 +111,33 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
         }
     }
     Ok(render(&rows, opts))
+}
+
+/// What a run of a target calls back when `ebtrace` records it: starts the
+/// recorder while the target waits, and measures it into `rows` once the
+/// run is over.
+fn recorded_run<'a>(
+    runtime: &'a tokio::runtime::Runtime,
+    ebtrace: &'a Path,
+    mode: &'static str,
+    sample_hz: &'a str,
+    opts: &'a Options,
+    rows: &'a mut Vec<Row>,
+) -> impl FnMut(Phase) -> Result<()> + 'a {
+    let mut recording = None;
+    move |phase| match phase {
+        Phase::Stopped(pid) => {
+            recording = Some(start_recorder(ebtrace, pid, opts, sample_hz)?);
+            Ok(())
+        }
+        Phase::Ran => {
+            let (server, cpu_start) = recording.take().context("the recorder did not start")?;
+            let measured = measure(runtime, mode, &server, cpu_start)?;
+            server.stop()?;
+            rows.push(measured);
+            Ok(())
+        }
+    }
 }
 
 /// `ebtrace serve --pid PID --retain ...`, once its recorder is on, and its
