@@ -316,15 +316,15 @@ impl Drop for SymbolizerThread {
 mod tests {
     use super::*;
 
-    /// A page of anonymous executable memory mapped now, as a library or
-    /// a JIT would.
-    fn map_code_page() -> u64 {
+    /// A page of address space reserved for the test (`PROT_NONE`: in no
+    /// mapping blazesym reads), so that no other thread can map there.
+    fn reserve_page() -> u64 {
         // SAFETY: a fresh anonymous mapping, never unmapped by the test.
         let page = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 4096,
-                libc::PROT_READ | libc::PROT_EXEC,
+                libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
@@ -339,14 +339,18 @@ mod tests {
         let symbolizer = symbolizer();
         let mut maps = ProcessMaps::default();
         let pid = std::process::id();
-        let known = map_code_page as *const () as u64;
+        let page = reserve_page();
+        let known = reserve_page as *const () as u64;
         let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[known]).unwrap();
         assert!(matches!(found[0], Symbolized::Sym(_)), "{:?}", found[0]);
         assert!(not_yet.is_empty());
 
-        // Mapped after the read: outside what was kept, and too soon to read
-        // the maps again.
-        let page = map_code_page();
+        // Made code after the read, as a library loaded or a JIT would:
+        // outside what was kept, and too soon to read the maps again.
+        // SAFETY: the page is ours, and nothing runs or reads it.
+        let made =
+            unsafe { libc::mprotect(page as *mut _, 4096, libc::PROT_READ | libc::PROT_EXEC) };
+        assert_eq!(made, 0);
         let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[page]).unwrap();
         assert!(matches!(found[0], Symbolized::Unknown(Reason::Unmapped)));
         assert_eq!(not_yet, [page]);
