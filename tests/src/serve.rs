@@ -13,8 +13,9 @@ use std::{
 };
 
 use ebtrace_proto::tensorflow::{
-    ProfileOptions, ProfileRequest, ProfileResponse, profile_options::AdvancedConfigValue,
-    profiler::XSpace, profiler_service_client::ProfilerServiceClient,
+    GetSnapshotRequest, ProfileOptions, ProfileRequest, ProfileResponse,
+    profile_options::AdvancedConfigValue, profiler::XSpace,
+    profiler_service_client::ProfilerServiceClient,
 };
 use prost::{
     Message as _,
@@ -315,6 +316,20 @@ impl ServeProcess {
             .await
             .expect("connect to ebtrace serve")
             .max_decoding_message_size(usize::MAX)
+    }
+
+    /// Its answer to `GetSnapshot` (the flight recorder's), decoded.
+    pub fn snapshot(&self, id: &str) -> XSpace {
+        block_on(async {
+            let mut client = self.client().await;
+            let r = client
+                .get_snapshot(GetSnapshotRequest {
+                    snapshot_session_id: id.into(),
+                })
+                .await
+                .expect("a snapshot");
+            xspace_of(&r.into_inner())
+        })
     }
 
     /// Its exit status, if it has exited.

@@ -11,12 +11,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ebtrace_proto::{perftools::profiles::Profile, tensorflow::GetSnapshotRequest};
+use ebtrace_proto::perftools::profiles::Profile;
 use ebtrace_tests::{
     TempDir, debian_tool,
     fixture::{build_c, build_c_shared},
     http, loaded_bpf_program_names, record, require_root, serial,
-    serve::{ServeProcess, block_on, xspace_of},
+    serve::ServeProcess,
     signal, spawn_record, wait_with_deadline, xplane_files,
     xspace::{self, line_events, plane},
 };
@@ -606,16 +606,7 @@ fn a_library_loaded_while_the_recorder_runs_gets_its_names() {
         .expect("late_tid") as u32;
     std::thread::sleep(Duration::from_secs(3));
 
-    let space = block_on(async {
-        let mut client = server.client().await;
-        let r = client
-            .get_snapshot(GetSnapshotRequest {
-                snapshot_session_id: "late-library".into(),
-            })
-            .await
-            .expect("a snapshot");
-        xspace_of(&r.into_inner())
-    });
+    let space = server.snapshot("late-library");
     let late = line_events(plane(&space, "/host:CPU"), i64::from(late_tid));
     let samples: Vec<_> = late
         .iter()

@@ -27,20 +27,6 @@ const HOST_CPU: &str = "/host:CPU";
 /// machine: up to 15 MiB here), MiB.
 const PROBES_MIB: u64 = 24;
 
-/// The server's answer to `GetSnapshot`, decoded.
-fn snapshot(server: &ServeProcess, id: &str) -> XSpace {
-    block_on(async {
-        let mut client = server.client().await;
-        let r = client
-            .get_snapshot(GetSnapshotRequest {
-                snapshot_session_id: id.into(),
-            })
-            .await
-            .expect("a snapshot");
-        xspace_of(&r.into_inner())
-    })
-}
-
 /// The value of the metric `name` in a `/metrics` body.
 fn metric(body: &str, name: &str) -> u64 {
     body.lines()
@@ -240,7 +226,7 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
 
     // The snapshot holds the newest records: the last moments of ping
     // and pong.
-    let space = snapshot(&server, "bounded");
+    let space = server.snapshot("bounded");
     let host = plane(&space, HOST_CPU);
     for thread in ["ping", "pong"] {
         let events = line_events(host, workload.tid(thread).into());
@@ -391,7 +377,7 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
         server.lines()
     );
     std::thread::sleep(Duration::from_secs(1));
-    let space = snapshot(&server, "discovered");
+    let space = server.snapshot("discovered");
     let host = plane(&space, HOST_CPU);
     let mut first_seen_ns = Vec::new();
     for (which, workload) in [("first", &first), ("later", &later)] {
@@ -434,7 +420,7 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
         server.lines()
     );
     std::thread::sleep(Duration::from_millis(500));
-    let space = snapshot(&server, "after-exit");
+    let space = server.snapshot("after-exit");
     let host = plane(&space, HOST_CPU);
     let before_exit = xspace::sum_named(&line_events(host, first_burner.into()), "Running");
     assert!(
@@ -536,7 +522,7 @@ fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
     std::thread::sleep(Duration::from_secs(1));
     let holding = server.rss_kib();
     server.reset_peak_rss();
-    let space = snapshot(&server, id);
+    let space = server.snapshot(id);
     let peak = server.peak_rss_kib();
     let records =
         xspace::plane_stats(plane(&space, "Task Environment"))["ebtrace_records"].as_u64();
@@ -581,14 +567,14 @@ fn nothing_is_dropped_while_a_large_snapshot_is_built() {
     let dropped = |space: &XSpace| {
         xspace::plane_stats(plane(space, "Task Environment"))["ebtrace_dropped_records"].as_u64()
     };
-    let large = snapshot(&server, "large");
+    let large = server.snapshot("large");
     let records =
         xspace::plane_stats(plane(&large, "Task Environment"))["ebtrace_records"].as_u64();
     assert!(records > 1_000_000, "{records} records in the snapshot");
     assert_eq!(dropped(&large), 0);
     // Drops while it was built would show in the next one.
     std::thread::sleep(Duration::from_millis(300));
-    let next = snapshot(&server, "next");
+    let next = server.snapshot("next");
     assert_eq!(
         dropped(&next),
         0,
@@ -662,7 +648,7 @@ fn a_process_whose_records_are_all_too_old_is_forgotten() {
     let brief = start_recorded(&server, &stub);
     let pid = brief.pid;
     let pids = || {
-        let space = snapshot(&server, "pids");
+        let space = server.snapshot("pids");
         let env = xspace::plane_stats(plane(&space, "Task Environment"));
         env["ebtrace_pids"].as_str().to_string()
     };
@@ -732,7 +718,7 @@ fn a_new_process_on_a_recorded_pid_is_recorded_and_the_rest_kept() {
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(700));
-    let space = snapshot(&server, "reused");
+    let space = server.snapshot("reused");
     assert_eq!(
         server.count_lines("flight recorder on"),
         1,
