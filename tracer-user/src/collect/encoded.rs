@@ -15,6 +15,14 @@ use super::decode::{Record, decode, encode};
 /// second fills only about 1,200 a second.
 const CHUNK_BYTES: usize = 16 * 1024;
 
+/// Forgotten chunks' buffers kept for new chunks, at most: a drain of a
+/// flood fills and forgets a few hundred chunks at a time, and taking
+/// each from the allocator (which may have given its pages back to the
+/// kernel) cost a sixth of the recorder's CPU. Buffers only come from
+/// forgotten chunks, so the held and the kept buffers together never
+/// take more than the held ones once did.
+const SPARE_CHUNKS: usize = 256;
+
 /// The size of a switch and of a wake-up record.
 const COMMON_RECORD_BYTES: usize = size_of::<tracer_common::SchedSwitch>();
 const _: () = assert!(size_of::<tracer_common::SchedWakeup>() == COMMON_RECORD_BYTES);
@@ -28,8 +36,9 @@ pub struct EncodedRecords {
     /// How many of them are CUDA driver records, which take far more of a
     /// timeline than a scheduler record.
     driver_records: usize,
-    /// A forgotten chunk's buffer, for the next chunk.
-    spare: Option<Vec<u8>>,
+    /// Forgotten chunks' buffers, for the next chunks (at most
+    /// [`SPARE_CHUNKS`]).
+    spares: Vec<Vec<u8>>,
     /// Where [`Self::push`] encodes a record.
     scratch: Vec<u8>,
 }
@@ -121,7 +130,7 @@ impl EncodedRecords {
 
     #[cold]
     fn start_chunk(&mut self, len: usize) {
-        let mut bytes = self.spare.take().unwrap_or_default();
+        let mut bytes = self.spares.pop().unwrap_or_default();
         bytes.clear();
         bytes.reserve_exact(CHUNK_BYTES.max(len));
         self.chunks.push_back(Chunk {
@@ -147,7 +156,9 @@ impl EncodedRecords {
         };
         self.len -= chunk.records;
         self.driver_records -= chunk.driver_records;
-        self.spare = Some(chunk.bytes);
+        if self.spares.len() < SPARE_CHUNKS {
+            self.spares.push(chunk.bytes);
+        }
         chunk.records
     }
 
@@ -282,6 +293,50 @@ mod tests {
         while held.forget_oldest() > 0 {}
         assert!(held.is_empty());
         assert_eq!(held.iter().count(), 0);
+    }
+
+    /// New chunks take the buffers of forgotten ones, so the held and the
+    /// kept buffers together never outgrow what was held at most; past
+    /// [`SPARE_CHUNKS`] a forgotten buffer is freed.
+    #[test]
+    fn new_chunks_take_the_buffers_of_forgotten_ones() {
+        let mut held = EncodedRecords::default();
+        let per_chunk = CHUNK_BYTES / COMMON_RECORD_BYTES;
+        let fill = |held: &mut EncodedRecords, chunks: usize| {
+            for ts in 0..(chunks * per_chunk) as u64 {
+                held.push(&switch(ts, 1, 2));
+            }
+        };
+        fill(&mut held, SPARE_CHUNKS + 3);
+        assert_eq!(held.chunks.len(), SPARE_CHUNKS + 3);
+        let forgotten: Vec<*const u8> = held
+            .chunks
+            .iter()
+            .take(3)
+            .map(|c| c.bytes.as_ptr())
+            .collect();
+        for _ in 0..3 {
+            held.forget_oldest();
+        }
+        assert_eq!(held.spares.len(), 3);
+        fill(&mut held, 3);
+        let newest: Vec<*const u8> = held
+            .chunks
+            .iter()
+            .rev()
+            .take(3)
+            .map(|c| c.bytes.as_ptr())
+            .collect();
+        let mut reused = newest.clone();
+        reused.sort();
+        let mut expected = forgotten.clone();
+        expected.sort();
+        assert_eq!(reused, expected);
+        assert!(held.spares.is_empty());
+        while held.forget_oldest() > 0 {}
+        assert_eq!(held.spares.len(), SPARE_CHUNKS);
+        held.clear();
+        assert!(held.spares.is_empty());
     }
 
     /// Driver records are counted apart, and leave the count with their
