@@ -8,6 +8,8 @@
 //! event. Elsewhere (or with `EBTRACE_SCHED_TRACEPOINTS=classic`) the
 //! classic tracepoints write the same records.
 
+use std::sync::OnceLock;
+
 use aya::programs::{RawTracePoint, TracePoint};
 
 use super::{
@@ -44,6 +46,14 @@ impl SchedRoute {
         if std::env::var(TRACEPOINTS_ENV).is_ok_and(|v| v == "classic") {
             return SchedRoute::Classic(format!("{TRACEPOINTS_ENV}=classic"));
         }
+        // The running kernel's types do not change: its BTF (megabytes,
+        // a noticeable part of a capture's start) is read for the first
+        // capture only.
+        static FROM_BTF: OnceLock<SchedRoute> = OnceLock::new();
+        FROM_BTF.get_or_init(Self::from_kernel_btf).clone()
+    }
+
+    fn from_kernel_btf() -> Self {
         match TaskOffsets::from_kernel() {
             Ok(offsets) => SchedRoute::Raw(offsets),
             Err(BtfError::Read { path, source }) => {
