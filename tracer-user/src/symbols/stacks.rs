@@ -9,7 +9,7 @@
 //! named.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -65,6 +65,13 @@ pub struct StackSymbolizer {
     thread: SymbolizerThread,
     /// Addresses asked of it and not answered yet.
     asked: FxHashSet<(Space, u64)>,
+    /// Functions whose every address has the same name (see
+    /// [`Answer::functions`]), by start address, with their end: a new
+    /// address in one is named without asking blazesym. Most samples land
+    /// on an instruction not sampled before, and on a jax loop most of
+    /// those are in the few hundred hot functions of jaxlib, which has no
+    /// debug information.
+    functions: FxHashMap<Space, BTreeMap<u64, (u64, Arc<Symbol>)>>,
 }
 
 /// The address to look up for frame `depth` of a stack: every frame past
@@ -176,7 +183,10 @@ impl StackSymbolizer {
     fn ask_for(&mut self, space: Space, addresses: impl Iterator<Item = u64>) {
         let mut unnamed = Vec::new();
         for address in addresses {
-            if !self.cache.contains_key(&(space, address)) && self.asked.insert((space, address)) {
+            if !self.cache.contains_key(&(space, address))
+                && !self.named_by_function(space, address)
+                && self.asked.insert((space, address))
+            {
                 unnamed.push(address);
             }
         }
@@ -207,16 +217,42 @@ impl StackSymbolizer {
         };
         let symbols = answer.symbols.map(Vec::into_iter);
         let mut symbols = symbols.into_iter().flatten();
+        let mut functions = answer.functions.into_iter();
         for address in answer.addresses {
             let symbol = symbols.next();
+            let function = functions.next().flatten();
             if self.asked.remove(&(space, address))
                 && !answer.not_yet.contains(&address)
                 && let Some(symbol) = symbol
             {
-                self.cache
-                    .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+                let symbol = Arc::new(symbol.unwrap_or_default());
+                if let Some(range) = function {
+                    self.functions
+                        .entry(space)
+                        .or_default()
+                        .insert(range.start, (range.end, Arc::clone(&symbol)));
+                }
+                self.cache.insert((space, address), symbol);
             }
         }
+    }
+
+    /// Names `address` after the function it is in, if that function's
+    /// every address has the same name; false if it is not known so.
+    fn named_by_function(&mut self, space: Space, address: u64) -> bool {
+        let Some((_, (end, symbol))) = self
+            .functions
+            .get(&space)
+            .and_then(|f| f.range(..=address).next_back())
+        else {
+            return false;
+        };
+        if address >= *end {
+            return false;
+        }
+        let symbol = Arc::clone(symbol);
+        self.cache.insert((space, address), symbol);
+        true
     }
 
     /// Remembers where `sample`'s process has its code (see
@@ -318,6 +354,7 @@ impl StackSymbolizer {
             .collect();
         wanted.sort_unstable();
         wanted.dedup();
+        wanted.retain(|a| !self.named_by_function(space, *a));
         if wanted.is_empty() {
             return;
         }
@@ -348,6 +385,7 @@ impl StackSymbolizer {
             .retain(|(space, _), _| *space != Space::Process(pid));
         self.asked
             .retain(|(space, _)| *space != Space::Process(pid));
+        self.functions.remove(&Space::Process(pid));
         self.code.remove(&pid);
         // What was parsed for it goes too (blazesym keeps a process's
         // objects under its pid).
@@ -483,6 +521,46 @@ mod tests {
         }
         assert!(symbolizer.cache.is_empty());
         assert!(symbolizer.asked.is_empty());
+    }
+
+    /// An address in a function known to have one name throughout is
+    /// named without a lookup; one past its end is asked for.
+    #[test]
+    fn an_address_in_a_function_named_whole_is_not_asked_for() {
+        let pid = std::process::id();
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.asked.insert((Space::Process(pid), 0x1010));
+        let symbol = Symbol {
+            frames: vec![frame("f", None)],
+            module: Some("libf.so".into()),
+        };
+        symbolizer.keep(Answer::for_test(
+            pid,
+            vec![0x1010],
+            vec![Some(symbol.clone())],
+            vec![Some(0x1000..0x1040)],
+        ));
+        symbolizer.ask_ahead(&user_sample(pid, 0x1000));
+        symbolizer.ask_ahead(&user_sample(pid, 0x103f));
+        assert!(symbolizer.asked.is_empty());
+        for address in [0x1000, 0x1010, 0x103f] {
+            let found = symbolizer.get(Space::Process(pid), address);
+            assert_eq!(
+                (&found.frames, &found.module),
+                (&symbol.frames, &symbol.module)
+            );
+        }
+        // Not in another process, nor past the function's end.
+        symbolizer.ask_ahead(&user_sample(pid, 0x1040));
+        symbolizer.ask_ahead(&user_sample(pid + 1, 0x1010));
+        assert!(symbolizer.asked.contains(&(Space::Process(pid), 0x1040)));
+        assert!(
+            symbolizer
+                .asked
+                .contains(&(Space::Process(pid + 1), 0x1010))
+        );
+        symbolizer.forget_process(pid);
+        assert!(!symbolizer.named_by_function(Space::Process(pid), 0x1010));
     }
 
     #[test]

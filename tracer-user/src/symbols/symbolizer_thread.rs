@@ -13,6 +13,7 @@
 
 use std::{
     collections::HashMap,
+    ops::Range,
     sync::mpsc::{self, Receiver, Sender},
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -27,6 +28,20 @@ use blazesym::{
 };
 
 use super::stacks::{Symbol, symbol_of};
+
+/// The addresses of the function `found` names at `address`, where every
+/// one of them has that name alone: no inlined functions, no file:line.
+fn function_range(address: u64, found: &Symbolized<'_>) -> Option<Range<u64>> {
+    let Symbolized::Sym(sym) = found else {
+        return None;
+    };
+    if sym.code_info.is_some() || !sym.inlined.is_empty() {
+        return None;
+    }
+    let start = address.checked_sub(sym.offset as u64)?;
+    let end = start.checked_add(sym.size? as u64)?;
+    (address < end).then_some(start..end)
+}
 
 /// Where the addresses of a lookup are.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,6 +64,11 @@ pub(super) struct Answer {
     /// read too recently to be read again: a library loaded since may hold
     /// them, so they are to be asked again rather than kept nameless.
     pub not_yet: Vec<u64>,
+    /// For each address whose name holds no more than its function (no
+    /// inlined functions, no file:line: an object without debug
+    /// information), the addresses of that function, which all have that
+    /// name (empty when there are none).
+    pub functions: Vec<Option<Range<u64>>>,
     /// Whether its asker waits for it ([`SymbolizerThread::look_up`]).
     waited: bool,
 }
@@ -179,15 +199,26 @@ fn serve(jobs: Receiver<Job>, answers: Sender<Answer>) {
                         .symbolize(&Source::Elf(Elf::new(path)), Input::FileOffset(&addresses))
                         .map(|f| (f, Vec::new())),
                 };
-                let (symbols, not_yet) = match found {
-                    Ok((f, not_yet)) => (Some(f.iter().map(symbol_of).collect()), not_yet),
-                    Err(_) => (None, Vec::new()),
+                let (symbols, not_yet, functions) = match found {
+                    Ok((f, not_yet)) => {
+                        let functions = match place {
+                            Place::File(_) => Vec::new(),
+                            Place::Kernel | Place::Process(_) => addresses
+                                .iter()
+                                .zip(&f)
+                                .map(|(a, s)| function_range(*a, s))
+                                .collect(),
+                        };
+                        (Some(f.iter().map(symbol_of).collect()), not_yet, functions)
+                    }
+                    Err(_) => (None, Vec::new(), Vec::new()),
                 };
                 let answer = Answer {
                     place,
                     addresses,
                     symbols,
                     not_yet,
+                    functions,
                     waited,
                 };
                 if answers.send(answer).is_err() {
@@ -313,8 +344,90 @@ impl Drop for SymbolizerThread {
 }
 
 #[cfg(test)]
+impl Answer {
+    /// An answer naming `addresses` of process `pid` with `symbols`.
+    pub(super) fn for_test(
+        pid: u32,
+        addresses: Vec<u64>,
+        symbols: Vec<Option<Symbol>>,
+        functions: Vec<Option<Range<u64>>>,
+    ) -> Answer {
+        Answer {
+            place: Place::Process(pid),
+            addresses,
+            symbols: Some(symbols),
+            not_yet: Vec::new(),
+            functions,
+            waited: false,
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
+    use std::borrow::Cow;
+
+    use blazesym::symbolize::{CodeInfo, InlinedFn, Sym};
+
     use super::*;
+
+    /// A function of 0x40 bytes at 0x1000, found at 0x1010.
+    fn sym_at_0x1010<'a>() -> Sym<'a> {
+        Sym {
+            name: Cow::Borrowed("f"),
+            module: None,
+            addr: 0x1000,
+            offset: 0x10,
+            size: Some(0x40),
+            code_info: None,
+            inlined: Box::new([]),
+            _non_exhaustive: (),
+        }
+    }
+
+    /// A function's addresses share its name only where the name is the
+    /// function alone: not with file:line, nor with inlined functions.
+    #[test]
+    fn a_function_without_lines_or_inlined_calls_is_named_whole() {
+        let plain = Symbolized::Sym(sym_at_0x1010());
+        assert_eq!(function_range(0x1010, &plain), Some(0x1000..0x1040));
+        let code_info = CodeInfo {
+            dir: None,
+            file: Cow::Borrowed(std::ffi::OsStr::new("f.c")),
+            line: Some(3),
+            column: None,
+            _non_exhaustive: (),
+        };
+        let with_line = Symbolized::Sym(Sym {
+            code_info: Some(Box::new(code_info.clone())),
+            ..sym_at_0x1010()
+        });
+        assert_eq!(function_range(0x1010, &with_line), None);
+        let with_inlined = Symbolized::Sym(Sym {
+            inlined: Box::new([InlinedFn {
+                name: Cow::Borrowed("g"),
+                code_info: None,
+                _non_exhaustive: (),
+            }]),
+            ..sym_at_0x1010()
+        });
+        assert_eq!(function_range(0x1010, &with_inlined), None);
+        let unsized_ = Symbolized::Sym(Sym {
+            size: None,
+            ..sym_at_0x1010()
+        });
+        assert_eq!(function_range(0x1010, &unsized_), None);
+        // An offset past the size the object gives: not inside.
+        let past = Symbolized::Sym(Sym {
+            offset: 0x40,
+            ..sym_at_0x1010()
+        });
+        assert_eq!(function_range(0x1040, &past), None);
+        assert_eq!(
+            function_range(0x1010, &Symbolized::Unknown(Reason::Unmapped)),
+            None
+        );
+    }
 
     /// A page of address space reserved for the test (`PROT_NONE`: in no
     /// mapping blazesym reads), so that no other thread can map there.
