@@ -17,10 +17,10 @@ const CHUNK_BYTES: usize = 16 * 1024;
 
 /// Forgotten chunks' buffers kept for new chunks, at most: a drain of a
 /// flood fills and forgets a few hundred chunks at a time, and taking
-/// each from the allocator (which may have given its pages back to the
-/// kernel) cost a sixth of the recorder's CPU. Buffers only come from
-/// forgotten chunks, so the held and the kept buffers together never
-/// take more than the held ones once did.
+/// each from the allocator and giving it back was a sixth of the
+/// recorder's samples in `perf`. Buffers only come from forgotten
+/// chunks, so the held and the kept buffers together never take more
+/// than the held ones once did.
 const SPARE_CHUNKS: usize = 256;
 
 /// The size of a switch and of a wake-up record.
@@ -309,7 +309,7 @@ mod tests {
         };
         fill(&mut held, SPARE_CHUNKS + 3);
         assert_eq!(held.chunks.len(), SPARE_CHUNKS + 3);
-        let forgotten: Vec<*const u8> = held
+        let mut forgotten: Vec<*const u8> = held
             .chunks
             .iter()
             .take(3)
@@ -320,18 +320,16 @@ mod tests {
         }
         assert_eq!(held.spares.len(), 3);
         fill(&mut held, 3);
-        let newest: Vec<*const u8> = held
+        let mut reused: Vec<*const u8> = held
             .chunks
             .iter()
             .rev()
             .take(3)
             .map(|c| c.bytes.as_ptr())
             .collect();
-        let mut reused = newest.clone();
         reused.sort();
-        let mut expected = forgotten.clone();
-        expected.sort();
-        assert_eq!(reused, expected);
+        forgotten.sort();
+        assert_eq!(reused, forgotten);
         assert!(held.spares.is_empty());
         while held.forget_oldest() > 0 {}
         assert_eq!(held.spares.len(), SPARE_CHUNKS);
