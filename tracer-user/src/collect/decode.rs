@@ -219,13 +219,57 @@ pub fn held_record_len(bytes: &[u8]) -> Option<usize> {
     (usize::from(header.size) == expected && bytes.len() >= expected).then_some(expected)
 }
 
-/// The driver call `bytes` holds, if they hold one.
+/// What the metrics count of a driver call ([`crate::metrics`]): read
+/// out of the record in place, as a flood of launches would otherwise
+/// copy each whole record once more only to count it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverCallCounted {
+    pub tgid: u32,
+    /// Index of the function in [`crate::cuda_api`]'s table.
+    pub function: u16,
+    /// The `CUresult` returned.
+    pub result: u32,
+    /// Entry and return times (`CLOCK_MONOTONIC` ns).
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
+impl From<&CudaCall> for DriverCallCounted {
+    fn from(call: &CudaCall) -> Self {
+        DriverCallCounted {
+            tgid: call.tgid,
+            function: call.function,
+            result: call.result,
+            start_ns: call.start_ns,
+            end_ns: call.header.ts_ns,
+        }
+    }
+}
+
+/// What the metrics count of the driver call `bytes` hold, if they hold
+/// one.
 #[inline]
-pub fn driver_call(bytes: &[u8]) -> Option<CudaCall> {
+pub fn driver_call_counted(bytes: &[u8]) -> Option<DriverCallCounted> {
     let header = header(bytes)?;
-    (header.kind == RecordKind::CudaCall as u16)
-        .then(|| read(bytes, RecordKind::CudaCall, usize::from(header.size)).ok())
-        .flatten()
+    if header.kind != RecordKind::CudaCall as u16
+        || usize::from(header.size) != size_of::<CudaCall>()
+        || bytes.len() < size_of::<CudaCall>()
+    {
+        return None;
+    }
+    fn field<T: Copy>(bytes: &[u8], offset: usize) -> T {
+        assert!(offset + size_of::<T>() <= size_of::<CudaCall>());
+        // SAFETY: inside the record, whose length was checked; an
+        // unaligned read of a plain integer.
+        unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(offset).cast::<T>()) }
+    }
+    Some(DriverCallCounted {
+        tgid: field(bytes, std::mem::offset_of!(CudaCall, tgid)),
+        function: field(bytes, std::mem::offset_of!(CudaCall, function)),
+        result: field(bytes, std::mem::offset_of!(CudaCall, result)),
+        start_ns: field(bytes, std::mem::offset_of!(CudaCall, start_ns)),
+        end_ns: header.ts_ns,
+    })
 }
 
 /// Appends `record` to `out` as the probes write it, which [`decode`]
@@ -381,6 +425,45 @@ mod tests {
             (got.header.cpu, got.prev_state()),
             (1, tracer_common::PREEMPTED)
         );
+    }
+
+    /// What the metrics read of a driver call in place is what decoding
+    /// the whole call gives; any other record, or a call of another size,
+    /// gives nothing.
+    #[test]
+    fn a_driver_call_is_counted_from_its_bytes_as_decoded() {
+        let call = CudaCall {
+            header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 3, 9_000),
+            tid: 41,
+            tgid: 40,
+            start_ns: 8_500,
+            function: 17,
+            _pad: 0xffff,
+            result: 700,
+            args: [u64::MAX; 6],
+            extra: [u64::MAX; 8],
+            out_value: u64::MAX,
+        };
+        let bytes = bytes_of(&call);
+        let Record::CudaCall(decoded) = decode(&bytes).unwrap() else {
+            panic!("wrong kind")
+        };
+        let counted = driver_call_counted(&bytes).unwrap();
+        assert_eq!(counted, DriverCallCounted::from(&*decoded));
+        assert_eq!(
+            (counted.tgid, counted.function, counted.result),
+            (40, 17, 700)
+        );
+        assert_eq!((counted.start_ns, counted.end_ns), (8_500, 9_000));
+        assert_eq!(driver_call_counted(&bytes[..bytes.len() - 1]), None);
+        let switch = SchedSwitch {
+            header: RecordHeader::new(RecordKind::SchedSwitch, size_of::<SchedSwitch>(), 1, 99),
+            prev_tid: 10,
+            prev_tgid: 10,
+            next_tid: 11,
+            next_tgid: 0,
+        };
+        assert_eq!(driver_call_counted(&bytes_of(&switch)), None);
     }
 
     /// A wake-up's target CPU and whether it is a new task's share the

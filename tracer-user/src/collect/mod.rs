@@ -11,9 +11,7 @@ mod ring;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 
-use tracer_common::cuda::CudaCall;
-
-pub use decode::{DecodeError, Record, StackSample, TraceMeEvent, decode};
+pub use decode::{DecodeError, DriverCallCounted, Record, StackSample, TraceMeEvent, decode};
 pub use encoded::EncodedRecords;
 pub use ring::{RingError, RingReader, RingUsage};
 
@@ -83,16 +81,16 @@ impl Collector {
         &mut self,
         held: &mut EncodedRecords,
         others: &mut Vec<Record>,
-        mut tally: impl FnMut(&CudaCall),
+        mut tally: impl FnMut(DriverCallCounted),
     ) -> usize {
         let decoder = &mut self.decoder;
         self.ring.drain(|item| match decode::held_record_len(item) {
             Some(len) => {
                 let record = &item[..len];
                 if len != size_of::<tracer_common::SchedSwitch>()
-                    && let Some(call) = decode::driver_call(record)
+                    && let Some(call) = decode::driver_call_counted(record)
                 {
-                    tally(&call);
+                    tally(call);
                 }
                 held.push_bytes(record);
             }

@@ -2,12 +2,10 @@
 //! flight recorder drains its records: CUDA kernel launches and the time
 //! threads waited in the driver's synchronizing calls. `/proc` has neither.
 
-use std::collections::BTreeMap;
-
-use tracer_common::cuda::CudaCall;
+use rustc_hash::FxHashMap;
 
 use crate::{
-    collect::Record,
+    collect::{DriverCallCounted, Record},
     cuda_api::{self, Op},
 };
 
@@ -32,32 +30,33 @@ impl ProcessActivity {
 /// Counts per process, from the records seen so far.
 #[derive(Debug, Default)]
 pub struct ActivityTally {
-    by_pid: BTreeMap<u32, ProcessActivity>,
+    by_pid: FxHashMap<u32, ProcessActivity>,
 }
 
 impl ActivityTally {
     /// Counts `record` if it is a driver call these metrics follow.
     pub fn count(&mut self, record: &Record) {
         if let Record::CudaCall(call) = record {
-            self.count_call(call);
+            self.count_call(DriverCallCounted::from(&**call));
         }
     }
 
     /// Counts one driver call.
-    pub fn count_call(&mut self, call: &CudaCall) {
+    #[inline]
+    pub fn count_call(&mut self, call: DriverCallCounted) {
         let Some(function) = cuda_api::function(call.function) else {
             return;
         };
-        match function.op {
-            Op::Launch | Op::LaunchEx | Op::GraphLaunch if call.result == 0 => {
-                self.by_pid.entry(call.tgid).or_default().cuda_launches += 1;
-            }
+        let (launches, waited) = match function.op {
+            Op::Launch | Op::LaunchEx | Op::GraphLaunch if call.result == 0 => (1, 0),
             Op::StreamSynchronize | Op::CtxSynchronize | Op::EventSynchronize => {
-                let waited = call.header.ts_ns.saturating_sub(call.start_ns);
-                self.by_pid.entry(call.tgid).or_default().cuda_sync_wait_ns += waited;
+                (0, call.end_ns.saturating_sub(call.start_ns))
             }
-            _ => {}
-        }
+            _ => return,
+        };
+        let counts = self.by_pid.entry(call.tgid).or_default();
+        counts.cuda_launches += launches;
+        counts.cuda_sync_wait_ns += waited;
     }
 
     /// Adds every process's counts of `other`.
