@@ -130,8 +130,14 @@ pub fn read_maps(pid: u32) -> io::Result<Vec<Mapping>> {
 
 /// The files a process has mapped (one entry per file, in address order).
 pub fn mapped_objects(pid: u32) -> io::Result<Vec<MappedObject>> {
+    Ok(objects_of(pid, read_maps(pid)?))
+}
+
+/// The files among `maps`, a process's mappings (one entry per file, in
+/// address order).
+pub fn objects_of(pid: u32, maps: Vec<Mapping>) -> Vec<MappedObject> {
     let mut objects: Vec<MappedObject> = Vec::new();
-    for m in read_maps(pid)? {
+    for m in maps {
         if m.inode == 0 || !m.path.starts_with('/') {
             continue;
         }
@@ -149,7 +155,7 @@ pub fn mapped_objects(pid: u32) -> io::Result<Vec<MappedObject>> {
             }),
         }
     }
-    Ok(objects)
+    objects
 }
 
 /// The system page size.

@@ -21,10 +21,14 @@ use framehop::{
     x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
 };
 
-use super::{ElfObject, MappedObject, elf::SectionRange, mapped_objects};
+use super::{
+    ElfObject, MappedObject, Mapping,
+    elf::SectionRange,
+    maps::{objects_of, read_maps},
+};
 
 /// How often a process's mappings are read again when a sample is in code
-/// outside them (a library loaded since, JIT code).
+/// outside them (a library loaded since, JIT code mapped since).
 const MAPS_REREAD_AFTER: Duration = Duration::from_secs(1);
 
 /// Most frames an unwound stack keeps (as many as the kernel's walk).
@@ -77,9 +81,14 @@ impl Deref for SectionBytes {
 struct ProcessUnwinder {
     unwinder: UnwinderX86_64<SectionBytes>,
     cache: CacheX86_64,
-    /// The files' executable mappings, sorted: a sample elsewhere asks
-    /// for the maps again.
+    /// Its executable mappings, sorted: a sample elsewhere asks for the
+    /// maps again. Those of no file (JIT code, the vDSO) are in it too:
+    /// they hold no rules to find, and a jax process samples its JIT code
+    /// and the vDSO every second.
     code: Vec<Range<u64>>,
+    /// The executable mappings of files, sorted: the modules were made
+    /// from them.
+    modules_code: Vec<Range<u64>>,
     read_at: Instant,
 }
 
@@ -154,19 +163,22 @@ impl StackUnwinder {
     /// Reads `pid`'s mappings; makes a module of each object's code if they
     /// changed. False if they cannot be read (the process exited).
     fn read_maps(&mut self, pid: u32) -> bool {
-        let Ok(objects) = mapped_objects(pid) else {
+        let Ok(maps) = read_maps(pid) else {
             self.forget(pid);
             return false;
         };
-        let code = code_ranges(&objects);
+        let code = code_ranges(&maps);
+        let objects = objects_of(pid, maps);
+        let modules_code = code_ranges(objects.iter().flat_map(|o| &o.mappings));
         if let Some(known) = self.processes.get_mut(&pid)
-            && known.code == code
+            && known.modules_code == modules_code
         {
-            // Nothing loaded since: keep the rules found so far.
+            // No file loaded since: keep the rules found so far.
+            known.code = code;
             known.read_at = Instant::now();
             return true;
         }
-        let process = self.process_unwinder(&objects, code);
+        let process = self.process_unwinder(&objects, code, modules_code);
         match self.processes.insert(pid, process) {
             None => self.forget_exited(),
             // Libraries it unloaded may be mapped by no process now.
@@ -180,6 +192,7 @@ impl StackUnwinder {
         &mut self,
         objects: &[MappedObject],
         code: Vec<Range<u64>>,
+        modules_code: Vec<Range<u64>>,
     ) -> ProcessUnwinder {
         let mut unwinder = UnwinderX86_64::new();
         // SAFETY: sysconf has no preconditions.
@@ -207,6 +220,7 @@ impl StackUnwinder {
             unwinder,
             cache: CacheX86_64::new(),
             code,
+            modules_code,
             read_at: Instant::now(),
         }
     }
@@ -223,11 +237,10 @@ impl StackUnwinder {
     }
 }
 
-/// The executable mappings of files, sorted.
-fn code_ranges(objects: &[MappedObject]) -> Vec<Range<u64>> {
-    let mut code: Vec<Range<u64>> = objects
-        .iter()
-        .flat_map(|o| &o.mappings)
+/// The executable ones of `maps`, sorted.
+fn code_ranges<'a>(maps: impl IntoIterator<Item = &'a Mapping>) -> Vec<Range<u64>> {
+    let mut code: Vec<Range<u64>> = maps
+        .into_iter()
         .filter(|m| m.perms.contains('x'))
         .map(|m| m.start..m.end)
         .collect();
@@ -360,6 +373,51 @@ mod tests {
                 .unwind(std::process::id(), &stack)
                 .expect("this process's maps are readable");
             proptest::prop_assert!(unwound.frames.len() <= MAX_FRAMES);
+        }
+    }
+
+    /// Code in no file (JIT code, the vDSO) is not a reason to read the
+    /// maps again; code mapped after they were read is.
+    #[test]
+    fn maps_are_read_again_for_code_mapped_since_and_not_for_code_in_no_file() {
+        let page = super::super::maps::page_size() as usize;
+        let map_code = || {
+            // SAFETY: a new anonymous mapping, unmapped below.
+            let at = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    page,
+                    libc::PROT_READ | libc::PROT_EXEC,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(at, libc::MAP_FAILED);
+            at
+        };
+        let jit = map_code();
+        let bytes = [0u8; 64];
+        let sampled_at = |ip: u64| UserStack {
+            ip,
+            sp: 0x1000,
+            bp: 0,
+            bytes: &bytes,
+        };
+        let pid = std::process::id();
+        let mut unwinder = StackUnwinder::default();
+        assert!(unwinder.unwind(pid, &sampled_at(jit as u64)).is_some());
+        let long_ago = Instant::now() - 2 * MAPS_REREAD_AFTER;
+        unwinder.processes.get_mut(&pid).unwrap().read_at = long_ago;
+        assert!(unwinder.unwind(pid, &sampled_at(jit as u64 + 8)).is_some());
+        assert_eq!(unwinder.processes[&pid].read_at, long_ago);
+        let later = map_code();
+        assert!(unwinder.unwind(pid, &sampled_at(later as u64)).is_some());
+        assert!(unwinder.processes[&pid].read_at > long_ago);
+        assert!(in_code(&unwinder.processes[&pid].code, later as u64));
+        for at in [jit, later] {
+            // SAFETY: mapped above, one page each, used no more.
+            unsafe { libc::munmap(at, page) };
         }
     }
 
