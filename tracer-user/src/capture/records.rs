@@ -28,6 +28,7 @@ impl Capture {
     /// empty.
     pub(super) fn take_in(&mut self, batch: &mut Vec<Record>) {
         let mut traceme = 0;
+        let mut held = self.held.holder();
         for r in batch.drain(..) {
             match r {
                 Record::TraceMe(e) => {
@@ -54,7 +55,7 @@ impl Capture {
                         streamed.push(other.clone());
                     }
                     self.activity.count(&other);
-                    self.held.push(&other);
+                    held.push(&other);
                 }
             }
         }

@@ -84,6 +84,7 @@ impl Collector {
         mut tally: impl FnMut(DriverCallCounted),
     ) -> usize {
         let decoder = &mut self.decoder;
+        let mut holder = held.holder();
         self.ring.drain(|item| match decode::held_record_len(item) {
             Some(len) => {
                 let record = &item[..len];
@@ -92,7 +93,7 @@ impl Collector {
                 {
                     tally(call);
                 }
-                held.push_bytes(record);
+                holder.push_bytes(record);
             }
             None => decoder.decode_into(item, others),
         })
