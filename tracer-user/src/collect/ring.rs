@@ -128,20 +128,22 @@ impl RingReader {
     pub fn drain(&mut self, mut each: impl FnMut(&[u8])) -> usize {
         let mut n = 0;
         let mut published = self.pos;
-        loop {
+        // Walked in a local, which stays in a register; `self.pos` is set
+        // where the walk stops.
+        let mut pos = self.pos;
+        'walk: loop {
             let producer = self.producer_pos();
-            if producer <= self.pos {
+            if producer <= pos {
                 break;
             }
             // Positions only grow (64 bits do not wrap): `<` rather than
             // `!=` also ends a walk that a wrong length took past the end.
-            while self.pos < producer {
-                let offset = self.data_offset + (self.pos & self.mask);
+            while pos < producer {
+                let offset = self.data_offset + (pos & self.mask);
                 let Some(header) = self.producer.get(offset..offset + HEADER_BYTES) else {
                     // Cannot be: the data is mapped twice over. Stop rather
                     // than spin on it.
-                    self.publish(&mut published);
-                    return n;
+                    break 'walk;
                 };
                 // SAFETY: 8-byte aligned (records are), inside the mapping;
                 // the kernel commits a record by clearing the busy bit with a
@@ -149,8 +151,7 @@ impl RingReader {
                 let len_and_flags =
                     unsafe { &*header.as_ptr().cast::<AtomicU32>() }.load(Ordering::Acquire);
                 if len_and_flags & BUSY_BIT != 0 {
-                    self.publish(&mut published);
-                    return n;
+                    break 'walk;
                 }
                 let len = (len_and_flags & !(BUSY_BIT | DISCARD_BIT)) as usize;
                 if len_and_flags & DISCARD_BIT == 0 {
@@ -160,12 +161,14 @@ impl RingReader {
                         n += 1;
                     }
                 }
-                self.pos += (HEADER_BYTES + len).next_multiple_of(8);
-                if self.pos.wrapping_sub(published) >= PUBLISH_EVERY {
+                pos += (HEADER_BYTES + len).next_multiple_of(8);
+                if pos.wrapping_sub(published) >= PUBLISH_EVERY {
+                    self.pos = pos;
                     self.publish(&mut published);
                 }
             }
         }
+        self.pos = pos;
         self.publish(&mut published);
         n
     }
