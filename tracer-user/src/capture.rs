@@ -206,6 +206,17 @@ impl Capture {
     /// Checks the kernel, loads and attaches the probes; the capture window
     /// starts when this returns.
     pub fn start(targets: Vec<TargetProcess>, options: &CaptureOptions) -> Result<Self> {
+        Self::start_with(targets, options, None)
+    }
+
+    /// [`Capture::start`] on `loaded`, a set loaded beforehand (to check
+    /// the kernel), where it was loaded as this capture needs; a set is
+    /// loaded otherwise.
+    pub fn start_with(
+        targets: Vec<TargetProcess>,
+        options: &CaptureOptions,
+        loaded: Option<ProbeSet>,
+    ) -> Result<Self> {
         let began = Instant::now();
         let tracefs_root = tracefs::locate()?;
         let check = tracefs::check_tracepoints(&tracefs_root)?;
@@ -236,7 +247,10 @@ impl Capture {
             exit_has_group_dead: check.exit_has_group_dead,
             ..options.probe.clone()
         };
-        let mut probe = ProbeSet::load(&config)?;
+        let mut probe = match loaded {
+            Some(set) if set.config() == &config => set,
+            _ => ProbeSet::load(&config)?,
+        };
         for t in &targets {
             probe.add_target(t.pid)?;
         }

@@ -22,7 +22,7 @@ use crate::{
     error::{Error, Result},
 };
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeSetConfig {
     /// Ring buffer size in bytes (a power of two, at least one page).
     pub ring_bytes: u32,
@@ -87,6 +87,8 @@ pub struct ProbeSet {
     multi: uprobe_multi::Programs,
     /// How switches and wake-ups are recorded.
     sched_route: SchedRoute,
+    /// What it was loaded with.
+    config: ProbeSetConfig,
 }
 
 impl Drop for ProbeSet {
@@ -143,7 +145,13 @@ impl ProbeSet {
             map_fds,
             multi: uprobe_multi::Programs::default(),
             sched_route,
+            config: config.clone(),
         })
+    }
+
+    /// What it was loaded with.
+    pub fn config(&self) -> &ProbeSetConfig {
+        &self.config
     }
 
     /// How this set records switches and wake-ups.

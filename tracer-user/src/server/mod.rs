@@ -86,8 +86,14 @@ pub fn run(config: ServeConfig) -> Result<()> {
     check_privileges()?;
     // What every capture needs is checked once, before listening.
     let root = tracefs::locate()?;
-    tracefs::check_tracepoints(&root)?;
-    drop(ProbeSet::load(&config.probe)?);
+    let check = tracefs::check_tracepoints(&root)?;
+    let checked = ProbeSet::load(&ProbeSetConfig {
+        exit_has_group_dead: check.exit_has_group_dead,
+        ..config.probe.clone()
+    })?;
+    // Only a recorder about to start uses it: an idle server holds no
+    // ring buffer.
+    let checked = config.record_from_start.then_some(checked);
     let guard = config
         .allow_write_under
         .as_ref()
@@ -104,11 +110,12 @@ pub fn run(config: ServeConfig) -> Result<()> {
         .enable_all()
         .build()
         .map_err(|e| Error::io("starting the async runtime", e))?;
-    runtime.block_on(serve(config, guard, panics))
+    runtime.block_on(serve(config, checked, guard, panics))
 }
 
 async fn serve(
     config: ServeConfig,
+    checked_probes: Option<ProbeSet>,
     guard: Option<Arc<WriteGuard>>,
     mut panics: PanicWatch,
 ) -> Result<()> {
@@ -142,6 +149,7 @@ async fn serve(
         max_sessions: config.max_sessions,
         max_duration: config.limits.max_duration,
         probe: config.probe.clone(),
+        checked_probes,
         guard: guard.clone(),
         keep_probes: config.keep_probes,
         metrics: Arc::clone(&metrics),

@@ -23,7 +23,7 @@ use tracer_common::SchedSwitch;
 use super::{sessions::SessionError, validate::SessionSpec};
 use crate::{
     agent::TraceMeRoute,
-    attach::ProbeSetConfig,
+    attach::{ProbeSet, ProbeSetConfig},
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock,
     collect::Record,
@@ -98,6 +98,7 @@ impl FlightRecorder {
         targets: Vec<TargetProcess>,
         spec: SessionSpec,
         probe: &ProbeSetConfig,
+        loaded: Option<ProbeSet>,
         retention: Retention,
     ) -> Result<Self, SessionError> {
         let families = ProbeFamilies {
@@ -114,8 +115,8 @@ impl FlightRecorder {
             ..CaptureOptions::default()
         };
         let pids = targets.iter().map(|t| t.pid).collect();
-        let capture =
-            Capture::start(targets, &options).map_err(|e| SessionError::Attach(e.to_string()))?;
+        let capture = Capture::start_with(targets, &options, loaded)
+            .map_err(|e| SessionError::Attach(e.to_string()))?;
         eprintln!(
             "ebtrace: flight recorder on: keeping the last {} of pid {} (at most {} records: \
              with a snapshot of them, {} MiB; probes attached in {} ms)",

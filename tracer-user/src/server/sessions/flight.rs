@@ -81,8 +81,13 @@ impl Hub {
         if targets.is_empty() {
             return Err(SessionError::NothingWatched(self.watched.why_empty()));
         }
-        let recorder =
-            FlightRecorder::start(targets, spec, &self.config.probe, self.config.retention)?;
+        let recorder = FlightRecorder::start(
+            targets,
+            spec,
+            &self.config.probe,
+            self.config.checked_probes.take(),
+            self.config.retention,
+        )?;
         self.config.metrics.start_counting_activity();
         self.recorder = Some(recorder);
         Ok(())

@@ -8,7 +8,7 @@ use ebtrace_proto::tensorflow::ProfileResponse;
 use tokio::sync::oneshot;
 
 use crate::{
-    attach::ProbeSetConfig,
+    attach::{ProbeSet, ProbeSetConfig},
     metrics::Metrics,
     procfs::TargetProcess,
     server::{
@@ -101,6 +101,9 @@ pub struct HubConfig {
     /// The longest session allowed; captures are shared for at most twice this.
     pub max_duration: Duration,
     pub probe: ProbeSetConfig,
+    /// The set loaded at start to check the kernel, kept for the flight
+    /// recorder's first start (`--retain`) rather than loaded again.
+    pub checked_probes: Option<ProbeSet>,
     pub guard: Option<Arc<WriteGuard>>,
     /// How long the probes of a finished capture stay attached, paused,
     /// for the next session (zero: detached at once).
