@@ -279,6 +279,24 @@ pub fn xspace_events(space: &ebtrace_proto::tensorflow::profiler::XSpace) -> usi
         .sum()
 }
 
+/// On-CPU time of all threads of `pid` so far (`/proc/PID/task/*/schedstat`).
+pub fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

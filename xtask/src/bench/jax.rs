@@ -187,7 +187,7 @@ impl Target {
                 if let (Some(pid), Some(steps), Some(time)) =
                     (pid, v["steps"].as_f64(), v["time"].as_f64())
                 {
-                    let cpu_ns = process_cpu_ns(pid);
+                    let cpu_ns = harness::process_cpu_ns(pid);
                     shared.lock().expect("not poisoned").push(Sample {
                         time,
                         steps,
@@ -422,24 +422,6 @@ pub fn run(
         rss_traced_kib: rss3 - rss2,
         memory_events,
     }))
-}
-
-/// On-CPU time of all threads of `pid` so far (`/proc/PID/task/*/schedstat`).
-fn process_cpu_ns(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .filter_map(|t| {
-            std::fs::read_to_string(t.path().join("schedstat"))
-                .ok()?
-                .split_whitespace()
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 /// CLOCK_MONOTONIC in seconds: the clock of Python's `time.monotonic()`,

@@ -7,7 +7,8 @@
 //! `cuda_workload --bench-seconds` launching kernels flat out, and with
 //! 10 µs of its own work between launches): the target's rate untraced for
 //! the run's seconds, then with the recorder on for as long; ebtrace's own
-//! CPU time over that run (`/proc/PID/stat`), its resident memory, the
+//! CPU time over that run (`/proc/PID/stat`) and from 10 s into it on (its
+//! steady state, once its one-off start is over), its resident memory, the
 //! records it holds; then one `GetSnapshot`, timed from sending to the
 //! decoded response, and ebtrace's peak resident memory while it answered.
 //! With `--against PATH`, an earlier binary records the same target right
@@ -55,6 +56,12 @@ struct Row {
     rate: (f64, f64),
     /// ebtrace's CPU over the run, in percent of one CPU.
     cpu_percent: f64,
+    /// ebtrace's CPU from [`SETTLE`] into the run on, in percent of one CPU.
+    steady_percent: f64,
+    /// What its CPU over the run holds beyond the steady rate: the one-off
+    /// start (the kernel's symbol table, the first objects' symbols and
+    /// debug information), in ms.
+    start_ms: f64,
     rss_kib: u64,
     /// ebtrace's peak resident memory while it answered the snapshot.
     peak_rss_kib: u64,
@@ -66,6 +73,18 @@ struct Row {
     server_ms: Option<(u64, u64, u64)>,
     events: usize,
     bytes: usize,
+}
+
+/// How long into a run ebtrace's steady CPU is measured from (at most a
+/// third of the run): its one-off start is over by then.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// ebtrace's CPU where its recorder came on, and a reading [`SETTLE`]
+/// later: CPU ns of all its threads (`/proc/PID/task/*/schedstat`), and
+/// when.
+struct CpuReadings {
+    ticks: (u64, Instant),
+    settled: std::thread::JoinHandle<(u64, Instant)>,
 }
 
 pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Result<String> {
@@ -131,8 +150,8 @@ fn recorded_run<'a>(
             Ok(())
         }
         Phase::Ran => {
-            let (server, cpu_start) = recording.take().context("the recorder did not start")?;
-            let measured = measure(runtime, mode, &server, cpu_start)?;
+            let (server, readings) = recording.take().context("the recorder did not start")?;
+            let measured = measure(runtime, mode, &server, readings)?;
             server.stop()?;
             rows.push(measured);
             Ok(())
@@ -141,13 +160,13 @@ fn recorded_run<'a>(
 }
 
 /// `ebtrace serve --pid PID --retain ...`, once its recorder is on, and its
-/// CPU ticks then.
+/// CPU readings from then.
 fn start_recorder(
     ebtrace: &Path,
     pid: u32,
     opts: &Options,
     sample_hz: &str,
-) -> Result<(Server, (u64, Instant))> {
+) -> Result<(Server, CpuReadings)> {
     let retain = format!("{}s", opts.retain.as_secs());
     let server = Server::start(
         ebtrace,
@@ -162,8 +181,14 @@ fn start_recorder(
         ],
     )?;
     server.wait_line("flight recorder on", Duration::from_secs(60))?;
-    let cpu_start = ticks(server.child.id());
-    Ok((server, cpu_start))
+    let ebtrace_pid = server.child.id();
+    let ticks = ticks(ebtrace_pid);
+    let settle = SETTLE.min(Duration::from_secs_f64(opts.seconds / 3.0));
+    let settled = std::thread::spawn(move || {
+        std::thread::sleep(settle);
+        (harness::process_cpu_ns(ebtrace_pid), Instant::now())
+    });
+    Ok((server, CpuReadings { ticks, settled }))
 }
 
 /// One jax process: its steps per second over a window untraced, then
@@ -189,10 +214,10 @@ fn jax_rows(
     let from = jax::monotonic_s();
     let (untraced, _) = target.measure(from, from + opts.seconds)?;
     for &(binary, path) in binaries {
-        let (server, cpu_start) = start_recorder(path, target.pid, opts, "99")?;
+        let (server, readings) = start_recorder(path, target.pid, opts, "99")?;
         let from = jax::monotonic_s();
         let (traced, _) = target.measure(from, from + opts.seconds)?;
-        let mut row = measure(runtime, "jax", &server, cpu_start)?;
+        let mut row = measure(runtime, "jax", &server, readings)?;
         server.stop()?;
         row.rate = (untraced, traced);
         row.unit = "steps";
@@ -281,11 +306,20 @@ fn measure(
     runtime: &tokio::runtime::Runtime,
     mode: &'static str,
     server: &Server,
-    (cpu_start, started): (u64, Instant),
+    readings: CpuReadings,
 ) -> Result<Row> {
     let pid = server.child.id();
+    let (cpu_start, started) = readings.ticks;
+    let elapsed = started.elapsed().as_secs_f64();
     let cpu_s = (ticks(pid).0 - cpu_start) as f64 / 100.0;
-    let cpu_percent = 100.0 * cpu_s / started.elapsed().as_secs_f64();
+    let cpu_percent = 100.0 * cpu_s / elapsed;
+    let (settled_ns, settled_at) = readings
+        .settled
+        .join()
+        .map_err(|_| anyhow::anyhow!("the CPU reading thread panicked"))?;
+    let steady_ns = harness::process_cpu_ns(pid).saturating_sub(settled_ns);
+    let steady_percent = 100.0 * steady_ns as f64 / 1e9 / settled_at.elapsed().as_secs_f64();
+    let start_ms = (cpu_s - steady_percent / 100.0 * elapsed).max(0.0) * 1e3;
     let metrics = server.http_get("/metrics")?;
     let metric = |name: &str| {
         metrics
@@ -319,7 +353,7 @@ fn measure(
     let space = XSpace::decode(data.as_slice())?;
     let events = harness::xspace_events(&space);
     say(format!(
-        "recorder {mode}: ebtrace {cpu_percent:.2}% CPU, {held} records held, snapshot in {:.0} ms ({events} events)",
+        "recorder {mode}: ebtrace {cpu_percent:.2}% CPU ({steady_percent:.2}% steady, {start_ms:.0} ms one-off), {held} records held, snapshot in {:.0} ms ({events} events)",
         snapshot.as_secs_f64() * 1e3
     ));
     Ok(Row {
@@ -329,6 +363,8 @@ fn measure(
         sample_hz: "",
         rate: (0.0, 0.0),
         cpu_percent,
+        steady_percent,
+        start_ms,
         rss_kib,
         peak_rss_kib,
         held,
@@ -375,16 +411,19 @@ fn render(rows: &[Row], opts: &Options) -> String {
     );
     let _ = writeln!(
         md,
-        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU (% of one CPU) | ebtrace RSS | records held / forgotten | GetSnapshot answered in | server ms: timeline / XSpace built / encoded | peak RSS while answering | events | XSpace |"
+        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU over the run (% of one CPU) | steady, from {} s on | one-off start | ebtrace RSS | records held / forgotten | GetSnapshot answered in | server ms: timeline / XSpace built / encoded | peak RSS while answering | events | XSpace |",
+        SETTLE
+            .min(Duration::from_secs_f64(opts.seconds / 3.0))
+            .as_secs_f64()
     );
     let _ = writeln!(
         md,
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
     );
     for r in rows {
         let _ = writeln!(
             md,
-            "| {} | {} Hz | {} | {:.0} {}/s | {:.0}/s | {:.2} | {:.2}% | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
+            "| {} | {} Hz | {} | {:.0} {}/s | {:.0}/s | {:.2} | {:.2}% | {:.2}% | {:.0} ms | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
             r.mode,
             r.sample_hz,
             r.binary,
@@ -393,6 +432,8 @@ fn render(rows: &[Row], opts: &Options) -> String {
             r.rate.1,
             harness::ratio(r.rate.1, r.rate.0),
             r.cpu_percent,
+            r.steady_percent,
+            r.start_ms,
             r.rss_kib as f64 / 1024.0,
             r.held,
             r.forgotten,
