@@ -54,8 +54,11 @@ const SNAPSHOT_BYTES_PER_RECORD: usize = 200;
 /// The shortest and the longest time between two drains of the
 /// recorder's ring buffer. Each drain costs the same few system calls and
 /// wake-ups however little it reads, a noticeable part of an always-on
-/// recorder's CPU: it drains as seldom as the ring allows.
-const DRAIN_PERIOD_MIN: Duration = Duration::from_millis(50);
+/// recorder's CPU: it drains as seldom as the ring allows. Only a flood
+/// that fills a fifth of the ring in less than 50 ms is drained more often
+/// than that (1.2 million switches a second in the default 16 MiB ring):
+/// records it would drop otherwise.
+const DRAIN_PERIOD_MIN: Duration = Duration::from_millis(10);
 const DRAIN_PERIOD_MAX: Duration = Duration::from_millis(250);
 
 impl Retention {
@@ -344,8 +347,13 @@ mod tests {
             "{flood:?}"
         );
         assert!(22_000_000.0 * flood.as_secs_f64() <= (16 * MIB) as f64 / 5.0 * 1.000_001);
-        // The same flood in a 4 MiB ring: as often as allowed.
-        assert_eq!(drain_period(22_000_000, second, 4 * MIB), DRAIN_PERIOD_MIN);
+        // The same flood in a 4 MiB ring: more often, still a fifth.
+        let small_ring = drain_period(22_000_000, second, 4 * MIB);
+        assert!(small_ring < flood / 2, "{small_ring:?}");
+        assert!(22_000_000.0 * small_ring.as_secs_f64() <= (4 * MIB) as f64 / 5.0 * 1.000_001);
+        // A flood past what any period keeps under a fifth: as often as
+        // allowed.
+        assert_eq!(drain_period(200_000_000, second, 4 * MIB), DRAIN_PERIOD_MIN);
         // A first period of no time at all reads as a flood, not a quiet one.
         assert_eq!(
             drain_period(1 << 20, Duration::ZERO, 16 * MIB),
