@@ -5,8 +5,6 @@
 
 use std::time::Instant;
 
-use tracer_common::RecordKind;
-
 use super::Capture;
 
 /// What a framework's recorder holds in the target per TraceMe event until
@@ -104,8 +102,7 @@ impl Capture {
         if !self.families.cuda {
             return;
         }
-        let driver_records = [RecordKind::CudaCall, RecordKind::CudaSymbol];
-        let unnamed = crate::timeline::cuda::unnamed_kernels(self.held.iter_of(&driver_records));
+        let unnamed = crate::timeline::cuda::unnamed_kernels(self.held.driver_records_iter());
         self.kernel_naming
             .ask(unnamed, &mut self.framework, self.agent_for_devices);
     }

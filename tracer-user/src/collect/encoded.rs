@@ -27,6 +27,11 @@ const SPARE_CHUNKS: usize = 256;
 const COMMON_RECORD_BYTES: usize = size_of::<tracer_common::SchedSwitch>();
 const _: () = assert!(size_of::<tracer_common::SchedWakeup>() == COMMON_RECORD_BYTES);
 
+/// Whether a record of `kind` is a CUDA driver record.
+fn is_driver_record(kind: u16) -> bool {
+    kind == RecordKind::CudaCall as u16 || kind == RecordKind::CudaSymbol as u16
+}
+
 /// Records one after the other, each starting with its header (whose
 /// `size` leads to the next), in chunks kept in the order they filled.
 #[derive(Debug, Default)]
@@ -133,13 +138,14 @@ impl EncodedRecords {
             .flat_map(|c| records_in(&c.bytes, |_| true))
     }
 
-    /// The records of `kinds`, decoded (the others are only stepped over).
-    pub fn iter_of<'a>(&'a self, kinds: &'a [RecordKind]) -> impl Iterator<Item = Record> + 'a {
-        self.chunks.iter().flat_map(move |c| {
-            records_in(&c.bytes, move |kind| {
-                kinds.iter().any(|k| *k as u16 == kind)
-            })
-        })
+    /// The CUDA driver records (calls and kernel names), decoded: the
+    /// others are only stepped over, and chunks without any are skipped (a
+    /// snapshot of a process without the driver walks none).
+    pub fn driver_records_iter(&self) -> impl Iterator<Item = Record> + '_ {
+        self.chunks
+            .iter()
+            .filter(|c| c.driver_records > 0)
+            .flat_map(|c| records_in(&c.bytes, is_driver_record))
     }
 
     /// Keeps the records `keep` returns true for, as `keep` left them;
@@ -218,9 +224,7 @@ impl Holder<'_> {
             }
             _ => {
                 chunk.bytes.extend_from_slice(bytes);
-                let kind = u16::from_ne_bytes([bytes[0], bytes[1]]);
-                driver =
-                    kind == RecordKind::CudaCall as u16 || kind == RecordKind::CudaSymbol as u16;
+                driver = is_driver_record(u16::from_ne_bytes([bytes[0], bytes[1]]));
             }
         }
         chunk.note(ts_ns);
@@ -484,6 +488,22 @@ mod tests {
                 .count(),
             before
         );
+        assert_eq!(held.driver_records_iter().count(), before);
+        // A chunk of scheduler records alone is skipped, not walked.
+        let mut sched_only = EncodedRecords::default();
+        while sched_only.chunks.len() < 2 {
+            sched_only.push(&switch(1, 1, 2));
+        }
+        sched_only.push(&call());
+        assert_eq!(
+            sched_only
+                .chunks
+                .iter()
+                .filter(|c| c.driver_records > 0)
+                .count(),
+            1
+        );
+        assert_eq!(sched_only.driver_records_iter().count(), 1);
         held.forget_oldest();
         assert_eq!(held.driver_records(), before - first / 2);
         held.retain_mut(|r| !matches!(r, Record::CudaCall(_)));
