@@ -91,8 +91,9 @@ pub fn run(config: ServeConfig) -> Result<()> {
         exit_has_group_dead: check.exit_has_group_dead,
         ..config.probe.clone()
     })?;
-    // Only a recorder about to start uses it: an idle server holds no
-    // ring buffer.
+    // Only the flight recorder of `--retain` uses it, at its first start
+    // (which may wait for a watched process); a server without one holds
+    // no ring buffer while idle.
     let checked = config.record_from_start.then_some(checked);
     let guard = config
         .allow_write_under
