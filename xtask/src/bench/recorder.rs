@@ -79,6 +79,11 @@ struct Row {
 /// third of the run): its one-off start is over by then.
 const SETTLE: Duration = Duration::from_secs(10);
 
+/// [`SETTLE`], or a third of a shorter run.
+fn settle(opts: &Options) -> Duration {
+    SETTLE.min(Duration::from_secs_f64(opts.seconds / 3.0))
+}
+
 /// ebtrace's CPU where its recorder came on, and a reading [`SETTLE`]
 /// later: CPU ns of all its threads (`/proc/PID/task/*/schedstat`), and
 /// when.
@@ -183,7 +188,7 @@ fn start_recorder(
     server.wait_line("flight recorder on", Duration::from_secs(60))?;
     let ebtrace_pid = server.child.id();
     let ticks = ticks(ebtrace_pid);
-    let settle = SETTLE.min(Duration::from_secs_f64(opts.seconds / 3.0));
+    let settle = settle(opts);
     let settled = std::thread::spawn(move || {
         std::thread::sleep(settle);
         (harness::process_cpu_ns(ebtrace_pid), Instant::now())
@@ -412,9 +417,7 @@ fn render(rows: &[Row], opts: &Options) -> String {
     let _ = writeln!(
         md,
         "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU over the run (% of one CPU) | steady, from {} s on | one-off start | ebtrace RSS | records held / forgotten | GetSnapshot answered in | server ms: timeline / XSpace built / encoded | peak RSS while answering | events | XSpace |",
-        SETTLE
-            .min(Duration::from_secs_f64(opts.seconds / 3.0))
-            .as_secs_f64()
+        settle(opts).as_secs_f64()
     );
     let _ = writeln!(
         md,
