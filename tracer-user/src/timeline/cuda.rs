@@ -22,11 +22,14 @@
 //!
 //! Records must be fed in return-time order (the header time).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    sync::Arc,
+};
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
-use super::{CORRELATION_STAT, Cuts, Span, StatName, Value, nest};
+use super::{CORRELATION_STAT, Cuts, SharedTexts, Span, StatName, Value, nest};
 use crate::{
     collect::Record,
     cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},
@@ -92,8 +95,8 @@ enum StreamKey {
 #[derive(Clone, Debug)]
 struct Symbol {
     /// Demangled where possible.
-    name: String,
-    mangled: Option<String>,
+    name: Arc<str>,
+    mangled: Option<Arc<str>>,
 }
 
 /// How a submission's device was found.
@@ -166,18 +169,12 @@ pub struct CudaTimelineBuilder {
     thread_device: HashMap<u32, u32>,
     /// `(pid, CUstream)` → context.
     stream_ctx: HashMap<(u32, u64), u64>,
-    /// `(ordinal, pid, stream)` → line id.
-    stream_ids: HashMap<(u32, u32, StreamKey), i64>,
+    /// `(ordinal, pid, stream)` → line id and label.
+    stream_ids: HashMap<(u32, u32, StreamKey), (i64, Arc<str>)>,
     next_correlation: u64,
+    /// The texts of stats and span names, one copy each.
+    texts: SharedTexts,
     out: CudaTimeline,
-}
-
-fn hex(v: u64) -> Value {
-    Value::Str(format!("{v:#x}"))
-}
-
-fn dims(x: u64, y: u64, z: u64) -> Value {
-    Value::Str(format!("{},{},{}", x as u32, y as u32, z as u32))
 }
 
 /// Splits a word holding two `unsigned int` struct fields.
@@ -196,8 +193,8 @@ fn symbol_from(rec: &CudaSymbol) -> Option<Symbol> {
     let raw = String::from_utf8_lossy(bytes).into_owned();
     if rec.truncated != 0 {
         return Some(Symbol {
-            name: format!("{raw}…"),
-            mangled: Some(raw),
+            name: format!("{raw}…").into(),
+            mangled: Some(raw.into()),
         });
     }
     Some(symbol_named(raw))
@@ -207,11 +204,11 @@ fn symbol_from(rec: &CudaSymbol) -> Option<Symbol> {
 fn symbol_named(raw: String) -> Symbol {
     match demangle(&raw) {
         Some(name) => Symbol {
-            name,
-            mangled: Some(raw),
+            name: name.into(),
+            mangled: Some(raw.into()),
         },
         None => Symbol {
-            name: raw,
+            name: raw.into(),
             mangled: None,
         },
     }
@@ -296,7 +293,7 @@ fn struct_direction(src: u64, dst: u64) -> &'static str {
 
 /// What a call submitted to a stream.
 struct Work {
-    name: String,
+    name: Arc<str>,
     stream: u64,
     stats: Vec<(StatName, Value)>,
 }
@@ -340,11 +337,23 @@ impl CudaTimelineBuilder {
             .unwrap_or(device as u32)
     }
 
-    fn kernel_name(&self, pid: u32, handle: u64) -> (String, Option<String>) {
+    fn kernel_name(&mut self, pid: u32, handle: u64) -> (Arc<str>, Option<Arc<str>>) {
         match self.symbols.get(&(pid, handle)) {
-            Some(s) => (s.name.clone(), s.mangled.clone()),
-            None => (format!("<unresolved {handle:#x}>"), None),
+            Some(s) => (Arc::clone(&s.name), s.mangled.clone()),
+            None => (
+                self.texts.format(format_args!("<unresolved {handle:#x}>")),
+                None,
+            ),
         }
+    }
+
+    fn hex(&mut self, v: u64) -> Value {
+        self.texts.hex(v)
+    }
+
+    fn dims(&mut self, x: u64, y: u64, z: u64) -> Value {
+        let (x, y, z) = (x as u32, y as u32, z as u32);
+        Value::Str(self.texts.format(format_args!("{x},{y},{z}")))
     }
 
     /// The device of work on `stream` submitted by `tid`.
@@ -455,8 +464,8 @@ impl CudaTimelineBuilder {
                 let f = launched_function(rec, function).unwrap_or(0);
                 let (grid, block, shared, stream) = if function.op == Op::Launch {
                     (
-                        dims(a[1], a[2], a[3]),
-                        dims(a[4], a[5], x[0]),
+                        self.dims(a[1], a[2], a[3]),
+                        self.dims(a[4], a[5], x[0]),
                         x[1] & 0xffff_ffff,
                         x[2],
                     )
@@ -464,12 +473,17 @@ impl CudaTimelineBuilder {
                     let (gx, gy) = halves(x[0]);
                     let (gz, bx) = halves(x[1]);
                     let (by, bz) = halves(x[2]);
-                    (dims(gx, gy, gz), dims(bx, by, bz), halves(x[3]).0, x[4])
+                    (
+                        self.dims(gx, gy, gz),
+                        self.dims(bx, by, bz),
+                        halves(x[3]).0,
+                        x[4],
+                    )
                 };
                 let (name, mangled) = self.kernel_name(pid, f);
                 let mut details = Vec::with_capacity(6);
                 details.extend([
-                    ("kernel".into(), Value::Str(name.clone())),
+                    ("kernel".into(), Value::Str(Arc::clone(&name))),
                     ("grid".into(), grid),
                     ("block".into(), block),
                     ("shared_memory_bytes".into(), Value::U64(shared)),
@@ -477,7 +491,7 @@ impl CudaTimelineBuilder {
                 if let Some(m) = mangled {
                     details.push(("mangled_name".into(), Value::Str(m)));
                 }
-                details.push(("function_handle".into(), hex(f)));
+                details.push(("function_handle".into(), self.hex(f)));
                 stats.extend(details.iter().cloned());
                 Some(Work {
                     name,
@@ -486,11 +500,11 @@ impl CudaTimelineBuilder {
                 })
             }
             Op::GraphLaunch => {
-                put(&mut stats, "graph_exec", hex(a[0]));
+                put(&mut stats, "graph_exec", self.hex(a[0]));
                 Some(Work {
-                    name: "Graph launch".into(),
+                    name: self.texts.get("Graph launch"),
                     stream: a[1],
-                    stats: vec![("graph_exec".into(), hex(a[0]))],
+                    stats: vec![("graph_exec".into(), self.hex(a[0]))],
                 })
             }
             Op::Memcpy {
@@ -511,14 +525,14 @@ impl CudaTimelineBuilder {
                 };
                 let details = vec![
                     ("bytes".into(), Value::U64(a[bytes])),
-                    ("direction".into(), Value::Str(direction.into())),
+                    ("direction".into(), self.texts.value(direction)),
                     ("async".into(), Value::I64(i64::from(stream.is_some()))),
-                    ("dst".into(), hex(dst)),
-                    ("src".into(), hex(src)),
+                    ("dst".into(), self.hex(dst)),
+                    ("src".into(), self.hex(src)),
                 ];
                 stats.extend(details.iter().cloned());
                 Some(Work {
-                    name: copy_name(direction),
+                    name: self.texts.get(&copy_name(direction)),
                     stream: stream.map_or(0, |i| a[i]),
                     stats: details,
                 })
@@ -535,7 +549,7 @@ impl CudaTimelineBuilder {
                         "bytes".into(),
                         Value::U64(width.saturating_mul(height).saturating_mul(depth)),
                     ),
-                    ("direction".into(), Value::Str(direction.into())),
+                    ("direction".into(), self.texts.value(direction)),
                     ("async".into(), Value::I64(i64::from(stream.is_some()))),
                     ("width_bytes".into(), Value::U64(width)),
                     ("height".into(), Value::U64(height)),
@@ -543,7 +557,7 @@ impl CudaTimelineBuilder {
                 ];
                 stats.extend(details.iter().cloned());
                 Some(Work {
-                    name: copy_name(direction),
+                    name: self.texts.get(&copy_name(direction)),
                     stream: stream.map_or(0, |i| a[i]),
                     stats: details,
                 })
@@ -564,11 +578,11 @@ impl CudaTimelineBuilder {
                     ),
                     ("element_bytes".into(), Value::U64(element_bytes)),
                     ("async".into(), Value::I64(i64::from(stream.is_some()))),
-                    ("dst".into(), hex(a[0])),
+                    ("dst".into(), self.hex(a[0])),
                 ];
                 stats.extend(details.iter().cloned());
                 Some(Work {
-                    name: "Memset".into(),
+                    name: self.texts.get("Memset"),
                     stream: stream.map_or(0, |i| a[i]),
                     stats: details,
                 })
@@ -579,9 +593,9 @@ impl CudaTimelineBuilder {
                     _ => a[1],
                 };
                 put(&mut stats, "bytes", Value::U64(bytes));
-                put(&mut stats, "memory", Value::Str(memory_name(memory).into()));
+                put(&mut stats, "memory", self.texts.value(memory_name(memory)));
                 if rec.result == 0 {
-                    put(&mut stats, "address", hex(out));
+                    put(&mut stats, "address", self.hex(out));
                 }
                 if let Some(i) = stream {
                     put(&mut stats, "stream", self.stream_value(a[i], function));
@@ -589,8 +603,8 @@ impl CudaTimelineBuilder {
                 None
             }
             Op::Free { memory, stream } => {
-                put(&mut stats, "address", hex(a[0]));
-                put(&mut stats, "memory", Value::Str(memory_name(memory).into()));
+                put(&mut stats, "address", self.hex(a[0]));
+                put(&mut stats, "memory", self.texts.value(memory_name(memory)));
                 if let Some(i) = stream {
                     put(&mut stats, "stream", self.stream_value(a[i], function));
                 }
@@ -601,15 +615,15 @@ impl CudaTimelineBuilder {
                 None
             }
             Op::EventSynchronize => {
-                put(&mut stats, "event", hex(a[0]));
+                put(&mut stats, "event", self.hex(a[0]));
                 None
             }
             Op::StreamWaitEvent => {
-                put(&mut stats, "event", hex(a[1]));
+                put(&mut stats, "event", self.hex(a[1]));
                 Some(Work {
-                    name: "StreamWaitEvent".into(),
+                    name: self.texts.get("StreamWaitEvent"),
                     stream: a[0],
-                    stats: vec![("event".into(), hex(a[1]))],
+                    stats: vec![("event".into(), self.hex(a[1]))],
                 })
             }
             Op::CtxSynchronize => None,
@@ -623,20 +637,20 @@ impl CudaTimelineBuilder {
                     "device",
                     Value::I64(i64::from(a[device] as i32)),
                 );
-                put(&mut stats, "context", hex(out));
+                put(&mut stats, "context", self.hex(out));
                 None
             }
             Op::PrimaryCtxRetain => {
                 put(&mut stats, "device", Value::I64(i64::from(a[1] as i32)));
-                put(&mut stats, "context", hex(out));
+                put(&mut stats, "context", self.hex(out));
                 None
             }
             Op::CtxSetCurrent | Op::CtxPushCurrent | Op::CtxDestroy => {
-                put(&mut stats, "context", hex(a[0]));
+                put(&mut stats, "context", self.hex(a[0]));
                 None
             }
             Op::CtxPopCurrent | Op::CtxGetCurrent => {
-                put(&mut stats, "context", hex(out));
+                put(&mut stats, "context", self.hex(out));
                 None
             }
             Op::CtxGetDevice => {
@@ -644,39 +658,46 @@ impl CudaTimelineBuilder {
                 None
             }
             Op::StreamCreate => {
-                put(&mut stats, "stream", hex(out));
+                put(&mut stats, "stream", self.hex(out));
                 None
             }
             Op::StreamGetCtx => {
-                put(&mut stats, "stream", hex(a[0]));
-                put(&mut stats, "context", hex(out));
+                put(&mut stats, "stream", self.hex(a[0]));
+                put(&mut stats, "context", self.hex(out));
                 None
             }
             Op::StreamDestroy => {
-                put(&mut stats, "stream", hex(a[0]));
+                put(&mut stats, "stream", self.hex(a[0]));
                 None
             }
             Op::GetFunction => {
                 if rec.result == 0 {
                     let (name, _) = self.kernel_name(pid, out);
                     put(&mut stats, "kernel", Value::Str(name));
-                    put(&mut stats, "handle", hex(out));
+                    put(&mut stats, "handle", self.hex(out));
                 }
                 None
             }
             Op::KernelGetFunction => {
                 let (name, _) = self.kernel_name(pid, a[1]);
                 put(&mut stats, "kernel", Value::Str(name));
-                put(&mut stats, "kernel_handle", hex(a[1]));
-                put(&mut stats, "function_handle", hex(out));
+                put(&mut stats, "kernel_handle", self.hex(a[1]));
+                put(&mut stats, "function_handle", self.hex(out));
                 None
             }
         };
         (stats, work)
     }
 
-    fn stream_value(&self, stream: u64, function: &DriverFunction) -> Value {
-        Value::Str(describe_stream(stream, function.per_thread_stream()))
+    /// A stream argument in words: a handle, or which default stream.
+    fn stream_value(&mut self, stream: u64, function: &DriverFunction) -> Value {
+        let text = match stream {
+            0 if function.per_thread_stream() => self.texts.get("per-thread default"),
+            0 | STREAM_LEGACY => self.texts.get("legacy default"),
+            STREAM_PER_THREAD => self.texts.get("per-thread default"),
+            h => self.texts.format(format_args!("{h:#x}")),
+        };
+        Value::Str(text)
     }
 
     /// Feeds one driver call (records in return-time order).
@@ -704,13 +725,11 @@ impl CudaTimelineBuilder {
             "result_code".into(),
             Value::I64(i64::from(rec.result as i32)),
         ));
-        stats.push((
-            "result".into(),
-            Value::Str(
-                cuda_api::result_name(rec.result)
-                    .map_or_else(|| format!("CUresult {}", rec.result), str::to_string),
-            ),
-        ));
+        let result = match cuda_api::result_name(rec.result) {
+            Some(name) => self.texts.get(name),
+            None => self.texts.format(format_args!("CUresult {}", rec.result)),
+        };
+        stats.push(("result".into(), Value::Str(result)));
         if let Some(work) = work.filter(|_| ok) {
             let correlation = self.next_correlation;
             self.next_correlation += 1;
@@ -722,7 +741,7 @@ impl CudaTimelineBuilder {
                 h => StreamKey::Handle(h),
             };
             let line = self.stream_line(ordinal, rec.tgid, key, work.stream);
-            stats.push(("stream".into(), Value::Str(line.1.clone())));
+            stats.push(("stream".into(), Value::Str(Arc::clone(&line.1))));
             stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
             stats.push((CORRELATION_STAT.into(), Value::U64(correlation)));
             let mut device_stats = work.stats;
@@ -730,12 +749,12 @@ impl CudaTimelineBuilder {
             device_stats.extend([
                 (CORRELATION_STAT.into(), Value::U64(correlation)),
                 ("stream".into(), Value::Str(line.1)),
-                ("submitted_by".into(), Value::Str(function.name.into())),
+                ("submitted_by".into(), self.texts.value(function.name)),
                 ("tid".into(), Value::I64(i64::from(rec.tid))),
                 ("pid".into(), Value::I64(i64::from(rec.tgid))),
                 (
                     "device_ordinal_source".into(),
-                    Value::Str(source.describe().into()),
+                    self.texts.value(source.describe()),
                 ),
             ]);
             self.out
@@ -747,10 +766,11 @@ impl CudaTimelineBuilder {
                 .push(Span {
                     start_ns: start,
                     end_ns: end,
-                    name: work.name.into(),
+                    name: work.name,
                     stats: device_stats,
                 });
         }
+        let name = self.texts.get(function.name);
         self.out
             .spans
             .entry(rec.tid)
@@ -759,7 +779,7 @@ impl CudaTimelineBuilder {
             .push(Span {
                 start_ns: start,
                 end_ns: end,
-                name: function.name.into(),
+                name,
                 stats,
             });
     }
@@ -771,7 +791,10 @@ impl CudaTimelineBuilder {
         pid: u32,
         key: StreamKey,
         handle: u64,
-    ) -> (i64, String) {
+    ) -> (i64, Arc<str>) {
+        if let Some((id, label)) = self.stream_ids.get(&(ordinal, pid, key)) {
+            return (*id, Arc::clone(label));
+        }
         let device = self
             .out
             .devices
@@ -783,14 +806,10 @@ impl CudaTimelineBuilder {
         let next = device.streams.keys().max().map_or(1, |m| m + 1).max(1);
         // Line 0 is the first process's legacy stream; another process's
         // legacy stream on the same device is a stream of its own.
-        let legacy_free = !device.streams.contains_key(&0);
-        let id = *self
-            .stream_ids
-            .entry((ordinal, pid, key))
-            .or_insert(match key {
-                StreamKey::Legacy if legacy_free => 0,
-                _ => next,
-            });
+        let id = match key {
+            StreamKey::Legacy if !device.streams.contains_key(&0) => 0,
+            _ => next,
+        };
         let label = match key {
             StreamKey::Legacy => format!("legacy default stream of pid {pid}"),
             StreamKey::PerThread(tid) => format!("per-thread default stream of tid {tid}"),
@@ -803,6 +822,9 @@ impl CudaTimelineBuilder {
             timing: StreamTiming::HostObserved,
             events: Vec::new(),
         });
+        let label: Arc<str> = label.into();
+        self.stream_ids
+            .insert((ordinal, pid, key), (id, Arc::clone(&label)));
         (id, label)
     }
 
@@ -830,16 +852,6 @@ fn memory_name(memory: Memory) -> &'static str {
         Memory::DevicePitched => "device (pitched)",
         Memory::Managed => "managed",
         Memory::Host => "page-locked host",
-    }
-}
-
-/// A stream argument in words: a handle, or which default stream.
-fn describe_stream(stream: u64, per_thread_build: bool) -> String {
-    match stream {
-        0 if per_thread_build => "per-thread default".into(),
-        0 | STREAM_LEGACY => "legacy default".into(),
-        STREAM_PER_THREAD => "per-thread default".into(),
-        h => format!("{h:#x}"),
     }
 }
 
@@ -1077,8 +1089,8 @@ mod tests {
         let mut cut = symbol(0x30, "_Z3fooi");
         cut.truncated = 1;
         b.push_symbol(&cut);
-        assert_eq!(b.kernel_name(PID, 0x20).0, "plain_c_kernel");
-        assert_eq!(b.kernel_name(PID, 0x30).0, "_Z3fooi…");
+        assert_eq!(&*b.kernel_name(PID, 0x20).0, "plain_c_kernel");
+        assert_eq!(&*b.kernel_name(PID, 0x30).0, "_Z3fooi…");
     }
 
     #[test]

@@ -255,8 +255,10 @@ fn stat(metadata: &HashMap<i64, XStatMetadata>, s: &XStat) -> Option<(StatName, 
         x_stat::Value::DoubleValue(v) => Value::F64(*v),
         x_stat::Value::Uint64Value(v) => Value::U64(*v),
         x_stat::Value::Int64Value(v) => Value::I64(*v),
-        x_stat::Value::StrValue(v) => Value::Str(v.clone()),
-        x_stat::Value::RefValue(id) => Value::Str(metadata.get(&(*id as i64))?.name.clone()),
+        x_stat::Value::StrValue(v) => Value::Str(v.as_str().into()),
+        x_stat::Value::RefValue(id) => {
+            Value::Str(metadata.get(&(*id as i64))?.name.as_str().into())
+        }
         x_stat::Value::BytesValue(_) => return None,
     };
     Some((name.into(), value))

@@ -37,6 +37,7 @@ mod peers;
 mod sched;
 mod sources;
 pub mod streamed;
+mod texts;
 pub mod traceme;
 pub mod window;
 
@@ -52,6 +53,7 @@ use packed::{PackedMark, PackedState};
 pub use peers::{Peer, PeerId, PeerTable, peer_in};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use sources::{KernelNames, SourceStats, TraceMeSource};
+pub use texts::SharedTexts;
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
 pub use window::Window;
 
@@ -248,7 +250,10 @@ pub enum Value {
     I64(i64),
     U64(u64),
     F64(f64),
-    Str(String),
+    /// Text, shared: the spans of a driver call and of the work it
+    /// submitted repeat a few texts (kernel names, stream labels) tens of
+    /// thousands of times in a flight recorder's snapshot.
+    Str(std::sync::Arc<str>),
 }
 
 /// A named interval on a thread, `[start_ns, end_ns]` (equal for an

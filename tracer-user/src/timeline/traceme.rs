@@ -65,7 +65,7 @@ pub fn parse_stat_value(value: &str) -> Value {
     } else if let Ok(v) = value.parse::<f64>() {
         Value::F64(v)
     } else {
-        Value::Str(value.to_string())
+        Value::Str(value.into())
     }
 }
 

@@ -315,7 +315,7 @@ fn annotation((name, value): &(StatName, Value)) -> DebugAnnotation {
             Value::I64(v) => V::IntValue(*v),
             Value::U64(v) => V::UintValue(*v),
             Value::F64(v) => V::DoubleValue(*v),
-            Value::Str(v) => V::StringValue(v.clone()),
+            Value::Str(v) => V::StringValue(v.to_string()),
         }),
     }
 }

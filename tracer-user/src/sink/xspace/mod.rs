@@ -165,7 +165,7 @@ pub fn write_xspace<W: PlaneOut>(
         .map(u32::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    env.add_plane_stat("ebtrace_pids", &StatValue::Str(pids));
+    env.add_plane_stat("ebtrace_pids", &StatValue::Str(pids.into()));
 
     let mut warnings = Vec::new();
     if timeline.stats.dropped > 0 {

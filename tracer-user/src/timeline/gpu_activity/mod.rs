@@ -114,7 +114,10 @@ pub fn merge_device_activity(
         let mut stats = stats;
         stats.extend([
             ("device_id".into(), Value::U64(u64::from(at.device))),
-            ("context_id".into(), Value::Str(format!("$${}", at.context))),
+            (
+                "context_id".into(),
+                Value::Str(format!("$${}", at.context).into()),
+            ),
             ("stream_id".into(), Value::U64(u64::from(at.stream))),
             (
                 "cupti_correlation_id".into(),
@@ -190,7 +193,7 @@ pub fn merge_device_activity(
                     (CORRELATION_STAT.into(), Value::U64(id)),
                 ];
                 if let Some(kernel) = kernel_names.get(&call.correlation) {
-                    stats.push(("kernel".into(), Value::Str(kernel.clone())));
+                    stats.push(("kernel".into(), Value::Str(kernel.as_str().into())));
                 }
                 track.spans.push(Span {
                     start_ns: start,
@@ -211,7 +214,7 @@ pub fn merge_device_activity(
             .events[index];
         event.stats.extend([
             (CORRELATION_STAT.into(), Value::U64(id)),
-            ("submitted_by".into(), Value::Str(submitted_by)),
+            ("submitted_by".into(), Value::Str(submitted_by.into())),
             ("tid".into(), Value::I64(i64::from(call.tid))),
         ]);
     }
@@ -288,7 +291,7 @@ fn set_correlation(span: &mut Span, id: u64) {
 fn name_unresolved_kernel(span: &mut Span, name: &str) {
     for (k, v) in &mut span.stats {
         if k == "kernel" && matches!(v, Value::Str(s) if s.starts_with("<unresolved")) {
-            *v = Value::Str(name.to_string());
+            *v = Value::Str(name.into());
         }
     }
 }
@@ -327,12 +330,12 @@ fn kernel_stats(k: &Kernel) -> Vec<(StatName, Value)> {
             Value::Str(format!(
                 "regs:{} static_shared:{} dynamic_shared:{} grid:{gx},{gy},{gz} block:{bx},{by},{bz}",
                 k.registers, k.static_shared, k.dynamic_shared
-            )),
+            ).into()),
         ),
         ("grid_id".into(), Value::I64(k.grid_id)),
     ];
     if demangle(&k.name).is_some() {
-        stats.push(("mangled_name".into(), Value::Str(k.name.clone())));
+        stats.push(("mangled_name".into(), Value::Str(k.name.as_str().into())));
     }
     if let Some(g) = k.graph_id.filter(|&g| g != 0) {
         stats.push(("graph_id".into(), Value::U64(u64::from(g))));
@@ -347,14 +350,17 @@ fn kernel_stats(k: &Kernel) -> Vec<(StatName, Value)> {
 fn copy_stats(t: &Transfer) -> Vec<(StatName, Value)> {
     vec![(
         "memcpy_details".into(),
-        Value::Str(format!(
-            "kind_src:{} kind_dst:{} size:{} dest:{} async:{}",
-            memory_kind_name(t.src_kind),
-            memory_kind_name(t.dst_kind),
-            t.bytes,
-            t.at.device,
-            t.flags & 1 != 0
-        )),
+        Value::Str(
+            format!(
+                "kind_src:{} kind_dst:{} size:{} dest:{} async:{}",
+                memory_kind_name(t.src_kind),
+                memory_kind_name(t.dst_kind),
+                t.bytes,
+                t.at.device,
+                t.flags & 1 != 0
+            )
+            .into(),
+        ),
     )]
 }
 
@@ -362,13 +368,16 @@ fn copy_stats(t: &Transfer) -> Vec<(StatName, Value)> {
 fn memset_stats(t: &Transfer) -> Vec<(StatName, Value)> {
     vec![(
         "Memset_details".into(),
-        Value::Str(format!(
-            "kind:{} size:{} value:{:#x} async:{}",
-            memory_kind_name(t.kind),
-            t.bytes,
-            t.value,
-            t.flags & 1 != 0
-        )),
+        Value::Str(
+            format!(
+                "kind:{} size:{} value:{:#x} async:{}",
+                memory_kind_name(t.kind),
+                t.bytes,
+                t.value,
+                t.flags & 1 != 0
+            )
+            .into(),
+        ),
     )]
 }
 
