@@ -57,7 +57,7 @@ fn span(start: u64, len: u64, correlation: Option<u8>) -> Span {
         start_ns: start,
         end_ns: start + len,
         name: format!("s{}", len % 3).into(),
-        stats,
+        stats: stats.into(),
     }
 }
 

@@ -69,7 +69,7 @@ pub fn add_cpu_samples(
             start_ns: s.header.ts_ns,
             end_ns: s.header.ts_ns,
             name: name.into(),
-            stats: vec![(STACK_STAT.into(), Value::Str(lines.join("\n").into()))],
+            stats: vec![(STACK_STAT.into(), Value::Str(lines.join("\n").into()))].into(),
         });
     }
     samples.len() as u64

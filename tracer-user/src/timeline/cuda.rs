@@ -29,7 +29,7 @@ use std::{
 
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
-use super::{CORRELATION_STAT, Cuts, SharedTexts, Span, StatName, Value, nest};
+use super::{CORRELATION_STAT, Cuts, SharedTexts, Span, Stat, StatName, Stats, Value, nest};
 use crate::{
     collect::Record,
     cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},
@@ -174,6 +174,8 @@ pub struct CudaTimelineBuilder {
     next_correlation: u64,
     /// The texts of stats and span names, one copy each.
     texts: SharedTexts,
+    /// Launch details by process, function handle and configuration.
+    launch_details: HashMap<(u32, u64, LaunchConfig), LaunchDetails>,
     out: CudaTimeline,
 }
 
@@ -295,7 +297,17 @@ fn struct_direction(src: u64, dst: u64) -> &'static str {
 struct Work {
     name: Arc<str>,
     stream: u64,
-    stats: Vec<(StatName, Value)>,
+    stats: Stats,
+}
+
+/// A launch's grid and block dimensions and dynamic shared memory bytes.
+type LaunchConfig = ([u32; 3], [u32; 3], u64);
+
+/// The stats every launch of one kernel with one configuration carries,
+/// on its call and on its work, and the kernel's name they were made with.
+struct LaunchDetails {
+    name: Arc<str>,
+    stats: Arc<[Stat]>,
 }
 
 impl CudaTimelineBuilder {
@@ -351,9 +363,44 @@ impl CudaTimelineBuilder {
         self.texts.hex(v)
     }
 
-    fn dims(&mut self, x: u64, y: u64, z: u64) -> Value {
-        let (x, y, z) = (x as u32, y as u32, z as u32);
+    fn dims(&mut self, [x, y, z]: [u32; 3]) -> Value {
         Value::Str(self.texts.format(format_args!("{x},{y},{z}")))
+    }
+
+    /// The stats of a launch of `f` with `config` in process `pid`, shared
+    /// with the launches before it of the same (made again when the
+    /// kernel's name changed since), and the kernel's name.
+    fn launch_details(
+        &mut self,
+        pid: u32,
+        f: u64,
+        config: LaunchConfig,
+    ) -> (Arc<str>, Arc<[Stat]>) {
+        let (name, mangled) = self.kernel_name(pid, f);
+        if let Some(d) = self.launch_details.get(&(pid, f, config))
+            && Arc::ptr_eq(&d.name, &name)
+        {
+            return (Arc::clone(&d.name), Arc::clone(&d.stats));
+        }
+        let (grid, block, shared) = config;
+        let mut stats = Vec::with_capacity(6);
+        stats.extend([
+            ("kernel".into(), Value::Str(Arc::clone(&name))),
+            ("grid".into(), self.dims(grid)),
+            ("block".into(), self.dims(block)),
+            ("shared_memory_bytes".into(), Value::U64(shared)),
+        ]);
+        if let Some(m) = mangled {
+            stats.push(("mangled_name".into(), Value::Str(m)));
+        }
+        stats.push(("function_handle".into(), self.hex(f)));
+        let stats: Arc<[Stat]> = stats.into();
+        let details = LaunchDetails {
+            name: Arc::clone(&name),
+            stats: Arc::clone(&stats),
+        };
+        self.launch_details.insert((pid, f, config), details);
+        (name, stats)
     }
 
     /// The device of work on `stream` submitted by `tid`.
@@ -452,59 +499,42 @@ impl CudaTimelineBuilder {
     }
 
     /// The call's own stats, and the work it submitted to a stream if any.
-    fn describe(
-        &mut self,
-        rec: &CudaCall,
-        function: &DriverFunction,
-    ) -> (Vec<(StatName, Value)>, Option<Work>) {
+    fn describe(&mut self, rec: &CudaCall, function: &DriverFunction) -> (Stats, Option<Work>) {
         let (pid, a, x, out) = (rec.tgid, rec.args, rec.extra, rec.out_value);
         let mut stats: Vec<(StatName, Value)> = Vec::new();
+        let dims = |x: u64, y: u64, z: u64| [x as u32, y as u32, z as u32];
         let work = match function.op {
             Op::Launch | Op::LaunchEx => {
                 let f = launched_function(rec, function).unwrap_or(0);
-                let (grid, block, shared, stream) = if function.op == Op::Launch {
-                    (
-                        self.dims(a[1], a[2], a[3]),
-                        self.dims(a[4], a[5], x[0]),
+                let (config, stream) = if function.op == Op::Launch {
+                    let config = (
+                        dims(a[1], a[2], a[3]),
+                        dims(a[4], a[5], x[0]),
                         x[1] & 0xffff_ffff,
-                        x[2],
-                    )
+                    );
+                    (config, x[2])
                 } else {
                     let (gx, gy) = halves(x[0]);
                     let (gz, bx) = halves(x[1]);
                     let (by, bz) = halves(x[2]);
-                    (
-                        self.dims(gx, gy, gz),
-                        self.dims(bx, by, bz),
-                        halves(x[3]).0,
-                        x[4],
-                    )
+                    let config = (dims(gx, gy, gz), dims(bx, by, bz), halves(x[3]).0);
+                    (config, x[4])
                 };
-                let (name, mangled) = self.kernel_name(pid, f);
-                let mut details = Vec::with_capacity(6);
-                details.extend([
-                    ("kernel".into(), Value::Str(Arc::clone(&name))),
-                    ("grid".into(), grid),
-                    ("block".into(), block),
-                    ("shared_memory_bytes".into(), Value::U64(shared)),
-                ]);
-                if let Some(m) = mangled {
-                    details.push(("mangled_name".into(), Value::Str(m)));
-                }
-                details.push(("function_handle".into(), self.hex(f)));
-                stats.extend(details.iter().cloned());
-                Some(Work {
+                let (name, details) = self.launch_details(pid, f, config);
+                let call = Stats::shared_then(Arc::clone(&details), Vec::with_capacity(5));
+                let work = Work {
                     name,
                     stream,
-                    stats: details,
-                })
+                    stats: Stats::shared_then(details, Vec::with_capacity(6)),
+                };
+                return (call, Some(work));
             }
             Op::GraphLaunch => {
                 put(&mut stats, "graph_exec", self.hex(a[0]));
                 Some(Work {
                     name: self.texts.get("Graph launch"),
                     stream: a[1],
-                    stats: vec![("graph_exec".into(), self.hex(a[0]))],
+                    stats: vec![("graph_exec".into(), self.hex(a[0]))].into(),
                 })
             }
             Op::Memcpy {
@@ -534,7 +564,7 @@ impl CudaTimelineBuilder {
                 Some(Work {
                     name: self.texts.get(&copy_name(direction)),
                     stream: stream.map_or(0, |i| a[i]),
-                    stats: details,
+                    stats: details.into(),
                 })
             }
             Op::MemcpyStruct { three_d, stream } => {
@@ -559,7 +589,7 @@ impl CudaTimelineBuilder {
                 Some(Work {
                     name: self.texts.get(&copy_name(direction)),
                     stream: stream.map_or(0, |i| a[i]),
-                    stats: details,
+                    stats: details.into(),
                 })
             }
             Op::Memset {
@@ -584,7 +614,7 @@ impl CudaTimelineBuilder {
                 Some(Work {
                     name: self.texts.get("Memset"),
                     stream: stream.map_or(0, |i| a[i]),
-                    stats: details,
+                    stats: details.into(),
                 })
             }
             Op::Alloc { memory, stream } => {
@@ -623,7 +653,7 @@ impl CudaTimelineBuilder {
                 Some(Work {
                     name: self.texts.get("StreamWaitEvent"),
                     stream: a[0],
-                    stats: vec![("event".into(), self.hex(a[1]))],
+                    stats: vec![("event".into(), self.hex(a[1]))].into(),
                 })
             }
             Op::CtxSynchronize => None,
@@ -686,7 +716,7 @@ impl CudaTimelineBuilder {
                 None
             }
         };
-        (stats, work)
+        (stats.into(), work)
     }
 
     /// A stream argument in words: a handle, or which default stream.
@@ -1099,7 +1129,7 @@ mod tests {
             start_ns,
             end_ns,
             name: name.into(),
-            stats: vec![],
+            stats: Stats::default(),
         };
         let mut events = vec![work(20, 50, "b"), work(10, 50, "a"), work(60, 70, "c")];
         serialize(&mut events);

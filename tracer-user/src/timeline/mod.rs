@@ -36,6 +36,7 @@ mod packed;
 mod peers;
 mod sched;
 mod sources;
+mod stats;
 pub mod streamed;
 mod texts;
 pub mod traceme;
@@ -53,6 +54,7 @@ use packed::{PackedMark, PackedState};
 pub use peers::{Peer, PeerId, PeerTable, peer_in};
 pub use sched::{InitialState, SchedTimelineBuilder};
 pub use sources::{KernelNames, SourceStats, TraceMeSource};
+pub use stats::{Stat, Stats};
 pub use texts::SharedTexts;
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
 pub use window::Window;
@@ -266,7 +268,7 @@ pub struct Span {
     /// Shared by the spans of one name (a framework's session repeats a
     /// few names millions of times).
     pub name: std::sync::Arc<str>,
-    pub stats: Vec<(StatName, Value)>,
+    pub stats: Stats,
 }
 
 /// A stat's name: nearly always one the code spells out, allocated only

@@ -111,7 +111,7 @@ mod tests {
             start_ns,
             end_ns,
             name: name.into(),
-            stats: vec![],
+            stats: crate::timeline::Stats::default(),
         }
     }
 

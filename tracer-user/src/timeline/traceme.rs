@@ -24,7 +24,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::{Cuts, Nestable, Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value, nest};
+use super::{
+    Cuts, Nestable, Span, StatName, Stats, ThreadCounters, ThreadTrack, Timeline, Value, nest,
+};
 use crate::collect::TraceMeEvent;
 
 /// Stat on a span whose end was moved to make it nest: nanoseconds cut.
@@ -226,7 +228,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
                 start_ns,
                 end_ns,
                 name: UNREADABLE_NAME.into(),
-                stats: Vec::new(),
+                stats: Stats::default(),
             }
         } else {
             let parsed = parse_traceme_name(&named.name, named.truncated);
@@ -234,7 +236,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
                 start_ns,
                 end_ns,
                 name: parsed.name.into(),
-                stats: parsed.stats,
+                stats: parsed.stats.into(),
             }
         };
         if named.truncated {
@@ -355,7 +357,10 @@ mod tests {
         tl.threads[&tid]
             .spans
             .iter()
-            .map(|s| (s.name.to_string(), s.start_ns, s.end_ns, s.stats.clone()))
+            .map(|s| {
+                let stats = s.stats.iter().cloned().collect();
+                (s.name.to_string(), s.start_ns, s.end_ns, stats)
+            })
             .collect()
     }
 

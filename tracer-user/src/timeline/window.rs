@@ -503,7 +503,7 @@ mod tests {
             start_ns: i * 10,
             end_ns: i * 10 + 5,
             name: "vecAdd".into(),
-            stats: vec![(CORRELATION_STAT.into(), Value::U64(i + 1))],
+            stats: vec![(CORRELATION_STAT.into(), Value::U64(i + 1))].into(),
         };
         let stream = StreamTrack {
             id: 1,

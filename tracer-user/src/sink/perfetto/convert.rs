@@ -23,7 +23,7 @@ use ebtrace_proto::{
 };
 
 use super::{PacketWriter, PerfettoClocks, PerfettoStats, write_spans};
-use crate::timeline::{Cuts, Span, nest};
+use crate::timeline::{Cuts, Span, Stats, nest};
 
 fn plane_uuid(plane: usize) -> u64 {
     5 << 56 | plane as u64
@@ -100,7 +100,7 @@ pub fn write_xspace<W: Write>(space: &XSpace, out: W) -> io::Result<PerfettoStat
                     name: names
                         .get(&e.metadata_id)
                         .map_or_else(|| "".into(), |n| n.as_str().into()),
-                    stats: Vec::new(),
+                    stats: Stats::default(),
                 }
             }));
             nest(&mut spans, Cuts::Marked);

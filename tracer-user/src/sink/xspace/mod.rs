@@ -81,7 +81,7 @@ fn push_span(
     name: &str,
     start: i64,
     end: i64,
-    stats: &[(crate::timeline::StatName, StatValue)],
+    stats: &crate::timeline::Stats,
 ) {
     let id = plane.event_metadata(name);
     let stats: Vec<Stat> = stats.iter().map(|(k, v)| plane.stat(k, v)).collect();
@@ -329,7 +329,7 @@ mod tests {
                     start_ns: 1_200,
                     end_ns: 1_700,
                     name: "step".into(),
-                    stats: vec![("step_num".into(), StatValue::I64(3))],
+                    stats: vec![("step_num".into(), StatValue::I64(3))].into(),
                 }],
                 counters: ThreadCounters::default(),
             },

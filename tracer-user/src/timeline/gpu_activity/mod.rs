@@ -25,8 +25,8 @@ pub use records::{Activity, DriverCall, Kernel, Transfer, decode};
 use records::{copy_kind_name, driver_function, memory_kind_name};
 
 use super::{
-    CORRELATION_STAT, DeviceTrack, Span, StatName, StreamTiming, StreamTrack, Timeline, Value,
-    cuda::demangle,
+    CORRELATION_STAT, DeviceTrack, Span, Stat, StatName, StreamTiming, StreamTrack, Timeline,
+    Value, cuda::demangle,
 };
 use crate::clock::ClockSync;
 
@@ -136,7 +136,7 @@ pub fn merge_device_activity(
             start_ns: start,
             end_ns: clock.to_monotonic_ns(at.end.max(at.start)),
             name: name.into(),
-            stats,
+            stats: stats.into(),
         });
         submitted.insert(at.correlation, (at.device, line, events.len() - 1));
     }
@@ -199,7 +199,7 @@ pub fn merge_device_activity(
                     start_ns: start,
                     end_ns: end,
                     name: name.as_str().into(),
-                    stats,
+                    stats: stats.into(),
                 });
                 name
             }
@@ -289,9 +289,15 @@ fn set_correlation(span: &mut Span, id: u64) {
 /// Names the kernel of a launch span whose function handle was looked up
 /// before the capture.
 fn name_unresolved_kernel(span: &mut Span, name: &str) {
-    for (k, v) in &mut span.stats {
-        if k == "kernel" && matches!(v, Value::Str(s) if s.starts_with("<unresolved")) {
-            *v = Value::Str(name.into());
+    let unresolved =
+        |(k, v): &Stat| k == "kernel" && matches!(v, Value::Str(s) if s.starts_with("<unresolved"));
+    // Stats shared with other spans are copied only for the spans changed.
+    if !span.stats.iter().any(unresolved) {
+        return;
+    }
+    for stat in span.stats.iter_mut() {
+        if unresolved(stat) {
+            stat.1 = Value::Str(name.into());
         }
     }
 }
@@ -399,7 +405,8 @@ mod tests {
             stats: vec![
                 ("kernel".into(), Value::Str(kernel.into())),
                 (CORRELATION_STAT.into(), Value::U64(correlation)),
-            ],
+            ]
+            .into(),
         };
         let mut tl = Timeline {
             start_ns: 0,
