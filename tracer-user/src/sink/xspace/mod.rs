@@ -247,6 +247,8 @@ fn write_device_plane<W: PlaneOut>(
     plane.add_plane_stat("ebtrace_timing", &StatValue::Str(timing.into()));
     let mut lines = PlaneStream::begin(out, 1)?;
     for stream in device.streams.values() {
+        let stats = stream.events.iter().map(|e| e.stats.len()).sum();
+        plane.reserve_exact(stream.events.len(), stats);
         for e in &stream.events {
             push_span(&mut plane, &e.name, ps(e.start_ns), ps(e.end_ns), &e.stats);
         }

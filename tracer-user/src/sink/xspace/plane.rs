@@ -131,6 +131,15 @@ impl XPlaneBuilder {
         self.plane.stats.push(stat);
     }
 
+    /// Room for `events` more events with `stats` stats in all on the line
+    /// being built, and no more: a GPU stream's line of tens of thousands
+    /// of launches would otherwise grow by doubling, up to twice what it
+    /// holds, and copy itself each time.
+    pub fn reserve_exact(&mut self, events: usize, stats: usize) {
+        self.queued.reserve_exact(events);
+        self.stats.reserve_exact(stats);
+    }
+
     /// Queues an event on the line being built.
     pub fn push_event(
         &mut self,
