@@ -27,6 +27,7 @@ use std::{
     sync::Arc,
 };
 
+use rustc_hash::FxHashMap;
 use tracer_common::cuda::{CudaCall, CudaSymbol};
 
 use super::{CORRELATION_STAT, Cuts, SharedTexts, Span, Stat, StatName, Stats, Value, nest};
@@ -100,7 +101,7 @@ struct Symbol {
 }
 
 /// How a submission's device was found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum OrdinalSource {
     Context,
     Thread,
@@ -175,7 +176,13 @@ pub struct CudaTimelineBuilder {
     /// The texts of stats and span names, one copy each.
     texts: SharedTexts,
     /// Launch details by process, function handle and configuration.
-    launch_details: HashMap<(u32, u64, LaunchConfig), LaunchDetails>,
+    launch_details: FxHashMap<(u32, u64, LaunchConfig), LaunchDetails>,
+    /// A launch's call's stats but its correlation, by its details, result,
+    /// stream line and device; and its work's, by its details, stream
+    /// line, function, thread, process and how its device was found. The
+    /// details are kept with them: their address is in the key.
+    call_groups: FxHashMap<(usize, u32, usize, u32), SharedGroup>,
+    work_groups: FxHashMap<(usize, usize, u16, u32, u32, OrdinalSource), SharedGroup>,
     out: CudaTimeline,
 }
 
@@ -298,6 +305,12 @@ struct Work {
     name: Arc<str>,
     stream: u64,
     stats: Stats,
+}
+
+/// Stats that spans share, and the launch details they were made from.
+struct SharedGroup {
+    _details: Arc<[Stat]>,
+    stats: Arc<[Stat]>,
 }
 
 /// A launch's grid and block dimensions and dynamic shared memory bytes.
@@ -748,10 +761,13 @@ impl CudaTimelineBuilder {
             end.min(self.stop_ns).max(rec.start_ns.max(self.start_ns)),
         );
         self.out.calls += 1;
-        let (mut stats, work) = self.describe(rec, function);
-        // Exactly: a flight recorder's snapshot holds many thousands of calls.
-        stats.reserve_exact(5);
-        stats.push((
+        let (stats, work) = self.describe(rec, function);
+        // A launch's details are shared: so are the stats its call and its
+        // work have in common with others, all but their correlation, which
+        // comes last on both.
+        let details = stats.shared().cloned();
+        let mut call_stats = Vec::with_capacity(4);
+        call_stats.push((
             "result_code".into(),
             Value::I64(i64::from(rec.result as i32)),
         ));
@@ -759,10 +775,13 @@ impl CudaTimelineBuilder {
             Some(name) => self.texts.get(name),
             None => self.texts.format(format_args!("CUresult {}", rec.result)),
         };
-        stats.push(("result".into(), Value::Str(result)));
+        call_stats.push(("result".into(), Value::Str(result)));
+        let mut call_line = (0, u32::MAX);
+        let mut correlation = None;
         if let Some(work) = work.filter(|_| ok) {
-            let correlation = self.next_correlation;
+            let id = self.next_correlation;
             self.next_correlation += 1;
+            correlation = Some((CORRELATION_STAT.into(), Value::U64(id)));
             let (ordinal, source) = self.ordinal(rec.tgid, rec.tid, work.stream);
             let key = match work.stream {
                 0 if function.per_thread_stream() => StreamKey::PerThread(rec.tid),
@@ -771,14 +790,11 @@ impl CudaTimelineBuilder {
                 h => StreamKey::Handle(h),
             };
             let line = self.stream_line(ordinal, rec.tgid, key, work.stream);
-            stats.push(("stream".into(), Value::Str(Arc::clone(&line.1))));
-            stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
-            stats.push((CORRELATION_STAT.into(), Value::U64(correlation)));
-            let mut device_stats = work.stats;
-            device_stats.reserve_exact(6);
-            device_stats.extend([
-                (CORRELATION_STAT.into(), Value::U64(correlation)),
-                ("stream".into(), Value::Str(line.1)),
+            call_stats.push(("stream".into(), Value::Str(Arc::clone(&line.1))));
+            call_stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
+            call_line = (Arc::as_ptr(&line.1).cast::<u8>() as usize, ordinal);
+            let work_stats = [
+                ("stream".into(), Value::Str(Arc::clone(&line.1))),
                 ("submitted_by".into(), self.texts.value(function.name)),
                 ("tid".into(), Value::I64(i64::from(rec.tid))),
                 ("pid".into(), Value::I64(i64::from(rec.tgid))),
@@ -786,7 +802,29 @@ impl CudaTimelineBuilder {
                     "device_ordinal_source".into(),
                     self.texts.value(source.describe()),
                 ),
-            ]);
+            ];
+            let own_correlation = (CORRELATION_STAT.into(), Value::U64(id));
+            let device_stats = match &details {
+                Some(details) => {
+                    let key = (
+                        details_key(details),
+                        call_line.0,
+                        rec.function,
+                        rec.tid,
+                        rec.tgid,
+                        source,
+                    );
+                    let group = shared_group(&mut self.work_groups, key, details, work_stats);
+                    Stats::shared_then(group, vec![own_correlation])
+                }
+                None => {
+                    let mut stats = work.stats;
+                    stats.reserve_exact(6);
+                    stats.extend(work_stats);
+                    stats.push(own_correlation);
+                    stats
+                }
+            };
             self.out
                 .devices
                 .get_mut(&ordinal)
@@ -800,6 +838,21 @@ impl CudaTimelineBuilder {
                     stats: device_stats,
                 });
         }
+        let stats = match &details {
+            Some(details) => {
+                let key = (details_key(details), rec.result, call_line.0, call_line.1);
+                let group = shared_group(&mut self.call_groups, key, details, call_stats);
+                Stats::shared_then(group, correlation.into_iter().collect())
+            }
+            None => {
+                let mut stats = stats;
+                // Exactly: a flight recorder's snapshot holds many thousands of calls.
+                stats.reserve_exact(call_stats.len() + 1);
+                stats.extend(call_stats);
+                stats.extend(correlation);
+                stats
+            }
+        };
         let name = self.texts.get(function.name);
         self.out
             .spans
@@ -870,6 +923,30 @@ impl CudaTimelineBuilder {
         }
         self.out
     }
+}
+
+/// A key part that tells launch details apart while they are alive.
+fn details_key(details: &Arc<[Stat]>) -> usize {
+    Arc::as_ptr(details).cast::<u8>() as usize
+}
+
+/// `details` then `more`, shared by the spans whose `key` is the same.
+fn shared_group<K: std::hash::Hash + Eq>(
+    groups: &mut FxHashMap<K, SharedGroup>,
+    key: K,
+    details: &Arc<[Stat]>,
+    more: impl IntoIterator<Item = Stat>,
+) -> Arc<[Stat]> {
+    let group = groups.entry(key).or_insert_with(|| SharedGroup {
+        _details: Arc::clone(details),
+        stats: details
+            .iter()
+            .cloned()
+            .chain(more)
+            .collect::<Vec<_>>()
+            .into(),
+    });
+    Arc::clone(&group.stats)
 }
 
 fn put(stats: &mut Vec<(StatName, Value)>, name: &'static str, value: Value) {

@@ -32,6 +32,11 @@ impl Stats {
         }
     }
 
+    /// The stats it shares with other spans, if any.
+    pub fn shared(&self) -> Option<&Arc<[Stat]>> {
+        self.shared.as_ref()
+    }
+
     /// Every stat, in order.
     pub fn iter(&self) -> Iter<'_> {
         self.shared

@@ -2,14 +2,16 @@
 //! snapshot turns tens of thousands of driver calls into spans that name
 //! the same few kernels, streams, functions and results.
 
-use std::{collections::HashSet, fmt::Write as _, sync::Arc};
+use std::{fmt::Write as _, sync::Arc};
+
+use rustc_hash::FxHashSet;
 
 use super::Value;
 
 /// One shared copy of each text asked for.
 #[derive(Debug, Default)]
 pub struct SharedTexts {
-    texts: HashSet<Arc<str>>,
+    texts: FxHashSet<Arc<str>>,
     /// Where [`Self::format`] writes before looking the text up.
     scratch: String,
 }
