@@ -73,10 +73,7 @@ const FUNCTION: u64 = 0x5555_0000_2000;
 const KERNEL: &str = "_Z6vecAddPKfS0_Pfi";
 
 fn function_id(name: &str) -> u16 {
-    cuda_api::FUNCTIONS
-        .iter()
-        .position(|f| f.name == name)
-        .unwrap_or_else(|| panic!("{name} is not a probed driver function")) as u16
+    cuda_api::function_id(name).unwrap_or_else(|| panic!("{name} is not a probed driver function"))
 }
 
 fn call(function: u16, start_ns: u64, end_ns: u64, args: [u64; 6], extra: [u64; 8]) -> CudaCall {

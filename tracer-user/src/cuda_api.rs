@@ -463,6 +463,14 @@ pub fn function(id: u16) -> Option<&'static DriverFunction> {
     FUNCTIONS.get(usize::from(id))
 }
 
+/// The table index of the function named `name`, if it is probed.
+pub fn function_id(name: &str) -> Option<u16> {
+    FUNCTIONS
+        .iter()
+        .position(|f| f.name == name)
+        .map(|i| i as u16)
+}
+
 /// `CUresult` names of the codes a trace is likely to show.
 pub fn result_name(code: u32) -> Option<&'static str> {
     Some(match code {

@@ -327,10 +327,8 @@ mod tests {
     const TID: u32 = 11;
 
     fn sync_call(start_ns: u64, end_ns: u64) -> Record {
-        let function = cuda_api::FUNCTIONS
-            .iter()
-            .position(|f| f.name == "cuCtxSynchronize")
-            .expect("cuCtxSynchronize is probed") as u16;
+        let function =
+            cuda_api::function_id("cuCtxSynchronize").expect("cuCtxSynchronize is probed");
         Record::CudaCall(Box::new(CudaCall {
             header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 0, end_ns),
             tid: TID,

@@ -983,10 +983,7 @@ mod tests {
     const PID: u32 = 50;
 
     fn id(name: &str) -> u16 {
-        cuda_api::FUNCTIONS
-            .iter()
-            .position(|f| f.name == name)
-            .unwrap_or_else(|| panic!("{name} not in the table")) as u16
+        cuda_api::function_id(name).unwrap_or_else(|| panic!("{name} not in the table"))
     }
 
     fn call(
