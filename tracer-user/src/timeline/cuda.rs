@@ -533,12 +533,14 @@ impl CudaTimelineBuilder {
                     let config = (dims(gx, gy, gz), dims(bx, by, bz), halves(x[3]).0);
                     (config, x[4])
                 };
+                // The call's and the work's stats are made from these
+                // details in `push_call`.
                 let (name, details) = self.launch_details(pid, f, config);
-                let call = Stats::shared_then(Arc::clone(&details), Vec::with_capacity(5));
+                let call = Stats::shared_then(Arc::clone(&details), Vec::new());
                 let work = Work {
                     name,
                     stream,
-                    stats: Stats::shared_then(details, Vec::with_capacity(6)),
+                    stats: Stats::shared_then(details, Vec::new()),
                 };
                 return (call, Some(work));
             }
@@ -764,19 +766,9 @@ impl CudaTimelineBuilder {
         let (stats, work) = self.describe(rec, function);
         // A launch's details are shared: so are the stats its call and its
         // work have in common with others, all but their correlation, which
-        // comes last on both.
+        // comes last on both. Those stats are made only for a new group.
         let details = stats.shared().cloned();
-        let mut call_stats = Vec::with_capacity(4);
-        call_stats.push((
-            "result_code".into(),
-            Value::I64(i64::from(rec.result as i32)),
-        ));
-        let result = match cuda_api::result_name(rec.result) {
-            Some(name) => self.texts.get(name),
-            None => self.texts.format(format_args!("CUresult {}", rec.result)),
-        };
-        call_stats.push(("result".into(), Value::Str(result)));
-        let mut call_line = (0, u32::MAX);
+        let mut work_line = None;
         let mut correlation = None;
         if let Some(work) = work.filter(|_| ok) {
             let id = self.next_correlation;
@@ -789,38 +781,39 @@ impl CudaTimelineBuilder {
                 STREAM_PER_THREAD => StreamKey::PerThread(rec.tid),
                 h => StreamKey::Handle(h),
             };
-            let line = self.stream_line(ordinal, rec.tgid, key, work.stream);
-            call_stats.push(("stream".into(), Value::Str(Arc::clone(&line.1))));
-            call_stats.push(("device_ordinal".into(), Value::I64(i64::from(ordinal))));
-            call_line = (Arc::as_ptr(&line.1).cast::<u8>() as usize, ordinal);
-            let work_stats = [
-                ("stream".into(), Value::Str(Arc::clone(&line.1))),
-                ("submitted_by".into(), self.texts.value(function.name)),
-                ("tid".into(), Value::I64(i64::from(rec.tid))),
-                ("pid".into(), Value::I64(i64::from(rec.tgid))),
-                (
-                    "device_ordinal_source".into(),
-                    self.texts.value(source.describe()),
-                ),
-            ];
+            let (line, label) = self.stream_line(ordinal, rec.tgid, key, work.stream);
+            let work_tail = |texts: &mut SharedTexts| {
+                vec![
+                    ("stream".into(), Value::Str(Arc::clone(&label))),
+                    ("submitted_by".into(), texts.value(function.name)),
+                    ("tid".into(), Value::I64(i64::from(rec.tid))),
+                    ("pid".into(), Value::I64(i64::from(rec.tgid))),
+                    (
+                        "device_ordinal_source".into(),
+                        texts.value(source.describe()),
+                    ),
+                ]
+            };
             let own_correlation = (CORRELATION_STAT.into(), Value::U64(id));
             let device_stats = match &details {
                 Some(details) => {
                     let key = (
                         details_key(details),
-                        call_line.0,
+                        text_key(&label),
                         rec.function,
                         rec.tid,
                         rec.tgid,
                         source,
                     );
-                    let group = shared_group(&mut self.work_groups, key, details, work_stats);
+                    let group = shared_group(&mut self.work_groups, key, details, || {
+                        work_tail(&mut self.texts)
+                    });
                     Stats::shared_then(group, vec![own_correlation])
                 }
                 None => {
                     let mut stats = work.stats;
                     stats.reserve_exact(6);
-                    stats.extend(work_stats);
+                    stats.extend(work_tail(&mut self.texts));
                     stats.push(own_correlation);
                     stats
                 }
@@ -828,7 +821,7 @@ impl CudaTimelineBuilder {
             self.out
                 .devices
                 .get_mut(&ordinal)
-                .and_then(|d| d.streams.get_mut(&line.0))
+                .and_then(|d| d.streams.get_mut(&line))
                 .expect("stream_line created the line")
                 .events
                 .push(Span {
@@ -837,18 +830,45 @@ impl CudaTimelineBuilder {
                     name: work.name,
                     stats: device_stats,
                 });
+            work_line = Some((label, ordinal));
         }
+        let call_tail = |texts: &mut SharedTexts| {
+            let result = match cuda_api::result_name(rec.result) {
+                Some(name) => texts.get(name),
+                None => texts.format(format_args!("CUresult {}", rec.result)),
+            };
+            let mut tail = Vec::with_capacity(4);
+            tail.extend([
+                (
+                    "result_code".into(),
+                    Value::I64(i64::from(rec.result as i32)),
+                ),
+                ("result".into(), Value::Str(result)),
+            ]);
+            if let Some((label, ordinal)) = &work_line {
+                tail.extend([
+                    ("stream".into(), Value::Str(Arc::clone(label))),
+                    ("device_ordinal".into(), Value::I64(i64::from(*ordinal))),
+                ]);
+            }
+            tail
+        };
         let stats = match &details {
             Some(details) => {
-                let key = (details_key(details), rec.result, call_line.0, call_line.1);
-                let group = shared_group(&mut self.call_groups, key, details, call_stats);
+                let (line, ordinal) = work_line
+                    .as_ref()
+                    .map_or((0, u32::MAX), |(label, o)| (text_key(label), *o));
+                let key = (details_key(details), rec.result, line, ordinal);
+                let group = shared_group(&mut self.call_groups, key, details, || {
+                    call_tail(&mut self.texts)
+                });
                 Stats::shared_then(group, correlation.into_iter().collect())
             }
             None => {
                 let mut stats = stats;
                 // Exactly: a flight recorder's snapshot holds many thousands of calls.
-                stats.reserve_exact(call_stats.len() + 1);
-                stats.extend(call_stats);
+                stats.reserve_exact(5);
+                stats.extend(call_tail(&mut self.texts));
                 stats.extend(correlation);
                 stats
             }
@@ -930,19 +950,26 @@ fn details_key(details: &Arc<[Stat]>) -> usize {
     Arc::as_ptr(details).cast::<u8>() as usize
 }
 
-/// `details` then `more`, shared by the spans whose `key` is the same.
+/// A key part that tells shared texts apart while they are alive (a
+/// stream's label lives as long as the builder).
+fn text_key(text: &Arc<str>) -> usize {
+    Arc::as_ptr(text).cast::<u8>() as usize
+}
+
+/// `details` then what `more` makes (only for a new group), shared by the
+/// spans whose `key` is the same.
 fn shared_group<K: std::hash::Hash + Eq>(
     groups: &mut FxHashMap<K, SharedGroup>,
     key: K,
     details: &Arc<[Stat]>,
-    more: impl IntoIterator<Item = Stat>,
+    more: impl FnOnce() -> Vec<Stat>,
 ) -> Arc<[Stat]> {
     let group = groups.entry(key).or_insert_with(|| SharedGroup {
         _details: Arc::clone(details),
         stats: details
             .iter()
             .cloned()
-            .chain(more)
+            .chain(more())
             .collect::<Vec<_>>()
             .into(),
     });
