@@ -1054,12 +1054,9 @@ mod tests {
     }
 
     fn stat<'a>(span: &'a Span, name: &str) -> &'a Value {
-        &span
-            .stats
-            .iter()
-            .find(|(k, _)| k == name)
+        span.stats
+            .get(name)
             .unwrap_or_else(|| panic!("no stat {name} in {span:?}"))
-            .1
     }
 
     #[test]
