@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::{
     CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
     SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
-    cpu_samples::add_cpu_samples,
+    cpu_samples::{add_cpu_samples, narrow_unknown},
     merge_device_activity, merge_framework_space, nest,
     order::in_time_order,
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
@@ -180,6 +180,13 @@ pub fn assemble(
         add_traceme(&mut timeline, traceme);
     }
     if let Some(symbolizer) = sources.stacks {
+        let narrowed = narrow_unknown(&mut timeline, &samples);
+        if narrowed > 0 {
+            timeline.stats.notes.push(format!(
+                "{narrowed} of those Unknown intervals narrowed by the threads' own stack samples \
+                 (shown Running, with a reason)"
+            ));
+        }
         let laid = add_cpu_samples(&mut timeline, &samples, (window_start, stop_ns), symbolizer);
         timeline.stats.sources.cpu_samples = Some(laid);
         timeline

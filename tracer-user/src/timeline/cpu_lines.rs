@@ -9,7 +9,7 @@
 
 use std::{cmp::Reverse, collections::BTreeMap, collections::BinaryHeap};
 
-use super::{CpuSlice, ThreadState, ThreadTrack, Timeline};
+use super::{CpuSlice, ThreadTrack, Timeline};
 
 /// Where each CPU's slices are among the threads': 8 bytes a slice.
 pub struct CpuLines<'t> {
@@ -28,7 +28,7 @@ impl Timeline {
             // A thread's consecutive runs are mostly on one CPU.
             let mut last: Option<(u32, &mut Vec<(u32, u32)>)> = None;
             for (s, slice) in thread.slices.iter().enumerate() {
-                let ThreadState::Running { cpu } = slice.state() else {
+                let Some(cpu) = slice.state().on_cpu() else {
                     continue;
                 };
                 let line = match last {
@@ -149,7 +149,7 @@ mod tests {
     use super::*;
     use crate::{
         clock::ClockSync,
-        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters},
+        timeline::{CaptureStats, StateSlice, TaskState, ThreadCounters, ThreadState},
     };
 
     fn thread(tid: u32, pid: u32, slices: &[(u64, u64, Option<u32>)]) -> ThreadTrack {

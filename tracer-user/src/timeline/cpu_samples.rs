@@ -1,9 +1,12 @@
 //! CPU stack samples on the thread lines: each sample becomes an instant
 //! on its thread, named after the innermost function of its user stack
 //! (of its kernel stack while the thread ran in the kernel), with the
-//! whole stack as a stat.
+//! whole stack as a stat. A sample also shows its thread on a CPU: where
+//! the kernel left a thread's state unknown, the samples narrow it.
 
-use super::{Span, Timeline, Value};
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::{Span, StateSlice, ThreadState, ThreadTrack, Timeline, Value};
 use crate::{
     collect::StackSample,
     symbols::stacks::{Space, StackSymbolizer, sample_frames},
@@ -73,4 +76,206 @@ pub fn add_cpu_samples(
         });
     }
     samples.len() as u64
+}
+
+/// Narrows the [`ThreadState::Unknown`] intervals with the threads' own
+/// stack samples, each of which shows its thread on a CPU at its time. An
+/// interval ended by a reported switch-out (its switch-in went unreported)
+/// was on a CPU from its first sample on; one begun by a reported
+/// switch-in (its switch-out went unreported), up to its last. Those parts
+/// become [`ThreadState::Sampled`]; the rest stays unknown. Returns how
+/// many intervals it narrowed.
+pub fn narrow_unknown(timeline: &mut Timeline, samples: &[&StackSample]) -> u64 {
+    let with_unknown: FxHashSet<u32> = timeline
+        .threads
+        .values()
+        .filter(|t| t.slices.iter().any(|s| s.state() == ThreadState::Unknown))
+        .map(|t| t.tid)
+        .collect();
+    if with_unknown.is_empty() {
+        return 0;
+    }
+    let mut seen: FxHashMap<u32, Vec<(u64, u32)>> = FxHashMap::default();
+    for s in samples.iter().filter(|s| with_unknown.contains(&s.tid)) {
+        seen.entry(s.tid)
+            .or_default()
+            .push((s.header.ts_ns, s.header.cpu.into()));
+    }
+    let mut narrowed = 0;
+    for (tid, mut seen) in seen {
+        seen.sort_unstable();
+        if let Some(thread) = timeline.threads.get_mut(&tid) {
+            narrowed += narrow_thread(thread, &seen);
+        }
+    }
+    narrowed
+}
+
+/// [`narrow_unknown`] for one thread, `seen` being its samples' times and
+/// CPUs, in time order.
+fn narrow_thread(thread: &mut ThreadTrack, seen: &[(u64, u32)]) -> u64 {
+    let mut slices = Vec::with_capacity(thread.slices.len() + 2);
+    let mut narrowed = 0;
+    for (i, &slice) in thread.slices.iter().enumerate() {
+        let (start, end) = (slice.start_ns, slice.end_ns);
+        let inside = &seen[seen.partition_point(|&(ts, _)| ts < start)
+            ..seen.partition_point(|&(ts, _)| ts < end)];
+        if slice.state() != ThreadState::Unknown {
+            slices.push(slice);
+            continue;
+        }
+        let next = thread
+            .slices
+            .get(i + 1)
+            .filter(|n| n.start_ns == end)
+            .map(StateSlice::state);
+        let (Some(&(first, first_cpu)), Some(&(last, last_cpu)), Some(next)) =
+            (inside.first(), inside.last(), next)
+        else {
+            slices.push(slice);
+            continue;
+        };
+        let pieces = if next.on_cpu().is_some() {
+            [
+                (start, last, ThreadState::Sampled { cpu: last_cpu }),
+                (last, end, ThreadState::Unknown),
+            ]
+        } else {
+            [
+                (start, first, ThreadState::Unknown),
+                (first, end, ThreadState::Sampled { cpu: first_cpu }),
+            ]
+        };
+        for (from, to, state) in pieces {
+            if to <= from {
+                continue;
+            }
+            if state != ThreadState::Unknown {
+                thread.counters.unknown_ns -= to - from;
+                thread.counters.on_cpu_ns += to - from;
+            }
+            slices.push(StateSlice::new(from, to, state));
+        }
+        narrowed += 1;
+    }
+    thread.slices = slices;
+    narrowed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::{RunnableCause, TaskState, ThreadCounters};
+
+    const PREEMPTED: ThreadState = ThreadState::Runnable {
+        cause: RunnableCause::Preempted,
+    };
+    const SLEEPING: ThreadState = ThreadState::Blocked {
+        state: TaskState::Sleeping,
+    };
+
+    fn thread(slices: &[(u64, u64, ThreadState)]) -> ThreadTrack {
+        let mut counters = ThreadCounters::default();
+        for &(from, to, state) in slices {
+            match state {
+                ThreadState::Unknown => counters.unknown_ns += to - from,
+                s if s.on_cpu().is_some() => counters.on_cpu_ns += to - from,
+                _ => counters.blocked_ns += to - from,
+            }
+        }
+        ThreadTrack {
+            tid: 4,
+            pid: 4,
+            name: "t".into(),
+            slices: slices
+                .iter()
+                .map(|&(from, to, state)| StateSlice::new(from, to, state))
+                .collect(),
+            marks: vec![],
+            spans: vec![],
+            counters,
+        }
+    }
+
+    fn states(t: &ThreadTrack) -> Vec<(u64, u64, ThreadState)> {
+        t.slices
+            .iter()
+            .map(|s| (s.start_ns, s.end_ns, s.state()))
+            .collect()
+    }
+
+    /// The switch-in went unreported, the switch-out that ended the
+    /// interval did not: on a CPU from the first sample to that switch-out.
+    #[test]
+    fn an_unreported_switch_in_is_narrowed_to_the_first_sample() {
+        let mut t = thread(&[
+            (0, 100, ThreadState::Running { cpu: 0 }),
+            (100, 1_000, ThreadState::Unknown),
+            (1_000, 1_200, SLEEPING),
+        ]);
+        let n = narrow_thread(&mut t, &[(50, 0), (400, 1), (700, 1), (1_100, 1)]);
+        assert_eq!(n, 1);
+        assert_eq!(
+            states(&t),
+            [
+                (0, 100, ThreadState::Running { cpu: 0 }),
+                (100, 400, ThreadState::Unknown),
+                (400, 1_000, ThreadState::Sampled { cpu: 1 }),
+                (1_000, 1_200, SLEEPING),
+            ]
+        );
+        assert_eq!(t.counters.unknown_ns, 300);
+        assert_eq!(t.counters.on_cpu_ns, 100 + 600);
+    }
+
+    /// The switch-out went unreported, the switch-in that ended the
+    /// interval did not: on a CPU from its start to the last sample.
+    #[test]
+    fn an_unreported_switch_out_is_narrowed_to_the_last_sample() {
+        let mut t = thread(&[
+            (0, 100, PREEMPTED),
+            (100, 1_000, ThreadState::Unknown),
+            (1_000, 1_200, ThreadState::Running { cpu: 1 }),
+        ]);
+        let n = narrow_thread(&mut t, &[(300, 0), (600, 0)]);
+        assert_eq!(n, 1);
+        assert_eq!(
+            states(&t),
+            [
+                (0, 100, PREEMPTED),
+                (100, 600, ThreadState::Sampled { cpu: 0 }),
+                (600, 1_000, ThreadState::Unknown),
+                (1_000, 1_200, ThreadState::Running { cpu: 1 }),
+            ]
+        );
+        assert_eq!(t.counters.unknown_ns, 400);
+        assert_eq!(t.counters.on_cpu_ns, 500 + 200);
+    }
+
+    /// Without a sample inside, or with the interval last on the line (what
+    /// ended it is not known), nothing changes; a sample right at the start
+    /// leaves no unknown part.
+    #[test]
+    fn only_sampled_intervals_with_a_known_end_are_narrowed() {
+        let line = [
+            (0, 100, ThreadState::Unknown),
+            (100, 200, SLEEPING),
+            (200, 300, ThreadState::Unknown),
+        ];
+        let mut t = thread(&line);
+        assert_eq!(narrow_thread(&mut t, &[(150, 0), (250, 0), (300, 0)]), 0);
+        assert_eq!(states(&t), line);
+
+        let mut t = thread(&line);
+        assert_eq!(narrow_thread(&mut t, &[(0, 3)]), 1);
+        assert_eq!(
+            states(&t),
+            [
+                (0, 100, ThreadState::Sampled { cpu: 3 }),
+                (100, 200, SLEEPING),
+                (200, 300, ThreadState::Unknown),
+            ]
+        );
+        assert_eq!(t.counters.unknown_ns, 100);
+    }
 }

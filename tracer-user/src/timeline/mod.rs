@@ -79,6 +79,25 @@ pub enum ThreadState {
     /// (seen on some virtual machines, for every BPF tracer alike): the
     /// thread was switched out, then seen switching out again.
     Unknown,
+    /// On a CPU in a stretch the kernel reported no switch for, as the
+    /// thread's own stack samples show: the part of an [`Unknown`]
+    /// interval from its first sample to the reported switch-out that
+    /// ended it (or from the reported switch-in that began it to its last
+    /// sample).
+    ///
+    /// [`Unknown`]: ThreadState::Unknown
+    Sampled { cpu: u32 },
+}
+
+impl ThreadState {
+    /// The CPU the thread was on, if it was on one.
+    #[inline]
+    pub fn on_cpu(self) -> Option<u32> {
+        match self {
+            ThreadState::Running { cpu } | ThreadState::Sampled { cpu } => Some(cpu),
+            _ => None,
+        }
+    }
 }
 
 /// Why a thread became runnable.
@@ -452,7 +471,7 @@ impl Timeline {
         self.threads
             .values()
             .flat_map(|t| &t.slices)
-            .filter(|s| matches!(s.state(), ThreadState::Running { .. }))
+            .filter(|s| s.state().on_cpu().is_some())
     }
 
     /// The work on every GPU stream.

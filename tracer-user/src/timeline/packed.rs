@@ -21,6 +21,9 @@ const AT_START: u64 = 5;
 const BLOCKED: u64 = 6;
 const UNKNOWN: u64 = 7;
 const STATE_TAG_BITS: u32 = 3;
+/// Above [`RUNNING`]'s tag: on a CPU as its stack samples show
+/// ([`ThreadState::Sampled`]).
+const SAMPLED_BIT: u64 = 1 << STATE_TAG_BITS;
 
 /// Every task state, in declaration order: a packed one is its index.
 const TASK_STATES: [TaskState; 8] = [
@@ -61,6 +64,7 @@ impl PackedState {
     pub fn new(state: ThreadState) -> Self {
         PackedState(match state {
             ThreadState::Running { cpu } => with_high(RUNNING, cpu),
+            ThreadState::Sampled { cpu } => with_high(RUNNING | SAMPLED_BIT, cpu),
             ThreadState::Runnable { cause } => match cause {
                 RunnableCause::Preempted => PREEMPTED,
                 RunnableCause::Yielded => YIELDED,
@@ -80,6 +84,7 @@ impl PackedState {
         let p = self.0;
         let runnable = |cause| ThreadState::Runnable { cause };
         match p & ((1 << STATE_TAG_BITS) - 1) {
+            RUNNING if p & SAMPLED_BIT != 0 => ThreadState::Sampled { cpu: high(p) },
             RUNNING => ThreadState::Running { cpu: high(p) },
             PREEMPTED => runnable(RunnableCause::Preempted),
             YIELDED => runnable(RunnableCause::Yielded),
@@ -161,6 +166,7 @@ mod tests {
         let mut states = vec![ThreadState::Unknown];
         for cpu in [0, 1, u32::MAX] {
             states.push(ThreadState::Running { cpu });
+            states.push(ThreadState::Sampled { cpu });
         }
         for state in TASK_STATES {
             states.push(ThreadState::Blocked { state });

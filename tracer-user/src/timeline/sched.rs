@@ -87,7 +87,9 @@ impl ThreadBuild {
         }
         let d = to - from;
         match state {
-            ThreadState::Running { .. } => self.counters.on_cpu_ns += d,
+            ThreadState::Running { .. } | ThreadState::Sampled { .. } => {
+                self.counters.on_cpu_ns += d
+            }
             ThreadState::Runnable { .. } => self.counters.runnable_ns += d,
             ThreadState::Blocked { .. } => self.counters.blocked_ns += d,
             ThreadState::Unknown => self.counters.unknown_ns += d,

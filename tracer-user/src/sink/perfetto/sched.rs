@@ -35,7 +35,10 @@ fn prev_state(state: ThreadState) -> i64 {
             TaskState::Parked => 0x40,
             TaskState::Idle => 0x80,
         },
-        ThreadState::Running { .. } | ThreadState::Runnable { .. } | ThreadState::Unknown => 0,
+        ThreadState::Running { .. }
+        | ThreadState::Sampled { .. }
+        | ThreadState::Runnable { .. }
+        | ThreadState::Unknown => 0,
     }
 }
 
@@ -52,19 +55,13 @@ fn state_from(thread: &ThreadTrack, ts_ns: u64) -> Option<ThreadState> {
 /// The CPU `thread` ran on at `ts_ns`, if it was running.
 fn cpu_at(thread: &ThreadTrack, ts_ns: u64) -> Option<u32> {
     let i = thread.slices.partition_point(|s| s.end_ns <= ts_ns);
-    match thread.slices.get(i)?.state() {
-        ThreadState::Running { cpu } => Some(cpu),
-        _ => None,
-    }
+    thread.slices.get(i)?.state().on_cpu()
 }
 
 /// The CPU `thread` ran on next after `ts_ns`.
 fn next_cpu(thread: &ThreadTrack, ts_ns: u64) -> Option<u32> {
     let i = thread.slices.partition_point(|s| s.start_ns < ts_ns);
-    thread.slices[i..].iter().find_map(|s| match s.state() {
-        ThreadState::Running { cpu } => Some(cpu),
-        _ => None,
-    })
+    thread.slices[i..].iter().find_map(|s| s.state().on_cpu())
 }
 
 struct Bundler<'a, W: Write> {

@@ -387,6 +387,8 @@ const AT_START: &str = "runnable at capture start";
 const UNKNOWN: &str = "Unknown";
 const REASON: &str = "reason";
 const NO_EVENT: &str = "the kernel reported no scheduler event for this interval";
+const SAMPLED: &str =
+    "on a CPU in its stack samples; the kernel reported no switch onto it for this interval";
 const THREAD_CREATED: &str = "Thread created";
 const PROCESS_FORKED: &str = "Process forked";
 const THREAD_EXIT: &str = "Thread exit";
@@ -454,6 +456,10 @@ impl SchedIds {
                     need(REASON, false);
                     need(NO_EVENT, false);
                 }
+                ThreadState::Sampled { .. } => {
+                    need(REASON, false);
+                    need(SAMPLED, false);
+                }
                 _ => {}
             }
         }
@@ -486,6 +492,11 @@ impl SchedIds {
         let one = |s: Stat| EventStats::inline([s]);
         match state {
             ThreadState::Running { cpu } => (self.running, one(Stat::i64(self.cpu, cpu.into()))),
+            ThreadState::Sampled { cpu } => {
+                let why = Stat::reference(self.rare(REASON), self.rare(SAMPLED));
+                let stats = EventStats::inline([Stat::i64(self.cpu, cpu.into()), why]);
+                (self.running, stats)
+            }
             ThreadState::Runnable { cause } => {
                 let cause_is = |id| Stat::reference(self.cause, id);
                 let stats = match cause {

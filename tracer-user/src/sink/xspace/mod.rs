@@ -404,6 +404,65 @@ mod tests {
         }
     }
 
+    /// A stretch on a CPU taken from the samples is "Running" with its CPU
+    /// and a reason, on the thread's line and on its CPU's.
+    #[test]
+    fn running_seen_in_samples_says_so() {
+        let mut threads = BTreeMap::new();
+        threads.insert(
+            7,
+            thread(
+                7,
+                vec![
+                    StateSlice::new(1_000, 1_400, ThreadState::Unknown),
+                    StateSlice::new(1_400, 2_000, ThreadState::Sampled { cpu: 2 }),
+                ],
+            ),
+        );
+        let tl = Timeline {
+            start_ns: 1_000,
+            stop_ns: 2_000,
+            clock: ClockSync::from_offset(0),
+            processes: BTreeMap::new(),
+            peers: Vec::new(),
+            threads,
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats::default(),
+        };
+        assert_file_and_memory_agree(&tl);
+        let xs = timeline_to_xspace(&tl, "host");
+        let host = &xs.planes[0];
+        let text = |id: i64| host.stat_metadata[&id].name.as_str();
+        let events: Vec<(&str, Vec<(&str, String)>)> = host.lines[0]
+            .events
+            .iter()
+            .map(|e| {
+                let stats = e
+                    .stats
+                    .iter()
+                    .map(|s| {
+                        let value = match s.value {
+                            Some(x_stat::Value::RefValue(r)) => text(r as i64).to_string(),
+                            Some(x_stat::Value::Int64Value(v)) => v.to_string(),
+                            ref other => format!("{other:?}"),
+                        };
+                        (text(s.metadata_id), value)
+                    })
+                    .collect();
+                (host.event_metadata[&e.metadata_id].name.as_str(), stats)
+            })
+            .collect();
+        assert_eq!(events[0].0, "Unknown");
+        assert_eq!(events[1].0, "Running");
+        assert_eq!(events[1].1[0], ("cpu", "2".to_string()));
+        assert_eq!(events[1].1[1].0, "reason");
+        assert!(events[1].1[1].1.contains("stack samples"), "{events:?}");
+        let per_cpu = xs.planes.iter().find(|p| p.name == PER_CPU_PLANE).unwrap();
+        assert_eq!(per_cpu.lines[0].id, CPU_LINE_BASE + 2);
+        assert_eq!(per_cpu.lines[0].events.len(), 1);
+    }
+
     #[test]
     fn idle_threads_and_cpus_get_planes_of_their_own() {
         let slice = |start_ns, end_ns, state| StateSlice::new(start_ns, end_ns, state);
