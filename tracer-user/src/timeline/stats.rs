@@ -37,6 +37,11 @@ impl Stats {
         self.shared.as_ref()
     }
 
+    /// The stats it holds for itself alone: those after the shared ones.
+    pub fn own(&self) -> &[Stat] {
+        &self.own
+    }
+
     /// Every stat, in order.
     pub fn iter(&self) -> Iter<'_> {
         self.shared

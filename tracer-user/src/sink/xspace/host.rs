@@ -13,8 +13,8 @@ use rustc_hash::FxHashMap;
 
 use super::{
     BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EncodeEvent, EventStats, FlowDirection, HOST_CPU_PLANE,
-    LineEvent, LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream, Stat, XPlaneBuilder, encode_event,
-    encode_line, flow_stat_value,
+    LineEvent, LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream, SharedGroups, SharedStats, Stat,
+    XPlaneBuilder, encode_line, flow_stat_value,
 };
 use crate::timeline::{
     CpuLines, FlowId, MarkKind, Peer, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack,
@@ -138,6 +138,7 @@ impl HostThreads {
             ids: &self.ids,
             peers,
             spans: &spans,
+            groups: self.plane.shared_groups(),
         };
         let events = merge(merge(states, spans_in_order), marks)
             .map(|item| ThreadEvent { item, line: &line });
@@ -224,6 +225,7 @@ struct LineContext<'a> {
     ids: &'a SchedIds,
     peers: &'a [Peer],
     spans: &'a InternedSpans,
+    groups: &'a SharedGroups,
 }
 
 /// A thread line's item as [`encode_line`] takes it: its stats are made
@@ -240,7 +242,12 @@ impl EncodeEvent for ThreadEvent<'_> {
 
     #[inline]
     fn encode_field(&self, out: &mut Vec<u8>) {
-        let LineContext { ids, peers, spans } = self.line;
+        let LineContext {
+            ids,
+            peers,
+            spans,
+            groups,
+        } = self.line;
         match self.item {
             LineItem::State {
                 state,
@@ -248,19 +255,22 @@ impl EncodeEvent for ThreadEvent<'_> {
                 duration_ps,
             } => {
                 let (name, stats) = ids.state(state, peers);
-                encode_event(out, name, offset_ps, duration_ps, stats.as_slice());
+                stats.encode_event(out, name, offset_ps, duration_ps);
             }
             LineItem::Span {
                 index,
                 offset_ps,
                 duration_ps,
             } => {
-                let stats = &spans.stats[spans.ranges[index].clone()];
-                encode_event(out, spans.names[index], offset_ps, duration_ps, stats);
+                let stats = EventStats::Shared {
+                    encoded: groups.encoded(spans.shared[index]),
+                    own: &spans.stats[spans.ranges[index].clone()],
+                };
+                stats.encode_event(out, spans.names[index], offset_ps, duration_ps);
             }
             LineItem::Mark { kind, offset_ps } => {
                 let (name, stats) = ids.mark(kind, peers);
-                encode_event(out, name, offset_ps, 0, stats.as_slice());
+                stats.encode_event(out, name, offset_ps, 0);
             }
         }
     }
@@ -563,9 +573,10 @@ impl SchedIds {
 }
 
 /// A thread's spans with their names and stats interned: the stats of span
-/// `i` are `stats[ranges[i]]`.
+/// `i` are the plane's group `shared[i]`, then `stats[ranges[i]]`.
 struct InternedSpans {
     names: Vec<i64>,
+    shared: Vec<SharedStats>,
     ranges: Vec<std::ops::Range<usize>>,
     stats: Vec<Stat>,
     /// Span indices in [`LineEvent::order_key`] order.
@@ -576,6 +587,7 @@ impl InternedSpans {
     fn new(plane: &mut XPlaneBuilder, spans: &[Span]) -> Self {
         let mut out = InternedSpans {
             names: Vec::with_capacity(spans.len()),
+            shared: Vec::with_capacity(spans.len()),
             ranges: Vec::with_capacity(spans.len()),
             stats: Vec::new(),
             order: (0..spans.len()).collect(),
@@ -583,10 +595,8 @@ impl InternedSpans {
         for span in spans {
             out.names.push(plane.event_metadata(&span.name));
             let from = out.stats.len();
-            for (k, v) in &span.stats {
-                let stat = plane.stat(k, v);
-                out.stats.push(stat);
-            }
+            out.shared
+                .push(plane.span_stats(&span.stats, &mut out.stats));
             out.ranges.push(from..out.stats.len());
         }
         // Timelines come with their spans nested and sorted (`timeline::nest`).

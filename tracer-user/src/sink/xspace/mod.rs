@@ -67,7 +67,7 @@ mod host;
 mod plane;
 mod wire;
 
-pub use plane::{PlaneOut, PlaneStream, XPlaneBuilder};
+pub use plane::{PlaneOut, PlaneStream, SharedGroups, SharedStats, XPlaneBuilder};
 pub use wire::{
     EncodeEvent, Encoded, EventStats, LineEvent, LineOut, Stat, encode_event, encode_line,
 };
@@ -84,8 +84,7 @@ fn push_span(
     stats: &crate::timeline::Stats,
 ) {
     let id = plane.event_metadata(name);
-    let stats: Vec<Stat> = stats.iter().map(|(k, v)| plane.stat(k, v)).collect();
-    plane.push_event(id, start, end - start, &stats);
+    plane.push_span_event(id, start, end - start, stats);
 }
 
 /// Host name to record in the XSpace (XProf matches it to the file name).
@@ -247,7 +246,7 @@ fn write_device_plane<W: PlaneOut>(
     plane.add_plane_stat("ebtrace_timing", &StatValue::Str(timing.into()));
     let mut lines = PlaneStream::begin(out, 1)?;
     for stream in device.streams.values() {
-        let stats = stream.events.iter().map(|e| e.stats.len()).sum();
+        let stats = stream.events.iter().map(|e| e.stats.own().len()).sum();
         plane.reserve_exact(stream.events.len(), stats);
         for e in &stream.events {
             push_span(&mut plane, &e.name, ps(e.start_ns), ps(e.end_ns), &e.stats);

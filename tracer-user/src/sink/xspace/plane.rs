@@ -19,16 +19,18 @@ use prost::{
 use rustc_hash::FxHashMap;
 use std::io::{self, Seek, SeekFrom, Write};
 
+use crate::timeline;
+
 use super::{
     StatValue,
     wire::{
         Encoded, EventStats, LineEvent, LineOut, PADDED_VARINT_BYTES, SpillingLine, Stat,
-        encode_line, padded_varint,
+        encode_line, encode_stat_fields, padded_varint,
     },
 };
 
-/// An event of the line being built; its stats are
-/// `stats[stats_start..stats_start + stats_len]` of the builder.
+/// An event of the line being built; its stats are the group `shared`,
+/// then `stats[stats_start..stats_start + stats_len]` of the builder.
 #[derive(Clone, Copy, Debug)]
 struct QueuedEvent {
     offset_ps: i64,
@@ -36,16 +38,47 @@ struct QueuedEvent {
     metadata_id: i64,
     stats_start: u32,
     stats_len: u32,
+    shared: SharedStats,
 }
 
 impl QueuedEvent {
-    fn as_line_event<'a>(&self, all: &'a [Stat]) -> LineEvent<'a> {
+    fn as_line_event<'a>(&self, all: &'a [Stat], shared: &'a SharedGroups) -> LineEvent<'a> {
         LineEvent {
             metadata_id: self.metadata_id,
             offset_ps: self.offset_ps,
             duration_ps: self.duration_ps,
-            stats: EventStats::Shared(&all[self.stats_start as usize..][..self.stats_len as usize]),
+            stats: EventStats::Shared {
+                encoded: shared.encoded(self.shared),
+                own: &all[self.stats_start as usize..][..self.stats_len as usize],
+            },
         }
+    }
+}
+
+/// A group of stats many spans share, encoded in a plane's
+/// [`SharedGroups`]; the default is no stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharedStats {
+    start: u32,
+    len: u32,
+}
+
+/// The stat groups a plane's spans share (the shared part of a
+/// [`timeline::Stats`]), each encoded once, when first met: a kernel's
+/// launches share a dozen stats, and encoding them again for every launch
+/// took most of a driver call's share of a snapshot.
+#[derive(Default)]
+pub struct SharedGroups {
+    /// By the address of the group's stats, which the timeline being
+    /// written keeps alive (and so distinct) while the plane is built.
+    ranges: FxHashMap<usize, SharedStats>,
+    bytes: Vec<u8>,
+}
+
+impl SharedGroups {
+    /// The group's encoded stat fields.
+    pub fn encoded(&self, group: SharedStats) -> &[u8] {
+        &self.bytes[group.start as usize..][..group.len as usize]
     }
 }
 
@@ -60,6 +93,7 @@ pub struct XPlaneBuilder {
     /// The line being built.
     queued: Vec<QueuedEvent>,
     stats: Vec<Stat>,
+    shared: SharedGroups,
 }
 
 impl XPlaneBuilder {
@@ -75,6 +109,7 @@ impl XPlaneBuilder {
             lines: vec![0; FIELD_ROOM],
             queued: Vec::new(),
             stats: Vec::new(),
+            shared: SharedGroups::default(),
         }
     }
 
@@ -126,6 +161,42 @@ impl XPlaneBuilder {
         Stat::new(self.stat_metadata(name), value)
     }
 
+    /// Interns `stats`: their shared group (encoded the first time it is
+    /// met), returned, and their own, appended to `own`.
+    pub fn span_stats(&mut self, stats: &timeline::Stats, own: &mut Vec<Stat>) -> SharedStats {
+        let group = match stats.shared() {
+            Some(group) if !group.is_empty() => {
+                let key = group.as_ptr() as usize;
+                match self.shared.ranges.get(&key) {
+                    Some(&range) => range,
+                    None => {
+                        let interned: Vec<Stat> =
+                            group.iter().map(|(k, v)| self.stat(k, v)).collect();
+                        let start = self.shared.bytes.len();
+                        encode_stat_fields(&interned, &mut self.shared.bytes);
+                        let range = SharedStats {
+                            start: u32::try_from(start).expect("under 4 GB of shared stats"),
+                            len: (self.shared.bytes.len() - start) as u32,
+                        };
+                        self.shared.ranges.insert(key, range);
+                        range
+                    }
+                }
+            }
+            _ => SharedStats::default(),
+        };
+        for (k, v) in stats.own() {
+            let stat = self.stat(k, v);
+            own.push(stat);
+        }
+        group
+    }
+
+    /// The groups [`span_stats`](Self::span_stats) encoded.
+    pub fn shared_groups(&self) -> &SharedGroups {
+        &self.shared
+    }
+
     pub fn add_plane_stat(&mut self, name: &str, value: &StatValue) {
         let stat = self.stat(name, value).as_proto();
         self.plane.stats.push(stat);
@@ -156,6 +227,30 @@ impl XPlaneBuilder {
             metadata_id,
             stats_start,
             stats_len: stats.len() as u32,
+            shared: SharedStats::default(),
+        });
+    }
+
+    /// Queues an event with a span's `stats` (see
+    /// [`span_stats`](Self::span_stats)) on the line being built.
+    pub fn push_span_event(
+        &mut self,
+        metadata_id: i64,
+        offset_ps: i64,
+        duration_ps: i64,
+        stats: &timeline::Stats,
+    ) {
+        let stats_start = u32::try_from(self.stats.len()).expect("under 4G stats per line");
+        let mut own = std::mem::take(&mut self.stats);
+        let shared = self.span_stats(stats, &mut own);
+        self.stats = own;
+        self.queued.push(QueuedEvent {
+            offset_ps,
+            duration_ps,
+            metadata_id,
+            stats_start,
+            stats_len: self.stats.len() as u32 - stats_start,
+            shared,
         });
     }
 
@@ -167,11 +262,12 @@ impl XPlaneBuilder {
         let mut stats = std::mem::take(&mut self.stats);
         // Stable: equal events keep the order they were queued in.
         queued.sort_by_key(|e| (e.offset_ps, std::cmp::Reverse(e.duration_ps)));
-        self.write_line(
+        encode_line(
+            &mut LineOut::Buffer(&mut self.lines),
             id,
             name,
             display_name,
-            queued.iter().map(|e| e.as_line_event(&stats)),
+            queued.iter().map(|e| e.as_line_event(&stats, &self.shared)),
         );
         queued.clear();
         stats.clear();
@@ -391,6 +487,67 @@ mod tests {
         assert_eq!(plane.lines[0].events.len(), 5);
         assert_eq!(plane.stats.len(), 1);
         assert_eq!(plane.event_metadata.len(), 2);
+    }
+
+    /// Spans sharing a group of stats: the group is encoded once, and each
+    /// event reads as prost writes it with all its stats, short or long.
+    #[test]
+    fn shared_stat_groups_encode_as_prost_does() {
+        use std::sync::Arc;
+
+        let mut b = XPlaneBuilder::new(0, "p");
+        let launch = b.event_metadata("launch");
+        let group: Arc<[timeline::Stat]> = vec![
+            ("kernel".into(), StatValue::Str("a_kernel".into())),
+            ("grid".into(), StatValue::U64(7)),
+        ]
+        .into();
+        let many: Arc<[timeline::Stat]> = (0..12)
+            .map(|i| (format!("s{i}").into(), StatValue::I64(i64::MIN + i)))
+            .collect();
+        let own = |id: u64| vec![("correlation_id".into(), StatValue::U64(id))];
+        let spans = [
+            timeline::Stats::shared_then(group.clone(), own(1)),
+            timeline::Stats::shared_then(many.clone(), own(2)),
+            timeline::Stats::shared_then(group.clone(), own(3)),
+            timeline::Stats::from(own(4)),
+            timeline::Stats::shared_then(many.clone(), vec![]),
+        ];
+        for (i, stats) in spans.iter().enumerate() {
+            b.push_span_event(launch, i as i64 * 10, 5, stats);
+        }
+        assert_eq!(b.shared_groups().ranges.len(), 2, "each group encoded once");
+        b.finish_line(1, "stream", "stream");
+
+        let mut reference = XPlaneBuilder::new(0, "p");
+        let launch = reference.event_metadata("launch");
+        let events: Vec<XEvent> = spans
+            .iter()
+            .enumerate()
+            .map(|(i, stats)| XEvent {
+                metadata_id: launch,
+                duration_ps: 5,
+                stats: stats
+                    .iter()
+                    .map(|(k, v)| reference.stat(k, v).as_proto())
+                    .collect(),
+                data: Some(x_event::Data::OffsetPs(i as i64 * 10)),
+            })
+            .collect();
+        assert!(events[1].encoded_len() > 127, "a two-byte length");
+        let mut expected = Vec::new();
+        prost::encoding::message::encode(
+            3,
+            &XLine {
+                id: 1,
+                name: "stream".into(),
+                display_name: "stream".into(),
+                events,
+                ..Default::default()
+            },
+            &mut expected,
+        );
+        assert_eq!(b.lines[FIELD_ROOM..], expected);
     }
 
     /// A line too large to be moved onto its shortest length reads as

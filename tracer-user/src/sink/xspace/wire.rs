@@ -89,11 +89,20 @@ fn encode_string(tag: u32, s: &str, out: &mut Vec<u8>) {
     }
 }
 
-/// An event's stats: a few inline, or borrowed.
+/// An event's stats: a few inline, or borrowed, the first of them
+/// encoded already.
 #[derive(Clone, Copy, Debug)]
 pub enum EventStats<'a> {
-    Inline { len: u8, stats: [Stat; 4] },
-    Shared(&'a [Stat]),
+    Inline {
+        len: u8,
+        stats: [Stat; 4],
+    },
+    /// Stats shared with other events, encoded once (with
+    /// [`encode_stat_fields`]), then the event's own.
+    Shared {
+        encoded: &'a [u8],
+        own: &'a [Stat],
+    },
 }
 
 impl<'a> EventStats<'a> {
@@ -119,10 +128,38 @@ impl<'a> EventStats<'a> {
         }
     }
 
-    pub fn as_slice(&self) -> &[Stat] {
-        match self {
-            EventStats::Inline { len, stats } => &stats[..usize::from(*len)],
-            EventStats::Shared(stats) => stats,
+    /// Stats of the event's own, none encoded already.
+    pub fn own(stats: &'a [Stat]) -> Self {
+        EventStats::Shared {
+            encoded: &[],
+            own: stats,
+        }
+    }
+
+    /// Writes the `events` field (4) of an `XLine` holding an event of
+    /// `metadata_id`, times and these stats.
+    #[inline(always)]
+    pub fn encode_event(
+        &self,
+        out: &mut Vec<u8>,
+        metadata_id: i64,
+        offset_ps: i64,
+        duration_ps: i64,
+    ) {
+        match *self {
+            EventStats::Inline { len, ref stats } => encode_event(
+                out,
+                metadata_id,
+                offset_ps,
+                duration_ps,
+                &stats[..usize::from(len)],
+            ),
+            EventStats::Shared { encoded: [], own } => {
+                encode_event(out, metadata_id, offset_ps, duration_ps, own)
+            }
+            EventStats::Shared { encoded, own } => {
+                encode_sharing_event(out, metadata_id, offset_ps, duration_ps, encoded, own)
+            }
         }
     }
 }
@@ -161,13 +198,8 @@ impl EncodeEvent for LineEvent<'_> {
 
     #[inline]
     fn encode_field(&self, out: &mut Vec<u8>) {
-        encode_event(
-            out,
-            self.metadata_id,
-            self.offset_ps,
-            self.duration_ps,
-            self.stats.as_slice(),
-        );
+        self.stats
+            .encode_event(out, self.metadata_id, self.offset_ps, self.duration_ps);
     }
 }
 
@@ -235,6 +267,48 @@ fn encode_large_event(
     out.push(key_byte(4, WireType::LengthDelimited));
     put_varint(body.len() as u64, out);
     out.extend_from_slice(&body);
+}
+
+/// Appends `stats` as an `XEvent`'s `stats` fields (4), to be copied into
+/// the events that share them (see [`EventStats::Shared`]).
+pub fn encode_stat_fields(stats: &[Stat], out: &mut Vec<u8>) {
+    for s in stats {
+        EventBytes::append(out, |b| b.stat_field(s));
+    }
+}
+
+/// [`encode_event`] for an event whose first stats come encoded already
+/// (`encoded`, a group many events share), then its `own`: its body is
+/// written in place past a length of one byte, moved up if it needs more.
+fn encode_sharing_event(
+    out: &mut Vec<u8>,
+    metadata_id: i64,
+    offset_ps: i64,
+    duration_ps: i64,
+    encoded: &[u8],
+    own: &[Stat],
+) {
+    out.push(key_byte(4, WireType::LengthDelimited));
+    let length_at = out.len();
+    out.push(0);
+    EventBytes::append(out, |b| b.header(metadata_id, offset_ps, duration_ps));
+    out.extend_from_slice(encoded);
+    encode_stat_fields(own, out);
+    let body = length_at + 1;
+    let len = out.len() - body;
+    let (mut length, mut n, mut v) = ([0u8; 10], 0, len as u64);
+    while v >= 0x80 {
+        length[n] = v as u8 | 0x80;
+        v >>= 7;
+        n += 1;
+    }
+    length[n] = v as u8;
+    n += 1;
+    if n > 1 {
+        out.resize(out.len() + n - 1, 0);
+        out.copy_within(body..body + len, body + n - 1);
+    }
+    out[length_at..length_at + n].copy_from_slice(&length[..n]);
 }
 
 /// An event's body being encoded, straight into the spare capacity of
