@@ -188,14 +188,14 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 /// each): it is held in 160 bytes rather than 32, and becomes two spans
 /// with a dozen stats (the call on its thread, the work on its stream's
 /// line; all their stats but the correlation shared by the launches of one
-/// kernel and configuration on one stream) rather than a share of a thread
-/// state. Measured on a flat-out launch loop
+/// kernel and configuration on one stream, and encoded once per plane).
+/// Measured on a flat-out launch loop
 /// (`a_snapshot_of_driver_calls_is_built_within_the_retained_memory`):
-/// about 1.1 KB a call at a snapshot's peak beyond what the server held,
-/// the calls made while it is built included; counted as 1.9 KB, as the
+/// about 0.85 KB a call at a snapshot's peak beyond what the server held,
+/// the calls made while it is built included; counted as 1.6 KB, as the
 /// server's own memory beside the cap (the objects stack samples are named
 /// from, the ring buffer) leaves the cap little room to spare.
-pub(super) const DRIVER_RECORD_SLOTS: usize = 7;
+pub(super) const DRIVER_RECORD_SLOTS: usize = 6;
 
 /// The memory a stack sample takes, in records: its own and its frames'.
 pub(super) fn sample_slots(s: &StackSample) -> usize {
