@@ -31,9 +31,12 @@ fn link(id: Option<u8>) -> Option<FlowId> {
 }
 
 fn state(kind: u8, flow: Option<u8>) -> ThreadState {
-    match kind % 4 {
+    match kind % 5 {
         0 => ThreadState::Running {
-            cpu: u32::from(kind / 4 % 3),
+            cpu: u32::from(kind / 5 % 3),
+        },
+        3 => ThreadState::Sampled {
+            cpu: u32::from(kind / 5 % 3),
         },
         1 => ThreadState::Runnable {
             cause: RunnableCause::Woken {
