@@ -117,13 +117,13 @@ fn narrow_thread(thread: &mut ThreadTrack, seen: &[(u64, u32)]) -> u64 {
     let mut slices = Vec::with_capacity(thread.slices.len() + 2);
     let mut narrowed = 0;
     for (i, &slice) in thread.slices.iter().enumerate() {
-        let (start, end) = (slice.start_ns, slice.end_ns);
-        let inside = &seen[seen.partition_point(|&(ts, _)| ts < start)
-            ..seen.partition_point(|&(ts, _)| ts < end)];
         if slice.state() != ThreadState::Unknown {
             slices.push(slice);
             continue;
         }
+        let (start, end) = (slice.start_ns, slice.end_ns);
+        let inside = &seen[seen.partition_point(|&(ts, _)| ts < start)
+            ..seen.partition_point(|&(ts, _)| ts < end)];
         let next = thread
             .slices
             .get(i + 1)
@@ -151,12 +151,13 @@ fn narrow_thread(thread: &mut ThreadTrack, seen: &[(u64, u32)]) -> u64 {
                 continue;
             }
             if state != ThreadState::Unknown {
-                thread.counters.unknown_ns -= to - from;
-                thread.counters.on_cpu_ns += to - from;
+                let c = &mut thread.counters;
+                c.unknown_ns = c.unknown_ns.saturating_sub(to - from);
+                c.on_cpu_ns += to - from;
+                narrowed += 1;
             }
             slices.push(StateSlice::new(from, to, state));
         }
-        narrowed += 1;
     }
     thread.slices = slices;
     narrowed
@@ -277,5 +278,16 @@ mod tests {
             ]
         );
         assert_eq!(t.counters.unknown_ns, 100);
+
+        // Ended by a reported switch-in (its switch-out went unreported),
+        // its only sample at its start: nothing is known past that
+        // instant, so it stays unknown.
+        let line = [
+            (0, 100, ThreadState::Unknown),
+            (100, 200, ThreadState::Running { cpu: 0 }),
+        ];
+        let mut t = thread(&line);
+        assert_eq!(narrow_thread(&mut t, &[(0, 0)]), 0);
+        assert_eq!(states(&t), line);
     }
 }
