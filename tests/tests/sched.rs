@@ -213,8 +213,11 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
     // Ping wakes pong once per round trip; pong wakes ping each time ping
     // had to wait for the reply (the fixture counts both). Each wake-up has
     // a flow from waker to woken.
+    // Ping waits only for a reply not there yet: where pong, woken, runs at
+    // once on ping's CPU (preempting it), the reply is there before ping
+    // reads, and ping may hardly wait at all. The count checked below is
+    // the fixture's, however small.
     assert!(round_trips >= 50.0, "only {round_trips} round trips");
-    assert!(ping_waits >= 20.0, "ping waited only {ping_waits} times");
     for (waker, woken, expected) in [("ping", "pong", round_trips), ("pong", "ping", ping_waits)] {
         let (waker_tid, woken_tid) = (tid_of(waker), tid_of(woken));
         let woken_events = line_events(host, i64::from(woken_tid));
