@@ -158,7 +158,7 @@ impl<'a> EventStats<'a> {
                 encode_event(out, metadata_id, offset_ps, duration_ps, own)
             }
             EventStats::Shared { encoded, own } => {
-                encode_sharing_event(out, metadata_id, offset_ps, duration_ps, encoded, own)
+                encode_event_in_parts(out, metadata_id, offset_ps, duration_ps, encoded, own)
             }
         }
     }
@@ -219,7 +219,7 @@ pub fn encode_event(
     stats: &[Stat],
 ) {
     if stats.len() > EventBytes::MAX_STATS {
-        return encode_large_event(out, metadata_id, offset_ps, duration_ps, stats);
+        return encode_event_in_parts(out, metadata_id, offset_ps, duration_ps, &[], stats);
     }
     out.reserve(3 + EventBytes::CAPACITY);
     let start = out.len();
@@ -249,26 +249,6 @@ pub fn encode_event(
     unsafe { out.set_len(start + written) };
 }
 
-/// [`encode_event`] for an event of many stats: its parts are encoded one
-/// by one and gathered here.
-#[cold]
-fn encode_large_event(
-    out: &mut Vec<u8>,
-    metadata_id: i64,
-    offset_ps: i64,
-    duration_ps: i64,
-    stats: &[Stat],
-) {
-    let mut body = Vec::new();
-    EventBytes::append(&mut body, |b| b.header(metadata_id, offset_ps, duration_ps));
-    for s in stats {
-        EventBytes::append(&mut body, |b| b.stat_field(s));
-    }
-    out.push(key_byte(4, WireType::LengthDelimited));
-    put_varint(body.len() as u64, out);
-    out.extend_from_slice(&body);
-}
-
 /// Appends `stats` as an `XEvent`'s `stats` fields (4), to be copied into
 /// the events that share them (see [`EventStats::Shared`]).
 pub fn encode_stat_fields(stats: &[Stat], out: &mut Vec<u8>) {
@@ -278,9 +258,10 @@ pub fn encode_stat_fields(stats: &[Stat], out: &mut Vec<u8>) {
 }
 
 /// [`encode_event`] for an event whose first stats come encoded already
-/// (`encoded`, a group many events share), then its `own`: its body is
-/// written in place past a length of one byte, moved up if it needs more.
-fn encode_sharing_event(
+/// (`encoded`, a group many events share; maybe none), then its `own` (any
+/// number): its parts are appended one by one past a length of one byte,
+/// and the body moved up if its length needs more.
+fn encode_event_in_parts(
     out: &mut Vec<u8>,
     metadata_id: i64,
     offset_ps: i64,
