@@ -335,17 +335,7 @@ mod tests {
                 counters: ThreadCounters::default(),
             },
         );
-        let tl = Timeline {
-            start_ns: 1_000,
-            stop_ns: 2_000,
-            clock: ClockSync::from_offset(1_000_000),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads,
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        };
+        let tl = window_of(threads, 1_000_000);
         assert_file_and_memory_agree(&tl);
         let xs = timeline_to_xspace(&tl, "host");
         assert_eq!(xs.hostnames, vec!["host"]);
@@ -391,6 +381,22 @@ mod tests {
         assert_eq!(start.value, Some(x_stat::Value::Uint64Value(1_001_000)));
     }
 
+    /// A timeline of `threads` over [1000, 2000) ns, its clock `offset_ns`
+    /// from the wall clock.
+    fn window_of(threads: BTreeMap<u32, ThreadTrack>, offset_ns: i64) -> Timeline {
+        Timeline {
+            start_ns: 1_000,
+            stop_ns: 2_000,
+            clock: ClockSync::from_offset(offset_ns),
+            processes: BTreeMap::new(),
+            peers: Vec::new(),
+            threads,
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats::default(),
+        }
+    }
+
     fn thread(tid: u32, slices: Vec<StateSlice>) -> ThreadTrack {
         ThreadTrack {
             tid,
@@ -418,17 +424,7 @@ mod tests {
                 ],
             ),
         );
-        let tl = Timeline {
-            start_ns: 1_000,
-            stop_ns: 2_000,
-            clock: ClockSync::from_offset(0),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads,
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        };
+        let tl = window_of(threads, 0);
         assert_file_and_memory_agree(&tl);
         let xs = timeline_to_xspace(&tl, "host");
         let host = &xs.planes[0];
@@ -480,17 +476,7 @@ mod tests {
             ),
         );
         threads.insert(8, thread(8, vec![slice(1_000, 2_000, blocked)]));
-        let tl = Timeline {
-            start_ns: 1_000,
-            stop_ns: 2_000,
-            clock: ClockSync::from_offset(0),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads,
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        };
+        let tl = window_of(threads, 0);
         assert_file_and_memory_agree(&tl);
         let xs = timeline_to_xspace(&tl, "host");
         let names: Vec<&str> = xs.planes.iter().map(|p| p.name.as_str()).collect();

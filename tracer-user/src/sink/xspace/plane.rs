@@ -420,6 +420,20 @@ mod tests {
         PADDED_LINE_LENGTH_FROM, SPILL_BYTES as SPILL_BYTES_FOR_TESTS,
     };
 
+    /// Line `id` with `events`, as prost encodes it as a plane's field.
+    fn prost_line(id: i64, name: &str, display_name: &str, events: Vec<XEvent>) -> Vec<u8> {
+        let mut out = Vec::new();
+        let line = XLine {
+            id,
+            name: name.into(),
+            display_name: display_name.into(),
+            events,
+            ..Default::default()
+        };
+        prost::encoding::message::encode(3, &line, &mut out);
+        out
+    }
+
     /// The hand-written encoding is byte for byte prost's.
     #[test]
     fn lines_encode_as_prost_does() {
@@ -450,32 +464,19 @@ mod tests {
             stats: stats.iter().map(|s| s.as_proto()).collect(),
             data: Some(x_event::Data::OffsetPs(offset)),
         };
-        let mut expected = Vec::new();
-        prost::encoding::message::encode(
-            3,
-            &XLine {
-                id: 42,
-                name: "worker".into(),
-                display_name: "worker [42]".into(),
-                events: vec![
-                    event(-1, -1, -1, &stats_d),
-                    event(step, 0, 1_000, &[]),
-                    event(running, 0, 400, &stats_a),
-                    event(running, 500, 0, &stats_b),
-                    event(step, 900, -1, &stats_c),
-                ],
-                ..Default::default()
-            },
-            &mut expected,
+        let mut expected = prost_line(
+            42,
+            "worker",
+            "worker [42]",
+            vec![
+                event(-1, -1, -1, &stats_d),
+                event(step, 0, 1_000, &[]),
+                event(running, 0, 400, &stats_a),
+                event(running, 500, 0, &stats_b),
+                event(step, 900, -1, &stats_c),
+            ],
         );
-        prost::encoding::message::encode(
-            3,
-            &XLine {
-                id: 7,
-                ..Default::default()
-            },
-            &mut expected,
-        );
+        expected.extend(prost_line(7, "", "", vec![]));
         assert_eq!(b.lines[FIELD_ROOM..], expected);
 
         // As a plane of an XSpace, lines first.
@@ -535,19 +536,10 @@ mod tests {
             })
             .collect();
         assert!(events[1].encoded_len() > 127, "a two-byte length");
-        let mut expected = Vec::new();
-        prost::encoding::message::encode(
-            3,
-            &XLine {
-                id: 1,
-                name: "stream".into(),
-                display_name: "stream".into(),
-                events,
-                ..Default::default()
-            },
-            &mut expected,
+        assert_eq!(
+            b.lines[FIELD_ROOM..],
+            prost_line(1, "stream", "stream", events)
         );
-        assert_eq!(b.lines[FIELD_ROOM..], expected);
     }
 
     /// A line too large to be moved onto its shortest length reads as
