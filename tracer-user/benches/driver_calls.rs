@@ -32,7 +32,7 @@ use tracer_common::{
     cuda::{CUDA_NAME_LEN, CudaCall, CudaSymbol},
 };
 
-use common::{env_or, median};
+use common::{median, size_and_rounds};
 
 mod common;
 
@@ -129,18 +129,7 @@ fn launch_loop(calls: usize) -> EncodedRecords {
 fn main() {
     // As the `ebtrace` binary allocates.
     ebtrace::large_buffers_from_mmap();
-    // `cargo bench` passes `--bench`; `cargo test --benches` runs it once, small.
-    let testing = !std::env::args().any(|a| a == "--bench");
-    let n = if testing {
-        1_000
-    } else {
-        env_or("EBTRACE_BENCH_CALLS", 60_000)
-    };
-    let rounds = if testing {
-        1
-    } else {
-        env_or("EBTRACE_BENCH_ROUNDS", 5)
-    };
+    let (n, rounds) = size_and_rounds("EBTRACE_BENCH_CALLS", 60_000, 1_000);
     let held = launch_loop(n);
     let stop_ns = START_NS + 2_000 * (n as u64 + 1);
     let window = Window::between(START_NS, stop_ns);

@@ -24,7 +24,7 @@ use ebtrace::{
     timeline::{InitialState, Sources, Window, assemble},
 };
 
-use common::{env_or, median};
+use common::{median, size_and_rounds};
 
 mod common;
 
@@ -60,18 +60,7 @@ fn ping_pong(records: usize) -> Vec<Record> {
 fn main() {
     // As the `ebtrace` binary allocates.
     ebtrace::large_buffers_from_mmap();
-    // `cargo bench` passes `--bench`; `cargo test --benches` runs it once, small.
-    let testing = !std::env::args().any(|a| a == "--bench");
-    let n = if testing {
-        10_000
-    } else {
-        env_or("EBTRACE_BENCH_RECORDS", 1_000_000)
-    };
-    let rounds = if testing {
-        1
-    } else {
-        env_or("EBTRACE_BENCH_ROUNDS", 5)
-    };
+    let (n, rounds) = size_and_rounds("EBTRACE_BENCH_RECORDS", 1_000_000, 10_000);
     let source = ping_pong(n);
     let stop_ns = source.iter().map(Record::ts).max().unwrap_or(START_NS) + 1_000;
     let initial: HashMap<u32, InitialState> = [(PING, 'R'), (PONG, 'S')]
