@@ -181,15 +181,19 @@ fn jax_own_session_runs_inside_the_target_and_merges_with_scheduling() {
 
     // Per step, each event jax's session records a whole number of times
     // per step (the step's own work; how often a thread waits depends on
-    // timing) is as frequent in ebtrace's trace, within 1%.
+    // timing, and a wait such as `CommonPjRtBuffer::Await` can come out
+    // near a whole number in one run and not the next) is as frequent in
+    // ebtrace's trace, within 1%.
     let ours = counts_by_name(host);
     let theirs = counts_by_name(own_host);
     let (our_steps, their_steps) = (ours["ebtrace_step"] as f64, theirs["ebtrace_step"] as f64);
     let frequent: Vec<&String> = theirs
         .iter()
-        .filter(|(_, n)| {
+        .filter(|(name, n)| {
             let per_step = **n as f64 / their_steps;
-            per_step >= 0.99 && (per_step - per_step.round()).abs() <= 0.01
+            !name.contains("Await")
+                && per_step >= 0.99
+                && (per_step - per_step.round()).abs() <= 0.01
         })
         .map(|(name, _)| name)
         .collect();
