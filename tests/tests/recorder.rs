@@ -22,10 +22,6 @@ use ebtrace_tests::{
 use tonic::Code;
 
 const HOST_CPU: &str = "/host:CPU";
-/// What the loaded probes take beside their ring buffer, and the records
-/// the ring delivers while a snapshot is built (a flood's, on a loaded
-/// machine: up to 15 MiB here), MiB.
-const PROBES_MIB: u64 = 24;
 
 /// The value of the metric `name` in a `/metrics` body.
 fn metric(body: &str, name: &str) -> u64 {
@@ -186,8 +182,10 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         return;
     }
     let _serial = serial();
-    // ping-pong makes hundreds of thousands of records a second; 1 MiB
-    // holds about 3,900 (with what a snapshot of them takes).
+    // ping-pong makes hundreds of thousands of records a second; 96 MiB
+    // hold ebtrace itself (about 20 MiB with a 4 MiB ring buffer, 50 once
+    // it read the symbols of the objects stack samples are in) and about
+    // 200,000 records with what a snapshot of them takes.
     let workload = SchedWorkload::start_on_cpu0(&["--mode", "pingpong"]);
     let server = ServeProcess::loopback(&[
         "--pid",
@@ -197,7 +195,9 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         "--retain",
         "60s",
         "--retain-memory",
-        "1",
+        "96",
+        "--ring-buffer-mib",
+        "4",
         "--http",
         "127.0.0.1:0",
     ]);
@@ -214,7 +214,11 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         metric(&body, "ebtrace_recorder_forgotten_records_total"),
     );
     let submitted = server.records_submitted();
-    assert!(held <= 1024 * 1024 / 96, "{held} records held in 1 MiB");
+    let held_at_most = metric(&body, "ebtrace_recorder_records_limit");
+    assert!(
+        held <= held_at_most && held_at_most < 96 * 1024 * 1024 / 200,
+        "{held} records held, at most {held_at_most}, in 96 MiB"
+    );
     assert!(forgotten > 100_000, "{forgotten} forgotten");
     assert_eq!(
         held + forgotten,
@@ -222,7 +226,10 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
         "held {held}, forgotten {forgotten}"
     );
     let rss_mib = server.rss_kib() / 1024;
-    assert!(rss_mib < 100, "ebtrace holds {rss_mib} MiB");
+    assert!(
+        rss_mib < 96,
+        "ebtrace holds {rss_mib} MiB, over --retain-memory 96"
+    );
 
     // The snapshot holds the newest records: the last moments of ping
     // and pong.
@@ -448,11 +455,11 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
 /// while to build: the ring buffer goes on being drained meanwhile, so
 /// nothing the target does then is lost (a small ring would fill within
 /// the build otherwise).
-/// `--retain-memory` bounds what the recorder holds and what a snapshot
-/// built from it takes: on a target making far more records than that
-/// holds, the server's memory at its peak, while a snapshot is built and
-/// sent, stays within the cap above what it took before the recorder
-/// started (and the probes' own ring buffer).
+/// `--retain-memory` bounds ebtrace's memory while the recorder runs: on
+/// a target making far more records than that holds, the server's
+/// resident memory at its peak, while a snapshot is built and sent, stays
+/// within it, ebtrace's own (its ring buffer, the symbols stack samples
+/// are named from) included.
 #[test]
 fn a_snapshot_is_built_within_the_retained_memory() {
     if !require_root("a_snapshot_is_built_within_the_retained_memory") {
@@ -479,11 +486,10 @@ fn a_snapshot_of_driver_calls_is_built_within_the_retained_memory() {
     assert!(records > 5_000, "{records} records in the snapshot");
 }
 
-/// Fills a 64 MiB recorder with `pid`'s records, takes a snapshot and
+/// Fills a 96 MiB recorder with `pid`'s records, takes a snapshot and
 /// checks the server's peak memory meanwhile; the snapshot's records.
 fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
-    const CAP_MIB: u64 = 64;
-    const RING_MIB: u64 = 4;
+    const CAP_MIB: u64 = 96;
     let server = ServeProcess::loopback(&[
         "--pid",
         &pid.to_string(),
@@ -492,12 +498,11 @@ fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
         "--retain-memory",
         &CAP_MIB.to_string(),
         "--ring-buffer-mib",
-        &RING_MIB.to_string(),
+        "4",
         "--http",
         "127.0.0.1:0",
     ]);
     let metrics_at = server.http_addr();
-    let idle = server.rss_kib();
     block_on(async {
         let mut client = server.client().await;
         client
@@ -519,30 +524,85 @@ fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    std::thread::sleep(Duration::from_secs(1));
+    // Long enough for it to have measured ebtrace's own memory since.
+    std::thread::sleep(Duration::from_secs(3));
     let holding = server.rss_kib();
     server.reset_peak_rss();
     let space = server.snapshot(id);
     let peak = server.peak_rss_kib();
     let records =
         xspace::plane_stats(plane(&space, "Task Environment"))["ebtrace_records"].as_u64();
-    eprintln!(
-        "RSS idle {idle} KiB, holding {holding} KiB, peak {peak} KiB; {records} records in \
-         the snapshot"
-    );
-    // The ring is mapped twice (its pages follow themselves); the probes
-    // and the records drained while the snapshot is built take a few MiB
-    // more.
-    let allowed = (CAP_MIB + 2 * RING_MIB + PROBES_MIB) * 1024;
+    eprintln!("RSS holding {holding} KiB, peak {peak} KiB; {records} records in the snapshot");
     assert!(
-        peak - idle <= allowed,
-        "the server grew by {} KiB at its peak, over the {CAP_MIB} MiB cap and the probes' \
-         {} MiB: {records} records in the snapshot; largest mappings:\n{}",
-        peak - idle,
-        2 * RING_MIB + PROBES_MIB,
+        peak <= CAP_MIB * 1024,
+        "the server took {peak} KiB at its peak, over --retain-memory {CAP_MIB} MiB (holding \
+         {holding} KiB before): {records} records in the snapshot; largest mappings:\n{}",
         server.largest_mappings(8)
     );
     records
+}
+
+/// A `--retain-memory` that leaves no room beside ebtrace itself is
+/// refused at once with the size to give, and that size works.
+#[test]
+fn a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it() {
+    if !require_root("a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&["--mode", "pingpong", "--seconds", "30"]);
+    let pid = workload.pid.to_string();
+    let args = |memory: &str| {
+        let mut args = vec![
+            "serve",
+            "--bind",
+            "127.0.0.1:0",
+            "--pid",
+            &pid,
+            "--retain",
+            "10s",
+        ];
+        args.extend(["--retain-memory", memory]);
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let refused = Command::new(ebtrace_tests::ebtrace_bin())
+        .args(args("20"))
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn ebtrace");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "stderr: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    let suggested = stderr
+        .split("give --retain-memory ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no size to give in {stderr}"));
+    // The 16 MiB ring buffer alone is mapped as 32.
+    assert!(suggested > 32 + 16, "{stderr}");
+
+    let given = suggested.to_string();
+    let server = ServeProcess::loopback(
+        &args(&given)[1..]
+            .iter()
+            .filter(|a| !matches!(a.as_str(), "--bind" | "127.0.0.1:0"))
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    expect_line(&server, "flight recorder on");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        server.rss_kib() <= suggested * 1024,
+        "ebtrace took {} KiB with --retain-memory {suggested}",
+        server.rss_kib()
+    );
+    assert_eq!(
+        server.count_lines("itself now takes"),
+        0,
+        "{:?}",
+        server.lines()
+    );
 }
 
 #[test]

@@ -121,6 +121,10 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// `--retain-memory` leaves the flight recorder no room: what to do.
+    #[error("{0}")]
+    RetainMemory(String),
+
     #[error("stopped after an internal error: {0}")]
     Panicked(String),
 
@@ -145,6 +149,7 @@ impl Error {
             | Error::LogdirNotWritable { .. }
             | Error::Bind { .. }
             | Error::AllowWriteUnder { .. }
+            | Error::RetainMemory(_)
             | Error::BpfRefused { .. }
             | Error::NoEbpfObject => EXIT_USAGE,
             Error::Load(_)

@@ -131,6 +131,12 @@ impl Capture {
         self.held.len() + self.held.driver_records() * (DRIVER_RECORD_SLOTS - 1) + self.sample_slots
     }
 
+    /// The memory the records it holds take, about: the scheduler and
+    /// driver records' chunks, the stack samples with their frames.
+    pub fn held_bytes(&self) -> usize {
+        self.held.bytes() + self.sample_slots * size_of::<Record>()
+    }
+
     /// Records held now (TraceMe events included).
     pub fn held(&self) -> usize {
         self.held.len() + self.stack_samples.len() + self.traceme_events.len()
@@ -184,7 +190,7 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 }
 
 /// The memory a CUDA driver record takes, held and in a snapshot, in
-/// scheduler records (which the flight recorder's cap counts, 272 bytes
+/// scheduler records (which the flight recorder's cap counts, 232 bytes
 /// each): it is held in 160 bytes rather than 32, and becomes two spans
 /// with a dozen stats (the call on its thread, the work on its stream's
 /// line; all their stats but the correlation shared by the launches of one
@@ -192,9 +198,7 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 /// Measured on a flat-out launch loop
 /// (`a_snapshot_of_driver_calls_is_built_within_the_retained_memory`):
 /// about 0.85 KB a call at a snapshot's peak beyond what the server held,
-/// the calls made while it is built included; counted as 1.6 KB, as the
-/// server's own memory beside the cap (the objects stack samples are named
-/// from, the ring buffer) leaves the cap little room to spare.
+/// the calls made while it is built included; counted as 1.4 KB.
 pub(super) const DRIVER_RECORD_SLOTS: usize = 6;
 
 /// The memory a stack sample takes, in records: its own and its frames'.

@@ -90,8 +90,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub retain: Option<Duration>,
 
-    /// Most memory the flight recorder may take, in MiB: the records it
-    /// keeps and a snapshot built from them. Past it the oldest records
+    /// Most memory ebtrace takes while the flight recorder runs, in MiB
+    /// (its resident memory, as top shows it): ebtrace itself, the records
+    /// it keeps and a snapshot built from them. Past it the oldest records
     /// are forgotten (and counted).
     #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub retain_memory: u32,

@@ -74,6 +74,12 @@ impl EncodedRecords {
         self.driver_records
     }
 
+    /// The memory its chunks take (not the spare buffers kept for the
+    /// next ones).
+    pub fn bytes(&self) -> usize {
+        self.chunks.iter().map(|c| c.bytes.capacity()).sum()
+    }
+
     /// Keeps `bytes`, one whole record (see
     /// [`super::decode::held_record_len`]).
     pub fn push_bytes(&mut self, bytes: &[u8]) {
@@ -364,12 +370,19 @@ mod tests {
         let (oldest, all_older) = held.oldest(1_000 + first as u64).unwrap();
         assert_eq!((oldest, all_older), (1_000, true));
         assert!(!held.oldest(1_000 + first as u64 - 1).unwrap().1);
+        let bytes = held.bytes();
+        assert!(
+            bytes >= n * COMMON_RECORD_BYTES && bytes <= n * COMMON_RECORD_BYTES + 2 * CHUNK_BYTES,
+            "{bytes} bytes for {n} records"
+        );
         assert_eq!(held.forget_oldest(), first);
         assert_eq!(held.len(), n - first);
+        assert_eq!(held.bytes(), bytes - CHUNK_BYTES);
         assert_eq!(timestamps(&held)[0], 1_000 + first as u64);
         while held.forget_oldest() > 0 {}
         assert!(held.is_empty());
         assert_eq!(held.iter().count(), 0);
+        assert_eq!(held.bytes(), 0);
     }
 
     /// New chunks take the buffers of forgotten ones, so the held and the

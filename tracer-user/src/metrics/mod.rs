@@ -35,6 +35,8 @@ pub struct ServerCounters {
     pub recorder_held: AtomicU64,
     /// Records the flight recorder forgot (too old, or past its memory).
     pub recorder_forgotten: AtomicU64,
+    /// Scheduler records the flight recorder keeps at most now.
+    pub recorder_limit: AtomicU64,
 }
 
 impl ServerCounters {
@@ -152,7 +154,7 @@ impl Metrics {
                 }
             }
         }
-        let own: [(&str, &str, Kind, f64); 7] = [
+        let own: [(&str, &str, Kind, f64); 8] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -176,6 +178,14 @@ impl Metrics {
                 "Records the flight recorder holds now.",
                 Kind::Gauge,
                 self.server.recorder_held.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_recorder_records_limit",
+                "Scheduler records the flight recorder keeps at most now: what --retain-memory \
+                 leaves beside ebtrace's own memory (a CUDA driver call or a stack sample counts \
+                 for several).",
+                Kind::Gauge,
+                self.server.recorder_limit.load(Ordering::Relaxed) as f64,
             ),
             (
                 "ebtrace_recorder_forgotten_records_total",

@@ -91,6 +91,19 @@ pub fn run(config: ServeConfig) -> Result<()> {
         exit_has_group_dead: check.exit_has_group_dead,
         ..config.probe.clone()
     })?;
+    // With its ring buffer mapped, ebtrace takes what it will beside the
+    // flight recorder's records: whether `--retain-memory` leaves them
+    // room is known now.
+    let resident = crate::procfs::resident_bytes(std::process::id()).unwrap_or(0) as usize;
+    if let Err(why) = config.retention.check_room(
+        resident + recorder::SERVER_MEMORY,
+        config.probe.ring_bytes as usize,
+    ) {
+        if config.record_from_start {
+            return Err(Error::RetainMemory(why));
+        }
+        eprintln!("ebtrace: warning: StartContinuousProfiling will be refused: {why}");
+    }
     // Only the flight recorder of `--retain` uses it, at its first start
     // (which may wait for a watched process); a server without one holds
     // no ring buffer while idle.

@@ -37,8 +37,9 @@ use crate::{
 pub struct Retention {
     /// The last this long.
     pub window: Duration,
-    /// At most this many bytes of records and of a snapshot built from
-    /// them.
+    /// At most this many bytes of ebtrace's resident memory while it
+    /// records: what ebtrace takes without it, the records it holds and a
+    /// snapshot built from them.
     pub memory_bytes: usize,
     /// CPU stack samples a second per CPU it records (0: none).
     pub cpu_sample_hz: u32,
@@ -49,7 +50,31 @@ pub struct Retention {
 /// they make (about 2.7 events and 80 bytes of XSpace per scheduler
 /// record), with room to spare. Measured on a flat-out ping-pong
 /// (BENCHMARKS.md, "Flight recorder").
-const SNAPSHOT_BYTES_PER_RECORD: usize = 200;
+const SNAPSHOT_BYTES_PER_RECORD: usize = 160;
+
+/// The memory a record takes, held and in a snapshot: held as the probes
+/// wrote it (a scheduler record's size), decoded while a snapshot is
+/// built, and its share of the snapshot.
+const RECORD_BYTES: usize =
+    size_of::<SchedSwitch>() + size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD;
+
+/// The least room for records and a snapshot of them that a
+/// `--retain-memory` must leave beside what ebtrace takes without them
+/// (about 80,000 scheduler records).
+pub const MIN_RECORD_ROOM: usize = 16 * 1024 * 1024;
+
+/// What a recorder squeezed by ebtrace's own memory still keeps room for,
+/// past `--retain-memory`, so that a snapshot shows the last moments.
+const SQUEEZED_RECORD_ROOM: usize = MIN_RECORD_ROOM / 4;
+
+/// What reading the symbols of the objects stack samples land in adds to
+/// ebtrace's memory, about (the kernel's symbol table, libc's debug
+/// information: 25 to 30 MiB here), for the size [`Retention::check_room`]
+/// suggests.
+const SYMBOLS_MEMORY: usize = 32 * 1024 * 1024;
+
+/// How often the recorder measures what ebtrace takes beside it.
+const MEASURE_PERIOD: Duration = Duration::from_secs(1);
 
 /// The shortest and the longest time between two drains of the
 /// recorder's ring buffer. Each drain costs the same few system calls and
@@ -63,13 +88,46 @@ const DRAIN_PERIOD_MAX: Duration = Duration::from_millis(250);
 
 impl Retention {
     /// Records held at most, so that they and a snapshot of them fit in
-    /// [`Self::memory_bytes`]: a record is held as the probes wrote it (a
-    /// scheduler record's size), and decoded while a snapshot is built.
-    fn max_records(&self) -> usize {
-        let per_record = size_of::<SchedSwitch>() + size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD;
-        (self.memory_bytes / per_record).max(1)
+    /// [`Self::memory_bytes`] beside the `beside` bytes ebtrace takes
+    /// without them; however much that is, at least what
+    /// [`SQUEEZED_RECORD_ROOM`] holds.
+    fn max_records(&self, beside: usize) -> usize {
+        self.memory_bytes
+            .saturating_sub(beside)
+            .max(SQUEEZED_RECORD_ROOM)
+            / RECORD_BYTES
+    }
+
+    /// Whether [`Self::memory_bytes`] leaves [`MIN_RECORD_ROOM`] beside
+    /// `resident` bytes, what ebtrace takes without records with its ring
+    /// buffer of `ring_bytes` mapped; what to do otherwise (a size with
+    /// room for the symbols it reads once stack samples come).
+    pub fn check_room(&self, resident: usize, ring_bytes: usize) -> Result<(), String> {
+        if self.memory_bytes >= resident + MIN_RECORD_ROOM {
+            return Ok(());
+        }
+        const MIB: usize = 1024 * 1024;
+        let symbols = if self.cpu_sample_hz > 0 {
+            SYMBOLS_MEMORY
+        } else {
+            0
+        };
+        Err(format!(
+            "--retain-memory {} MiB leaves the flight recorder no room for records: ebtrace \
+             itself takes {} MiB here, {} of them its {} MiB ring buffer, which is mapped twice; \
+             give --retain-memory {} or more (or a smaller --ring-buffer-mib)",
+            self.memory_bytes / MIB,
+            resident.div_ceil(MIB),
+            2 * ring_bytes / MIB,
+            ring_bytes / MIB,
+            (resident + MIN_RECORD_ROOM + symbols).div_ceil(8 * MIB) * 8
+        ))
     }
 }
+
+/// What the server's threads and runtime add to ebtrace's memory once it
+/// listens, about: [`Retention::check_room`] is asked before.
+pub const SERVER_MEMORY: usize = 4 * 1024 * 1024;
 
 pub struct FlightRecorder {
     capture: Capture,
@@ -90,6 +148,16 @@ pub struct FlightRecorder {
     last_drain: Option<(Instant, u64)>,
     /// When to drain next, after the last drain ([`Self::drain_period`]).
     drain_period: Duration,
+    /// What ebtrace takes beside the records it holds, in bytes: the
+    /// lesser of the last two of [`Self::measure_memory`]'s readings, so
+    /// that memory on its way back to the system when one was taken does
+    /// not make it forget records.
+    beside: usize,
+    /// The last reading, and when it was taken.
+    last_reading: (usize, Instant),
+    /// Whether it said that ebtrace itself takes so much of
+    /// `--retain-memory` that it keeps no more than the least it does.
+    said_squeezed: bool,
 }
 
 impl FlightRecorder {
@@ -120,12 +188,17 @@ impl FlightRecorder {
         let pids = targets.iter().map(|t| t.pid).collect();
         let capture = Capture::start_with(targets, &options, loaded)
             .map_err(|e| SessionError::Attach(e.to_string()))?;
+        let beside = resident_bytes();
+        retention
+            .check_room(beside, probe.ring_bytes as usize)
+            .map_err(SessionError::NoRoom)?;
         eprintln!(
             "ebtrace: flight recorder on: keeping the last {} of pid {} (at most {} records: \
-             with a snapshot of them, {} MiB; probes attached in {} ms)",
+             with a snapshot of them and ebtrace's own {} MiB, {} MiB; probes attached in {} ms)",
             humantime::format_duration(retention.window),
             pids_list(&pids),
-            retention.max_records(),
+            retention.max_records(beside),
+            beside.div_ceil(1024 * 1024),
             retention.memory_bytes / (1024 * 1024),
             capture.attach_time.as_millis()
         );
@@ -140,6 +213,9 @@ impl FlightRecorder {
             left_out: BTreeSet::new(),
             last_drain: None,
             drain_period: DRAIN_PERIOD_MIN,
+            beside,
+            last_reading: (beside, Instant::now()),
+            said_squeezed: false,
         })
     }
 
@@ -231,9 +307,7 @@ impl FlightRecorder {
         self.capture.poll(Duration::ZERO);
         self.pace();
         let cutoff = clock::monotonic_ns().saturating_sub(self.retention.window.as_nanos() as u64);
-        self.forgotten += self
-            .capture
-            .forget_before(cutoff, self.retention.max_records());
+        self.forgotten += self.capture.forget_before(cutoff, self.max_records());
         // Every record of a process gone before the cutoff is forgotten:
         // so is the process.
         let expired: Vec<u32> = self
@@ -247,6 +321,39 @@ impl FlightRecorder {
             self.pids.remove(&pid);
             self.capture.drop_target(pid);
         }
+    }
+
+    /// Records it holds at most now.
+    pub fn max_records(&self) -> usize {
+        self.retention.max_records(self.beside)
+    }
+
+    /// Measures what ebtrace takes beside the records it holds (at most
+    /// every [`MEASURE_PERIOD`]), which [`Self::max_records`] leaves out of
+    /// `--retain-memory`: the symbols of the objects its stack samples are
+    /// in, another capture's probes kept for the next. Only called while
+    /// no capture or snapshot is in progress, and their memory given back:
+    /// theirs would read as ebtrace's own.
+    pub fn measure_memory(&mut self) {
+        let (last, at) = self.last_reading;
+        if at.elapsed() < MEASURE_PERIOD {
+            return;
+        }
+        let reading = resident_bytes().saturating_sub(self.capture.held_bytes());
+        self.beside = reading.min(last);
+        self.last_reading = (reading, Instant::now());
+        let squeezed = self.retention.memory_bytes < self.beside + MIN_RECORD_ROOM;
+        if squeezed && !self.said_squeezed {
+            eprintln!(
+                "ebtrace: flight recorder: ebtrace itself now takes {} MiB of --retain-memory {} \
+                 MiB (the symbols of the targets' objects among them): it keeps at most {} \
+                 records, and may take more than --retain-memory; give it a larger one",
+                self.beside.div_ceil(1024 * 1024),
+                self.retention.memory_bytes / (1024 * 1024),
+                self.max_records()
+            );
+        }
+        self.said_squeezed = squeezed;
     }
 
     /// How long until the ring buffer should be drained again: when it
@@ -319,6 +426,11 @@ fn drain_period(read: u64, elapsed: Duration, ring_size: usize) -> Duration {
         .clamp(DRAIN_PERIOD_MIN, DRAIN_PERIOD_MAX)
 }
 
+/// ebtrace's resident memory.
+fn resident_bytes() -> usize {
+    crate::procfs::resident_bytes(std::process::id()).unwrap_or(0) as usize
+}
+
 fn pids_list(pids: &BTreeSet<u32>) -> String {
     pids.iter()
         .map(u32::to_string)
@@ -331,6 +443,66 @@ mod tests {
     use super::*;
 
     const MIB: usize = 1024 * 1024;
+
+    fn retention(memory_mib: usize, cpu_sample_hz: u32) -> Retention {
+        Retention {
+            window: Duration::from_secs(30),
+            memory_bytes: memory_mib * MIB,
+            cpu_sample_hz,
+        }
+    }
+
+    /// What ebtrace takes beside the records comes out of
+    /// `--retain-memory`: the records and a snapshot of them fill the rest,
+    /// and a squeezed recorder still keeps a few.
+    #[test]
+    fn records_fill_what_ebtrace_itself_leaves_of_the_memory() {
+        let r = retention(256, 99);
+        let alone = r.max_records(0);
+        assert_eq!(alone, 256 * MIB / RECORD_BYTES);
+        let beside = r.max_records(100 * MIB);
+        assert_eq!(beside, 156 * MIB / RECORD_BYTES);
+        assert!(beside * RECORD_BYTES + 100 * MIB <= 256 * MIB);
+        let squeezed = r.max_records(300 * MIB);
+        assert_eq!(squeezed, SQUEEZED_RECORD_ROOM / RECORD_BYTES);
+        assert!(squeezed > 10_000, "{squeezed}");
+    }
+
+    /// Too little memory is refused with a size that leaves room, which
+    /// itself passes the check (with room for symbols when stack samples
+    /// are on).
+    #[test]
+    fn too_little_memory_is_refused_with_a_size_that_has_room() {
+        let resident = 44 * MIB + 123;
+        assert!(retention(61, 99).check_room(resident, 16 * MIB).is_ok());
+        let why = retention(60, 99)
+            .check_room(resident, 16 * MIB)
+            .unwrap_err();
+        assert!(
+            why.contains("takes 45 MiB here, 32 of them its 16 MiB ring buffer"),
+            "{why}"
+        );
+        let suggested = |why: &str| -> usize {
+            why.split("give --retain-memory ")
+                .nth(1)
+                .unwrap()
+                .split(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let with_symbols = suggested(&why);
+        assert_eq!(with_symbols % 8, 0, "{why}");
+        assert!(with_symbols * MIB >= resident + MIN_RECORD_ROOM + SYMBOLS_MEMORY);
+        assert!(
+            retention(with_symbols, 99)
+                .check_room(resident, 16 * MIB)
+                .is_ok()
+        );
+        let without = suggested(&retention(20, 0).check_room(resident, 16 * MIB).unwrap_err());
+        assert!(without < with_symbols && without * MIB >= resident + MIN_RECORD_ROOM);
+    }
 
     /// A quiet target is drained at the longest period, a flood as often
     /// as its ring needs, and never so seldom that the fill of the last

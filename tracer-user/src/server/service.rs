@@ -33,7 +33,7 @@ fn status_of(e: SessionError) -> Status {
     match e {
         SessionError::Busy { .. } => Status::resource_exhausted(message),
         SessionError::PidNotWatched { .. } => Status::invalid_argument(message),
-        SessionError::NothingWatched(_) | SessionError::RecorderOff => {
+        SessionError::NothingWatched(_) | SessionError::RecorderOff | SessionError::NoRoom(_) => {
             Status::failed_precondition(message)
         }
         SessionError::Attach(_) | SessionError::Response(_) => Status::internal(message),

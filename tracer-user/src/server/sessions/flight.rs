@@ -56,6 +56,9 @@ impl Hub {
                         terminated: false,
                     };
                     self.deliver(session, timeline, building.elapsed());
+                    // Until then the recorder does not measure ebtrace's
+                    // memory: the snapshot's would read as ebtrace's own.
+                    self.trim_at = Some(Instant::now() + TRIM_AFTER_IDLE);
                 }
             },
             _ => unreachable!("only the flight recorder's commands come here"),
@@ -70,6 +73,7 @@ impl Hub {
             .recorder_forgotten
             .fetch_add(r.newly_forgotten(), Ordering::Relaxed);
         counters.recorder_held.store(0, Ordering::Relaxed);
+        counters.recorder_limit.store(0, Ordering::Relaxed);
         self.config.metrics.add_activity(&r.take_activity());
         self.detach(r);
     }
@@ -103,17 +107,25 @@ impl Hub {
     pub(super) fn run_recorder(&mut self) {
         let watched = self.watched.targets();
         let pids: BTreeSet<u32> = watched.iter().map(|t| t.pid).collect();
+        // Nothing in progress, and the memory of the last given back.
+        let quiet = self.trim_at.is_none() && self.in_progress() == 0;
         if let Some(r) = self.recorder.as_mut()
             && !self.shutting_down
         {
             r.forget_gone(&pids);
             r.forget_reused(&pids);
             r.take_on(watched);
+            if quiet {
+                r.measure_memory();
+            }
             r.tick();
             let counters = &self.config.metrics.server;
             counters
                 .recorder_held
                 .store(r.held() as u64, Ordering::Relaxed);
+            counters
+                .recorder_limit
+                .store(r.max_records() as u64, Ordering::Relaxed);
             counters
                 .recorder_forgotten
                 .fetch_add(r.newly_forgotten(), Ordering::Relaxed);

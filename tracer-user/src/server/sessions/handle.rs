@@ -63,6 +63,8 @@ pub enum SessionError {
     Response(String),
     /// `GetSnapshot` while the flight recorder is off.
     RecorderOff,
+    /// `--retain-memory` leaves the flight recorder no room: what to do.
+    NoRoom(String),
     ShuttingDown,
 }
 
@@ -85,7 +87,7 @@ impl fmt::Display for SessionError {
                     .join(", ")
             ),
             SessionError::Attach(e) => write!(f, "attaching the probes failed: {e}"),
-            SessionError::Response(e) => f.write_str(e),
+            SessionError::Response(e) | SessionError::NoRoom(e) => f.write_str(e),
             SessionError::RecorderOff => f.write_str(
                 "the flight recorder is off: call StartContinuousProfiling first, or start \
                  ebtrace serve with --retain",

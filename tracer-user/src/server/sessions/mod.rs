@@ -516,9 +516,11 @@ impl Hub {
                         let _ = session.reply.send(Err(SessionError::Response(e)));
                     }
                 }
-                drop(unanswered);
                 drop(timeline);
                 release_free_memory();
+                // In progress until its memory is given back: the flight
+                // recorder measures ebtrace's own only when none is.
+                drop(unanswered);
             });
         match worker {
             Ok(handle) => self.delivering.push(handle),
