@@ -69,8 +69,8 @@ const SQUEEZED_RECORD_ROOM: usize = MIN_RECORD_ROOM / 4;
 
 /// What reading the symbols of the objects stack samples land in adds to
 /// ebtrace's memory, about (the kernel's symbol table, libc's debug
-/// information: 25 to 30 MiB here), for the size [`Retention::check_room`]
-/// suggests.
+/// information: 25 to 30 MiB here; a large library's take more, which the
+/// recorder measures as they come).
 const SYMBOLS_MEMORY: usize = 32 * 1024 * 1024;
 
 /// How often the recorder measures what ebtrace takes beside it.
@@ -100,27 +100,30 @@ impl Retention {
 
     /// Whether [`Self::memory_bytes`] leaves [`MIN_RECORD_ROOM`] beside
     /// `resident` bytes, what ebtrace takes without records with its ring
-    /// buffer of `ring_bytes` mapped; what to do otherwise (a size with
-    /// room for the symbols it reads once stack samples come).
+    /// buffer of `ring_bytes` mapped, and beside the symbols it reads once
+    /// stack samples come ([`SYMBOLS_MEMORY`]); what to do otherwise.
     pub fn check_room(&self, resident: usize, ring_bytes: usize) -> Result<(), String> {
-        if self.memory_bytes >= resident + MIN_RECORD_ROOM {
-            return Ok(());
-        }
-        const MIB: usize = 1024 * 1024;
         let symbols = if self.cpu_sample_hz > 0 {
             SYMBOLS_MEMORY
         } else {
             0
         };
+        let needed = resident + symbols + MIN_RECORD_ROOM;
+        if self.memory_bytes >= needed {
+            return Ok(());
+        }
+        const MIB: usize = 1024 * 1024;
         Err(format!(
             "--retain-memory {} MiB leaves the flight recorder no room for records: ebtrace \
-             itself takes {} MiB here, {} of them its {} MiB ring buffer, which is mapped twice; \
+             itself takes {} MiB here, {} of them its {} MiB ring buffer, which is mapped twice, \
+             and about {} more once it has read the symbols its stack samples are named from; \
              give --retain-memory {} or more (or a smaller --ring-buffer-mib)",
             self.memory_bytes / MIB,
             resident.div_ceil(MIB),
             2 * ring_bytes / MIB,
             ring_bytes / MIB,
-            (resident + MIN_RECORD_ROOM + symbols).div_ceil(8 * MIB) * 8
+            symbols / MIB,
+            needed.div_ceil(8 * MIB) * 8
         ))
     }
 }
@@ -474,10 +477,10 @@ mod tests {
     #[test]
     fn too_little_memory_is_refused_with_a_size_that_has_room() {
         let resident = 44 * MIB + 123;
-        assert!(retention(61, 99).check_room(resident, 16 * MIB).is_ok());
-        let why = retention(60, 99)
-            .check_room(resident, 16 * MIB)
-            .unwrap_err();
+        let room = |memory_mib, hz| retention(memory_mib, hz).check_room(resident, 16 * MIB);
+        assert!(room(93, 99).is_ok());
+        assert!(room(61, 0).is_ok());
+        let why = room(92, 99).unwrap_err();
         assert!(
             why.contains("takes 45 MiB here, 32 of them its 16 MiB ring buffer"),
             "{why}"
@@ -494,14 +497,9 @@ mod tests {
         };
         let with_symbols = suggested(&why);
         assert_eq!(with_symbols % 8, 0, "{why}");
-        assert!(with_symbols * MIB >= resident + MIN_RECORD_ROOM + SYMBOLS_MEMORY);
-        assert!(
-            retention(with_symbols, 99)
-                .check_room(resident, 16 * MIB)
-                .is_ok()
-        );
-        let without = suggested(&retention(20, 0).check_room(resident, 16 * MIB).unwrap_err());
-        assert!(without < with_symbols && without * MIB >= resident + MIN_RECORD_ROOM);
+        assert!(room(with_symbols, 99).is_ok());
+        let without = suggested(&room(60, 0).unwrap_err());
+        assert!(without < with_symbols && room(without, 0).is_ok());
     }
 
     /// A quiet target is drained at the longest period, a flood as often
