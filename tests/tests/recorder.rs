@@ -451,10 +451,6 @@ fn with_discover_the_recorder_takes_on_a_process_started_after_the_daemon() {
     );
 }
 
-/// A snapshot of a busy target holds millions of records and takes a
-/// while to build: the ring buffer goes on being drained meanwhile, so
-/// nothing the target does then is lost (a small ring would fill within
-/// the build otherwise).
 /// `--retain-memory` bounds ebtrace's memory while the recorder runs: on
 /// a target making far more records than that holds, the server's
 /// resident memory at its peak, while a snapshot is built and sent, stays
@@ -549,24 +545,15 @@ fn a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it() {
     if !require_root("a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it") {
         return;
     }
+    fn args<'a>(pid: &'a str, memory: &'a str) -> [&'a str; 6] {
+        ["--pid", pid, "--retain", "10s", "--retain-memory", memory]
+    }
     let _serial = serial();
     let workload = SchedWorkload::start(&["--mode", "pingpong", "--seconds", "30"]);
     let pid = workload.pid.to_string();
-    let args = |memory: &str| {
-        let mut args = vec![
-            "serve",
-            "--bind",
-            "127.0.0.1:0",
-            "--pid",
-            &pid,
-            "--retain",
-            "10s",
-        ];
-        args.extend(["--retain-memory", memory]);
-        args.into_iter().map(String::from).collect::<Vec<_>>()
-    };
     let refused = Command::new(ebtrace_tests::ebtrace_bin())
-        .args(args("20"))
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .args(args(&pid, "20"))
         .stdin(Stdio::null())
         .output()
         .expect("spawn ebtrace");
@@ -582,14 +569,7 @@ fn a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it() {
     // The 16 MiB ring buffer alone is mapped as 32.
     assert!(suggested > 32 + 16, "{stderr}");
 
-    let given = suggested.to_string();
-    let server = ServeProcess::loopback(
-        &args(&given)[1..]
-            .iter()
-            .filter(|a| !matches!(a.as_str(), "--bind" | "127.0.0.1:0"))
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
+    let server = ServeProcess::loopback(&args(&pid, &suggested.to_string()));
     expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_secs(2));
     assert!(
@@ -605,6 +585,10 @@ fn a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it() {
     );
 }
 
+/// A snapshot of a busy target holds millions of records and takes a
+/// while to build: the ring buffer goes on being drained meanwhile, so
+/// nothing the target does then is lost (a small ring would fill within
+/// the build otherwise).
 #[test]
 fn nothing_is_dropped_while_a_large_snapshot_is_built() {
     if !require_root("nothing_is_dropped_while_a_large_snapshot_is_built") {
