@@ -14,7 +14,9 @@ use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
     fixture::{SchedWorkload, build_c_shared, read_schedstat},
-    http, require_root, serial,
+    http,
+    python::{jax_python, start_jax_with},
+    require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     signal, wait_with_deadline, xplane_files, xprof,
     xspace::{self, line_events, plane, profile_window},
@@ -580,6 +582,76 @@ fn a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it() {
     assert_eq!(
         server.count_lines("itself now takes"),
         0,
+        "{:?}",
+        server.lines()
+    );
+}
+
+/// ebtrace's own memory grows once it reads the symbols of a jax
+/// process's libraries, past what a `--retain-memory` that was enough at
+/// the start leaves for records: the recorder says so once, keeps a few
+/// records all the same, and a snapshot still shows the process.
+#[test]
+fn a_recorder_outgrown_by_ebtraces_own_memory_says_so_once_and_keeps_a_few_records() {
+    if !require_root(
+        "a_recorder_outgrown_by_ebtraces_own_memory_says_so_once_and_keeps_a_few_records",
+    ) {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = start_jax_with(&python, &["--bench"]);
+    let pid = workload.pid.to_string();
+    let common = ["--pid", &pid, "--retain", "30s", "--ring-buffer-mib", "4"];
+    let refused = Command::new(ebtrace_tests::ebtrace_bin())
+        .args(["serve", "--bind", "127.0.0.1:0", "--retain-memory", "1"])
+        .args(common)
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn ebtrace");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let least = stderr
+        .split("give --retain-memory ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no size to give in {stderr}"))
+        .to_owned();
+    let mut args = vec!["--retain-memory", least.as_str(), "--http", "127.0.0.1:0"];
+    args.extend(common);
+    let server = ServeProcess::loopback(&args);
+    let metrics_at = server.http_addr();
+    expect_line(&server, "flight recorder on");
+    assert!(
+        server
+            .wait_line("itself now takes", Duration::from_secs(20))
+            .is_some(),
+        "ebtrace's own memory with jax's symbols fit in --retain-memory {least}: {:?}",
+        server.lines()
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let body = http::get(metrics_at, "/metrics").text();
+    let (held, limit) = (
+        metric(&body, "ebtrace_recorder_records"),
+        metric(&body, "ebtrace_recorder_records_limit"),
+    );
+    // What 4 MiB hold, a record counted with its share of a snapshot.
+    assert!(
+        (10_000..30_000).contains(&limit) && held <= limit + limit / 10,
+        "{held} records held, at most {limit}"
+    );
+    let space = server.snapshot("squeezed");
+    let host = plane(&space, HOST_CPU);
+    assert!(
+        host.lines
+            .iter()
+            .any(|l| !line_events(host, l.id).is_empty()),
+        "nothing of jax in the snapshot"
+    );
+    assert_eq!(
+        server.count_lines("itself now takes"),
+        1,
         "{:?}",
         server.lines()
     );

@@ -158,8 +158,8 @@ pub struct FlightRecorder {
     beside: usize,
     /// The last reading, and when it was taken.
     last_reading: (usize, Instant),
-    /// Whether it said that ebtrace itself takes so much of
-    /// `--retain-memory` that it keeps no more than the least it does.
+    /// Whether it said that ebtrace itself took so much of
+    /// `--retain-memory` that it kept no more than the least it does.
     said_squeezed: bool,
 }
 
@@ -345,6 +345,8 @@ impl FlightRecorder {
         let reading = resident_bytes().saturating_sub(self.capture.held_bytes());
         self.beside = reading.min(last);
         self.last_reading = (reading, Instant::now());
+        // Said once: a reading that goes up and down about the line would
+        // say it again and again.
         let squeezed = self.retention.memory_bytes < self.beside + MIN_RECORD_ROOM;
         if squeezed && !self.said_squeezed {
             eprintln!(
@@ -355,8 +357,8 @@ impl FlightRecorder {
                 self.retention.memory_bytes / (1024 * 1024),
                 self.max_records()
             );
+            self.said_squeezed = true;
         }
-        self.said_squeezed = squeezed;
     }
 
     /// How long until the ring buffer should be drained again: when it
