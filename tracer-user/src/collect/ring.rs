@@ -7,8 +7,12 @@
 //! producer position it read once, and publishes how far it got once per
 //! batch (and every [`PUBLISH_EVERY`] bytes, so that a long batch frees
 //! room as it goes). The layout is the kernel's (`kernel/bpf/ringbuf.c`):
-//! a consumer page, a producer page, then the data pages mapped twice in a
-//! row, so that a record that wraps around reads as one slice.
+//! a consumer page, a producer page, then the data pages, which the kernel
+//! lets a reader map twice in a row so that a record that wraps around
+//! reads as one slice. This reader maps them once, and copies the one
+//! record a lap that wraps around: its resident memory is the ring's size,
+//! not twice that, and that memory counts in the flight recorder's
+//! `--retain-memory`.
 
 use std::{
     os::fd::{AsFd as _, AsRawFd as _},
@@ -52,12 +56,14 @@ pub struct RingReader {
     map: MapData,
     /// The consumer page: the position this reader publishes.
     consumer: MmapMut,
-    /// The producer page (the kernel's position), then the data twice.
+    /// The producer page (the kernel's position), then the data.
     producer: Mmap,
     data_offset: usize,
     mask: usize,
     /// How far this reader has read.
     pos: usize,
+    /// A record that wraps around the end of the data, put together.
+    wrapped: Vec<u8>,
 }
 
 impl RingReader {
@@ -81,7 +87,7 @@ impl RingReader {
         let producer = unsafe {
             MmapOptions::new()
                 .offset(page as u64)
-                .len(page + 2 * size)
+                .len(page + size)
                 .map(fd)
         }
         .map_err(RingError::Map)?;
@@ -92,6 +98,7 @@ impl RingReader {
             data_offset: page,
             mask: size - 1,
             pos: 0,
+            wrapped: Vec::new(),
         };
         reader.pos = reader.consumer_pos().load(Ordering::Acquire);
         Ok(reader)
@@ -140,9 +147,11 @@ impl RingReader {
             // `!=` also ends a walk that a wrong length took past the end.
             while pos < producer {
                 let offset = self.data_offset + (pos & self.mask);
+                // Headers are 8-byte aligned in a ring of whole pages: one
+                // never wraps around.
                 let Some(header) = self.producer.get(offset..offset + HEADER_BYTES) else {
-                    // Cannot be: the data is mapped twice over. Stop rather
-                    // than spin on it.
+                    // Cannot be: the mask keeps it inside the data. Stop
+                    // rather than spin on it.
                     break 'walk;
                 };
                 // SAFETY: 8-byte aligned (records are), inside the mapping;
@@ -159,6 +168,9 @@ impl RingReader {
                     if let Some(record) = self.producer.get(body..body + len) {
                         each(record);
                         n += 1;
+                    } else if self.put_together(body, len) {
+                        each(&self.wrapped);
+                        n += 1;
                     }
                 }
                 pos += (HEADER_BYTES + len).next_multiple_of(8);
@@ -171,6 +183,23 @@ impl RingReader {
         self.pos = pos;
         self.publish(&mut published);
         n
+    }
+
+    /// Puts the record of `len` bytes at `body` that wraps around the end
+    /// of the data together in [`Self::wrapped`]; false for a length no
+    /// record of the ring has.
+    #[cold]
+    fn put_together(&mut self, body: usize, len: usize) -> bool {
+        let data = &self.producer[self.data_offset..];
+        let start = body - self.data_offset;
+        if len > data.len() || start > data.len() {
+            return false;
+        }
+        let (tail, head) = (&data[start..], &data[..len - (data.len() - start)]);
+        self.wrapped.clear();
+        self.wrapped.extend_from_slice(tail);
+        self.wrapped.extend_from_slice(head);
+        true
     }
 
     fn publish(&self, published: &mut usize) {

@@ -115,12 +115,11 @@ impl Retention {
         const MIB: usize = 1024 * 1024;
         Err(format!(
             "--retain-memory {} MiB leaves the flight recorder no room for records: ebtrace \
-             itself takes {} MiB here, {} of them its {} MiB ring buffer, which is mapped twice, \
-             and about {} more once it has read the symbols its stack samples are named from; \
-             give --retain-memory {} or more (or a smaller --ring-buffer-mib)",
+             itself takes {} MiB here, {} of them its ring buffer, and about {} more once it \
+             has read the symbols its stack samples are named from; give --retain-memory {} or \
+             more (or a smaller --ring-buffer-mib)",
             self.memory_bytes / MIB,
             resident.div_ceil(MIB),
-            2 * ring_bytes / MIB,
             ring_bytes / MIB,
             symbols / MIB,
             needed.div_ceil(8 * MIB) * 8
@@ -484,7 +483,7 @@ mod tests {
         assert!(room(61, 0).is_ok());
         let why = room(92, 99).unwrap_err();
         assert!(
-            why.contains("takes 45 MiB here, 32 of them its 16 MiB ring buffer"),
+            why.contains("takes 45 MiB here, 16 of them its ring buffer"),
             "{why}"
         );
         let suggested = |why: &str| -> usize {
