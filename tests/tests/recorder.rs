@@ -540,6 +540,25 @@ fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
     records
 }
 
+/// `ebtrace serve --retain-memory 1 ARGS`, refused: the exit status, its
+/// one line, and the size that line says to give.
+fn least_retain_memory(args: &[&str]) -> (Option<i32>, String, u64) {
+    let refused = Command::new(ebtrace_tests::ebtrace_bin())
+        .args(["serve", "--bind", "127.0.0.1:0", "--retain-memory", "1"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn ebtrace");
+    let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+    let least = stderr
+        .split("give --retain-memory ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no size to give in {stderr}"));
+    (refused.status.code(), stderr, least)
+}
+
 /// A `--retain-memory` that leaves no room beside ebtrace itself is
 /// refused at once with the size to give, and that size works.
 #[test]
@@ -547,31 +566,18 @@ fn a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it() {
     if !require_root("a_retain_memory_without_room_for_records_is_refused_with_one_that_has_it") {
         return;
     }
-    fn args<'a>(pid: &'a str, memory: &'a str) -> [&'a str; 6] {
-        ["--pid", pid, "--retain", "10s", "--retain-memory", memory]
-    }
     let _serial = serial();
     let workload = SchedWorkload::start(&["--mode", "pingpong", "--seconds", "30"]);
     let pid = workload.pid.to_string();
-    let refused = Command::new(ebtrace_tests::ebtrace_bin())
-        .args(["serve", "--bind", "127.0.0.1:0"])
-        .args(args(&pid, "20"))
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawn ebtrace");
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert_eq!(refused.status.code(), Some(2), "stderr: {stderr}");
+    let (status, stderr, suggested) = least_retain_memory(&["--pid", &pid, "--retain", "10s"]);
+    assert_eq!(status, Some(2), "stderr: {stderr}");
     assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
-    let suggested = stderr
-        .split("give --retain-memory ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse::<u64>().ok())
-        .unwrap_or_else(|| panic!("no size to give in {stderr}"));
     // The 16 MiB ring buffer, 16 MiB for records and 32 for symbols.
     assert!(suggested >= 16 + 16 + 32, "{stderr}");
 
-    let server = ServeProcess::loopback(&args(&pid, &suggested.to_string()));
+    let given = suggested.to_string();
+    let server =
+        ServeProcess::loopback(&["--pid", &pid, "--retain", "10s", "--retain-memory", &given]);
     expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_secs(2));
     assert!(
@@ -605,19 +611,7 @@ fn a_recorder_outgrown_by_ebtraces_own_memory_says_so_once_and_keeps_a_few_recor
     let workload = start_jax_with(&python, &["--bench"]);
     let pid = workload.pid.to_string();
     let common = ["--pid", &pid, "--retain", "30s", "--ring-buffer-mib", "4"];
-    let refused = Command::new(ebtrace_tests::ebtrace_bin())
-        .args(["serve", "--bind", "127.0.0.1:0", "--retain-memory", "1"])
-        .args(common)
-        .stdin(Stdio::null())
-        .output()
-        .expect("spawn ebtrace");
-    let stderr = String::from_utf8_lossy(&refused.stderr);
-    let least = stderr
-        .split("give --retain-memory ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no size to give in {stderr}"))
-        .to_owned();
+    let least = least_retain_memory(&common).2.to_string();
     let mut args = vec!["--retain-memory", least.as_str(), "--http", "127.0.0.1:0"];
     args.extend(common);
     let server = ServeProcess::loopback(&args);
