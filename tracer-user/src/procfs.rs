@@ -217,6 +217,11 @@ pub fn resident_bytes(pid: u32) -> Option<u64> {
     Some(pages * u64::try_from(page).unwrap_or(4096))
 }
 
+/// ebtrace's own resident memory in bytes (0 where `/proc` says nothing).
+pub fn own_resident_bytes() -> usize {
+    resident_bytes(std::process::id()).unwrap_or(0) as usize
+}
+
 fn read_tgid(pid: u32) -> Option<u32> {
     let status = fs::read_to_string(proc_root().join(pid.to_string()).join("status")).ok()?;
     status

@@ -203,7 +203,7 @@ impl Metrics {
                 "ebtrace_resident_memory_bytes",
                 "ebtrace's resident memory.",
                 Kind::Gauge,
-                procfs::resident_bytes(std::process::id()).unwrap_or(0) as f64,
+                procfs::own_resident_bytes() as f64,
             ),
         ];
         for (name, help, kind, value) in own {

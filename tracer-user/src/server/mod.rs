@@ -94,7 +94,7 @@ pub fn run(config: ServeConfig) -> Result<()> {
     // With its ring buffer mapped, ebtrace takes what it will beside the
     // flight recorder's records: whether `--retain-memory` leaves them
     // room is known now.
-    let resident = crate::procfs::resident_bytes(std::process::id()).unwrap_or(0) as usize;
+    let resident = crate::procfs::own_resident_bytes();
     if let Err(why) = config.retention.check_room(
         resident + recorder::SERVER_MEMORY,
         config.probe.ring_bytes as usize,

@@ -61,7 +61,7 @@ const RECORD_BYTES: usize =
 /// The least room for records and a snapshot of them that a
 /// `--retain-memory` must leave beside what ebtrace takes without them
 /// (about 80,000 scheduler records).
-pub const MIN_RECORD_ROOM: usize = 16 * 1024 * 1024;
+const MIN_RECORD_ROOM: usize = 16 * 1024 * 1024;
 
 /// What a recorder squeezed by ebtrace's own memory still keeps room for,
 /// past `--retain-memory`, so that a snapshot shows the last moments.
@@ -190,7 +190,7 @@ impl FlightRecorder {
         let pids = targets.iter().map(|t| t.pid).collect();
         let capture = Capture::start_with(targets, &options, loaded)
             .map_err(|e| SessionError::Attach(e.to_string()))?;
-        let beside = resident_bytes();
+        let beside = crate::procfs::own_resident_bytes();
         retention
             .check_room(beside, probe.ring_bytes as usize)
             .map_err(SessionError::NoRoom)?;
@@ -341,7 +341,7 @@ impl FlightRecorder {
         if at.elapsed() < MEASURE_PERIOD {
             return;
         }
-        let reading = resident_bytes().saturating_sub(self.capture.held_bytes());
+        let reading = crate::procfs::own_resident_bytes().saturating_sub(self.capture.held_bytes());
         self.beside = reading.min(last);
         self.last_reading = (reading, Instant::now());
         // Said once: a reading that goes up and down about the line would
@@ -428,11 +428,6 @@ fn drain_period(read: u64, elapsed: Duration, ring_size: usize) -> Duration {
     Duration::try_from_secs_f64(ring_size as f64 / 5.0 / bytes_per_s.max(1.0))
         .unwrap_or(DRAIN_PERIOD_MAX)
         .clamp(DRAIN_PERIOD_MIN, DRAIN_PERIOD_MAX)
-}
-
-/// ebtrace's resident memory.
-fn resident_bytes() -> usize {
-    crate::procfs::resident_bytes(std::process::id()).unwrap_or(0) as usize
 }
 
 fn pids_list(pids: &BTreeSet<u32>) -> String {
