@@ -202,6 +202,12 @@ impl CudaWorkload {
         self.process.report_line(deadline)
     }
 
+    /// Waits for the next line it prints (after [`Self::go`]), e.g. the
+    /// one `--profile-late` prints when its profiler session ends.
+    pub fn next_line(&mut self, deadline: Duration) -> serde_json::Value {
+        self.process.report_line(deadline)
+    }
+
     /// Lets it run its calls, waits for it to exit and returns its report.
     pub fn run(mut self, deadline: Duration) -> serde_json::Value {
         self.go();

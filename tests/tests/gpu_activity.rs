@@ -366,6 +366,78 @@ fn a_killed_ebtrace_leaves_cupti_free() {
     assert!(!kernels(&space).is_empty());
 }
 
+/// How a capture of the agent's ends.
+#[derive(Clone, Copy)]
+enum CaptureEnd {
+    Normally,
+    Killed,
+}
+
+/// After a capture that ends as `end`, the program starts a profiler session
+/// of its own (as torch.profiler does): its own buffers must receive every
+/// kernel it launches, although a kernel was still running when the agent
+/// stopped (CUPTI writes that record late, into a buffer it then keeps).
+fn program_profiles_itself_after(end: CaptureEnd) {
+    let mut workload = launching(&["--profile-late"], &[("STANDIN_CUPTI_LATE_KERNEL", "1")]);
+    match end {
+        CaptureEnd::Normally => {
+            let (stderr, space) = capture(workload.pid, "500ms", &[]);
+            assert!(!kernels(&space).is_empty(), "{stderr}");
+        }
+        CaptureEnd::Killed => {
+            let logdir = TempDir::new("killed-then-profiled");
+            let mut ebtrace = spawn_record(&workload.pid.to_string(), "60s", &logdir, &[]);
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while agent_threads(workload.pid) == 0 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the agent never started"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            signal(ebtrace.id(), libc::SIGKILL);
+            let _ = ebtrace.wait();
+        }
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while agent_threads(workload.pid) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent's thread outlived the capture"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(workload.pid, libc::SIGUSR1);
+    let profiled = &workload.next_line(Duration::from_secs(60))["profiled"];
+    let launched = profiled["kernels"].as_u64().expect("kernels");
+    assert!(launched >= 99, "{profiled}");
+    assert_eq!(profiled["foreign_buffers"].as_u64(), Some(0), "{profiled}");
+    assert_eq!(
+        profiled["own_kernel_records"].as_u64(),
+        Some(launched),
+        "{profiled}"
+    );
+}
+
+#[test]
+fn a_program_profiling_itself_after_a_capture_gets_every_kernel() {
+    if !require_root("a_program_profiling_itself_after_a_capture_gets_every_kernel") {
+        return;
+    }
+    let _serial = serial();
+    program_profiles_itself_after(CaptureEnd::Normally);
+}
+
+#[test]
+fn a_program_profiling_itself_after_ebtrace_was_killed_gets_every_kernel() {
+    if !require_root("a_program_profiling_itself_after_ebtrace_was_killed_gets_every_kernel") {
+        return;
+    }
+    let _serial = serial();
+    program_profiles_itself_after(CaptureEnd::Killed);
+}
+
 #[test]
 fn a_process_exiting_mid_capture_keeps_the_rest_of_the_trace() {
     if !require_root("a_process_exiting_mid_capture_keeps_the_rest_of_the_trace") {

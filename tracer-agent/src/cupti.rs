@@ -13,7 +13,8 @@
 //! client that finalizes CUPTI while we record (jax ends its sessions with
 //! `cuptiFinalize`) costs the records after that; the stop says so.
 //!
-//! Detaching disables every kind we enabled, flushes, unsubscribes and
+//! Detaching disables every kind we enabled, stops lending buffers, flushes
+//! until CUPTI has handed back every buffer it was lent, unsubscribes and
 //! restores the thread-id type; it does not call `cuptiFinalize`, which
 //! is documented to block every thread and has crashed real programs (see
 //! jax-ml/jax#15384, #40260). CUPTI keeps the buffer callbacks it was
@@ -29,7 +30,9 @@ use core::{
     sync::atomic::Ordering,
 };
 
-use buffers::{LENDING, REFUSED, forward, lend_buffer, release_free_buffers, take_back_buffer};
+use buffers::{
+    LENDING, REFUSED, forward, lend_buffer, release_free_buffers, take_back_buffer, take_back_lent,
+};
 
 use crate::{
     activity::{self, BatchHeader},
@@ -222,6 +225,8 @@ pub struct Recording {
     /// Records CUPTI dropped since the window opened (its own count resets
     /// each time it is read).
     dropped: u64,
+    /// Whether CUPTI kept a buffer of the agent's after the stop.
+    kept_buffer: bool,
 }
 
 impl Recording {
@@ -264,6 +269,7 @@ impl Recording {
             enabled: 0,
             thread_id_type: None,
             dropped: 0,
+            kept_buffer: false,
         };
         let api = &recording.api;
         if let Some(get) = api.get_thread_id_type {
@@ -376,6 +382,12 @@ impl Recording {
         let header = self.header(flags, self.dropped);
         let why = forward(&self.api, &header, &mut deliver);
         release_free_buffers();
+        if self.kept_buffer {
+            return Some(Text::new(
+                "CUPTI still holds one of the agent's activity buffers (work still running on \
+                 the GPU?): the program's own profiler may record no GPU activity",
+            ));
+        }
         if finalized {
             return Some(Text::new(
                 "another CUPTI client finalized CUPTI during the capture (a framework's \
@@ -385,9 +397,10 @@ impl Recording {
         why
     }
 
-    /// Disables what was enabled, flushes, counts the records dropped until
-    /// then, unsubscribes and restores the thread-id type; true if CUPTI had
-    /// been finalized by someone else (our subscription was gone).
+    /// Disables what was enabled, counts the records dropped until then,
+    /// takes back every buffer CUPTI was lent, unsubscribes and restores the
+    /// thread-id type; true if CUPTI had been finalized by someone else (our
+    /// subscription was gone).
     fn stop_recording(&mut self) -> bool {
         let api = &self.api;
         // SAFETY: plain calls on the handle this recording holds.
@@ -398,12 +411,17 @@ impl Recording {
                     (api.disable)(*kind);
                 }
             }
-            self.enabled = 0;
-            (api.flush_all)(FLUSH_FORCED);
         }
+        self.enabled = 0;
         self.count_dropped();
-        let api = &self.api;
+        // Lending stops before the last flushes: the record of a kernel
+        // still running comes after them, and a buffer lent for it would
+        // be one CUPTI keeps (see take_back_lent). Such a record, of work
+        // that ends after the window, is dropped and not counted.
         LENDING.store(false, Ordering::Release);
+        self.kept_buffer = !take_back_lent(&self.api);
+        REFUSED.store(0, Ordering::Release);
+        let api = &self.api;
         // SAFETY: the handle cuptiSubscribe gave.
         let finalized = unsafe { (api.unsubscribe)(self.subscriber) } != SUCCESS;
         if let Some(previous) = self.thread_id_type.take() {

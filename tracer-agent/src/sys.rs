@@ -89,6 +89,16 @@ pub fn monotonic_ns() -> u64 {
         .wrapping_add(ts.nsec as u64)
 }
 
+/// Sleeps for about `ns` nanoseconds (less if a signal comes).
+pub fn sleep_ns(ns: u64) {
+    let ts = Timespec {
+        sec: (ns / 1_000_000_000) as _,
+        nsec: (ns % 1_000_000_000) as _,
+    };
+    // SAFETY: a valid request; no remainder wanted.
+    unsafe { nanosleep(&ts, core::ptr::null_mut()) };
+}
+
 /// `SIG_SETMASK`.
 pub const SIG_SETMASK: c_int = 2;
 /// `MSG_NOSIGNAL`: a write to a closed socket returns EPIPE instead of
@@ -177,6 +187,7 @@ unsafe extern "C" {
     ) -> *mut c_void;
     pub fn munmap(addr: *mut c_void, len: usize) -> c_int;
     pub fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
+    pub fn nanosleep(req: *const Timespec, rem: *mut Timespec) -> c_int;
 }
 
 /// The calling thread's `errno`.

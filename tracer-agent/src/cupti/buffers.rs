@@ -239,6 +239,33 @@ fn kernel_name(record: &[u8]) -> &[u8] {
     }
 }
 
+/// Flushes until CUPTI holds none of the agent's buffers, for at most
+/// [`TAKE_BACK_TRIES`] flushes a few ms apart; false if it still holds some.
+/// Call it once [`LENDING`] is off. A buffer CUPTI kept would stay its
+/// current buffer after the agent is gone: the records of the program's own
+/// profiler (torch.profiler, enabled later) would go into it, and no one
+/// would ever flush it.
+pub(super) fn take_back_lent(api: &Api) -> bool {
+    for _ in 0..TAKE_BACK_TRIES {
+        // SAFETY: a plain call.
+        unsafe { (api.flush_all)(super::FLUSH_FORCED) };
+        if !SLOTS
+            .iter()
+            .any(|s| s.state.load(Ordering::Acquire) == LENT)
+        {
+            return true;
+        }
+        sys::sleep_ns(TAKE_BACK_PAUSE_NS);
+    }
+    false
+}
+
+/// Flushes [`take_back_lent`] tries: the records of work still running on
+/// the GPU arrive once it ends, so 100 tries 2 ms apart wait for a kernel of
+/// up to 0.2 s.
+const TAKE_BACK_TRIES: usize = 100;
+const TAKE_BACK_PAUSE_NS: u64 = 2_000_000;
+
 /// Unmaps the buffers CUPTI does not hold (they are mapped again when
 /// recording restarts).
 pub(super) fn release_free_buffers() {
