@@ -521,21 +521,13 @@ impl Capture {
         if let Some(streamed) = &mut self.streamed {
             streamed.end_at(stop_ns);
         }
-        self.collect_framework(false);
-        self.drain();
-        self.name_kernels();
-        for session in self.framework.drain(..) {
-            let pid = session.pid;
-            if let Err(why) = session.close() {
-                self.traceme
-                    .warn(format!("pid {pid}: taking the agent out: {why}"));
-            }
-        }
-        self.traceme.restore();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
         let traceme_kernel = TraceMeProbe::stats(&mut self.probe);
-        // The programs ignore the targets from now on; they stay attached
+        // The programs ignore the targets from now on, before the agents
+        // hand over what they recorded: a framework's session takes seconds
+        // to do so, and records made meanwhile would fill the ring buffer
+        // and count as dropped from the trace. The programs stay attached
         // until the caller lets them go (see [`AttachedProbes`]): releasing
         // links is slow, and the trace need not wait for it.
         for t in &self.targets {
@@ -546,7 +538,18 @@ impl Capture {
             dropped_by_family: self.family_drops()?,
             ..self.probe.stats()?
         };
+        self.collect_framework(false);
+        // With the driver calls that were still running at the end.
         self.drain();
+        self.name_kernels();
+        for session in self.framework.drain(..) {
+            let pid = session.pid;
+            if let Err(why) = session.close() {
+                self.traceme
+                    .warn(format!("pid {pid}: taking the agent out: {why}"));
+            }
+        }
+        self.traceme.restore();
         if traceme_kernel.event_unreadable + traceme_kernel.name_unreadable > 0 {
             self.traceme.warn(format!(
                 "{} TraceMe events could not be read from the target, {} were recorded without their name",
