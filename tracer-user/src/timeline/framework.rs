@@ -23,7 +23,7 @@ use ebtrace_proto::{
 };
 use prost::Message as _;
 
-use super::{Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value};
+use super::{Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value, cuda::StreamTiming};
 use crate::clock::ClockSync;
 
 /// The plane of host threads in TSL's XSpaces.
@@ -134,12 +134,36 @@ fn merge_planes(
                 for line in &mut plane.lines {
                     line.timestamp_ns = to_monotonic.line_start(line.timestamp_ns) as i64;
                 }
+                if let Some(ordinal) = gpu_ordinal(&plane.name) {
+                    give_way_on_gpu(timeline, pid, ordinal);
+                }
                 timeline.carried_planes.push(CarriedPlane { pid, plane });
                 merge.planes += 1;
             }
         }
     }
     malformed.map_or(Ok(()), Err)
+}
+
+/// `N` of a `/device:GPU:N` plane.
+fn gpu_ordinal(name: &str) -> Option<u32> {
+    name.strip_prefix("/device:GPU:")?.parse().ok()
+}
+
+/// A framework's session timed `pid`'s work on GPU `ordinal` itself (jax's
+/// CUDA plugin runs CUPTI): its plane replaces the streams of `pid` that
+/// ebtrace saw submitted from the host there, which would otherwise make a
+/// second plane of the same name.
+fn give_way_on_gpu(timeline: &mut Timeline, pid: u32, ordinal: u32) {
+    let Some(device) = timeline.devices.get_mut(&ordinal) else {
+        return;
+    };
+    device
+        .streams
+        .retain(|_, s| s.pid != pid || s.timing != StreamTiming::HostObserved);
+    if device.streams.is_empty() {
+        timeline.devices.remove(&ordinal);
+    }
 }
 
 /// Maps a session's relative times to monotonic ns.
@@ -371,6 +395,70 @@ mod tests {
             .collect();
         assert_eq!(carried, expected);
         assert!(carried.contains(&"/host:metadata"));
+    }
+
+    /// A GPU plane of the session replaces what ebtrace saw submitted to
+    /// that GPU by the same process from the host, and nothing else.
+    #[test]
+    fn a_sessions_gpu_plane_replaces_the_host_observed_streams_of_its_process() {
+        use ebtrace_proto::tensorflow::profiler::XPlane;
+
+        use crate::timeline::cuda::{DeviceTrack, StreamTrack};
+
+        let stream = |id: i64, pid: u32, timing: StreamTiming| StreamTrack {
+            id,
+            pid,
+            label: String::new(),
+            timing,
+            events: Vec::new(),
+        };
+        let device = |ordinal: u32, streams: Vec<StreamTrack>| DeviceTrack {
+            ordinal,
+            streams: streams.into_iter().map(|s| (s.id, s)).collect(),
+        };
+        let mut space = XSpace::decode(jax_space().as_slice()).unwrap();
+        space.planes.push(XPlane {
+            id: 100,
+            name: "/device:GPU:0".into(),
+            ..Default::default()
+        });
+        let bytes = space.encode_to_vec();
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        tl.devices.insert(
+            0,
+            device(
+                0,
+                vec![
+                    stream(1, 7, StreamTiming::HostObserved),
+                    stream(2, 8, StreamTiming::HostObserved),
+                    stream(3, 7, StreamTiming::Device),
+                ],
+            ),
+        );
+        tl.devices
+            .insert(1, device(1, vec![stream(1, 7, StreamTiming::HostObserved)]));
+        let (_, merged) = merge_framework_space(&mut tl, 7, &bytes, &ThreadIds::new());
+        merged.unwrap();
+        let kept: Vec<(i64, u32)> = tl.devices[&0]
+            .streams
+            .values()
+            .map(|s| (s.id, s.pid))
+            .collect();
+        assert_eq!(kept, vec![(2, 8), (3, 7)]);
+        assert_eq!(tl.devices[&1].streams.len(), 1);
+
+        // Nothing left of the GPU: no plane of ebtrace's for it.
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        tl.devices
+            .insert(0, device(0, vec![stream(1, 7, StreamTiming::HostObserved)]));
+        let (_, merged) = merge_framework_space(&mut tl, 7, &bytes, &ThreadIds::new());
+        merged.unwrap();
+        assert!(tl.devices.is_empty());
+        assert!(
+            tl.carried_planes
+                .iter()
+                .any(|p| p.plane.name == "/device:GPU:0")
+        );
     }
 
     /// A session cut short (TSL writes its start time last) merges
