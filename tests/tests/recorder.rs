@@ -12,7 +12,7 @@ use std::{
 use ebtrace_proto::tensorflow::{GetSnapshotRequest, profiler::XSpace};
 use ebtrace_tests::{
     TempDir,
-    cuda::CudaWorkload,
+    cuda::{CudaWorkload, cxxfilt},
     fixture::{SchedWorkload, build_c_shared, read_schedstat},
     http,
     python::{jax_python, start_jax_with},
@@ -742,6 +742,65 @@ fn the_driver_probes_of_a_process_that_exits_are_let_go() {
         server.lines()
     );
     drop(keeper);
+}
+
+/// A program looks its kernels up at its start, before any recorder: a
+/// snapshot names them through the driver inside the program (ebtrace's
+/// agent, loaded for that question and taken out again).
+#[test]
+fn a_snapshot_names_kernels_looked_up_before_the_recorder_started() {
+    if !require_root("a_snapshot_names_kernels_looked_up_before_the_recorder_started") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start(&["--iters", "100000000"]);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = workload.pid;
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &pid.to_string(),
+        "--retain",
+        "10s",
+        "--retain-memory",
+        "96",
+        "--ring-buffer-mib",
+        "4",
+    ]);
+    expect_line(&server, "flight recorder on");
+    std::thread::sleep(Duration::from_millis(500));
+    let launched = |space: &XSpace| -> Vec<String> {
+        let host = plane(space, HOST_CPU);
+        host.lines
+            .iter()
+            .flat_map(|l| line_events(host, l.id))
+            // Calls, not the stack samples that landed in one.
+            .filter(|e| e.name.starts_with("cuLaunch") && e.stats.contains_key("result_code"))
+            .filter(|e| e.stats["result_code"].as_i64() == 0)
+            .map(|e| e.stats["kernel"].as_str().to_string())
+            .collect()
+    };
+    let expected = [cxxfilt("_Z6vecAddPKfS0_Pfi"), cxxfilt("_Z9reduceSumPKfPfj")];
+    for round in 0..2 {
+        let space = server.snapshot(&format!("named-{round}"));
+        let kernels = launched(&space);
+        assert!(kernels.len() > 10, "round {round}: {kernels:?}");
+        for k in &kernels {
+            assert!(
+                expected.contains(k),
+                "round {round}: {k} is not one it launched"
+            );
+        }
+        // The agent is out again: no thread of it, nothing of it mapped.
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("its maps");
+        assert!(!maps.contains("ebtrace-agent"), "round {round}:\n{maps}");
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("its threads")
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|c| c.trim() == "ebtrace-agent")
+            .count();
+        assert_eq!(threads, 0, "round {round}");
+    }
 }
 
 /// Once the records of a process that exited are older than `--retain`,

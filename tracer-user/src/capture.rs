@@ -82,6 +82,10 @@ pub struct CaptureOptions {
     /// Never record what the GPU ran through the agent (CUPTI): the GPU
     /// lines then show the work as the host submitted it.
     pub no_device_activity: bool,
+    /// Where no agent of the capture's runs in a target (the flight
+    /// recorder runs none), load one for a moment to ask the target's CUDA
+    /// driver for the names of kernels looked up before the capture.
+    pub name_kernels_with_agent: bool,
     /// The capture is shown once, as one window from its start to
     /// [`Capture::finish`] (`ebtrace record`): its scheduler records become
     /// thread states as they arrive instead of all being held to the end.
@@ -147,7 +151,8 @@ pub struct Capture {
     last_collection: Instant,
     /// Kernel names asked of the driver inside the targets.
     kernel_naming: KernelNaming,
-    /// Whether ebtrace's agent may be loaded for device work.
+    /// Whether ebtrace's agent may be loaded for device work (kernel
+    /// names included).
     agent_for_devices: bool,
     /// Declared before `probe`: dropped first, it switches the targets'
     /// TraceMe recording off while the probes still see it.
@@ -307,7 +312,7 @@ impl Capture {
             collected: Vec::new(),
             last_collection: Instant::now(),
             kernel_naming: KernelNaming::default(),
-            agent_for_devices: device_activity,
+            agent_for_devices: device_activity || options.name_kernels_with_agent,
             traceme,
             traceme_events: VecDeque::new(),
             probe,

@@ -64,6 +64,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             args.traceme
         },
         no_device_activity: args.no_agent || args.no_device_activity,
+        name_kernels_with_agent: !args.no_agent,
         one_window: true,
     };
     let session = logdir::session_name(chrono::Local::now());

@@ -185,6 +185,9 @@ impl FlightRecorder {
             families,
             route: TraceMeRoute::Off,
             no_device_activity: true,
+            // A snapshot's kernels have names: the programs looked most of
+            // theirs up before the recorder started.
+            name_kernels_with_agent: true,
             ..CaptureOptions::default()
         };
         let pids = targets.iter().map(|t| t.pid).collect();
