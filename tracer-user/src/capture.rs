@@ -526,6 +526,9 @@ impl Capture {
         if let Some(streamed) = &mut self.streamed {
             streamed.end_at(stop_ns);
         }
+        // TraceMe levels back first, while the probes still see the
+        // targets: every event recorded with ebtrace's level on is counted.
+        self.traceme.restore();
         // Kernel-side miss counters live in the programs: read them first.
         let missed = self.probe.stats()?.missed_by_kernel;
         let traceme_kernel = TraceMeProbe::stats(&mut self.probe);
@@ -554,7 +557,6 @@ impl Capture {
                     .warn(format!("pid {pid}: taking the agent out: {why}"));
             }
         }
-        self.traceme.restore();
         if traceme_kernel.event_unreadable + traceme_kernel.name_unreadable > 0 {
             self.traceme.warn(format!(
                 "{} TraceMe events could not be read from the target, {} were recorded without their name",
