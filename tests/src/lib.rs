@@ -90,6 +90,21 @@ pub fn wait_for_ebtrace_exits() {
     }
 }
 
+/// Threads of `pid` named `ebtrace-agent`: the agent's own, and any a
+/// library it drives (CUPTI) started from it.
+pub fn agent_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    std::fs::read_to_string(e.path().join("comm"))
+                        .is_ok_and(|c| c.starts_with("ebtrace-agent"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// The processes named `ebtrace`, running (not zombies) and started less
 /// than a minute ago: an exiting ebtrace and the child releasing its
 /// links, never a stray long-lived one. By name, because a process

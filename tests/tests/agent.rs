@@ -14,7 +14,7 @@ use std::{
 
 use ebtrace_proto::tensorflow::profiler::x_event;
 use ebtrace_tests::{
-    TempDir, ebtrace_bin,
+    TempDir, agent_threads, ebtrace_bin,
     python::{PythonWorkload, flood_count, jax_python, start_jax, start_jax_with},
     record, require_root, serial,
     serve::{ServeProcess, status_kib},
@@ -52,19 +52,6 @@ fn wait_until(deadline: Duration, mut done: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     done()
-}
-
-fn agent_threads(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.flatten()
-                .filter(|e| {
-                    std::fs::read_to_string(e.path().join("comm"))
-                        .is_ok_and(|c| c.starts_with("ebtrace-agent"))
-                })
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 /// Event counts by name over all thread lines of `/host:CPU`.

@@ -8,7 +8,7 @@ use std::{collections::HashMap, path::Path, time::Duration};
 
 use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
-    TempDir,
+    TempDir, agent_threads,
     cuda::{CudaWorkload, cxxfilt},
     record, require_root, serial, signal, spawn_attached, spawn_record, wait_for_ebtrace_exits,
     xplane_files,
@@ -85,16 +85,6 @@ fn launches(space: &XSpace) -> HashMap<u64, Event> {
             Some((id, e))
         })
         .collect()
-}
-
-fn agent_threads(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-                .filter(|c| c.trim() == "ebtrace-agent")
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 /// Records a running workload for `duration`; its stderr and trace.
@@ -331,18 +321,13 @@ fn a_program_holding_cupti_is_left_alone() {
     assert!(space.planes.iter().any(|p| p.name == "/device:GPU:0"));
 }
 
-#[test]
-fn a_killed_ebtrace_leaves_cupti_free() {
-    if !require_root("a_killed_ebtrace_leaves_cupti_free") {
-        return;
-    }
-    let _serial = serial();
-    let mut workload = CudaWorkload::start_with_cupti(LONG_RUN, &[]);
-    workload.go();
-    let logdir = TempDir::new("killed-cupti");
-    let mut ebtrace = spawn_record(&workload.pid.to_string(), "60s", &logdir, &[]);
+/// Records `pid` with the agent and kills ebtrace with SIGKILL 300 ms
+/// after the agent's thread appeared in the target.
+fn kill_mid_capture(pid: u32, logdir: &str) {
+    let logdir = TempDir::new(logdir);
+    let mut ebtrace = spawn_record(&pid.to_string(), "60s", &logdir, &[]);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while agent_threads(workload.pid) == 0 {
+    while agent_threads(pid) == 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "the agent never started"
@@ -352,14 +337,31 @@ fn a_killed_ebtrace_leaves_cupti_free() {
     std::thread::sleep(Duration::from_millis(300));
     signal(ebtrace.id(), libc::SIGKILL);
     let _ = ebtrace.wait();
-    let deadline = std::time::Instant::now() + Duration::from_secs(2);
-    while agent_threads(workload.pid) > 0 {
+}
+
+/// Waits up to `within` for the agent's thread in `pid` to end after
+/// `what` did.
+fn wait_for_agent_threads_to_end(pid: u32, within: Duration, what: &str) {
+    let deadline = std::time::Instant::now() + within;
+    while agent_threads(pid) > 0 {
         assert!(
             std::time::Instant::now() < deadline,
-            "the agent's thread outlived ebtrace"
+            "the agent's thread outlived {what}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn a_killed_ebtrace_leaves_cupti_free() {
+    if !require_root("a_killed_ebtrace_leaves_cupti_free") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start_with_cupti(LONG_RUN, &[]);
+    workload.go();
+    kill_mid_capture(workload.pid, "killed-cupti");
+    wait_for_agent_threads_to_end(workload.pid, Duration::from_secs(2), "ebtrace");
     // The process runs on, and CUPTI's subscription was released.
     let (stderr, space) = capture(workload.pid, "300ms", &[]);
     assert!(stderr.contains("device activity: CUPTI"), "{stderr}");
@@ -384,30 +386,9 @@ fn program_profiles_itself_after(end: CaptureEnd) {
             let (stderr, space) = capture(workload.pid, "500ms", &[]);
             assert!(!kernels(&space).is_empty(), "{stderr}");
         }
-        CaptureEnd::Killed => {
-            let logdir = TempDir::new("killed-then-profiled");
-            let mut ebtrace = spawn_record(&workload.pid.to_string(), "60s", &logdir, &[]);
-            let deadline = std::time::Instant::now() + Duration::from_secs(60);
-            while agent_threads(workload.pid) == 0 {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "the agent never started"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            std::thread::sleep(Duration::from_millis(300));
-            signal(ebtrace.id(), libc::SIGKILL);
-            let _ = ebtrace.wait();
-        }
+        CaptureEnd::Killed => kill_mid_capture(workload.pid, "killed-then-profiled"),
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while agent_threads(workload.pid) > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent's thread outlived the capture"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_agent_threads_to_end(workload.pid, Duration::from_secs(5), "the capture");
     signal(workload.pid, libc::SIGUSR1);
     let profiled = &workload.next_line(Duration::from_secs(60))["profiled"];
     let launched = profiled["kernels"].as_u64().expect("kernels");

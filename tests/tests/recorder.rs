@@ -11,7 +11,7 @@ use std::{
 
 use ebtrace_proto::tensorflow::{GetSnapshotRequest, profiler::XSpace};
 use ebtrace_tests::{
-    TempDir,
+    TempDir, agent_threads,
     cuda::{CudaWorkload, cxxfilt},
     fixture::{SchedWorkload, build_c_shared, read_schedstat},
     http,
@@ -794,12 +794,7 @@ fn a_snapshot_names_kernels_looked_up_before_the_recorder_started() {
         // The agent is out again: no thread of it, nothing of it mapped.
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("its maps");
         assert!(!maps.contains("ebtrace-agent"), "round {round}:\n{maps}");
-        let threads = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .expect("its threads")
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-            .filter(|c| c.trim() == "ebtrace-agent")
-            .count();
-        assert_eq!(threads, 0, "round {round}");
+        assert_eq!(agent_threads(pid), 0, "round {round}");
     }
 }
 
