@@ -4,6 +4,7 @@
 //! bounds on what it keeps.
 
 use std::{
+    collections::HashMap,
     path::Path,
     process::{Command, Output, Stdio},
     time::Duration,
@@ -19,7 +20,7 @@ use ebtrace_tests::{
     require_root, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     signal, wait_with_deadline, xplane_files, xprof,
-    xspace::{self, line_events, plane, profile_window},
+    xspace::{self, Stat, line_events, plane, profile_window},
 };
 use tonic::Code;
 
@@ -769,33 +770,98 @@ fn a_snapshot_names_kernels_looked_up_before_the_recorder_started() {
     ]);
     expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_millis(500));
-    let launched = |space: &XSpace| -> Vec<String> {
-        let host = plane(space, HOST_CPU);
-        host.lines
-            .iter()
-            .flat_map(|l| line_events(host, l.id))
-            // Calls, not the stack samples that landed in one.
-            .filter(|e| e.name.starts_with("cuLaunch") && e.stats.contains_key("result_code"))
-            .filter(|e| e.stats["result_code"].as_i64() == 0)
-            .map(|e| e.stats["kernel"].as_str().to_string())
-            .collect()
-    };
-    let expected = [cxxfilt("_Z6vecAddPKfS0_Pfi"), cxxfilt("_Z9reduceSumPKfPfj")];
     for round in 0..2 {
         let space = server.snapshot(&format!("named-{round}"));
-        let kernels = launched(&space);
-        assert!(kernels.len() > 10, "round {round}: {kernels:?}");
-        for k in &kernels {
-            assert!(
-                expected.contains(k),
-                "round {round}: {k} is not one it launched"
-            );
-        }
+        assert_kernels_named(&space, &format!("round {round}"));
         // The agent is out again: no thread of it, nothing of it mapped.
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("its maps");
         assert!(!maps.contains("ebtrace-agent"), "round {round}:\n{maps}");
         assert_eq!(agent_threads(pid), 0, "round {round}");
     }
+}
+
+/// The driver calls of a snapshot: (name, stats) of each on the host plane
+/// (calls, not the stack samples that landed in one).
+fn driver_calls(space: &XSpace) -> Vec<(String, HashMap<String, Stat>)> {
+    let host = plane(space, HOST_CPU);
+    host.lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .filter(|e| e.name.starts_with("cu") && e.stats.contains_key("result"))
+        .map(|e| (e.name, e.stats))
+        .collect()
+}
+
+/// Every successful launch of the stand-in workload in `space` is named
+/// after one of its two kernels, and there are some.
+fn assert_kernels_named(space: &XSpace, what: &str) {
+    let expected = [cxxfilt("_Z6vecAddPKfS0_Pfi"), cxxfilt("_Z9reduceSumPKfPfj")];
+    let kernels: Vec<String> = driver_calls(space)
+        .into_iter()
+        .filter(|(name, stats)| {
+            name.starts_with("cuLaunch") && stats.get("result_code").map(Stat::as_i64) == Some(0)
+        })
+        .map(|(_, stats)| stats["kernel"].as_str().to_string())
+        .collect();
+    assert!(kernels.len() > 10, "{what}: {kernels:?}");
+    for k in &kernels {
+        assert!(expected.contains(k), "{what}: {k} is not one it launched");
+    }
+}
+
+/// The CUDA runtime looks a kernel's function up before each launch
+/// (`cuKernelGetFunction`); the recorder does not probe that lookup, and
+/// still names what is launched through it. Setting the current context is
+/// probed at its entry only: an instant without a result.
+#[test]
+fn the_recorder_names_kernels_without_probing_the_per_launch_lookup() {
+    if !require_root("the_recorder_names_kernels_without_probing_the_per_launch_lookup") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start(&["--iters", "2000", "--linger"]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--retain",
+        "10s",
+        "--retain-memory",
+        "96",
+        "--ring-buffer-mib",
+        "4",
+    ]);
+    expect_line(&server, "flight recorder on");
+    // Its lookups by name and by kernel, then its launches, while recorded.
+    let report = workload.run_and_linger(Duration::from_secs(60));
+    let logged = |name: &str| -> u64 {
+        report["calls"]
+            .as_array()
+            .expect("calls")
+            .iter()
+            .filter(|c| c["function"] == name)
+            .map(|c| c["count"].as_u64().expect("count"))
+            .sum()
+    };
+    let space = server.snapshot("lookups");
+    assert_kernels_named(&space, "snapshot");
+    let calls = driver_calls(&space);
+    let count = |name: &str| calls.iter().filter(|(n, _)| n == name).count() as u64;
+    for name in ["cuLibraryGetKernel", "cuLaunchKernelEx", "cuCtxSetCurrent"] {
+        assert_eq!(count(name), logged(name), "{name}");
+    }
+    assert_eq!(logged("cuKernelGetFunction"), 1);
+    assert_eq!(count("cuKernelGetFunction"), 0, "the per-launch lookup");
+    let set_current: Vec<_> = calls
+        .iter()
+        .filter(|(n, _)| n == "cuCtxSetCurrent")
+        .collect();
+    assert_eq!(set_current.len(), 1, "launcher-0 sets its context once");
+    let (_, stats) = set_current[0];
+    assert!(!stats.contains_key("result_code"), "{stats:?}");
+    assert_eq!(
+        stats["result"].as_str(),
+        "not recorded (probed at entry only)"
+    );
 }
 
 /// Once the records of a process that exited are older than `--retain`,

@@ -70,11 +70,14 @@ pub mod layout {
 /// The attach cookie: bits 0..16 the function's index in userspace's table;
 /// bits 16..20 one plus the index of an out-pointer argument whose target
 /// the return probe reads (0: none); bits 20..24 one plus the index of a
-/// `const char *` name argument copied on success (0: none).
+/// `const char *` name argument copied on success (0: none); bit 24 set
+/// when the function has no return probe: its entry probe writes the
+/// [`super::CudaCall`] itself ([`super::flags::ENTRY_ONLY`]).
 pub mod cookie {
     pub const FUNCTION_MASK: u64 = 0xffff;
     pub const OUT_SHIFT: u32 = 16;
     pub const NAME_SHIFT: u32 = 20;
+    pub const ENTRY_ONLY: u64 = 1 << 24;
 
     pub const fn encode(function: u16, out_arg: Option<u8>, name_arg: Option<u8>) -> u64 {
         let out = match out_arg {
@@ -88,8 +91,19 @@ pub mod cookie {
         function as u64 | (out & 0xf) << OUT_SHIFT | (name & 0xf) << NAME_SHIFT
     }
 
+    /// The cookie of a function probed at its entry only (it has neither
+    /// an out-pointer nor a name to read after the call).
+    pub const fn encode_entry_only(function: u16) -> u64 {
+        function as u64 | ENTRY_ONLY
+    }
+
     pub const fn function(cookie: u64) -> u16 {
         (cookie & FUNCTION_MASK) as u16
+    }
+
+    /// Whether the function is probed at its entry only.
+    pub const fn entry_only(cookie: u64) -> bool {
+        cookie & ENTRY_ONLY != 0
     }
 
     /// Index of the out-pointer argument, if any.
@@ -109,6 +123,13 @@ pub mod cookie {
     }
 }
 
+/// Bits of [`CudaCall::flags`].
+pub mod flags {
+    /// Written at the call's entry, by a function probed there only: the
+    /// call took no time as recorded, and its `result` is not known (0).
+    pub const ENTRY_ONLY: u16 = 1;
+}
+
 /// A call saved by an entry probe until its return.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -120,7 +141,8 @@ pub struct PendingCall {
     pub extra: [u64; 8],
 }
 
-/// One completed driver call; the header's `ts_ns` is the return time.
+/// One completed driver call; the header's `ts_ns` is the return time (the
+/// entry time for a call written at its entry, [`flags::ENTRY_ONLY`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CudaCall {
@@ -131,7 +153,8 @@ pub struct CudaCall {
     pub start_ns: u64,
     /// Index of the function in userspace's table (from the cookie).
     pub function: u16,
-    pub _pad: u16,
+    /// [`flags`] bits.
+    pub flags: u16,
     /// The `CUresult` returned.
     pub result: u32,
     pub args: [u64; 6],
@@ -185,7 +208,12 @@ mod tests {
         assert_eq!(cookie::function(c), 513);
         assert_eq!(cookie::out_arg(c), Some(0));
         assert_eq!(cookie::name_arg(c), Some(2));
+        assert!(!cookie::entry_only(c));
         let c = cookie::encode(7, None, None);
+        assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
+        let c = cookie::encode_entry_only(513);
+        assert_eq!(cookie::function(c), 513);
+        assert!(cookie::entry_only(c));
         assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
     }
 }

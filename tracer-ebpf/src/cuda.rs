@@ -7,7 +7,10 @@
 //! (and, for functions that take a struct or more than six arguments, the
 //! words that matter) under `tid << 32 | function`; the return writes one
 //! `CudaCall` with both times, the `CUresult` and the out-pointer's target,
-//! plus a `CudaSymbol` after a successful kernel lookup. A function never
+//! plus a `CudaSymbol` after a successful kernel lookup. A function whose
+//! return tells nothing worth a second uprobe (setting the current
+//! context: a few ns of work, called several times a step) has no return
+//! probe: its entry writes the `CudaCall` at once. A function never
 //! calls itself, so one slot per thread and function is enough even when
 //! the driver calls one exported function from another.
 //!
@@ -34,7 +37,7 @@ use tracer_common::{
     RecordKind,
     cuda::{
         CUDA_NAME_LEN, CudaCall, CudaSymbol, MAX_PENDING_CALLS, PendingCall, STACK_WORDS, cookie,
-        layout, stat,
+        flags, layout, stat,
     },
 };
 
@@ -98,6 +101,10 @@ fn enter(ctx: &ProbeContext, extra: impl FnOnce(&[u64; 6], u64) -> [u64; 8]) -> 
         extra: extra(&args, regs.rsp),
         args,
     };
+    if cookie::entry_only(cookie) {
+        submit_call(tid, tgid, cookie, &pending, 0, 0, flags::ENTRY_ONLY);
+        return 0;
+    }
     let key = pending_key(tid, cookie);
     match CUDA_PENDING.get_ptr_mut(key) {
         // SAFETY: a live map value; only this thread reads or writes the
@@ -174,27 +181,16 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
         Some(i) if i < args.len() => read_user_u64(args[i]),
         _ => 0,
     };
-    match EVENTS.reserve::<CudaCall>(0) {
-        Some(mut entry) => {
-            let rec = entry.as_mut_ptr();
-            // SAFETY: `rec` is a reserved record of the right size; every
-            // field is written before the submit.
-            unsafe {
-                (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCall>());
-                (*rec).tid = tid;
-                (*rec).tgid = tgid;
-                (*rec).start_ns = (*pending).start_ns;
-                (*rec).function = cookie::function(cookie);
-                (*rec)._pad = 0;
-                (*rec).result = result;
-                (*rec).args = args;
-                (*rec).extra = (*pending).extra;
-                (*rec).out_value = out_value;
-            }
-            entry.submit(count_submit());
-        }
-        None => bump(tracer_common::stat::DROPPED_RINGBUF_FULL),
-    }
+    // SAFETY: as above.
+    submit_call(
+        tid,
+        tgid,
+        cookie,
+        unsafe { &*pending },
+        result,
+        out_value,
+        0,
+    );
     // SAFETY: as above; the slot is free for the thread's next call.
     unsafe { (*pending).start_ns = 0 };
     if let Some(i) = cookie::name_arg(cookie)
@@ -204,6 +200,43 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
         emit_symbol(tid, tgid, out_value, args[i]);
     }
     0
+}
+
+/// Writes one [`CudaCall`]: at its return, or at its entry for a function
+/// probed there only (then the header's time is the entry's).
+#[inline(always)]
+fn submit_call(
+    tid: u32,
+    tgid: u32,
+    cookie: u64,
+    call: &PendingCall,
+    result: u32,
+    out_value: u64,
+    call_flags: u16,
+) {
+    let Some(mut entry) = EVENTS.reserve::<CudaCall>(0) else {
+        bump(tracer_common::stat::DROPPED_RINGBUF_FULL);
+        return;
+    };
+    let rec = entry.as_mut_ptr();
+    // SAFETY: `rec` is a reserved record of the right size; every field is
+    // written before the submit.
+    unsafe {
+        (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCall>());
+        if call_flags & flags::ENTRY_ONLY != 0 {
+            (*rec).header.ts_ns = call.start_ns;
+        }
+        (*rec).tid = tid;
+        (*rec).tgid = tgid;
+        (*rec).start_ns = call.start_ns;
+        (*rec).function = cookie::function(cookie);
+        (*rec).flags = call_flags;
+        (*rec).result = result;
+        (*rec).args = call.args;
+        (*rec).extra = call.extra;
+        (*rec).out_value = out_value;
+    }
+    entry.submit(count_submit());
 }
 
 /// Sends a looked-up handle with its name, copied straight into the ring

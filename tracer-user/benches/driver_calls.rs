@@ -83,7 +83,7 @@ fn call(function: u16, start_ns: u64, end_ns: u64, args: [u64; 6], extra: [u64; 
         tgid: PID,
         start_ns,
         function,
-        _pad: 0,
+        flags: 0,
         result: 0,
         args,
         extra,

@@ -39,6 +39,7 @@ use crate::{
     },
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, EncodedRecords, Record, StackSample, TraceMeEvent},
+    cuda_api::DriverCalls,
     error::{Error, Result},
     metrics::activity::ActivityTally,
     procfs::{self, TargetProcess},
@@ -86,6 +87,8 @@ pub struct CaptureOptions {
     /// recorder runs none), load one for a moment to ask the target's CUDA
     /// driver for the names of kernels looked up before the capture.
     pub name_kernels_with_agent: bool,
+    /// Which CUDA driver functions are probed, when `families.cuda` is on.
+    pub driver_calls: DriverCalls,
     /// The capture is shown once, as one window from its start to
     /// [`Capture::finish`] (`ebtrace record`): its scheduler records become
     /// thread states as they arrive instead of all being held to the end.
@@ -267,7 +270,7 @@ impl Capture {
             notes.push(SchedProbe::attach_scheduling(&mut probe)?);
         }
         let (cuda, warnings) = if options.families.cuda {
-            CudaProbe::attach(&mut probe, &targets)?
+            CudaProbe::attach(&mut probe, &targets, options.driver_calls)?
         } else {
             (None, Vec::new())
         };

@@ -7,7 +7,7 @@
 //! 12); `_ptsz`/`_ptds` are the per-thread-default-stream builds of the same
 //! function, whose NULL stream is the calling thread's own default stream.
 
-use tracer_common::cuda::shape;
+use tracer_common::cuda::{cookie, shape};
 
 /// Which entry program saves a function's arguments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,6 +190,51 @@ impl DriverFunction {
     /// Built for per-thread default streams: NULL means the thread's own stream.
     pub fn per_thread_stream(&self) -> bool {
         self.name.ends_with("_ptsz") || self.name.ends_with("_ptds")
+    }
+
+    /// Probed at its entry only: its arguments say all a trace shows of it,
+    /// and it returns at once, so its time and result are not worth a
+    /// second uprobe (about 0.8 µs on the calling thread). The frameworks
+    /// set the current context around most of their driver calls (jax: 4
+    /// of its 11 calls a step), and a stream's wait for an event is queued
+    /// without waiting.
+    pub fn entry_only(&self) -> bool {
+        matches!(
+            self.op,
+            Op::CtxSetCurrent | Op::CtxPushCurrent | Op::StreamWaitEvent
+        )
+    }
+
+    /// The attach cookie of the function with table index `id`.
+    pub fn cookie(&self, id: u16) -> u64 {
+        if self.entry_only() {
+            cookie::encode_entry_only(id)
+        } else {
+            cookie::encode(id, self.out_arg(), self.name_arg())
+        }
+    }
+}
+
+/// Which of [`FUNCTIONS`] a capture probes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DriverCalls {
+    /// Every one: a capture shows every driver call the program made.
+    #[default]
+    Every,
+    /// All but `cuKernelGetFunction`, the flight recorder's: the CUDA
+    /// runtime looks a kernel's function up before each launch (jax: 2 of
+    /// its 11 calls a step), only for the name a lookup by name gave it,
+    /// and the recorder's snapshots ask the driver for the names instead.
+    AlwaysOn,
+}
+
+impl DriverCalls {
+    /// Whether `function` is probed.
+    pub fn probes(self, function: &DriverFunction) -> bool {
+        match self {
+            DriverCalls::Every => true,
+            DriverCalls::AlwaysOn => function.op != Op::KernelGetFunction,
+        }
     }
 }
 
@@ -523,6 +568,43 @@ mod tests {
                 .unwrap_or_else(|| panic!("{} has no {base}", f.name));
             assert_eq!(twin.op, f.op, "{}", f.name);
         }
+    }
+
+    /// An entry-only function has nothing to read after the call, and
+    /// its cookie says so; the others' cookies keep what their return reads.
+    #[test]
+    fn entry_only_functions_need_no_return() {
+        let entry_only: Vec<&str> = FUNCTIONS
+            .iter()
+            .filter(|f| f.entry_only())
+            .map(|f| f.name)
+            .collect();
+        assert!(entry_only.contains(&"cuCtxSetCurrent"), "{entry_only:?}");
+        for (id, f) in FUNCTIONS.iter().enumerate() {
+            let c = f.cookie(id as u16);
+            assert_eq!(cookie::function(c), id as u16);
+            assert_eq!(cookie::entry_only(c), f.entry_only(), "{}", f.name);
+            if f.entry_only() {
+                assert_eq!((f.out_arg(), f.name_arg()), (None, None), "{}", f.name);
+                assert!(!matches!(f.op, Op::Launch | Op::LaunchEx), "{}", f.name);
+            } else {
+                assert_eq!(cookie::out_arg(c), f.out_arg().map(usize::from));
+                assert_eq!(cookie::name_arg(c), f.name_arg().map(usize::from));
+            }
+        }
+    }
+
+    /// The flight recorder leaves out the per-launch lookup only; lookups
+    /// by name, which name kernels loaded while it records, stay.
+    #[test]
+    fn the_always_on_set_leaves_out_only_the_per_launch_lookup() {
+        let left_out: Vec<&str> = FUNCTIONS
+            .iter()
+            .filter(|f| !DriverCalls::AlwaysOn.probes(f))
+            .map(|f| f.name)
+            .collect();
+        assert_eq!(left_out, ["cuKernelGetFunction"]);
+        assert!(FUNCTIONS.iter().all(|f| DriverCalls::Every.probes(f)));
     }
 
     #[test]

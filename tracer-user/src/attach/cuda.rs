@@ -25,7 +25,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
-use tracer_common::cuda::{cookie, names, shape, stat};
+use tracer_common::cuda::{names, shape, stat};
 
 use super::{
     ProbeSet,
@@ -34,7 +34,7 @@ use super::{
     uprobe_multi,
 };
 use crate::{
-    cuda_api::{FUNCTIONS, Shape},
+    cuda_api::{DriverCalls, FUNCTIONS, Shape},
     error::{Error, Result},
     procfs::TargetProcess,
 };
@@ -44,8 +44,11 @@ use crate::{
 pub struct CudaTarget {
     pub pid: u32,
     pub library: Library,
-    /// Functions with both probes attached.
+    /// Functions probed: with both probes attached, or the entry probe
+    /// only ([`Self::entry_only`] of them).
     pub probed: usize,
+    /// Functions of those probed at their entry only.
+    pub entry_only: usize,
     /// Functions exported but not probed, with the reason.
     pub skipped: Vec<(String, String)>,
     /// How the probes are linked.
@@ -94,6 +97,8 @@ pub struct CudaProbe {
     /// Each link with the process it probes.
     links: Vec<(u32, OwnedLink)>,
     pub targets: Vec<CudaTarget>,
+    /// The functions probed.
+    calls: DriverCalls,
 }
 
 /// Messages for the user about processes whose driver calls are not traced.
@@ -106,9 +111,10 @@ impl CudaProbe {
     pub fn attach(
         set: &mut ProbeSet,
         targets: &[TargetProcess],
+        calls: DriverCalls,
     ) -> Result<(Option<CudaProbe>, Warnings)> {
         let mut links = Vec::new();
-        let (attached, warnings) = attach_targets(set, targets, &mut links);
+        let (attached, warnings) = attach_targets(set, targets, calls, &mut links);
         if attached.is_empty() {
             return Ok((None, warnings));
         }
@@ -127,6 +133,7 @@ impl CudaProbe {
                 stats,
                 links,
                 targets: attached,
+                calls,
             }),
             warnings,
         ))
@@ -136,7 +143,7 @@ impl CudaProbe {
     /// capture takes on); returns what [`Self::attach`] does for them: the
     /// targets now probed, and warnings naming those left out.
     pub fn add(&mut self, set: &mut ProbeSet, targets: &[TargetProcess]) -> Warnings {
-        let (attached, warnings) = attach_targets(set, targets, &mut self.links);
+        let (attached, warnings) = attach_targets(set, targets, self.calls, &mut self.links);
         self.targets.extend(attached);
         warnings
     }
@@ -202,6 +209,7 @@ impl CudaProbe {
 fn attach_targets(
     set: &mut ProbeSet,
     targets: &[TargetProcess],
+    calls: DriverCalls,
     links: &mut Vec<(u32, OwnedLink)>,
 ) -> (Vec<CudaTarget>, Warnings) {
     let mut warnings = Vec::new();
@@ -229,7 +237,8 @@ fn attach_targets(
     let mut attached = Vec::new();
     for (pid, library) in found {
         let mut made = Vec::new();
-        let attached_library = attach_library(set, pid, &library, no_multi.as_deref(), &mut made);
+        let attached_library =
+            attach_library(set, pid, &library, calls, no_multi.as_deref(), &mut made);
         links.extend(made.into_iter().map(|l| (pid, l)));
         match attached_library {
             Ok(target) if target.probed > 0 => attached.push(target),
@@ -259,8 +268,12 @@ pub fn describe(target: &CudaTarget) -> String {
         Links::Multi(n) => format!("{n} uprobe_multi links"),
         Links::Perf(n, why) => format!("{n} perf-event uprobe links (no uprobe_multi: {why})"),
     };
+    let entry_only = match target.entry_only {
+        0 => String::new(),
+        n => format!(" ({n} of them at their entry only)"),
+    };
     format!(
-        "pid {}: probing {} CUDA driver functions in {} ({how}), through {links}{}",
+        "pid {}: probing {} CUDA driver functions in {} ({how}), through {links}{entry_only}{}",
         target.pid,
         target.probed,
         target.library.path.display(),
@@ -312,27 +325,38 @@ struct Point {
     offset: u64,
     cookie: u64,
     entry: &'static str,
+    /// No return probe ([`crate::cuda_api::DriverFunction::entry_only`]).
+    entry_only: bool,
 }
 
 fn attach_library(
     set: &mut ProbeSet,
     pid: u32,
     library: &Library,
+    calls: DriverCalls,
     no_multi: Option<&str>,
     links: &mut Vec<OwnedLink>,
 ) -> Result<CudaTarget> {
-    let wanted: Vec<&str> = FUNCTIONS.iter().map(|f| f.name).collect();
+    let wanted: Vec<&str> = FUNCTIONS
+        .iter()
+        .filter(|f| calls.probes(f))
+        .map(|f| f.name)
+        .collect();
     let offsets = libcuda::function_offsets(&library.attach_path, &wanted)
         .map_err(|e| Error::io(format!("reading {}", library.path.display()), e))?;
     let mut target = CudaTarget {
         pid,
         library: library.clone(),
         probed: 0,
+        entry_only: 0,
         skipped: Vec::new(),
         links: Links::Multi(0),
     };
     let mut points = Vec::new();
     for (id, function) in FUNCTIONS.iter().enumerate() {
+        if !calls.probes(function) {
+            continue;
+        }
         match offsets.get(function.name) {
             None => {}
             Some(Err(Unprobeable::LockPrefix)) => target.skipped.push((
@@ -344,8 +368,9 @@ fn attach_library(
                 points.push(Point {
                     name: function.name,
                     offset: *offset,
-                    cookie: cookie::encode(id as u16, function.out_arg(), function.name_arg()),
+                    cookie: function.cookie(id as u16),
                     entry: entry.program(),
+                    entry_only: function.entry_only(),
                 });
             }
         }
@@ -355,6 +380,7 @@ fn attach_library(
         None => match attach_multi(set, pid, library, &points) {
             Ok(multi) => {
                 target.probed = points.len();
+                target.entry_only = points.iter().filter(|p| p.entry_only).count();
                 target.links = Links::Multi(multi.len());
                 links.extend(multi.into_iter().map(OwnedLink::from));
                 return Ok(target);
@@ -394,8 +420,8 @@ fn attach_multi(
         let group: Vec<&Point> = points.iter().filter(|p| p.entry == *program).collect();
         link(program, &group, uprobe_multi::Kind::Entry)?;
     }
-    let all: Vec<&Point> = points.iter().collect();
-    link(shape::RETURN, &all, uprobe_multi::Kind::Return)?;
+    let returning: Vec<&Point> = points.iter().filter(|p| !p.entry_only).collect();
+    link(shape::RETURN, &returning, uprobe_multi::Kind::Return)?;
     Ok(links)
 }
 
@@ -435,9 +461,15 @@ fn attach_perf(
             Ok::<(), aya::programs::ProgramError>(())
         };
         // The entry first: a return without its entry is counted, never misread.
-        let result = attach(set, point.entry).and_then(|()| attach(set, shape::RETURN));
+        let result = attach(set, point.entry).and_then(|()| match point.entry_only {
+            true => Ok(()),
+            false => attach(set, shape::RETURN),
+        });
         match result {
-            Ok(()) => target.probed += 1,
+            Ok(()) => {
+                target.probed += 1;
+                target.entry_only += usize::from(point.entry_only);
+            }
             Err(e) => target.skipped.push((point.name.to_string(), e.to_string())),
         }
     }

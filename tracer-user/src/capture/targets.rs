@@ -44,7 +44,8 @@ impl Capture {
                 match &mut self.cuda {
                     Some(cuda) => notes.extend(cuda.add(&mut self.probe, one)),
                     None => {
-                        let (cuda, warnings) = CudaProbe::attach(&mut self.probe, one)?;
+                        let (cuda, warnings) =
+                            CudaProbe::attach(&mut self.probe, one, self.options.driver_calls)?;
                         self.cuda = cuda;
                         notes.extend(warnings);
                     }

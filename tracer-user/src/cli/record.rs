@@ -66,6 +66,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         no_device_activity: args.no_agent || args.no_device_activity,
         name_kernels_with_agent: !args.no_agent,
         one_window: true,
+        ..CaptureOptions::default()
     };
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;

@@ -448,7 +448,7 @@ mod tests {
             tgid: 40,
             start_ns: 8_500,
             function: 17,
-            _pad: 0xffff,
+            flags: 0xffff,
             result: 700,
             args: [u64::MAX; 6],
             extra: [u64::MAX; 8],

@@ -473,7 +473,7 @@ mod tests {
                 tgid: 7,
                 start_ns: 0,
                 function: 0,
-                _pad: 0,
+                flags: 0,
                 result: 0,
                 args: [0; 6],
                 extra: [0; 8],

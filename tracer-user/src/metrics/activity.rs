@@ -98,7 +98,7 @@ mod tests {
             tgid,
             start_ns,
             function,
-            _pad: 0,
+            flags: 0,
             result,
             args: [0; 6],
             extra: [0; 8],

@@ -27,6 +27,7 @@ use crate::{
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock,
     collect::Record,
+    cuda_api::DriverCalls,
     metrics::activity::ActivityTally,
     procfs::TargetProcess,
     timeline::{Timeline, Window},
@@ -188,6 +189,9 @@ impl FlightRecorder {
             // A snapshot's kernels have names: the programs looked most of
             // theirs up before the recorder started.
             name_kernels_with_agent: true,
+            // Those names make the runtime's lookup before each launch
+            // worth nothing to a snapshot: it is not probed.
+            driver_calls: DriverCalls::AlwaysOn,
             ..CaptureOptions::default()
         };
         let pids = targets.iter().map(|t| t.pid).collect();

@@ -342,7 +342,7 @@ mod tests {
             tgid: PID,
             start_ns,
             function,
-            _pad: 0,
+            flags: 0,
             result: 0,
             args: [0; 6],
             extra: [0; 8],

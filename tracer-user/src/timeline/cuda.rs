@@ -28,13 +28,17 @@ use std::{
 };
 
 use rustc_hash::FxHashMap;
-use tracer_common::cuda::{CudaCall, CudaSymbol};
+use tracer_common::cuda::{CudaCall, CudaSymbol, flags};
 
 use super::{CORRELATION_STAT, Cuts, SharedTexts, Span, Stat, StatName, Stats, Value, nest};
 use crate::{
     collect::Record,
     cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},
 };
+
+/// The `result` of a call recorded at its entry only
+/// ([`cuda_api::DriverFunction::entry_only`]): it shows as an instant.
+const ENTRY_ONLY_RESULT: &str = "not recorded (probed at entry only)";
 
 /// `CU_STREAM_LEGACY`: the context's legacy default stream, by name.
 const STREAM_LEGACY: u64 = 0x1;
@@ -832,19 +836,24 @@ impl CudaTimelineBuilder {
                 });
             work_line = Some((label, ordinal));
         }
+        let entry_only = rec.flags & flags::ENTRY_ONLY != 0;
         let call_tail = |texts: &mut SharedTexts| {
-            let result = match cuda_api::result_name(rec.result) {
-                Some(name) => texts.get(name),
-                None => texts.format(format_args!("CUresult {}", rec.result)),
-            };
             let mut tail = Vec::with_capacity(4);
-            tail.extend([
-                (
-                    "result_code".into(),
-                    Value::I64(i64::from(rec.result as i32)),
-                ),
-                ("result".into(), Value::Str(result)),
-            ]);
+            if entry_only {
+                tail.push(("result".into(), texts.value(ENTRY_ONLY_RESULT)));
+            } else {
+                let result = match cuda_api::result_name(rec.result) {
+                    Some(name) => texts.get(name),
+                    None => texts.format(format_args!("CUresult {}", rec.result)),
+                };
+                tail.extend([
+                    (
+                        "result_code".into(),
+                        Value::I64(i64::from(rec.result as i32)),
+                    ),
+                    ("result".into(), Value::Str(result)),
+                ]);
+            }
             if let Some((label, ordinal)) = &work_line {
                 tail.extend([
                     ("stream".into(), Value::Str(Arc::clone(label))),
@@ -858,7 +867,9 @@ impl CudaTimelineBuilder {
                 let (line, ordinal) = work_line
                     .as_ref()
                     .map_or((0, u32::MAX), |(label, o)| (text_key(label), *o));
-                let key = (details_key(details), rec.result, line, ordinal);
+                // An entry-only call's result is not known: not a success.
+                let result = if entry_only { u32::MAX } else { rec.result };
+                let key = (details_key(details), result, line, ordinal);
                 let group = shared_group(&mut self.call_groups, key, details, || {
                     call_tail(&mut self.texts)
                 });
@@ -1031,7 +1042,7 @@ mod tests {
             tgid: PID,
             start_ns: t.0,
             function: id(name),
-            _pad: 0,
+            flags: 0,
             result: 0,
             args: a,
             extra: x,
@@ -1258,7 +1269,7 @@ mod tests {
                     tgid: PID,
                     start_ns: start,
                     function,
-                    _pad: 0,
+                    flags: 0,
                     result,
                     args,
                     extra,
