@@ -235,16 +235,39 @@ fn retained_records_stay_within_their_memory_and_every_forgotten_one_is_counted(
     );
 
     // The snapshot holds the newest records: the last moments of ping
-    // and pong.
+    // and pong. Its window starts with them, not 60 s back with the
+    // forgotten seconds shown as idle, and it says why.
     let space = server.snapshot("bounded");
     let host = plane(&space, HOST_CPU);
+    let (start, stop) = profile_window(&space);
     for thread in ["ping", "pong"] {
         let events = line_events(host, workload.tid(thread).into());
         assert!(
             events.iter().any(|e| e.name == "Running"),
             "no {thread} in the snapshot"
         );
+        // They switch every few µs: each runs in the window's first ms
+        // (a line that starts with what was forgotten shows it as unknown).
+        let first = events
+            .iter()
+            .filter(|e| e.name == "Running")
+            .map(|e| e.start_ns)
+            .fold(f64::MAX, f64::min);
+        assert!(
+            first < 1e6,
+            "{thread} first runs {:.3} s into a window of {:.3} s",
+            first / 1e9,
+            (stop - start) as f64 / 1e9
+        );
     }
+    assert!(
+        space
+            .warnings
+            .iter()
+            .any(|w| w.contains("--retain-memory 96 MiB holds the last")),
+        "{:?}",
+        space.warnings
+    );
     signal(workload.pid, libc::SIGCONT);
 
     // A normal capture works beside the recorder.

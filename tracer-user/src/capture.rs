@@ -188,6 +188,8 @@ pub struct Capture {
     sample_slots: usize,
     /// Whether older records were forgotten (see [`Capture::forget_before`]).
     forgot: bool,
+    /// The newest time of a record [`Capture::forget_before`] forgot.
+    forgotten_through_ns: u64,
     /// Launches and synchronizing waits counted as records arrive, until
     /// [`Capture::take_activity`].
     activity: ActivityTally,
@@ -329,6 +331,7 @@ impl Capture {
             streamed,
             sample_slots: 0,
             forgot: false,
+            forgotten_through_ns: 0,
             activity: ActivityTally::default(),
             clock,
             start_ns,
@@ -495,6 +498,7 @@ impl Capture {
         self.sample_slots = 0;
         self.traceme_events = VecDeque::new();
         self.forgot = false;
+        self.forgotten_through_ns = 0;
         self.recordings = Vec::new();
         self.collected = Vec::new();
         self.kernel_naming = KernelNaming::default();

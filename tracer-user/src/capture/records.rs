@@ -85,6 +85,8 @@ impl Capture {
                 (None, _) => false,
             };
             if forget_chunk {
+                let end = self.held.oldest_chunk_end().unwrap_or(0);
+                self.forgotten_through_ns = self.forgotten_through_ns.max(end);
                 n += self.held.forget_oldest();
             } else if let Some(ts) = sample
                 && (over || ts < cutoff_ns)
@@ -92,6 +94,7 @@ impl Capture {
                 if let Some(s) = self.stack_samples.pop_front() {
                     self.sample_slots -= sample_slots(&s);
                 }
+                self.forgotten_through_ns = self.forgotten_through_ns.max(ts);
                 n += 1;
             } else {
                 break;
@@ -106,6 +109,17 @@ impl Capture {
         let forgotten = (n + old_traceme) as u64;
         self.forgot |= forgotten > 0;
         forgotten
+    }
+
+    /// From when on it holds every record the probes wrote: just past the
+    /// newest one [`Self::forget_before`] forgot (0 if none). A flight
+    /// recorder whose `--retain-memory` filled up holds less than its
+    /// `--retain`; a window before this time would show gaps as idle.
+    pub fn complete_since_ns(&self) -> u64 {
+        match self.forgotten_through_ns {
+            0 => 0,
+            t => t + 1,
+        }
     }
 
     /// Forgets what it holds of process `pid`, which exited and whose pid a

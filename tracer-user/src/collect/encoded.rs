@@ -112,6 +112,12 @@ impl EncodedRecords {
         Some((c.oldest_ns, c.newest_ns < cutoff_ns))
     }
 
+    /// The newest timestamp in the oldest chunk: forgetting it forgets
+    /// every record it held, none newer than that.
+    pub fn oldest_chunk_end(&self) -> Option<u64> {
+        self.chunks.front().map(|c| c.newest_ns)
+    }
+
     /// Forgets the oldest chunk; returns how many records it held.
     pub fn forget_oldest(&mut self) -> usize {
         let Some(chunk) = self.chunks.pop_front() else {

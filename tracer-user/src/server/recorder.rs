@@ -393,9 +393,12 @@ impl FlightRecorder {
     pub fn snapshot(&mut self, max_events: Option<usize>) -> Timeline {
         self.tick();
         let now = clock::monotonic_ns();
-        let start = now
+        let asked = now
             .saturating_sub(self.retention.window.as_nanos() as u64)
             .max(self.capture.start_ns());
+        // Past a full --retain-memory the oldest records went: the window
+        // starts where what it holds is whole, not with empty seconds.
+        let start = asked.max(self.capture.complete_since_ns());
         let window = Window {
             start_ns: start,
             stop_ns: now,
@@ -404,6 +407,16 @@ impl FlightRecorder {
         };
         let dropped = self.capture.probe_stats().map_or(0, |p| p.dropped());
         let mut tl = self.capture.assemble_while_draining(&window, dropped, None);
+        if start > asked {
+            tl.stats.warnings.push(format!(
+                "flight recorder: --retain-memory {} MiB holds the last {:.1} s of the {} asked \
+                 for with --retain: it forgot older records to stay within it (a larger \
+                 --retain-memory keeps more)",
+                self.retention.memory_bytes / (1024 * 1024),
+                (now - start) as f64 / 1e9,
+                humantime::format_duration(self.retention.window)
+            ));
+        }
         if self.forgotten > 0 {
             tl.stats.notes.push(format!(
                 "flight recorder: {} older records forgotten so far (--retain {}, \
