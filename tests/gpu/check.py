@@ -11,7 +11,13 @@ Steps (all by default):
   recorder_jax        ... on a jitted jax loop of small steps
                       (each: the target's rate without and with the recorder,
                       ebtrace's CPU, launches counted on /metrics against the
-                      loop's own count, two GetSnapshot calls, peak memory)
+                      loop's own count, two GetSnapshot calls, every kernel
+                      in them named, peak memory)
+  recorder_ab         with --baseline OTHER_EBTRACE: the recorder's cost on
+                      the --ab-loops (jax, launches), OTHER_EBTRACE and this
+                      one taking turns on one target, untraced between them
+  call_cost           with --baseline: the ns the recorder adds to a
+                      cuCtxSetCurrent and a cuCtxGetCurrent call, the same way
   record_matmul       `ebtrace --pid` for 2 s with CUPTI: kernels on the GPU
                       plane against the loop's iterations in the window, and
                       their durations against torch.profiler's afterwards
@@ -31,6 +37,8 @@ import xspace_summary  # noqa: E402
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--ebtrace", required=True, help="the ebtrace binary")
+ARGS.add_argument("--baseline", help="recorder_ab, call_cost: another ebtrace binary to compare with")
+ARGS.add_argument("--ab-loops", default="jax,launches", help="recorder_ab: the loops")
 ARGS.add_argument("--out", default="ebtrace-gpu-check", help="where results.json goes")
 ARGS.add_argument("--work", default="/tmp/ebtrace-gpu-check", help="scratch directory")
 ARGS.add_argument("--kill-after", default="0,0.5,1.5,3", help="profile_after: seconds into each killed capture")
@@ -46,7 +54,7 @@ EBT = os.path.abspath(A.ebtrace)
 PY = sys.executable
 R = {"checks": {}}
 DELAYS = [float(x) for x in A.kill_after.split(",") if x] + [-1.0] * A.normal
-STEPS = A.steps or ["env", "recorder_launches", "recorder_matmul", "recorder_jax", "record_matmul", "record_jax", "profile_after"]
+STEPS = A.steps or ["env", "call_cost", "recorder_ab", "recorder_launches", "recorder_matmul", "recorder_jax", "record_matmul", "record_jax", "profile_after"]
 
 
 def check(name, ok, detail):
@@ -179,10 +187,10 @@ def xspace_of(resp):
     return xs
 
 
-def serve(pid, extra=""):
-    err = open(f"{W}/serve_{pid}.err", "w")
+def serve(pid, extra="", binary=EBT):
+    err = open(f"{W}/serve_{pid}.err", "a")
     p = subprocess.Popen(
-        f"exec {EBT} serve --pid {pid} --retain 30s --http 127.0.0.1:9464 {extra}",
+        f"exec {binary} serve --pid {pid} --retain 30s --http 127.0.0.1:9464 {extra}",
         shell=True,
         stdout=err,
         stderr=err,
@@ -267,10 +275,92 @@ def recorder_on(mode):
         check(f"recorder_{mode}: memory within --retain-memory", r["ebtrace_vmhwm_mib"] <= 256, f"peak {r['ebtrace_vmhwm_mib']:.0f} MiB")
         slowest = max(x["seconds"] for x in snaps)
         check(f"recorder_{mode}: GetSnapshot within 0.5 s", slowest <= 0.5, f"{slowest * 1000:.0f} ms")
+        gpu = [p for p in snaps[0]["summary"]["planes"] if p["name"].startswith("/device:GPU:")]
+        shown = [k["name"] for p in gpu for k in p["top"]]
+        unnamed = [n for n in shown if n.startswith("<unresolved")]
+        check(f"recorder_{mode}: snapshot kernels named", shown and not unnamed, f"{len(unnamed)} of {len(shown)} unresolved: {unnamed[:3]}")
         check(f"recorder_{mode}: the target lives on", r["target_alive"], "")
     finally:
         t.stop()
         r["serve_stderr_tail"] = open(f"{W}/serve_{t.pid}.err").read()[-3000:]
+
+
+def step_recorder_ab():
+    """The baseline's recorder and this one's on one target, in turns."""
+    if not A.baseline:
+        return
+    base = os.path.abspath(A.baseline)
+    out = R["recorder_ab"] = {"baseline": sh(f"{base} --version"), "this": sh(f"{EBT} --version")}
+    hz = os.sysconf("SC_CLK_TCK")
+    for mode in A.ab_loops.split(","):
+        t = Target(mode)
+        phases = out[mode] = []
+        try:
+            time.sleep(4)
+            phases.append({"with": "nothing", "rate": t.rate(6)})
+            # ABBA: a drift of the target's own rate weighs on both alike.
+            for name, binary in [("baseline", base), ("this", EBT), ("this", EBT), ("baseline", base)]:
+                s = serve(t.pid, binary=binary)
+                time.sleep(3)
+                c0, n0, w0 = cpu_ticks(s.pid), t.count()[0], time.time()
+                time.sleep(8)
+                c1, n1, w1 = cpu_ticks(s.pid), t.count()[0], time.time()
+                m = metrics()
+                s.send_signal(signal.SIGTERM)
+                s.wait(timeout=30)
+                phases.append({"with": name, "rate": (n1 - n0) / (w1 - w0), "cpu_pct": 100 * (c1 - c0) / hz / (w1 - w0), "records": metric(m, "ebtrace_recorder_records"), "dropped": metric(m, "ebtrace_records_dropped_total")})
+                time.sleep(1)
+                phases.append({"with": "nothing", "rate": t.rate(4)})
+            save()
+        finally:
+            t.stop()
+    for mode in A.ab_loops.split(","):
+        ph = out[mode]
+        untraced = sorted(p["rate"] for p in ph if p["with"] == "nothing")[len([p for p in ph if p["with"] == "nothing"]) // 2]
+        for name in ["baseline", "this"]:
+            runs = [p for p in ph if p["with"] == name]
+            out[f"{mode}_{name}"] = {"ratio": [p["rate"] / untraced for p in runs], "cpu_pct": [p["cpu_pct"] for p in runs]}
+        log(mode, json.dumps({k: v for k, v in out.items() if k.startswith(mode + "_")}))
+
+
+def step_call_cost():
+    """ns per driver call with nothing, the baseline's and this recorder."""
+    if not A.baseline:
+        return
+    base = os.path.abspath(A.baseline)
+    path = f"{W}/call_cost.txt"
+    if os.path.exists(path):
+        os.remove(path)
+    p = subprocess.Popen([PY, os.path.join(HERE, "call_cost.py"), path], stdout=subprocess.PIPE, text=True)
+    pid = json.loads(p.stdout.readline())["pid"]
+    phases = []
+    try:
+        time.sleep(3)
+        for name, binary in [(None, None), ("baseline", base), (None, None), ("this", EBT), (None, None), ("this", EBT), (None, None), ("baseline", base), (None, None)]:
+            s = serve(pid, binary=binary) if binary else None
+            time.sleep(3 if s else 0)
+            t0 = time.time_ns()
+            time.sleep(5)
+            phases.append((name or "nothing", t0, time.time_ns()))
+            if s:
+                s.send_signal(signal.SIGTERM)
+                s.wait(timeout=30)
+                time.sleep(1)
+    finally:
+        p.kill()
+        p.wait()
+    rows = [tuple(float(x) for x in line.split()) for line in open(path)]
+    out = R["call_cost"] = {"phases": []}
+    for name, t0, t1 in phases:
+        batch = [r for r in rows if t0 <= r[0] <= t1]
+        med = lambda i: sorted(r[i] for r in batch)[len(batch) // 2] if batch else None
+        out["phases"].append({"with": name, "batches": len(batch), "set_current_ns": med(1), "get_current_ns": med(2)})
+    plain = [ph for ph in out["phases"] if ph["with"] == "nothing"]
+    for key in ["set_current_ns", "get_current_ns"]:
+        untraced = sorted(ph[key] for ph in plain)[len(plain) // 2]
+        for name in ["baseline", "this"]:
+            out[f"{key}_added_by_{name}"] = [ph[key] - untraced for ph in out["phases"] if ph["with"] == name]
+    log("call_cost", json.dumps({k: v for k, v in out.items() if k != "phases"}))
 
 
 def step_recorder_launches():
