@@ -803,6 +803,76 @@ fn a_snapshot_names_kernels_looked_up_before_the_recorder_started() {
     }
 }
 
+/// A snapshot taken while a capture's agent is in the process cannot load
+/// one of its own to name kernels; the next snapshot, after that capture,
+/// names them.
+#[test]
+fn kernels_a_snapshot_could_not_name_are_named_by_the_next() {
+    if !require_root("kernels_a_snapshot_could_not_name_are_named_by_the_next") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = CudaWorkload::start_with_cupti(&["--iters", "100000000"], &[]);
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = workload.pid;
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &pid.to_string(),
+        "--retain",
+        "10s",
+        "--retain-memory",
+        "96",
+        "--ring-buffer-mib",
+        "4",
+    ]);
+    expect_line(&server, "flight recorder on");
+    let unresolved = |space: &XSpace| {
+        driver_calls(space)
+            .iter()
+            .filter(|(name, stats)| {
+                name.starts_with("cuLaunch")
+                    && stats.get("result_code").map(Stat::as_i64) == Some(0)
+            })
+            .filter(|(_, stats)| stats["kernel"].as_str().starts_with("<unresolved"))
+            .count()
+    };
+    let during = std::thread::scope(|scope| {
+        let capture = scope.spawn(|| {
+            block_on(async {
+                let mut client = server.client().await;
+                client.profile(request(3000)).await.expect("a capture")
+            })
+        });
+        let waiting = std::time::Instant::now();
+        while agent_threads(pid) == 0 {
+            assert!(
+                waiting.elapsed() < Duration::from_secs(20),
+                "the capture's agent never came"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let during = server.snapshot("during");
+        capture.join().expect("the capture");
+        during
+    });
+    assert!(
+        unresolved(&during) > 0,
+        "named with another agent in the process"
+    );
+    let waiting = std::time::Instant::now();
+    while agent_threads(pid) > 0 {
+        assert!(
+            waiting.elapsed() < Duration::from_secs(20),
+            "the agent stayed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let after = server.snapshot("after");
+    assert_kernels_named(&after, "the snapshot after the capture");
+    assert_eq!(unresolved(&after), 0);
+}
+
 /// The driver calls of a snapshot: (name, stats) of each on the host plane
 /// (calls, not the stack samples that landed in one).
 fn driver_calls(space: &XSpace) -> Vec<(String, HashMap<String, Stat>)> {

@@ -13,7 +13,10 @@ use crate::timeline::KernelNames;
 pub struct KernelNaming {
     /// Raw (mangled) names by `(pid, handle)`.
     pub names: HashMap<(u32, u64), String>,
-    asked: HashSet<(u32, u64)>,
+    /// Handles the driver answered for, named or not: not asked again.
+    answered: HashSet<(u32, u64)>,
+    /// Handles asked for at least once, answered or not (for `counts`).
+    tried: HashSet<(u32, u64)>,
     /// One line per process asked.
     pub notes: Vec<String>,
     /// How many handles were asked for and named, per process.
@@ -21,9 +24,12 @@ pub struct KernelNaming {
 }
 
 impl KernelNaming {
-    /// Asks for the names of `unnamed` handles not asked for before, per
-    /// process: through its session in `sessions`, else (with
-    /// `may_load_agent`, and while it runs) through an agent loaded now.
+    /// Asks for the names of `unnamed` handles the driver did not answer
+    /// for before, per process: through its session in `sessions`, else
+    /// (with `may_load_agent`, and while it runs) through an agent loaded
+    /// now. Handles whose question failed (another ebtrace's agent was in
+    /// the process, say) are asked again at the next call: a flight
+    /// recorder's next snapshot names them.
     pub fn ask(
         &mut self,
         unnamed: BTreeMap<u32, BTreeSet<u64>>,
@@ -33,7 +39,7 @@ impl KernelNaming {
         for (pid, handles) in unnamed {
             let handles: Vec<u64> = handles
                 .into_iter()
-                .filter(|h| self.asked.insert((pid, *h)))
+                .filter(|h| !self.answered.contains(&(pid, *h)))
                 .collect();
             if handles.is_empty() {
                 continue;
@@ -52,9 +58,12 @@ impl KernelNaming {
                 None => continue,
             };
             let counts = self.counts.entry(pid).or_default();
-            counts.asked += handles.len() as u64;
+            for h in &handles {
+                counts.asked += u64::from(self.tried.insert((pid, *h)));
+            }
             self.notes.push(match answer {
                 Ok(names) => {
+                    self.answered.extend(handles.iter().map(|h| (pid, *h)));
                     counts.named += names.len() as u64;
                     let line = format!(
                         "pid {pid}: {} of {} kernels launched with handles looked up before \
