@@ -781,16 +781,7 @@ fn a_snapshot_names_kernels_looked_up_before_the_recorder_started() {
     workload.go();
     std::thread::sleep(Duration::from_millis(300));
     let pid = workload.pid;
-    let server = ServeProcess::loopback(&[
-        "--pid",
-        &pid.to_string(),
-        "--retain",
-        "10s",
-        "--retain-memory",
-        "96",
-        "--ring-buffer-mib",
-        "4",
-    ]);
+    let server = small_recorder(pid);
     expect_line(&server, "flight recorder on");
     std::thread::sleep(Duration::from_millis(500));
     for round in 0..2 {
@@ -816,16 +807,7 @@ fn kernels_a_snapshot_could_not_name_are_named_by_the_next() {
     workload.go();
     std::thread::sleep(Duration::from_millis(300));
     let pid = workload.pid;
-    let server = ServeProcess::loopback(&[
-        "--pid",
-        &pid.to_string(),
-        "--retain",
-        "10s",
-        "--retain-memory",
-        "96",
-        "--ring-buffer-mib",
-        "4",
-    ]);
+    let server = small_recorder(pid);
     expect_line(&server, "flight recorder on");
     let unresolved = |space: &XSpace| {
         driver_calls(space)
@@ -873,6 +855,20 @@ fn kernels_a_snapshot_could_not_name_are_named_by_the_next() {
     assert_eq!(unresolved(&after), 0);
 }
 
+/// A flight recorder of `pid`'s last 10 s in 96 MiB, with a 4 MiB ring.
+fn small_recorder(pid: u32) -> ServeProcess {
+    ServeProcess::loopback(&[
+        "--pid",
+        &pid.to_string(),
+        "--retain",
+        "10s",
+        "--retain-memory",
+        "96",
+        "--ring-buffer-mib",
+        "4",
+    ])
+}
+
 /// The driver calls of a snapshot: (name, stats) of each on the host plane
 /// (calls, not the stack samples that landed in one).
 fn driver_calls(space: &XSpace) -> Vec<(String, HashMap<String, Stat>)> {
@@ -913,16 +909,7 @@ fn the_recorder_names_kernels_without_probing_the_per_launch_lookup() {
     }
     let _serial = serial();
     let mut workload = CudaWorkload::start(&["--iters", "2000", "--linger"]);
-    let server = ServeProcess::loopback(&[
-        "--pid",
-        &workload.pid.to_string(),
-        "--retain",
-        "10s",
-        "--retain-memory",
-        "96",
-        "--ring-buffer-mib",
-        "4",
-    ]);
+    let server = small_recorder(workload.pid);
     expect_line(&server, "flight recorder on");
     // Its lookups by name and by kernel, then its launches, while recorded.
     let report = workload.run_and_linger(Duration::from_secs(60));
