@@ -86,7 +86,7 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
 
     let logdir = TempDir::new("sched");
     let pid = workload.pid.to_string();
-    let out = spawn_record_with_env(&pid, "2s", &logdir, &[], env)
+    let out = spawn_record_with_env(&pid, "2s", &logdir, &["--json"], env)
         .wait_with_output()
         .expect("ebtrace runs");
     std::thread::sleep(Duration::from_millis(50));
@@ -95,7 +95,24 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "ebtrace failed: {stderr}\n{stdout}");
     assert!(stderr.contains(route), "{route:?} not in {stderr}");
-    assert!(stdout.contains("0 dropped"), "{stdout}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let records = &summary["records"];
+    for lost in [
+        "ring_buffer_full",
+        "thread_map_full",
+        "probe_maps_full",
+        "malformed",
+    ] {
+        assert_eq!(records[lost], 0, "{lost}: {records}");
+    }
+    // The kernel skips a tracepoint's program when it fires while another
+    // BPF program runs on that CPU (an interrupt during one): rare, counted
+    // and said, never silent; the states around it show as Unknown.
+    assert!(
+        records["missed_by_kernel"].as_u64().is_some_and(|n| n <= 2),
+        "{records}"
+    );
     let threads = workload.threads.clone();
     let tid_of = |name: &str| threads[name];
     let counters = workload.stop();
