@@ -61,7 +61,7 @@ impl KernelNaming {
             for h in &handles {
                 counts.asked += u64::from(self.tried.insert((pid, *h)));
             }
-            self.notes.push(match answer {
+            let (line, failed) = match answer {
                 Ok(names) => {
                     self.answered.extend(handles.iter().map(|h| (pid, *h)));
                     counts.named += names.len() as u64;
@@ -73,14 +73,22 @@ impl KernelNaming {
                     );
                     self.names
                         .extend(names.into_iter().map(|(h, name)| ((pid, h), name)));
-                    line
+                    (line, false)
                 }
-                Err(why) => format!(
-                    "pid {pid}: {} kernels launched with handles looked up before the capture \
-                     stay <unresolved>: {why}",
-                    handles.len()
+                Err(why) => (
+                    format!(
+                        "pid {pid}: {} kernels launched with handles looked up before the \
+                         capture stay <unresolved>: {why}",
+                        handles.len()
+                    ),
+                    true,
                 ),
-            });
+            };
+            // A question failing the same way at every snapshot of a
+            // recorder that runs for days is said once.
+            if !(failed && self.notes.contains(&line)) {
+                self.notes.push(line);
+            }
         }
     }
 }
