@@ -211,7 +211,7 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 /// kernel and configuration on one stream, and encoded once per plane).
 /// Measured on a flat-out launch loop
 /// (`a_snapshot_of_driver_calls_is_built_within_the_retained_memory`):
-/// about 0.85 KB a call at a snapshot's peak beyond what the server held,
+/// about 0.77 KB a call at a snapshot's peak beyond what the server held,
 /// the calls made while it is built included; counted as 1.4 KB.
 pub(super) const DRIVER_RECORD_SLOTS: usize = 6;
 

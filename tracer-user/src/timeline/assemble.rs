@@ -22,7 +22,7 @@ use super::{
 use crate::{
     agent::{AgentRecording, KernelNaming},
     clock::ClockSync,
-    collect::{Record, TraceMeEvent},
+    collect::{Record, StackSample, TraceMeEvent},
     symbols::stacks::StackSymbolizer,
 };
 
@@ -148,10 +148,15 @@ pub fn assemble(
         match r {
             Record::CudaCall(c) => cuda.push_call(c),
             Record::CudaSymbol(s) => cuda.push_symbol(s),
-            Record::StackSample(s) => samples.push(&**s),
+            Record::StackSample(s) => samples.push(s.clone()),
             _ => builder.push(r),
         }
     }
+    // The builders keep what they need of each record: the decoded records
+    // (a boxed copy of every driver call) go before the spans are finished,
+    // nested and cut, which is when a flight recorder's snapshot peaks.
+    drop(records);
+    let samples: Vec<&StackSample> = samples.iter().map(|s| &**s).collect();
     let capture_stats = CaptureStats {
         records: 0,
         dropped,
