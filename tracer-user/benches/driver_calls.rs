@@ -15,7 +15,7 @@
 
 use std::{
     alloc::{GlobalAlloc, Layout, System},
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     sync::atomic::{AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
@@ -25,7 +25,7 @@ use ebtrace::{
     collect::{EncodedRecords, Record},
     cuda_api,
     sink::xspace::timeline_to_xspace_bytes,
-    timeline::{InitialState, Sources, Window, assemble},
+    timeline::{InitialState, RecordInput, Sources, Window, assemble},
 };
 use tracer_common::{
     RecordHeader, RecordKind,
@@ -145,6 +145,7 @@ fn main() {
     .into_iter()
     .collect();
 
+    let no_samples = VecDeque::new();
     let (mut assembly, mut xspace) = (Vec::new(), Vec::new());
     // The heap's peak while the timeline is built, then while the XSpace is.
     let (mut timeline_peaks, mut peaks) = (Vec::new(), Vec::new());
@@ -155,7 +156,10 @@ fn main() {
         let t0 = Instant::now();
         let sources = Sources {
             initial: initial.clone(),
-            records: held.iter().collect(),
+            records: RecordInput::Held {
+                records: &held,
+                samples: &no_samples,
+            },
             ..Sources::new(
                 START_NS,
                 ClockSync::from_offset(0),

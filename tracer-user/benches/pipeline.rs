@@ -21,7 +21,7 @@ use ebtrace::{
         perfetto::{PerfettoClocks, write_timeline},
         xspace::timeline_to_xspace_bytes,
     },
-    timeline::{InitialState, Sources, Window, assemble},
+    timeline::{InitialState, RecordInput, Sources, Window, assemble},
 };
 
 use common::{median, size_and_rounds};
@@ -87,7 +87,7 @@ fn main() {
         let sources = Sources {
             initial: initial.clone(),
             scheduling: true,
-            records: source.clone(),
+            records: RecordInput::Decoded(source.clone()),
             ..Sources::new(
                 START_NS,
                 ClockSync::from_offset(0),

@@ -155,22 +155,6 @@ impl Capture {
     pub fn held(&self) -> usize {
         self.held.len() + self.stack_samples.len() + self.traceme_events.len()
     }
-
-    /// The records held but TraceMe events, decoded, for a timeline: the
-    /// stack samples merged in by time among the others, so that the
-    /// records come almost in order, as the timeline sorts them cheaply.
-    pub(super) fn records_decoded(&self) -> Vec<Record> {
-        let mut records = Vec::with_capacity(self.held.len() + self.stack_samples.len());
-        let mut samples = self.stack_samples.iter().peekable();
-        for r in self.held.iter() {
-            while let Some(s) = samples.next_if(|s| s.header.ts_ns < r.ts()) {
-                records.push(Record::StackSample(s.clone()));
-            }
-            records.push(r);
-        }
-        records.extend(samples.map(|s| Record::StackSample(s.clone())));
-        records
-    }
 }
 
 /// Whether `r` still tells something once process `pid` is taken out of

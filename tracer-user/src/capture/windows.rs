@@ -13,7 +13,9 @@ use super::{Capture, traceme_findings};
 use crate::{
     collect::{Collector, EncodedRecords},
     metrics::activity::ActivityTally,
-    timeline::{self, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling},
+    timeline::{
+        self, RecordInput, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling,
+    },
 };
 
 /// How long the draining thread of [`Capture::assemble_while_draining`]
@@ -149,7 +151,6 @@ impl Capture {
                 names.insert(tid, stat.comm);
             }
         }
-        let records = self.records_decoded();
         let traceme_events = self.traceme_events.make_contiguous();
         let traceme = (!self.traceme.recorders.is_empty()).then(|| {
             let mut notes = traceme_findings(&self.traceme);
@@ -178,7 +179,10 @@ impl Capture {
             names,
             scheduling: self.families.sched,
             tracked_from: self.tracked_from.clone(),
-            records,
+            records: RecordInput::Held {
+                records: &self.held,
+                samples: &self.stack_samples,
+            },
             streamed,
             malformed: self.collector.malformed(),
             kernel_naming: Some(&self.kernel_naming),

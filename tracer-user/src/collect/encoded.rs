@@ -48,6 +48,14 @@ pub struct EncodedRecords {
     scratch: Vec<u8>,
 }
 
+/// Where a held record is: its chunk and its offset there (see
+/// [`EncodedRecords::places`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordPlace {
+    pub chunk: u32,
+    pub offset: u32,
+}
+
 #[derive(Debug)]
 struct Chunk {
     bytes: Vec<u8>,
@@ -148,6 +156,27 @@ impl EncodedRecords {
         self.chunks
             .iter()
             .flat_map(|c| records_in(&c.bytes, |_| true))
+    }
+
+    /// Each record's time, kind and place, oldest chunk first, without
+    /// decoding it: for putting the records in time order and decoding
+    /// them one at a time ([`Self::at`]), so that a timeline built from
+    /// hundreds of thousands never has them all decoded at once.
+    pub fn places(&self) -> impl Iterator<Item = (u64, u16, RecordPlace)> + '_ {
+        self.chunks.iter().enumerate().flat_map(|(i, c)| {
+            let chunk = u32::try_from(i).expect("under 4G chunks");
+            headers_in(&c.bytes)
+                .map(move |(offset, kind, ts_ns)| (ts_ns, kind, RecordPlace { chunk, offset }))
+        })
+    }
+
+    /// The record at `place`, from [`Self::places`] of these records
+    /// unchanged since, decoded.
+    pub fn at(&self, place: RecordPlace) -> Option<Record> {
+        let chunk = &self.chunks.get(place.chunk as usize)?.bytes;
+        let bytes = chunk.get(place.offset as usize..)?;
+        let size = usize::from(u16::from_ne_bytes(bytes.get(2..4)?.try_into().ok()?));
+        decode(bytes.get(..size)?).ok()
     }
 
     /// The CUDA driver records (calls and kernel names), decoded: the
@@ -321,6 +350,20 @@ fn records_in<'a>(
                 return decoded.ok();
             }
         }
+    })
+}
+
+/// The offset, kind and time of each record in one chunk's bytes.
+fn headers_in(bytes: &[u8]) -> impl Iterator<Item = (u32, u16, u64)> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let record = bytes.get(at..)?;
+        let kind = u16::from_ne_bytes(record.get(0..2)?.try_into().ok()?);
+        let size = usize::from(u16::from_ne_bytes(record.get(2..4)?.try_into().ok()?));
+        let ts_ns = u64::from_ne_bytes(record.get(8..16)?.try_into().ok()?);
+        let offset = u32::try_from(at).ok()?;
+        at += size.max(1);
+        Some((offset, kind, ts_ns))
     })
 }
 
@@ -574,5 +617,58 @@ mod tests {
         assert!(!held.push(&sample));
         assert!(held.is_empty());
         assert_eq!(held.iter().count(), 0);
+    }
+
+    /// Each record's place gives back that record, decoded, with the time
+    /// and kind its place was listed with, across chunks and sizes.
+    #[test]
+    fn a_record_is_found_again_at_its_place() {
+        let mut held = EncodedRecords::default();
+        let call = |ts: u64| {
+            Record::CudaCall(Box::new(tracer_common::cuda::CudaCall {
+                header: tracer_common::RecordHeader::new(
+                    RecordKind::CudaCall,
+                    size_of::<tracer_common::cuda::CudaCall>(),
+                    0,
+                    ts,
+                ),
+                tid: ts as u32,
+                tgid: 1,
+                start_ns: ts - 1,
+                function: 0,
+                flags: 0,
+                result: 0,
+                args: [ts; 6],
+                extra: [0; 8],
+                out_value: 0,
+            }))
+        };
+        let n = 3 * CHUNK_BYTES / COMMON_RECORD_BYTES;
+        for ts in 1..=n as u64 {
+            let record = if ts % 7 == 0 {
+                call(ts)
+            } else {
+                switch(ts, ts as u32, 2)
+            };
+            assert!(held.push(&record));
+        }
+        let places: Vec<_> = held.places().collect();
+        assert_eq!(places.len(), n);
+        assert!(places.iter().any(|(_, _, p)| p.chunk >= 2));
+        for ((ts, kind, place), decoded) in places.into_iter().zip(held.iter()) {
+            let found = held.at(place).expect("a record at its place");
+            assert_eq!((found.ts(), found.header().kind), (ts, kind));
+            assert_eq!(found.ts(), decoded.ts());
+            match found {
+                Record::CudaCall(c) => assert_eq!((ts % 7, c.args[5]), (0, ts)),
+                Record::Switch(s) => assert_eq!(s.prev_tid, ts as u32),
+                other => panic!("{other:?}"),
+            }
+        }
+        let past = RecordPlace {
+            chunk: 99,
+            offset: 0,
+        };
+        assert!(held.at(past).is_none());
     }
 }

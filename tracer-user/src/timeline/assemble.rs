@@ -16,7 +16,7 @@ use super::{
     SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
     cpu_samples::{add_cpu_samples, narrow_unknown},
     merge_device_activity, merge_framework_space, nest,
-    order::in_time_order,
+    order::{RecordInput, in_time_order},
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
 };
 use crate::{
@@ -44,10 +44,10 @@ pub struct Sources<'a> {
     /// Processes recorded only from some time on (added to a capture
     /// already running), and from when.
     pub tracked_from: Vec<(u32, u64)>,
-    /// The decoded records but TraceMe events, in ring-buffer order (one
-    /// buffer is shared by all CPUs: reservations are ordered, timestamps
-    /// taken just before them are not quite). Sorted by time in place.
-    pub records: Vec<Record>,
+    /// The records but TraceMe events, in ring-buffer order (one buffer
+    /// is shared by all CPUs: reservations are ordered, timestamps taken
+    /// just before them are not quite), put in time order here.
+    pub records: RecordInput<'a>,
     /// The scheduler records already built into thread states as they
     /// arrived, for a window from the start: the scheduler records in
     /// `records`, if any, are the same ones and are not built again.
@@ -80,7 +80,7 @@ impl Sources<'_> {
             names: HashMap::new(),
             scheduling: false,
             tracked_from: Vec::new(),
-            records: Vec::new(),
+            records: RecordInput::default(),
             streamed: None,
             malformed: 0,
             kernel_naming: None,
@@ -145,16 +145,16 @@ pub fn assemble(
     let mut samples = Vec::new();
     let mut records = sources.records;
     for r in in_time_order(&mut records, stop_ns, streamed) {
-        match r {
+        match &*r {
             Record::CudaCall(c) => cuda.push_call(c),
             Record::CudaSymbol(s) => cuda.push_symbol(s),
             Record::StackSample(s) => samples.push(s.clone()),
-            _ => builder.push(r),
+            r => builder.push(r),
         }
     }
-    // The builders keep what they need of each record: the decoded records
-    // (a boxed copy of every driver call) go before the spans are finished,
-    // nested and cut, which is when a flight recorder's snapshot peaks.
+    // The builders keep what they need of each record: records decoded
+    // before (a boxed copy of every driver call) go before the spans are
+    // finished, nested and cut.
     drop(records);
     let samples: Vec<&StackSample> = samples.iter().map(|s| &**s).collect();
     let capture_stats = CaptureStats {
@@ -424,7 +424,7 @@ mod tests {
             let sources = Sources {
                 scheduling,
                 initial: initial.into(),
-                records,
+                records: RecordInput::Decoded(records),
                 traceme: Some(TraceMeInput {
                     events: &events,
                     notes: vec!["recorder found".into()],
@@ -545,7 +545,7 @@ mod tests {
             let sources = Sources {
                 scheduling: true,
                 initial: initial(),
-                records: records.clone(),
+                records: RecordInput::Decoded(records.clone()),
                 streamed: streaming.then_some(streamed),
                 ..Sources::new(start, ClockSync::from_offset(0), processes())
             };

@@ -50,6 +50,7 @@ pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
 pub use framework::{CarriedPlane, FrameworkMerge, ThreadIds, merge_framework_space};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
 pub use nest::{Cuts, Nestable, nest};
+pub use order::RecordInput;
 use packed::{PackedMark, PackedState};
 pub use peers::{Peer, PeerId, PeerTable, peer_in};
 pub use sched::{InitialState, SchedTimelineBuilder};

@@ -16,6 +16,8 @@
 use std::collections::HashMap;
 
 use super::{InitialState, SchedTimelineBuilder};
+use tracer_common::RecordKind;
+
 use crate::collect::Record;
 
 /// How much older than the newest record seen a record may still arrive.
@@ -114,15 +116,21 @@ impl StreamedScheduling {
     /// Whether [`Self::push`] takes `record` (the scheduler's records, which
     /// [`SchedTimelineBuilder`] builds; other families have their own).
     pub fn takes(record: &Record) -> bool {
-        matches!(
-            record,
-            Record::Switch(_)
-                | Record::Wakeup(_)
-                | Record::TaskNew(_)
-                | Record::Fork(_)
-                | Record::Exit(_)
-                | Record::Rename(_)
-        )
+        Self::takes_kind(record.header().kind)
+    }
+
+    /// [`Self::takes`] for a record of `kind` (its header's), not decoded.
+    pub fn takes_kind(kind: u16) -> bool {
+        [
+            RecordKind::SchedSwitch,
+            RecordKind::SchedWakeup,
+            RecordKind::TaskNew,
+            RecordKind::ProcessFork,
+            RecordKind::TaskExit,
+            RecordKind::TaskRename,
+        ]
+        .into_iter()
+        .any(|k| k as u16 == kind)
     }
 
     /// The window it builds: its start, and its end where known.
