@@ -256,8 +256,7 @@ fn write_device_plane<W: PlaneOut>(
             StreamTiming::HostObserved => format!("{name} ({}; host-observed)", stream.label),
             StreamTiming::Device => format!("{name} ({})", stream.label),
         };
-        plane.finish_line(stream.id, &name, &display);
-        lines.flush(&mut plane)?;
+        lines.line(|out| plane.finish_line_into(out, stream.id, &name, &display))?;
     }
     lines.end(plane)
 }

@@ -258,12 +258,27 @@ impl XPlaneBuilder {
     /// its events, sorted so that parents precede children, are written as
     /// line `id`.
     pub fn finish_line(&mut self, id: i64, name: &str, display_name: &str) {
+        let mut lines = std::mem::take(&mut self.lines);
+        self.finish_line_into(&mut LineOut::Buffer(&mut lines), id, name, display_name);
+        self.lines = lines;
+    }
+
+    /// [`finish_line`](Self::finish_line), the line encoded into `out`
+    /// (a [`PlaneStream::line`]'s): a GPU stream's line of tens of
+    /// thousands of launches is then never in two buffers at once.
+    pub fn finish_line_into(
+        &mut self,
+        out: &mut LineOut<'_>,
+        id: i64,
+        name: &str,
+        display_name: &str,
+    ) {
         let mut queued = std::mem::take(&mut self.queued);
         let mut stats = std::mem::take(&mut self.stats);
         // Stable: equal events keep the order they were queued in.
         queued.sort_by_key(|e| (e.offset_ps, std::cmp::Reverse(e.duration_ps)));
         encode_line(
-            &mut LineOut::Buffer(&mut self.lines),
+            out,
             id,
             name,
             display_name,
@@ -582,7 +597,8 @@ mod tests {
     }
 
     /// A plane streamed line by line decodes as the same plane built whole,
-    /// and the message goes on after it.
+    /// and the message goes on after it; lines encoded straight into the
+    /// output read as those encoded in the plane's own buffer.
     #[test]
     fn a_streamed_plane_reads_as_one_built_whole() {
         let build = |stream: Option<&mut PlaneStream<'_, std::io::Cursor<Vec<u8>>>>| {
@@ -594,9 +610,18 @@ mod tests {
                 for i in 0..line {
                     b.push_event(id, i * 10, 5, &[Stat::i64(id, i)]);
                 }
-                b.finish_line(line, &format!("line {line}"), "");
-                if let Some(s) = stream.as_deref_mut() {
-                    s.flush(&mut b).unwrap();
+                let name = format!("line {line}");
+                match stream.as_deref_mut() {
+                    // Encoded straight into the output, or in the plane's
+                    // buffer and then written out.
+                    Some(s) if line % 2 == 1 => s
+                        .line(|out| b.finish_line_into(out, line, &name, ""))
+                        .unwrap(),
+                    Some(s) => {
+                        b.finish_line(line, &name, "");
+                        s.flush(&mut b).unwrap();
+                    }
+                    None => b.finish_line(line, &name, ""),
                 }
             }
             b
