@@ -503,21 +503,25 @@ impl Hub {
                 // Counted before the answer goes out: a client that scrapes
                 // /metrics once answered sees it.
                 metrics.server.add_capture(timeline.stats.dropped);
-                match result {
+                let reply = match result {
                     Ok((response, delivered)) => {
                         log_delivered(&session, &timeline, &delivered, timing);
-                        let _ = session.reply.send(Ok(response));
+                        Ok(response)
                     }
                     Err(e) => {
                         eprintln!(
                             "ebtrace: session {}: {e}",
                             session.spec.session_id.escape_debug()
                         );
-                        let _ = session.reply.send(Err(SessionError::Response(e)));
+                        Err(SessionError::Response(e))
                     }
-                }
+                };
+                // Given back before the answer goes: sending copies its
+                // XSpace once more, which must not come on top of the
+                // timeline it was made from.
                 drop(timeline);
                 release_free_memory();
+                let _ = session.reply.send(reply);
                 // In progress until its memory is given back: the flight
                 // recorder measures ebtrace's own only when none is.
                 drop(unanswered);
