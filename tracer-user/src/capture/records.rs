@@ -188,15 +188,15 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 }
 
 /// The memory a CUDA driver record takes, held and in a snapshot, in
-/// scheduler records (which the flight recorder's cap counts, 232 bytes
+/// scheduler records (which the flight recorder's cap counts, 192 bytes
 /// each): it is held in 160 bytes rather than 32, and becomes two spans
 /// with a dozen stats (the call on its thread, the work on its stream's
 /// line; all their stats but the correlation shared by the launches of one
 /// kernel and configuration on one stream, and encoded once per plane).
 /// Measured on a flat-out launch loop
 /// (`a_snapshot_of_driver_calls_is_built_within_the_retained_memory`):
-/// about 0.77 KB a call at a snapshot's peak beyond what the server held,
-/// the calls made while it is built included; counted as 1.4 KB.
+/// about 0.6 KB a call at a snapshot's peak beyond what the server held,
+/// the calls made while it is built included; counted as 1.15 KB.
 pub(super) const DRIVER_RECORD_SLOTS: usize = 6;
 
 /// The memory a stack sample takes, in records: its own and its frames'.

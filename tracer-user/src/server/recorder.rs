@@ -26,7 +26,6 @@ use crate::{
     attach::{ProbeSet, ProbeSetConfig},
     capture::{Capture, CaptureOptions, ProbeFamilies},
     clock,
-    collect::Record,
     cuda_api::DriverCalls,
     metrics::activity::ActivityTally,
     procfs::TargetProcess,
@@ -54,10 +53,9 @@ pub struct Retention {
 const SNAPSHOT_BYTES_PER_RECORD: usize = 160;
 
 /// The memory a record takes, held and in a snapshot: held as the probes
-/// wrote it (a scheduler record's size), decoded while a snapshot is
-/// built, and its share of the snapshot.
-const RECORD_BYTES: usize =
-    size_of::<SchedSwitch>() + size_of::<Record>() + SNAPSHOT_BYTES_PER_RECORD;
+/// wrote it (a scheduler record's size), and its share of the snapshot (a
+/// snapshot decodes the records one at a time, as it builds from them).
+const RECORD_BYTES: usize = size_of::<SchedSwitch>() + SNAPSHOT_BYTES_PER_RECORD;
 
 /// The least room for records and a snapshot of them that a
 /// `--retain-memory` must leave beside what ebtrace takes without them
