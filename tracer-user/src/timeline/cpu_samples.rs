@@ -4,9 +4,11 @@
 //! whole stack as a stat. A sample also shows its thread on a CPU: where
 //! the kernel left a thread's state unknown, the samples narrow it.
 
+use std::sync::Arc;
+
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::{Span, StateSlice, ThreadState, ThreadTrack, Timeline, Value};
+use super::{Span, Stat, StateSlice, Stats, ThreadState, ThreadTrack, Timeline, Value};
 use crate::{
     collect::StackSample,
     symbols::stacks::{Space, StackSymbolizer, sample_frames},
@@ -35,47 +37,65 @@ pub fn add_cpu_samples(
         .collect();
     let stacks: Vec<Vec<(Space, u64)>> = samples.iter().map(|s| sample_frames(s)).collect();
     symbolizer.resolve_stacks(stacks.iter().map(Vec::as_slice));
-    for (s, stack) in samples.iter().zip(stacks) {
-        let mut lines = Vec::new();
-        let mut innermost_user = None;
-        let mut innermost = None;
-        for (space, address) in stack {
-            let symbol = symbolizer.get(space, address);
-            let mark = if space == Space::Kernel { " [k]" } else { "" };
-            if symbol.frames.is_empty() {
-                lines.push(format!("{address:#x}{mark}"));
-                continue;
-            }
-            for (i, f) in symbol.frames.iter().enumerate() {
-                let inlined = if i + 1 < symbol.frames.len() {
-                    " (inlined)"
-                } else {
-                    ""
-                };
-                let place = match (&f.file, f.line) {
-                    (Some(file), Some(line)) => format!(" {file}:{line}"),
-                    _ => String::new(),
-                };
-                lines.push(format!("{}{place}{mark}{inlined}", f.function));
-            }
-            let name = &symbol.frames[0].function;
-            innermost.get_or_insert_with(|| name.clone());
-            if space != Space::Kernel {
-                innermost_user.get_or_insert_with(|| name.clone());
-            }
-        }
-        let name = innermost_user
-            .or(innermost)
-            .unwrap_or_else(|| UNKNOWN_FRAME.to_string());
+    // A busy thread's samples repeat a few stacks: each stack is named and
+    // written out once, and its samples share the name and the stat (a
+    // flight recorder's snapshot may hold a hundred thousand samples).
+    let mut described: FxHashMap<&[(Space, u64)], Described> = FxHashMap::default();
+    for (s, stack) in samples.iter().zip(&stacks) {
+        let (name, stats) = described
+            .entry(stack)
+            .or_insert_with(|| describe(stack, symbolizer));
         let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
         thread.spans.push(Span {
             start_ns: s.header.ts_ns,
             end_ns: s.header.ts_ns,
-            name: name.into(),
-            stats: vec![(STACK_STAT.into(), Value::Str(lines.join("\n").into()))].into(),
+            name: Arc::clone(name),
+            stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
         });
     }
     samples.len() as u64
+}
+
+/// A stack's name and stat, as its samples share them.
+type Described = (Arc<str>, Arc<[Stat]>);
+
+/// A sample's name (the innermost function of its user stack, else of
+/// its kernel stack) and its stack as a stat: innermost frame first, one
+/// per line.
+fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> Described {
+    let mut lines = Vec::new();
+    let mut innermost_user = None;
+    let mut innermost = None;
+    for &(space, address) in stack {
+        let symbol = symbolizer.get(space, address);
+        let mark = if space == Space::Kernel { " [k]" } else { "" };
+        if symbol.frames.is_empty() {
+            lines.push(format!("{address:#x}{mark}"));
+            continue;
+        }
+        for (i, f) in symbol.frames.iter().enumerate() {
+            let inlined = if i + 1 < symbol.frames.len() {
+                " (inlined)"
+            } else {
+                ""
+            };
+            let place = match (&f.file, f.line) {
+                (Some(file), Some(line)) => format!(" {file}:{line}"),
+                _ => String::new(),
+            };
+            lines.push(format!("{}{place}{mark}{inlined}", f.function));
+        }
+        let name = &symbol.frames[0].function;
+        innermost.get_or_insert_with(|| name.clone());
+        if space != Space::Kernel {
+            innermost_user.get_or_insert_with(|| name.clone());
+        }
+    }
+    let name = innermost_user
+        .or(innermost)
+        .unwrap_or_else(|| UNKNOWN_FRAME.to_string());
+    let stack: Stat = (STACK_STAT.into(), Value::Str(lines.join("\n").into()));
+    (name.into(), Arc::from([stack]))
 }
 
 /// Narrows the [`ThreadState::Unknown`] intervals with the threads' own
@@ -289,5 +309,65 @@ mod tests {
         let mut t = thread(&line);
         assert_eq!(narrow_thread(&mut t, &[(0, 0)]), 0);
         assert_eq!(states(&t), line);
+    }
+
+    /// Samples with one stack share its name and its stat; a sample with
+    /// another stack has its own, named after its innermost function.
+    #[test]
+    fn samples_of_one_stack_share_its_texts() {
+        use tracer_common::{RecordHeader, RecordKind};
+        let pid = std::process::id();
+        let (write, read) = (
+            libc::write as *const () as u64,
+            libc::read as *const () as u64,
+        );
+        let sample = |ts, address| StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, ts),
+            tid: 4,
+            tgid: pid,
+            user: Box::new([address]),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+        };
+        let samples = [sample(10, write), sample(20, read), sample(30, write)];
+        let mut symbolizer = StackSymbolizer::default();
+        for s in &samples {
+            symbolizer.note_sample(s);
+        }
+        let mut timeline = Timeline {
+            start_ns: 0,
+            stop_ns: 100,
+            clock: crate::clock::ClockSync::from_offset(0),
+            processes: Default::default(),
+            peers: Vec::new(),
+            threads: [(4, thread(&[(0, 100, ThreadState::Running { cpu: 0 })]))].into(),
+            devices: Default::default(),
+            carried_planes: Vec::new(),
+            stats: Default::default(),
+        };
+        let refs: Vec<&StackSample> = samples.iter().collect();
+        assert_eq!(
+            add_cpu_samples(&mut timeline, &refs, (0, 100), &mut symbolizer),
+            3
+        );
+        let spans = &timeline.threads[&4].spans;
+        let names: Vec<&str> = spans.iter().map(|s| &*s.name).collect();
+        assert!(
+            names[0].contains("write") && names[1].contains("read"),
+            "{names:?}"
+        );
+        assert!(Arc::ptr_eq(&spans[0].name, &spans[2].name));
+        let (first, third) = (spans[0].stats.shared(), spans[2].stats.shared());
+        assert!(Arc::ptr_eq(first.unwrap(), third.unwrap()));
+        assert!(!Arc::ptr_eq(
+            first.unwrap(),
+            spans[1].stats.shared().unwrap()
+        ));
+        let Some(Value::Str(stack)) = spans[1].stats.get(STACK_STAT) else {
+            panic!("{:?}", spans[1].stats)
+        };
+        assert!(stack.contains("read"), "{stack}");
+        assert!(spans.iter().all(|s| s.stats.own().is_empty()));
     }
 }
