@@ -12,6 +12,8 @@ mod gpu_activity;
 mod harness;
 mod jax;
 mod recorder;
+
+pub use recorder::Target as RecorderTarget;
 mod report;
 pub mod serve;
 mod traceme;
@@ -155,8 +157,14 @@ struct Bench {
 const RECORDER_SECONDS: f64 = 35.0;
 
 /// Runs `opts.suite`; `against`, an earlier ebtrace binary, is measured
-/// beside the one built here by the recorder and TraceMe flood suites.
-pub fn run_bench(root: &Path, opts: Options, against: Option<PathBuf>) -> Result<()> {
+/// beside the one built here by the recorder and TraceMe flood suites;
+/// the recorder suite runs `recorder_targets` (all when empty).
+pub fn run_bench(
+    root: &Path,
+    opts: Options,
+    against: Option<PathBuf>,
+    recorder_targets: Vec<RecorderTarget>,
+) -> Result<()> {
     util::require_root("bench")?;
     if opts.rounds == 0 || opts.seconds <= 0.0 {
         bail!("--rounds and --seconds must be positive");
@@ -173,6 +181,7 @@ pub fn run_bench(root: &Path, opts: Options, against: Option<PathBuf>) -> Result
                 retain: Duration::from_secs(30),
                 target_cpu: opts.target_cpu,
                 against,
+                targets: recorder_targets,
             },
         )?;
         return write_report(root, "recorder.md", &md);

@@ -87,6 +87,9 @@ enum Task {
         /// Seconds of launching per CUDA run.
         #[arg(long, default_value_t = 3.0)]
         cuda_seconds: f64,
+        /// With --suite recorder: only these targets (comma-separated).
+        #[arg(long, value_enum, value_delimiter = ',')]
+        recorder_targets: Vec<bench::RecorderTarget>,
     },
 }
 
@@ -131,6 +134,7 @@ fn run() -> Result<()> {
             suite,
             cuda_seconds,
             against,
+            recorder_targets,
         } => {
             if against.is_some()
                 && !matches!(suite, bench::Suite::Recorder | bench::Suite::TracemeFlood)
@@ -139,6 +143,9 @@ fn run() -> Result<()> {
                     "--against measures --serve, --suite recorder or --suite traceme-flood; \
                      drop it or add one"
                 );
+            }
+            if !recorder_targets.is_empty() && suite != bench::Suite::Recorder {
+                anyhow::bail!("--recorder-targets picks targets of --suite recorder; add it");
             }
             bench::run_bench(
                 &root,
@@ -151,6 +158,7 @@ fn run() -> Result<()> {
                     cuda_seconds,
                 },
                 against,
+                recorder_targets,
             )
         }
     }

@@ -42,6 +42,27 @@ pub struct Options {
     pub target_cpu: Option<usize>,
     /// An earlier ebtrace binary to measure beside the one built here.
     pub against: Option<PathBuf>,
+    /// The targets to run (all when empty).
+    pub targets: Vec<Target>,
+}
+
+/// A target of the recorder benchmark.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// The fixture's light mix of a spinning, a sleeping and a ping-pong thread.
+    Mixed,
+    /// The ping-pong flat out.
+    Pingpong,
+    /// A jax loop.
+    Jax,
+    /// The stand-in driver's launch loops, flat out and 10 µs apart.
+    Cuda,
+}
+
+impl Options {
+    fn runs(&self, target: Target) -> bool {
+        self.targets.is_empty() || self.targets.contains(&target)
+    }
 }
 
 struct Row {
@@ -102,12 +123,15 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
     }
     let mut rows = Vec::new();
     // 1 Hz against the default 99: what the stack samples cost.
-    for (mode, sample_hz) in [
-        ("mixed", "1"),
-        ("mixed", "99"),
-        ("pingpong", "1"),
-        ("pingpong", "99"),
+    for (target, mode, sample_hz) in [
+        (Target::Mixed, "mixed", "1"),
+        (Target::Mixed, "mixed", "99"),
+        (Target::Pingpong, "pingpong", "1"),
+        (Target::Pingpong, "pingpong", "99"),
     ] {
+        if !opts.runs(target) {
+            continue;
+        }
         let untraced = target_rate(fixture, mode, opts, |_| Ok(()))?;
         for &(binary, path) in &binaries {
             let recorded = recorded_run(&runtime, path, mode, sample_hz, opts, &mut rows);
@@ -119,7 +143,12 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
             }
         }
     }
-    jax_rows(root, &runtime, &binaries, opts, &mut rows)?;
+    if opts.runs(Target::Jax) {
+        jax_rows(root, &runtime, &binaries, opts, &mut rows)?;
+    }
+    if !opts.runs(Target::Cuda) {
+        return Ok(render(&rows, opts));
+    }
     let (lib_dir, workload) = ebtrace_tests::cuda::build();
     for (mode, gap_ns) in [("cuda, flat out", 0), ("cuda, 10 µs apart", 10_000)] {
         let untraced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |_| Ok(()))?;
