@@ -37,14 +37,26 @@ pub fn add_cpu_samples(
         .collect();
     let stacks: Vec<Vec<(Space, u64)>> = samples.iter().map(|s| sample_frames(s)).collect();
     symbolizer.resolve_stacks(stacks.iter().map(Vec::as_slice));
-    // A busy thread's samples repeat a few stacks: each stack is named and
-    // written out once, and its samples share the name and the stat (a
-    // flight recorder's snapshot may hold a hundred thousand samples).
+    // A busy thread's samples repeat a few stacks: each stack is written
+    // out once, and the samples whose stacks read the same (most of a
+    // function's addresses, without line numbers) share the name and the
+    // stat (a flight recorder's snapshot may hold a hundred thousand).
     let mut described: FxHashMap<&[(Space, u64)], Described> = FxHashMap::default();
+    let mut by_text: FxHashMap<Arc<str>, Described> = FxHashMap::default();
     for (s, stack) in samples.iter().zip(&stacks) {
-        let (name, stats) = described
-            .entry(stack)
-            .or_insert_with(|| describe(stack, symbolizer));
+        let (name, stats) = described.entry(stack).or_insert_with(|| {
+            let (name, text) = describe(stack, symbolizer);
+            match by_text.get(text.as_str()) {
+                Some(same) => same.clone(),
+                None => {
+                    let text: Arc<str> = text.into();
+                    let stat = (STACK_STAT.into(), Value::Str(Arc::clone(&text)));
+                    let same = (name.into(), Arc::from([stat]));
+                    by_text.insert(text, same.clone());
+                    same
+                }
+            }
+        });
         let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
         thread.spans.push(Span {
             start_ns: s.header.ts_ns,
@@ -60,9 +72,9 @@ pub fn add_cpu_samples(
 type Described = (Arc<str>, Arc<[Stat]>);
 
 /// A sample's name (the innermost function of its user stack, else of
-/// its kernel stack) and its stack as a stat: innermost frame first, one
-/// per line.
-fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> Described {
+/// its kernel stack) and its stack's text: innermost frame first, one per
+/// line.
+fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> (String, String) {
     let mut lines = Vec::new();
     let mut innermost_user = None;
     let mut innermost = None;
@@ -94,8 +106,7 @@ fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> Described {
     let name = innermost_user
         .or(innermost)
         .unwrap_or_else(|| UNKNOWN_FRAME.to_string());
-    let stack: Stat = (STACK_STAT.into(), Value::Str(lines.join("\n").into()));
-    (name.into(), Arc::from([stack]))
+    (name, lines.join("\n"))
 }
 
 /// Narrows the [`ThreadState::Unknown`] intervals with the threads' own
@@ -330,7 +341,12 @@ mod tests {
             user_unreadable: false,
             kernel_unreadable: false,
         };
-        let samples = [sample(10, write), sample(20, read), sample(30, write)];
+        let samples = [
+            sample(10, write),
+            sample(20, read),
+            sample(30, write),
+            sample(40, write + 1),
+        ];
         let mut symbolizer = StackSymbolizer::default();
         for s in &samples {
             symbolizer.note_sample(s);
@@ -349,7 +365,7 @@ mod tests {
         let refs: Vec<&StackSample> = samples.iter().collect();
         assert_eq!(
             add_cpu_samples(&mut timeline, &refs, (0, 100), &mut symbolizer),
-            3
+            4
         );
         let spans = &timeline.threads[&4].spans;
         let names: Vec<&str> = spans.iter().map(|s| &*s.name).collect();
@@ -369,5 +385,16 @@ mod tests {
         };
         assert!(stack.contains("read"), "{stack}");
         assert!(spans.iter().all(|s| s.stats.own().is_empty()));
+        // Another address whose stack reads the same (the same function,
+        // no other line) shares the same copy.
+        let text = |i: usize| spans[i].stats.get(STACK_STAT).cloned();
+        let shared = |i: usize| spans[i].stats.shared().unwrap();
+        for (i, j) in [(0, 1), (0, 3), (1, 3)] {
+            assert_eq!(
+                text(i) == text(j),
+                Arc::ptr_eq(shared(i), shared(j)),
+                "{i} {j}"
+            );
+        }
     }
 }
