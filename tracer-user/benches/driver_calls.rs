@@ -14,9 +14,8 @@
 //! recorder's `--retain-memory`.
 
 use std::{
-    alloc::{GlobalAlloc, Layout, System},
     collections::{HashMap, VecDeque},
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::atomic::Ordering,
     time::{Duration, Instant},
 };
 
@@ -32,35 +31,9 @@ use tracer_common::{
     cuda::{CUDA_NAME_LEN, CudaCall, CudaSymbol},
 };
 
-use common::{median, size_and_rounds};
+use common::{Counting, IN_USE, PEAK, median, size_and_rounds};
 
 mod common;
-
-/// The system allocator, counting the bytes in use and their peak.
-struct Counting;
-
-static IN_USE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call goes to the system allocator unchanged; the counters
-// only watch.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = IN_USE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        IN_USE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
