@@ -35,28 +35,43 @@ pub fn add_cpu_samples(
         .filter(|s| (start_ns..=stop_ns).contains(&s.header.ts_ns))
         .filter(|s| timeline.threads.contains_key(&s.tid))
         .collect();
-    let stacks: Vec<Vec<(Space, u64)>> = samples.iter().map(|s| sample_frames(s)).collect();
+    // A busy thread's samples repeat a few stacks: each stack is looked up
+    // and written out once, and the samples whose stacks read the same
+    // (most of a function's addresses, without line numbers) share the
+    // name and the stat (a flight recorder's snapshot may hold a hundred
+    // thousand samples).
+    let mut stack_of: FxHashMap<StackKey<'_>, usize> = FxHashMap::default();
+    let mut stacks: Vec<Vec<(Space, u64)>> = Vec::new();
+    let which: Vec<usize> = samples
+        .iter()
+        .map(|s| {
+            *stack_of
+                .entry((s.tgid, &s.kernel, &s.user))
+                .or_insert_with(|| {
+                    stacks.push(sample_frames(s));
+                    stacks.len() - 1
+                })
+        })
+        .collect();
+    drop(stack_of);
     symbolizer.resolve_stacks(stacks.iter().map(Vec::as_slice));
-    // A busy thread's samples repeat a few stacks: each stack is written
-    // out once, and the samples whose stacks read the same (most of a
-    // function's addresses, without line numbers) share the name and the
-    // stat (a flight recorder's snapshot may hold a hundred thousand).
-    let mut described: FxHashMap<&[(Space, u64)], Described> = FxHashMap::default();
     let mut by_text: FxHashMap<Arc<str>, Described> = FxHashMap::default();
-    for (s, stack) in samples.iter().zip(&stacks) {
-        let (name, stats) = described.entry(stack).or_insert_with(|| {
+    let described: Vec<Described> = stacks
+        .iter()
+        .map(|stack| {
             let (name, text) = describe(stack, symbolizer);
-            match by_text.get(text.as_str()) {
-                Some(same) => same.clone(),
-                None => {
-                    let text: Arc<str> = text.into();
-                    let stat = (STACK_STAT.into(), Value::Str(Arc::clone(&text)));
-                    let same = (name.into(), Arc::from([stat]));
-                    by_text.insert(text, same.clone());
-                    same
-                }
+            if let Some(same) = by_text.get(text.as_str()) {
+                return same.clone();
             }
-        });
+            let text: Arc<str> = text.into();
+            let stat = (STACK_STAT.into(), Value::Str(Arc::clone(&text)));
+            let same: Described = (name.into(), Arc::from([stat]));
+            by_text.insert(text, same.clone());
+            same
+        })
+        .collect();
+    for (s, stack) in samples.iter().zip(which) {
+        let (name, stats) = &described[stack];
         let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
         thread.spans.push(Span {
             start_ns: s.header.ts_ns,
@@ -70,6 +85,10 @@ pub fn add_cpu_samples(
 
 /// A stack's name and stat, as its samples share them.
 type Described = (Arc<str>, Arc<[Stat]>);
+
+/// A sample's stack as the probes took it: its process, kernel and user
+/// addresses.
+type StackKey<'a> = (u32, &'a [u64], &'a [u64]);
 
 /// A sample's name (the innermost function of its user stack, else of
 /// its kernel stack) and its stack's text: innermost frame first, one per
