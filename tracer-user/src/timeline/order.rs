@@ -100,7 +100,11 @@ fn held_in_time_order(
     stop_ns: u64,
     streamed: bool,
 ) -> Vec<Entry> {
-    let mut order = Vec::with_capacity(records.len() + samples.len());
+    // Streamed, the scheduler's records (most of them) are left out.
+    let mut order = match streamed {
+        true => Vec::new(),
+        false => Vec::with_capacity(records.len() + samples.len()),
+    };
     let mut held_samples = samples.iter().map(|s| &**s).enumerate().peekable();
     let sample = |(i, s): (usize, &StackSample)| Entry {
         ts_ns: s.header.ts_ns,
