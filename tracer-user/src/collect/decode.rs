@@ -127,6 +127,30 @@ impl Record {
             waker_tgid: waker.1,
         })
     }
+
+    /// A driver call of function `function` (an index of
+    /// [`crate::cuda_api`]'s table) as the probes write it, on CPU 0: by
+    /// `thread` (tid, tgid) from `start_ns` to `end_ns`, succeeded, with
+    /// `args`, the rest zero.
+    pub fn driver_call(
+        function: u16,
+        (start_ns, end_ns): (u64, u64),
+        thread: (u32, u32),
+        args: [u64; 6],
+    ) -> Record {
+        Record::CudaCall(Box::new(CudaCall {
+            header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 0, end_ns),
+            tid: thread.0,
+            tgid: thread.1,
+            start_ns,
+            function,
+            flags: 0,
+            result: 0,
+            args,
+            extra: [0; 8],
+            out_value: 0,
+        }))
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

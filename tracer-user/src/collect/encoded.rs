@@ -514,21 +514,7 @@ mod tests {
     /// chunk, or when left out, or with the records they were appended to.
     #[test]
     fn driver_records_are_counted_wherever_they_go() {
-        use tracer_common::{RecordHeader, cuda::CudaCall};
-        let call = || {
-            Record::CudaCall(Box::new(CudaCall {
-                header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 0, 1),
-                tid: 7,
-                tgid: 7,
-                start_ns: 0,
-                function: 0,
-                flags: 0,
-                result: 0,
-                args: [0; 6],
-                extra: [0; 8],
-                out_value: 0,
-            }))
-        };
+        let call = || Record::driver_call(0, (0, 1), (7, 7), [0; 6]);
         let mut held = EncodedRecords::default();
         let mut bytes = Vec::new();
         encode(&call(), &mut bytes);
@@ -624,25 +610,7 @@ mod tests {
     #[test]
     fn a_record_is_found_again_at_its_place() {
         let mut held = EncodedRecords::default();
-        let call = |ts: u64| {
-            Record::CudaCall(Box::new(tracer_common::cuda::CudaCall {
-                header: tracer_common::RecordHeader::new(
-                    RecordKind::CudaCall,
-                    size_of::<tracer_common::cuda::CudaCall>(),
-                    0,
-                    ts,
-                ),
-                tid: ts as u32,
-                tgid: 1,
-                start_ns: ts - 1,
-                function: 0,
-                flags: 0,
-                result: 0,
-                args: [ts; 6],
-                extra: [0; 8],
-                out_value: 0,
-            }))
-        };
+        let call = |ts: u64| Record::driver_call(0, (ts - 1, ts), (ts as u32, 1), [ts; 6]);
         let n = 3 * CHUNK_BYTES / COMMON_RECORD_BYTES;
         for ts in 1..=n as u64 {
             let record = if ts % 7 == 0 {

@@ -211,19 +211,7 @@ mod tests {
     }
 
     fn call(ts: u64, tid: u32) -> Record {
-        use tracer_common::{RecordHeader, RecordKind, cuda::CudaCall};
-        Record::CudaCall(Box::new(CudaCall {
-            header: RecordHeader::new(RecordKind::CudaCall, size_of::<CudaCall>(), 0, ts),
-            tid,
-            tgid: PID,
-            start_ns: ts.saturating_sub(1),
-            function: 0,
-            flags: 0,
-            result: 0,
-            args: [0; 6],
-            extra: [0; 8],
-            out_value: 0,
-        }))
+        Record::driver_call(0, (ts.saturating_sub(1), ts), (tid, PID), [0; 6])
     }
 
     fn sample(ts: u64, tid: u32) -> Box<StackSample> {
