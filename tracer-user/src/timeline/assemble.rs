@@ -16,13 +16,13 @@ use super::{
     SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
     cpu_samples::{add_cpu_samples, narrow_unknown},
     merge_device_activity, merge_framework_space, nest,
-    order::{RecordInput, in_time_order},
+    order::{RecordInput, in_time_order, take_samples},
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
 };
 use crate::{
     agent::{AgentRecording, KernelNaming},
     clock::ClockSync,
-    collect::{Record, StackSample, TraceMeEvent},
+    collect::{Record, TraceMeEvent},
     symbols::stacks::StackSymbolizer,
 };
 
@@ -142,13 +142,12 @@ pub fn assemble(
         builder.tracked_from(pid, since_ns);
     }
     // Records before the window still tell each thread's state at its start.
-    let mut samples = Vec::new();
     let mut records = sources.records;
+    let samples = take_samples(&mut records, stop_ns);
     for r in in_time_order(&mut records, stop_ns, streamed) {
         match &*r {
             Record::CudaCall(c) => cuda.push_call(c),
             Record::CudaSymbol(s) => cuda.push_symbol(s),
-            Record::StackSample(s) => samples.push(s.clone()),
             r => builder.push(r),
         }
     }
@@ -156,7 +155,7 @@ pub fn assemble(
     // before (a boxed copy of every driver call) go before the spans are
     // finished, nested and cut.
     drop(records);
-    let samples: Vec<&StackSample> = samples.iter().map(|s| &**s).collect();
+    let samples = samples.as_refs();
     let capture_stats = CaptureStats {
         records: 0,
         dropped,

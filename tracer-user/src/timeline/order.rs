@@ -34,13 +34,58 @@ impl Default for RecordInput<'_> {
 #[derive(Clone, Copy)]
 struct Entry {
     ts_ns: u64,
-    /// Its place among the held records, or, with chunk [`SAMPLE`], the
-    /// index of a stack sample.
     place: RecordPlace,
 }
 
-/// The chunk of an [`Entry`] that is a stack sample.
-const SAMPLE: u32 = u32::MAX;
+/// The stack samples of a [`RecordInput`], which go to no builder: lent by
+/// a capture, or taken out of decoded records.
+pub(super) enum Samples<'a> {
+    Lent(Vec<&'a StackSample>),
+    Taken(Vec<StackSample>),
+}
+
+impl Samples<'_> {
+    pub(super) fn as_refs(&self) -> Vec<&StackSample> {
+        match self {
+            Samples::Lent(samples) => samples.clone(),
+            Samples::Taken(samples) => samples.iter().collect(),
+        }
+    }
+}
+
+/// The stack samples of `input` up to `stop_ns`, in time order (stably),
+/// out of its records: [`in_time_order`] then gives the others. A capture's
+/// are lent, not copied.
+pub(super) fn take_samples<'a>(input: &mut RecordInput<'a>, stop_ns: u64) -> Samples<'a> {
+    let up_to = |ts_ns: u64| ts_ns <= stop_ns;
+    match input {
+        RecordInput::Held { samples, .. } => {
+            let samples: &'a VecDeque<Box<StackSample>> = samples;
+            let mut lent: Vec<&'a StackSample> = samples
+                .iter()
+                .map(|s| &**s)
+                .filter(|s| up_to(s.header.ts_ns))
+                .collect();
+            lent.sort_by_key(|s| s.header.ts_ns);
+            Samples::Lent(lent)
+        }
+        RecordInput::Decoded(records) => {
+            let (samples, others): (Vec<Record>, Vec<Record>) = std::mem::take(records)
+                .into_iter()
+                .partition(|r| matches!(r, Record::StackSample(_)));
+            *records = others;
+            let mut taken: Vec<StackSample> = samples
+                .into_iter()
+                .filter_map(|r| match r {
+                    Record::StackSample(s) if up_to(s.header.ts_ns) => Some(*s),
+                    _ => None,
+                })
+                .collect();
+            taken.sort_by_key(|s| s.header.ts_ns);
+            Samples::Taken(taken)
+        }
+    }
+}
 
 /// The records up to `stop_ns` in time order; without the scheduler's
 /// when they were built while recording (`streamed`). Those are most of
@@ -54,18 +99,13 @@ pub(super) fn in_time_order<'b>(
         RecordInput::Decoded(records) => {
             Box::new(decoded_in_time_order(records, stop_ns, streamed).map(Cow::Borrowed))
         }
-        RecordInput::Held { records, samples } => {
-            let (records, samples) = (&**records, &**samples);
-            let order = held_in_time_order(records, samples, stop_ns, streamed);
-            Box::new(order.into_iter().filter_map(move |e| match e.place.chunk {
-                SAMPLE => Some(Cow::Owned(Record::StackSample(
-                    samples[e.place.offset as usize].clone(),
-                ))),
-                _ => {
-                    let record = records.at(e.place);
-                    debug_assert!(record.is_some(), "no record at {:?}", e.place);
-                    record.map(Cow::Owned)
-                }
+        RecordInput::Held { records, .. } => {
+            let records = &**records;
+            let order = held_in_time_order(records, stop_ns, streamed);
+            Box::new(order.into_iter().filter_map(move |e| {
+                let record = records.at(e.place);
+                debug_assert!(record.is_some(), "no record at {:?}", e.place);
+                record.map(Cow::Owned)
             }))
         }
     }
@@ -91,44 +131,23 @@ fn decoded_in_time_order(
     all.iter().chain(others)
 }
 
-/// The places of the held records and samples up to `stop_ns`, in the
-/// order [`decoded_in_time_order`] puts them decoded: the samples merged
-/// by time among the records as they were held, then sorted stably.
-fn held_in_time_order(
-    records: &EncodedRecords,
-    samples: &VecDeque<Box<StackSample>>,
-    stop_ns: u64,
-    streamed: bool,
-) -> Vec<Entry> {
-    // Streamed, the scheduler's records (most of them) are left out.
-    let mut order = match streamed {
-        true => Vec::new(),
-        false => Vec::with_capacity(records.len() + samples.len()),
-    };
-    let mut held_samples = samples.iter().map(|s| &**s).enumerate().peekable();
-    let sample = |(i, s): (usize, &StackSample)| Entry {
-        ts_ns: s.header.ts_ns,
-        place: RecordPlace {
-            chunk: SAMPLE,
-            offset: u32::try_from(i).expect("under 4G samples"),
-        },
-    };
-    for (ts_ns, kind, place) in records.places() {
-        while let Some(s) = held_samples.next_if(|(_, s)| s.header.ts_ns < ts_ns) {
-            order.push(sample(s));
-        }
-        if !(streamed && StreamedScheduling::takes_kind(kind)) {
-            order.push(Entry { ts_ns, place });
-        }
-    }
-    order.extend(held_samples.map(sample));
+/// The places of the held records up to `stop_ns`, in the order
+/// [`decoded_in_time_order`] puts them decoded.
+fn held_in_time_order(records: &EncodedRecords, stop_ns: u64, streamed: bool) -> Vec<Entry> {
+    let places = records.places();
     if streamed {
-        order.retain(|e| e.ts_ns <= stop_ns);
+        // The scheduler's records, most of them, are left out.
+        let mut order: Vec<Entry> = places
+            .filter(|&(ts_ns, kind, _)| ts_ns <= stop_ns && !StreamedScheduling::takes_kind(kind))
+            .map(|(ts_ns, _, place)| Entry { ts_ns, place })
+            .collect();
         order.sort_by_key(|e| e.ts_ns);
-    } else {
-        sort_by_time(&mut order, |e| e.ts_ns);
-        order.truncate(order.partition_point(|e| e.ts_ns <= stop_ns));
+        return order;
     }
+    let mut order = Vec::with_capacity(records.len());
+    order.extend(places.map(|(ts_ns, _, place)| Entry { ts_ns, place }));
+    sort_by_time(&mut order, |e| e.ts_ns);
+    order.truncate(order.partition_point(|e| e.ts_ns <= stop_ns));
     order
 }
 
@@ -228,10 +247,10 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Records held, and samples apart, come in the order and as the
-        /// same records decoded (the samples merged by time among them as
-        /// they were held) do: late ones moved back, none past the end,
-        /// the scheduler's left out when its states were streamed.
+        /// Held records come in time order (stably), up to the window's
+        /// end, without the scheduler's when their states were streamed;
+        /// the samples apart, in time order up to the end. The same
+        /// records decoded, with the samples among them, come the same.
         #[test]
         fn held_records_come_as_the_same_records_decoded_do(
             times in proptest::collection::vec((0u64..40, proptest::bool::ANY), 0..200),
@@ -262,10 +281,37 @@ mod tests {
                 .enumerate()
                 .map(|(i, &ts)| sample(ts, 1_000 + i as u32))
                 .collect();
+            let mut want: Vec<&Record> = records
+                .iter()
+                .filter(|r| r.ts() <= stop_ns)
+                .filter(|r| !(streamed && StreamedScheduling::takes(r)))
+                .collect();
+            want.sort_by_key(|r| r.ts());
+            let want: Vec<_> = want.into_iter().map(key).collect();
+            let want_samples: Vec<(u64, u32)> = samples
+                .iter()
+                .filter(|s| s.header.ts_ns <= stop_ns)
+                .map(|s| (s.header.ts_ns, s.tid))
+                .collect();
+            let sample_keys = |taken: Samples<'_>| -> Vec<(u64, u32)> {
+                taken.as_refs().iter().map(|s| (s.header.ts_ns, s.tid)).collect()
+            };
+
             let mut held = EncodedRecords::default();
             for r in &records {
                 proptest::prop_assert!(held.push(r));
             }
+            let mut input = RecordInput::Held {
+                records: &held,
+                samples: &samples,
+            };
+            proptest::prop_assert_eq!(sample_keys(take_samples(&mut input, stop_ns)), want_samples.clone());
+            let got: Vec<_> = in_time_order(&mut input, stop_ns, streamed)
+                .map(|r| key(&r))
+                .collect();
+            proptest::prop_assert_eq!(got, want.clone());
+
+            // Decoded, the samples among the records by time.
             let mut decoded = Vec::new();
             let mut apart = samples.iter().peekable();
             for r in &records {
@@ -276,14 +322,8 @@ mod tests {
             }
             decoded.extend(apart.map(|s| Record::StackSample(s.clone())));
             let mut decoded = RecordInput::Decoded(decoded);
-            let want: Vec<_> = in_time_order(&mut decoded, stop_ns, streamed)
-                .map(|r| key(&r))
-                .collect();
-            let mut input = RecordInput::Held {
-                records: &held,
-                samples: &samples,
-            };
-            let got: Vec<_> = in_time_order(&mut input, stop_ns, streamed)
+            proptest::prop_assert_eq!(sample_keys(take_samples(&mut decoded, stop_ns)), want_samples);
+            let got: Vec<_> = in_time_order(&mut decoded, stop_ns, streamed)
                 .map(|r| key(&r))
                 .collect();
             proptest::prop_assert_eq!(got, want);
