@@ -173,10 +173,7 @@ impl EncodedRecords {
     /// The record at `place`, from [`Self::places`] of these records
     /// unchanged since, decoded.
     pub fn at(&self, place: RecordPlace) -> Option<Record> {
-        let chunk = &self.chunks.get(place.chunk as usize)?.bytes;
-        let bytes = chunk.get(place.offset as usize..)?;
-        let size = usize::from(u16::from_ne_bytes(bytes.get(2..4)?.try_into().ok()?));
-        decode(bytes.get(..size)?).ok()
+        record_at(&self.chunks.get(place.chunk as usize)?.bytes, place.offset)
     }
 
     /// The CUDA driver records (calls and kernel names), decoded: the
@@ -335,22 +332,21 @@ impl Chunk {
 /// The records of one chunk's bytes (whole records when kept) whose kind
 /// `wanted` accepts.
 fn records_in<'a>(
-    mut bytes: &'a [u8],
+    bytes: &'a [u8],
     wanted: impl Fn(u16) -> bool + 'a,
 ) -> impl Iterator<Item = Record> + 'a {
-    std::iter::from_fn(move || {
-        loop {
-            let kind = u16::from_ne_bytes(bytes.get(0..2)?.try_into().ok()?);
-            let size = usize::from(u16::from_ne_bytes(bytes.get(2..4)?.try_into().ok()?));
-            let (record, rest) = bytes.split_at_checked(size.max(1))?;
-            bytes = rest;
-            if wanted(kind) {
-                let decoded = decode(record);
-                debug_assert!(decoded.is_ok(), "{decoded:?}");
-                return decoded.ok();
-            }
-        }
-    })
+    headers_in(bytes)
+        .filter(move |&(_, kind, _)| wanted(kind))
+        .filter_map(|(offset, _, _)| record_at(bytes, offset))
+}
+
+/// The record at `offset` of one chunk's bytes, decoded.
+fn record_at(bytes: &[u8], offset: u32) -> Option<Record> {
+    let record = bytes.get(offset as usize..)?;
+    let size = usize::from(u16::from_ne_bytes(record.get(2..4)?.try_into().ok()?));
+    let decoded = decode(record.get(..size)?);
+    debug_assert!(decoded.is_ok(), "{decoded:?}");
+    decoded.ok()
 }
 
 /// The offset, kind and time of each record in one chunk's bytes.
