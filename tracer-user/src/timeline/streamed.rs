@@ -15,9 +15,9 @@
 
 use std::collections::HashMap;
 
-use super::{InitialState, SchedTimelineBuilder};
 use tracer_common::RecordKind;
 
+use super::{InitialState, SchedTimelineBuilder};
 use crate::collect::Record;
 
 /// How much older than the newest record seen a record may still arrive.
@@ -121,16 +121,17 @@ impl StreamedScheduling {
 
     /// [`Self::takes`] for a record of `kind` (its header's), not decoded.
     pub fn takes_kind(kind: u16) -> bool {
-        [
-            RecordKind::SchedSwitch,
-            RecordKind::SchedWakeup,
-            RecordKind::TaskNew,
-            RecordKind::ProcessFork,
-            RecordKind::TaskExit,
-            RecordKind::TaskRename,
-        ]
-        .into_iter()
-        .any(|k| k as u16 == kind)
+        matches!(
+            RecordKind::from_u16(kind),
+            Some(
+                RecordKind::SchedSwitch
+                    | RecordKind::SchedWakeup
+                    | RecordKind::TaskNew
+                    | RecordKind::ProcessFork
+                    | RecordKind::TaskExit
+                    | RecordKind::TaskRename
+            )
+        )
     }
 
     /// The window it builds: its start, and its end where known.
