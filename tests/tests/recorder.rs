@@ -810,13 +810,9 @@ fn kernels_a_snapshot_could_not_name_are_named_by_the_next() {
     let server = small_recorder(pid);
     expect_line(&server, "flight recorder on");
     let unresolved = |space: &XSpace| {
-        driver_calls(space)
+        launched_kernels(space)
             .iter()
-            .filter(|(name, stats)| {
-                name.starts_with("cuLaunch")
-                    && stats.get("result_code").map(Stat::as_i64) == Some(0)
-            })
-            .filter(|(_, stats)| stats["kernel"].as_str().starts_with("<unresolved"))
+            .filter(|k| k.starts_with("<unresolved"))
             .count()
     };
     let during = std::thread::scope(|scope| {
@@ -881,17 +877,22 @@ fn driver_calls(space: &XSpace) -> Vec<(String, HashMap<String, Stat>)> {
         .collect()
 }
 
-/// Every successful launch of the stand-in workload in `space` is named
-/// after one of its two kernels, and there are some.
-fn assert_kernels_named(space: &XSpace, what: &str) {
-    let expected = [cxxfilt("_Z6vecAddPKfS0_Pfi"), cxxfilt("_Z9reduceSumPKfPfj")];
-    let kernels: Vec<String> = driver_calls(space)
+/// The kernel each successful launch in `space` names.
+fn launched_kernels(space: &XSpace) -> Vec<String> {
+    driver_calls(space)
         .into_iter()
         .filter(|(name, stats)| {
             name.starts_with("cuLaunch") && stats.get("result_code").map(Stat::as_i64) == Some(0)
         })
         .map(|(_, stats)| stats["kernel"].as_str().to_string())
-        .collect();
+        .collect()
+}
+
+/// Every successful launch of the stand-in workload in `space` is named
+/// after one of its two kernels, and there are some.
+fn assert_kernels_named(space: &XSpace, what: &str) {
+    let expected = [cxxfilt("_Z6vecAddPKfS0_Pfi"), cxxfilt("_Z9reduceSumPKfPfj")];
+    let kernels = launched_kernels(space);
     assert!(kernels.len() > 10, "{what}: {kernels:?}");
     for k in &kernels {
         assert!(expected.contains(k), "{what}: {k} is not one it launched");
