@@ -428,9 +428,8 @@ fn a_driver_loaded_after_attach_is_traced() {
     }
 }
 
-/// The number of functions in the `probing N CUDA driver functions` line.
-/// The functions probed as ebtrace's line says, and of them those probed
-/// at their entry only.
+/// How many functions the `probing N CUDA driver functions` line says are
+/// probed, how many of them at their entry only, and the line.
 fn functions_probed(stderr: &[String]) -> (u64, u64, &str) {
     let line = stderr
         .iter()
