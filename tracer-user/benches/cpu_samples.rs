@@ -29,7 +29,10 @@ use ebtrace::{
 };
 use tracer_common::{RecordHeader, RecordKind};
 
-use common::{Counting, IN_USE, PEAK, heap_from_here, median, size_and_rounds};
+use common::{
+    heap::{Counting, IN_USE, PEAK, heap_from_here},
+    median, size_and_rounds,
+};
 
 mod common;
 

@@ -31,7 +31,10 @@ use tracer_common::{
     cuda::{CUDA_NAME_LEN, CudaCall, CudaSymbol},
 };
 
-use common::{Counting, IN_USE, PEAK, median, size_and_rounds};
+use common::{
+    heap::{Counting, IN_USE, PEAK},
+    median, size_and_rounds,
+};
 
 mod common;
 

@@ -1,11 +1,13 @@
 //! What the benchmarks share: their settings from the environment, their
-//! medians, and an allocator that counts the heap.
+//! medians, and an allocator that counts the heap ([`heap`]).
 
-use std::{
-    alloc::{GlobalAlloc, Layout, System},
-    sync::atomic::{AtomicUsize, Ordering},
-    time::Duration,
-};
+use std::time::Duration;
+
+#[allow(
+    dead_code,
+    reason = "each benchmark builds this module; not all of them use it"
+)]
+pub mod heap;
 
 /// The number in the environment variable `name`, or `default`.
 pub fn env_or(name: &str, default: usize) -> usize {
@@ -35,56 +37,4 @@ pub fn size_and_rounds(size_name: &str, full: usize, small: usize) -> (usize, us
 pub fn median(mut times: Vec<Duration>) -> Duration {
     times.sort();
     times[times.len() / 2]
-}
-
-/// The system allocator, counting the bytes in use and their peak: a
-/// benchmark that measures memory makes it its global allocator.
-#[allow(
-    dead_code,
-    reason = "each benchmark builds this module; not all of them use it"
-)]
-pub struct Counting;
-
-/// Bytes allocated and not freed.
-#[allow(
-    dead_code,
-    reason = "each benchmark builds this module; not all of them use it"
-)]
-pub static IN_USE: AtomicUsize = AtomicUsize::new(0);
-/// The most [`IN_USE`] reached since [`heap_from_here`].
-#[allow(
-    dead_code,
-    reason = "each benchmark builds this module; not all of them use it"
-)]
-pub static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call goes to the system allocator unchanged; the counters
-// only watch.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract, passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = IN_USE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        IN_USE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
-/// The heap in use now, from which [`PEAK`] counts again.
-#[allow(
-    dead_code,
-    reason = "each benchmark builds this module; not all of them use it"
-)]
-pub fn heap_from_here() -> usize {
-    let now = IN_USE.load(Ordering::Relaxed);
-    PEAK.store(now, Ordering::Relaxed);
-    now
 }
