@@ -4,14 +4,14 @@
 //! the model's own rules (states partition time, spans nest, a stream's
 //! events follow each other).
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, num::NonZeroU64};
 
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    CORRELATION_STAT, CaptureStats, Cuts, DeviceTrack, FlowId, Mark, MarkKind, Peer, PeerId,
-    ProcessInfo, RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState,
-    ThreadCounters, ThreadState, ThreadTrack, Timeline, Value, Window, nest,
+    CaptureStats, Cuts, DeviceTrack, FlowId, Mark, MarkKind, Peer, PeerId, ProcessInfo,
+    RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
+    ThreadState, ThreadTrack, Timeline, Value, Window, nest,
 };
 use crate::clock::ClockSync;
 
@@ -52,15 +52,12 @@ fn state(kind: u8, flow: Option<u8>) -> ThreadState {
 }
 
 fn span(start: u64, len: u64, correlation: Option<u8>) -> Span {
-    let mut stats = vec![("k".into(), Value::I64(1))];
-    if let Some(id) = correlation {
-        stats.push((CORRELATION_STAT.into(), Value::U64(id.into())));
-    }
     Span {
         start_ns: start,
         end_ns: start + len,
         name: format!("s{}", len % 3).into(),
-        stats: stats.into(),
+        stats: vec![("k".into(), Value::I64(1))].into(),
+        correlation: correlation.and_then(|id| NonZeroU64::new(id.into())),
     }
 }
 

@@ -78,6 +78,7 @@ pub fn add_cpu_samples(
             end_ns: s.header.ts_ns,
             name: Arc::clone(name),
             stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
+            correlation: None,
         });
     }
     samples.len() as u64

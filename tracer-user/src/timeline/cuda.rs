@@ -24,13 +24,14 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    num::NonZeroU64,
     sync::Arc,
 };
 
 use rustc_hash::FxHashMap;
 use tracer_common::cuda::{CudaCall, CudaSymbol, flags};
 
-use super::{CORRELATION_STAT, Cuts, SharedTexts, Span, Stat, StatName, Stats, Value, nest};
+use super::{Cuts, SharedTexts, Span, Stat, StatName, Stats, Value, nest};
 use crate::{
     collect::Record,
     cuda_api::{self, CopyKind, DriverFunction, Memory, MemsetExtent, Op},
@@ -176,7 +177,8 @@ pub struct CudaTimelineBuilder {
     stream_ctx: HashMap<(u32, u64), u64>,
     /// `(ordinal, pid, stream)` → line id and label.
     stream_ids: HashMap<(u32, u32, StreamKey), (i64, Arc<str>)>,
-    next_correlation: u64,
+    /// Correlation ids given out so far (they are numbered from 1).
+    correlations: u64,
     /// The texts of stats and span names, one copy each.
     texts: SharedTexts,
     /// Launch details by process, function handle and configuration.
@@ -333,7 +335,6 @@ impl CudaTimelineBuilder {
         CudaTimelineBuilder {
             start_ns,
             stop_ns,
-            next_correlation: 1,
             ..Default::default()
         }
     }
@@ -769,15 +770,14 @@ impl CudaTimelineBuilder {
         self.out.calls += 1;
         let (stats, work) = self.describe(rec, function);
         // A launch's details are shared: so are the stats its call and its
-        // work have in common with others, all but their correlation, which
-        // comes last on both. Those stats are made only for a new group.
+        // work have in common with others; their correlation is their own.
+        // Those stats are made only for a new group.
         let details = stats.shared().cloned();
         let mut work_line = None;
         let mut correlation = None;
         if let Some(work) = work.filter(|_| ok) {
-            let id = self.next_correlation;
-            self.next_correlation += 1;
-            correlation = Some((CORRELATION_STAT.into(), Value::U64(id)));
+            self.correlations += 1;
+            correlation = NonZeroU64::new(self.correlations);
             let (ordinal, source) = self.ordinal(rec.tgid, rec.tid, work.stream);
             let key = match work.stream {
                 0 if function.per_thread_stream() => StreamKey::PerThread(rec.tid),
@@ -798,7 +798,6 @@ impl CudaTimelineBuilder {
                     ),
                 ]
             };
-            let own_correlation = (CORRELATION_STAT.into(), Value::U64(id));
             let device_stats = match &details {
                 Some(details) => {
                     let key = (
@@ -812,13 +811,12 @@ impl CudaTimelineBuilder {
                     let group = shared_group(&mut self.work_groups, key, details, || {
                         work_tail(&mut self.texts)
                     });
-                    Stats::shared_then(group, vec![own_correlation])
+                    Stats::shared_then(group, Vec::new())
                 }
                 None => {
                     let mut stats = work.stats;
-                    stats.reserve_exact(6);
+                    stats.reserve_exact(5);
                     stats.extend(work_tail(&mut self.texts));
-                    stats.push(own_correlation);
                     stats
                 }
             };
@@ -833,6 +831,7 @@ impl CudaTimelineBuilder {
                     end_ns: end,
                     name: work.name,
                     stats: device_stats,
+                    correlation,
                 });
             work_line = Some((label, ordinal));
         }
@@ -873,14 +872,13 @@ impl CudaTimelineBuilder {
                 let group = shared_group(&mut self.call_groups, key, details, || {
                     call_tail(&mut self.texts)
                 });
-                Stats::shared_then(group, correlation.into_iter().collect())
+                Stats::shared_then(group, Vec::new())
             }
             None => {
                 let mut stats = stats;
                 // Exactly: a flight recorder's snapshot holds many thousands of calls.
-                stats.reserve_exact(5);
+                stats.reserve_exact(4);
                 stats.extend(call_tail(&mut self.texts));
-                stats.extend(correlation);
                 stats
             }
         };
@@ -895,6 +893,7 @@ impl CudaTimelineBuilder {
                 end_ns: end,
                 name,
                 stats,
+                correlation,
             });
     }
 
@@ -1102,13 +1101,13 @@ mod tests {
         assert_eq!(stat(launch, "grid"), &Value::Str("16,2,1".into()));
         assert_eq!(stat(launch, "block"), &Value::Str("256,1,1".into()));
         assert_eq!(stat(launch, "shared_memory_bytes"), &Value::U64(48));
-        assert_eq!(stat(launch, "correlation_id"), &Value::U64(1));
+        assert_eq!(launch.correlation, NonZeroU64::new(1));
         let gpu1 = &tl.devices[&1];
         let line = &gpu1.streams[&1];
         assert_eq!(line.label, "0x5a");
         assert_eq!(line.events.len(), 1);
         assert_eq!((line.events[0].start_ns, line.events[0].end_ns), (200, 260));
-        assert_eq!(stat(&line.events[0], "correlation_id"), &Value::U64(1));
+        assert_eq!(line.events[0].correlation, NonZeroU64::new(1));
         assert_eq!(
             stat(&line.events[0], "device_ordinal_source"),
             &Value::Str("context".into())
@@ -1147,7 +1146,7 @@ mod tests {
             stat(&spans[0], "kernel"),
             &Value::Str("<unresolved 0xabc>".into())
         );
-        assert!(spans[0].stats.iter().all(|(k, _)| k != "correlation_id"));
+        assert_eq!(spans[0].correlation, None);
         // Only the successful launch reached the GPU: the per-thread stream of tid 3.
         let gpu0 = &tl.devices[&0];
         assert_eq!(gpu0.streams.len(), 1);
@@ -1239,6 +1238,7 @@ mod tests {
             end_ns,
             name: name.into(),
             stats: Stats::default(),
+            correlation: None,
         };
         let mut events = vec![work(20, 50, "b"), work(10, 50, "a"), work(60, 70, "c")];
         serialize(&mut events);

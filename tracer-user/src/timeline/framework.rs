@@ -239,6 +239,7 @@ fn add_host_plane(
                 end_ns,
                 name,
                 stats,
+                correlation: None,
             });
             merge.spans += 1;
         }

@@ -42,7 +42,7 @@ mod texts;
 pub mod traceme;
 pub mod window;
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, num::NonZeroU64};
 
 pub use assemble::{Sources, TraceMeInput, assemble};
 pub use cpu_lines::{CpuLine, CpuLines};
@@ -289,6 +289,13 @@ pub struct Span {
     /// few names millions of times).
     pub name: std::sync::Arc<str>,
     pub stats: Stats,
+    /// The id a CUDA driver call's span shares with the device event of
+    /// the work it submitted; XProf draws an arrow from one to the other.
+    /// The sinks write it as the stat [`CORRELATION_STAT`], after the
+    /// others. Kept here rather than among the stats, which would take an
+    /// allocation for every launch of a snapshot (its other stats are
+    /// shared).
+    pub correlation: Option<NonZeroU64>,
 }
 
 /// A stat's name: nearly always one the code spells out, allocated only
@@ -297,8 +304,7 @@ pub type StatName = std::borrow::Cow<'static, str>;
 
 /// Stat on a span that had to be shortened to nest: the ns cut off.
 pub const CLIPPED_STAT: &str = "ebtrace_clipped_ns";
-/// Stat (u64) shared by a CUDA driver call's span and the device event of
-/// the work it submitted; XProf draws an arrow from one to the other.
+/// The stat a span's [`Span::correlation`] is written as (u64).
 pub const CORRELATION_STAT: &str = "correlation_id";
 
 /// Per-thread totals over the capture window.

@@ -112,6 +112,7 @@ mod tests {
             end_ns,
             name: name.into(),
             stats: crate::timeline::Stats::default(),
+            correlation: None,
         }
     }
 

@@ -229,6 +229,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
                 end_ns,
                 name: UNREADABLE_NAME.into(),
                 stats: Stats::default(),
+                correlation: None,
             }
         } else {
             let parsed = parse_traceme_name(&named.name, named.truncated);
@@ -237,6 +238,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
                 end_ns,
                 name: parsed.name.into(),
                 stats: parsed.stats.into(),
+                correlation: None,
             }
         };
         if named.truncated {

@@ -19,9 +19,9 @@
 //! CPU lines and GPU streams left without events go; thread lines stay,
 //! with their whole-window counters.
 
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, num::NonZeroU64};
 
-use super::{CORRELATION_STAT, MarkKind, RunnableCause, Span, ThreadState, Timeline, Value};
+use super::{MarkKind, RunnableCause, Span, ThreadState, Timeline};
 
 /// The part of a timeline one trace shows.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -170,18 +170,11 @@ fn truncate(tl: &mut Timeline, cut: u64) {
 
 /// The correlation id of a driver call or of the work it submitted.
 fn correlation(span: &Span) -> Option<u64> {
-    span.stats
-        .iter()
-        .rev()
-        .find(|(k, _)| k == CORRELATION_STAT)
-        .and_then(|(_, v)| match v {
-            Value::U64(id) => Some(*id),
-            _ => None,
-        })
+    span.correlation.map(NonZeroU64::get)
 }
 
 fn forget_correlation(span: &mut Span) {
-    span.stats.retain(|(k, _)| k != CORRELATION_STAT);
+    span.correlation = None;
 }
 
 /// A set of link ids: a bitmap when they are dense (the builders number
@@ -503,7 +496,8 @@ mod tests {
             start_ns: i * 10,
             end_ns: i * 10 + 5,
             name: "vecAdd".into(),
-            stats: vec![(CORRELATION_STAT.into(), Value::U64(i + 1))].into(),
+            stats: crate::timeline::Stats::default(),
+            correlation: NonZeroU64::new(i + 1),
         };
         let stream = StreamTrack {
             id: 1,

@@ -101,6 +101,7 @@ pub fn write_xspace<W: Write>(space: &XSpace, out: W) -> io::Result<PerfettoStat
                         .get(&e.metadata_id)
                         .map_or_else(|| "".into(), |n| n.as_str().into()),
                     stats: Stats::default(),
+                    correlation: None,
                 }
             }));
             nest(&mut spans, Cuts::Marked);

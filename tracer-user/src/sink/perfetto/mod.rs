@@ -29,7 +29,7 @@ use prost::Message as _;
 
 use crate::{
     clock::now_ns,
-    timeline::{Span, StatName, Timeline, Value},
+    timeline::{CORRELATION_STAT, Span, StatName, Timeline, Value},
 };
 
 /// File name written next to the `.xplane.pb`.
@@ -276,10 +276,7 @@ fn write_spans<W: Write>(
             end(w, e)?;
             open.pop();
         }
-        let flow = span.stats.iter().find_map(|(k, v)| match (&**k, v) {
-            ("correlation_id", Value::U64(c)) => Some(launch_flow(*c)),
-            _ => None,
-        });
+        let flow = span.correlation.map(|c| launch_flow(c.get()));
         let instant = span.end_ns == span.start_ns;
         w.event(
             clocks.boot(span.start_ns),
@@ -291,7 +288,15 @@ fn write_spans<W: Write>(
                 } as i32),
                 track_uuid: Some(track),
                 name_field: Some(track_event::NameField::Name(span.name.to_string())),
-                debug_annotations: span.stats.iter().map(annotation).collect(),
+                debug_annotations: span
+                    .stats
+                    .iter()
+                    .map(annotation)
+                    .chain(
+                        span.correlation
+                            .map(|c| annotation(&(CORRELATION_STAT.into(), Value::U64(c.get())))),
+                    )
+                    .collect(),
                 flow_ids: flow.filter(|_| !device).into_iter().collect(),
                 terminating_flow_ids: flow.filter(|_| device).into_iter().collect(),
                 ..Default::default()

@@ -1,6 +1,6 @@
 //! The sink's packets, decoded again with prost.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, num::NonZeroU64};
 
 use ebtrace_proto::perfetto::protos::{Trace, ftrace_event, trace_packet, track_event};
 use prost::Message as _;
@@ -10,7 +10,7 @@ use crate::{
     clock::ClockSync,
     timeline::{
         CaptureStats, DeviceTrack, FlowId, Peer, PeerId, ProcessInfo, RunnableCause, StateSlice,
-        StreamTiming, StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
+        Stats, StreamTiming, StreamTrack, TaskState, ThreadCounters, ThreadState, ThreadTrack,
     },
 };
 
@@ -19,10 +19,8 @@ fn span(name: &str, start_ns: u64, end_ns: u64, correlation: Option<u64>) -> Spa
         start_ns,
         end_ns,
         name: name.into(),
-        stats: correlation
-            .map(|c| ("correlation_id".into(), Value::U64(c)))
-            .into_iter()
-            .collect(),
+        stats: Stats::default(),
+        correlation: correlation.and_then(NonZeroU64::new),
     }
 }
 

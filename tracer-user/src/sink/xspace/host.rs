@@ -595,8 +595,7 @@ impl InternedSpans {
         for span in spans {
             out.names.push(plane.event_metadata(&span.name));
             let from = out.stats.len();
-            out.shared
-                .push(plane.span_stats(&span.stats, &mut out.stats));
+            out.shared.push(plane.span_stats(span, &mut out.stats));
             out.ranges.push(from..out.stats.len());
         }
         // Timelines come with their spans nested and sorted (`timeline::nest`).

@@ -25,7 +25,7 @@ use std::io::{self, Cursor};
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event};
 use prost::Message as _;
 
-use crate::timeline::{DeviceTrack, StreamTiming, Timeline};
+use crate::timeline::{DeviceTrack, Span, StreamTiming, Timeline};
 
 pub const HOST_CPU_PLANE: &str = "/host:CPU";
 /// The per-CPU lines. XProf's trace viewer (2.22.3 and later) shows every
@@ -76,15 +76,10 @@ pub use wire::{
 pub use crate::timeline::Value as StatValue;
 
 /// Queues a span (its stats interned) on the plane's current line.
-fn push_span(
-    plane: &mut XPlaneBuilder,
-    name: &str,
-    start: i64,
-    end: i64,
-    stats: &crate::timeline::Stats,
-) {
-    let id = plane.event_metadata(name);
-    plane.push_span_event(id, start, end - start, stats);
+fn push_span(plane: &mut XPlaneBuilder, span: &Span, ps: &impl Fn(u64) -> i64) {
+    let id = plane.event_metadata(&span.name);
+    let start = ps(span.start_ns);
+    plane.push_span_event(id, start, ps(span.end_ns) - start, span);
 }
 
 /// Host name to record in the XSpace (XProf matches it to the file name).
@@ -246,10 +241,14 @@ fn write_device_plane<W: PlaneOut>(
     plane.add_plane_stat("ebtrace_timing", &StatValue::Str(timing.into()));
     let mut lines = PlaneStream::begin(out, 1)?;
     for stream in device.streams.values() {
-        let stats = stream.events.iter().map(|e| e.stats.own().len()).sum();
+        let stats = stream
+            .events
+            .iter()
+            .map(|e| e.stats.own().len() + usize::from(e.correlation.is_some()))
+            .sum();
         plane.reserve_exact(stream.events.len(), stats);
         for e in &stream.events {
-            push_span(&mut plane, &e.name, ps(e.start_ns), ps(e.end_ns), &e.stats);
+            push_span(&mut plane, e, ps);
         }
         let name = format!("Stream #{}", stream.id);
         let display = match stream.timing {
@@ -330,6 +329,7 @@ mod tests {
                     end_ns: 1_700,
                     name: "step".into(),
                     stats: vec![("step_num".into(), StatValue::I64(3))].into(),
+                    correlation: None,
                 }],
                 counters: ThreadCounters::default(),
             },

@@ -161,9 +161,11 @@ impl XPlaneBuilder {
         Stat::new(self.stat_metadata(name), value)
     }
 
-    /// Interns `stats`: their shared group (encoded the first time it is
-    /// met), returned, and their own, appended to `own`.
-    pub fn span_stats(&mut self, stats: &timeline::Stats, own: &mut Vec<Stat>) -> SharedStats {
+    /// Interns `span`'s stats: their shared group (encoded the first time
+    /// it is met), returned, and their own, appended to `own`, then its
+    /// correlation id.
+    pub fn span_stats(&mut self, span: &timeline::Span, own: &mut Vec<Stat>) -> SharedStats {
+        let stats = &span.stats;
         let group = match stats.shared() {
             Some(group) if !group.is_empty() => {
                 let key = group.as_ptr() as usize;
@@ -188,6 +190,12 @@ impl XPlaneBuilder {
         for (k, v) in stats.own() {
             let stat = self.stat(k, v);
             own.push(stat);
+        }
+        if let Some(id) = span.correlation {
+            own.push(Stat::u64(
+                self.stat_metadata(timeline::CORRELATION_STAT),
+                id.get(),
+            ));
         }
         group
     }
@@ -231,18 +239,18 @@ impl XPlaneBuilder {
         });
     }
 
-    /// Queues an event with a span's `stats` (see
+    /// Queues an event with `span`'s stats (see
     /// [`span_stats`](Self::span_stats)) on the line being built.
     pub fn push_span_event(
         &mut self,
         metadata_id: i64,
         offset_ps: i64,
         duration_ps: i64,
-        stats: &timeline::Stats,
+        span: &timeline::Span,
     ) {
         let stats_start = u32::try_from(self.stats.len()).expect("under 4G stats per line");
         let mut own = std::mem::take(&mut self.stats);
-        let shared = self.span_stats(stats, &mut own);
+        let shared = self.span_stats(span, &mut own);
         self.stats = own;
         self.queued.push(QueuedEvent {
             offset_ps,
@@ -521,35 +529,48 @@ mod tests {
         let many: Arc<[timeline::Stat]> = (0..12)
             .map(|i| (format!("s{i}").into(), StatValue::I64(i64::MIN + i)))
             .collect();
-        let own = |id: u64| vec![("correlation_id".into(), StatValue::U64(id))];
+        let own = |n: u64| vec![("n".into(), StatValue::U64(n))];
+        let span = |stats, correlation| timeline::Span {
+            start_ns: 0,
+            end_ns: 0,
+            name: "launch".into(),
+            stats,
+            correlation: std::num::NonZeroU64::new(correlation),
+        };
         let spans = [
-            timeline::Stats::shared_then(group.clone(), own(1)),
-            timeline::Stats::shared_then(many.clone(), own(2)),
-            timeline::Stats::shared_then(group.clone(), own(3)),
-            timeline::Stats::from(own(4)),
-            timeline::Stats::shared_then(many.clone(), vec![]),
+            span(timeline::Stats::shared_then(group.clone(), own(1)), 1),
+            span(timeline::Stats::shared_then(many.clone(), own(2)), 0),
+            span(timeline::Stats::shared_then(group.clone(), vec![]), 3),
+            span(timeline::Stats::from(own(4)), 4),
+            span(timeline::Stats::shared_then(many.clone(), vec![]), 0),
         ];
-        for (i, stats) in spans.iter().enumerate() {
-            b.push_span_event(launch, i as i64 * 10, 5, stats);
+        for (i, span) in spans.iter().enumerate() {
+            b.push_span_event(launch, i as i64 * 10, 5, span);
         }
         assert_eq!(b.shared_groups().ranges.len(), 2, "each group encoded once");
         b.finish_line(1, "stream", "stream");
 
         let mut reference = XPlaneBuilder::new(0, "p");
         let launch = reference.event_metadata("launch");
-        let events: Vec<XEvent> = spans
-            .iter()
-            .enumerate()
-            .map(|(i, stats)| XEvent {
-                metadata_id: launch,
-                duration_ps: 5,
-                stats: stats
-                    .iter()
-                    .map(|(k, v)| reference.stat(k, v).as_proto())
-                    .collect(),
-                data: Some(x_event::Data::OffsetPs(i as i64 * 10)),
-            })
-            .collect();
+        let events: Vec<XEvent> =
+            spans
+                .iter()
+                .enumerate()
+                .map(|(i, span)| XEvent {
+                    metadata_id: launch,
+                    duration_ps: 5,
+                    stats: span
+                        .stats
+                        .iter()
+                        .cloned()
+                        .chain(span.correlation.map(|id| {
+                            (timeline::CORRELATION_STAT.into(), StatValue::U64(id.get()))
+                        }))
+                        .map(|(k, v)| reference.stat(&k, &v).as_proto())
+                        .collect(),
+                    data: Some(x_event::Data::OffsetPs(i as i64 * 10)),
+                })
+                .collect();
         assert!(events[1].encoded_len() > 127, "a two-byte length");
         assert_eq!(
             b.lines[FIELD_ROOM..],

@@ -17,7 +17,10 @@
 
 pub mod records;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    num::NonZeroU64,
+};
 
 use tracer_agent::activity::{self, BatchHeader};
 
@@ -25,8 +28,7 @@ pub use records::{Activity, DriverCall, Kernel, Transfer, decode};
 use records::{copy_kind_name, driver_function, memory_kind_name};
 
 use super::{
-    CORRELATION_STAT, DeviceTrack, Span, Stat, StatName, StreamTiming, StreamTrack, Timeline,
-    Value, cuda::demangle,
+    DeviceTrack, Span, Stat, StatName, StreamTiming, StreamTrack, Timeline, Value, cuda::demangle,
 };
 use crate::clock::ClockSync;
 
@@ -85,7 +87,10 @@ pub fn merge_device_activity(
     }
     timeline.devices.retain(|_, d| !d.streams.is_empty());
 
-    let link = |correlation: u32| (u64::from(pid) << 32) | u64::from(correlation);
+    // Unique across processes; not 0, as the pid is not.
+    let link = |correlation: u32| {
+        NonZeroU64::new((u64::from(pid) << 32) | u64::from(correlation)).unwrap_or(NonZeroU64::MAX)
+    };
     let mut kernel_names: HashMap<u32, String> = HashMap::new();
     let mut submitted: HashMap<u32, (u32, i64, usize)> = HashMap::new();
     for (a, clock) in work {
@@ -137,6 +142,7 @@ pub fn merge_device_activity(
             end_ns: clock.to_monotonic_ns(at.end.max(at.start)),
             name: name.into(),
             stats: stats.into(),
+            correlation: None,
         });
         submitted.insert(at.correlation, (at.device, line, events.len() - 1));
     }
@@ -168,7 +174,7 @@ pub fn merge_device_activity(
         let submitted_by = match joined {
             Some(span) => {
                 merge.joined += 1;
-                set_correlation(span, id);
+                span.correlation = Some(id);
                 if let Some(name) = kernel_names.get(&call.correlation) {
                     name_unresolved_kernel(span, name);
                 }
@@ -190,7 +196,6 @@ pub fn merge_device_activity(
                         "result_code".into(),
                         Value::I64(i64::from(call.result as i32)),
                     ),
-                    (CORRELATION_STAT.into(), Value::U64(id)),
                 ];
                 if let Some(kernel) = kernel_names.get(&call.correlation) {
                     stats.push(("kernel".into(), Value::Str(kernel.as_str().into())));
@@ -200,6 +205,7 @@ pub fn merge_device_activity(
                     end_ns: end,
                     name: name.as_str().into(),
                     stats: stats.into(),
+                    correlation: Some(id),
                 });
                 name
             }
@@ -212,8 +218,8 @@ pub fn merge_device_activity(
             .get_mut(&line)
             .expect("made above")
             .events[index];
+        event.correlation = Some(id);
         event.stats.extend([
-            (CORRELATION_STAT.into(), Value::U64(id)),
             ("submitted_by".into(), Value::Str(submitted_by.into())),
             ("tid".into(), Value::I64(i64::from(call.tid))),
         ]);
@@ -277,13 +283,6 @@ fn uprobe_span(
         .filter(|(i, _)| free(*i))
         .min_by_key(|(_, s)| (s.start_ns / 2 + s.end_ns / 2).abs_diff(mid))
         .map(|(i, _)| i)
-}
-
-/// Gives `span` the correlation id `id` (replacing the one it shared with
-/// its host-observed device event).
-fn set_correlation(span: &mut Span, id: u64) {
-    span.stats.retain(|(k, _)| k != CORRELATION_STAT);
-    span.stats.push((CORRELATION_STAT.into(), Value::U64(id)));
 }
 
 /// Names the kernel of a launch span whose function handle was looked up
@@ -402,11 +401,8 @@ mod tests {
             start_ns: start,
             end_ns: start + 10_000,
             name: "cuLaunchKernel".into(),
-            stats: vec![
-                ("kernel".into(), Value::Str(kernel.into())),
-                (CORRELATION_STAT.into(), Value::U64(correlation)),
-            ]
-            .into(),
+            stats: vec![("kernel".into(), Value::Str(kernel.into()))].into(),
+            correlation: NonZeroU64::new(correlation),
         };
         let mut tl = Timeline {
             start_ns: 0,
@@ -514,16 +510,11 @@ mod tests {
         assert_eq!(events[0].start_ns, 120_000);
         assert_eq!(events[0].end_ns, 150_000);
         assert_eq!(&*events[0].name, "early(float*)");
-        let correlation = |s: &Span| {
-            s.stats
-                .iter()
-                .find(|(k, _)| k == CORRELATION_STAT)
-                .map(|(_, v)| v.clone())
-        };
+        let correlation = |s: &Span| s.correlation.map(NonZeroU64::get);
         let spans = &tl.threads[&TID].spans;
         for (span, event, id) in [(&spans[0], &events[0], 9u64), (&spans[1], &events[1], 10)] {
-            let id = Value::U64((u64::from(PID) << 32) | id);
-            assert_eq!(correlation(span), Some(id.clone()));
+            let id = (u64::from(PID) << 32) | id;
+            assert_eq!(correlation(span), Some(id));
             assert_eq!(correlation(event), Some(id));
         }
         // The kernel looked up before the capture is named from CUPTI.
