@@ -191,13 +191,13 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 /// scheduler records (which the flight recorder's cap counts, 192 bytes
 /// each): it is held in 160 bytes rather than 32, and becomes two spans
 /// with a dozen stats (the call on its thread, the work on its stream's
-/// line; all their stats but the correlation shared by the launches of one
-/// kernel and configuration on one stream, and encoded once per plane).
+/// line; all their stats shared by the launches of one kernel and
+/// configuration on one stream, and encoded once per plane).
 /// Measured on a flat-out launch loop
 /// (`a_snapshot_of_driver_calls_is_built_within_the_retained_memory`):
-/// about 0.6 KB a call at a snapshot's peak beyond what the server held,
-/// the calls made while it is built included; counted as 1.15 KB.
-pub(super) const DRIVER_RECORD_SLOTS: usize = 6;
+/// about 0.46 KB a call at a snapshot's peak beyond what the server held,
+/// the calls made while it is built included; counted as 0.96 KB.
+pub(super) const DRIVER_RECORD_SLOTS: usize = 5;
 
 /// The memory a stack sample takes, in records: its own and its frames'.
 pub(super) fn sample_slots(s: &StackSample) -> usize {
