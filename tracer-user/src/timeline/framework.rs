@@ -535,6 +535,74 @@ mod tests {
         assert_eq!((span.start_ns, span.end_ns), (1_000_010, 1_000_011));
     }
 
+    /// A framework's host events keep the correlation ids its own GPU
+    /// plane (carried as it is) links them by: ebtrace's links between
+    /// its driver calls and their work are another thing, which the window
+    /// removes when one end is missing.
+    #[test]
+    fn a_frameworks_own_correlation_ids_are_kept() {
+        use ebtrace_proto::tensorflow::profiler::{XEvent, XLine};
+
+        let correlation = |plane_stat: i64| XStat {
+            metadata_id: plane_stat,
+            value: Some(x_stat::Value::Uint64Value(5)),
+        };
+        let plane = |name: &str, line: i64| XPlane {
+            name: name.into(),
+            stat_metadata: [(
+                9,
+                XStatMetadata {
+                    id: 9,
+                    name: "correlation_id".into(),
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            lines: vec![XLine {
+                id: line,
+                timestamp_ns: 1_000,
+                events: vec![XEvent {
+                    data: Some(Data::OffsetPs(10_000)),
+                    duration_ps: 5_000,
+                    stats: vec![correlation(9)],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let environment = XPlane {
+            name: TASK_ENVIRONMENT_PLANE.into(),
+            stat_metadata: [(
+                1,
+                XStatMetadata {
+                    id: 1,
+                    name: "profile_start_time".into(),
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            stats: vec![XStat {
+                metadata_id: 1,
+                value: Some(x_stat::Value::Uint64Value(1_000_000)),
+            }],
+            ..Default::default()
+        };
+        let space = XSpace {
+            planes: vec![environment, plane(HOST_PLANE, 5), plane("/device:GPU:0", 1)],
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        let (merge, merged) = merge_framework_space(&mut tl, 7, &space, &[(5, 1005)].into());
+        merged.unwrap();
+        assert_eq!((merge.spans, merge.planes), (1, 1));
+        Window::between(0, u64::MAX / 2).apply(&mut tl);
+        let span = &tl.threads[&1005].spans[0];
+        assert_eq!(span.stats.get("correlation_id"), Some(&Value::U64(5)));
+        assert_eq!(span.correlation, None, "not one of ebtrace's links");
+    }
+
     #[test]
     fn the_window_cuts_carried_events_like_every_other_track() {
         let mut plane = XPlane {
