@@ -3,6 +3,7 @@
 
 use std::{
     fs, io,
+    ops::Range,
     path::{Path, PathBuf},
 };
 
@@ -165,9 +166,34 @@ pub fn page_size() -> u64 {
     if v > 0 { v as u64 } else { 4096 }
 }
 
+/// The executable ones of `maps`, sorted.
+pub fn code_ranges<'a>(maps: impl IntoIterator<Item = &'a Mapping>) -> Vec<Range<u64>> {
+    let mut code: Vec<Range<u64>> = maps
+        .into_iter()
+        .filter(|m| m.perms.contains('x'))
+        .map(|m| m.start..m.end)
+        .collect();
+    code.sort_by_key(|r| r.start);
+    code
+}
+
+/// Whether `address` is in one of the sorted `code` ranges.
+pub fn in_code(code: &[Range<u64>], address: u64) -> bool {
+    let i = code.partition_point(|r| r.start <= address);
+    code[..i].last().is_some_and(|r| address < r.end)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn code_ranges_hold_their_start_and_not_their_end() {
+        let code = [0x1000..0x2000, 0x5000..0x6000];
+        assert!(in_code(&code, 0x1000) && in_code(&code, 0x5fff));
+        assert!(!in_code(&code, 0x2000) && !in_code(&code, 0xfff) && !in_code(&code, 0x7000));
+        assert!(!in_code(&[], 0x1000));
+    }
 
     #[test]
     fn parses_lines_with_spaces_and_deleted_files() {

@@ -10,6 +10,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    ops::Range,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -23,10 +24,15 @@ use super::{
 };
 use crate::collect::StackSample;
 
-/// How often a process's mappings are read again when a sample has an
-/// address outside them (a library loaded since, or code that is in no
-/// file: JIT code, the vDSO, a frame-pointer walk gone astray).
+/// How soon a process's mappings are read again when a sample has an
+/// address in none of its executable ones (a library loaded since).
 const MAPS_REREAD_AFTER: Duration = Duration::from_secs(1);
+/// How long that wait grows to, doubled by each read that finds no code
+/// mapped since: the address was junk (a frame-pointer walk gone astray
+/// in code built without frame pointers), and such addresses come in
+/// most samples of some processes. A PyTorch process with CUDA maps
+/// thousands of regions, and reading them takes milliseconds.
+const MAPS_REREAD_AT_MOST: Duration = Duration::from_secs(32);
 
 /// Whose address space an address is in.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
@@ -58,9 +64,8 @@ pub struct Symbol {
 #[derive(Default)]
 pub struct StackSymbolizer {
     cache: FxHashMap<(Space, u64), Arc<Symbol>>,
-    /// Each sampled process's executable file mappings, by start address,
-    /// and when they were read.
-    code: HashMap<u32, (Vec<Mapping>, Instant)>,
+    /// Where each sampled process has its code.
+    code: HashMap<u32, ProcessCode>,
     /// Where blazesym runs, keeping what it parsed while this lives.
     thread: SymbolizerThread,
     /// Addresses asked of it and not answered yet.
@@ -146,6 +151,19 @@ fn space_of(place: &Place) -> Option<Space> {
 }
 
 /// The mapping of `maps` (sorted by start) that holds `address`.
+/// Where a sampled process has its code, as its mappings were last read.
+struct ProcessCode {
+    /// Its executable file mappings, by start address: its addresses are
+    /// named from them once it has exited.
+    files: Vec<Mapping>,
+    /// Every executable range, by start, code in no file (JIT code, the
+    /// vDSO) too: an address in none of them may be in code mapped since.
+    all: Vec<Range<u64>>,
+    read_at: Instant,
+    /// How long after `read_at` such an address has them read again.
+    reread_after: Duration,
+}
+
 fn mapping_of(maps: &[Mapping], address: u64) -> Option<&Mapping> {
     let i = maps.partition_point(|m| m.start <= address);
     maps[..i].last().filter(|m| address < m.end)
@@ -262,28 +280,41 @@ impl StackSymbolizer {
         if sample.user.is_empty() {
             return;
         }
-        if let Some((maps, read_at)) = self.code.get(&pid)
-            && (read_at.elapsed() < MAPS_REREAD_AFTER
-                || sample.user.iter().all(|a| mapping_of(maps, *a).is_some()))
+        if let Some(known) = self.code.get(&pid)
+            && (known.read_at.elapsed() < known.reread_after
+                || sample.user.iter().all(|a| maps::in_code(&known.all, *a)))
         {
             return;
         }
-        let Ok(all) = maps::read_maps(pid) else {
+        let Ok(maps) = maps::read_maps(pid) else {
             return;
         };
-        let mut code: Vec<Mapping> = all
+        let all = maps::code_ranges(&maps);
+        let mut files: Vec<Mapping> = maps
             .into_iter()
             .filter(|m| m.perms.contains('x') && m.path.starts_with('/') && !m.deleted)
             .collect();
-        code.sort_by_key(|m| m.start);
-        self.code.insert(pid, (code, Instant::now()));
+        files.sort_by_key(|m| m.start);
+        let reread_after = match self.code.get(&pid) {
+            Some(known) if known.all == all => (known.reread_after * 2).min(MAPS_REREAD_AT_MOST),
+            _ => MAPS_REREAD_AFTER,
+        };
+        self.code.insert(
+            pid,
+            ProcessCode {
+                files,
+                all,
+                read_at: Instant::now(),
+                reread_after,
+            },
+        );
     }
 
     /// Names `addresses` of `pid`, which has exited, from the files it had
     /// mapped; `None` where they are unknown.
     fn resolve_in_files(&mut self, pid: u32, addresses: &[u64]) -> Vec<Option<Symbol>> {
         let mut out = vec![None; addresses.len()];
-        let Some((maps, _)) = self.code.get(&pid) else {
+        let Some(ProcessCode { files: maps, .. }) = self.code.get(&pid) else {
             return out;
         };
         let mut by_file: HashMap<String, Vec<(usize, u64)>> = HashMap::new();
@@ -475,6 +506,67 @@ mod tests {
 
     /// A noted sample's addresses are named in the background: a trace
     /// built later finds them named without waiting for blazesym.
+    /// A sample in code that is in no file (JIT code) does not have the
+    /// mappings read again; one at an address in no mapping does, less and
+    /// less often while nothing is mapped since, and soon again once code
+    /// was.
+    #[test]
+    fn maps_are_read_again_less_often_while_nothing_is_mapped_since() {
+        let page = maps::page_size() as usize;
+        let map_code = || {
+            // SAFETY: a new anonymous mapping, unmapped below.
+            let at = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    page,
+                    libc::PROT_READ | libc::PROT_EXEC,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(at, libc::MAP_FAILED);
+            at
+        };
+        let pid = std::process::id();
+        let jit = map_code();
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_code(&user_sample(pid, jit as u64));
+        let long_ago = Instant::now() - 2 * MAPS_REREAD_AT_MOST;
+        fn code(s: &mut StackSymbolizer) -> &mut ProcessCode {
+            s.code.get_mut(&std::process::id()).unwrap()
+        }
+        code(&mut symbolizer).read_at = long_ago;
+        symbolizer.note_code(&user_sample(pid, jit as u64 + 8));
+        assert_eq!(code(&mut symbolizer).read_at, long_ago, "JIT code is known code");
+
+        // Below any mapping: read again, waiting twice as long each time.
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            code(&mut symbolizer).read_at = long_ago;
+            symbolizer.note_code(&user_sample(pid, 0x10));
+            assert!(code(&mut symbolizer).read_at > long_ago);
+            waits.push(code(&mut symbolizer).reread_after.as_secs());
+        }
+        assert_eq!(waits, [2, 4, 8, 16, 32, 32, 32]);
+        // Not before that wait is over.
+        let read_at = code(&mut symbolizer).read_at;
+        symbolizer.note_code(&user_sample(pid, 0x10));
+        assert_eq!(code(&mut symbolizer).read_at, read_at);
+
+        // Code mapped since: found at the next read, and the wait is short again.
+        let later = map_code();
+        code(&mut symbolizer).read_at = long_ago;
+        symbolizer.note_code(&user_sample(pid, later as u64));
+        let known = code(&mut symbolizer);
+        assert!(maps::in_code(&known.all, later as u64));
+        assert_eq!(known.reread_after, MAPS_REREAD_AFTER);
+        for at in [jit, later] {
+            // SAFETY: mapped above, one page each, used no more.
+            unsafe { libc::munmap(at, page) };
+        }
+    }
+
     #[test]
     fn a_noted_sample_is_named_before_it_is_asked_for() {
         let pid = std::process::id();

@@ -22,9 +22,9 @@ use framehop::{
 };
 
 use super::{
-    ElfObject, MappedObject, Mapping,
+    ElfObject, MappedObject,
     elf::SectionRange,
-    maps::{objects_of, read_maps},
+    maps::{code_ranges, in_code, objects_of, read_maps},
 };
 
 /// How often a process's mappings are read again when a sample is in code
@@ -237,23 +237,6 @@ impl StackUnwinder {
     }
 }
 
-/// The executable ones of `maps`, sorted.
-fn code_ranges<'a>(maps: impl IntoIterator<Item = &'a Mapping>) -> Vec<Range<u64>> {
-    let mut code: Vec<Range<u64>> = maps
-        .into_iter()
-        .filter(|m| m.perms.contains('x'))
-        .map(|m| m.start..m.end)
-        .collect();
-    code.sort_by_key(|r| r.start);
-    code
-}
-
-/// Whether `address` is in one of the sorted `code` ranges.
-fn in_code(code: &[Range<u64>], address: u64) -> bool {
-    let i = code.partition_point(|r| r.start <= address);
-    code[..i].last().is_some_and(|r| address < r.end)
-}
-
 fn address_of(frame: FrameAddress) -> u64 {
     match frame {
         FrameAddress::InstructionPointer(a) => a,
@@ -324,14 +307,6 @@ mod tests {
         for address in [0xff8, 0x1011, 0x1018, u64::MAX - 3] {
             assert_eq!(stack.read(address), None, "{address:#x}");
         }
-    }
-
-    #[test]
-    fn code_ranges_hold_their_start_and_not_their_end() {
-        let code = [0x1000..0x2000, 0x5000..0x6000];
-        assert!(in_code(&code, 0x1000) && in_code(&code, 0x5fff));
-        assert!(!in_code(&code, 0x2000) && !in_code(&code, 0xfff) && !in_code(&code, 0x7000));
-        assert!(!in_code(&[], 0x1000));
     }
 
     /// An address in this test binary's code.
