@@ -13,6 +13,8 @@ Steps (all by default):
                       ebtrace's CPU, launches counted on /metrics against the
                       loop's own count, two GetSnapshot calls, every kernel
                       in them named, peak memory)
+  recorder_threads    (not by default) ebtrace's CPU per thread on the launch
+                      loop, stack samples at 99 Hz and at 1 Hz
   recorder_ab         with --baseline OTHER_EBTRACE: the recorder's cost on
                       the --ab-loops (jax, launches), OTHER_EBTRACE and this
                       one taking turns on one target, untraced between them
@@ -373,6 +375,44 @@ def step_recorder_matmul():
 
 def step_recorder_jax():
     recorder_on("jax")
+
+
+def thread_cpu_ns(pid):
+    """Each thread's name and CPU time (ns, from schedstat) by tid."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                out[tid] = (name, int(fh.read().split()[0]))
+        except OSError:
+            pass
+    return out
+
+
+def step_recorder_threads():
+    """Where the recorder's CPU goes on the launch loop: each thread's share
+    over 10 s, with stack samples at the default 99 Hz and at 1 Hz."""
+    t = Target("launches")
+    r = R["recorder_threads"] = {}
+    try:
+        time.sleep(3)
+        for hz in ["99", "1"]:
+            s = serve(t.pid, f"--sample-hz {hz}")
+            time.sleep(10)
+            a, t0 = thread_cpu_ns(s.pid), time.time()
+            time.sleep(10)
+            b, t1 = thread_cpu_ns(s.pid), time.time()
+            shares = {}
+            for tid, (name, ns) in b.items():
+                shares[name] = shares.get(name, 0) + 100 * (ns - a.get(tid, (name, 0))[1]) / 1e9 / (t1 - t0)
+            r[hz] = {"total_pct": sum(shares.values()), "threads_pct": shares}
+            log(f"--sample-hz {hz}: ebtrace {r[hz]['total_pct']:.2f}% of a CPU: {shares}")
+            s.send_signal(signal.SIGTERM)
+            s.wait(timeout=30)
+    finally:
+        t.stop()
 
 
 def record(pid, name, secs="2s", extra=""):
