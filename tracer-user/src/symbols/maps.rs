@@ -183,6 +183,40 @@ pub fn in_code(code: &[Range<u64>], address: u64) -> bool {
     code[..i].last().is_some_and(|r| address < r.end)
 }
 
+/// A page of code in no file, as JIT code is: mapped executable, and
+/// unmapped when dropped.
+#[cfg(test)]
+pub struct AnonymousCode {
+    pub address: u64,
+}
+
+#[cfg(test)]
+impl AnonymousCode {
+    pub fn map() -> Self {
+        // SAFETY: a new anonymous mapping of one page, unmapped on drop.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                page_size() as usize,
+                libc::PROT_READ | libc::PROT_EXEC,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED);
+        AnonymousCode { address: at as u64 }
+    }
+}
+
+#[cfg(test)]
+impl Drop for AnonymousCode {
+    fn drop(&mut self) {
+        // SAFETY: the page mapped in `map`, used no more.
+        unsafe { libc::munmap(self.address as *mut libc::c_void, page_size() as usize) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -512,33 +512,23 @@ mod tests {
     /// was.
     #[test]
     fn maps_are_read_again_less_often_while_nothing_is_mapped_since() {
-        let page = maps::page_size() as usize;
-        let map_code = || {
-            // SAFETY: a new anonymous mapping, unmapped below.
-            let at = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    page,
-                    libc::PROT_READ | libc::PROT_EXEC,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(at, libc::MAP_FAILED);
-            at
-        };
+        use maps::AnonymousCode;
+
         let pid = std::process::id();
-        let jit = map_code();
+        let jit = AnonymousCode::map();
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_code(&user_sample(pid, jit as u64));
+        symbolizer.note_code(&user_sample(pid, jit.address));
         let long_ago = Instant::now() - 2 * MAPS_REREAD_AT_MOST;
         fn code(s: &mut StackSymbolizer) -> &mut ProcessCode {
             s.code.get_mut(&std::process::id()).unwrap()
         }
         code(&mut symbolizer).read_at = long_ago;
-        symbolizer.note_code(&user_sample(pid, jit as u64 + 8));
-        assert_eq!(code(&mut symbolizer).read_at, long_ago, "JIT code is known code");
+        symbolizer.note_code(&user_sample(pid, jit.address + 8));
+        assert_eq!(
+            code(&mut symbolizer).read_at,
+            long_ago,
+            "JIT code is known code"
+        );
 
         // Below any mapping: read again, waiting twice as long each time.
         let mut waits = Vec::new();
@@ -555,16 +545,12 @@ mod tests {
         assert_eq!(code(&mut symbolizer).read_at, read_at);
 
         // Code mapped since: found at the next read, and the wait is short again.
-        let later = map_code();
+        let later = AnonymousCode::map();
         code(&mut symbolizer).read_at = long_ago;
-        symbolizer.note_code(&user_sample(pid, later as u64));
+        symbolizer.note_code(&user_sample(pid, later.address));
         let known = code(&mut symbolizer);
-        assert!(maps::in_code(&known.all, later as u64));
+        assert!(maps::in_code(&known.all, later.address));
         assert_eq!(known.reread_after, MAPS_REREAD_AFTER);
-        for at in [jit, later] {
-            // SAFETY: mapped above, one page each, used no more.
-            unsafe { libc::munmap(at, page) };
-        }
     }
 
     #[test]

@@ -355,23 +355,9 @@ mod tests {
     /// maps again; code mapped after they were read is.
     #[test]
     fn maps_are_read_again_for_code_mapped_since_and_not_for_code_in_no_file() {
-        let page = super::super::maps::page_size() as usize;
-        let map_code = || {
-            // SAFETY: a new anonymous mapping, unmapped below.
-            let at = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    page,
-                    libc::PROT_READ | libc::PROT_EXEC,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(at, libc::MAP_FAILED);
-            at
-        };
-        let jit = map_code();
+        use super::super::maps::AnonymousCode;
+
+        let jit = AnonymousCode::map();
         let bytes = [0u8; 64];
         let sampled_at = |ip: u64| UserStack {
             ip,
@@ -381,19 +367,15 @@ mod tests {
         };
         let pid = std::process::id();
         let mut unwinder = StackUnwinder::default();
-        assert!(unwinder.unwind(pid, &sampled_at(jit as u64)).is_some());
+        assert!(unwinder.unwind(pid, &sampled_at(jit.address)).is_some());
         let long_ago = Instant::now() - 2 * MAPS_REREAD_AFTER;
         unwinder.processes.get_mut(&pid).unwrap().read_at = long_ago;
-        assert!(unwinder.unwind(pid, &sampled_at(jit as u64 + 8)).is_some());
+        assert!(unwinder.unwind(pid, &sampled_at(jit.address + 8)).is_some());
         assert_eq!(unwinder.processes[&pid].read_at, long_ago);
-        let later = map_code();
-        assert!(unwinder.unwind(pid, &sampled_at(later as u64)).is_some());
+        let later = AnonymousCode::map();
+        assert!(unwinder.unwind(pid, &sampled_at(later.address)).is_some());
         assert!(unwinder.processes[&pid].read_at > long_ago);
-        assert!(in_code(&unwinder.processes[&pid].code, later as u64));
-        for at in [jit, later] {
-            // SAFETY: mapped above, one page each, used no more.
-            unsafe { libc::munmap(at, page) };
-        }
+        assert!(in_code(&unwinder.processes[&pid].code, later.address));
     }
 
     #[test]

@@ -334,6 +334,28 @@ mod tests {
         }
     }
 
+    /// TSL's `Task Environment` plane of a session that started at
+    /// `start` (wall-clock ns).
+    fn environment_started_at(start: u64) -> XPlane {
+        XPlane {
+            name: TASK_ENVIRONMENT_PLANE.into(),
+            stat_metadata: [(
+                1,
+                XStatMetadata {
+                    id: 1,
+                    name: "profile_start_time".into(),
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            stats: vec![XStat {
+                metadata_id: 1,
+                value: Some(x_stat::Value::Uint64Value(start)),
+            }],
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn host_events_become_spans_of_the_named_threads_and_the_rest_is_carried() {
         let bytes = jax_space();
@@ -499,23 +521,7 @@ mod tests {
         field(&mut line, 4, &event(10).encode_to_vec());
         field(&mut line, 4, &[0x22, 0x09, 0x00]);
         field(&mut line, 4, &event(30).encode_to_vec());
-        let environment = XPlane {
-            name: TASK_ENVIRONMENT_PLANE.into(),
-            stat_metadata: [(
-                1,
-                XStatMetadata {
-                    id: 1,
-                    name: "profile_start_time".into(),
-                    ..Default::default()
-                },
-            )]
-            .into(),
-            stats: vec![XStat {
-                metadata_id: 1,
-                value: Some(x_stat::Value::Uint64Value(1_000_000)),
-            }],
-            ..Default::default()
-        };
+        let environment = environment_started_at(1_000_000);
         let mut host = XPlane {
             name: HOST_PLANE.into(),
             ..Default::default()
@@ -571,23 +577,7 @@ mod tests {
             }],
             ..Default::default()
         };
-        let environment = XPlane {
-            name: TASK_ENVIRONMENT_PLANE.into(),
-            stat_metadata: [(
-                1,
-                XStatMetadata {
-                    id: 1,
-                    name: "profile_start_time".into(),
-                    ..Default::default()
-                },
-            )]
-            .into(),
-            stats: vec![XStat {
-                metadata_id: 1,
-                value: Some(x_stat::Value::Uint64Value(1_000_000)),
-            }],
-            ..Default::default()
-        };
+        let environment = environment_started_at(1_000_000);
         let space = XSpace {
             planes: vec![environment, plane(HOST_PLANE, 5), plane("/device:GPU:0", 1)],
             ..Default::default()
