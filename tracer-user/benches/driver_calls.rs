@@ -32,7 +32,7 @@ use tracer_common::{
 };
 
 use common::{
-    heap::{Counting, IN_USE, PEAK},
+    heap::{Counting, PEAK, heap_from_here},
     median, size_and_rounds,
 };
 
@@ -127,8 +127,7 @@ fn main() {
     let (mut timeline_peaks, mut peaks) = (Vec::new(), Vec::new());
     let (mut events, mut bytes) = (0, 0);
     for _ in 0..rounds {
-        let before = IN_USE.load(Ordering::Relaxed);
-        PEAK.store(before, Ordering::Relaxed);
+        let before = heap_from_here();
         let t0 = Instant::now();
         let sources = Sources {
             initial: initial.clone(),
@@ -145,7 +144,7 @@ fn main() {
         let tl = assemble(sources, &window, 0, None);
         let t1 = Instant::now();
         timeline_peaks.push(PEAK.load(Ordering::Relaxed) - before);
-        PEAK.store(IN_USE.load(Ordering::Relaxed), Ordering::Relaxed);
+        heap_from_here();
         let encoded = timeline_to_xspace_bytes(&tl, "bench-host");
         let t2 = Instant::now();
         peaks.push(PEAK.load(Ordering::Relaxed) - before);
