@@ -27,8 +27,9 @@ const SPARE_CHUNKS: usize = 256;
 const COMMON_RECORD_BYTES: usize = size_of::<tracer_common::SchedSwitch>();
 const _: () = assert!(size_of::<tracer_common::SchedWakeup>() == COMMON_RECORD_BYTES);
 
-/// Whether a record of `kind` is a CUDA driver record.
-fn is_driver_record(kind: u16) -> bool {
+/// Whether a record of `kind` (its header's) is a CUDA driver record: a
+/// call or a kernel's name.
+pub fn is_driver_record(kind: u16) -> bool {
     kind == RecordKind::CudaCall as u16 || kind == RecordKind::CudaSymbol as u16
 }
 

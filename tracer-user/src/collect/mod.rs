@@ -12,7 +12,7 @@ mod ring;
 use std::{os::fd::AsRawFd as _, time::Duration};
 
 pub use decode::{DecodeError, DriverCallCounted, Record, StackSample, TraceMeEvent, decode};
-pub use encoded::{EncodedRecords, RecordPlace};
+pub use encoded::{EncodedRecords, RecordPlace, is_driver_record};
 pub use ring::{RingError, RingReader, RingUsage};
 
 pub struct Collector {

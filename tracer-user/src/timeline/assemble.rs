@@ -15,8 +15,9 @@ use super::{
     CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
     SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
     cpu_samples::{add_cpu_samples, narrow_unknown},
+    cuda::CudaTimeline,
     merge_device_activity, merge_framework_space, nest,
-    order::{RecordInput, in_time_order, take_samples},
+    order::{Ordered, RecordInput, in_time_order_by_builder, take_samples},
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
 };
 use crate::{
@@ -144,18 +145,7 @@ pub fn assemble(
     // Records before the window still tell each thread's state at its start.
     let mut records = sources.records;
     let samples = take_samples(&mut records, stop_ns);
-    for r in in_time_order(&mut records, stop_ns, streamed) {
-        match &*r {
-            Record::CudaCall(c) => cuda.push_call(c),
-            Record::CudaSymbol(s) => cuda.push_symbol(s),
-            r => builder.push(r),
-        }
-    }
-    // The builders keep what they need of each record: records decoded
-    // before (a boxed copy of every driver call) go before the spans are
-    // finished, nested and cut.
-    drop(records);
-    let samples = samples.as_refs();
+    let (driver, others) = in_time_order_by_builder(&mut records, stop_ns, streamed);
     let capture_stats = CaptureStats {
         records: 0,
         dropped,
@@ -172,11 +162,36 @@ pub fn assemble(
             ..SourceStats::default()
         },
     };
-    let mut timeline = builder.finish(sources.clock, &sources.names, capture_stats);
+    // The driver's records are built beside the scheduler's, on a thread
+    // of their own: a snapshot of a launch loop holds hundreds of
+    // thousands of each. Held records are decoded one at a time as each
+    // builder takes them.
+    let (mut timeline, cuda) = std::thread::scope(|scope| {
+        let cuda_built = match driver.is_empty() {
+            true => Err(cuda),
+            false => Ok(std::thread::Builder::new()
+                .name("ebtrace-cuda".into())
+                .spawn_scoped(scope, move || build_cuda(cuda, driver))
+                .expect("a thread to build the driver calls' spans")),
+        };
+        for r in others {
+            builder.push(&r);
+        }
+        let timeline = builder.finish(sources.clock, &sources.names, capture_stats);
+        let cuda = match cuda_built {
+            Ok(thread) => thread
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            Err(cuda) => cuda.finish(),
+        };
+        (timeline, cuda)
+    });
+    drop(records);
+    let samples = samples.as_refs();
     if !sources.scheduling {
         without_scheduling(&mut timeline);
     }
-    cuda.finish().add_to(&mut timeline);
+    cuda.add_to(&mut timeline);
     if let Some(k) = sources.kernel_naming {
         timeline.stats.notes.extend(k.notes.iter().cloned());
     }
@@ -214,6 +229,18 @@ pub fn assemble(
     }
     window.apply(&mut timeline);
     timeline
+}
+
+/// The CUDA driver's spans and GPU streams of `driver`'s records.
+fn build_cuda(mut cuda: CudaTimelineBuilder, driver: Ordered<'_>) -> CudaTimeline {
+    for r in driver {
+        match &*r {
+            Record::CudaCall(c) => cuda.push_call(c),
+            Record::CudaSymbol(s) => cuda.push_symbol(s),
+            _ => unreachable!("only the driver's records are split off"),
+        }
+    }
+    cuda.finish()
 }
 
 /// Without the scheduler probes the builder can only guess thread states

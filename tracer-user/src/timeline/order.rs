@@ -6,7 +6,7 @@
 use std::{borrow::Cow, collections::VecDeque};
 
 use super::streamed::StreamedScheduling;
-use crate::collect::{EncodedRecords, Record, RecordPlace, StackSample};
+use crate::collect::{EncodedRecords, Record, RecordPlace, StackSample, is_driver_record};
 
 /// The records a timeline is built from, but TraceMe events.
 pub enum RecordInput<'a> {
@@ -32,7 +32,7 @@ impl Default for RecordInput<'_> {
 
 /// A record of [`RecordInput::Held`] in time order: where it is, 16 bytes.
 #[derive(Clone, Copy)]
-struct Entry {
+pub(super) struct Entry {
     ts_ns: u64,
     place: RecordPlace,
 }
@@ -87,26 +87,67 @@ pub(super) fn take_samples<'a>(input: &mut RecordInput<'a>, stop_ns: u64) -> Sam
     }
 }
 
-/// The records up to `stop_ns` in time order; without the scheduler's
-/// when they were built while recording (`streamed`). Those are most of
-/// the records: the few others are sorted apart rather than all of them.
-pub(super) fn in_time_order<'b>(
-    input: &'b mut RecordInput<'_>,
-    stop_ns: u64,
-    streamed: bool,
-) -> Box<dyn Iterator<Item = Cow<'b, Record>> + 'b> {
-    match input {
-        RecordInput::Decoded(records) => {
-            Box::new(decoded_in_time_order(records, stop_ns, streamed).map(Cow::Borrowed))
+/// The records of one builder, in time order: borrowed, or the places of
+/// held ones, each decoded as it is taken.
+pub(super) enum Ordered<'b> {
+    Decoded(std::vec::IntoIter<&'b Record>),
+    Held {
+        records: &'b EncodedRecords,
+        order: std::vec::IntoIter<Entry>,
+    },
+}
+
+impl Ordered<'_> {
+    pub(super) fn is_empty(&self) -> bool {
+        match self {
+            Ordered::Decoded(records) => records.len() == 0,
+            Ordered::Held { order, .. } => order.len() == 0,
         }
-        RecordInput::Held { records, .. } => {
-            let records = &**records;
-            let order = held_in_time_order(records, stop_ns, streamed);
-            Box::new(order.into_iter().filter_map(move |e| {
+    }
+}
+
+impl<'b> Iterator for Ordered<'b> {
+    type Item = Cow<'b, Record>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            Ordered::Decoded(records) => records.next().map(Cow::Borrowed),
+            Ordered::Held { records, order } => order.find_map(|e| {
                 let record = records.at(e.place);
                 debug_assert!(record.is_some(), "no record at {:?}", e.place);
                 record.map(Cow::Owned)
-            }))
+            }),
+        }
+    }
+}
+
+/// The records up to `stop_ns` in time order, in two: the CUDA driver's,
+/// and the others; without the scheduler's when they were built while
+/// recording (`streamed`). No builder reads the other's records, so each
+/// half can be built on a thread of its own.
+pub(super) fn in_time_order_by_builder<'b>(
+    input: &'b mut RecordInput<'_>,
+    stop_ns: u64,
+    streamed: bool,
+) -> (Ordered<'b>, Ordered<'b>) {
+    match input {
+        RecordInput::Decoded(records) => {
+            let (driver, others): (Vec<&Record>, Vec<&Record>) =
+                decoded_in_time_order(records, stop_ns, streamed)
+                    .partition(|r| is_driver_record(r.header().kind));
+            (
+                Ordered::Decoded(driver.into_iter()),
+                Ordered::Decoded(others.into_iter()),
+            )
+        }
+        RecordInput::Held { records, .. } => {
+            let records = &**records;
+            let (driver, others) = held_in_time_order(records, stop_ns, streamed);
+            let ordered = |order: Vec<Entry>| Ordered::Held {
+                records,
+                order: order.into_iter(),
+            };
+            (ordered(driver), ordered(others))
         }
     }
 }
@@ -131,24 +172,33 @@ fn decoded_in_time_order(
     all.iter().chain(others)
 }
 
-/// The places of the held records up to `stop_ns`, in the order
-/// [`decoded_in_time_order`] puts them decoded.
-fn held_in_time_order(records: &EncodedRecords, stop_ns: u64, streamed: bool) -> Vec<Entry> {
-    let places = records.places();
-    if streamed {
-        // The scheduler's records, most of them, are left out.
-        let mut order: Vec<Entry> = places
-            .filter(|&(ts_ns, kind, _)| ts_ns <= stop_ns && !StreamedScheduling::takes_kind(kind))
-            .map(|(ts_ns, _, place)| Entry { ts_ns, place })
-            .collect();
-        order.sort_by_key(|e| e.ts_ns);
-        return order;
+/// The places of the held records up to `stop_ns`, the CUDA driver's and
+/// the others, each in the order [`decoded_in_time_order`] puts them
+/// decoded.
+fn held_in_time_order(
+    records: &EncodedRecords,
+    stop_ns: u64,
+    streamed: bool,
+) -> (Vec<Entry>, Vec<Entry>) {
+    let mut driver = Vec::with_capacity(records.driver_records());
+    // With `streamed`, the scheduler's records, most of them, are left out.
+    let mut others = Vec::with_capacity(match streamed {
+        true => 0,
+        false => records.len() - records.driver_records(),
+    });
+    for (ts_ns, kind, place) in records.places() {
+        let entry = Entry { ts_ns, place };
+        if is_driver_record(kind) {
+            driver.push(entry);
+        } else if !(streamed && StreamedScheduling::takes_kind(kind)) {
+            others.push(entry);
+        }
     }
-    let mut order = Vec::with_capacity(records.len());
-    order.extend(places.map(|(ts_ns, _, place)| Entry { ts_ns, place }));
-    sort_by_time(&mut order, |e| e.ts_ns);
-    order.truncate(order.partition_point(|e| e.ts_ns <= stop_ns));
-    order
+    for order in [&mut driver, &mut others] {
+        sort_by_time(order, |e| e.ts_ns);
+        order.truncate(order.partition_point(|e| e.ts_ns <= stop_ns));
+    }
+    (driver, others)
 }
 
 /// Sorts `items` by time (`ts`), stably, as the ring buffer delivers
@@ -229,6 +279,17 @@ mod tests {
         (r.ts(), r.header().kind, tid)
     }
 
+    /// The keys of the records [`in_time_order_by_builder`] gives: the
+    /// driver's, then the others.
+    fn by_builder(
+        input: &mut RecordInput<'_>,
+        stop_ns: u64,
+        streamed: bool,
+    ) -> Vec<(u64, u16, u32)> {
+        let (driver, others) = in_time_order_by_builder(input, stop_ns, streamed);
+        driver.chain(others).map(|r| key(&r)).collect()
+    }
+
     fn call(ts: u64, tid: u32) -> Record {
         Record::driver_call(0, (ts.saturating_sub(1), ts), (tid, PID), [0; 6])
     }
@@ -247,8 +308,9 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Held records come in time order (stably), up to the window's
-        /// end, without the scheduler's when their states were streamed;
+        /// Held records come in time order (stably), the driver's apart
+        /// from the others, up to the window's end, without the
+        /// scheduler's when their states were streamed;
         /// the samples apart, in time order up to the end. The same
         /// records decoded, with the samples among them, come the same.
         #[test]
@@ -287,7 +349,10 @@ mod tests {
                 .filter(|r| !(streamed && StreamedScheduling::takes(r)))
                 .collect();
             want.sort_by_key(|r| r.ts());
-            let want: Vec<_> = want.into_iter().map(key).collect();
+            // The driver's records first, then the others, each in order.
+            let (want_driver, want_others): (Vec<&Record>, Vec<&Record>) =
+                want.into_iter().partition(|r| matches!(r, Record::CudaCall(_)));
+            let want: Vec<_> = want_driver.into_iter().chain(want_others).map(key).collect();
             let want_samples: Vec<(u64, u32)> = samples
                 .iter()
                 .filter(|s| s.header.ts_ns <= stop_ns)
@@ -306,10 +371,7 @@ mod tests {
                 samples: &samples,
             };
             proptest::prop_assert_eq!(sample_keys(take_samples(&mut input, stop_ns)), want_samples.clone());
-            let got: Vec<_> = in_time_order(&mut input, stop_ns, streamed)
-                .map(|r| key(&r))
-                .collect();
-            proptest::prop_assert_eq!(got, want.clone());
+            proptest::prop_assert_eq!(by_builder(&mut input, stop_ns, streamed), want.clone());
 
             // Decoded, the samples among the records by time.
             let mut decoded = Vec::new();
@@ -323,10 +385,7 @@ mod tests {
             decoded.extend(apart.map(|s| Record::StackSample(s.clone())));
             let mut decoded = RecordInput::Decoded(decoded);
             proptest::prop_assert_eq!(sample_keys(take_samples(&mut decoded, stop_ns)), want_samples);
-            let got: Vec<_> = in_time_order(&mut decoded, stop_ns, streamed)
-                .map(|r| key(&r))
-                .collect();
-            proptest::prop_assert_eq!(got, want);
+            proptest::prop_assert_eq!(by_builder(&mut decoded, stop_ns, streamed), want);
         }
     }
 
