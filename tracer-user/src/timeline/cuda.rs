@@ -127,7 +127,7 @@ impl OrdinalSource {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CudaTimeline {
     /// Host spans by tid, with the thread's pid; they nest.
-    pub spans: HashMap<u32, (u32, Vec<Span>)>,
+    pub spans: FxHashMap<u32, (u32, Vec<Span>)>,
     pub devices: BTreeMap<u32, DeviceTrack>,
     /// Driver calls in the window.
     pub calls: u64,
@@ -149,7 +149,12 @@ impl CudaTimeline {
                     spans: Vec::new(),
                     counters: super::ThreadCounters::default(),
                 });
-            track.spans.extend(spans);
+            // Moved, not copied, onto a thread with no spans yet.
+            if track.spans.is_empty() {
+                track.spans = spans;
+            } else {
+                track.spans.extend(spans);
+            }
             track
                 .spans
                 .sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
@@ -164,19 +169,19 @@ pub struct CudaTimelineBuilder {
     start_ns: u64,
     stop_ns: u64,
     /// `(pid, CUfunction or CUkernel)` → name.
-    symbols: HashMap<(u32, u64), Symbol>,
+    symbols: FxHashMap<(u32, u64), Symbol>,
     /// `(pid, CUdevice)` → ordinal, from `cuDeviceGet`.
-    device_ordinals: HashMap<(u32, u64), u32>,
+    device_ordinals: FxHashMap<(u32, u64), u32>,
     /// `(pid, CUcontext)` → device ordinal.
-    ctx_device: HashMap<(u32, u64), u32>,
+    ctx_device: FxHashMap<(u32, u64), u32>,
     /// tid → context stack (last = current).
-    thread_ctx: HashMap<u32, Vec<u64>>,
+    thread_ctx: FxHashMap<u32, Vec<u64>>,
     /// tid → device of its current context, when only `cuCtxGetDevice` said.
-    thread_device: HashMap<u32, u32>,
+    thread_device: FxHashMap<u32, u32>,
     /// `(pid, CUstream)` → context.
-    stream_ctx: HashMap<(u32, u64), u64>,
+    stream_ctx: FxHashMap<(u32, u64), u64>,
     /// `(ordinal, pid, stream)` → line id and label.
-    stream_ids: HashMap<(u32, u32, StreamKey), (i64, Arc<str>)>,
+    stream_ids: FxHashMap<(u32, u32, StreamKey), (i64, Arc<str>)>,
     /// Correlation ids given out so far (they are numbered from 1).
     correlations: u64,
     /// The texts of stats and span names, one copy each.
