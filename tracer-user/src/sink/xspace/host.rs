@@ -593,7 +593,7 @@ impl InternedSpans {
             order: (0..spans.len()).collect(),
         };
         for span in spans {
-            out.names.push(plane.event_metadata(&span.name));
+            out.names.push(plane.span_metadata(&span.name));
             let from = out.stats.len();
             out.shared.push(plane.span_stats(span, &mut out.stats));
             out.ranges.push(from..out.stats.len());

@@ -77,7 +77,7 @@ pub use crate::timeline::Value as StatValue;
 
 /// Queues a span (its stats interned) on the plane's current line.
 fn push_span(plane: &mut XPlaneBuilder, span: &Span, ps: &impl Fn(u64) -> i64) {
-    let id = plane.event_metadata(&span.name);
+    let id = plane.span_metadata(&span.name);
     let start = ps(span.start_ns);
     plane.push_span_event(id, start, ps(span.end_ns) - start, span);
 }

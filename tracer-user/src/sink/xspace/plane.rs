@@ -17,7 +17,10 @@ use prost::{
     encoding::{WireType, encode_key, encode_varint},
 };
 use rustc_hash::FxHashMap;
-use std::io::{self, Seek, SeekFrom, Write};
+use std::{
+    io::{self, Seek, SeekFrom, Write},
+    sync::Arc,
+};
 
 use crate::timeline;
 
@@ -86,7 +89,14 @@ pub struct XPlaneBuilder {
     /// Id, name, metadata and plane stats; the lines are in `lines`.
     plane: XPlane,
     events_by_name: FxHashMap<String, i64>,
+    /// [`Self::events_by_name`] by the address of a span's shared name,
+    /// which the timeline being written keeps alive (and so distinct)
+    /// while the plane is built: a kernel's name of a few hundred bytes is
+    /// hashed once, not at each of its launches.
+    events_by_span_name: FxHashMap<usize, i64>,
     stats_by_name: FxHashMap<String, i64>,
+    /// The id of [`timeline::CORRELATION_STAT`], once a span had one.
+    correlation_stat: Option<i64>,
     /// [`FIELD_ROOM`] bytes kept for the plane's own key and length, then
     /// the encoded `lines` fields (field 3), in order.
     lines: Vec<u8>,
@@ -105,7 +115,9 @@ impl XPlaneBuilder {
                 ..Default::default()
             },
             events_by_name: FxHashMap::default(),
+            events_by_span_name: FxHashMap::default(),
             stats_by_name: FxHashMap::default(),
+            correlation_stat: None,
             lines: vec![0; FIELD_ROOM],
             queued: Vec::new(),
             stats: Vec::new(),
@@ -128,6 +140,17 @@ impl XPlaneBuilder {
             },
         );
         self.events_by_name.insert(name.to_string(), id);
+        id
+    }
+
+    /// [`Self::event_metadata`] of a span's name.
+    pub fn span_metadata(&mut self, name: &Arc<str>) -> i64 {
+        let key = Arc::as_ptr(name).cast::<u8>() as usize;
+        if let Some(&id) = self.events_by_span_name.get(&key) {
+            return id;
+        }
+        let id = self.event_metadata(name);
+        self.events_by_span_name.insert(key, id);
         id
     }
 
@@ -192,10 +215,15 @@ impl XPlaneBuilder {
             own.push(stat);
         }
         if let Some(id) = span.correlation {
-            own.push(Stat::u64(
-                self.stat_metadata(timeline::CORRELATION_STAT),
-                id.get(),
-            ));
+            let name = match self.correlation_stat {
+                Some(name) => name,
+                None => {
+                    let name = self.stat_metadata(timeline::CORRELATION_STAT);
+                    self.correlation_stat = Some(name);
+                    name
+                }
+            };
+            own.push(Stat::u64(name, id.get()));
         }
         group
     }
