@@ -21,38 +21,59 @@ use crate::timeline::{
     Timeline, peer_in,
 };
 
-/// Writes the host planes to `out`, `/host:CPU` first, then those of the
-/// per-CPU lines and of the threads blocked throughout when they have
-/// lines; `ps` turns a timeline time into picoseconds from the profile
-/// start. Each line goes out as it is made.
+/// The host planes are `/host:CPU`, then those of the per-CPU lines and
+/// of the threads blocked throughout when they have lines; `ps` turns a
+/// timeline time into picoseconds from the profile start. Each line goes
+/// out as it is made. The per-CPU plane is apart from the others so that
+/// it can be encoded beside them.
 ///
 /// XProf's trace viewer shows each plane named `/host:CPU...` as a process
 /// of its own, and opens a process of more than 20 lines collapsed into
 /// one grey bar. A process's idle pool threads and the CPUs would take it
 /// past that; kept apart, `/host:CPU` holds the threads that ran, about
 /// those a profiler inside the process shows.
-pub(super) fn write_host_planes<W: PlaneOut>(
+pub(super) fn write_threads_plane<W: PlaneOut>(
     timeline: &Timeline,
     ps: &impl Fn(u64) -> i64,
     out: &mut W,
 ) -> io::Result<()> {
-    let thread_lines = |blocked: bool| {
-        timeline
-            .threads
-            .values()
-            .filter(move |t| blocked_throughout(t) == blocked)
-    };
-    write_thread_plane(0, HOST_CPU_PLANE, thread_lines(false), timeline, ps, out)?;
+    let threads = thread_lines(timeline, false);
+    write_thread_plane(0, HOST_CPU_PLANE, threads, timeline, ps, out)
+}
+
+/// The per-CPU lines' plane, when a thread ran (see [`write_threads_plane`]).
+pub(super) fn write_per_cpu_lines<W: PlaneOut>(
+    timeline: &Timeline,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
     let cpu_lines = timeline.cpu_lines();
-    if !cpu_lines.is_empty() {
-        write_per_cpu_plane(&cpu_lines, ps, out)?;
+    if cpu_lines.is_empty() {
+        return Ok(());
     }
-    drop(cpu_lines);
-    let mut blocked = thread_lines(true).peekable();
-    if blocked.peek().is_some() {
-        write_thread_plane(3, BLOCKED_THREADS_PLANE, blocked, timeline, ps, out)?;
+    write_per_cpu_plane(&cpu_lines, ps, out)
+}
+
+/// The plane of the threads blocked throughout, when there are any (see
+/// [`write_threads_plane`]).
+pub(super) fn write_blocked_plane<W: PlaneOut>(
+    timeline: &Timeline,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
+    let mut blocked = thread_lines(timeline, true).peekable();
+    if blocked.peek().is_none() {
+        return Ok(());
     }
-    Ok(())
+    write_thread_plane(3, BLOCKED_THREADS_PLANE, blocked, timeline, ps, out)
+}
+
+/// The threads of `timeline` that were blocked throughout, or the others.
+fn thread_lines(timeline: &Timeline, blocked: bool) -> impl Iterator<Item = &ThreadTrack> {
+    timeline
+        .threads
+        .values()
+        .filter(move |t| blocked_throughout(t) == blocked)
 }
 
 /// Writes plane `id`, named `name`, with one line per thread of `threads`.

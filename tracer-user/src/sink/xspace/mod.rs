@@ -115,10 +115,34 @@ pub fn write_xspace<W: PlaneOut>(
 ) -> io::Result<()> {
     let start = timeline.start_ns;
     let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
-    host::write_host_planes(timeline, &ps, out)?;
-    for device in timeline.devices.values() {
-        write_device_plane(device, &ps, out)?;
-    }
+    // The per-CPU lines and the GPU planes are encoded beside the
+    // threads' lines, on a thread of their own, and written in their
+    // places: a snapshot of a launch loop has as many events on its GPU
+    // plane as calls on its threads.
+    let (per_cpu, devices) = std::thread::scope(|scope| {
+        let beside = std::thread::Builder::new()
+            .name("ebtrace-xspace".into())
+            .spawn_scoped(scope, || {
+                let mut per_cpu = Cursor::new(Vec::new());
+                host::write_per_cpu_lines(timeline, &ps, &mut per_cpu)?;
+                let bound = 32 * timeline.device_events().count();
+                let mut devices = Cursor::new(Vec::with_capacity(bound));
+                for device in timeline.devices.values() {
+                    write_device_plane(device, &ps, &mut devices)?;
+                }
+                io::Result::Ok((per_cpu.into_inner(), devices.into_inner()))
+            })
+            .expect("a thread to encode the per-CPU and GPU planes");
+        host::write_threads_plane(timeline, &ps, out)?;
+        beside
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })?;
+    out.write_all(&per_cpu)?;
+    drop(per_cpu);
+    host::write_blocked_plane(timeline, &ps, out)?;
+    out.write_all(&devices)?;
+    drop(devices);
     let mut carried = Vec::new();
     for plane in &timeline.carried_planes {
         carried.clear();
