@@ -21,11 +21,11 @@ use crate::timeline::{
     Timeline, peer_in,
 };
 
-/// The host planes are `/host:CPU`, then those of the per-CPU lines and
-/// of the threads blocked throughout when they have lines; `ps` turns a
-/// timeline time into picoseconds from the profile start. Each line goes
-/// out as it is made. The per-CPU plane is apart from the others so that
-/// it can be encoded beside them.
+/// Writes `/host:CPU` to `out`, the first host plane; the per-CPU lines'
+/// ([`write_per_cpu_lines`], apart so that it can be encoded beside this
+/// one) and the threads blocked throughout ([`write_blocked_plane`]) come
+/// next when they have lines. `ps` turns a timeline time into picoseconds
+/// from the profile start. Each line goes out as it is made.
 ///
 /// XProf's trace viewer shows each plane named `/host:CPU...` as a process
 /// of its own, and opens a process of more than 20 lines collapsed into
