@@ -18,6 +18,10 @@ Steps (all by default):
   recorder_ab         with --baseline OTHER_EBTRACE: the recorder's cost on
                       the --ab-loops (jax, launches), OTHER_EBTRACE and this
                       one taking turns on one target, untraced between them
+  snapshot_ab         with --baseline: GetSnapshot on the --snapshot-loops
+                      (matmul, launches, jax), the two recorders taking
+                      turns on one target: the client's time, the server's
+                      (timeline, XSpace) and the events, two calls each
   call_cost           with --baseline: the ns the recorder adds to a
                       cuCtxSetCurrent and a cuCtxGetCurrent call, the same way
   record_matmul       `ebtrace --pid` for 2 s with CUPTI: kernels on the GPU
@@ -41,6 +45,8 @@ ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--ebtrace", required=True, help="the ebtrace binary")
 ARGS.add_argument("--baseline", help="recorder_ab, call_cost: another ebtrace binary to compare with")
 ARGS.add_argument("--ab-loops", default="jax,launches", help="recorder_ab: the loops")
+ARGS.add_argument("--snapshot-loops", default="matmul,launches,jax", help="snapshot_ab: the loops")
+ARGS.add_argument("--snapshot-fill", type=float, default=12, help="snapshot_ab: seconds each recorder runs before its snapshots")
 ARGS.add_argument("--out", default="ebtrace-gpu-check", help="where results.json goes")
 ARGS.add_argument("--work", default="/tmp/ebtrace-gpu-check", help="scratch directory")
 ARGS.add_argument("--kill-after", default="0,0.5,1.5,3", help="profile_after: seconds into each killed capture")
@@ -56,7 +62,7 @@ EBT = os.path.abspath(A.ebtrace)
 PY = sys.executable
 R = {"checks": {}}
 DELAYS = [float(x) for x in A.kill_after.split(",") if x] + [-1.0] * A.normal
-STEPS = A.steps or ["env", "call_cost", "recorder_ab", "recorder_launches", "recorder_matmul", "recorder_jax", "record_matmul", "record_jax", "profile_after"]
+STEPS = A.steps or ["env", "call_cost", "recorder_ab", "snapshot_ab", "recorder_launches", "recorder_matmul", "recorder_jax", "record_matmul", "record_jax", "profile_after"]
 
 
 def check(name, ok, detail):
@@ -323,6 +329,56 @@ def step_recorder_ab():
             runs = [p for p in ph if p["with"] == name]
             out[f"{mode}_{name}"] = {"ratio": [p["rate"] / untraced for p in runs], "cpu_pct": [p["cpu_pct"] for p in runs]}
         log(mode, json.dumps({k: v for k, v in out.items() if k.startswith(mode + "_")}))
+
+
+def step_snapshot_ab():
+    """GetSnapshot of the baseline's recorder and this one's, in turns on
+    one target, each after --snapshot-fill seconds of recording."""
+    if not A.baseline:
+        return
+    import re
+
+    base = os.path.abspath(A.baseline)
+    out = R["snapshot_ab"] = {"baseline": sh(f"{base} --version"), "this": sh(f"{EBT} --version")}
+    for mode in A.snapshot_loops.split(","):
+        t = Target(mode)
+        turns = out[mode] = []
+        try:
+            time.sleep(3)
+            # ABBA: the first snapshot of a process is the slowest.
+            for name, binary in [("baseline", base), ("this", EBT), ("this", EBT), ("baseline", base)]:
+                err = f"{W}/serve_{t.pid}.err"
+                logged = os.path.getsize(err) if os.path.exists(err) else 0
+                s = serve(t.pid, binary=binary)
+                time.sleep(A.snapshot_fill)
+                client = []
+                for _ in range(2):
+                    resp, dt = grpc_call("GetSnapshot")
+                    client.append(dt)
+                    time.sleep(1.5)
+                s.send_signal(signal.SIGTERM)
+                s.wait(timeout=30)
+                with open(err) as fh:
+                    fh.seek(logged)
+                    server = [line for line in fh if "session snapshot" in line]
+                num = lambda key, line: int(re.search(key + r" (\d+)", line).group(1))
+                turns.append({
+                    "with": name,
+                    "client_ms": [round(1000 * c) for c in client],
+                    "server_ms": [num("answered", l) for l in server],
+                    "timeline_ms": [num("timeline", l) for l in server],
+                    "xspace_ms": [num("XSpace", l) for l in server],
+                    "events": [int(re.search(r"window, (\d+) events", l).group(1)) for l in server],
+                })
+                log(mode, json.dumps(turns[-1]))
+            save()
+        finally:
+            t.stop()
+    for mode in A.snapshot_loops.split(","):
+        for name in ["baseline", "this"]:
+            client = sorted(c for p in out[mode] if p["with"] == name for c in p["client_ms"])
+            out[f"{mode}_{name}_client_ms_median"] = (client[1] + client[2]) / 2 if len(client) == 4 else None
+        log(mode, "client ms, medians:", out[f"{mode}_baseline_client_ms_median"], "->", out[f"{mode}_this_client_ms_median"])
 
 
 def step_call_cost():
