@@ -26,6 +26,7 @@ use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace, x_event};
 use prost::Message as _;
 
 use crate::timeline::{DeviceTrack, Span, StreamTiming, Timeline};
+use chunked::Chunked;
 
 pub const HOST_CPU_PLANE: &str = "/host:CPU";
 /// The per-CPU lines. XProf's trace viewer (2.22.3 and later) shows every
@@ -63,6 +64,7 @@ pub enum FlowDirection {
     Out = 2,
 }
 
+mod chunked;
 mod host;
 mod plane;
 mod wire;
@@ -118,19 +120,20 @@ pub fn write_xspace<W: PlaneOut>(
     // The per-CPU lines and the GPU planes are encoded beside the
     // threads' lines, on a thread of their own, and written in their
     // places: a snapshot of a launch loop has as many events on its GPU
-    // plane as calls on its threads.
+    // plane as calls on its threads. They are copied a chunk at a time,
+    // each freed once copied: a flight recorder's snapshot must stay
+    // within its memory.
     let (per_cpu, devices) = std::thread::scope(|scope| {
         let beside = std::thread::Builder::new()
             .name("ebtrace-xspace".into())
             .spawn_scoped(scope, || {
-                let mut per_cpu = Cursor::new(Vec::new());
+                let mut per_cpu = Chunked::default();
                 host::write_per_cpu_lines(timeline, &ps, &mut per_cpu)?;
-                let bound = 32 * timeline.device_events().count();
-                let mut devices = Cursor::new(Vec::with_capacity(bound));
+                let mut devices = Chunked::default();
                 for device in timeline.devices.values() {
                     write_device_plane(device, &ps, &mut devices)?;
                 }
-                io::Result::Ok((per_cpu.into_inner(), devices.into_inner()))
+                io::Result::Ok((per_cpu, devices))
             })
             .expect("a thread to encode the per-CPU and GPU planes");
         host::write_threads_plane(timeline, &ps, out)?;
@@ -138,11 +141,9 @@ pub fn write_xspace<W: PlaneOut>(
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })?;
-    out.write_all(&per_cpu)?;
-    drop(per_cpu);
+    per_cpu.write_into(out)?;
     host::write_blocked_plane(timeline, &ps, out)?;
-    out.write_all(&devices)?;
-    drop(devices);
+    devices.write_into(out)?;
     let mut carried = Vec::new();
     for plane in &timeline.carried_planes {
         carried.clear();
