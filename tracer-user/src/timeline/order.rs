@@ -54,8 +54,8 @@ impl Samples<'_> {
 }
 
 /// The stack samples of `input` up to `stop_ns`, in time order (stably),
-/// out of its records: [`in_time_order`] then gives the others. A capture's
-/// are lent, not copied.
+/// out of its records: [`in_time_order_by_builder`] then gives the
+/// others. A capture's are lent, not copied.
 pub(super) fn take_samples<'a>(input: &mut RecordInput<'a>, stop_ns: u64) -> Samples<'a> {
     let up_to = |ts_ns: u64| ts_ns <= stop_ns;
     match input {
