@@ -150,7 +150,6 @@ fn space_of(place: &Place) -> Option<Space> {
     }
 }
 
-/// The mapping of `maps` (sorted by start) that holds `address`.
 /// Where a sampled process has its code, as its mappings were last read.
 struct ProcessCode {
     /// Its executable file mappings, by start address: its addresses are
@@ -164,6 +163,7 @@ struct ProcessCode {
     reread_after: Duration,
 }
 
+/// The mapping of `maps` (sorted by start) that holds `address`.
 fn mapping_of(maps: &[Mapping], address: u64) -> Option<&Mapping> {
     let i = maps.partition_point(|m| m.start <= address);
     maps[..i].last().filter(|m| address < m.end)
@@ -504,8 +504,6 @@ mod tests {
         assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
     }
 
-    /// A noted sample's addresses are named in the background: a trace
-    /// built later finds them named without waiting for blazesym.
     /// A sample in code that is in no file (JIT code) does not have the
     /// mappings read again; one at an address in no mapping does, less and
     /// less often while nothing is mapped since, and soon again once code
@@ -553,6 +551,8 @@ mod tests {
         assert_eq!(known.reread_after, MAPS_REREAD_AFTER);
     }
 
+    /// A noted sample's addresses are named in the background: a trace
+    /// built later finds them named without waiting for blazesym.
     #[test]
     fn a_noted_sample_is_named_before_it_is_asked_for() {
         let pid = std::process::id();
