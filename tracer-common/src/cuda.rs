@@ -72,14 +72,22 @@ pub mod layout {
 /// the return probe reads (0: none); bits 20..24 one plus the index of a
 /// `const char *` name argument copied on success (0: none); bit 24 set
 /// when the function has no return probe: its entry probe writes the
-/// [`super::CudaCall`] itself ([`super::flags::ENTRY_ONLY`]).
+/// [`super::CudaCall`] itself ([`super::flags::ENTRY_ONLY`]); bits 25..29
+/// how many words of [`super::CudaCall::extra`] its entry program fills,
+/// and so how many the record carries ([`super::CudaCall::written_size`]).
 pub mod cookie {
     pub const FUNCTION_MASK: u64 = 0xffff;
     pub const OUT_SHIFT: u32 = 16;
     pub const NAME_SHIFT: u32 = 20;
     pub const ENTRY_ONLY: u64 = 1 << 24;
+    pub const EXTRA_SHIFT: u32 = 25;
 
-    pub const fn encode(function: u16, out_arg: Option<u8>, name_arg: Option<u8>) -> u64 {
+    pub const fn encode(
+        function: u16,
+        extra_words: usize,
+        out_arg: Option<u8>,
+        name_arg: Option<u8>,
+    ) -> u64 {
         let out = match out_arg {
             Some(i) => i as u64 + 1,
             None => 0,
@@ -88,13 +96,27 @@ pub mod cookie {
             Some(i) => i as u64 + 1,
             None => 0,
         };
-        function as u64 | (out & 0xf) << OUT_SHIFT | (name & 0xf) << NAME_SHIFT
+        function as u64
+            | (out & 0xf) << OUT_SHIFT
+            | (name & 0xf) << NAME_SHIFT
+            | (extra_words as u64 & 0xf) << EXTRA_SHIFT
     }
 
     /// The cookie of a function probed at its entry only (it has neither
     /// an out-pointer nor a name to read after the call).
-    pub const fn encode_entry_only(function: u16) -> u64 {
-        function as u64 | ENTRY_ONLY
+    pub const fn encode_entry_only(function: u16, extra_words: usize) -> u64 {
+        encode(function, extra_words, None, None) | ENTRY_ONLY
+    }
+
+    /// How many words of [`super::CudaCall::extra`] the function's record
+    /// carries (at most 8).
+    pub const fn extra_words(cookie: u64) -> usize {
+        let n = ((cookie >> EXTRA_SHIFT) & 0xf) as usize;
+        if n > super::EXTRA_WORDS {
+            super::EXTRA_WORDS
+        } else {
+            n
+        }
     }
 
     pub const fn function(cookie: u64) -> u16 {
@@ -130,6 +152,18 @@ pub mod flags {
     pub const ENTRY_ONLY: u16 = 1;
 }
 
+/// Words of stack arguments or struct fields a call can carry.
+pub const EXTRA_WORDS: usize = 8;
+
+/// Words of [`PendingCall::extra`] each entry program fills.
+pub mod extra_words {
+    pub const REGISTERS: usize = 0;
+    pub const STACK: usize = super::STACK_WORDS;
+    pub const LAUNCH_CONFIG: usize = super::layout::LAUNCH_CONFIG.len();
+    pub const MEMCPY2D: usize = super::layout::MEMCPY2D.len();
+    pub const MEMCPY3D: usize = super::layout::MEMCPY3D.len();
+}
+
 /// A call saved by an entry probe until its return.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -138,11 +172,18 @@ pub struct PendingCall {
     /// The six register arguments: rdi, rsi, rdx, rcx, r8, r9.
     pub args: [u64; 6],
     /// Stack arguments or struct fields, per the function's shape.
-    pub extra: [u64; 8],
+    pub extra: [u64; EXTRA_WORDS],
 }
 
 /// One completed driver call; the header's `ts_ns` is the return time (the
 /// entry time for a call written at its entry, [`flags::ENTRY_ONLY`]).
+///
+/// The probes write only the words of `extra` the function's shape fills
+/// (none for most functions, three for `cuLaunchKernel`): the header's
+/// `size` says how many ([`CudaCall::written_size`]), and the words not
+/// written read as 0. A flood of launches then moves 120 bytes a call
+/// through the ring (128 with the ring's own header) and into the
+/// recorder's memory, rather than 160 (168).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CudaCall {
@@ -157,11 +198,44 @@ pub struct CudaCall {
     pub flags: u16,
     /// The `CUresult` returned.
     pub result: u32,
-    pub args: [u64; 6],
-    pub extra: [u64; 8],
     /// The 8 bytes the out-pointer argument points to after the call (0 if
     /// the function has none or they could not be read).
     pub out_value: u64,
+    pub args: [u64; 6],
+    /// Last, so that a record carrying fewer words is this one cut short.
+    pub extra: [u64; EXTRA_WORDS],
+}
+
+impl CudaCall {
+    /// Bytes of a record up to its extra words.
+    pub const FIXED_SIZE: usize = core::mem::offset_of!(CudaCall, extra);
+
+    /// The size of a record carrying `extra_words` of [`Self::extra`].
+    pub const fn written_size(extra_words: usize) -> usize {
+        Self::FIXED_SIZE + extra_words * 8
+    }
+
+    /// How many extra words a record of `size` bytes carries, if a
+    /// [`CudaCall`] can have that size.
+    pub const fn extra_words_of_size(size: usize) -> Option<usize> {
+        if size < Self::FIXED_SIZE || size > core::mem::size_of::<CudaCall>() {
+            return None;
+        }
+        let extra = size - Self::FIXED_SIZE;
+        if extra.is_multiple_of(8) {
+            Some(extra / 8)
+        } else {
+            None
+        }
+    }
+}
+
+/// What the probes reserve in the ring for a call carrying `N` extra
+/// words: the fixed part of a [`CudaCall`], then the words.
+#[repr(C)]
+pub struct CudaCallWritten<const N: usize> {
+    pub fixed: [u64; CudaCall::FIXED_SIZE / 8],
+    pub extra: [u64; N],
 }
 
 /// A `CUfunction` / `CUkernel` handle and the name it was looked up by
@@ -199,21 +273,42 @@ mod tests {
     fn layouts_are_padded_to_8_bytes() {
         assert_eq!(size_of::<PendingCall>(), 120);
         assert_eq!(size_of::<CudaCall>(), 160);
+        assert_eq!(CudaCall::FIXED_SIZE, 96);
+        assert_eq!(size_of::<CudaCallWritten<3>>(), CudaCall::written_size(3));
+        assert_eq!(size_of::<CudaCallWritten<8>>(), size_of::<CudaCall>());
         assert_eq!(size_of::<CudaSymbol>(), 40 + CUDA_NAME_LEN);
     }
 
     #[test]
+    fn a_record_size_tells_its_extra_words() {
+        for n in 0..=EXTRA_WORDS {
+            assert_eq!(
+                CudaCall::extra_words_of_size(CudaCall::written_size(n)),
+                Some(n)
+            );
+        }
+        for size in [0, 95, 97, 100, 161, 168] {
+            assert_eq!(CudaCall::extra_words_of_size(size), None, "{size}");
+        }
+    }
+
+    #[test]
     fn cookies_round_trip() {
-        let c = cookie::encode(513, Some(0), Some(2));
+        let c = cookie::encode(513, 3, Some(0), Some(2));
         assert_eq!(cookie::function(c), 513);
         assert_eq!(cookie::out_arg(c), Some(0));
         assert_eq!(cookie::name_arg(c), Some(2));
+        assert_eq!(cookie::extra_words(c), 3);
         assert!(!cookie::entry_only(c));
-        let c = cookie::encode(7, None, None);
+        let c = cookie::encode(7, 8, None, None);
         assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
-        let c = cookie::encode_entry_only(513);
+        assert_eq!(cookie::extra_words(c), 8);
+        let c = cookie::encode_entry_only(513, 0);
         assert_eq!(cookie::function(c), 513);
         assert!(cookie::entry_only(c));
         assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
+        assert_eq!(cookie::extra_words(c), 0);
+        // More words than a record has are read as all of them.
+        assert_eq!(cookie::extra_words(cookie::encode(1, 15, None, None)), 8);
     }
 }

@@ -36,8 +36,8 @@ use aya_ebpf::{
 use tracer_common::{
     RecordKind,
     cuda::{
-        CUDA_NAME_LEN, CudaCall, CudaSymbol, MAX_PENDING_CALLS, PendingCall, STACK_WORDS, cookie,
-        flags, layout, stat,
+        CUDA_NAME_LEN, CudaCall, CudaCallWritten, CudaSymbol, EXTRA_WORDS, MAX_PENDING_CALLS,
+        PendingCall, STACK_WORDS, cookie, extra_words, flags, layout, stat,
     },
 };
 
@@ -203,7 +203,8 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
 }
 
 /// Writes one [`CudaCall`]: at its return, or at its entry for a function
-/// probed there only (then the header's time is the entry's).
+/// probed there only (then the header's time is the entry's). It carries
+/// as many extra words as the cookie says the function's shape fills.
 #[inline(always)]
 fn submit_call(
     tid: u32,
@@ -214,15 +215,38 @@ fn submit_call(
     out_value: u64,
     call_flags: u16,
 ) {
-    let Some(mut entry) = EVENTS.reserve::<CudaCall>(0) else {
+    let a = (tid, tgid, cookie, call, result, out_value, call_flags);
+    // A reservation's size must be a constant: one branch per shape (and
+    // direct calls: BPF has no indirect ones).
+    match cookie::extra_words(cookie) {
+        extra_words::REGISTERS => submit_sized::<{ extra_words::REGISTERS }>(a),
+        extra_words::STACK => submit_sized::<{ extra_words::STACK }>(a),
+        extra_words::LAUNCH_CONFIG => submit_sized::<{ extra_words::LAUNCH_CONFIG }>(a),
+        extra_words::MEMCPY2D => submit_sized::<{ extra_words::MEMCPY2D }>(a),
+        extra_words::MEMCPY3D => submit_sized::<{ extra_words::MEMCPY3D }>(a),
+        _ => submit_sized::<EXTRA_WORDS>(a),
+    }
+}
+
+/// What [`submit_call`] writes a record of.
+type CallParts<'a> = (u32, u32, u64, &'a PendingCall, u32, u64, u16);
+
+/// [`submit_call`] for a function whose record carries `N` extra words.
+#[inline(always)]
+fn submit_sized<const N: usize>(
+    (tid, tgid, cookie, call, result, out_value, call_flags): CallParts<'_>,
+) {
+    let Some(mut entry) = EVENTS.reserve::<CudaCallWritten<N>>(0) else {
         bump(tracer_common::stat::DROPPED_RINGBUF_FULL);
         return;
     };
-    let rec = entry.as_mut_ptr();
-    // SAFETY: `rec` is a reserved record of the right size; every field is
-    // written before the submit.
+    let rec = entry.as_mut_ptr().cast::<CudaCall>();
+    // SAFETY: `rec` is a reserved record of `CudaCall::written_size(N)`
+    // bytes: the fixed fields and the first `N` extra words, each written
+    // through the raw pointer (no reference to the whole `CudaCall`,
+    // which is longer) before the submit.
     unsafe {
-        (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCall>());
+        (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCallWritten<N>>());
         if call_flags & flags::ENTRY_ONLY != 0 {
             (*rec).header.ts_ns = call.start_ns;
         }
@@ -232,9 +256,14 @@ fn submit_call(
         (*rec).function = cookie::function(cookie);
         (*rec).flags = call_flags;
         (*rec).result = result;
-        (*rec).args = call.args;
-        (*rec).extra = call.extra;
         (*rec).out_value = out_value;
+        (*rec).args = call.args;
+        let extra = (&raw mut (*rec).extra).cast::<u64>();
+        let mut i = 0;
+        while i < N && i < EXTRA_WORDS {
+            extra.add(i).write(call.extra[i]);
+            i += 1;
+        }
     }
     entry.submit(count_submit());
 }

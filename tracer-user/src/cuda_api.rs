@@ -7,7 +7,7 @@
 //! 12); `_ptsz`/`_ptds` are the per-thread-default-stream builds of the same
 //! function, whose NULL stream is the calling thread's own default stream.
 
-use tracer_common::cuda::{cookie, shape};
+use tracer_common::cuda::{cookie, extra_words, shape};
 
 /// Which entry program saves a function's arguments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +33,18 @@ impl Shape {
             Shape::LaunchConfig => shape::LAUNCH_CONFIG,
             Shape::Memcpy2D => shape::MEMCPY2D,
             Shape::Memcpy3D => shape::MEMCPY3D,
+        }
+    }
+
+    /// How many words of a call's `extra` this shape's program fills, and
+    /// so its records carry.
+    pub fn extra_words(self) -> usize {
+        match self {
+            Shape::Registers => extra_words::REGISTERS,
+            Shape::Stack => extra_words::STACK,
+            Shape::LaunchConfig => extra_words::LAUNCH_CONFIG,
+            Shape::Memcpy2D => extra_words::MEMCPY2D,
+            Shape::Memcpy3D => extra_words::MEMCPY3D,
         }
     }
 }
@@ -207,10 +219,11 @@ impl DriverFunction {
 
     /// The attach cookie of the function with table index `id`.
     pub fn cookie(&self, id: u16) -> u64 {
+        let extra = self.shape().extra_words();
         if self.entry_only() {
-            cookie::encode_entry_only(id)
+            cookie::encode_entry_only(id, extra)
         } else {
-            cookie::encode(id, self.out_arg(), self.name_arg())
+            cookie::encode(id, extra, self.out_arg(), self.name_arg())
         }
     }
 }

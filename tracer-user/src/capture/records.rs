@@ -189,10 +189,11 @@ fn without_process(r: &mut Record, pid: u32) -> bool {
 
 /// The memory a CUDA driver record takes, held and in a snapshot, in
 /// scheduler records (which the flight recorder's cap counts, 192 bytes
-/// each): it is held in 160 bytes rather than 32, and becomes two spans
-/// with a dozen stats (the call on its thread, the work on its stream's
-/// line; all their stats shared by the launches of one kernel and
-/// configuration on one stream, and encoded once per plane).
+/// each): it is held in 96 to 160 bytes (120 for a launch) rather than
+/// 32, and becomes two spans with a dozen stats (the call on its thread,
+/// the work on its stream's line; all their stats shared by the launches
+/// of one kernel and configuration on one stream, and encoded once per
+/// plane).
 /// Measured on a flat-out launch loop
 /// (`a_snapshot_of_driver_calls_is_built_within_the_retained_memory`):
 /// about 0.46 KB a call at a snapshot's peak beyond what the server held,

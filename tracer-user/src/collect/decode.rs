@@ -214,7 +214,7 @@ pub fn decode(bytes: &[u8]) -> Result<Record, DecodeError> {
         RecordKind::ProcessFork => Record::Fork(read(bytes, kind, size)?),
         RecordKind::TaskExit => Record::Exit(Box::new(read(bytes, kind, size)?)),
         RecordKind::TaskRename => Record::Rename(Box::new(read(bytes, kind, size)?)),
-        RecordKind::CudaCall => Record::CudaCall(Box::new(read(bytes, kind, size)?)),
+        RecordKind::CudaCall => Record::CudaCall(Box::new(read_driver_call(bytes, size)?)),
         RecordKind::CudaSymbol => Record::CudaSymbol(Box::new(read(bytes, kind, size)?)),
         RecordKind::TraceMe => Record::TraceMe(Box::new(read_traceme(bytes, size)?)),
         RecordKind::StackSample => Record::StackSample(Box::new(read_stack_sample(bytes, size)?)),
@@ -246,7 +246,11 @@ pub fn held_record_len(bytes: &[u8]) -> Option<usize> {
         RecordKind::ProcessFork => size_of::<ProcessFork>(),
         RecordKind::TaskExit => size_of::<TaskExit>(),
         RecordKind::TaskRename => size_of::<TaskRename>(),
-        RecordKind::CudaCall => size_of::<CudaCall>(),
+        RecordKind::CudaCall => {
+            let size = usize::from(header.size);
+            return (CudaCall::extra_words_of_size(size).is_some() && bytes.len() >= size)
+                .then_some(size);
+        }
         RecordKind::CudaSymbol => size_of::<CudaSymbol>(),
         _ => return None,
     };
@@ -285,14 +289,15 @@ impl From<&CudaCall> for DriverCallCounted {
 #[inline]
 pub fn driver_call_counted(bytes: &[u8]) -> Option<DriverCallCounted> {
     let header = header(bytes)?;
+    let size = usize::from(header.size);
     if header.kind != RecordKind::CudaCall as u16
-        || usize::from(header.size) != size_of::<CudaCall>()
-        || bytes.len() < size_of::<CudaCall>()
+        || CudaCall::extra_words_of_size(size).is_none()
+        || bytes.len() < size
     {
         return None;
     }
     fn field<T: Copy>(bytes: &[u8], offset: usize) -> T {
-        assert!(offset + size_of::<T>() <= size_of::<CudaCall>());
+        assert!(offset + size_of::<T>() <= CudaCall::FIXED_SIZE);
         // SAFETY: inside the record, whose length was checked; an
         // unaligned read of a plain integer.
         unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(offset).cast::<T>()) }
@@ -317,11 +322,46 @@ pub fn encode(record: &Record, out: &mut Vec<u8>) -> bool {
         Record::Fork(r) => out.extend_from_slice(bytes_of(r)),
         Record::Exit(r) => out.extend_from_slice(bytes_of(&**r)),
         Record::Rename(r) => out.extend_from_slice(bytes_of(&**r)),
-        Record::CudaCall(r) => out.extend_from_slice(bytes_of(&**r)),
+        Record::CudaCall(r) => encode_driver_call(r, out),
         Record::CudaSymbol(r) => out.extend_from_slice(bytes_of(&**r)),
         Record::TraceMe(_) | Record::StackSample(_) => return false,
     }
     true
+}
+
+/// A driver call as the probes write it: without the extra words past the
+/// last one that is not 0, which decode as 0.
+fn encode_driver_call(call: &CudaCall, out: &mut Vec<u8>) {
+    let words = call
+        .extra
+        .iter()
+        .rposition(|&w| w != 0)
+        .map_or(0, |i| i + 1);
+    let size = CudaCall::written_size(words);
+    let mut call = *call;
+    call.header.size = size as u16;
+    out.extend_from_slice(&bytes_of(&call)[..size]);
+}
+
+/// A driver call carries the fixed part and as many extra words as its
+/// size says; the others read as 0.
+fn read_driver_call(bytes: &[u8], claimed: usize) -> Result<CudaCall, DecodeError> {
+    if CudaCall::extra_words_of_size(claimed).is_none() || bytes.len() < claimed {
+        return Err(DecodeError::Size {
+            kind: RecordKind::CudaCall,
+            claimed,
+            expected: size_of::<CudaCall>(),
+            got: bytes.len(),
+        });
+    }
+    let mut call = std::mem::MaybeUninit::<CudaCall>::zeroed();
+    // SAFETY: `claimed` bytes, at most a whole `CudaCall` (checked above),
+    // copied over a zeroed one: all of its fields are plain integers, for
+    // which any bytes are a value.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), call.as_mut_ptr().cast::<u8>(), claimed);
+        Ok(call.assume_init())
+    }
 }
 
 fn bytes_of<T: aya::Pod>(record: &T) -> &[u8] {
@@ -498,6 +538,48 @@ mod tests {
             next_tgid: 0,
         };
         assert_eq!(driver_call_counted(&bytes_of(&switch)), None);
+    }
+
+    /// A call written with fewer extra words than a `CudaCall` has (a
+    /// launch carries three) decodes with the others 0, is held and
+    /// counted at its own length, and encodes back to the same bytes.
+    #[test]
+    fn a_driver_call_carries_only_its_shapes_extra_words() {
+        let mut call = CudaCall {
+            header: RecordHeader::new(RecordKind::CudaCall, CudaCall::written_size(3), 1, 20),
+            tid: 2,
+            tgid: 2,
+            start_ns: 10,
+            function: 5,
+            flags: 0,
+            result: 0,
+            args: [1, 2, 3, 4, 5, 6],
+            extra: [7, 8, 9, 0, 0, 0, 0, 0],
+            out_value: 11,
+        };
+        let written = bytes_of(&call)[..CudaCall::written_size(3)].to_vec();
+        // What follows a record in the ring is not part of it.
+        let mut in_ring = written.clone();
+        in_ring.extend_from_slice(&[0xff; 64]);
+        let Record::CudaCall(decoded) = decode(&in_ring).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!((decoded.args, decoded.extra), (call.args, call.extra));
+        assert_eq!((decoded.out_value, decoded.start_ns), (11, 10));
+        assert_eq!(held_record_len(&in_ring), Some(written.len()));
+        assert_eq!(driver_call_counted(&in_ring).unwrap().start_ns, 10);
+        let mut encoded = Vec::new();
+        assert!(encode(&Record::CudaCall(decoded), &mut encoded));
+        assert_eq!(encoded, written);
+
+        // A size between two whole words, or cut short, is refused.
+        for (size, len) in [(CudaCall::written_size(3) - 4, 128), (128, 127)] {
+            call.header.size = size as u16;
+            let bytes = bytes_of(&call)[..len].to_vec();
+            assert!(decode(&bytes).is_err(), "{size} {len}");
+            assert_eq!(held_record_len(&bytes), None);
+            assert_eq!(driver_call_counted(&bytes), None);
+        }
     }
 
     /// A wake-up's target CPU and whether it is a new task's share the
