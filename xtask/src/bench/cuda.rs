@@ -336,7 +336,7 @@ fn render_cost_and_rate(md: &mut String, runs: &[Run], rate_runs: &[Run]) {
         let what = match c {
             Config::Untraced => "untraced",
             Config::Ebtrace => {
-                "ebtrace (entry + return uprobe, one 160-byte record per call, all driver \
+                "ebtrace (entry + return uprobe, one 120-byte record per launch, all driver \
                  functions probed)"
             }
             Config::Bpftrace => {
