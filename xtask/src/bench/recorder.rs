@@ -427,6 +427,18 @@ fn ticks(pid: u32) -> (u64, Instant) {
     (t, Instant::now())
 }
 
+/// ebtrace's steady CPU for each unit of the target's rate (a launch, a
+/// round trip, a step), in ns: between two binaries, a target that ran
+/// faster under one gave it more to record, which its CPU share alone
+/// hides.
+fn per_unit_ns(steady_percent: f64, rate: f64) -> f64 {
+    if rate > 0.0 {
+        steady_percent / 100.0 * 1e9 / rate
+    } else {
+        0.0
+    }
+}
+
 fn render(rows: &[Row], opts: &Options) -> String {
     let mut md = String::new();
     let _ = writeln!(
@@ -445,17 +457,17 @@ fn render(rows: &[Row], opts: &Options) -> String {
     );
     let _ = writeln!(
         md,
-        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU over the run (% of one CPU) | steady, from {} s on | one-off start | ebtrace RSS | records held / forgotten | GetSnapshot answered in | server ms: timeline / XSpace built / encoded | peak RSS while answering | events | XSpace |",
+        "| target | stack samples | binary | rate untraced | with the recorder | ratio | ebtrace CPU over the run (% of one CPU) | steady, from {} s on | steady, per unit of the target's rate | one-off start | ebtrace RSS | records held / forgotten | GetSnapshot answered in | server ms: timeline / XSpace built / encoded | peak RSS while answering | events | XSpace |",
         settle(opts).as_secs_f64()
     );
     let _ = writeln!(
         md,
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
     );
     for r in rows {
         let _ = writeln!(
             md,
-            "| {} | {} Hz | {} | {:.0} {}/s | {:.0}/s | {:.2} | {:.2}% | {:.2}% | {:.0} ms | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
+            "| {} | {} Hz | {} | {:.0} {}/s | {:.0}/s | {:.2} | {:.2}% | {:.2}% | {:.1} ns | {:.0} ms | {:.0} MiB | {} / {} | {:.0} ms | {} | {:.0} MiB | {} | {:.1} MB |",
             r.mode,
             r.sample_hz,
             r.binary,
@@ -465,6 +477,7 @@ fn render(rows: &[Row], opts: &Options) -> String {
             harness::ratio(r.rate.1, r.rate.0),
             r.cpu_percent,
             r.steady_percent,
+            per_unit_ns(r.steady_percent, r.rate.1),
             r.start_ms,
             r.rss_kib as f64 / 1024.0,
             r.held,
