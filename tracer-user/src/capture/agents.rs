@@ -6,6 +6,11 @@
 use std::time::Instant;
 
 use super::Capture;
+use crate::{
+    agent::{AgentRecording, AgentSession, KernelNaming},
+    attach::TraceMeProbe,
+    collect::{Collector, EncodedRecords},
+};
 
 /// What a framework's recorder holds in the target per TraceMe event until
 /// its session stops: about 140 bytes, measured on jaxlib (see the README,
@@ -58,22 +63,7 @@ impl Capture {
     /// Collects what the framework sessions recorded so far; with
     /// `restart`, each session goes on recording in a new one.
     pub(super) fn collect_framework(&mut self, restart: bool) {
-        for session in &mut self.framework {
-            match session.collect(restart) {
-                Ok(r) => self.recordings.push(r),
-                Err(_) if session.target_exited() => self.traceme.warn(format!(
-                    "pid {}: exited during the capture: {} recorded inside it since the last \
-                     collection is lost with it; the rest of the trace is kept",
-                    session.pid,
-                    session.what_records()
-                )),
-                Err(why) => self.traceme.warn(format!(
-                    "pid {}: {}: {why}",
-                    session.pid,
-                    session.what_records()
-                )),
-            }
-        }
+        self.agent_questions_apart().0.collect_framework(restart);
     }
 
     /// Takes what the GPUs ran so far from the agents that record it: the
@@ -99,11 +89,78 @@ impl Capture {
     /// Asks the driver inside the targets for the names of the kernels
     /// launched so far by handles no symbol record names.
     pub(super) fn name_kernels(&mut self) {
-        if !self.families.cuda {
+        self.agent_questions_apart().0.name_kernels();
+    }
+
+    /// What asking the agents takes of the capture, and its collector
+    /// apart: another thread may drain that meanwhile.
+    pub(super) fn agent_questions_apart(&mut self) -> (AgentQuestions<'_>, &mut Collector) {
+        let Capture {
+            framework,
+            recordings,
+            traceme,
+            kernel_naming,
+            held,
+            families,
+            agent_for_devices,
+            collector,
+            ..
+        } = self;
+        let questions = AgentQuestions {
+            framework,
+            recordings,
+            traceme,
+            kernel_naming,
+            held,
+            cuda: families.cuda,
+            may_load_agent: *agent_for_devices,
+        };
+        (questions, collector)
+    }
+}
+
+/// The parts of a [`Capture`] its agents' answers go to. The answers can
+/// take seconds (an agent loaded into a target to name its kernels, one
+/// that is slow to answer), so a flight recorder's snapshot asks them while
+/// another thread drains the ring buffer, which these parts leave out.
+pub(super) struct AgentQuestions<'a> {
+    framework: &'a mut Vec<AgentSession>,
+    recordings: &'a mut Vec<AgentRecording>,
+    traceme: &'a mut TraceMeProbe,
+    kernel_naming: &'a mut KernelNaming,
+    held: &'a EncodedRecords,
+    cuda: bool,
+    may_load_agent: bool,
+}
+
+impl AgentQuestions<'_> {
+    /// [`Capture::collect_framework`].
+    pub(super) fn collect_framework(&mut self, restart: bool) {
+        for session in self.framework.iter_mut() {
+            match session.collect(restart) {
+                Ok(r) => self.recordings.push(r),
+                Err(_) if session.target_exited() => self.traceme.warn(format!(
+                    "pid {}: exited during the capture: {} recorded inside it since the last \
+                     collection is lost with it; the rest of the trace is kept",
+                    session.pid,
+                    session.what_records()
+                )),
+                Err(why) => self.traceme.warn(format!(
+                    "pid {}: {}: {why}",
+                    session.pid,
+                    session.what_records()
+                )),
+            }
+        }
+    }
+
+    /// [`Capture::name_kernels`].
+    pub(super) fn name_kernels(&mut self) {
+        if !self.cuda {
             return;
         }
         let unnamed = crate::timeline::cuda::unnamed_kernels(self.held.driver_records_iter());
         self.kernel_naming
-            .ask(unnamed, &mut self.framework, self.agent_for_devices);
+            .ask(unnamed, self.framework, self.may_load_agent);
     }
 }

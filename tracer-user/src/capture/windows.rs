@@ -11,7 +11,7 @@ use std::{
 
 use super::{Capture, traceme_findings};
 use crate::{
-    collect::{Collector, EncodedRecords},
+    collect::{Collector, EncodedRecords, Record},
     metrics::activity::ActivityTally,
     timeline::{
         self, RecordInput, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling,
@@ -73,13 +73,14 @@ impl Capture {
     /// records, and what the agents recorded, collected now. The capture
     /// goes on running: overlapping windows can share one set of probes.
     pub fn sources(&mut self) -> Sources<'_> {
-        self.sources_and_collector(None).0
+        self.sources_and_collector(None, true).0
     }
 
     /// [`timeline::assemble`] of `window` from what is held so far, while
     /// another thread goes on draining the ring buffer: a large window
     /// (a flight recorder's snapshot) takes long enough to build that the
-    /// ring would fill meanwhile. What it drained is taken in afterwards;
+    /// ring would fill meanwhile, and so can asking the agents first. What
+    /// it drained is taken in after each;
     /// the records a capture holds as the probes wrote them are held so
     /// from the start, as they take a fraction of their decoded size.
     pub fn assemble_while_draining(
@@ -88,30 +89,32 @@ impl Capture {
         dropped: u64,
         ended_early: Option<String>,
     ) -> Timeline {
-        let batch = std::mem::take(&mut self.drained);
         // Thread states still built as records arrive need them decoded.
         let hold = self
             .streamed
             .as_ref()
             .is_none_or(|s| streamed_fits(s, Some(window)));
-        let (sources, collector) = self.sources_and_collector(Some(window));
+        // The agents are asked first (a framework's recording, the names
+        // of kernels looked up before the probes came): loading an agent
+        // into a target takes a while, and one that does not answer
+        // holds the question for seconds.
+        let batch = std::mem::take(&mut self.drained);
+        let mut questions = self.agent_questions_apart();
+        let done = AtomicBool::new(false);
+        let (mut drained, arrived, tally) = std::thread::scope(|scope| {
+            let draining = scope.spawn(|| drain_until(questions.1, &done, hold, batch));
+            let asked = SetOnDrop(&done);
+            questions.0.collect_framework(true);
+            questions.0.name_kernels();
+            drop(asked);
+            draining.join().expect("the draining thread does not panic")
+        });
+        self.keep_drained(&mut drained, arrived, &tally);
+        let batch = drained;
+        let (sources, collector) = self.sources_and_collector(Some(window), false);
         let built = AtomicBool::new(false);
         let (timeline, (mut drained, arrived, tally)) = std::thread::scope(|scope| {
-            let draining = scope.spawn(|| {
-                let mut batch = batch;
-                let mut arrived = EncodedRecords::default();
-                let mut tally = ActivityTally::default();
-                while !built.load(Ordering::Acquire) {
-                    collector.wait(DRAIN_WHILE_BUILDING);
-                    if hold {
-                        collector
-                            .drain_holding(&mut arrived, &mut batch, |call| tally.count_call(call));
-                    } else {
-                        collector.drain(&mut batch);
-                    }
-                }
-                (batch, arrived, tally)
-            });
+            let draining = scope.spawn(|| drain_until(collector, &built, hold, batch));
             // Set however assembling ends: a panic must not leave the
             // scope waiting for the draining thread.
             let done = SetOnDrop(&built);
@@ -120,11 +123,23 @@ impl Capture {
             let drained = draining.join().expect("the draining thread does not panic");
             (timeline, drained)
         });
-        self.held.append(arrived);
-        self.activity.add(&tally);
-        self.take_in(&mut drained);
-        self.drained = drained;
+        self.keep_drained(&mut drained, arrived, &tally);
         timeline
+    }
+
+    /// Takes in what [`drain_until`] drained: `arrived`, held as written,
+    /// after the records held, and `drained`, the others, leaving it
+    /// empty for the next drain.
+    fn keep_drained(
+        &mut self,
+        drained: &mut Vec<Record>,
+        arrived: EncodedRecords,
+        tally: &ActivityTally,
+    ) {
+        self.held.append(arrived);
+        self.activity.add(tally);
+        self.take_in(drained);
+        self.drained = std::mem::take(drained);
     }
 
     /// The thread states built while recording, where they are `window`'s:
@@ -140,11 +155,18 @@ impl Capture {
     }
 
     /// [`Self::sources`] for `window`, and the collector, which they do
-    /// not borrow.
-    fn sources_and_collector(&mut self, window: Option<&Window>) -> (Sources<'_>, &mut Collector) {
+    /// not borrow; with `ask_agents`, what the agents recorded and the
+    /// kernel names they give are asked for first.
+    fn sources_and_collector(
+        &mut self,
+        window: Option<&Window>,
+        ask_agents: bool,
+    ) -> (Sources<'_>, &mut Collector) {
         let streamed = self.streamed_for(window);
-        self.collect_framework(true);
-        self.name_kernels();
+        if ask_agents {
+            self.collect_framework(true);
+            self.name_kernels();
+        }
         let mut names = HashMap::new();
         for t in &self.targets {
             for (tid, stat) in t.threads() {
@@ -194,4 +216,27 @@ impl Capture {
         };
         (sources, &mut self.collector)
     }
+}
+
+/// Drains `collector` until `done` is set, at most [`DRAIN_WHILE_BUILDING`]
+/// apart: the records a capture holds as the probes wrote them (with
+/// `hold`) into an [`EncodedRecords`] of their own, the driver calls among
+/// them counted, and the others into `batch`.
+fn drain_until(
+    collector: &mut Collector,
+    done: &AtomicBool,
+    hold: bool,
+    mut batch: Vec<Record>,
+) -> (Vec<Record>, EncodedRecords, ActivityTally) {
+    let mut arrived = EncodedRecords::default();
+    let mut tally = ActivityTally::default();
+    while !done.load(Ordering::Acquire) {
+        collector.wait(DRAIN_WHILE_BUILDING);
+        if hold {
+            collector.drain_holding(&mut arrived, &mut batch, |call| tally.count_call(call));
+        } else {
+            collector.drain(&mut batch);
+        }
+    }
+    (batch, arrived, tally)
 }
