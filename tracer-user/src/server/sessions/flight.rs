@@ -1,7 +1,12 @@
 //! The hub's side of the flight recorder: the commands that switch it on
 //! and off and take snapshots, and keeping it going on every tick.
 
-use std::{collections::BTreeSet, sync::atomic::Ordering, time::Duration, time::Instant};
+use std::{
+    collections::BTreeSet,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+    time::Instant,
+};
 
 use super::{Command, Hub, Session, SessionError, TRIM_AFTER_IDLE};
 use crate::server::{recorder::FlightRecorder, validate::SessionSpec};
@@ -76,6 +81,44 @@ impl Hub {
         counters.recorder_limit.store(0, Ordering::Relaxed);
         self.config.metrics.add_activity(&r.take_activity());
         self.detach(r);
+    }
+
+    /// Runs `work`, which may take a while (a capture's probes attached,
+    /// its timeline built, its agents asked), while another thread keeps
+    /// the flight recorder going: on a busy target its ring buffer fills
+    /// in a fraction of a second, and the hub drains it only between
+    /// steps. `work` finds the hub without its recorder.
+    pub(super) fn while_recording<T>(&mut self, work: impl FnOnce(&mut Hub) -> T) -> T {
+        let Some(mut recorder) = self.recorder.take() else {
+            return work(self);
+        };
+        let done = AtomicBool::new(false);
+        let out = std::thread::scope(|scope| {
+            let recording = std::thread::Builder::new()
+                .name("ebtrace-recorder".into())
+                .spawn_scoped(scope, || {
+                    while !done.load(Ordering::Acquire) {
+                        std::thread::park_timeout(recorder.drain_period());
+                        recorder.tick();
+                    }
+                });
+            if let Err(e) = &recording {
+                eprintln!("ebtrace: flight recorder: cannot start a thread to drain it: {e}");
+            }
+            let out = work(self);
+            done.store(true, Ordering::Release);
+            if let Ok(recording) = recording {
+                recording.thread().unpark();
+                if recording.join().is_err() {
+                    eprintln!(
+                        "ebtrace: flight recorder: its thread panicked while the hub was busy"
+                    );
+                }
+            }
+            out
+        });
+        self.recorder = Some(recorder);
+        out
     }
 
     /// Starts the flight recorder on every watched process.

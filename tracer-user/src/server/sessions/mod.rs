@@ -19,7 +19,10 @@
 //! Turning a timeline into the response (XSpace encoding, saving) and
 //! detaching (the kernel waits for an RCU grace period per program, tens
 //! of milliseconds each) happen on worker threads, so draining and the
-//! next attach go on meanwhile.
+//! next attach go on meanwhile. While the hub itself attaches a capture or
+//! builds a session's timeline, which can take seconds with an agent in
+//! the target, a thread of its own keeps the flight recorder drained
+//! ([`Hub::while_recording`]).
 //!
 //! - [`handle`]: the commands and the gRPC side's handle;
 //! - [`kept`]: probes kept between captures;
@@ -366,7 +369,7 @@ impl Hub {
             }
             let index = match self.joinable(&s).or_else(|| self.resume_kept(&s)) {
                 Some(i) => i,
-                None => match self.start_capture(s.spec.families) {
+                None => match self.while_recording(|hub| hub.start_capture(s.spec.families)) {
                     Ok(i) => i,
                     Err(e) => {
                         eprintln!("ebtrace: session {}: {e}", s.spec.session_id.escape_debug());
@@ -437,8 +440,8 @@ impl Hub {
 
     fn finish_due_sessions(&mut self) {
         let now = clock::monotonic_ns();
-        let mut finished: Vec<(Session, Timeline, Duration)> = Vec::new();
-        for r in &mut self.running {
+        let mut due: Vec<(usize, Session)> = Vec::new();
+        for (index, r) in self.running.iter_mut().enumerate() {
             let alive: BTreeSet<u32> = r
                 .targets
                 .iter()
@@ -455,15 +458,27 @@ impl Hub {
                     now >= stop || s.terminated || self.shutting_down || !traced_alive
                 });
             r.sessions = keep;
-            for s in done {
-                let (start, stop) = s.window.expect("running sessions have a window");
-                let early = (now < stop).then(|| end_reason(&s, self.shutting_down));
-                let stop = now.min(stop).max(start);
-                let building = Instant::now();
-                let tl = session_timeline(r, &s, start, stop, early);
-                finished.push((s, tl, building.elapsed()));
-            }
+            due.extend(done.into_iter().map(|s| (index, s)));
         }
+        if due.is_empty() {
+            return;
+        }
+        // Building a session's timeline (and asking its agents) can take
+        // seconds: the flight recorder goes on meanwhile.
+        let finished = self.while_recording(|hub| {
+            let shutting_down = hub.shutting_down;
+            due.into_iter()
+                .map(|(index, s)| {
+                    let r = &mut hub.running[index];
+                    let (start, stop) = s.window.expect("running sessions have a window");
+                    let early = (now < stop).then(|| end_reason(&s, shutting_down));
+                    let stop = now.min(stop).max(start);
+                    let building = Instant::now();
+                    let tl = session_timeline(r, &s, start, stop, early);
+                    (s, tl, building.elapsed())
+                })
+                .collect::<Vec<_>>()
+        });
         for (s, tl, built_in) in finished {
             self.deliver(s, tl, built_in);
         }
