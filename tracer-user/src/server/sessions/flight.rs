@@ -105,15 +105,16 @@ impl Hub {
             if let Err(e) = &recording {
                 eprintln!("ebtrace: flight recorder: cannot start a thread to drain it: {e}");
             }
+            let stop = StopOnDrop {
+                done: &done,
+                thread: recording.as_ref().ok().map(|r| r.thread().clone()),
+            };
             let out = work(self);
-            done.store(true, Ordering::Release);
-            if let Ok(recording) = recording {
-                recording.thread().unpark();
-                if recording.join().is_err() {
-                    eprintln!(
-                        "ebtrace: flight recorder: its thread panicked while the hub was busy"
-                    );
-                }
+            drop(stop);
+            if let Ok(recording) = recording
+                && recording.join().is_err()
+            {
+                eprintln!("ebtrace: flight recorder: its thread panicked while the hub was busy");
             }
             out
         });
@@ -195,6 +196,22 @@ impl Hub {
         if let Err(e) = self.start_recorder(spec) {
             eprintln!("ebtrace: the flight recorder could not start: {e}");
             self.recorder_wanted = false;
+        }
+    }
+}
+
+/// Stops the thread of [`Hub::while_recording`] when dropped: also when
+/// the work panics, which would otherwise leave the scope waiting for it.
+struct StopOnDrop<'a> {
+    done: &'a AtomicBool,
+    thread: Option<std::thread::Thread>,
+}
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Release);
+        if let Some(t) = &self.thread {
+            t.unpark();
         }
     }
 }
