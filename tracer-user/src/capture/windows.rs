@@ -3,15 +3,11 @@
 //! goes on being drained; and the one window whose scheduling is built
 //! while it is recorded.
 
-use std::{
-    collections::HashMap,
-    sync::atomic::{AtomicBool, Ordering},
-    time::Duration,
-};
+use std::{collections::HashMap, time::Duration};
 
 use super::{Capture, traceme_findings};
 use crate::{
-    collect::{Collector, EncodedRecords, Record},
+    collect::{Collector, DrainStop, EncodedRecords, Record, StopOnDrop},
     metrics::activity::ActivityTally,
     timeline::{
         self, RecordInput, Sources, Timeline, TraceMeInput, Window, streamed::StreamedScheduling,
@@ -21,15 +17,6 @@ use crate::{
 /// How long the draining thread of [`Capture::assemble_while_draining`]
 /// waits between drains at most.
 const DRAIN_WHILE_BUILDING: Duration = Duration::from_millis(20);
-
-/// Sets its flag when dropped.
-struct SetOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for SetOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
 
 /// Whether the thread states `streamed` builds are `window`'s (see
 /// [`Capture::streamed_for`]).
@@ -100,26 +87,26 @@ impl Capture {
         // holds the question for seconds.
         let batch = std::mem::take(&mut self.drained);
         let mut questions = self.agent_questions_apart();
-        let done = AtomicBool::new(false);
+        let asked = DrainStop::new();
         let (mut drained, arrived, tally) = std::thread::scope(|scope| {
-            let draining = scope.spawn(|| drain_until(questions.1, &done, hold, batch));
-            let asked = SetOnDrop(&done);
+            let draining = scope.spawn(|| drain_until(questions.1, &asked, hold, batch));
+            // Stopped however asking ends: a panic must not leave the
+            // scope waiting for the draining thread.
+            let stop = StopOnDrop(&asked);
             questions.0.collect_framework(true);
             questions.0.name_kernels();
-            drop(asked);
+            drop(stop);
             draining.join().expect("the draining thread does not panic")
         });
         self.keep_drained(&mut drained, arrived, &tally);
-        let batch = drained;
+        let batch = std::mem::take(&mut self.drained);
         let (sources, collector) = self.sources_and_collector(Some(window), false);
-        let built = AtomicBool::new(false);
+        let built = DrainStop::new();
         let (timeline, (mut drained, arrived, tally)) = std::thread::scope(|scope| {
             let draining = scope.spawn(|| drain_until(collector, &built, hold, batch));
-            // Set however assembling ends: a panic must not leave the
-            // scope waiting for the draining thread.
-            let done = SetOnDrop(&built);
+            let stop = StopOnDrop(&built);
             let timeline = timeline::assemble(sources, window, dropped, ended_early);
-            drop(done);
+            drop(stop);
             let drained = draining.join().expect("the draining thread does not panic");
             (timeline, drained)
         });
@@ -218,20 +205,20 @@ impl Capture {
     }
 }
 
-/// Drains `collector` until `done` is set, at most [`DRAIN_WHILE_BUILDING`]
+/// Drains `collector` until `stop`, at most [`DRAIN_WHILE_BUILDING`]
 /// apart: the records a capture holds as the probes wrote them (with
 /// `hold`) into an [`EncodedRecords`] of their own, the driver calls among
 /// them counted, and the others into `batch`.
 fn drain_until(
     collector: &mut Collector,
-    done: &AtomicBool,
+    stop: &DrainStop,
     hold: bool,
     mut batch: Vec<Record>,
 ) -> (Vec<Record>, EncodedRecords, ActivityTally) {
     let mut arrived = EncodedRecords::default();
     let mut tally = ActivityTally::default();
-    while !done.load(Ordering::Acquire) {
-        collector.wait(DRAIN_WHILE_BUILDING);
+    while !stop.is_stopped() {
+        collector.wait_unless_stopped(DRAIN_WHILE_BUILDING, stop);
         if hold {
             collector.drain_holding(&mut arrived, &mut batch, |call| tally.count_call(call));
         } else {

@@ -8,12 +8,14 @@
 mod decode;
 mod encoded;
 mod ring;
+mod stop;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 
 pub use decode::{DecodeError, DriverCallCounted, Record, StackSample, TraceMeEvent, decode};
 pub use encoded::{EncodedRecords, RecordPlace, is_driver_record};
 pub use ring::{RingError, RingReader, RingUsage};
+pub use stop::{DrainStop, StopOnDrop};
 
 pub struct Collector {
     ring: RingReader,
@@ -55,14 +57,28 @@ impl Collector {
 
     /// Waits until the kernel forces a wake-up or `timeout` passes.
     pub fn wait(&self, timeout: Duration) {
-        let mut pfd = libc::pollfd {
-            fd: self.ring.fd().as_raw_fd(),
+        self.poll(timeout, None);
+    }
+
+    /// [`Self::wait`], which `stop` also ends.
+    pub fn wait_unless_stopped(&self, timeout: Duration, stop: &DrainStop) {
+        if !stop.is_stopped() {
+            self.poll(timeout, stop.event_fd());
+        }
+    }
+
+    fn poll(&self, timeout: Duration, also: Option<i32>) {
+        let watch = |fd| libc::pollfd {
+            fd,
             events: libc::POLLIN,
             revents: 0,
         };
+        let mut fds = [watch(self.ring.fd().as_raw_fd()), watch(also.unwrap_or(-1))];
+        let count = if also.is_some() { 2 } else { 1 };
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd; EINTR (e.g. Ctrl-C) just ends the wait early.
-        unsafe { libc::poll(&mut pfd, 1, ms) };
+        // SAFETY: `count` valid pollfds; EINTR (e.g. Ctrl-C) just ends the
+        // wait early.
+        unsafe { libc::poll(fds.as_mut_ptr(), count, ms) };
     }
 
     /// Moves everything in the ring buffer into `out`, decoded; returns

@@ -1,0 +1,100 @@
+//! Telling a thread that drains the ring buffer to stop, without waiting
+//! for its poll to time out.
+
+use std::{
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    sync::atomic::{AtomicBool, Ordering},
+};
+
+/// A flag and an eventfd that wakes a [`super::Collector::wait_unless_stopped`]
+/// when the flag is set: the producers do not wake the collector per record,
+/// so its wait would otherwise last its whole timeout.
+pub struct DrainStop {
+    stopped: AtomicBool,
+    /// `None` where no eventfd could be made (out of descriptors): the
+    /// wait then ends at its timeout.
+    event: Option<OwnedFd>,
+}
+
+impl DrainStop {
+    pub fn new() -> Self {
+        // SAFETY: eventfd takes no pointers; a valid descriptor it returns
+        // is ours alone.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        DrainStop {
+            stopped: AtomicBool::new(false),
+            // SAFETY: `fd` is a new descriptor nothing else owns.
+            event: (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) }),
+        }
+    }
+
+    /// Sets the flag and wakes the thread waiting on it.
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        if let Some(event) = &self.event {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a live buffer to our eventfd. It
+            // cannot fail but by overflow, which leaves it readable anyway.
+            unsafe { libc::write(event.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        }
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    /// The descriptor that becomes readable at [`Self::stop`].
+    pub(super) fn event_fd(&self) -> Option<i32> {
+        self.event.as_ref().map(|e| e.as_raw_fd())
+    }
+}
+
+impl Default for DrainStop {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Calls [`DrainStop::stop`] when dropped: also when the work beside the
+/// draining thread panics, which would otherwise leave its scope waiting.
+pub struct StopOnDrop<'a>(pub &'a DrainStop);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_stop_is_seen_and_wakes_a_poll_on_it() {
+        let stop = DrainStop::new();
+        assert!(!stop.is_stopped());
+        let fd = stop.event_fd().expect("an eventfd");
+        let poll = |ms| {
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pfd, 1, ms) }
+        };
+        assert_eq!(poll(0), 0, "not readable before the stop");
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                drop(StopOnDrop(&stop));
+            });
+            let started = Instant::now();
+            assert_eq!(poll(10_000), 1);
+            assert!(started.elapsed() < Duration::from_secs(5));
+        });
+        assert!(stop.is_stopped());
+    }
+}
