@@ -14,7 +14,8 @@ Steps (all by default):
                       loop's own count, two GetSnapshot calls, every kernel
                       in them named, peak memory)
   recorder_threads    (not by default) ebtrace's CPU per thread on the launch
-                      loop, stack samples at 99 Hz and at 1 Hz
+                      loop, stack samples at 99 Hz, the default 19 Hz and
+                      1 Hz
   recorder_ab         with --baseline OTHER_EBTRACE: the recorder's cost on
                       the --ab-loops (jax, launches), OTHER_EBTRACE and this
                       one taking turns on one target, untraced between them
@@ -447,13 +448,13 @@ def thread_cpu_ns(pid):
 
 def step_recorder_threads():
     """Where the recorder's CPU goes on the launch loop: each thread's share
-    over 10 s, with stack samples at the default 99 Hz and at 1 Hz."""
+    over 10 s, with stack samples at 99 Hz, the default 19 Hz and 1 Hz."""
     t = Target("launches")
     r = R["recorder_threads"] = {}
     try:
         time.sleep(3)
-        for hz in ["99", "1"]:
-            s = serve(t.pid, f"--sample-hz {hz}")
+        for hz in ["99", "19", "1"]:
+            s = serve(t.pid, f"--retain-sample-hz {hz}")
             time.sleep(10)
             a, t0 = thread_cpu_ns(s.pid), time.time()
             time.sleep(10)
@@ -462,7 +463,7 @@ def step_recorder_threads():
             for tid, (name, ns) in b.items():
                 shares[name] = shares.get(name, 0) + 100 * (ns - a.get(tid, (name, 0))[1]) / 1e9 / (t1 - t0)
             r[hz] = {"total_pct": sum(shares.values()), "threads_pct": shares}
-            log(f"--sample-hz {hz}: ebtrace {r[hz]['total_pct']:.2f}% of a CPU: {shares}")
+            log(f"--retain-sample-hz {hz}: ebtrace {r[hz]['total_pct']:.2f}% of a CPU: {shares}")
             s.send_signal(signal.SIGTERM)
             s.wait(timeout=30)
     finally:

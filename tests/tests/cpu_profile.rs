@@ -629,7 +629,7 @@ fn a_library_loaded_while_the_recorder_runs_gets_its_names() {
         &fixture.pid.to_string(),
         "--retain",
         "30s",
-        "--sample-hz",
+        "--retain-sample-hz",
         "199",
     ]);
     assert!(
@@ -671,4 +671,45 @@ fn a_library_loaded_while_the_recorder_runs_gets_its_names() {
             .map(|s| (&s.name, s.stats["cpu_sample_stack"].as_str()))
             .collect::<Vec<_>>()
     );
+}
+
+/// The flight recorder samples at a rate of its own, low by default as it
+/// samples for as long as it runs (a CPU profile asks for its own), and
+/// not at all at 0: the samples on the hot thread's line against the time
+/// the same snapshot says it ran.
+#[test]
+fn the_recorder_samples_at_its_own_rate_and_not_at_all_at_zero() {
+    if !require_root("the_recorder_samples_at_its_own_rate_and_not_at_all_at_zero") {
+        return;
+    }
+    let _serial = serial();
+    let fixture = Hotspot::start();
+    let pid = fixture.pid.to_string();
+    for (rate, hz) in [(None, 19.0), (Some("0"), 0.0)] {
+        let mut args = vec!["--pid", &pid, "--retain", "30s"];
+        args.extend(rate.map(|r| ["--retain-sample-hz", r]).into_iter().flatten());
+        let server = ServeProcess::loopback(&args);
+        assert!(
+            server
+                .wait_line("flight recorder on", Duration::from_secs(30))
+                .is_some(),
+            "{:?}",
+            server.lines()
+        );
+        assert_eq!(sampling_loaded(), hz > 0.0, "at {hz} Hz");
+        std::thread::sleep(Duration::from_secs(3));
+        let space = server.snapshot("recorder-rate");
+        let hot = line_events(plane(&space, "/host:CPU"), i64::from(fixture.hot_tid));
+        let running = xspace::sum_named(&hot, "Running");
+        assert!(running > 1e9, "the hot thread ran {running} ns");
+        let samples = hot
+            .iter()
+            .filter(|e| e.stats.contains_key("cpu_sample_stack"))
+            .count() as f64;
+        let expected = running * hz / 1e9;
+        assert!(
+            (0.7 * expected..=1.3 * expected).contains(&samples),
+            "{samples} samples at {hz} Hz over {running} ns on a CPU, {expected:.0} expected"
+        );
+    }
 }

@@ -91,7 +91,14 @@ fn xprof_snapshot_holds_what_happened_before_it_was_asked() {
     let _serial = serial();
     // late-starter: created 2 s after the start, runs 200 ms, exits.
     let workload = SchedWorkload::start(&["--late-thread-ms", "2000"]);
-    let server = ServeProcess::loopback(&["--pid", &workload.pid.to_string()]);
+    // More samples than the recorder's default takes: 200 ms at 19 Hz
+    // is 3 or 4 of them.
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &workload.pid.to_string(),
+        "--retain-sample-hz",
+        "99",
+    ]);
     let addr = format!("127.0.0.1:{}", server.port());
     let logdir = TempDir::new("snapshot");
     let start = format!(
@@ -130,7 +137,7 @@ fn xprof_snapshot_holds_what_happened_before_it_was_asked() {
         (150e6..260e6).contains(&running),
         "the late thread ran {running} ns (200 ms of CPU)"
     );
-    // Its CPU stacks were sampled (99 times a second by default) while it
+    // Its CPU stacks were sampled (99 times a second) while it
     // ran: a tick for each 10 ms on a CPU, most in its own function.
     let samples: Vec<_> = events
         .iter()

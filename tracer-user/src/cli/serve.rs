@@ -76,9 +76,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
     pub http: Option<SocketAddr>,
 
-    /// Stack samples a second per CPU: of CPU profiles (a request's `hz`
-    /// overrides it), and of the flight recorder, which lays them on its
-    /// snapshots' thread lines.
+    /// Stack samples a second per CPU of CPU profiles (a request's `hz`
+    /// overrides it).
     #[arg(long, value_name = "HZ", default_value_t = crate::attach::cpu_sample::DEFAULT_HZ,
           value_parser = clap::value_parser!(u64).range(1..=crate::attach::cpu_sample::MAX_HZ))]
     pub sample_hz: u64,
@@ -96,6 +95,13 @@ pub struct ServeArgs {
     /// are forgotten (and counted).
     #[arg(long, value_name = "MIB", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub retain_memory: u32,
+
+    /// Stack samples a second per CPU the flight recorder takes and lays
+    /// on its snapshots' thread lines (0: none). It samples for as long as
+    /// it runs: the default is low; a CPU profile asks for its own rate.
+    #[arg(long, value_name = "HZ", default_value_t = crate::attach::cpu_sample::RECORDER_DEFAULT_HZ,
+          value_parser = clap::value_parser!(u32).range(0..=crate::attach::cpu_sample::MAX_HZ as i64))]
+    pub retain_sample_hz: u32,
 
     /// Kernel ring buffer size in MiB (a power of two), shared by the
     /// captures in progress.
@@ -141,7 +147,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         retention: Retention {
             window: args.retain.unwrap_or(DEFAULT_RETAIN),
             memory_bytes: args.retain_memory as usize * 1024 * 1024,
-            cpu_sample_hz: args.sample_hz as u32,
+            cpu_sample_hz: args.retain_sample_hz,
         },
         record_from_start: args.retain.is_some(),
     })

@@ -71,7 +71,7 @@ struct Row {
     unit: &'static str,
     /// Which binary recorded: "built" or "against".
     binary: &'static str,
-    /// The recorder's stack samples a second per CPU (`--sample-hz`).
+    /// The recorder's stack samples a second per CPU (`--retain-sample-hz`).
     sample_hz: &'static str,
     /// The target's own rate (round trips/s) untraced and with the recorder.
     rate: (f64, f64),
@@ -122,12 +122,12 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
         binaries.push(("against", against.as_path()));
     }
     let mut rows = Vec::new();
-    // 1 Hz against the default 99: what the stack samples cost.
+    // 1 Hz against the default: what the stack samples cost.
     for (target, mode, sample_hz) in [
         (Target::Mixed, "mixed", "1"),
-        (Target::Mixed, "mixed", "99"),
+        (Target::Mixed, "mixed", DEFAULT_HZ),
         (Target::Pingpong, "pingpong", "1"),
-        (Target::Pingpong, "pingpong", "99"),
+        (Target::Pingpong, "pingpong", DEFAULT_HZ),
     ] {
         if !opts.runs(target) {
             continue;
@@ -153,12 +153,12 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
     for (mode, gap_ns) in [("cuda, flat out", 0), ("cuda, 10 µs apart", 10_000)] {
         let untraced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |_| Ok(()))?;
         for &(binary, path) in &binaries {
-            let recorded = recorded_run(&runtime, path, mode, "99", opts, &mut rows);
+            let recorded = recorded_run(&runtime, path, mode, DEFAULT_HZ, opts, &mut rows);
             let traced = cuda_rate(&lib_dir, &workload, gap_ns, opts, recorded)?;
             if let Some(r) = rows.last_mut() {
                 r.rate = (untraced, traced);
                 r.unit = "launches";
-                r.sample_hz = "99";
+                r.sample_hz = DEFAULT_HZ;
                 r.binary = binary;
             }
         }
@@ -193,6 +193,26 @@ fn recorded_run<'a>(
     }
 }
 
+/// The recorder's stack-sampling rate when none is given
+/// (`--retain-sample-hz`).
+const DEFAULT_HZ: &str = "19";
+
+/// The flag that sets the recorder's sampling rate: `--retain-sample-hz`,
+/// or, for a binary `--against` that predates it, `--sample-hz`.
+fn sample_rate_flag(ebtrace: &Path) -> Result<&'static str> {
+    let help = std::process::Command::new(ebtrace)
+        .args(["serve", "--help"])
+        .output()
+        .with_context(|| format!("running {} serve --help", ebtrace.display()))?;
+    Ok(
+        if String::from_utf8_lossy(&help.stdout).contains("--retain-sample-hz") {
+            "--retain-sample-hz"
+        } else {
+            "--sample-hz"
+        },
+    )
+}
+
 /// `ebtrace serve --pid PID --retain ...`, once its recorder is on, and its
 /// CPU readings from then.
 fn start_recorder(
@@ -210,7 +230,7 @@ fn start_recorder(
             &retain,
             "--http",
             "127.0.0.1:0",
-            "--sample-hz",
+            sample_rate_flag(ebtrace)?,
             sample_hz,
         ],
     )?;
@@ -248,14 +268,14 @@ fn jax_rows(
     let from = jax::monotonic_s();
     let (untraced, _) = target.measure(from, from + opts.seconds)?;
     for &(binary, path) in binaries {
-        let (server, readings) = start_recorder(path, target.pid, opts, "99")?;
+        let (server, readings) = start_recorder(path, target.pid, opts, DEFAULT_HZ)?;
         let from = jax::monotonic_s();
         let (traced, _) = target.measure(from, from + opts.seconds)?;
         let mut row = measure(runtime, "jax", &server, readings)?;
         server.stop()?;
         row.rate = (untraced, traced);
         row.unit = "steps";
-        row.sample_hz = "99";
+        row.sample_hz = DEFAULT_HZ;
         row.binary = binary;
         rows.push(row);
     }
