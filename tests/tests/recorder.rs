@@ -849,6 +849,20 @@ fn kernels_a_snapshot_could_not_name_are_named_by_the_next() {
         unresolved(&during) > 0,
         "named with another agent in the process"
     );
+    // It did not wait for the capture's agent to go, which loading one
+    // would have (5 s).
+    let answered_ms = server
+        .lines()
+        .iter()
+        .find_map(|l| {
+            let (_, rest) = l.split_once("(answered ")?;
+            rest.split_once(" ms")?.0.parse::<u64>().ok()
+        })
+        .expect("the server says when it answered the snapshot");
+    assert!(
+        answered_ms < 4000,
+        "the snapshot taken beside another agent was answered after {answered_ms} ms"
+    );
     let waiting = std::time::Instant::now();
     while agent_threads(pid) > 0 {
         assert!(

@@ -47,7 +47,7 @@ impl KernelNaming {
             let answer = match sessions.iter_mut().find(|s| s.pid == pid) {
                 Some(session) => session.name_kernels(&handles),
                 None if may_load_agent && crate::procfs::is_alive(pid) => {
-                    AgentSession::connect(pid).and_then(|mut visit| {
+                    AgentSession::connect_unless_busy(pid).and_then(|mut visit| {
                         let names = visit.name_kernels(&handles);
                         visit
                             .close()

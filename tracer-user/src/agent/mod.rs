@@ -148,8 +148,25 @@ impl AgentSession {
     /// loaded now) without starting anything: for requests that need no
     /// session ([`Self::name_kernels`]).
     pub fn connect(pid: u32) -> Result<Self, String> {
+        Self::connect_waiting(pid, true)
+    }
+
+    /// [`Self::connect`] for a question that can wait for a later try (a
+    /// flight recorder's snapshot naming kernels): where another agent
+    /// runs in `pid` (a capture's, or one stopping after its ebtrace
+    /// ended), it fails at once rather than wait seconds for that one.
+    pub fn connect_unless_busy(pid: u32) -> Result<Self, String> {
+        Self::connect_waiting(pid, false)
+    }
+
+    fn connect_waiting(pid: u32, wait: bool) -> Result<Self, String> {
         let (injected, control) = match connect_preloaded(pid) {
             Some(control) => (None, control),
+            None if !wait && crate::attach::inject::agent_thread_running(pid) => {
+                return Err(format!(
+                    "another agent is in pid {pid} now (another capture's)"
+                ));
+            }
             None => {
                 let (injected, control) =
                     inject::load(pid, LIBRARY, ATTACH).map_err(|e| e.to_string())?;

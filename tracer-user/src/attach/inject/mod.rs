@@ -249,8 +249,9 @@ fn is_agent_thread(pid: u32, tid: u32) -> bool {
         .is_ok_and(|c| c.starts_with(AGENT_THREAD_PREFIX))
 }
 
-/// Whether an agent's thread runs in `pid`.
-fn agent_thread_running(pid: u32) -> bool {
+/// Whether an agent's thread runs in `pid`: another capture's, or one an
+/// ebtrace that ended is stopping, which [`load`] waits for.
+pub fn agent_thread_running(pid: u32) -> bool {
     crate::procfs::thread_ids(pid)
         .is_ok_and(|tids| tids.into_iter().any(|t| is_agent_thread(pid, t)))
 }
