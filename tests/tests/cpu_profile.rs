@@ -687,7 +687,11 @@ fn the_recorder_samples_at_its_own_rate_and_not_at_all_at_zero() {
     let pid = fixture.pid.to_string();
     for (rate, hz) in [(None, 19.0), (Some("0"), 0.0)] {
         let mut args = vec!["--pid", &pid, "--retain", "30s"];
-        args.extend(rate.map(|r| ["--retain-sample-hz", r]).into_iter().flatten());
+        args.extend(
+            rate.map(|r| ["--retain-sample-hz", r])
+                .into_iter()
+                .flatten(),
+        );
         let server = ServeProcess::loopback(&args);
         assert!(
             server
