@@ -73,17 +73,21 @@ pub mod layout {
 /// `const char *` name argument copied on success (0: none); bit 24 set
 /// when the function has no return probe: its entry probe writes the
 /// [`super::CudaCall`] itself ([`super::flags::ENTRY_ONLY`]); bits 25..29
-/// how many words of [`super::CudaCall::extra`] its entry program fills,
-/// and so how many the record carries ([`super::CudaCall::written_size`]).
+/// how many words of [`super::CudaCall::extra`] its entry program fills;
+/// bits 29..32 how many arguments the function takes in registers (at most
+/// six). The record carries those arguments and words, no more
+/// ([`super::CudaCall::written_size`]).
 pub mod cookie {
     pub const FUNCTION_MASK: u64 = 0xffff;
     pub const OUT_SHIFT: u32 = 16;
     pub const NAME_SHIFT: u32 = 20;
     pub const ENTRY_ONLY: u64 = 1 << 24;
     pub const EXTRA_SHIFT: u32 = 25;
+    pub const ARGS_SHIFT: u32 = 29;
 
     pub const fn encode(
         function: u16,
+        args: usize,
         extra_words: usize,
         out_arg: Option<u8>,
         name_arg: Option<u8>,
@@ -100,12 +104,24 @@ pub mod cookie {
             | (out & 0xf) << OUT_SHIFT
             | (name & 0xf) << NAME_SHIFT
             | (extra_words as u64 & 0xf) << EXTRA_SHIFT
+            | (args as u64 & 0x7) << ARGS_SHIFT
     }
 
     /// The cookie of a function probed at its entry only (it has neither
     /// an out-pointer nor a name to read after the call).
-    pub const fn encode_entry_only(function: u16, extra_words: usize) -> u64 {
-        encode(function, extra_words, None, None) | ENTRY_ONLY
+    pub const fn encode_entry_only(function: u16, args: usize, extra_words: usize) -> u64 {
+        encode(function, args, extra_words, None, None) | ENTRY_ONLY
+    }
+
+    /// How many of the six register arguments the function's record
+    /// carries.
+    pub const fn args(cookie: u64) -> usize {
+        let n = ((cookie >> ARGS_SHIFT) & 0x7) as usize;
+        if n > super::REGISTER_ARGS {
+            super::REGISTER_ARGS
+        } else {
+            n
+        }
     }
 
     /// How many words of [`super::CudaCall::extra`] the function's record
@@ -150,7 +166,25 @@ pub mod flags {
     /// Written at the call's entry, by a function probed there only: the
     /// call took no time as recorded, and its `result` is not known (0).
     pub const ENTRY_ONLY: u16 = 1;
+    /// Bits 8..11: how many of [`super::CudaCall::args`] the record
+    /// carries (the function's register arguments); the others read as 0.
+    pub const ARGS_SHIFT: u16 = 8;
+    pub const ARGS_MASK: u16 = 0x7 << ARGS_SHIFT;
+
+    /// `flags` saying the record carries `args` arguments.
+    pub const fn with_args(flags: u16, args: usize) -> u16 {
+        (flags & !ARGS_MASK) | ((args as u16) << ARGS_SHIFT & ARGS_MASK)
+    }
+
+    /// How many arguments a record with `flags` carries (possibly more
+    /// than it can: the decoder checks).
+    pub const fn args(flags: u16) -> usize {
+        ((flags & ARGS_MASK) >> ARGS_SHIFT) as usize
+    }
 }
+
+/// Arguments passed in registers (x86-64 SysV: rdi, rsi, rdx, rcx, r8, r9).
+pub const REGISTER_ARGS: usize = 6;
 
 /// Words of stack arguments or struct fields a call can carry.
 pub const EXTRA_WORDS: usize = 8;
@@ -170,7 +204,7 @@ pub mod extra_words {
 pub struct PendingCall {
     pub start_ns: u64,
     /// The six register arguments: rdi, rsi, rdx, rcx, r8, r9.
-    pub args: [u64; 6],
+    pub args: [u64; REGISTER_ARGS],
     /// Stack arguments or struct fields, per the function's shape.
     pub extra: [u64; EXTRA_WORDS],
 }
@@ -178,12 +212,14 @@ pub struct PendingCall {
 /// One completed driver call; the header's `ts_ns` is the return time (the
 /// entry time for a call written at its entry, [`flags::ENTRY_ONLY`]).
 ///
-/// The probes write only the words of `extra` the function's shape fills
-/// (none for most functions, three for `cuLaunchKernel`): the header's
-/// `size` says how many ([`CudaCall::written_size`]), and the words not
-/// written read as 0. A flood of launches then moves 120 bytes a call
-/// through the ring (128 with the ring's own header) and into the
-/// recorder's memory, rather than 160 (168).
+/// The probes write the fixed part, then only the arguments the function
+/// takes in registers ([`flags::args`] says how many), then only the words
+/// of `extra` its shape fills (none for most functions, three for
+/// `cuLaunchKernel`), one after the other: the header's `size` says how
+/// many words there are ([`CudaCall::written_size`]), and the fields not
+/// written read as 0. A `cuStreamSynchronize` then takes 56 bytes of the
+/// ring (64 with the ring's own header, one cache line) rather than 96
+/// (104), and a `cuLaunchKernel` 120 (128).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CudaCall {
@@ -201,41 +237,44 @@ pub struct CudaCall {
     /// The 8 bytes the out-pointer argument points to after the call (0 if
     /// the function has none or they could not be read).
     pub out_value: u64,
-    pub args: [u64; 6],
-    /// Last, so that a record carrying fewer words is this one cut short.
+    pub args: [u64; REGISTER_ARGS],
     pub extra: [u64; EXTRA_WORDS],
 }
 
 impl CudaCall {
-    /// Bytes of a record up to its extra words.
-    pub const FIXED_SIZE: usize = core::mem::offset_of!(CudaCall, extra);
+    /// Bytes of a record before its words.
+    pub const FIXED_SIZE: usize = core::mem::offset_of!(CudaCall, args);
 
-    /// The size of a record carrying `extra_words` of [`Self::extra`].
-    pub const fn written_size(extra_words: usize) -> usize {
-        Self::FIXED_SIZE + extra_words * 8
+    /// Most words a record carries: every argument and every extra word.
+    pub const MAX_WORDS: usize = REGISTER_ARGS + EXTRA_WORDS;
+
+    /// The size of a record carrying `words` words (arguments, then extra
+    /// words).
+    pub const fn written_size(words: usize) -> usize {
+        Self::FIXED_SIZE + words * 8
     }
 
-    /// How many extra words a record of `size` bytes carries, if a
-    /// [`CudaCall`] can have that size.
-    pub const fn extra_words_of_size(size: usize) -> Option<usize> {
+    /// How many words a record of `size` bytes carries, if a [`CudaCall`]
+    /// can have that size.
+    pub const fn words_of_size(size: usize) -> Option<usize> {
         if size < Self::FIXED_SIZE || size > core::mem::size_of::<CudaCall>() {
             return None;
         }
-        let extra = size - Self::FIXED_SIZE;
-        if extra.is_multiple_of(8) {
-            Some(extra / 8)
+        let words = size - Self::FIXED_SIZE;
+        if words.is_multiple_of(8) {
+            Some(words / 8)
         } else {
             None
         }
     }
 }
 
-/// What the probes reserve in the ring for a call carrying `N` extra
-/// words: the fixed part of a [`CudaCall`], then the words.
+/// What the probes reserve in the ring for a call carrying `W` words: the
+/// fixed part of a [`CudaCall`], then the words.
 #[repr(C)]
-pub struct CudaCallWritten<const N: usize> {
+pub struct CudaCallWritten<const W: usize> {
     pub fixed: [u64; CudaCall::FIXED_SIZE / 8],
-    pub extra: [u64; N],
+    pub words: [u64; W],
 }
 
 /// A `CUfunction` / `CUkernel` handle and the name it was looked up by
@@ -273,42 +312,55 @@ mod tests {
     fn layouts_are_padded_to_8_bytes() {
         assert_eq!(size_of::<PendingCall>(), 120);
         assert_eq!(size_of::<CudaCall>(), 160);
-        assert_eq!(CudaCall::FIXED_SIZE, 96);
-        assert_eq!(size_of::<CudaCallWritten<3>>(), CudaCall::written_size(3));
-        assert_eq!(size_of::<CudaCallWritten<8>>(), size_of::<CudaCall>());
+        assert_eq!(CudaCall::FIXED_SIZE, 48);
+        assert_eq!(size_of::<CudaCallWritten<9>>(), CudaCall::written_size(9));
+        assert_eq!(
+            size_of::<CudaCallWritten<{ CudaCall::MAX_WORDS }>>(),
+            size_of::<CudaCall>()
+        );
         assert_eq!(size_of::<CudaSymbol>(), 40 + CUDA_NAME_LEN);
     }
 
     #[test]
-    fn a_record_size_tells_its_extra_words() {
-        for n in 0..=EXTRA_WORDS {
-            assert_eq!(
-                CudaCall::extra_words_of_size(CudaCall::written_size(n)),
-                Some(n)
-            );
+    fn a_record_size_tells_its_words() {
+        for n in 0..=CudaCall::MAX_WORDS {
+            assert_eq!(CudaCall::words_of_size(CudaCall::written_size(n)), Some(n));
         }
-        for size in [0, 95, 97, 100, 161, 168] {
-            assert_eq!(CudaCall::extra_words_of_size(size), None, "{size}");
+        for size in [0, 47, 49, 100, 161, 168] {
+            assert_eq!(CudaCall::words_of_size(size), None, "{size}");
+        }
+    }
+
+    #[test]
+    fn flags_carry_the_argument_count_beside_the_other_bits() {
+        for n in 0..=REGISTER_ARGS {
+            let f = flags::with_args(flags::ENTRY_ONLY, n);
+            assert_eq!(flags::args(f), n);
+            assert_eq!(f & flags::ENTRY_ONLY, flags::ENTRY_ONLY);
+            assert_eq!(flags::args(flags::with_args(f, 2)), 2);
         }
     }
 
     #[test]
     fn cookies_round_trip() {
-        let c = cookie::encode(513, 3, Some(0), Some(2));
+        let c = cookie::encode(513, 6, 3, Some(0), Some(2));
         assert_eq!(cookie::function(c), 513);
         assert_eq!(cookie::out_arg(c), Some(0));
         assert_eq!(cookie::name_arg(c), Some(2));
         assert_eq!(cookie::extra_words(c), 3);
+        assert_eq!(cookie::args(c), 6);
         assert!(!cookie::entry_only(c));
-        let c = cookie::encode(7, 8, None, None);
+        let c = cookie::encode(7, 0, 8, None, None);
         assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
         assert_eq!(cookie::extra_words(c), 8);
-        let c = cookie::encode_entry_only(513, 0);
+        assert_eq!(cookie::args(c), 0);
+        let c = cookie::encode_entry_only(513, 1, 0);
         assert_eq!(cookie::function(c), 513);
         assert!(cookie::entry_only(c));
         assert_eq!((cookie::out_arg(c), cookie::name_arg(c)), (None, None));
-        assert_eq!(cookie::extra_words(c), 0);
-        // More words than a record has are read as all of them.
-        assert_eq!(cookie::extra_words(cookie::encode(1, 15, None, None)), 8);
+        assert_eq!((cookie::args(c), cookie::extra_words(c)), (1, 0));
+        // More than a record has are read as all of them.
+        assert_eq!(cookie::extra_words(cookie::encode(1, 0, 15, None, None)), 8);
+        assert_eq!(cookie::args(cookie::encode(1, 7, 0, None, None)), 6);
     }
 }

@@ -204,7 +204,8 @@ pub fn cuda_return(ctx: RetProbeContext) -> u32 {
 
 /// Writes one [`CudaCall`]: at its return, or at its entry for a function
 /// probed there only (then the header's time is the entry's). It carries
-/// as many extra words as the cookie says the function's shape fills.
+/// as many arguments as the function takes in registers and as many extra
+/// words as its shape fills, both from the cookie.
 #[inline(always)]
 fn submit_call(
     tid: u32,
@@ -215,38 +216,54 @@ fn submit_call(
     out_value: u64,
     call_flags: u16,
 ) {
+    use extra_words::{LAUNCH_CONFIG as LAUNCH, MEMCPY2D as M2D, MEMCPY3D as M3D, STACK};
     let a = (tid, tgid, cookie, call, result, out_value, call_flags);
-    // A reservation's size must be a constant: one branch per shape (and
-    // direct calls: BPF has no indirect ones).
-    match cookie::extra_words(cookie) {
-        extra_words::REGISTERS => submit_sized::<{ extra_words::REGISTERS }>(a),
-        extra_words::STACK => submit_sized::<{ extra_words::STACK }>(a),
-        extra_words::LAUNCH_CONFIG => submit_sized::<{ extra_words::LAUNCH_CONFIG }>(a),
-        extra_words::MEMCPY2D => submit_sized::<{ extra_words::MEMCPY2D }>(a),
-        extra_words::MEMCPY3D => submit_sized::<{ extra_words::MEMCPY3D }>(a),
-        _ => submit_sized::<EXTRA_WORDS>(a),
+    // A reservation's size must be a constant, and so must the copies the
+    // verifier proves in bounds: one branch per number of register
+    // arguments and extra words a function's record carries (and direct
+    // calls: BPF has no indirect ones).
+    match (cookie::args(cookie), cookie::extra_words(cookie)) {
+        (0, 0) => submit_sized::<0, 0, 0>(a),
+        (1, 0) => submit_sized::<1, 0, 1>(a),
+        (2, 0) => submit_sized::<2, 0, 2>(a),
+        (3, 0) => submit_sized::<3, 0, 3>(a),
+        (4, 0) => submit_sized::<4, 0, 4>(a),
+        (5, 0) => submit_sized::<5, 0, 5>(a),
+        (6, 0) => submit_sized::<6, 0, 6>(a),
+        // `cuLaunchKernel`: six registers, three stack words.
+        (6, STACK) => submit_sized::<6, STACK, { 6 + STACK }>(a),
+        // `cuLaunchKernelEx`: four registers, the launch config's fields.
+        (4, LAUNCH) => submit_sized::<4, LAUNCH, { 4 + LAUNCH }>(a),
+        // The 2D and 3D copies: the struct, and a stream for the async ones.
+        (1, M2D) => submit_sized::<1, M2D, { 1 + M2D }>(a),
+        (2, M2D) => submit_sized::<2, M2D, { 2 + M2D }>(a),
+        (1, M3D) => submit_sized::<1, M3D, { 1 + M3D }>(a),
+        (2, M3D) => submit_sized::<2, M3D, { 2 + M3D }>(a),
+        _ => submit_sized::<6, EXTRA_WORDS, { CudaCall::MAX_WORDS }>(a),
     }
 }
 
 /// What [`submit_call`] writes a record of.
 type CallParts<'a> = (u32, u32, u64, &'a PendingCall, u32, u64, u16);
 
-/// [`submit_call`] for a function whose record carries `N` extra words.
+/// [`submit_call`] for a function whose record carries `A` register
+/// arguments, then `E` extra words: `W` words in all.
 #[inline(always)]
-fn submit_sized<const N: usize>(
+fn submit_sized<const A: usize, const E: usize, const W: usize>(
     (tid, tgid, cookie, call, result, out_value, call_flags): CallParts<'_>,
 ) {
-    let Some(mut entry) = EVENTS.reserve::<CudaCallWritten<N>>(0) else {
+    const { assert!(A + E == W && A <= 6 && E <= EXTRA_WORDS) };
+    let Some(mut entry) = EVENTS.reserve::<CudaCallWritten<W>>(0) else {
         bump(tracer_common::stat::DROPPED_RINGBUF_FULL);
         return;
     };
     let rec = entry.as_mut_ptr().cast::<CudaCall>();
-    // SAFETY: `rec` is a reserved record of `CudaCall::written_size(N)`
-    // bytes: the fixed fields and the first `N` extra words, each written
+    // SAFETY: `rec` is a reserved record of `CudaCall::written_size(W)`
+    // bytes: the fixed fields and `W` words after them, each written
     // through the raw pointer (no reference to the whole `CudaCall`,
     // which is longer) before the submit.
     unsafe {
-        (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCallWritten<N>>());
+        (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCallWritten<W>>());
         if call_flags & flags::ENTRY_ONLY != 0 {
             (*rec).header.ts_ns = call.start_ns;
         }
@@ -254,15 +271,19 @@ fn submit_sized<const N: usize>(
         (*rec).tgid = tgid;
         (*rec).start_ns = call.start_ns;
         (*rec).function = cookie::function(cookie);
-        (*rec).flags = call_flags;
+        (*rec).flags = flags::with_args(call_flags, A);
         (*rec).result = result;
         (*rec).out_value = out_value;
-        (*rec).args = call.args;
-        let extra = (&raw mut (*rec).extra).cast::<u64>();
+        let words = (&raw mut (*rec).args).cast::<u64>();
         let mut i = 0;
-        while i < N && i < EXTRA_WORDS {
-            extra.add(i).write(call.extra[i]);
+        while i < A {
+            words.add(i).write(call.args[i]);
             i += 1;
+        }
+        let mut k = 0;
+        while k < E {
+            words.add(A + k).write(call.extra[k]);
+            k += 1;
         }
     }
     entry.submit(count_submit());

@@ -7,7 +7,7 @@
 //! 12); `_ptsz`/`_ptds` are the per-thread-default-stream builds of the same
 //! function, whose NULL stream is the calling thread's own default stream.
 
-use tracer_common::cuda::{cookie, extra_words, shape};
+use tracer_common::cuda::{REGISTER_ARGS, cookie, extra_words, shape};
 
 /// Which entry program saves a function's arguments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,15 +217,96 @@ impl DriverFunction {
         )
     }
 
+    /// How many arguments it takes in registers (x86-64 SysV: the first
+    /// six), which its records carry.
+    pub fn register_args(&self) -> usize {
+        arity(self.base_name()).map_or(REGISTER_ARGS, |n| n.min(REGISTER_ARGS))
+    }
+
+    /// Its name without the per-thread-stream suffix.
+    fn base_name(&self) -> &'static str {
+        let name = self.name;
+        name.strip_suffix("_ptsz")
+            .or_else(|| name.strip_suffix("_ptds"))
+            .unwrap_or(name)
+    }
+
     /// The attach cookie of the function with table index `id`.
     pub fn cookie(&self, id: u16) -> u64 {
         let extra = self.shape().extra_words();
+        let args = self.register_args();
         if self.entry_only() {
-            cookie::encode_entry_only(id, extra)
+            cookie::encode_entry_only(id, args, extra)
         } else {
-            cookie::encode(id, extra, self.out_arg(), self.name_arg())
+            cookie::encode(id, args, extra, self.out_arg(), self.name_arg())
         }
     }
+}
+
+/// How many arguments the driver function `name` (of [`FUNCTIONS`], without
+/// a per-thread suffix) takes, as `cuda.h` declares it.
+fn arity(name: &str) -> Option<usize> {
+    Some(match name {
+        "cuCtxSynchronize" => 0,
+        "cuMemFree_v2"
+        | "cuMemFreeHost"
+        | "cuStreamSynchronize"
+        | "cuEventSynchronize"
+        | "cuCtxSetCurrent"
+        | "cuCtxPushCurrent_v2"
+        | "cuCtxPopCurrent_v2"
+        | "cuCtxGetCurrent"
+        | "cuCtxGetDevice"
+        | "cuCtxDestroy_v2"
+        | "cuStreamDestroy_v2"
+        | "cuMemcpy2D_v2"
+        | "cuMemcpy2DUnaligned_v2"
+        | "cuMemcpy3D_v2" => 1,
+        "cuGraphLaunch"
+        | "cuMemcpy2DAsync_v2"
+        | "cuMemcpy3DAsync_v2"
+        | "cuMemAlloc_v2"
+        | "cuMemAllocHost_v2"
+        | "cuMemFreeAsync"
+        | "cuDeviceGet"
+        | "cuDevicePrimaryCtxRetain"
+        | "cuStreamCreate"
+        | "cuStreamGetCtx"
+        | "cuKernelGetFunction" => 2,
+        "cuMemcpy"
+        | "cuMemcpyHtoD_v2"
+        | "cuMemcpyDtoH_v2"
+        | "cuMemcpyDtoD_v2"
+        | "cuMemsetD8_v2"
+        | "cuMemsetD16_v2"
+        | "cuMemsetD32_v2"
+        | "cuMemAllocManaged"
+        | "cuMemHostAlloc"
+        | "cuMemAllocAsync"
+        | "cuStreamWaitEvent"
+        | "cuCtxCreate_v2"
+        | "cuStreamCreateWithPriority"
+        | "cuModuleGetFunction"
+        | "cuLibraryGetKernel" => 3,
+        "cuLaunchKernelEx"
+        | "cuMemcpyAsync"
+        | "cuMemcpyHtoDAsync_v2"
+        | "cuMemcpyDtoHAsync_v2"
+        | "cuMemcpyDtoDAsync_v2"
+        | "cuMemsetD8Async"
+        | "cuMemsetD16Async"
+        | "cuMemsetD32Async"
+        | "cuMemAllocFromPoolAsync"
+        | "cuCtxCreate_v4" => 4,
+        "cuMemcpyPeer" | "cuMemsetD2D8_v2" | "cuMemsetD2D16_v2" | "cuMemsetD2D32_v2"
+        | "cuMemAllocPitch_v2" | "cuCtxCreate_v3" => 5,
+        "cuMemcpyPeerAsync" | "cuMemsetD2D8Async" | "cuMemsetD2D16Async" | "cuMemsetD2D32Async" => {
+            6
+        }
+        "cuLaunchCooperativeKernel" => 10,
+        "cuLaunchKernel" => 11,
+        _ => return None,
+    })
 }
 
 /// Which of [`FUNCTIONS`] a capture probes.
@@ -634,7 +715,50 @@ mod tests {
                 Op::CtxCreate { device } => vec![device],
                 _ => vec![],
             };
-            assert!(indices.iter().all(|&i| i < 6), "{}", f.name);
+            let out = [f.out_arg(), f.name_arg()].into_iter().flatten();
+            let args = f.register_args();
+            assert!(
+                indices.iter().all(|&i| i < args) && out.into_iter().all(|i| usize::from(i) < args),
+                "{}: {indices:?} of {args} arguments",
+                f.name
+            );
         }
+    }
+
+    /// Every function's number of arguments is known, and is what the
+    /// stand-in driver's header (written to `cuda.h`'s signatures)
+    /// declares, where it declares the function.
+    #[test]
+    fn arities_are_cuda_hs() {
+        let header = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/cuda_driver.h"
+        ))
+        .expect("the stand-in driver's header");
+        let mut declared = std::collections::HashMap::new();
+        for entry in header.split("X(").skip(1) {
+            let Some((name, rest)) = entry.split_once(',') else {
+                continue;
+            };
+            let Some(params) = rest.split_once('(').and_then(|(_, p)| p.split_once(')')) else {
+                continue;
+            };
+            let params = params.0.replace('\\', " ");
+            let count = if params.trim() == "void" {
+                0
+            } else {
+                params.split(',').count()
+            };
+            declared.insert(name.trim().to_string(), count);
+        }
+        let mut checked = 0;
+        for f in FUNCTIONS {
+            let arity = arity(f.base_name()).unwrap_or_else(|| panic!("{}: no arity", f.name));
+            if let Some(&n) = declared.get(f.name) {
+                assert_eq!(arity, n, "{}", f.name);
+                checked += 1;
+            }
+        }
+        assert!(checked > 30, "{checked} functions in the header");
     }
 }

@@ -4,7 +4,7 @@
 use tracer_common::{
     ProcessFork, RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew, TaskRename,
     TraceMeRecord,
-    cuda::{CudaCall, CudaSymbol},
+    cuda::{CudaCall, CudaSymbol, EXTRA_WORDS, REGISTER_ARGS, flags},
     stack::{
         FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
         StackSampleRecord, StackSampleWithCopy,
@@ -248,7 +248,7 @@ pub fn held_record_len(bytes: &[u8]) -> Option<usize> {
         RecordKind::TaskRename => size_of::<TaskRename>(),
         RecordKind::CudaCall => {
             let size = usize::from(header.size);
-            return (CudaCall::extra_words_of_size(size).is_some() && bytes.len() >= size)
+            return (CudaCall::words_of_size(size).is_some() && bytes.len() >= size)
                 .then_some(size);
         }
         RecordKind::CudaSymbol => size_of::<CudaSymbol>(),
@@ -291,7 +291,7 @@ pub fn driver_call_counted(bytes: &[u8]) -> Option<DriverCallCounted> {
     let header = header(bytes)?;
     let size = usize::from(header.size);
     if header.kind != RecordKind::CudaCall as u16
-        || CudaCall::extra_words_of_size(size).is_none()
+        || CudaCall::words_of_size(size).is_none()
         || bytes.len() < size
     {
         return None;
@@ -329,39 +329,63 @@ pub fn encode(record: &Record, out: &mut Vec<u8>) -> bool {
     true
 }
 
-/// A driver call as the probes write it: without the extra words past the
-/// last one that is not 0, which decode as 0.
+/// A driver call as the probes write it: the arguments its flags count (or
+/// up to the last that is not 0, if that is further), then its extra words
+/// up to the last that is not 0 (the others decode as 0).
 fn encode_driver_call(call: &CudaCall, out: &mut Vec<u8>) {
-    let words = call
-        .extra
-        .iter()
-        .rposition(|&w| w != 0)
-        .map_or(0, |i| i + 1);
-    let size = CudaCall::written_size(words);
-    let mut call = *call;
-    call.header.size = size as u16;
-    out.extend_from_slice(&bytes_of(&call)[..size]);
+    let carried = |words: &[u64]| words.iter().rposition(|&w| w != 0).map_or(0, |i| i + 1);
+    let args = flags::args(call.flags)
+        .max(carried(&call.args))
+        .min(REGISTER_ARGS);
+    let extra = carried(&call.extra);
+    let mut fixed = *call;
+    fixed.header.size = CudaCall::written_size(args + extra) as u16;
+    fixed.flags = flags::with_args(call.flags, args);
+    out.extend_from_slice(&bytes_of(&fixed)[..CudaCall::FIXED_SIZE]);
+    for word in call.args[..args].iter().chain(&call.extra[..extra]) {
+        out.extend_from_slice(&word.to_le_bytes());
+    }
 }
 
-/// A driver call carries the fixed part and as many extra words as its
-/// size says; the others read as 0.
+/// A driver call carries the fixed part and as many words as its size
+/// says: the arguments its flags count, then its extra words; the fields
+/// not carried read as 0.
 fn read_driver_call(bytes: &[u8], claimed: usize) -> Result<CudaCall, DecodeError> {
-    if CudaCall::extra_words_of_size(claimed).is_none() || bytes.len() < claimed {
-        return Err(DecodeError::Size {
-            kind: RecordKind::CudaCall,
-            claimed,
-            expected: size_of::<CudaCall>(),
-            got: bytes.len(),
-        });
-    }
+    let too_short = || DecodeError::Size {
+        kind: RecordKind::CudaCall,
+        claimed,
+        expected: size_of::<CudaCall>(),
+        got: bytes.len(),
+    };
+    let Some(words) = CudaCall::words_of_size(claimed).filter(|_| bytes.len() >= claimed) else {
+        return Err(too_short());
+    };
     let mut call = std::mem::MaybeUninit::<CudaCall>::zeroed();
-    // SAFETY: `claimed` bytes, at most a whole `CudaCall` (checked above),
-    // copied over a zeroed one: all of its fields are plain integers, for
-    // which any bytes are a value.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), call.as_mut_ptr().cast::<u8>(), claimed);
-        Ok(call.assume_init())
+    // SAFETY: the fixed part of a `CudaCall` (`claimed` is at least that
+    // long, checked above) copied over a zeroed one: all of its fields are
+    // plain integers, for which any bytes are a value.
+    let mut call = unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            call.as_mut_ptr().cast::<u8>(),
+            CudaCall::FIXED_SIZE,
+        );
+        call.assume_init()
+    };
+    let args = flags::args(call.flags);
+    if args > REGISTER_ARGS || args > words || words - args > EXTRA_WORDS {
+        return Err(too_short());
     }
+    let mut carried = bytes[CudaCall::FIXED_SIZE..claimed]
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+    for (slot, word) in call.args[..args].iter_mut().zip(&mut carried) {
+        *slot = word;
+    }
+    for (slot, word) in call.extra.iter_mut().zip(carried) {
+        *slot = word;
+    }
+    Ok(call)
 }
 
 fn bytes_of<T: aya::Pod>(record: &T) -> &[u8] {
@@ -512,7 +536,7 @@ mod tests {
             tgid: 40,
             start_ns: 8_500,
             function: 17,
-            flags: 0xffff,
+            flags: flags::with_args(0xffff, 6),
             result: 700,
             args: [u64::MAX; 6],
             extra: [u64::MAX; 8],
@@ -540,24 +564,28 @@ mod tests {
         assert_eq!(driver_call_counted(&bytes_of(&switch)), None);
     }
 
-    /// A call written with fewer extra words than a `CudaCall` has (a
-    /// launch carries three) decodes with the others 0, is held and
-    /// counted at its own length, and encodes back to the same bytes.
+    /// A call written with only the arguments its function takes and the
+    /// extra words its shape fills (a `cuLaunchKernelEx` carries four and
+    /// five) decodes with the others 0, is held and counted at its own
+    /// length, and encodes back to the same bytes.
     #[test]
-    fn a_driver_call_carries_only_its_shapes_extra_words() {
+    fn a_driver_call_carries_only_its_functions_words() {
         let mut call = CudaCall {
-            header: RecordHeader::new(RecordKind::CudaCall, CudaCall::written_size(3), 1, 20),
+            header: RecordHeader::new(RecordKind::CudaCall, CudaCall::written_size(9), 1, 20),
             tid: 2,
             tgid: 2,
             start_ns: 10,
             function: 5,
-            flags: 0,
+            flags: flags::with_args(0, 4),
             result: 0,
-            args: [1, 2, 3, 4, 5, 6],
-            extra: [7, 8, 9, 0, 0, 0, 0, 0],
-            out_value: 11,
+            args: [1, 2, 0, 4, 0, 0],
+            extra: [7, 8, 9, 10, 11, 0, 0, 0],
+            out_value: 12,
         };
-        let written = bytes_of(&call)[..CudaCall::written_size(3)].to_vec();
+        let mut written = bytes_of(&call)[..CudaCall::FIXED_SIZE].to_vec();
+        for w in [1u64, 2, 0, 4, 7, 8, 9, 10, 11] {
+            written.extend_from_slice(&w.to_le_bytes());
+        }
         // What follows a record in the ring is not part of it.
         let mut in_ring = written.clone();
         in_ring.extend_from_slice(&[0xff; 64]);
@@ -565,20 +593,44 @@ mod tests {
             panic!("wrong kind")
         };
         assert_eq!((decoded.args, decoded.extra), (call.args, call.extra));
-        assert_eq!((decoded.out_value, decoded.start_ns), (11, 10));
+        assert_eq!((decoded.out_value, decoded.start_ns), (12, 10));
         assert_eq!(held_record_len(&in_ring), Some(written.len()));
         assert_eq!(driver_call_counted(&in_ring).unwrap().start_ns, 10);
         let mut encoded = Vec::new();
         assert!(encode(&Record::CudaCall(decoded), &mut encoded));
         assert_eq!(encoded, written);
 
-        // A size between two whole words, or cut short, is refused.
-        for (size, len) in [(CudaCall::written_size(3) - 4, 128), (128, 127)] {
-            call.header.size = size as u16;
-            let bytes = bytes_of(&call)[..len].to_vec();
-            assert!(decode(&bytes).is_err(), "{size} {len}");
-            assert_eq!(held_record_len(&bytes), None);
-            assert_eq!(driver_call_counted(&bytes), None);
+        // A call made without saying how many arguments it carries keeps
+        // those that are not 0.
+        call.flags = 0;
+        let mut encoded = Vec::new();
+        assert!(encode(&Record::CudaCall(Box::new(call)), &mut encoded));
+        let Record::CudaCall(decoded) = decode(&encoded).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!((decoded.args, decoded.extra), (call.args, call.extra));
+
+        // A size between two whole words, one cut short, or more
+        // arguments than the record or a call has, is refused.
+        let torn = [
+            (CudaCall::written_size(9) - 4, written.len(), 4),
+            (written.len(), written.len() - 1, 4),
+            (CudaCall::written_size(3), CudaCall::written_size(3), 4),
+            (written.len(), written.len(), 7),
+        ];
+        for (size, len, args) in torn {
+            let mut bytes = written.clone();
+            bytes.truncate(len);
+            let mut header = call.header;
+            header.size = size as u16;
+            bytes[..size_of::<RecordHeader>()].copy_from_slice(&bytes_of(&header));
+            let at = std::mem::offset_of!(CudaCall, flags);
+            bytes[at..at + 2].copy_from_slice(&flags::with_args(0, args).to_le_bytes());
+            assert!(decode(&bytes).is_err(), "{size} {len} {args}");
+            if len < size || size % 8 != 0 {
+                assert_eq!(held_record_len(&bytes), None, "{size} {len}");
+                assert_eq!(driver_call_counted(&bytes), None, "{size} {len}");
+            }
         }
     }
 
