@@ -4,8 +4,9 @@
 //!
 //! For each target, pinned to one CPU (the scheduling fixture's light
 //! `mixed` mode and its ping-pong; a jax loop, `jax_workload.py --bench`;
-//! `cuda_workload --bench-seconds` launching kernels flat out, and with
-//! 10 µs of its own work between launches): the target's rate untraced for
+//! `cuda_workload --bench-seconds` launching kernels flat out, with 10 µs
+//! of its own work between launches, and so with each launch made of the
+//! two driver calls jax's steps make most of): the target's rate untraced for
 //! the run's seconds, then with the recorder on for as long; ebtrace's own
 //! CPU time over that run (`/proc/PID/stat`) and from 10 s into it on (its
 //! steady state, once its one-off start is over), its resident memory, the
@@ -150,11 +151,23 @@ pub fn run(root: &Path, ebtrace: &Path, fixture: &Path, opts: &Options) -> Resul
         return Ok(render(&rows, opts));
     }
     let (lib_dir, workload) = ebtrace_tests::cuda::build();
-    for (mode, gap_ns) in [("cuda, flat out", 0), ("cuda, 10 µs apart", 10_000)] {
-        let untraced = cuda_rate(&lib_dir, &workload, gap_ns, opts, |_| Ok(()))?;
+    // Each launch alone, or after a cuCtxSetCurrent as jax's steps make
+    // them (`cuLaunchKernelEx`).
+    for (mode, gap_ns, calls) in [
+        ("cuda, flat out", 0, &[][..]),
+        ("cuda, 10 µs apart", 10_000, &[]),
+        ("cuda, jax's calls, 10 µs apart", 10_000, &["--bench-jax"]),
+    ] {
+        let loop_of = LaunchLoop {
+            lib_dir: &lib_dir,
+            workload: &workload,
+            gap_ns,
+            calls,
+        };
+        let untraced = cuda_rate(&loop_of, opts, |_| Ok(()))?;
         for &(binary, path) in &binaries {
             let recorded = recorded_run(&runtime, path, mode, DEFAULT_HZ, opts, &mut rows);
-            let traced = cuda_rate(&lib_dir, &workload, gap_ns, opts, recorded)?;
+            let traced = cuda_rate(&loop_of, opts, recorded)?;
             if let Some(r) = rows.last_mut() {
                 r.rate = (untraced, traced);
                 r.unit = "launches";
@@ -282,20 +295,29 @@ fn jax_rows(
     Ok(())
 }
 
+/// The stand-in driver's launch loop (`cuda_workload --bench-seconds`).
+struct LaunchLoop<'a> {
+    lib_dir: &'a Path,
+    workload: &'a Path,
+    /// ns of its own work between two launches.
+    gap_ns: u64,
+    /// More of its flags: which driver calls make a launch.
+    calls: &'a [&'a str],
+}
+
 /// Runs `cuda_workload --bench-seconds` for the run's seconds, calling `at`
 /// before its launches start and once they are over; its launches per
 /// second.
 fn cuda_rate(
-    lib_dir: &Path,
-    workload: &Path,
-    gap_ns: u64,
+    launches: &LaunchLoop<'_>,
     opts: &Options,
     mut at: impl FnMut(Phase) -> Result<()>,
 ) -> Result<f64> {
-    let mut child = harness::pinned(workload, opts.target_cpu)
+    let mut child = harness::pinned(launches.workload, opts.target_cpu)
         .args(["--bench-seconds", &opts.seconds.to_string()])
-        .args(["--bench-gap-ns", &gap_ns.to_string()])
-        .env("LD_LIBRARY_PATH", lib_dir)
+        .args(["--bench-gap-ns", &launches.gap_ns.to_string()])
+        .args(launches.calls)
+        .env("LD_LIBRARY_PATH", launches.lib_dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
