@@ -166,6 +166,11 @@ pub mod flags {
     /// Written at the call's entry, by a function probed there only: the
     /// call took no time as recorded, and its `result` is not known (0).
     pub const ENTRY_ONLY: u16 = 1;
+    /// A `cuLaunchKernel` (or its cooperative and per-thread kin) whose
+    /// 32-bit arguments, the grid and block dimensions and the shared
+    /// memory bytes, are packed two to a word ([`super::pack_launch`]): six
+    /// words rather than its six register arguments and three stack words.
+    pub const PACKED_LAUNCH: u16 = 2;
     /// Bits 8..11: how many of [`super::CudaCall::args`] the record
     /// carries (the function's register arguments); the others read as 0.
     pub const ARGS_SHIFT: u16 = 8;
@@ -185,6 +190,50 @@ pub mod flags {
 
 /// Arguments passed in registers (x86-64 SysV: rdi, rsi, rdx, rcx, r8, r9).
 pub const REGISTER_ARGS: usize = 6;
+
+/// Words of a [`flags::PACKED_LAUNCH`] record.
+pub const PACKED_LAUNCH_WORDS: usize = 6;
+
+/// A `cuLaunchKernel`'s register arguments (function, grid x, y, z, block
+/// x, y) and stack words (block z, shared memory bytes, stream) in
+/// [`PACKED_LAUNCH_WORDS`] words: the function, the seven 32-bit values two
+/// to a word (the low half first), the stream. The registers' and stack
+/// slots' upper halves are not the caller's to set and are left out.
+#[inline(always)]
+pub fn pack_launch(
+    args: &[u64; REGISTER_ARGS],
+    extra: &[u64; EXTRA_WORDS],
+) -> [u64; PACKED_LAUNCH_WORDS] {
+    let pair = |low: u64, high: u64| (low & 0xffff_ffff) | (high << 32);
+    [
+        args[0],
+        pair(args[1], args[2]),
+        pair(args[3], args[4]),
+        pair(args[5], extra[0]),
+        extra[1] & 0xffff_ffff,
+        extra[2],
+    ]
+}
+
+/// The arguments and stack words [`pack_launch`] packed, each 32-bit value
+/// zero-extended.
+pub fn unpack_launch(
+    words: &[u64; PACKED_LAUNCH_WORDS],
+) -> ([u64; REGISTER_ARGS], [u64; STACK_WORDS]) {
+    let low = |w: u64| w & 0xffff_ffff;
+    let high = |w: u64| w >> 32;
+    (
+        [
+            words[0],
+            low(words[1]),
+            high(words[1]),
+            low(words[2]),
+            high(words[2]),
+            low(words[3]),
+        ],
+        [high(words[3]), low(words[4]), words[5]],
+    )
+}
 
 /// Words of stack arguments or struct fields a call can carry.
 pub const EXTRA_WORDS: usize = 8;
@@ -339,6 +388,24 @@ mod tests {
             assert_eq!(f & flags::ENTRY_ONLY, flags::ENTRY_ONLY);
             assert_eq!(flags::args(flags::with_args(f, 2)), 2);
         }
+    }
+
+    #[test]
+    fn a_launch_packs_and_unpacks_its_32_bit_arguments() {
+        let garbage = 0xdead_beef_0000_0000;
+        let args = [
+            0x7f00_1234_5678,
+            garbage | 16,
+            garbage | 2,
+            1,
+            256,
+            garbage | 1,
+        ];
+        let mut extra = [0; EXTRA_WORDS];
+        extra[..3].copy_from_slice(&[garbage | 4, garbage | 1024, 0x5555_0000_1000]);
+        let (a, x) = unpack_launch(&pack_launch(&args, &extra));
+        assert_eq!(a, [0x7f00_1234_5678, 16, 2, 1, 256, 1]);
+        assert_eq!(x, [4, 1024, 0x5555_0000_1000]);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 use tracer_common::{
     ProcessFork, RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TaskExit, TaskNew, TaskRename,
     TraceMeRecord,
-    cuda::{CudaCall, CudaSymbol, EXTRA_WORDS, REGISTER_ARGS, flags},
+    cuda::{
+        CudaCall, CudaSymbol, EXTRA_WORDS, PACKED_LAUNCH_WORDS, REGISTER_ARGS, flags, unpack_launch,
+    },
     stack::{
         FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
         StackSampleRecord, StackSampleWithCopy,
@@ -372,13 +374,27 @@ fn read_driver_call(bytes: &[u8], claimed: usize) -> Result<CudaCall, DecodeErro
         );
         call.assume_init()
     };
+    let mut carried = bytes[CudaCall::FIXED_SIZE..claimed]
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+    if call.flags & flags::PACKED_LAUNCH != 0 {
+        if words != PACKED_LAUNCH_WORDS {
+            return Err(too_short());
+        }
+        let mut packed = [0; PACKED_LAUNCH_WORDS];
+        for (slot, word) in packed.iter_mut().zip(carried) {
+            *slot = word;
+        }
+        let (args, stack) = unpack_launch(&packed);
+        call.args = args;
+        call.extra[..stack.len()].copy_from_slice(&stack);
+        call.flags = flags::with_args(call.flags & !flags::PACKED_LAUNCH, REGISTER_ARGS);
+        return Ok(call);
+    }
     let args = flags::args(call.flags);
     if args > REGISTER_ARGS || args > words || words - args > EXTRA_WORDS {
         return Err(too_short());
     }
-    let mut carried = bytes[CudaCall::FIXED_SIZE..claimed]
-        .chunks_exact(8)
-        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
     for (slot, word) in call.args[..args].iter_mut().zip(&mut carried) {
         *slot = word;
     }
@@ -536,7 +552,7 @@ mod tests {
             tgid: 40,
             start_ns: 8_500,
             function: 17,
-            flags: flags::with_args(0xffff, 6),
+            flags: flags::with_args(!flags::PACKED_LAUNCH, 6),
             result: 700,
             args: [u64::MAX; 6],
             extra: [u64::MAX; 8],
@@ -632,6 +648,51 @@ mod tests {
                 assert_eq!(driver_call_counted(&bytes), None, "{size} {len}");
             }
         }
+    }
+
+    /// A launch written packed decodes to its arguments and stack words,
+    /// as if written whole, and encodes whole; one packed into any other
+    /// number of words is refused.
+    #[test]
+    fn a_packed_launch_decodes_as_a_whole_one() {
+        let args = [0x7f00_1234_5678, 16, 2, 1, 256, 1];
+        let mut extra = [0; 8];
+        extra[..3].copy_from_slice(&[4, 1024, 0x5555_0000_1000]);
+        let call = CudaCall {
+            header: RecordHeader::new(RecordKind::CudaCall, CudaCall::written_size(6), 1, 20),
+            tid: 2,
+            tgid: 2,
+            start_ns: 10,
+            function: 0,
+            flags: flags::with_args(flags::PACKED_LAUNCH, 6),
+            result: 0,
+            args: [0; 6],
+            extra: [0; 8],
+            out_value: 0,
+        };
+        let mut written = bytes_of(&call)[..CudaCall::FIXED_SIZE].to_vec();
+        for w in tracer_common::cuda::pack_launch(&args, &extra) {
+            written.extend_from_slice(&w.to_le_bytes());
+        }
+        assert_eq!(written.len(), 96);
+        assert_eq!(held_record_len(&written), Some(96));
+        let Record::CudaCall(decoded) = decode(&written).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!((decoded.args, decoded.extra), (args, extra));
+        assert_eq!(decoded.flags, flags::with_args(0, 6));
+        let mut whole = Vec::new();
+        assert!(encode(&Record::CudaCall(decoded.clone()), &mut whole));
+        let Record::CudaCall(again) = decode(&whole).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert_eq!((again.args, again.extra), (args, extra));
+
+        let mut short = written[..88].to_vec();
+        let mut header = call.header;
+        header.size = 88;
+        short[..size_of::<RecordHeader>()].copy_from_slice(&bytes_of(&header));
+        assert!(decode(&short).is_err());
     }
 
     /// A wake-up's target CPU and whether it is a new task's share the
