@@ -268,7 +268,8 @@ pub struct PendingCall {
 /// many words there are ([`CudaCall::written_size`]), and the fields not
 /// written read as 0. A `cuStreamSynchronize` then takes 56 bytes of the
 /// ring (64 with the ring's own header, one cache line) rather than 96
-/// (104), and a `cuLaunchKernel` 120 (128).
+/// (104). A `cuLaunchKernel` is packed ([`flags::PACKED_LAUNCH`]): 96
+/// bytes rather than 120.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CudaCall {
