@@ -140,15 +140,25 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
         let runnable = sum_named(&events, "Runnable");
         let unknown = sum_named(&events, "Unknown");
         let kernel = (series.at(tid, stop) - series.at(tid, start)) as f64;
+        let runs = events
+            .iter()
+            .filter(|e| e.name == "Running" && e.start_ns > 0.0)
+            .count() as f64;
         // schedstat lags a running thread by up to a tick, and 0.5 ms
         // covers sampling at the edges of tiny totals.
         let slack = 0.5e6;
         // Time the hypervisor took the CPU from a running thread is in the
         // trace's Running and not in schedstat.
         let stolen = series.steal_bound_ns() as f64;
+        // At each switch, the kernel charges the thread before the switch's
+        // tracepoint fires: the time between, the probe's own run included
+        // (longer through a classic tracepoint), is in the trace's Running
+        // and not in schedstat. A thread that runs thousands of short turns
+        // (ping-pong) adds it up to a ms or two on a loaded machine.
+        let per_switch = 500.0 * runs;
         let report = format!(
-            "{name}: trace {:.3} ms on CPU ({:.3} runnable, {:.3} unknown), schedstat {:.3} ms, \
-             steal at most {:.0} ms",
+            "{name}: trace {:.3} ms on CPU in {runs} turns ({:.3} runnable, {:.3} unknown), \
+             schedstat {:.3} ms, steal at most {:.0} ms",
             on_cpu / 1e6,
             runnable / 1e6,
             unknown / 1e6,
@@ -165,17 +175,16 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
             // the next run-queue clock update, so schedstat starts counting
             // at the wake-up: it may include part of the runnable wait, but
             // never less than the time between switch-in and switch-out.
-            assert!(kernel + stolen >= 0.95 * on_cpu - slack, "{report}");
+            assert!(
+                kernel + stolen >= 0.95 * on_cpu - slack - per_switch,
+                "{report}"
+            );
             assert!(
                 kernel <= 1.05 * (on_cpu + runnable + unknown) + slack,
                 "{report}"
             );
         }
         // And the number of times it ran agrees with the kernel's count.
-        let runs = events
-            .iter()
-            .filter(|e| e.name == "Running" && e.start_ns > 0.0)
-            .count() as f64;
         let unknowns = events.iter().filter(|e| e.name == "Unknown").count() as f64;
         let kernel_runs =
             series.timeslices_at(tid, stop) as f64 - series.timeslices_at(tid, start) as f64;
