@@ -250,31 +250,20 @@ type CallParts<'a> = (u32, u32, u64, &'a PendingCall, u32, u64, u16);
 /// [`submit_call`] for a function whose record carries `A` register
 /// arguments, then `E` extra words: `W` words in all.
 #[inline(always)]
-fn submit_sized<const A: usize, const E: usize, const W: usize>(
-    (tid, tgid, cookie, call, result, out_value, call_flags): CallParts<'_>,
-) {
+fn submit_sized<const A: usize, const E: usize, const W: usize>(parts: CallParts<'_>) {
     const { assert!(A + E == W && A <= 6 && E <= EXTRA_WORDS) };
     let Some(mut entry) = EVENTS.reserve::<CudaCallWritten<W>>(0) else {
         bump(tracer_common::stat::DROPPED_RINGBUF_FULL);
         return;
     };
+    let call = parts.3;
     let rec = entry.as_mut_ptr().cast::<CudaCall>();
     // SAFETY: `rec` is a reserved record of `CudaCall::written_size(W)`
     // bytes: the fixed fields and `W` words after them, each written
     // through the raw pointer (no reference to the whole `CudaCall`,
     // which is longer) before the submit.
     unsafe {
-        (*rec).header = header(RecordKind::CudaCall, size_of::<CudaCallWritten<W>>());
-        if call_flags & flags::ENTRY_ONLY != 0 {
-            (*rec).header.ts_ns = call.start_ns;
-        }
-        (*rec).tid = tid;
-        (*rec).tgid = tgid;
-        (*rec).start_ns = call.start_ns;
-        (*rec).function = cookie::function(cookie);
-        (*rec).flags = flags::with_args(call_flags, A);
-        (*rec).result = result;
-        (*rec).out_value = out_value;
+        write_fixed(rec, size_of::<CudaCallWritten<W>>(), parts, A, 0);
         let words = (&raw mut (*rec).args).cast::<u64>();
         let mut i = 0;
         while i < A {
@@ -294,34 +283,58 @@ fn submit_sized<const A: usize, const E: usize, const W: usize>(
 /// word ([`flags::PACKED_LAUNCH`]): the most frequent record of a launch
 /// loop in 96 bytes rather than 120.
 #[inline(always)]
-fn submit_launch((tid, tgid, cookie, call, result, out_value, call_flags): CallParts<'_>) {
+fn submit_launch(parts: CallParts<'_>) {
     let Some(mut entry) = EVENTS.reserve::<CudaCallWritten<PACKED_LAUNCH_WORDS>>(0) else {
         bump(tracer_common::stat::DROPPED_RINGBUF_FULL);
         return;
     };
+    let call = parts.3;
     let words = pack_launch(&call.args, &call.extra);
     let rec = entry.as_mut_ptr().cast::<CudaCall>();
+    let size = size_of::<CudaCallWritten<PACKED_LAUNCH_WORDS>>();
     // SAFETY: `rec` is a reserved record of
     // `CudaCall::written_size(PACKED_LAUNCH_WORDS)` bytes: the fixed fields
     // and the packed words after them, each written through the raw
     // pointer before the submit.
     unsafe {
-        (*rec).header = header(
-            RecordKind::CudaCall,
-            size_of::<CudaCallWritten<PACKED_LAUNCH_WORDS>>(),
-        );
-        (*rec).tid = tid;
-        (*rec).tgid = tgid;
-        (*rec).start_ns = call.start_ns;
-        (*rec).function = cookie::function(cookie);
-        (*rec).flags = flags::with_args(call_flags | flags::PACKED_LAUNCH, REGISTER_ARGS);
-        (*rec).result = result;
-        (*rec).out_value = out_value;
+        write_fixed(rec, size, parts, REGISTER_ARGS, flags::PACKED_LAUNCH);
         (&raw mut (*rec).args)
             .cast::<[u64; PACKED_LAUNCH_WORDS]>()
             .write(words);
     }
     entry.submit(count_submit());
+}
+
+/// Writes the fixed part of a [`CudaCall`] of `size` bytes carrying
+/// `args` register arguments, with `more_flags` beside the call's own.
+///
+/// # Safety
+///
+/// `rec` points to a reserved record of at least
+/// [`CudaCall::FIXED_SIZE`] bytes.
+#[inline(always)]
+unsafe fn write_fixed(
+    rec: *mut CudaCall,
+    size: usize,
+    (tid, tgid, cookie, call, result, out_value, call_flags): CallParts<'_>,
+    args: usize,
+    more_flags: u16,
+) {
+    // SAFETY: the fixed fields lie within the record (the caller's
+    // promise), each written through the raw pointer.
+    unsafe {
+        (*rec).header = header(RecordKind::CudaCall, size);
+        if call_flags & flags::ENTRY_ONLY != 0 {
+            (*rec).header.ts_ns = call.start_ns;
+        }
+        (*rec).tid = tid;
+        (*rec).tgid = tgid;
+        (*rec).start_ns = call.start_ns;
+        (*rec).function = cookie::function(cookie);
+        (*rec).flags = flags::with_args(call_flags | more_flags, args);
+        (*rec).result = result;
+        (*rec).out_value = out_value;
+    }
 }
 
 /// Sends a looked-up handle with its name, copied straight into the ring
