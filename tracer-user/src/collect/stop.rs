@@ -1,9 +1,10 @@
 //! Telling a thread that drains the ring buffer to stop, without waiting
-//! for its poll to time out.
+//! for its poll or its timer to run out.
 
 use std::{
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
 };
 
 /// A flag and an eventfd that wakes a [`super::Collector::wait_unless_stopped`]
@@ -43,6 +44,25 @@ impl DrainStop {
         self.stopped.load(Ordering::Acquire)
     }
 
+    /// Waits until [`Self::stop`] or `timeout` passes.
+    pub fn wait(&self, timeout: Duration) {
+        if self.is_stopped() {
+            return;
+        }
+        let Some(fd) = self.event_fd() else {
+            std::thread::sleep(timeout);
+            return;
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd; EINTR just ends the wait early.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+    }
+
     /// The descriptor that becomes readable at [`Self::stop`].
     pub(super) fn event_fd(&self) -> Option<i32> {
         self.event.as_ref().map(|e| e.as_raw_fd())
@@ -67,7 +87,7 @@ impl Drop for StopOnDrop<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     use super::*;
 
@@ -96,5 +116,28 @@ mod tests {
             assert!(started.elapsed() < Duration::from_secs(5));
         });
         assert!(stop.is_stopped());
+        let started = Instant::now();
+        stop.wait(Duration::from_secs(10));
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a stopped wait returns"
+        );
+    }
+
+    #[test]
+    fn a_wait_ends_at_the_stop_or_its_timeout() {
+        let stop = DrainStop::new();
+        let started = Instant::now();
+        stop.wait(Duration::from_millis(30));
+        assert!(started.elapsed() >= Duration::from_millis(30));
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                stop.stop();
+            });
+            let started = Instant::now();
+            stop.wait(Duration::from_secs(10));
+            assert!(started.elapsed() < Duration::from_secs(5));
+        });
     }
 }

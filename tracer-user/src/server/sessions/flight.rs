@@ -1,15 +1,13 @@
 //! The hub's side of the flight recorder: the commands that switch it on
 //! and off and take snapshots, and keeping it going on every tick.
 
-use std::{
-    collections::BTreeSet,
-    sync::atomic::{AtomicBool, Ordering},
-    time::Duration,
-    time::Instant,
-};
+use std::{collections::BTreeSet, sync::atomic::Ordering, time::Duration, time::Instant};
 
 use super::{Command, Hub, Session, SessionError, TRIM_AFTER_IDLE};
-use crate::server::{recorder::FlightRecorder, validate::SessionSpec};
+use crate::{
+    collect::{DrainStop, StopOnDrop},
+    server::{recorder::FlightRecorder, validate::SessionSpec},
+};
 
 impl Hub {
     /// `StartRecorder`, `StopRecorder` and `Snapshot`.
@@ -92,23 +90,22 @@ impl Hub {
         let Some(mut recorder) = self.recorder.take() else {
             return work(self);
         };
-        let done = AtomicBool::new(false);
+        let done = DrainStop::new();
         let out = std::thread::scope(|scope| {
             let recording = std::thread::Builder::new()
                 .name("ebtrace-recorder".into())
                 .spawn_scoped(scope, || {
-                    while !done.load(Ordering::Acquire) {
-                        std::thread::park_timeout(recorder.drain_period());
+                    while !done.is_stopped() {
+                        done.wait(recorder.drain_period());
                         recorder.tick();
                     }
                 });
             if let Err(e) = &recording {
                 eprintln!("ebtrace: flight recorder: cannot start a thread to drain it: {e}");
             }
-            let stop = StopOnDrop {
-                done: &done,
-                thread: recording.as_ref().ok().map(|r| r.thread().clone()),
-            };
+            // Stopped however the work ends: a panic must not leave the
+            // scope waiting for the thread.
+            let stop = StopOnDrop(&done);
             let out = work(self);
             drop(stop);
             if let Ok(recording) = recording
@@ -196,22 +193,6 @@ impl Hub {
         if let Err(e) = self.start_recorder(spec) {
             eprintln!("ebtrace: the flight recorder could not start: {e}");
             self.recorder_wanted = false;
-        }
-    }
-}
-
-/// Stops the thread of [`Hub::while_recording`] when dropped: also when
-/// the work panics, which would otherwise leave the scope waiting for it.
-struct StopOnDrop<'a> {
-    done: &'a AtomicBool,
-    thread: Option<std::thread::Thread>,
-}
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.done.store(true, Ordering::Release);
-        if let Some(t) = &self.thread {
-            t.unpark();
         }
     }
 }
