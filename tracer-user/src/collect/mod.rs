@@ -68,17 +68,11 @@ impl Collector {
     }
 
     fn poll(&self, timeout: Duration, also: Option<i32>) {
-        let watch = |fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let mut fds = [watch(self.ring.fd().as_raw_fd()), watch(also.unwrap_or(-1))];
-        let count = if also.is_some() { 2 } else { 1 };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: `count` valid pollfds; EINTR (e.g. Ctrl-C) just ends the
-        // wait early.
-        unsafe { libc::poll(fds.as_mut_ptr(), count, ms) };
+        let ring = self.ring.fd().as_raw_fd();
+        match also {
+            Some(fd) => stop::poll_readable(&[ring, fd], timeout),
+            None => stop::poll_readable(&[ring], timeout),
+        }
     }
 
     /// Moves everything in the ring buffer into `out`, decoded; returns

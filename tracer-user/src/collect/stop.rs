@@ -49,18 +49,10 @@ impl DrainStop {
         if self.is_stopped() {
             return;
         }
-        let Some(fd) = self.event_fd() else {
-            std::thread::sleep(timeout);
-            return;
-        };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd; EINTR just ends the wait early.
-        unsafe { libc::poll(&mut pfd, 1, ms) };
+        match self.event_fd() {
+            Some(fd) => poll_readable(&[fd], timeout),
+            None => std::thread::sleep(timeout),
+        }
     }
 
     /// The descriptor that becomes readable at [`Self::stop`].
@@ -73,6 +65,24 @@ impl Default for DrainStop {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Waits until one of `fds` (the first two) is readable or `timeout`
+/// passes (EINTR, e.g. Ctrl-C, ends it early).
+pub(super) fn poll_readable(fds: &[i32], timeout: Duration) {
+    let unused = libc::pollfd {
+        fd: -1,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let mut polled = [unused; 2];
+    for (slot, &fd) in polled.iter_mut().zip(fds) {
+        slot.fd = fd;
+    }
+    let count = fds.len().min(polled.len());
+    let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: `count` valid pollfds.
+    unsafe { libc::poll(polled.as_mut_ptr(), count as libc::nfds_t, ms) };
 }
 
 /// Calls [`DrainStop::stop`] when dropped: also when the work beside the
