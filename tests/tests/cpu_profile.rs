@@ -14,7 +14,7 @@ use std::{
 use ebtrace_proto::perftools::profiles::Profile;
 use ebtrace_tests::{
     TempDir, debian_tool,
-    fixture::{build_c, build_c_shared},
+    fixture::{SchedWorkload, build_c, build_c_shared},
     http, loaded_bpf_program_names, record, require_root, serial,
     serve::ServeProcess,
     signal, spawn_record, wait_with_deadline, xplane_files,
@@ -716,4 +716,171 @@ fn the_recorder_samples_at_its_own_rate_and_not_at_all_at_zero() {
             "{samples} samples at {hz} Hz over {running} ns on a CPU, {expected:.0} expected"
         );
     }
+}
+
+/// `--off-cpu-min`: each wait of the sleeper (10 ms in `clock_nanosleep`,
+/// called from its `sleeper` function) carries the stack it waited in,
+/// over exactly the Blocked state the scheduler's tracepoints recorded
+/// (another probe); shorter waits, the ping-pong's, carry none; the
+/// fixture's own count of sleeps bounds the number. Without the flag,
+/// nothing is taken, and nothing stays loaded after the capture.
+#[test]
+fn record_lays_off_cpu_stacks_over_the_waits_they_explain() {
+    if !require_root("record_lays_off_cpu_stacks_over_the_waits_they_explain") {
+        return;
+    }
+    let _serial = serial();
+    let fixture = SchedWorkload::start(&[]);
+    let logdir = TempDir::new("off-cpu");
+    let slept_before = fixture.counter("sleeps");
+    let out = record(
+        &fixture.pid.to_string(),
+        "2s",
+        &logdir,
+        &["--off-cpu-min", "5ms"],
+    );
+    let slept = fixture.counter("sleeps") - slept_before;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("off-CPU stacks on the thread lines"),
+        "{stdout}"
+    );
+    assert!(
+        !loaded_bpf_program_names().contains(&"off_cpu_stack".to_string()),
+        "the off-CPU program stayed loaded after the capture"
+    );
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    xspace::assert_lines_nest(host);
+
+    let waited = |e: &&xspace::Event| e.name.starts_with("waited in ");
+    let sleeper = line_events(host, i64::from(fixture.tid("sleeper-10ms")));
+    let spans: Vec<&xspace::Event> = sleeper.iter().filter(waited).collect();
+    let long_blocks: Vec<&xspace::Event> = sleeper
+        .iter()
+        .filter(|e| e.name == "Blocked" && e.duration_ns >= 5e6)
+        .collect();
+    assert!(
+        spans.len() >= 150 && spans.len() as u64 <= slept,
+        "{} off-CPU stacks on the sleeper, which slept {slept} times during the capture: {stdout}",
+        spans.len()
+    );
+    // The window's edges may cut a wait: its stack is taken after it.
+    assert!(
+        spans.len() + 2 >= long_blocks.len() && spans.len() <= long_blocks.len(),
+        "{} off-CPU stacks for {} waits of 5 ms or more",
+        spans.len(),
+        long_blocks.len()
+    );
+    for s in &spans {
+        assert_eq!(s.name, "waited in clock_nanosleep");
+        assert!(
+            long_blocks
+                .iter()
+                .any(|b| (b.start_ns - s.start_ns).abs() <= 1e3
+                    && (b.end_ns() - s.end_ns()).abs() <= 1e3),
+            "an off-CPU stack from {} to {} ns is not over one of the sleeper's waits",
+            s.start_ns,
+            s.end_ns()
+        );
+        let stack = s.stats["off_cpu_stack"].as_str();
+        assert!(
+            stack.contains("clock_nanosleep")
+                && stack
+                    .lines()
+                    .any(|l| l.starts_with("sleeper ") && l.contains("sched_workload.c:")),
+            "the stack of a sleep:\n{stack}"
+        );
+    }
+    // The ping-pong waits about a millisecond at a time, in a sleep, a
+    // poll or a read: a stack there belongs to a wait the machine's load
+    // made long, and it lies over one.
+    for name in ["ping", "pong"] {
+        let line = line_events(host, i64::from(fixture.tid(name)));
+        for s in line.iter().filter(waited) {
+            assert!(
+                [
+                    "waited in clock_nanosleep",
+                    "waited in poll",
+                    "waited in read"
+                ]
+                .contains(&s.name.as_str()),
+                "{name}: {}",
+                s.name
+            );
+            let blocked = line
+                .iter()
+                .find(|b| b.name == "Blocked" && (b.start_ns - s.start_ns).abs() <= 1e3)
+                .unwrap_or_else(|| panic!("{name}: an off-CPU stack over no wait"));
+            let runnable_after = line
+                .iter()
+                .find(|r| r.name == "Runnable" && (r.start_ns - blocked.end_ns()).abs() <= 1e3)
+                .map_or(0.0, |r| r.duration_ns);
+            assert!(
+                blocked.duration_ns + runnable_after >= 4.9e6,
+                "{name}: a stack for a wait of {} ns",
+                blocked.duration_ns + runnable_after
+            );
+        }
+    }
+    let burner = line_events(host, i64::from(fixture.tid("cpu-burner")));
+    assert!(!burner.iter().any(|e| waited(&e)), "the burner never waits");
+
+    // A capture killed while it takes them leaves nothing behind, and the
+    // fixture sleeps on.
+    let logdir = TempDir::new("off-cpu-killed");
+    let mut killed = spawn_record(
+        &fixture.pid.to_string(),
+        "60s",
+        &logdir,
+        &["--off-cpu-min", "5ms"],
+    );
+    let off_cpu_loaded = || {
+        loaded_bpf_program_names()
+            .iter()
+            .any(|n| n == "off_cpu_stack")
+    };
+    let start = Instant::now();
+    while !off_cpu_loaded() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the off-CPU program never loaded"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    killed.kill().expect("SIGKILL the capture");
+    let _ = killed.wait();
+    let start = Instant::now();
+    while off_cpu_loaded() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the off-CPU program outlived the killed capture"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = fixture.counter("sleeps");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        fixture.counter("sleeps") - before >= 10,
+        "the fixture stopped sleeping"
+    );
+
+    // Not asked for: none taken.
+    let logdir = TempDir::new("off-cpu-none");
+    let out = record(&fixture.pid.to_string(), "1s", &logdir, &[]);
+    assert!(out.status.success());
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let sleeper = line_events(
+        plane(&space, "/host:CPU"),
+        i64::from(fixture.tid("sleeper-10ms")),
+    );
+    assert!(
+        sleeper.iter().any(|e| e.name == "Blocked") && !sleeper.iter().any(|e| waited(&e)),
+        "off-CPU stacks taken without --off-cpu-min"
+    );
 }

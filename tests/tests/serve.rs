@@ -937,3 +937,56 @@ fn command_line_errors_exit_2_with_one_line() {
     let addr = taken.local_addr().unwrap().to_string();
     check(&["-p", &me, "--bind", &addr], "cannot listen on");
 }
+
+/// `serve --off-cpu-min`: a capture lays the sleeper's waits with their
+/// stacks, and its probes are detached at its end rather than kept (their
+/// tracepoint slows every system call on the machine), while the flight
+/// recorder beside it takes none.
+#[test]
+fn captures_take_off_cpu_stacks_and_do_not_keep_their_probes() {
+    if !require_root("captures_take_off_cpu_stacks_and_do_not_keep_their_probes") {
+        return;
+    }
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let server = ServeProcess::loopback(&[
+        "--pid",
+        &pid_arg(&workload),
+        "--keep-probes",
+        "5m",
+        "--off-cpu-min",
+        "5ms",
+    ]);
+    block_on(async {
+        let mut client = server.client().await;
+        let answer = client.profile(request(1000)).await.expect("capture");
+        let space = xspace_of(&answer.into_inner());
+        let sleeper = line_events(plane(&space, HOST_CPU), workload.tid("sleeper-10ms").into());
+        let waits = sleeper
+            .iter()
+            .filter(|e| e.name == "waited in clock_nanosleep")
+            .count();
+        assert!(waits >= 70, "{waits} off-CPU stacks on the sleeper in 1 s");
+        assert!(
+            server.wait_detached(Duration::from_secs(10)),
+            "the probes of a capture with off-CPU stacks were kept"
+        );
+
+        // The flight recorder, started by the client, takes none.
+        client
+            .start_continuous_profiling(request(1000))
+            .await
+            .expect("recorder on");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    });
+    let snapshot = server.snapshot("off-cpu");
+    let sleeper = line_events(
+        plane(&snapshot, HOST_CPU),
+        workload.tid("sleeper-10ms").into(),
+    );
+    assert!(
+        sleeper.iter().any(|e| e.name == "Blocked")
+            && !sleeper.iter().any(|e| e.name.starts_with("waited in ")),
+        "the flight recorder took off-CPU stacks"
+    );
+}

@@ -6,6 +6,10 @@
 //! of the user stack: userspace unwinds that with the objects' call frame
 //! information, which code built without frame pointers still has, and
 //! symbolizes the result.
+//!
+//! Off-CPU stacks are the same record, marked [`FLAG_OFF_CPU`]: the user
+//! stack of a thread that waited long in a system call, taken as the call
+//! returned.
 
 use crate::RecordHeader;
 
@@ -26,6 +30,23 @@ pub const MAX_FRAMES: usize = 127;
 pub mod names {
     /// The `perf_event` program attached to one clock event per CPU.
     pub const PROGRAM: &str = "cpu_sample";
+    /// The raw tracepoint program on `sys_exit`: the stacks of threads
+    /// returning from a system call they waited in for long.
+    pub const OFF_CPU_PROGRAM: &str = "off_cpu_stack";
+    /// The raw tracepoint [`OFF_CPU_PROGRAM`] attaches to: fires in the
+    /// thread itself as a system call returns, its user stack still where
+    /// it made the call.
+    pub const OFF_CPU_TRACEPOINT: &str = "sys_exit";
+    /// An array indexed by tid, sized to `pid_max` at load, for the
+    /// threads of recorded processes: 0, or [`blocked_since`] (odd) from
+    /// the thread's switch-out blocked until its switch-in, then
+    /// [`resumed_after`] (even) until its system call returns or it is
+    /// switched out again.
+    pub const BLOCKED_AT_US: &str = "BLOCKED_AT_US";
+    /// A one-entry array: the shortest wait, in microseconds, whose stack
+    /// is taken as its system call returns (0: none, and waits are not
+    /// noted).
+    pub const OFF_CPU_MIN_US: &str = "OFF_CPU_MIN_US";
 }
 
 /// [`StackSampleRecord::flags`]: the user stack could not be read (the
@@ -33,6 +54,37 @@ pub mod names {
 pub const FLAG_USER_UNREADABLE: u32 = 1;
 /// [`StackSampleRecord::flags`]: the kernel stack could not be read.
 pub const FLAG_KERNEL_UNREADABLE: u32 = 2;
+/// [`StackSampleRecord::flags`]: not a tick of the sampling clock but the
+/// stack of a thread that waited long in a system call, taken as the call
+/// returned: where it waited ([`StackSampleRecord::off_cpu_us`] says how
+/// long, [`StackSampleRecord::syscall`] in which call).
+pub const FLAG_OFF_CPU: u32 = 4;
+
+/// A [`names::BLOCKED_AT_US`] entry for a thread that switched out
+/// blocked at `now_us` (microseconds, wrapping every 35 minutes).
+#[inline(always)]
+pub const fn blocked_since(now_us: u64) -> u32 {
+    ((now_us as u32) << 1) | 1
+}
+
+/// A [`names::BLOCKED_AT_US`] entry for a thread that ran again
+/// `off_us` microseconds after it blocked (at least 1).
+#[inline(always)]
+pub const fn resumed_after(off_us: u32) -> u32 {
+    let off = if off_us == 0 { 1 } else { off_us };
+    (if off > u32::MAX >> 1 {
+        u32::MAX >> 1
+    } else {
+        off
+    }) << 1
+}
+
+/// The microseconds between an entry [`blocked_since`] `then` and
+/// `now_us`.
+#[inline(always)]
+pub const fn blocked_for(then: u32, now_us: u64) -> u32 {
+    ((now_us as u32) << 1).wrapping_sub(then & !1) >> 1
+}
 
 /// One sample. Fixed size: the verifier then proves every copy in bounds
 /// with constants, and at sampling rates (tens to hundreds a second per
@@ -47,9 +99,11 @@ pub struct StackSampleRecord {
     pub user_frames: u32,
     /// Frames filled in [`Self::kernel`] (innermost first).
     pub kernel_frames: u32,
-    /// [`FLAG_USER_UNREADABLE`], [`FLAG_KERNEL_UNREADABLE`].
+    /// [`FLAG_USER_UNREADABLE`], [`FLAG_KERNEL_UNREADABLE`], [`FLAG_OFF_CPU`].
     pub flags: u32,
-    pub _pad: u32,
+    /// With [`FLAG_OFF_CPU`]: microseconds from the thread's switch-out to
+    /// the stack (blocked, then waiting for a CPU); 0 for a sample.
+    pub off_cpu_us: u32,
     pub user: [u64; MAX_FRAMES],
     pub kernel: [u64; MAX_FRAMES],
     /// The user registers unwinding starts from: instruction, stack and
@@ -58,7 +112,9 @@ pub struct StackSampleRecord {
     /// Bytes of [`StackSampleWithCopy::stack`] copied from
     /// `user_regs[1]` up (0: none).
     pub stack_len: u32,
-    pub _pad2: u32,
+    /// With [`FLAG_OFF_CPU`]: the number of the system call the thread
+    /// waited in (x86-64's).
+    pub syscall: u32,
 }
 
 /// What the program writes: the sample, then the top of the user stack.
@@ -67,4 +123,30 @@ pub struct StackSampleRecord {
 pub struct StackSampleWithCopy {
     pub sample: StackSampleRecord,
     pub stack: [u8; STACK_COPY_BYTES],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait is measured across the clock's wrap in the entry, and a
+    /// resumed entry is even and never 0, as the programs tell them apart.
+    #[test]
+    fn waits_are_measured_across_the_wrap() {
+        let then = blocked_since(5_000);
+        assert_eq!(then & 1, 1);
+        assert_eq!(blocked_for(then, 17_000), 12_000);
+        let near_wrap = (1u64 << 31) - 10;
+        assert_eq!(blocked_for(blocked_since(near_wrap), near_wrap + 30), 30);
+        assert_eq!(
+            blocked_for(blocked_since(u64::from(u32::MAX)), u64::from(u32::MAX) + 7),
+            7
+        );
+        for off in [0, 1, 12_000, u32::MAX] {
+            let r = resumed_after(off);
+            assert!(r != 0 && r & 1 == 0, "{off}: {r}");
+        }
+        assert_eq!(resumed_after(12_000) >> 1, 12_000);
+        assert_eq!(resumed_after(u32::MAX) >> 1, u32::MAX >> 1);
+    }
 }

@@ -4,6 +4,10 @@
 //! kernel walks them, and the user registers and the top of the user
 //! stack for userspace to unwind; every other tick costs one bitmap
 //! lookup.
+//!
+//! [`write_stack`] also writes the off-CPU stacks (see `off_cpu.rs`).
+
+use core::ffi::c_void;
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -34,9 +38,42 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     if !is_recording(tgid) {
         return 0;
     }
+    // SAFETY: this program's context.
+    let regs = unsafe { sampled_user_regs(&ctx) };
+    let what = StackOf {
+        regs,
+        kernel: true,
+        flags: 0,
+        off_cpu_us: 0,
+        syscall: 0,
+    };
+    // SAFETY: a perf_event context is what `bpf_get_stack` takes.
+    unsafe { write_stack(ctx.as_ptr(), tid, tgid, &what) };
+    0
+}
+
+/// What [`write_stack`] writes beside the stacks.
+pub(crate) struct StackOf {
+    /// The user registers unwinding starts from (`None`: a kernel thread).
+    pub regs: Option<[u64; 3]>,
+    /// Whether to walk the kernel stack too.
+    pub kernel: bool,
+    pub flags: u32,
+    pub off_cpu_us: u32,
+    pub syscall: u32,
+}
+
+/// Writes one stack record of the current thread: its kernel and user
+/// stacks as the kernel walks them from `ctx`, then `regs` and the top of
+/// the user stack they point into.
+///
+/// # Safety
+/// `ctx` is the running program's context.
+#[inline(always)]
+pub(crate) unsafe fn write_stack(ctx: *mut c_void, tid: u32, tgid: u32, what: &StackOf) {
     let Some(mut entry) = EVENTS.reserve::<StackSampleWithCopy>(0) else {
         bump(stat::DROPPED_RINGBUF_FULL);
-        return 0;
+        return;
     };
     let slot = entry.as_mut_ptr();
     // SAFETY: `slot` is the reserved ring-buffer slot; this only takes the
@@ -46,39 +83,38 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     // slot; each copy is bounded by its array's size.
     unsafe {
         let user = bpf_get_stack(
-            ctx.as_ptr(),
+            ctx,
             (*record).user.as_mut_ptr().cast(),
             STACK_BYTES,
             BPF_F_USER_STACK as u64,
         );
-        let kernel = bpf_get_stack(
-            ctx.as_ptr(),
-            (*record).kernel.as_mut_ptr().cast(),
-            STACK_BYTES,
-            0,
-        );
+        let kernel = if what.kernel {
+            bpf_get_stack(ctx, (*record).kernel.as_mut_ptr().cast(), STACK_BYTES, 0)
+        } else {
+            0
+        };
         (*record).header = header(RecordKind::StackSample, size_of::<StackSampleWithCopy>());
         (*record).tid = tid;
         (*record).tgid = tgid;
         (*record).user_frames = frames(user);
         (*record).kernel_frames = frames(kernel);
-        (*record).flags = if user < 0 { FLAG_USER_UNREADABLE } else { 0 }
+        (*record).flags = what.flags
+            | if user < 0 { FLAG_USER_UNREADABLE } else { 0 }
             | if kernel < 0 {
                 FLAG_KERNEL_UNREADABLE
             } else {
                 0
             };
-        (*record)._pad = 0;
-        (*record)._pad2 = 0;
+        (*record).off_cpu_us = what.off_cpu_us;
+        (*record).syscall = what.syscall;
         (*record).stack_len = 0;
         (*record).user_regs = [0; 3];
-        if let Some(regs) = user_regs(&ctx) {
+        if let Some(regs) = what.regs {
             (*record).user_regs = regs;
             (*record).stack_len = copy_stack((*slot).stack.as_mut_ptr(), regs[1]);
         }
     }
     entry.submit(count_large_submit());
-    0
 }
 
 /// The sampled thread's user registers (rip, rsp, rbp): the interrupted
@@ -88,13 +124,24 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
 /// # Safety
 /// `ctx` is this program's context.
 #[inline(always)]
-unsafe fn user_regs(ctx: &PerfEventContext) -> Option<[u64; 3]> {
+unsafe fn sampled_user_regs(ctx: &PerfEventContext) -> Option<[u64; 3]> {
     // SAFETY: a perf_event program's context is its `bpf_perf_event_data`,
     // whose registers it may read.
     let regs = unsafe { &(*ctx.as_ptr().cast::<bpf_perf_event_data>()).regs };
     if regs.cs & 3 == 3 {
         return Some([regs.rip, regs.rsp, regs.rbp]);
     }
+    // SAFETY: as the caller's.
+    unsafe { saved_user_regs() }
+}
+
+/// The user registers the kernel saved when the current thread entered
+/// it; `None` for a kernel thread.
+///
+/// # Safety
+/// Called from a program that may call `bpf_task_pt_regs`.
+#[inline(always)]
+unsafe fn saved_user_regs() -> Option<[u64; 3]> {
     // SAFETY: the current task's saved user registers, read with a helper
     // that checks the address.
     let saved: pt_regs = unsafe {

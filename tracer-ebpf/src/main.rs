@@ -9,6 +9,7 @@
 
 mod cpu_sample;
 mod cuda;
+mod off_cpu;
 mod sched;
 mod traceme;
 

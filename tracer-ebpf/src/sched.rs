@@ -29,7 +29,7 @@ use tracer_common::{
 
 use crate::{
     EXIT_HAS_GROUP_DEAD, TASK_CPU_OFFSET, TASK_EXIT_STATE_OFFSET, TASK_PID_OFFSET, current, emit,
-    header, is_recording, is_target, read, track, tracked_tgid,
+    header, is_recording, is_target, off_cpu::note_switch, read, track, tracked_tgid,
 };
 
 #[tracepoint(category = "sched", name = "sched_switch")]
@@ -135,12 +135,24 @@ fn switch(
         0
     };
     let next_tgid = tracked_tgid(next_tid);
-    if !is_recording(prev_tgid) && !is_recording(next_tgid) {
+    let (prev_recorded, next_recorded) = (is_recording(prev_tgid), is_recording(next_tgid));
+    if !prev_recorded && !next_recorded {
         return 0;
     }
     let mut header = header(RecordKind::SchedSwitch, size_of::<SchedSwitch>());
     // The kernel's states stop at TASK_REPORT_MAX (0x100).
-    header.detail = prev_state() as u16;
+    let state = prev_state();
+    header.detail = state as u16;
+    // Not a thread that exits (`X`, `Z`): its tid may come back as another.
+    let blocked = state != 0 && state != TASK_REPORT_MAX && state & 0x30 == 0;
+    note_switch(
+        prev_tid,
+        prev_recorded,
+        blocked,
+        next_tid,
+        next_recorded,
+        header.ts_ns,
+    );
     emit(SchedSwitch {
         header,
         prev_tid,

@@ -128,6 +128,8 @@ fn samples(n: usize) -> Vec<StackSample> {
             kernel: Box::new([]),
             user_unreadable: false,
             kernel_unreadable: false,
+            off_cpu_us: 0,
+            syscall: 0,
         })
         .collect()
 }
@@ -192,7 +194,7 @@ fn main() {
         times.push(t0.elapsed());
         peaks.push(PEAK.load(Ordering::Relaxed) - before);
         kept.push(IN_USE.load(Ordering::Relaxed).saturating_sub(before));
-        assert_eq!(laid as usize, n);
+        assert_eq!(laid.samples as usize, n);
         drop(tl);
     }
     let time = median(times);

@@ -34,8 +34,8 @@ use crate::{
         AgentRecording, AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions,
     },
     attach::{
-        CpuSampler, CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe, TraceMeOptions,
-        TraceMeProbe, cuda, tracefs,
+        CpuSampler, CudaProbe, OffCpuStacks, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe,
+        TraceMeOptions, TraceMeProbe, cuda, tracefs,
     },
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, EncodedRecords, Record, StackSample, TraceMeEvent},
@@ -108,6 +108,10 @@ pub struct ProbeFamilies {
     pub traceme_level: u32,
     /// CPU stack samples a second per CPU, laid on the thread lines (0: none).
     pub cpu_sample_hz: u32,
+    /// The user stack of a thread that waited in a system call at least
+    /// this long, taken as the call returns and laid over the wait on its
+    /// line (zero: none).
+    pub off_cpu_min: Duration,
 }
 
 impl Default for ProbeFamilies {
@@ -117,6 +121,7 @@ impl Default for ProbeFamilies {
             cuda: true,
             traceme_level: 2,
             cpu_sample_hz: 0,
+            off_cpu_min: Duration::ZERO,
         }
     }
 }
@@ -128,6 +133,7 @@ impl ProbeFamilies {
         cuda: false,
         traceme_level: 0,
         cpu_sample_hz: 0,
+        off_cpu_min: Duration::ZERO,
     };
 
     pub fn is_empty(&self) -> bool {
@@ -291,6 +297,14 @@ impl Capture {
             CpuSampler::attach(&mut probe, u64::from(hz))?;
             notes.push(format!("CPU stacks: sampled {hz} times a second per CPU"));
         }
+        let off_cpu_min = options.families.off_cpu_min;
+        if options.families.sched && !off_cpu_min.is_zero() {
+            OffCpuStacks::attach(&mut probe, off_cpu_min)?;
+            notes.push(format!(
+                "off-CPU stacks: of system calls that waited {} or longer",
+                humantime::format_duration(off_cpu_min)
+            ));
+        }
         for session in &mut framework {
             if let Err(why) = session.open_window() {
                 notes.push(format!(
@@ -340,7 +354,8 @@ impl Capture {
             cuda,
             options: options.clone(),
             uprobe_pids,
-            stacks: (hz > 0).then(StackSymbolizer::default),
+            stacks: (hz > 0 || (options.families.sched && !off_cpu_min.is_zero()))
+                .then(StackSymbolizer::default),
             notes,
             warnings,
         })

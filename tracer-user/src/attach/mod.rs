@@ -5,7 +5,7 @@
 //! tracepoints, [`cuda`] for the CUDA driver uprobes (with [`libcuda`]
 //! finding the library and [`uprobe_multi`] linking its programs), [`traceme`]
 //! for TraceMe events of jaxlib / TensorFlow / libtpu processes, [`cpu_sample`] for
-//! CPU stack samples. [`tracefs`] finds and checks the kernel's
+//! CPU stack samples, [`off_cpu`] for the stacks of threads that blocked long. [`tracefs`] finds and checks the kernel's
 //! tracepoints first. [`inject`] loads ebtrace's in-process agent into a
 //! running process with ptrace.
 
@@ -15,6 +15,7 @@ pub mod cuda;
 pub mod inject;
 pub mod libcuda;
 pub mod links;
+pub mod off_cpu;
 pub mod probe_set;
 pub mod sched;
 pub mod tracefs;
@@ -23,6 +24,7 @@ pub mod uprobe_multi;
 
 pub use cpu_sample::CpuSampler;
 pub use cuda::CudaProbe;
+pub use off_cpu::OffCpuStacks;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
 pub use sched::SchedProbe;
 pub use traceme::{TraceMeOptions, TraceMeProbe};

@@ -118,6 +118,7 @@ impl ProbeSet {
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .map_max_entries(names::TRACKED_TIDS, pid_max())
+            .map_max_entries(tracer_common::stack::names::BLOCKED_AT_US, pid_max())
             .map_max_entries(names::RECORDING_TGIDS, pid_max().div_ceil(64))
             .map_max_entries(names::DRIVER_CALL_TGIDS, pid_max().div_ceil(64))
             .load(EBPF_OBJECT)

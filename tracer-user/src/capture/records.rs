@@ -248,6 +248,8 @@ mod tests {
             kernel: vec![0; frames].into(),
             user_unreadable: false,
             kernel_unreadable: false,
+            off_cpu_us: 0,
+            syscall: 0,
         };
         let (few, many) = (sample_slots(&sample(1)), sample_slots(&sample(127)));
         assert!(few >= 2, "{few}");

@@ -124,6 +124,8 @@ pub struct Summary {
     pub spans_cut_to_nest: u64,
     /// CPU stack samples on the thread lines (`--sample-hz`), if sampled.
     pub cpu_samples: Option<u64>,
+    /// Off-CPU stacks over the threads' long waits (`--off-cpu-min`), if taken.
+    pub off_cpu_stacks: Option<u64>,
     pub notes: Vec<String>,
     pub warnings: Vec<String>,
 }
@@ -407,6 +409,7 @@ impl Summary {
             traceme,
             spans_cut_to_nest: sources.spans_cut_to_nest,
             cpu_samples: sources.cpu_samples,
+            off_cpu_stacks: sources.off_cpu_stacks,
             notes,
             warnings,
         }

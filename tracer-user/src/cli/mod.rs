@@ -113,6 +113,14 @@ pub struct RecordArgs {
           value_parser = clap::value_parser!(u32).range(0..=crate::attach::cpu_sample::MAX_HZ as i64))]
     pub sample_hz: u32,
 
+    /// Also take the user stack of a thread that waited in a system call
+    /// (a sleep, a lock's futex, a read, a poll) for at least DURATION, as
+    /// the call returns, and show it over the wait on its thread's line,
+    /// named after the call: where it waited. While they are taken, every
+    /// system call on the machine is slower by tens of nanoseconds.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub off_cpu_min: Option<Duration>,
+
     /// TraceMe events of jaxlib / TensorFlow / libtpu targets, at this
     /// level (ProfileOptions' host_tracer_level): 0 none, 1 critical,
     /// 2 info, 3 verbose. A target with no profiler session of its own is

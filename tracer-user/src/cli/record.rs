@@ -52,6 +52,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         families: ProbeFamilies {
             traceme_level: args.host_tracer_level,
             cpu_sample_hz: args.sample_hz,
+            off_cpu_min: args.off_cpu_min.unwrap_or_default(),
             ..ProbeFamilies::default()
         },
         traceme: TraceMeOptions {

@@ -103,6 +103,15 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u32).range(0..=crate::attach::cpu_sample::MAX_HZ as i64))]
     pub retain_sample_hz: u32,
 
+    /// In captures, also take the user stack of a thread that waited in a
+    /// system call (a sleep, a lock's futex, a read, a poll) for at least
+    /// DURATION, as the call returns, and show it over the wait on its
+    /// line: where it waited. While a capture takes them, every system call
+    /// on the machine is slower by tens of nanoseconds; the flight recorder
+    /// never takes them.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub off_cpu_min: Option<Duration>,
+
     /// Kernel ring buffer size in MiB (a power of two), shared by the
     /// captures in progress.
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
@@ -134,6 +143,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         limits: Limits {
             max_duration: args.max_duration,
             max_start_delay: args.max_start_delay,
+            off_cpu_min: args.off_cpu_min.unwrap_or_default(),
         },
         max_sessions: args.max_sessions as usize,
         probe: ProbeSetConfig {

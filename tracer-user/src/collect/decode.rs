@@ -8,7 +8,7 @@ use tracer_common::{
         CudaCall, CudaSymbol, EXTRA_WORDS, PACKED_LAUNCH_WORDS, REGISTER_ARGS, flags, unpack_launch,
     },
     stack::{
-        FLAG_KERNEL_UNREADABLE, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
+        FLAG_KERNEL_UNREADABLE, FLAG_OFF_CPU, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
         StackSampleRecord, StackSampleWithCopy,
     },
     traceme::{FLAG_NAME_UNREADABLE, TRACEME_PREFIX, traceme_record_size},
@@ -48,6 +48,21 @@ pub struct StackSample {
     /// The user stack could not be read (a kernel thread, or unwinding failed).
     pub user_unreadable: bool,
     pub kernel_unreadable: bool,
+    /// 0 for a tick of the sampling clock. Otherwise the stack was taken as
+    /// the thread resumed after blocking (an off-CPU stack: where it
+    /// waited), this many microseconds after it switched out.
+    pub off_cpu_us: u32,
+    /// With [`Self::off_cpu_us`]: the number of the system call the thread
+    /// waited in.
+    pub syscall: u32,
+}
+
+impl StackSample {
+    /// Whether this is the stack of a thread resuming after a block, not a
+    /// sample of a thread on a CPU.
+    pub fn is_off_cpu(&self) -> bool {
+        self.off_cpu_us != 0
+    }
 }
 
 /// A `TraceMeRecorder::Record(Event&&)` call as the uprobe saw it.
@@ -425,6 +440,12 @@ fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, Decode
         kernel: r.kernel[..frames(r.kernel_frames)].into(),
         user_unreadable: r.flags & FLAG_USER_UNREADABLE != 0,
         kernel_unreadable: r.flags & FLAG_KERNEL_UNREADABLE != 0,
+        off_cpu_us: if r.flags & FLAG_OFF_CPU != 0 {
+            r.off_cpu_us.max(1)
+        } else {
+            0
+        },
+        syscall: r.syscall,
     })
 }
 
@@ -799,12 +820,12 @@ mod tests {
                 user_frames: 2,
                 kernel_frames: 0,
                 flags: FLAG_KERNEL_UNREADABLE,
-                _pad: 0,
+                off_cpu_us: 0,
                 user: [0xdead; MAX_FRAMES],
                 kernel: [0; MAX_FRAMES],
                 user_regs: [0x1000, 0x7ff0, 0x7ff8],
                 stack_len: 16,
-                _pad2: 0,
+                syscall: 0,
             },
             stack: [0xab; STACK_COPY_BYTES],
         });
@@ -834,6 +855,23 @@ mod tests {
         // Without a copy, there is nothing to unwind.
         rec.sample.stack_len = 0;
         assert!(user_stack(&bytes_of(&*rec)).is_none());
+        assert!(!s.is_off_cpu());
+
+        // An off-CPU stack says how long its thread waited, and in which
+        // system call; a sample's fields there are not read.
+        rec.sample.flags = FLAG_OFF_CPU;
+        rec.sample.off_cpu_us = 12_000;
+        rec.sample.syscall = 202;
+        let Record::StackSample(s) = decode(&bytes_of(&*rec)).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert!(s.is_off_cpu());
+        assert_eq!((s.off_cpu_us, s.syscall), (12_000, 202));
+        rec.sample.flags = 0;
+        let Record::StackSample(s) = decode(&bytes_of(&*rec)).unwrap() else {
+            panic!("wrong kind")
+        };
+        assert!(!s.is_off_cpu());
     }
 
     proptest::proptest! {

@@ -178,6 +178,9 @@ impl FlightRecorder {
             cuda: true,
             traceme_level: 0,
             cpu_sample_hz: retention.cpu_sample_hz,
+            // Off-CPU stacks slow every system call on the machine down
+            // while taken: not for an always-on recorder.
+            off_cpu_min: Duration::ZERO,
         };
         let options = CaptureOptions {
             probe: probe.clone(),

@@ -17,13 +17,17 @@ use ebtrace_proto::tensorflow::{
 use super::write_guard::{Destination, WriteGuard};
 use crate::capture::ProbeFamilies;
 
-/// What the operator allows a request to ask for.
+/// What the operator allows a request to ask for, and sets for what no
+/// request can ask.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     /// Longest capture a request may ask for.
     pub max_duration: Duration,
     /// How far in the future a requested start may be.
     pub max_start_delay: Duration,
+    /// The shortest block whose stack a capture with scheduling takes
+    /// (zero: none); ProfileOptions has no switch for it.
+    pub off_cpu_min: Duration,
 }
 
 /// The advanced-configuration key that restricts a capture to some of the
@@ -63,7 +67,7 @@ impl TracerLevels {
 /// data and TraceMe events are host data: `host_tracer_level` 0 turns them
 /// off, and its value is the TraceMe level. CUDA driver calls are what
 /// TSL's device tracer records: `device_tracer_level`.
-pub fn families_for(levels: TracerLevels) -> ProbeFamilies {
+pub fn families_for(levels: TracerLevels, off_cpu_min: Duration) -> ProbeFamilies {
     ProbeFamilies {
         sched: levels.host >= 1,
         cuda: levels.device >= 1,
@@ -71,6 +75,12 @@ pub fn families_for(levels: TracerLevels) -> ProbeFamilies {
         // ProfileOptions has no switch for stack samples: the flight
         // recorder and /debug/pprof/profile take them.
         cpu_sample_hz: 0,
+        // Off-CPU stacks lie over the scheduler's Blocked states.
+        off_cpu_min: if levels.host >= 1 {
+            off_cpu_min
+        } else {
+            Duration::ZERO
+        },
     }
 }
 
@@ -131,7 +141,7 @@ impl SessionSpec {
             start_wall_ns: None,
             duration: Duration::ZERO,
             levels,
-            families: families_for(levels),
+            families: families_for(levels, Duration::ZERO),
             max_events: None,
             pids: None,
             hostname: hostname.to_string(),
@@ -240,7 +250,7 @@ pub fn profile_request(
         start_wall_ns,
         duration,
         levels,
-        families: families_for(levels),
+        families: families_for(levels, limits.off_cpu_min),
         max_events: (req.max_events > 0).then_some(req.max_events as usize),
         pids,
         hostname: override_hostname.unwrap_or_else(|| local_host.to_string()),
@@ -312,6 +322,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_duration: Duration::from_secs(60),
         max_start_delay: Duration::from_secs(60),
+        off_cpu_min: Duration::from_millis(10),
     };
 
     fn fixture(name: &str) -> ProfileRequest {
@@ -346,6 +357,10 @@ mod tests {
                 }
             );
             assert!(spec.families.sched);
+            assert_eq!(
+                spec.families.off_cpu_min, LIMITS.off_cpu_min,
+                "the server's"
+            );
             assert_eq!(spec.max_events, Some(1_000_000));
             assert_eq!(spec.session_id, req.session_id);
             assert_eq!(spec.delivery, Delivery::ToolData);

@@ -63,7 +63,8 @@ pub fn build(
 ) -> Profile {
     let period = 1_000_000_000 / info.hz.max(1) as i64;
     let mut counts: HashMap<ThreadStack, i64> = HashMap::new();
-    for s in samples {
+    // A CPU profile counts time on a CPU: off-CPU stacks are not in it.
+    for s in samples.iter().filter(|s| !s.is_off_cpu()) {
         *counts.entry((s.tgid, s.tid, sample_frames(s))).or_default() += 1;
     }
     symbolizer.resolve_stacks(counts.keys().map(|(_, _, stack)| stack.as_slice()));
@@ -291,6 +292,8 @@ mod tests {
             kernel: kernel.into(),
             user_unreadable: false,
             kernel_unreadable: false,
+            off_cpu_us: 0,
+            syscall: 0,
         }
     }
 

@@ -207,11 +207,20 @@ pub fn assemble(
             ));
         }
         let laid = add_cpu_samples(&mut timeline, &samples, (window_start, stop_ns), symbolizer);
-        timeline.stats.sources.cpu_samples = Some(laid);
-        timeline
-            .stats
-            .notes
-            .push(format!("{laid} CPU stack samples on the thread lines"));
+        timeline.stats.sources.cpu_samples = Some(laid.samples);
+        timeline.stats.sources.off_cpu_stacks = Some(laid.off_cpu);
+        if laid.samples > 0 || laid.off_cpu == 0 {
+            timeline.stats.notes.push(format!(
+                "{} CPU stack samples on the thread lines",
+                laid.samples
+            ));
+        }
+        if laid.off_cpu > 0 {
+            timeline.stats.notes.push(format!(
+                "{} off-CPU stacks on the thread lines (waits of --off-cpu-min or more)",
+                laid.off_cpu
+            ));
+        }
     }
     add_framework(&mut timeline, sources.recordings);
     add_device_activity(&mut timeline, sources.recordings, sources.device_batches);

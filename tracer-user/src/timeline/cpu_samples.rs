@@ -3,6 +3,10 @@
 //! (of its kernel stack while the thread ran in the kernel), with the
 //! whole stack as a stat. A sample also shows its thread on a CPU: where
 //! the kernel left a thread's state unknown, the samples narrow it.
+//!
+//! An off-CPU stack (taken as a system call that waited long returned)
+//! becomes a span over the wait it explains, the thread's Blocked state
+//! that ended last before it, named `waited in` the call.
 
 use std::sync::Arc;
 
@@ -17,18 +21,33 @@ use crate::{
 /// Stat of a sample's instant: its stack, innermost frame first, one per
 /// line; kernel frames marked `[k]`, inlined ones `(inlined)`.
 pub const STACK_STAT: &str = "cpu_sample_stack";
+/// Stat of an off-CPU span: the user stack its thread waited in, as
+/// [`STACK_STAT`] writes it.
+pub const OFF_CPU_STACK_STAT: &str = "off_cpu_stack";
+/// What an off-CPU span's name begins with, before its system call's name
+/// (or, for a number this build does not know, the innermost function).
+pub const OFF_CPU_PREFIX: &str = "waited in ";
 /// Name of a sample whose innermost frame could not be named.
 pub const UNKNOWN_FRAME: &str = "[unknown]";
 
-/// Lays the samples of `[start_ns, stop_ns]` on their threads' lines;
-/// returns how many (samples of threads the timeline does not know are
-/// left out).
+/// What [`add_cpu_samples`] laid on the thread lines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaidStacks {
+    /// Samples of threads on a CPU, as instants.
+    pub samples: u64,
+    /// Off-CPU stacks, as spans over the waits they explain.
+    pub off_cpu: u64,
+}
+
+/// Lays the samples and off-CPU stacks of `[start_ns, stop_ns]` on their
+/// threads' lines (those of threads the timeline does not know are left
+/// out).
 pub fn add_cpu_samples(
     timeline: &mut Timeline,
     samples: &[&StackSample],
     (start_ns, stop_ns): (u64, u64),
     symbolizer: &mut StackSymbolizer,
-) -> u64 {
+) -> LaidStacks {
     let samples: Vec<&StackSample> = samples
         .iter()
         .copied()
@@ -70,18 +89,64 @@ pub fn add_cpu_samples(
             same
         })
         .collect();
+    let mut laid = LaidStacks::default();
+    let mut off_cpu_described: FxHashMap<(usize, u32), Described> = FxHashMap::default();
     for (s, stack) in samples.iter().zip(which) {
-        let (name, stats) = &described[stack];
         let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
+        let ts = s.header.ts_ns;
+        let (start_ns, end_ns, (name, stats)) = if s.is_off_cpu() {
+            let (from, to) = waited(thread, ts, s.off_cpu_us, start_ns);
+            let key = (stack, s.syscall);
+            let described = off_cpu_described.entry(key).or_insert_with(|| {
+                let (function, stats) = &described[stack];
+                let Value::Str(text) = &stats[0].1 else {
+                    unreachable!("a stack's stat is its text")
+                };
+                let call = syscall_name(s.syscall).unwrap_or(function);
+                let stat = (OFF_CPU_STACK_STAT.into(), Value::Str(Arc::clone(text)));
+                (format!("{OFF_CPU_PREFIX}{call}").into(), Arc::from([stat]))
+            });
+            laid.off_cpu += 1;
+            (from, to, &*described)
+        } else {
+            laid.samples += 1;
+            (ts, ts, &described[stack])
+        };
         thread.spans.push(Span {
-            start_ns: s.header.ts_ns,
-            end_ns: s.header.ts_ns,
+            start_ns,
+            end_ns,
             name: Arc::clone(name),
             stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
             correlation: None,
         });
     }
-    samples.len() as u64
+    laid
+}
+
+/// The name of x86-64's system call number `nr`, if this build knows it.
+fn syscall_name(nr: u32) -> Option<&'static str> {
+    syscalls::x86_64::Sysno::new(nr as usize).map(|s| s.name())
+}
+
+/// The wait an off-CPU stack taken at `ts` explains: the thread's last
+/// Blocked state that began before it (it then waited for a CPU, and ran
+/// at `ts`); without one (no scheduling recorded), the `off_cpu_us` the
+/// probe measured before `ts`, from `window_start` at the earliest.
+fn waited(thread: &ThreadTrack, ts: u64, off_cpu_us: u32, window_start: u64) -> (u64, u64) {
+    let before = thread.slices.partition_point(|s| s.start_ns < ts);
+    let blocked = thread.slices[..before]
+        .iter()
+        .rev()
+        .take(8)
+        .find(|s| matches!(s.state(), ThreadState::Blocked { .. }));
+    match blocked {
+        Some(s) => (s.start_ns, s.end_ns.min(ts)),
+        None => (
+            ts.saturating_sub(u64::from(off_cpu_us) * 1000)
+                .max(window_start),
+            ts,
+        ),
+    }
 }
 
 /// A stack's name and stat, as its samples share them.
@@ -147,7 +212,10 @@ pub fn narrow_unknown(timeline: &mut Timeline, samples: &[&StackSample]) -> u64 
         return 0;
     }
     let mut seen: FxHashMap<u32, Vec<(u64, u32)>> = FxHashMap::default();
-    for s in samples.iter().filter(|s| with_unknown.contains(&s.tid)) {
+    for s in samples
+        .iter()
+        .filter(|s| !s.is_off_cpu() && with_unknown.contains(&s.tid))
+    {
         seen.entry(s.tid)
             .or_default()
             .push((s.header.ts_ns, s.header.cpu.into()));
@@ -360,6 +428,8 @@ mod tests {
             kernel: Box::new([]),
             user_unreadable: false,
             kernel_unreadable: false,
+            off_cpu_us: 0,
+            syscall: 0,
         };
         let samples = [
             sample(10, write),
@@ -384,7 +454,7 @@ mod tests {
         };
         let refs: Vec<&StackSample> = samples.iter().collect();
         assert_eq!(
-            add_cpu_samples(&mut timeline, &refs, (0, 100), &mut symbolizer),
+            add_cpu_samples(&mut timeline, &refs, (0, 100), &mut symbolizer).samples,
             4
         );
         let spans = &timeline.threads[&4].spans;
@@ -416,5 +486,94 @@ mod tests {
                 "{i} {j}"
             );
         }
+    }
+
+    /// An off-CPU stack spans the Blocked state that ended last before it
+    /// was taken, is named after its system call and carries its stack;
+    /// without one, it spans the time the probe measured, from the
+    /// window's start at the earliest.
+    #[test]
+    fn an_off_cpu_stack_spans_the_wait_it_explains() {
+        use tracer_common::{RecordHeader, RecordKind};
+        const FUTEX: u32 = 202;
+        let pid = std::process::id();
+        let read = libc::read as *const () as u64;
+        let stack = |tid, ts, off_cpu_us, syscall| StackSample {
+            header: RecordHeader::new(RecordKind::StackSample, 0, 0, ts),
+            tid,
+            tgid: pid,
+            user: Box::new([read]),
+            kernel: Box::new([]),
+            user_unreadable: false,
+            kernel_unreadable: false,
+            off_cpu_us,
+            syscall,
+        };
+        let blocked = ThreadState::Blocked {
+            state: super::super::TaskState::Sleeping,
+        };
+        let waiting = thread(&[
+            (0, 100_000, ThreadState::Running { cpu: 0 }),
+            (100_000, 300_000, blocked),
+            (
+                300_000,
+                320_000,
+                ThreadState::Runnable {
+                    cause: super::super::RunnableCause::Yielded,
+                },
+            ),
+            (320_000, 400_000, ThreadState::Running { cpu: 0 }),
+        ]);
+        let stacks = [
+            stack(4, 320_500, 220, FUTEX),
+            stack(5, 50_000, 80, u32::MAX),
+        ];
+        let mut symbolizer = StackSymbolizer::default();
+        for s in &stacks {
+            symbolizer.note_sample(s);
+        }
+        let mut alone = thread(&[(0, 400_000, ThreadState::Running { cpu: 0 })]);
+        alone.tid = 5;
+        let mut timeline = Timeline {
+            start_ns: 0,
+            stop_ns: 400_000,
+            clock: crate::clock::ClockSync::from_offset(0),
+            processes: Default::default(),
+            peers: Vec::new(),
+            threads: [(4, waiting), (5, alone)].into(),
+            devices: Default::default(),
+            carried_planes: Vec::new(),
+            stats: Default::default(),
+        };
+        let refs: Vec<&StackSample> = stacks.iter().collect();
+        let laid = add_cpu_samples(&mut timeline, &refs, (10_000, 400_000), &mut symbolizer);
+        assert_eq!(
+            laid,
+            LaidStacks {
+                samples: 0,
+                off_cpu: 2
+            }
+        );
+
+        let span = &timeline.threads[&4].spans[0];
+        assert_eq!((span.start_ns, span.end_ns), (100_000, 300_000));
+        assert_eq!(&*span.name, "waited in futex");
+        let stats = span.stats.shared().unwrap();
+        assert_eq!(&*stats[0].0, OFF_CPU_STACK_STAT);
+        assert!(
+            matches!(&stats[0].1, Value::Str(t) if t.contains("read")),
+            "{stats:?}"
+        );
+
+        // No Blocked state (scheduling not recorded): 80 µs before it, cut
+        // at the window's start; a number no system call has: named after
+        // the innermost function.
+        let span = &timeline.threads[&5].spans[0];
+        assert_eq!((span.start_ns, span.end_ns), (10_000, 50_000));
+        assert!(
+            span.name.starts_with(OFF_CPU_PREFIX) && span.name.contains("read"),
+            "{}",
+            span.name
+        );
     }
 }

@@ -304,6 +304,8 @@ mod tests {
             kernel: Box::new([]),
             user_unreadable: false,
             kernel_unreadable: false,
+            off_cpu_us: 0,
+            syscall: 0,
         })
     }
 

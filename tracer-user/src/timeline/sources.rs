@@ -22,6 +22,8 @@ pub struct SourceStats {
     pub spans_cut_to_nest: u64,
     /// CPU stack samples laid on the thread lines, when stacks were sampled.
     pub cpu_samples: Option<u64>,
+    /// Off-CPU stacks laid over the waits they explain, when taken.
+    pub off_cpu_stacks: Option<u64>,
 }
 
 /// The TraceMe uprobe route's events and what became of them.

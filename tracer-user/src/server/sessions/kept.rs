@@ -37,9 +37,14 @@ impl Hub {
     }
 
     /// A capture nobody uses any more: paused and kept for the next
-    /// session where `--keep-probes` allows, else detached.
+    /// session where `--keep-probes` allows and it took no off-CPU
+    /// stacks, else detached.
     pub(super) fn keep_or_detach(&mut self, mut r: Running) {
-        let keep = !self.shutting_down && !self.config.keep_probes.is_zero();
+        // Off-CPU stacks' tracepoint slows every system call on the
+        // machine down for as long as it is attached, paused or not.
+        let keep = !self.shutting_down
+            && !self.config.keep_probes.is_zero()
+            && r.families.off_cpu_min.is_zero();
         let Some(capture) = r.capture.as_mut().filter(|_| keep) else {
             self.detach(r);
             return;
