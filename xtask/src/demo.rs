@@ -137,6 +137,8 @@ fn trace(root: &Path, ebtrace: &Path, pid: u32) -> Result<String> {
     cmd.current_dir(root)
         .args(["--pid", &pid.to_string()])
         .args(["--duration", "2s", "--logdir", "ebtrace-logs"])
+        // Where the threads waited, too: the sleeper's 10 ms sleeps.
+        .args(["--off-cpu-min", "5ms"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
