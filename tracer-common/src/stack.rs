@@ -37,7 +37,8 @@ pub mod names {
     /// thread itself as a system call returns, its user stack still where
     /// it made the call.
     pub const OFF_CPU_TRACEPOINT: &str = "sys_exit";
-    /// An array indexed by tid, sized to `pid_max` at load, for the
+    /// An array indexed by tid, sized to `pid_max` at load where off-CPU
+    /// stacks may be taken (else one entry, never written), for the
     /// threads of recorded processes: 0, or [`blocked_since`] (odd) from
     /// the thread's switch-out blocked until its switch-in, then
     /// [`resumed_after`] (even) until its system call returns or it is

@@ -259,8 +259,11 @@ impl Capture {
                 .name("ebtrace-discover".into())
                 .spawn(move || TraceMeProbe::discover(&pids, &options))
         };
+        let off_cpu_min = options.families.off_cpu_min;
+        let off_cpu_stacks = options.families.sched && !off_cpu_min.is_zero();
         let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
+            off_cpu_stacks,
             ..options.probe.clone()
         };
         let mut probe = match loaded {
@@ -297,8 +300,7 @@ impl Capture {
             CpuSampler::attach(&mut probe, u64::from(hz))?;
             notes.push(format!("CPU stacks: sampled {hz} times a second per CPU"));
         }
-        let off_cpu_min = options.families.off_cpu_min;
-        if options.families.sched && !off_cpu_min.is_zero() {
+        if off_cpu_stacks {
             OffCpuStacks::attach(&mut probe, off_cpu_min)?;
             notes.push(format!(
                 "off-CPU stacks: of system calls that waited {} or longer",
@@ -354,8 +356,7 @@ impl Capture {
             cuda,
             options: options.clone(),
             uprobe_pids,
-            stacks: (hz > 0 || (options.families.sched && !off_cpu_min.is_zero()))
-                .then(StackSymbolizer::default),
+            stacks: (hz > 0 || off_cpu_stacks).then(StackSymbolizer::default),
             notes,
             warnings,
         })

@@ -28,6 +28,9 @@ pub struct ProbeSetConfig {
     pub ring_bytes: u32,
     /// Whether `sched_process_exit` has the `group_dead` field.
     pub exit_has_group_dead: bool,
+    /// Whether off-CPU stacks may be taken: their per-thread array then
+    /// has a slot for every tid (4 bytes each), else one.
+    pub off_cpu_stacks: bool,
 }
 
 impl Default for ProbeSetConfig {
@@ -35,6 +38,7 @@ impl Default for ProbeSetConfig {
         ProbeSetConfig {
             ring_bytes: 16 * 1024 * 1024,
             exit_has_group_dead: true,
+            off_cpu_stacks: false,
         }
     }
 }
@@ -118,7 +122,10 @@ impl ProbeSet {
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .map_max_entries(names::TRACKED_TIDS, pid_max())
-            .map_max_entries(tracer_common::stack::names::BLOCKED_AT_US, pid_max())
+            .map_max_entries(
+                tracer_common::stack::names::BLOCKED_AT_US,
+                if config.off_cpu_stacks { pid_max() } else { 1 },
+            )
             .map_max_entries(names::RECORDING_TGIDS, pid_max().div_ceil(64))
             .map_max_entries(names::DRIVER_CALL_TGIDS, pid_max().div_ceil(64))
             .load(EBPF_OBJECT)
