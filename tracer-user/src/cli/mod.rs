@@ -117,7 +117,8 @@ pub struct RecordArgs {
     /// (a sleep, a lock's futex, a read, a poll) for at least DURATION, as
     /// the call returns, and show it over the wait on its thread's line,
     /// named after the call: where it waited. While they are taken, every
-    /// system call on the machine is slower by tens of nanoseconds.
+    /// system call on the machine is slower (about 100 ns a call on a
+    /// 2-core VM).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub off_cpu_min: Option<Duration>,
 

@@ -107,8 +107,8 @@ pub struct ServeArgs {
     /// system call (a sleep, a lock's futex, a read, a poll) for at least
     /// DURATION, as the call returns, and show it over the wait on its
     /// line: where it waited. While a capture takes them, every system call
-    /// on the machine is slower by tens of nanoseconds; the flight recorder
-    /// never takes them.
+    /// on the machine is slower (about 100 ns a call on a 2-core VM); the
+    /// flight recorder never takes them.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub off_cpu_min: Option<Duration>,
 
