@@ -39,10 +39,9 @@ pub mod names {
     pub const OFF_CPU_TRACEPOINT: &str = "sys_exit";
     /// An array indexed by tid, sized to `pid_max` at load where off-CPU
     /// stacks may be taken (else one entry, never written), for the
-    /// threads of recorded processes: 0, or [`blocked_since`] (odd) from
-    /// the thread's switch-out blocked until its switch-in, then
-    /// [`resumed_after`] (even) until its system call returns or it is
-    /// switched out again.
+    /// threads of recorded processes: 0, or [`blocked_since`] from the
+    /// thread's switch-out blocked until its switch-in, then [`resumed`]
+    /// until its system call returns or it is switched out again.
     pub const BLOCKED_AT_US: &str = "BLOCKED_AT_US";
     /// A one-entry array: the shortest wait, in microseconds, whose stack
     /// is taken as its system call returns (0: none, and waits are not
@@ -61,30 +60,49 @@ pub const FLAG_KERNEL_UNREADABLE: u32 = 2;
 /// long, [`StackSampleRecord::syscall`] in which call).
 pub const FLAG_OFF_CPU: u32 = 4;
 
+/// How long after its switch-in a thread's system call may return for its
+/// wait to count as the call's: the return from a wait takes
+/// microseconds; a thread that ran its own code in between (after a wait
+/// outside a system call, such as a page fault) made another call.
+pub const MAX_RETURN_US: u32 = 1_000;
+
 /// A [`names::BLOCKED_AT_US`] entry for a thread that switched out
-/// blocked at `now_us` (microseconds, wrapping every 35 minutes).
+/// blocked at `now_us` (microseconds, wrapping every 35 minutes): odd.
 #[inline(always)]
-pub const fn blocked_since(now_us: u64) -> u32 {
-    ((now_us as u32) << 1) | 1
+pub const fn blocked_since(now_us: u64) -> u64 {
+    (((now_us as u32) << 1) | 1) as u64
 }
 
-/// A [`names::BLOCKED_AT_US`] entry for a thread that ran again
-/// `off_us` microseconds after it blocked (at least 1).
+/// Whether an entry is [`blocked_since`]'s.
 #[inline(always)]
-pub const fn resumed_after(off_us: u32) -> u32 {
+pub const fn is_blocked(entry: u64) -> bool {
+    entry & 1 == 1
+}
+
+/// The microseconds between an entry [`blocked_since`] and `now_us`.
+#[inline(always)]
+pub const fn blocked_for(entry: u64, now_us: u64) -> u32 {
+    ((now_us as u32) << 1).wrapping_sub(entry as u32 & !1) >> 1
+}
+
+/// A [`names::BLOCKED_AT_US`] entry for a thread switched in at `now_us`
+/// after `off_us` (at least 1) off the CPU: even and never 0.
+#[inline(always)]
+pub const fn resumed(off_us: u32, now_us: u64) -> u64 {
     let off = if off_us == 0 { 1 } else { off_us };
-    (if off > u32::MAX >> 1 {
-        u32::MAX >> 1
-    } else {
-        off
-    }) << 1
+    ((off as u64) << 32) | (((now_us as u32) << 1) as u64)
 }
 
-/// The microseconds between an entry [`blocked_since`] `then` and
-/// `now_us`.
+/// The time off the CPU a [`resumed`] entry holds.
 #[inline(always)]
-pub const fn blocked_for(then: u32, now_us: u64) -> u32 {
-    ((now_us as u32) << 1).wrapping_sub(then & !1) >> 1
+pub const fn resumed_off_us(entry: u64) -> u32 {
+    (entry >> 32) as u32
+}
+
+/// The microseconds between a [`resumed`] entry's switch-in and `now_us`.
+#[inline(always)]
+pub const fn since_resumed_us(entry: u64, now_us: u64) -> u32 {
+    ((now_us as u32) << 1).wrapping_sub(entry as u32) >> 1
 }
 
 /// One sample. Fixed size: the verifier then proves every copy in bounds
@@ -130,12 +148,12 @@ pub struct StackSampleWithCopy {
 mod tests {
     use super::*;
 
-    /// A wait is measured across the clock's wrap in the entry, and a
-    /// resumed entry is even and never 0, as the programs tell them apart.
+    /// A wait is measured across the clock's wrap, and the entries of a
+    /// blocked and a resumed thread tell apart, as the programs read them.
     #[test]
     fn waits_are_measured_across_the_wrap() {
         let then = blocked_since(5_000);
-        assert_eq!(then & 1, 1);
+        assert!(is_blocked(then));
         assert_eq!(blocked_for(then, 17_000), 12_000);
         let near_wrap = (1u64 << 31) - 10;
         assert_eq!(blocked_for(blocked_since(near_wrap), near_wrap + 30), 30);
@@ -143,11 +161,11 @@ mod tests {
             blocked_for(blocked_since(u64::from(u32::MAX)), u64::from(u32::MAX) + 7),
             7
         );
-        for off in [0, 1, 12_000, u32::MAX] {
-            let r = resumed_after(off);
-            assert!(r != 0 && r & 1 == 0, "{off}: {r}");
+        for (off, at) in [(0, 0), (1, 1 << 31), (12_000, 17_000), (u32::MAX, u64::MAX)] {
+            let r = resumed(off, at);
+            assert!(r != 0 && !is_blocked(r), "{off}, {at}: {r:#x}");
+            assert_eq!(resumed_off_us(r), off.max(1));
+            assert_eq!(since_resumed_us(r, at.wrapping_add(40)), 40);
         }
-        assert_eq!(resumed_after(12_000) >> 1, 12_000);
-        assert_eq!(resumed_after(u32::MAX) >> 1, u32::MAX >> 1);
     }
 }

@@ -4,7 +4,9 @@
 //! The switch program notes when such a thread switches out blocked and,
 //! as it switches in again, how long it was off the CPU
 //! ([`note_switch`]). A raw tracepoint on `sys_exit` then fires in the
-//! thread itself as the system call it waited in returns: its user stack
+//! thread itself as the system call it waited in returns (within
+//! `MAX_RETURN_US` of the switch-in; later, the thread ran its own code
+//! after a wait outside a system call and made another): its user stack
 //! is still where it made the call, and its registers are the ones the
 //! kernel saved at the call. There it writes the record of a stack sample,
 //! marked off-CPU, with the call's number. Only kprobes or BPF
@@ -14,14 +16,17 @@
 use aya_ebpf::{
     EbpfContext as _,
     bindings::pt_regs,
-    helpers::bpf_probe_read_kernel,
+    helpers::{bpf_ktime_get_ns, bpf_probe_read_kernel},
     macros::{map, raw_tracepoint},
     maps::Array,
     programs::RawTracePointContext,
 };
 use tracer_common::{
     MAX_TRACKED_TIDS,
-    stack::{FLAG_OFF_CPU, blocked_for, blocked_since, resumed_after},
+    stack::{
+        FLAG_OFF_CPU, MAX_RETURN_US, blocked_for, blocked_since, is_blocked, resumed,
+        resumed_off_us, since_resumed_us,
+    },
 };
 
 use crate::{
@@ -31,7 +36,7 @@ use crate::{
 
 /// See `tracer_common::stack::names::BLOCKED_AT_US`.
 #[map]
-static BLOCKED_AT_US: Array<u32> = Array::with_max_entries(MAX_TRACKED_TIDS, 0);
+static BLOCKED_AT_US: Array<u64> = Array::with_max_entries(MAX_TRACKED_TIDS, 0);
 
 /// See `tracer_common::stack::names::OFF_CPU_MIN_US`.
 #[map]
@@ -71,9 +76,9 @@ pub(crate) fn note_switch(
         // SAFETY: as above.
         unsafe {
             let then = *slot;
-            if then & 1 == 1 {
+            if is_blocked(then) {
                 let off = blocked_for(then, now_us);
-                *slot = if off >= min { resumed_after(off) } else { 0 };
+                *slot = if off >= min { resumed(off, now_us) } else { 0 };
             }
         }
     }
@@ -88,12 +93,17 @@ pub fn off_cpu_stack(ctx: RawTracePointContext) -> i32 {
     };
     // SAFETY: a live array slot of the current thread (see `note_switch`).
     let noted = unsafe { *slot };
-    if noted == 0 || noted & 1 == 1 {
+    if noted == 0 || is_blocked(noted) {
         return 0;
     }
     // SAFETY: as above.
     unsafe { *slot = 0 };
     if !is_recording(tgid) {
+        return 0;
+    }
+    // SAFETY: a plain helper call.
+    let now_us = unsafe { bpf_ktime_get_ns() } / 1000;
+    if since_resumed_us(noted, now_us) > MAX_RETURN_US {
         return 0;
     }
     let regs: *const pt_regs = ctx.arg(0);
@@ -107,7 +117,7 @@ pub fn off_cpu_stack(ctx: RawTracePointContext) -> i32 {
         // The kernel stack here is the system call's exit path.
         kernel: false,
         flags: FLAG_OFF_CPU,
-        off_cpu_us: noted >> 1,
+        off_cpu_us: resumed_off_us(noted),
         syscall: regs.orig_rax as u32,
     };
     // SAFETY: a raw tracepoint's context is what `bpf_get_stack` takes.
