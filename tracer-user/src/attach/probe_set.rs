@@ -29,7 +29,7 @@ pub struct ProbeSetConfig {
     /// Whether `sched_process_exit` has the `group_dead` field.
     pub exit_has_group_dead: bool,
     /// Whether off-CPU stacks may be taken: their per-thread array then
-    /// has a slot for every tid (4 bytes each), else one.
+    /// has a slot for every tid (8 bytes each), else one.
     pub off_cpu_stacks: bool,
 }
 
