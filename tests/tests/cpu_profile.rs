@@ -770,9 +770,12 @@ fn record_lays_off_cpu_stacks_over_the_waits_they_explain() {
         "{} off-CPU stacks on the sleeper, which slept {slept} times during the capture: {stdout}",
         spans.len()
     );
-    // The window's edges may cut a wait: its stack is taken after it.
+    // The window's edges may cut a wait: its stack is taken after it. A
+    // sleeper preempted between its switch-in and its call's return (the
+    // burner spins beside it) has its stack left out: a few.
     assert!(
-        spans.len() + 2 >= long_blocks.len() && spans.len() <= long_blocks.len(),
+        spans.len() + 2 + long_blocks.len() / 20 >= long_blocks.len()
+            && spans.len() <= long_blocks.len(),
         "{} off-CPU stacks for {} waits of 5 ms or more",
         spans.len(),
         long_blocks.len()
