@@ -49,8 +49,8 @@ pub struct StackSample {
     pub user_unreadable: bool,
     pub kernel_unreadable: bool,
     /// 0 for a tick of the sampling clock. Otherwise the stack was taken as
-    /// the thread resumed after blocking (an off-CPU stack: where it
-    /// waited), this many microseconds after it switched out.
+    /// the system call the thread waited in returned (an off-CPU stack:
+    /// where it waited), after this many microseconds off the CPU.
     pub off_cpu_us: u32,
     /// With [`Self::off_cpu_us`]: the number of the system call the thread
     /// waited in.
@@ -58,8 +58,8 @@ pub struct StackSample {
 }
 
 impl StackSample {
-    /// Whether this is the stack of a thread resuming after a block, not a
-    /// sample of a thread on a CPU.
+    /// Whether this is the stack of a thread that waited in a system call,
+    /// not a sample of a thread on a CPU.
     pub fn is_off_cpu(&self) -> bool {
         self.off_cpu_us != 0
     }

@@ -75,18 +75,19 @@ pub fn add_cpu_samples(
     drop(stack_of);
     symbolizer.resolve_stacks(stacks.iter().map(Vec::as_slice));
     let mut by_text: FxHashMap<Arc<str>, Described> = FxHashMap::default();
-    let described: Vec<Described> = stacks
+    // Each stack's name and stat, and its text for an off-CPU span's stat.
+    let described: Vec<(Described, Arc<str>)> = stacks
         .iter()
         .map(|stack| {
             let (name, text) = describe(stack, symbolizer);
-            if let Some(same) = by_text.get(text.as_str()) {
-                return same.clone();
+            if let Some((text, same)) = by_text.get_key_value(text.as_str()) {
+                return (same.clone(), Arc::clone(text));
             }
             let text: Arc<str> = text.into();
             let stat = (STACK_STAT.into(), Value::Str(Arc::clone(&text)));
             let same: Described = (name.into(), Arc::from([stat]));
-            by_text.insert(text, same.clone());
-            same
+            by_text.insert(Arc::clone(&text), same.clone());
+            (same, text)
         })
         .collect();
     let mut laid = LaidStacks::default();
@@ -98,10 +99,7 @@ pub fn add_cpu_samples(
             let (from, to) = waited(thread, ts, s.off_cpu_us, start_ns);
             let key = (stack, s.syscall);
             let described = off_cpu_described.entry(key).or_insert_with(|| {
-                let (function, stats) = &described[stack];
-                let Value::Str(text) = &stats[0].1 else {
-                    unreachable!("a stack's stat is its text")
-                };
+                let ((function, _), text) = &described[stack];
                 let call = syscall_name(s.syscall).unwrap_or(function);
                 let stat = (OFF_CPU_STACK_STAT.into(), Value::Str(Arc::clone(text)));
                 (format!("{OFF_CPU_PREFIX}{call}").into(), Arc::from([stat]))
@@ -110,7 +108,7 @@ pub fn add_cpu_samples(
             (from, to, &*described)
         } else {
             laid.samples += 1;
-            (ts, ts, &described[stack])
+            (ts, ts, &described[stack].0)
         };
         thread.spans.push(Span {
             start_ns,
