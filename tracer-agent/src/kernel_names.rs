@@ -3,8 +3,12 @@
 //! `cuKernelGetName`, CUDA 12.3 and later), with or without CUPTI.
 //!
 //! The handles come from ebtrace, which saw the program launch them during
-//! the capture. The driver checks a handle before it reads it and answers
-//! an error for one it does not know.
+//! the capture, but they are values the program passed: one may since
+//! have been freed (its module unloaded), and a peer could send anything.
+//! A handle is handed to the driver only where the memory it points at can
+//! be read, and the name the driver answers is copied out through the
+//! kernel ([`sys::read_own_memory`]), never read in place: a wild handle
+//! gets no name, never a fault in the program.
 
 use core::ffi::{c_char, c_int, c_void};
 
@@ -67,23 +71,46 @@ pub fn answer(
     result
 }
 
-/// The name the driver gives `handle`, if it knows it.
+/// Bytes at a handle that must be readable before the driver may look at
+/// it: the start of the driver's object, where it keeps what it checks.
+const HANDLE_BYTES: usize = 64;
+
+/// The name the driver gives `handle`, if it knows it: at most
+/// [`crate::activity::MAX_NAME_LEN`] bytes, all of them readable memory.
 fn name_of(get: GetName, handle: *mut c_void) -> Option<&'static [u8]> {
-    if handle.is_null() {
+    let mut probe = [0u8; HANDLE_BYTES];
+    if handle.is_null() || sys::read_own_memory(handle as usize, &mut probe) != HANDLE_BYTES {
         return None;
     }
     let mut name: *const c_char = core::ptr::null();
-    // SAFETY: a valid out pointer; the driver validates the handle.
+    // SAFETY: a valid out pointer and a handle into readable memory; the
+    // driver validates what it finds there.
     if unsafe { get(&mut name, handle) } != 0 || name.is_null() {
         return None;
     }
+    let len = readable_c_string_len(name as usize)?;
+    // SAFETY: the `len` bytes at `name` were just read through the kernel,
+    // and the driver's name strings live as long as their module.
+    Some(unsafe { core::slice::from_raw_parts(name.cast::<u8>(), len) })
+}
+
+/// The length of the NUL-terminated string at `address` if all of it and
+/// its NUL are readable, or its first [`crate::activity::MAX_NAME_LEN`]
+/// bytes where it is longer.
+fn readable_c_string_len(address: usize) -> Option<usize> {
+    let mut chunk = [0u8; 256];
     let mut len = 0;
-    // SAFETY: the driver's name strings are NUL-terminated and live as
-    // long as their module; at most MAX_NAME_LEN bytes are read.
-    unsafe {
-        while len < crate::activity::MAX_NAME_LEN && *name.add(len) != 0 {
-            len += 1;
+    while len < crate::activity::MAX_NAME_LEN {
+        let want = chunk.len().min(crate::activity::MAX_NAME_LEN - len);
+        let got = sys::read_own_memory(address.checked_add(len)?, &mut chunk[..want]);
+        if let Some(end) = chunk[..got].iter().position(|b| *b == 0) {
+            return Some(len + end);
         }
-        Some(core::slice::from_raw_parts(name.cast::<u8>(), len))
+        if got < want {
+            // Readable memory ended before the string did.
+            return None;
+        }
+        len += got;
     }
+    Some(len)
 }

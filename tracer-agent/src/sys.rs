@@ -64,6 +64,24 @@ pub struct Timespec {
     pub nsec: i64,
 }
 
+/// `struct pollfd`.
+#[repr(C)]
+pub struct PollFd {
+    pub fd: c_int,
+    pub events: i16,
+    pub revents: i16,
+}
+
+/// `POLLIN`.
+pub const POLLIN: i16 = 1;
+
+/// `struct iovec`.
+#[repr(C)]
+pub struct IoVec {
+    pub base: *mut c_void,
+    pub len: usize,
+}
+
 /// `CLOCK_MONOTONIC`.
 pub const CLOCK_MONOTONIC: c_int = 1;
 /// `RTLD_LAZY`.
@@ -188,6 +206,34 @@ unsafe extern "C" {
     pub fn munmap(addr: *mut c_void, len: usize) -> c_int;
     pub fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
     pub fn nanosleep(req: *const Timespec, rem: *mut Timespec) -> c_int;
+    pub fn poll(fds: *mut PollFd, n: c_ulong, timeout_ms: c_int) -> c_int;
+    pub fn getrandom(buf: *mut c_void, len: usize, flags: core::ffi::c_uint) -> isize;
+    pub fn process_vm_readv(
+        pid: c_int,
+        local: *const IoVec,
+        local_count: c_ulong,
+        remote: *const IoVec,
+        remote_count: c_ulong,
+        flags: c_ulong,
+    ) -> isize;
+}
+
+/// Copies `out.len()` bytes of this process's memory at `address` into
+/// `out`, through the kernel, so that an unmapped or unreadable address is
+/// an error instead of a fault; returns how many bytes it copied (fewer
+/// where readable memory ends first).
+pub fn read_own_memory(address: usize, out: &mut [u8]) -> usize {
+    let local = IoVec {
+        base: out.as_mut_ptr().cast(),
+        len: out.len(),
+    };
+    let remote = IoVec {
+        base: address as *mut c_void,
+        len: out.len(),
+    };
+    // SAFETY: the kernel checks the remote range and writes only `out`.
+    let n = unsafe { process_vm_readv(getpid(), &local, 1, &remote, 1, 0) };
+    n.max(0) as usize
 }
 
 /// The calling thread's `errno`.
