@@ -7,7 +7,7 @@ use core::{
 };
 
 use crate::{
-    protocol::{self, Header, SessionLevels},
+    protocol::{self, Header},
     python::Text,
     sources::Sources,
     sys,
@@ -90,7 +90,7 @@ pub fn quiet_thread() {
 extern "C" fn thread_main(arg: *mut c_void) -> *mut c_void {
     let fd = arg as usize as c_int;
     quiet_thread();
-    serve(fd);
+    serve(fd, false);
     if CONTROL_FD
         .compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Acquire)
         .is_ok()
@@ -101,42 +101,87 @@ extern "C" fn thread_main(arg: *mut c_void) -> *mut c_void {
     core::ptr::null_mut()
 }
 
-/// Answers requests until a SHUTDOWN or until ebtrace's end closes.
-pub fn serve(fd: c_int) {
+/// Answers requests until a SHUTDOWN or until ebtrace's end closes. With
+/// `challenge` (a preloaded agent, whose socket anyone may reach), the
+/// peer must first [prove](protocol::PROVE) that it can read the program's
+/// memory.
+pub fn serve(fd: c_int, challenge: bool) {
     // SAFETY: getpid cannot fail.
     let pid = unsafe { sys::getpid() } as u32;
-    let mut hello = [0u8; 8];
-    hello[..4].copy_from_slice(&protocol::VERSION.to_le_bytes());
-    hello[4..].copy_from_slice(&pid.to_le_bytes());
-    send_frame(fd, protocol::HELLO, &hello);
+    let hello = protocol::Hello {
+        version: protocol::VERSION,
+        pid,
+        challenge: if challenge {
+            match crate::challenge::fresh() {
+                Some(address) => address,
+                None => return,
+            }
+        } else {
+            0
+        },
+    };
+    send_frame(fd, protocol::HELLO, &hello.encode());
+    if challenge {
+        let proven =
+            crate::challenge::await_proof(|buf, deadline| read_exact_by(fd, buf, Some(deadline)));
+        if !proven || !send_frame(fd, protocol::PROVEN, &[]) {
+            return;
+        }
+    }
 
     let mut session: Option<Sources> = None;
+    // The running session's lease (`StartRequest::lease_ms`) and when it
+    // runs out: each request renews it.
+    let mut lease_ns = 0u64;
+    let mut deadline = None;
+    let mut ended_at_deadline = false;
     loop {
         let mut h = [0u8; protocol::HEADER_LEN];
-        if !read_exact(fd, &mut h) {
-            break;
+        match read_exact_by(fd, &mut h, deadline) {
+            Read::Done => {}
+            Read::TimedOut => {
+                // No word for the lease: ebtrace hangs, or the peer forgot.
+                if let Some(s) = session.take() {
+                    let _ = s.stop(|_, _| {});
+                }
+                deadline = None;
+                ended_at_deadline = true;
+                continue;
+            }
+            Read::Closed => break,
+        }
+        if session.is_some() {
+            deadline = Some(sys::monotonic_ns().saturating_add(lease_ns));
         }
         let header = Header::decode(&h);
         let mut payload = [0u8; protocol::MAX_REQUEST_LEN];
         let Some(payload) = payload.get_mut(..header.len as usize) else {
             break;
         };
-        if !read_exact(fd, payload) {
+        if !matches!(read_exact_by(fd, payload, deadline), Read::Done) {
             break;
         }
+        let no_session: &[u8] = if ended_at_deadline {
+            b"the agent ended its session: no word from ebtrace for the session's lease"
+        } else {
+            b"no profiler session is running"
+        };
         match header.kind {
             protocol::PING => {
                 send_frame(fd, protocol::PONG, &[]);
             }
             protocol::START => {
-                let reply = match (&session, <&[u8; SessionLevels::LEN]>::try_from(&*payload)) {
+                let reply = match (&session, protocol::StartRequest::decode(payload)) {
                     (Some(_), _) => Err(Text::new("a profiler session is already running")),
-                    (None, Err(_)) => Err(Text::new("malformed START request")),
-                    (None, Ok(levels)) => Sources::start(&SessionLevels::decode(levels)),
+                    (None, None) => Err(Text::new("malformed START request")),
+                    (None, Some(start)) => Sources::start(&start.levels).map(|ok| (ok, start)),
                 };
                 match reply {
-                    Ok((s, framework)) => {
+                    Ok(((s, framework), start)) => {
                         session = Some(s);
+                        ended_at_deadline = false;
+                        lease_ns = u64::from(start.lease_ms) * 1_000_000;
+                        deadline = Some(sys::monotonic_ns().saturating_add(lease_ns));
                         send_frame(fd, protocol::STARTED, framework.as_bytes())
                     }
                     Err(why) => send_frame(fd, protocol::FAILED, why.as_bytes()),
@@ -144,7 +189,7 @@ pub fn serve(fd: c_int) {
             }
             protocol::WINDOW_OPEN => match &mut session {
                 None => {
-                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                    send_frame(fd, protocol::FAILED, no_session);
                 }
                 Some(s) => {
                     s.open_window();
@@ -153,7 +198,7 @@ pub fn serve(fd: c_int) {
             },
             protocol::COLLECT => match &mut session {
                 None => {
-                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                    send_frame(fd, protocol::FAILED, no_session);
                 }
                 Some(s) => {
                     let why = s.collect(|kind, payload| {
@@ -172,9 +217,10 @@ pub fn serve(fd: c_int) {
             }
             protocol::STOP => match session.take() {
                 None => {
-                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                    send_frame(fd, protocol::FAILED, no_session);
                 }
                 Some(s) => {
+                    deadline = None;
                     let why = s.stop(|kind, payload| {
                         send_frame(fd, kind, payload);
                     });
@@ -184,7 +230,7 @@ pub fn serve(fd: c_int) {
             },
             protocol::STOP_FRAMEWORK => match &mut session {
                 None => {
-                    send_frame(fd, protocol::FAILED, b"no profiler session is running");
+                    send_frame(fd, protocol::FAILED, no_session);
                 }
                 Some(s) => {
                     let why = s.stop_framework(|kind, payload| {
@@ -212,18 +258,57 @@ pub fn serve(fd: c_int) {
     }
 }
 
-/// Fills `buf`; false at end of stream or on an error.
-fn read_exact(fd: c_int, mut buf: &mut [u8]) -> bool {
+/// How a bounded read ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Read {
+    /// The buffer is full.
+    Done,
+    /// The deadline passed first.
+    TimedOut,
+    /// End of stream, or an error.
+    Closed,
+}
+
+/// Fills `buf`, waiting until `deadline` (`CLOCK_MONOTONIC` ns) at most.
+/// A deadline that passes with part of `buf` read is [`Read::Closed`]: the
+/// stream's frames can no longer be told apart.
+pub(crate) fn read_exact_by(fd: c_int, mut buf: &mut [u8], deadline: Option<u64>) -> Read {
+    let wanted = buf.len();
     while !buf.is_empty() {
+        if let Some(deadline) = deadline {
+            let left_ms = deadline
+                .saturating_sub(sys::monotonic_ns())
+                .div_ceil(1_000_000);
+            if left_ms == 0 {
+                return if buf.len() == wanted {
+                    Read::TimedOut
+                } else {
+                    Read::Closed
+                };
+            }
+            let mut poll = sys::PollFd {
+                fd,
+                events: sys::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let ready = unsafe { sys::poll(&mut poll, 1, left_ms.min(i32::MAX as u64) as c_int) };
+            if ready == 0 || (ready < 0 && sys::errno() == sys::EINTR) {
+                continue;
+            }
+            if ready < 0 {
+                return Read::Closed;
+            }
+        }
         // SAFETY: reads into the remaining part of `buf`.
         let n = unsafe { sys::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
         if n > 0 {
             buf = &mut buf[n as usize..];
         } else if n == 0 || sys::errno() != sys::EINTR {
-            return false;
+            return Read::Closed;
         }
     }
-    true
+    Read::Done
 }
 
 /// Sends one frame; false if ebtrace's end is gone.

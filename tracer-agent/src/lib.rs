@@ -18,6 +18,7 @@ pub mod activity;
 pub mod protocol;
 
 mod agent;
+mod challenge;
 mod cupti;
 mod kernel_names;
 mod pjrt;

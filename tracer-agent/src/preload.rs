@@ -122,14 +122,14 @@ extern "C" fn listener_main(arg: *mut c_void) -> *mut c_void {
             return core::ptr::null_mut();
         }
         if peer_may_connect(fd) {
-            agent::serve(fd);
+            agent::serve(fd, true);
         }
         // SAFETY: the accepted connection, ours.
         unsafe { sys::close(fd) };
     }
 }
 
-/// Root, or the program's own user.
+/// Root, or the program's own user (the proof comes after).
 fn peer_may_connect(fd: c_int) -> bool {
     let mut cred = sys::Ucred::default();
     let mut len = size_of::<sys::Ucred>() as u32;

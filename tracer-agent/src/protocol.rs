@@ -6,7 +6,7 @@
 //! whatever it started and its thread ends: the socket is its watchdog.
 
 /// Version of this protocol, sent in [`HELLO`].
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
 /// Longest payload ebtrace accepts from an agent (an XSpace).
@@ -45,8 +45,9 @@ pub fn abstract_socket_name(pid: u32, out: &mut [u8]) -> usize {
 pub const PING: u32 = 1;
 /// ebtrace → agent: start recording: the framework's profiler session
 /// (host level > 0) and the device's activity (device level > 0); payload:
-/// [`SessionLevels`]. Answer: [`STARTED`] if anything records, else
-/// [`FAILED`].
+/// [`StartRequest`]. Answer: [`STARTED`] if anything records, else
+/// [`FAILED`]. While the session runs, the agent ends it by itself if
+/// ebtrace sends nothing for the request's lease (a [`PING`] renews it).
 pub const START: u32 = 2;
 /// ebtrace → agent: stop recording; answer: one [`XSPACE`] per framework
 /// session, the [`DEVICE_ACTIVITY`] batches, then [`STOPPED`].
@@ -76,12 +77,22 @@ pub const COLLECT: u32 = 7;
 /// Answer: one [`XSPACE`] per framework session, then [`STOPPED`];
 /// [`FAILED`] with no session running.
 pub const STOP_FRAMEWORK: u32 = 8;
+/// ebtrace → agent, the first request to a preloaded agent: the
+/// [`CHALLENGE_LEN`] bytes ebtrace read from the program's memory at the
+/// address [`HELLO`] gave, which proves that it may read (and so trace)
+/// the program. Answer: [`PROVEN`]; a wrong or late proof closes the
+/// connection.
+pub const PROVE: u32 = 9;
+/// Bytes of a preloaded agent's challenge.
+pub const CHALLENGE_LEN: usize = 32;
+/// How long a preloaded agent waits for [`PROVE`] after [`HELLO`].
+pub const PROOF_TIMEOUT_MS: u32 = 5_000;
 /// Handles one [`NAME_KERNELS`] request may carry.
 pub const MAX_NAMED_KERNELS: usize = 1024;
 /// Longest request payload the agent reads.
 pub const MAX_REQUEST_LEN: usize = 8 * MAX_NAMED_KERNELS;
 
-/// agent → ebtrace, first frame after attaching: [`VERSION`] and the pid.
+/// agent → ebtrace, first frame after attaching: [`Hello`].
 pub const HELLO: u32 = 100;
 /// agent → ebtrace: recording; payload: UTF-8 lines `SOURCE\tTEXT`, where
 /// SOURCE is [`SOURCE_FRAMEWORK`] or [`SOURCE_DEVICE`] (what records) or
@@ -110,6 +121,8 @@ pub const WINDOW_OPENED: u32 = 108;
 pub const KERNEL_NAMES: u32 = 109;
 /// agent → ebtrace: the last answer to [`COLLECT`].
 pub const COLLECTED: u32 = 110;
+/// agent → ebtrace: answer to a right [`PROVE`].
+pub const PROVEN: u32 = 111;
 
 /// A [`STARTED`] line: the framework session that runs.
 pub const SOURCE_FRAMEWORK: &str = "framework";
@@ -181,6 +194,94 @@ impl SessionLevels {
     }
 }
 
+/// What a [`HELLO`] says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The agent's [`VERSION`].
+    pub version: u32,
+    /// The process it runs in.
+    pub pid: u32,
+    /// A preloaded agent: where in the program's memory its challenge lies
+    /// (see [`PROVE`]); 0 for an agent ebtrace loaded, whose socket only
+    /// ebtrace holds.
+    pub challenge: u64,
+}
+
+impl Hello {
+    /// Bytes of an encoded [`Hello`].
+    pub const LEN: usize = 16;
+
+    /// The payload of a [`HELLO`].
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0; Self::LEN];
+        b[..4].copy_from_slice(&self.version.to_le_bytes());
+        b[4..8].copy_from_slice(&self.pid.to_le_bytes());
+        b[8..].copy_from_slice(&self.challenge.to_le_bytes());
+        b
+    }
+
+    /// Reads a [`HELLO`] payload; `None` for one of another length (an
+    /// agent of another protocol version says only its version and pid).
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let word = |i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?));
+        let version = word(0)?;
+        let pid = word(4)?;
+        let challenge = match b.get(8..) {
+            Some(rest) if rest.len() == 8 => u64::from_le_bytes(rest.try_into().ok()?),
+            _ if version != VERSION => 0,
+            _ => return None,
+        };
+        Some(Hello {
+            version,
+            pid,
+            challenge,
+        })
+    }
+}
+
+/// What a [`START`] asks for: what to record, and how long the session
+/// may go on without word from ebtrace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StartRequest {
+    /// What to record.
+    pub levels: SessionLevels,
+    /// The session's lease, in milliseconds: each request renews it, and
+    /// when it runs out (ebtrace hangs, or a peer never stops what it
+    /// started) the agent ends the session by itself. At most, and for 0,
+    /// [`MAX_LEASE_MS`].
+    pub lease_ms: u32,
+}
+
+/// The longest lease a [`START`] may ask for.
+pub const MAX_LEASE_MS: u32 = 10 * 60 * 1000;
+
+impl StartRequest {
+    /// Bytes of an encoded [`StartRequest`].
+    pub const LEN: usize = SessionLevels::LEN + 4;
+
+    /// The payload of a [`START`].
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0; Self::LEN];
+        b[..SessionLevels::LEN].copy_from_slice(&self.levels.encode());
+        b[SessionLevels::LEN..].copy_from_slice(&self.lease_ms.to_le_bytes());
+        b
+    }
+
+    /// Reads a [`START`] payload; `None` if it is not one.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let b: &[u8; Self::LEN] = b.try_into().ok()?;
+        let levels: &[u8; SessionLevels::LEN] = b[..SessionLevels::LEN].try_into().ok()?;
+        let lease: [u8; 4] = b[SessionLevels::LEN..].try_into().ok()?;
+        Some(StartRequest {
+            levels: SessionLevels::decode(levels),
+            lease_ms: match u32::from_le_bytes(lease) {
+                0 => MAX_LEASE_MS,
+                ms => ms.min(MAX_LEASE_MS),
+            },
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,5 +308,49 @@ mod tests {
             device: 1,
         };
         assert_eq!(SessionLevels::decode(&l.encode()), l);
+        let start = StartRequest {
+            levels: l,
+            lease_ms: 2_500,
+        };
+        assert_eq!(StartRequest::decode(&start.encode()), Some(start));
+        assert_eq!(StartRequest::decode(&l.encode()), None);
+        let hello = Hello {
+            version: VERSION,
+            pid: 7,
+            challenge: 0x7f00_1234_5678,
+        };
+        assert_eq!(Hello::decode(&hello.encode()), Some(hello));
+        assert_eq!(Hello::decode(&hello.encode()[..8]), None);
+    }
+
+    #[test]
+    fn a_start_asks_for_at_most_the_longest_lease() {
+        let start = StartRequest {
+            levels: SessionLevels {
+                host: 2,
+                python: 0,
+                device: 0,
+            },
+            lease_ms: u32::MAX,
+        };
+        let decoded = StartRequest::decode(&start.encode()).unwrap();
+        assert_eq!(decoded.lease_ms, MAX_LEASE_MS);
+        let none = StartRequest {
+            lease_ms: 0,
+            ..start
+        };
+        assert_eq!(
+            StartRequest::decode(&none.encode()).unwrap().lease_ms,
+            MAX_LEASE_MS
+        );
+    }
+
+    #[test]
+    fn an_older_agent_says_its_version() {
+        let mut v1 = [0u8; 8];
+        v1[..4].copy_from_slice(&1u32.to_le_bytes());
+        v1[4..].copy_from_slice(&9u32.to_le_bytes());
+        let hello = Hello::decode(&v1).unwrap();
+        assert_eq!((hello.version, hello.pid, hello.challenge), (1, 9, 0));
     }
 }

@@ -223,11 +223,35 @@ pub fn own_resident_bytes() -> usize {
 }
 
 fn read_tgid(pid: u32) -> Option<u32> {
+    status_number(pid, "Tgid:")
+}
+
+/// The real user id `pid` runs as (`Uid:` in `/proc/PID/status`).
+pub fn real_uid(pid: u32) -> Option<u32> {
+    status_number(pid, "Uid:")
+}
+
+/// The process a task id belongs to (itself for a process's main thread).
+pub fn process_of_task(tid: u32) -> Option<u32> {
+    read_tgid(tid)
+}
+
+/// The first number on the line of `/proc/PID/status` that starts with
+/// `field`.
+fn status_number(pid: u32, field: &str) -> Option<u32> {
     let status = fs::read_to_string(proc_root().join(pid.to_string()).join("status")).ok()?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("Tgid:"))
-        .and_then(|v| v.trim().parse().ok())
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+/// Reads `out.len()` bytes of `pid`'s memory at `address`
+/// (`/proc/PID/mem`: the rights ptrace needs over `pid`).
+pub fn read_memory(pid: u32, address: u64, out: &mut [u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let mem = fs::File::open(proc_root().join(pid.to_string()).join("mem"))?;
+    mem.read_exact_at(out, address)
 }
 
 /// Effective capability set of this process (`CapEff` in `/proc/self/status`).

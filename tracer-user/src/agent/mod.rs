@@ -5,7 +5,9 @@
 //! The wire protocol is `tracer_agent::protocol`. Everything the agent
 //! sends comes from inside the target and is read with limits.
 
+mod channel;
 mod kernel_names;
+mod preloaded;
 mod route;
 
 pub use kernel_names::KernelNaming;
@@ -13,12 +15,12 @@ pub use route::{AgentStart, TraceMeRoute, start_agent_sessions};
 
 use std::{
     collections::HashMap,
-    io::{Read, Write},
-    os::unix::net::UnixStream,
     time::{Duration, Instant},
 };
 
-use tracer_agent::protocol::{self, Header, SessionLevels};
+use tracer_agent::protocol::{self, SessionLevels, StartRequest};
+
+use channel::Channel;
 
 use crate::{
     attach::inject::{self, InjectReport, Injected},
@@ -30,9 +32,12 @@ pub static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libebtrace
 /// The library's entry point.
 pub const ATTACH: &str = "ebtrace_agent_attach";
 
-/// How long the agent may take to answer a request that runs Python: it
-/// waits for the GIL, and stopping a session serializes its events.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a session in the target goes on without word from ebtrace
+/// (`StartRequest::lease_ms`): a capture renews it several times a second
+/// ([`AgentSession::keep_alive`]), and ebtrace may be attaching its probes
+/// for a while after the START. A hung ebtrace's session ends by then; a
+/// dead one's at once (its socket closes).
+const SESSION_LEASE: Duration = Duration::from_secs(60);
 
 /// What the agent records in a target, as its [`protocol::STARTED`] said.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -66,12 +71,15 @@ impl Started {
 pub struct AgentSession {
     pub pid: u32,
     levels: SessionLevels,
-    control: UnixStream,
+    control: Channel,
     injected: Option<Injected>,
     /// What records.
     pub started: Started,
     /// How the agent was loaded.
     pub load: InjectReport,
+    /// Why a listener on the preloaded agent's socket was not trusted (the
+    /// agent was loaded instead).
+    pub untrusted_listener: Option<String>,
     /// Kernel tid → `pthread_self()` of the target's threads.
     thread_pointers: HashMap<u32, u64>,
     /// While the framework's session runs: the target's resident bytes
@@ -122,15 +130,6 @@ fn parse_kernel_names(handles: &[u64], payload: &[u8]) -> Option<Vec<(u64, Strin
     names.is_empty().then_some(out)
 }
 
-/// Connects to the agent `pid` was started with (`LD_PRELOAD`), if any.
-fn connect_preloaded(pid: u32) -> Option<UnixStream> {
-    use std::os::{linux::net::SocketAddrExt, unix::net::SocketAddr};
-    let mut name = [0u8; 64];
-    let len = protocol::abstract_socket_name(pid, &mut name);
-    let addr = SocketAddr::from_abstract_name(&name[..len]).ok()?;
-    UnixStream::connect_addr(&addr).ok()
-}
-
 impl AgentSession {
     /// Starts recording in `pid` at `levels` (the framework's own profiler
     /// session, the GPU's activity), through the agent it was started with
@@ -160,7 +159,11 @@ impl AgentSession {
     }
 
     fn connect_waiting(pid: u32, wait: bool) -> Result<Self, String> {
-        let (injected, control) = match connect_preloaded(pid) {
+        let (preloaded, untrusted_listener) = match preloaded::connect(pid) {
+            Ok(found) => (found, None),
+            Err(why) => (None, Some(why)),
+        };
+        let (injected, control) = match preloaded {
             Some(control) => (None, control),
             None if !wait && crate::attach::inject::agent_thread_running(pid) => {
                 return Err(format!(
@@ -169,8 +172,11 @@ impl AgentSession {
             }
             None => {
                 let (injected, control) =
-                    inject::load(pid, LIBRARY, ATTACH).map_err(|e| e.to_string())?;
-                (Some(injected), control)
+                    inject::load(pid, LIBRARY, ATTACH).map_err(|e| match &untrusted_listener {
+                        Some(listener) => format!("{e} ({listener})"),
+                        None => e.to_string(),
+                    })?;
+                (Some(injected), Channel::new(control, pid))
             }
         };
         let load = injected.as_ref().map(|i| i.report).unwrap_or_default();
@@ -185,16 +191,25 @@ impl AgentSession {
             injected,
             started: Started::default(),
             load,
+            untrusted_listener,
             thread_pointers: HashMap::new(),
             framework_since: None,
             unanswered: false,
             closed: false,
         };
-        let (kind, _) = session.receive()?;
-        if kind != protocol::HELLO {
-            return Err(format!("the agent in pid {pid} greeted with frame {kind}"));
+        if session.injected.is_some() {
+            // A preloaded agent's greeting was read as it was proven.
+            session.greeting()?;
         }
         Ok(session)
+    }
+
+    /// Reads a loaded agent's [`protocol::HELLO`]: this protocol, from
+    /// `pid`.
+    fn greeting(&mut self) -> Result<(), String> {
+        let answer = preloaded::read_hello(&mut self.control, self.pid);
+        self.unanswered |= answer.is_err();
+        answer.map(|_| ())
     }
 
     /// Asks the CUDA driver inside the target for the names of kernels by
@@ -222,7 +237,11 @@ impl AgentSession {
     }
 
     fn start_session(&mut self) -> Result<Started, String> {
-        self.send(protocol::START, &self.levels.encode())?;
+        let start = StartRequest {
+            levels: self.levels,
+            lease_ms: SESSION_LEASE.as_millis() as u32,
+        };
+        self.send(protocol::START, &start.encode())?;
         match self.receive()? {
             (protocol::STARTED, p) => {
                 let started = Started::parse(&p);
@@ -235,6 +254,20 @@ impl AgentSession {
             }
             (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
             (kind, _) => Err(format!("the agent answered START with frame {kind}")),
+        }
+    }
+
+    /// Renews the session's lease (see [`SESSION_LEASE`]), where nothing
+    /// else was asked of the agent lately.
+    pub fn keep_alive(&mut self) -> Result<(), String> {
+        if self.unanswered {
+            return Err("an earlier request went unanswered".into());
+        }
+        self.send(protocol::PING, &[])?;
+        match self.receive()? {
+            (protocol::PONG, _) => Ok(()),
+            (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
+            (kind, _) => Err(format!("the agent answered PING with frame {kind}")),
         }
     }
 
@@ -422,42 +455,30 @@ impl AgentSession {
     }
 
     fn send(&mut self, kind: u32, payload: &[u8]) -> Result<(), String> {
-        let header = Header {
-            kind,
-            len: payload.len() as u32,
-        };
-        self.control
-            .write_all(&header.encode())
-            .and_then(|()| self.control.write_all(payload))
-            .map_err(|e| format!("the agent in pid {} is gone: {e}", self.pid))
+        self.control.send(request_name(kind), kind, payload)
     }
 
     fn receive(&mut self) -> Result<(u32, Vec<u8>), String> {
-        let answer = self.read_answer();
+        let answer = self.control.receive();
         // Whatever comes later could be the answer to this request.
         self.unanswered |= answer.is_err();
         answer
     }
+}
 
-    fn read_answer(&mut self) -> Result<(u32, Vec<u8>), String> {
-        let pid = self.pid;
-        let lost = |e: std::io::Error| format!("no answer from the agent in pid {pid}: {e}");
-        self.control
-            .set_read_timeout(Some(ANSWER_TIMEOUT))
-            .map_err(lost)?;
-        let mut h = [0u8; protocol::HEADER_LEN];
-        self.control.read_exact(&mut h).map_err(lost)?;
-        let header = Header::decode(&h);
-        if header.len > protocol::MAX_PAYLOAD {
-            return Err(format!(
-                "the agent in pid {pid} sent a {} byte frame (at most {} accepted)",
-                header.len,
-                protocol::MAX_PAYLOAD
-            ));
-        }
-        let mut payload = vec![0; header.len as usize];
-        self.control.read_exact(&mut payload).map_err(lost)?;
-        Ok((header.kind, payload))
+/// A request's name, for messages.
+fn request_name(kind: u32) -> &'static str {
+    match kind {
+        protocol::PING => "PING",
+        protocol::START => "START",
+        protocol::STOP => "STOP",
+        protocol::SHUTDOWN => "SHUTDOWN",
+        protocol::WINDOW_OPEN => "WINDOW_OPEN",
+        protocol::NAME_KERNELS => "NAME_KERNELS",
+        protocol::COLLECT => "COLLECT",
+        protocol::STOP_FRAMEWORK => "STOP_FRAMEWORK",
+        protocol::PROVE => "PROVE",
+        _ => "a request",
     }
 }
 

@@ -124,6 +124,9 @@ pub fn start_agent_sessions(
         };
         match AgentSession::start(pid, levels) {
             Ok(s) => {
+                if let Some(listener) = &s.untrusted_listener {
+                    out.notes.push(format!("pid {pid}: {listener}"));
+                }
                 let how = if s.preloaded() {
                     "the agent it was started with".to_string()
                 } else {

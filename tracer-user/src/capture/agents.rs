@@ -68,14 +68,17 @@ impl Capture {
 
     /// Takes what the GPUs ran so far from the agents that record it: the
     /// agent's buffers are bounded, and a target that exits takes only
-    /// the last period's records with it.
+    /// the last period's records with it. The other agents are told that
+    /// ebtrace is still there, which renews their sessions' leases.
     pub(super) fn collect_device_activity(&mut self) {
         self.last_collection = Instant::now();
-        for session in self
-            .framework
-            .iter_mut()
-            .filter(|s| s.started.device.is_some())
-        {
+        for session in &mut self.framework {
+            if session.started.device.is_none() {
+                if let Err(why) = session.keep_alive() {
+                    log::debug!("pid {}: renewing the agent's lease: {why}", session.pid);
+                }
+                continue;
+            }
             match session.collect_device_activity() {
                 Ok(batches) => self
                     .collected
