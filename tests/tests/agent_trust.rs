@@ -1,0 +1,410 @@
+//! Who ebtrace trusts as a target's agent, and who the agent trusts as
+//! ebtrace: a listener posing as a program's preloaded agent is ignored; a
+//! program (or a genuine agent in a hostile one) that floods its answers
+//! loses its own part of the capture and no more; a preloaded agent serves
+//! only a peer that proves it may read the program, ends a session nobody
+//! stops, and never faults on wild kernel handles.
+
+use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    os::unix::{
+        net::{SocketAddr, UnixStream},
+        process::CommandExt as _,
+    },
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use ebtrace_tests::{
+    TempDir, agent_threads, cuda, ebtrace_bin,
+    python::{jax_python, start_jax},
+    record, require_root, serial, signal, spawn_record, xplane_files,
+    xspace::{self, line_events, plane},
+};
+use tracer_agent::protocol::{self, Header, Hello, SessionLevels, StartRequest};
+
+/// The uid of `nobody`, an unprivileged user.
+const NOBODY: u32 = 65534;
+
+/// `tests/fixtures/agent/fake_agent.py` run by the system's CPython (no
+/// packages needed) as `uid`, with `args`; returns it once it listens.
+fn start_fake_agent(uid: u32, args: &[&str]) -> (Child, u32) {
+    let script = ebtrace_tests::workspace_root().join("tests/fixtures/agent/fake_agent.py");
+    let source = std::fs::read_to_string(&script).expect("read fake_agent.py");
+    let mut child = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(source)
+        .args(args)
+        .uid(uid)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start /usr/bin/python3");
+    let mut first = String::new();
+    BufReader::new(child.stdout.as_mut().expect("piped"))
+        .read_line(&mut first)
+        .expect("fake agent's first line");
+    let line: serde_json::Value = serde_json::from_str(&first).expect("a JSON line");
+    (child, line["pid"].as_u64().expect("pid") as u32)
+}
+
+/// The agent library, written out for `LD_PRELOAD`.
+fn agent_library(dir: &TempDir) -> String {
+    let library = dir.path().join("libebtrace_agent.so");
+    let out = Command::new(ebtrace_bin())
+        .arg("agent-library")
+        .arg(&library)
+        .output()
+        .expect("run ebtrace agent-library");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    library.to_str().unwrap().to_string()
+}
+
+/// A client of a preloaded agent, speaking its protocol as a peer would.
+struct Peer {
+    stream: UnixStream,
+}
+
+impl Peer {
+    fn connect(pid: u32) -> (Peer, Hello) {
+        use std::os::linux::net::SocketAddrExt as _;
+        let mut name = [0u8; 64];
+        let len = protocol::abstract_socket_name(pid, &mut name);
+        let addr = SocketAddr::from_abstract_name(&name[..len]).unwrap();
+        let stream = UnixStream::connect_addr(&addr).expect("the agent listens");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut peer = Peer { stream };
+        let (kind, payload) = peer.receive().expect("a greeting");
+        assert_eq!(kind, protocol::HELLO);
+        (peer, Hello::decode(&payload).expect("a v2 greeting"))
+    }
+
+    /// Connects and proves, as ebtrace does, by reading the challenge out
+    /// of the program's memory.
+    fn proven(pid: u32) -> Peer {
+        let (mut peer, hello) = Peer::connect(pid);
+        assert_ne!(hello.challenge, 0, "a preloaded agent asks for a proof");
+        let mut proof = [0u8; protocol::CHALLENGE_LEN];
+        let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&mem, &mut proof, hello.challenge).unwrap();
+        assert_eq!(peer.ask(protocol::PROVE, &proof).0, protocol::PROVEN);
+        peer
+    }
+
+    fn send(&mut self, kind: u32, payload: &[u8]) -> std::io::Result<()> {
+        let header = Header {
+            kind,
+            len: payload.len() as u32,
+        };
+        self.stream.write_all(&header.encode())?;
+        self.stream.write_all(payload)
+    }
+
+    fn receive(&mut self) -> std::io::Result<(u32, Vec<u8>)> {
+        let mut h = [0u8; protocol::HEADER_LEN];
+        self.stream.read_exact(&mut h)?;
+        let header = Header::decode(&h);
+        let mut payload = vec![0; header.len as usize];
+        self.stream.read_exact(&mut payload)?;
+        Ok((header.kind, payload))
+    }
+
+    fn ask(&mut self, kind: u32, payload: &[u8]) -> (u32, Vec<u8>) {
+        self.send(kind, payload).expect("send a request");
+        self.receive().expect("an answer")
+    }
+
+    /// Whether the agent closed the connection (instead of answering).
+    fn closed(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        match self.stream.read(&mut byte) {
+            Ok(n) => n == 0,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+/// A child process, killed and reaped when dropped (a failing test leaves
+/// none behind).
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_listener_posing_as_a_program_s_agent_is_ignored() {
+    if !require_root("a_listener_posing_as_a_program_s_agent_is_ignored") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = start_jax(&python, &[]);
+    let pid = workload.pid;
+    // Any user can bind an abstract socket name: nobody takes the one
+    // ebtrace looks for, before ebtrace comes.
+    let (impostor, impostor_pid) = start_fake_agent(NOBODY, &["impostor", &pid.to_string()]);
+    let _impostor = Reaped(impostor);
+
+    let logs = TempDir::new("agent-impostor");
+    let out = record(&pid.to_string(), "2s", &logs, &["--traceme", "agent"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "@ebtrace-agent.{pid} is held by pid {impostor_pid} (uid {NOBODY}), not the \
+             program itself: ignored, ebtrace's agent is loaded instead"
+        )),
+        "{stderr}"
+    );
+    // The real session, through an agent loaded now; nothing the impostor
+    // would have answered.
+    assert!(
+        stderr.contains("ProfilerSession (agent loaded in"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("impostor"), "{stderr}");
+    let space = xspace::load(&xplane_files(logs.path())[0]);
+    assert!(space.planes.iter().all(|p| p.name != "/host:impostor"));
+    let steps = line_events(plane(&space, "/host:CPU"), pid.into())
+        .iter()
+        .filter(|e| e.name == "ebtrace_step")
+        .count();
+    assert!(steps >= 50, "{steps} steps");
+}
+
+/// How a finished child ended, what it printed (stdout, then stderr) and
+/// its peak resident memory, from the kernel's rusage.
+fn wait_with_peak_rss(mut child: Child) -> (std::process::ExitStatus, String, u64) {
+    let pid = child.id() as i32;
+    let mut printed = String::new();
+    let stderr = child.stderr.take().expect("piped");
+    let errors = std::thread::spawn(move || {
+        let mut text = String::new();
+        let mut stderr = stderr;
+        stderr.read_to_string(&mut text).unwrap();
+        text
+    });
+    child
+        .stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut printed)
+        .unwrap();
+    printed.push_str(&errors.join().unwrap());
+    let mut status = 0;
+    // SAFETY: a zeroed rusage is a valid out buffer.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waits for our own child, with valid out pointers.
+    let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(rc, pid);
+    use std::os::unix::process::ExitStatusExt as _;
+    (
+        std::process::ExitStatus::from_raw(status),
+        printed,
+        usage.ru_maxrss as u64 * 1024,
+    )
+}
+
+#[test]
+fn a_program_flooding_its_answers_loses_its_own_part_and_no_more() {
+    if !require_root("a_program_flooding_its_answers_loses_its_own_part_and_no_more") {
+        return;
+    }
+    let _serial = serial();
+    let (lib_dir, _) = cuda::build();
+    let libcuda = lib_dir.join("libcuda.so.1");
+    // A program that loaded the CUDA driver and listens as its own agent
+    // (so it passes every check of who it is), then answers ebtrace's
+    // request for its GPU activity with 32 MiB frames that never end.
+    let (flood, pid) = start_fake_agent(0, &["flood", libcuda.to_str().unwrap()]);
+    let mut flood = Reaped(flood);
+    let logs = TempDir::new("agent-flood");
+    let child = spawn_record(&pid.to_string(), "3s", &logs, &[]);
+    let (status, printed, peak) = wait_with_peak_rss(child);
+    assert!(status.success(), "{printed}");
+    let line = format!(
+        "the agent in pid {pid} sent more than 1024 MiB in answer to COLLECT: what it sent is \
+         dropped and its part of the capture ends here"
+    );
+    assert!(printed.contains(&line), "{printed}");
+    // The rest of the capture is written: the program's own threads.
+    let space = xspace::load(&xplane_files(logs.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    assert!(
+        host.lines.iter().any(|l| l.id == i64::from(pid)),
+        "no line for pid {pid}"
+    );
+    // What ebtrace held never passed the answer's bound by much.
+    assert!(
+        peak < (1 << 30) + (512 << 20),
+        "ebtrace's resident memory peaked at {} MiB",
+        peak >> 20
+    );
+    assert!(
+        flood.0.try_wait().unwrap().is_none(),
+        "the program lives on"
+    );
+}
+
+/// A program that loads the stand-in CUDA driver and idles, started with
+/// the agent preloaded.
+fn start_preloaded_driver_program(preload: &str, libcuda: &PathBuf) -> Child {
+    let source = format!(
+        "import ctypes, json, os, time\n\
+         ctypes.CDLL({libcuda:?})\n\
+         print(json.dumps({{'pid': os.getpid()}}), flush=True)\n\
+         while True: time.sleep(0.05)\n"
+    );
+    let mut child = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(source)
+        .env("LD_PRELOAD", preload)
+        .env("EBTRACE_AGENT", "listen")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start /usr/bin/python3");
+    let mut first = String::new();
+    BufReader::new(child.stdout.as_mut().expect("piped"))
+        .read_line(&mut first)
+        .expect("first line");
+    child
+}
+
+#[test]
+fn a_preloaded_agent_serves_only_a_peer_that_proves_it_may_read_the_program() {
+    if !require_root("a_preloaded_agent_serves_only_a_peer_that_proves_it_may_read_the_program") {
+        return;
+    }
+    let _serial = serial();
+    let (lib_dir, _) = cuda::build();
+    let dir = TempDir::new("agent-proof");
+    let preload = agent_library(&dir);
+    let mut program = Reaped(start_preloaded_driver_program(
+        &preload,
+        &lib_dir.join("libcuda.so.1"),
+    ));
+    let pid = program.0.id();
+    assert_eq!(agent_threads(pid), 1, "the agent listens");
+
+    // A request before any proof: the agent hangs up, answering nothing.
+    let (mut peer, _) = Peer::connect(pid);
+    peer.send(protocol::NAME_KERNELS, &1u64.to_le_bytes())
+        .unwrap();
+    assert!(peer.closed(), "served a peer that did not prove itself");
+    // A wrong proof: the same.
+    let (mut peer, _) = Peer::connect(pid);
+    peer.send(protocol::PROVE, &[0x5a; protocol::CHALLENGE_LEN])
+        .unwrap();
+    assert!(peer.closed(), "served a peer with a wrong proof");
+    // A proof never sent: the agent gives up, and serves the next peer.
+    let (mut silent, _) = Peer::connect(pid);
+    let waited = std::time::Instant::now();
+    assert!(silent.closed());
+    assert!(
+        waited.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        waited.elapsed()
+    );
+
+    // Wild kernel handles, from a proven peer: none reaches the driver
+    // where it would fault, and the program lives on.
+    let mut peer = Peer::proven(pid);
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let heap = maps
+        .lines()
+        .find(|l| l.ends_with("[heap]"))
+        .and_then(|l| u64::from_str_radix(l.split('-').next()?, 16).ok())
+        .expect("a heap");
+    let handles = [1u64, 0xdead_0000_0000, u64::MAX - 7, heap, 0x7fff_ffff_f000];
+    let request: Vec<u8> = handles.iter().flat_map(|h| h.to_le_bytes()).collect();
+    let (kind, answer) = peer.ask(protocol::NAME_KERNELS, &request);
+    assert_eq!(
+        kind,
+        protocol::KERNEL_NAMES,
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    for (i, h) in handles.iter().enumerate() {
+        let len = u32::from_le_bytes(answer[4 * i..4 * i + 4].try_into().unwrap());
+        if *h != heap {
+            assert_eq!(len, 0, "a name for wild handle {h:#x}");
+        }
+    }
+    assert_eq!(peer.ask(protocol::PING, &[]).0, protocol::PONG);
+    assert!(program.0.try_wait().unwrap().is_none(), "the program died");
+}
+
+#[test]
+fn a_session_nobody_stops_ends_when_its_lease_runs_out() {
+    if !require_root("a_session_nobody_stops_ends_when_its_lease_runs_out") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let dir = TempDir::new("agent-lease");
+    let preload = agent_library(&dir);
+    let workload = start_jax(
+        &python,
+        &[("LD_PRELOAD", &preload), ("EBTRACE_AGENT", "listen")],
+    );
+    let pid = workload.pid;
+    let start = StartRequest {
+        levels: SessionLevels {
+            host: 2,
+            python: 0,
+            device: 0,
+        },
+        lease_ms: 1_500,
+    };
+    // A peer starts jax's session, then says nothing past the lease.
+    let mut peer = Peer::proven(pid);
+    let (kind, why) = peer.ask(protocol::START, &start.encode());
+    assert_eq!(kind, protocol::STARTED, "{}", String::from_utf8_lossy(&why));
+    std::thread::sleep(Duration::from_secs(3));
+    let (kind, why) = peer.ask(protocol::STOP, &[]);
+    assert_eq!(kind, protocol::FAILED);
+    assert!(
+        String::from_utf8_lossy(&why).contains("no word from ebtrace for the session's lease"),
+        "{}",
+        String::from_utf8_lossy(&why)
+    );
+    // jax's own profiler is free again: a new session starts (jax allows
+    // one at a time) and records the program's steps.
+    let (kind, why) = peer.ask(protocol::START, &start.encode());
+    assert_eq!(kind, protocol::STARTED, "{}", String::from_utf8_lossy(&why));
+    // A peer that speaks within the lease keeps its session.
+    for _ in 0..4 {
+        std::thread::sleep(Duration::from_millis(500));
+        assert_eq!(peer.ask(protocol::PING, &[]).0, protocol::PONG);
+    }
+    peer.send(protocol::STOP, &[]).unwrap();
+    let mut xspaces = 0;
+    loop {
+        match peer.receive().expect("the stop's answer") {
+            (protocol::XSPACE, _) => xspaces += 1,
+            (protocol::STOPPED, _) => break,
+            (kind, p) => panic!("frame {kind}: {}", String::from_utf8_lossy(&p)),
+        }
+    }
+    assert_eq!(xspaces, 1);
+    drop(peer);
+    signal(pid, libc::SIGTERM);
+}
