@@ -6,7 +6,12 @@
 //! remembered; [`Tracee::detach`] delivers them again (the first with the
 //! detach itself, the others with `tgkill`), so the target loses none.
 
-use std::{fs::File, io, os::unix::fs::FileExt as _};
+use std::{
+    fs::File,
+    io,
+    os::unix::fs::FileExt as _,
+    time::{Duration, Instant},
+};
 
 use super::InjectError;
 
@@ -24,8 +29,17 @@ const SYSCALL_INFO_EXIT: u8 = 2;
 
 /// Syscalls that a stop ends with EINTR even where no handler runs
 /// (signal(7)): `semop` (65), `rt_sigtimedwait` (128), `semtimedop` (220),
-/// `epoll_wait` (232), `epoll_pwait` (281), `epoll_pwait2` (441).
-const ENDED_BY_A_STOP: [u64; 6] = [65, 128, 220, 232, 281, 441];
+/// `epoll_wait` (232), `epoll_pwait` (281), `epoll_pwait2` (441),
+/// `io_getevents` (208), `io_pgetevents` (333); and those on a socket with
+/// a receive or send timeout (`SO_RCVTIMEO`, `SO_SNDTIMEO`): `read` (0),
+/// `write` (1), `readv` (19), `writev` (20), `accept` (43), `sendto` (44),
+/// `recvfrom` (45), `sendmsg` (46), `recvmsg` (47), `accept4` (288),
+/// `recvmmsg` (299), `sendmmsg` (307). EINTR with no signal pending can
+/// only be the stop's, and it means nothing was transferred: the call is
+/// issued again as it was.
+const ENDED_BY_A_STOP: [u64; 20] = [
+    65, 128, 220, 232, 281, 441, 208, 333, 0, 1, 19, 20, 43, 44, 45, 46, 47, 288, 299, 307,
+];
 /// The x86-64 `syscall` instruction.
 const SYSCALL_INSN: [u8; 2] = [0x0f, 0x05];
 
@@ -53,6 +67,8 @@ pub struct Tracee {
     /// Signals suppressed while the thread was held, in arrival order.
     pending: Vec<i32>,
     attached: bool,
+    /// A stop's wait status taken but not decoded yet.
+    status: Option<i32>,
 }
 
 fn ptrace(req: libc::c_long, tid: u32, addr: u64, data: u64) -> io::Result<libc::c_long> {
@@ -85,6 +101,7 @@ impl Tracee {
             mem,
             pending: Vec::new(),
             attached: true,
+            status: None,
         };
         t.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
         loop {
@@ -150,6 +167,9 @@ impl Tracee {
 
     /// Waits for the thread's next stop.
     fn wait(&mut self) -> Result<Stop, InjectError> {
+        if self.status.is_some() {
+            return self.decode_stop();
+        }
         let mut status = 0;
         loop {
             // SAFETY: waits for our own tracee; `status` is a valid out pointer.
@@ -166,6 +186,14 @@ impl Tracee {
                 });
             }
         }
+        self.status = Some(status);
+        self.decode_stop()
+    }
+
+    /// What the stop whose status [`Self::wait`] or [`Self::stopped_now`]
+    /// took is.
+    fn decode_stop(&mut self) -> Result<Stop, InjectError> {
+        let status = self.status.take().unwrap_or(0);
         if !libc::WIFSTOPPED(status) {
             self.attached = false;
             return Err(InjectError::TargetExited { pid: self.pid });
@@ -206,6 +234,58 @@ impl Tracee {
     pub fn step(&mut self) -> Result<Stop, InjectError> {
         self.request(PTRACE_SYSCALL, 0, 0, "resume")?;
         self.wait()
+    }
+
+    /// [`Self::step`], but waiting only until `deadline`: past it the
+    /// thread is stopped where it is (in a wait, say) and `None` returned.
+    pub fn step_until(&mut self, deadline: Instant) -> Result<Option<Stop>, InjectError> {
+        self.request(PTRACE_SYSCALL, 0, 0, "resume")?;
+        let mut pause = Duration::from_micros(5);
+        loop {
+            if self.stopped_now()? {
+                return self.decode_stop().map(Some);
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            // A call's stops come microseconds apart; a blocked one's not at
+            // all: look often at first, then less.
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+        // The thread's next stop, whatever it is (leaving the wait it was
+        // in, as often as not), holds it: resumed from there, it might go
+        // back into the wait before the interrupt's own stop.
+        self.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
+        self.wait()?;
+        Ok(None)
+    }
+
+    /// Whether the thread has stopped (its status then waits to be decoded
+    /// by [`Self::decode_stop`]), without blocking.
+    fn stopped_now(&mut self) -> Result<bool, InjectError> {
+        let mut status = 0;
+        // SAFETY: polls our own tracee; `status` is a valid out pointer.
+        let r =
+            unsafe { libc::waitpid(self.tid as i32, &mut status, libc::__WALL | libc::WNOHANG) };
+        match r {
+            0 => Ok(false),
+            r if r > 0 => {
+                self.status = Some(status);
+                Ok(true)
+            }
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    return Ok(false);
+                }
+                self.attached = false;
+                Err(match e.raw_os_error() {
+                    Some(libc::ECHILD) => InjectError::TargetExited { pid: self.pid },
+                    _ => self.ptrace_error("wait", e),
+                })
+            }
+        }
     }
 
     /// Forgets the last remembered signal (it was a fault of our own call,
