@@ -12,7 +12,9 @@ use std::{
 };
 
 use super::{
-    AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME, process_alive,
+    AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
+    hazards::{Hazards, Refusals},
+    process_alive,
     session::{RESTARTED_WAITS, Session, code_len},
     symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
 };
@@ -56,15 +58,16 @@ fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
 /// tried again and again for up to [`SAFE_POINT_WAIT`].
 fn open_session(pid: u32) -> Result<Session, InjectError> {
     let code = symbols::code_room(pid, code_len())?;
-    let runtime = symbols::runtime_code(pid)?;
+    let mut hazards = Hazards::of(pid)?;
     let began = Instant::now();
     let mut tries = 0;
+    let mut refusals = Refusals::default();
     loop {
         for tid in candidate_threads(pid)? {
             tries += 1;
-            match Session::open(pid, tid, code, &runtime) {
-                Ok(Some(session)) => return Ok(session),
-                Ok(None) => {}
+            match Session::open(pid, tid, code, &mut hazards) {
+                Ok(Ok(session)) => return Ok(session),
+                Ok(Err(refusal)) => refusals.count(refusal),
                 // The thread ended in between.
                 Err(_) if thread_gone(pid, tid) => {}
                 Err(e) => return Err(e),
@@ -78,6 +81,7 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
                 pid,
                 seconds: SAFE_POINT_WAIT.as_secs(),
                 tries,
+                refusals: refusals.to_string(),
             });
         }
         // Lets the threads move on from where they were.

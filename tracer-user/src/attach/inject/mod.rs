@@ -15,8 +15,11 @@
 //! that a killed ebtrace left under way is let finish it first. The calls
 //! allocate and take the loader's lock, so the thread must hold neither:
 //! one stopped inside the C library, the loader or a preloaded allocator
-//! (in `malloc`, say) is let go and another moment or thread is tried
-//! ([`session::at_safe_point`]).
+//! (in `malloc`, say), or with the loader, any allocator or a signal
+//! handler anywhere on its stack, is let go and another moment or thread is
+//! tried ([`session::at_safe_point`], [`hazards`]). A call that still does
+//! not return in a few seconds is abandoned where it waits, and the thread
+//! put back.
 //!
 //! The library is written to a memfd named `ebtrace-agent` that stays open
 //! in the target until [`Injected::unload`]; an ebtrace killed meanwhile
@@ -31,6 +34,8 @@
 //! its whole ptrace session on the calling thread (a tracer is a thread).
 //! x86-64 only.
 
+#[cfg(target_arch = "x86_64")]
+mod hazards;
 #[cfg(target_arch = "x86_64")]
 mod ptrace;
 #[cfg(target_arch = "x86_64")]
@@ -143,12 +148,27 @@ pub enum InjectError {
     },
 
     #[error(
+        "{call}() in pid {pid} did not return in {seconds} s (it waits for something another \
+         thread holds, such as a library constructor that never ends); the call was abandoned \
+         where it waited and the thread put back in its own code"
+    )]
+    CallTimedOut {
+        pid: u32,
+        call: &'static str,
+        seconds: u64,
+    },
+
+    #[error(
         "no thread of pid {pid} stopped where it could call into the C library in {seconds} s \
-         ({tries} tries: each was inside the C library or the loader, or in a syscall the \
-         kernel does not restart); try again, or start the program with the agent preloaded \
+         ({tries} tries: {refusals}); try again, or start the program with the agent preloaded \
          (`ebtrace agent-library --help`)"
     )]
-    NoSafePoint { pid: u32, seconds: u64, tries: u32 },
+    NoSafePoint {
+        pid: u32,
+        seconds: u64,
+        tries: u32,
+        refusals: String,
+    },
 
     #[error(
         "an earlier agent's thread in pid {pid} has not ended after {seconds} s (it waits for \

@@ -8,6 +8,7 @@ use std::{
 
 use super::{
     InjectError, StopPoint,
+    hazards::{Hazards, Refusal},
     ptrace::{Regs, Stop, Tracee},
     trampoline::{self, BLOCK_LEN, RESULT, SCRATCH},
 };
@@ -17,6 +18,10 @@ const ERESTARTSYS: i64 = -512;
 const ERESTARTNOINTR: i64 = -513;
 const ERESTARTNOHAND: i64 = -514;
 const ERESTART_RESTARTBLOCK: i64 = -516;
+/// How long one call made on the thread may take. The calls load a small
+/// library and start a thread (milliseconds); one that takes longer waits
+/// for something that may never come.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// The `cs` of 64-bit user code, and the user `ss`.
 const USER_CS_64: u64 = 0x33;
 const USER_SS: u64 = 0x2b;
@@ -104,15 +109,15 @@ pub struct Session {
 
 impl Session {
     /// Seizes `tid` and writes the trampoline's code at `code` (room found
-    /// by [`super::symbols::code_room`] for [`code_len`] bytes). `None`:
-    /// the thread was not [at a safe point](at_safe_point) (`runtime` is
-    /// the C library's and the loader's code) and was let go untouched.
+    /// by [`super::symbols::code_room`] for [`code_len`] bytes). A
+    /// [`Refusal`]: the thread was not [at a safe point](at_safe_point), or
+    /// its stack holds one of the `hazards`, and it was let go untouched.
     pub fn open(
         pid: u32,
         tid: u32,
         code: u64,
-        runtime: &[Range<u64>],
-    ) -> Result<Option<Self>, InjectError> {
+        hazards: &mut Hazards,
+    ) -> Result<Result<Self, Refusal>, InjectError> {
         let shstk = super::status_field(&format!("{pid}/task/{tid}"), "x86_Thread_features")
             .is_some_and(|f| f.contains("shstk"));
         if shstk {
@@ -136,15 +141,20 @@ impl Session {
                 what: format!("pid {pid} runs 32-bit code"),
             });
         }
-        if !at_safe_point(&raw, runtime) {
+        let refusal = if at_safe_point(&raw, &hazards.runtime) {
+            hazards.on_stack(&tracee, &raw)
+        } else {
+            Some(Refusal::Busy)
+        };
+        if let Some(refusal) = refusal {
             tracee.detach()?;
-            return Ok(None);
+            return Ok(Err(refusal));
         }
         let saved = normalize(raw);
         let (bytes, marker_end) = trampoline::code(fp);
         tracee.write(code, &bytes)?;
         let block = trampoline::block_at(saved.rsp);
-        Ok(Some(Session {
+        Ok(Ok(Session {
             fp_header: block - fp.header_below_block(),
             tracee,
             saved,
@@ -208,7 +218,10 @@ impl Session {
         self.tracee.read_cstring(addr, 1024)
     }
 
-    /// Calls `f(args)` on the thread; returns its `rax`.
+    /// Calls `f(args)` on the thread; returns its `rax`. A call that has
+    /// not returned within [`CALL_TIMEOUT`] (it waits for a lock that
+    /// another thread holds for ever, say) is abandoned where it waits:
+    /// the thread's own state is put back when the session closes.
     pub fn call(&mut self, name: &'static str, f: u64, args: &[u64]) -> Result<u64, InjectError> {
         // The XSAVE header must be zero but for what XSAVE writes: the
         // stack holds anything. One write from there to the block's end.
@@ -220,8 +233,16 @@ impl Session {
         r.rsp = self.block;
         r.orig_rax = u64::MAX;
         self.tracee.set_regs(&r)?;
+        let deadline = Instant::now() + CALL_TIMEOUT;
         loop {
-            match self.tracee.step()? {
+            let Some(stop) = self.tracee.step_until(deadline)? else {
+                return Err(InjectError::CallTimedOut {
+                    pid: self.pid(),
+                    call: name,
+                    seconds: CALL_TIMEOUT.as_secs(),
+                });
+            };
+            match stop {
                 Stop::SyscallEntry { ip, .. } if ip == self.marker_ip => break,
                 Stop::Signal(
                     sig @ (libc::SIGSEGV | libc::SIGBUS | libc::SIGILL | libc::SIGFPE),

@@ -1,0 +1,276 @@
+//! Where a thread must not be taken over, judged from its whole stack (the
+//! innermost instruction alone, [`super::session::at_safe_point`], misses a
+//! thread that waits inside such code): the dynamic loader (a `dlopen`, a
+//! library's constructor), any allocator's entry points (the C library's
+//! `malloc`, or one that a program or a tool interposes: tcmalloc, jemalloc,
+//! memray, heaptrack, ASAN, its own), and a signal handler. The agent's
+//! loading allocates and takes the loader's lock: a thread inside one of
+//! those may hold a lock the loading then waits for, for ever.
+
+use std::{fmt, ops::Range};
+
+use super::{InjectError, ptrace::Regs, ptrace::Tracee};
+use crate::symbols::{
+    ElfObject, mapped_objects,
+    maps::page_size,
+    unwind::{StackUnwinder, UserStack},
+};
+
+/// The allocators' entry points, by the names any of them exports.
+const ALLOCATOR_FUNCTIONS: [&str; 22] = [
+    "malloc",
+    "free",
+    "calloc",
+    "realloc",
+    "reallocarray",
+    "memalign",
+    "posix_memalign",
+    "aligned_alloc",
+    "valloc",
+    "pvalloc",
+    "malloc_usable_size",
+    "__libc_malloc",
+    "__libc_free",
+    "__libc_calloc",
+    "__libc_realloc",
+    "__libc_memalign",
+    "_Znwm",
+    "_Znam",
+    "_ZdlPv",
+    "_ZdaPv",
+    "_ZdlPvm",
+    "_ZdaPvm",
+];
+
+/// The code a signal handler returns through (`__restore_rt`:
+/// `rt_sigreturn`): glibc's `mov $15, %rax; syscall`, musl's
+/// `mov $15, %eax; syscall`.
+const RESTORERS: [&[u8]; 2] = [
+    &[0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05],
+    &[0xb8, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05],
+];
+
+/// How much of a thread's stack is read to unwind it.
+const STACK_COPY: usize = 64 * 1024;
+
+/// Why a thread was not taken over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Stopped in the C library or the loader, or in a syscall that a stop
+    /// would end (see [`super::session::at_safe_point`]).
+    Busy,
+    /// The dynamic loader is on its stack.
+    InLoader,
+    /// An allocator is on its stack.
+    InAllocator,
+    /// A signal handler is on its stack.
+    InSignalHandler,
+}
+
+/// How often each refusal happened, for the error that says no thread
+/// could be taken over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Refusals {
+    pub busy: u32,
+    pub in_loader: u32,
+    pub in_allocator: u32,
+    pub in_signal_handler: u32,
+}
+
+impl Refusals {
+    pub fn count(&mut self, refusal: Refusal) {
+        match refusal {
+            Refusal::Busy => self.busy += 1,
+            Refusal::InLoader => self.in_loader += 1,
+            Refusal::InAllocator => self.in_allocator += 1,
+            Refusal::InSignalHandler => self.in_signal_handler += 1,
+        }
+    }
+}
+
+impl fmt::Display for Refusals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts = [
+            (
+                self.busy,
+                "inside the C library or the loader, or in a syscall the kernel does not restart",
+            ),
+            (self.in_loader, "with the dynamic loader on its stack"),
+            (self.in_allocator, "with an allocator on its stack"),
+            (self.in_signal_handler, "in a signal handler"),
+        ];
+        let mut first = true;
+        for (n, what) in parts.into_iter().filter(|(n, _)| *n > 0) {
+            write!(f, "{}{n} {what}", if first { "" } else { ", " })?;
+            first = false;
+        }
+        if first {
+            write!(f, "no thread to try")?;
+        }
+        Ok(())
+    }
+}
+
+/// What a process's stacks are checked against.
+pub struct Hazards {
+    pid: u32,
+    /// The C library's and the loader's code, and the known allocators'.
+    pub runtime: Vec<Range<u64>>,
+    loader: Vec<Range<u64>>,
+    allocators: Vec<Range<u64>>,
+    restorers: Vec<u64>,
+    unwinder: StackUnwinder,
+}
+
+impl Hazards {
+    /// Reads `pid`'s mapped objects for the code above.
+    pub fn of(pid: u32) -> Result<Self, InjectError> {
+        let runtime = super::symbols::runtime_code(pid)?;
+        let objects = mapped_objects(pid).map_err(|e| InjectError::Io {
+            context: format!("reading /proc/{pid}/maps"),
+            source: e,
+        })?;
+        let mut hazards = Hazards {
+            pid,
+            runtime,
+            loader: Vec::new(),
+            allocators: Vec::new(),
+            restorers: Vec::new(),
+            unwinder: StackUnwinder::default(),
+        };
+        for obj in &objects {
+            let name = obj.file_name();
+            let code = obj
+                .mappings
+                .iter()
+                .filter(|m| m.perms.contains('x'))
+                .map(|m| m.start..m.end);
+            if name.starts_with("ld-") {
+                hazards.loader.extend(code.clone());
+            }
+            if name.starts_with("libc.so")
+                || name.starts_with("libc-")
+                || name.starts_with("ld-musl")
+            {
+                for range in code {
+                    hazards.restorers.extend(restorers_in(pid, range));
+                }
+            }
+            let Ok(elf) = ElfObject::open(&obj.open_path(), Some(obj.inode)) else {
+                continue;
+            };
+            let Some(bias) = obj.load_bias(elf.segments(), page_size()) else {
+                continue;
+            };
+            let Ok(scan) = elf.scan(&ALLOCATOR_FUNCTIONS, |_| false) else {
+                continue;
+            };
+            hazards.allocators.extend(
+                scan.found
+                    .iter()
+                    .flatten()
+                    .filter(|s| s.exported && s.function)
+                    .map(|s| {
+                        let start = bias.wrapping_add(s.vaddr);
+                        start..start.wrapping_add(s.size.max(1))
+                    }),
+            );
+        }
+        Ok(hazards)
+    }
+
+    /// Why the thread `tracee`, stopped with `regs`, must not be taken
+    /// over; `None` if its stack holds none of the code above (or cannot
+    /// be unwound: then its innermost instruction alone decides).
+    pub fn on_stack(&mut self, tracee: &Tracee, regs: &Regs) -> Option<Refusal> {
+        let stack = read_stack(tracee, regs.rsp);
+        let unwound = self.unwinder.unwind(
+            self.pid,
+            &UserStack {
+                ip: regs.rip,
+                sp: regs.rsp,
+                bp: regs.rbp,
+                bytes: &stack,
+            },
+        )?;
+        let within =
+            |ranges: &[Range<u64>], address: u64| ranges.iter().any(|r| r.contains(&address));
+        for (i, &frame) in unwound.frames.iter().enumerate() {
+            // A return address points just past its call.
+            let address = if i == 0 { frame } else { frame.wrapping_sub(1) };
+            if self.restorers.iter().any(|&r| (r..r + 16).contains(&frame)) {
+                return Some(Refusal::InSignalHandler);
+            }
+            if within(&self.loader, address) {
+                return Some(Refusal::InLoader);
+            }
+            if within(&self.allocators, address) {
+                return Some(Refusal::InAllocator);
+            }
+        }
+        None
+    }
+}
+
+/// The top of the stack from `sp` up: up to [`STACK_COPY`] bytes, less
+/// where the stack's mapping ends first.
+fn read_stack(tracee: &Tracee, sp: u64) -> Vec<u8> {
+    const PAGE: usize = 4096;
+    let mut bytes = Vec::with_capacity(STACK_COPY);
+    let mut at = sp;
+    while bytes.len() < STACK_COPY {
+        let len = (PAGE - (at as usize % PAGE)).min(STACK_COPY - bytes.len());
+        let mut chunk = vec![0u8; len];
+        if tracee.read(at, &mut chunk).is_err() {
+            break;
+        }
+        bytes.extend_from_slice(&chunk);
+        at += len as u64;
+    }
+    bytes
+}
+
+/// Addresses of signal restorers in `pid`'s code `range` (a C library's).
+fn restorers_in(pid: u32, range: Range<u64>) -> Vec<u64> {
+    let Ok(len) = usize::try_from(range.end - range.start) else {
+        return Vec::new();
+    };
+    let mut code = vec![0u8; len];
+    if crate::procfs::read_memory(pid, range.start, &mut code).is_err() {
+        return Vec::new();
+    }
+    RESTORERS
+        .iter()
+        .flat_map(|pattern| memchr::memmem::find_iter(&code, pattern))
+        .map(|at| range.start + at as u64)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_say_why_each_thread_was_let_go() {
+        let mut r = Refusals::default();
+        assert_eq!(r.to_string(), "no thread to try");
+        r.count(Refusal::InAllocator);
+        r.count(Refusal::InAllocator);
+        r.count(Refusal::Busy);
+        assert_eq!(
+            r.to_string(),
+            "1 inside the C library or the loader, or in a syscall the kernel does not restart, \
+             2 with an allocator on its stack"
+        );
+    }
+
+    #[test]
+    fn this_process_s_c_library_has_a_signal_restorer() {
+        let pid = std::process::id();
+        let hazards = Hazards::of(pid).unwrap();
+        assert!(!hazards.restorers.is_empty());
+        assert!(!hazards.loader.is_empty());
+        // The C library's malloc, at least.
+        assert!(!hazards.allocators.is_empty());
+    }
+}
