@@ -34,8 +34,13 @@ impl Target {
 
     /// [`Self::start`] with `env` added to the target's environment.
     fn start_with(mode: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_with_args(&[mode], env)
+    }
+
+    /// [`Self::start_with`], the fixture's whole command line `args`.
+    fn start_with_args(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(fixture::build_c("inject_target"))
-            .arg(mode)
+            .args(args)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -289,6 +294,112 @@ fn a_thread_busy_in_a_preloaded_malloc_is_taken_over_outside_it() {
     assert_eq!(target.errors(), 0, "the program saw the takeover");
     assert_eq!(target.status("TracerPid"), "0");
     assert!(agent_traces(target.pid).is_empty());
+}
+
+/// A thread blocked in `recv` on a socket with a receive timeout is ended
+/// with EINTR by any stop (the kernel does not restart it): stopped to read
+/// its `pthread_self()` at every load and unload, it replays the call and
+/// the program never sees the EINTR.
+#[test]
+fn a_receive_with_a_timeout_never_sees_the_stops() {
+    if !require_root("a_receive_with_a_timeout_never_sees_the_stops") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("recv");
+    let cycles = inject_check(target.pid, 20, Library::Agent);
+    for c in &cycles {
+        // The thread in recv is never the one taken over.
+        assert_ne!(c["tid"].as_u64(), Some(target.pid as u64), "{c}");
+        assert_eq!(c["threads"].as_u64(), Some(2), "{c}");
+    }
+    target.wait_progress(5);
+    assert_eq!(
+        target.errors(),
+        0,
+        "the program saw EINTR, or lost a number"
+    );
+    assert_eq!(target.status("TracerPid"), "0");
+    assert!(agent_traces(target.pid).is_empty());
+}
+
+/// Runs `inject-check` for one cycle; returns its exit status and stderr,
+/// failing if it takes longer than `deadline` (a takeover that deadlocked).
+fn inject_check_once(pid: u32, deadline: Duration) -> (bool, String) {
+    let args = check_args(pid, 1, Library::Agent);
+    let child = spawn_ebtrace(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = wait_with_deadline(child, deadline);
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A preloaded allocator that none of ebtrace's lists knows, holding its
+/// own lock while it sleeps: the thread is always inside it, and taken
+/// over there it would wait for itself in the loader's first allocation,
+/// for ever. Its stack shows the allocator, so it is never taken over
+/// there; the program goes on.
+#[test]
+fn a_thread_inside_an_unknown_preloaded_allocator_is_never_taken_over_there() {
+    if !require_root("a_thread_inside_an_unknown_preloaded_allocator_is_never_taken_over_there") {
+        return;
+    }
+    let _serial = serial();
+    let slow = fixture::build_c_shared("slow_malloc", "libslow_malloc.so");
+    let target = Target::start_with("slow-malloc", &[("LD_PRELOAD", slow.to_str().unwrap())]);
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    // Outside the allocator the thread spends a few microseconds in 50 ms:
+    // the load is refused, rarely made there.
+    if !ok {
+        assert!(
+            stderr.contains("with an allocator on its stack"),
+            "{stderr}"
+        );
+    }
+    target.wait_progress(3);
+    assert_eq!(target.errors(), 0);
+    assert_eq!(target.status("TracerPid"), "0");
+    assert!(agent_traces(target.pid).is_empty());
+}
+
+/// A library's constructor that never returns holds the loader's lock for
+/// ever, so the agent's `dlopen` on any other thread waits for ever: the
+/// call is abandoned after a few seconds, the thread put back where it was
+/// (its sleeps go on, unshortened), and the error says why. The thread in
+/// the constructor is never taken over.
+#[test]
+fn a_load_that_waits_for_ever_is_abandoned_and_the_thread_put_back() {
+    if !require_root("a_load_that_waits_for_ever_is_abandoned_and_the_thread_put_back") {
+        return;
+    }
+    let _serial = serial();
+    let stuck = fixture::build_c_shared("stuck_constructor", "libstuck_constructor.so");
+    let target = Target::start_with_args(&["stuck-constructor", stuck.to_str().unwrap()], &[]);
+    let began = Instant::now();
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "dlopen() in pid {} did not return in 5 s",
+            target.pid
+        )),
+        "{stderr}"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        began.elapsed()
+    );
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0, "the program saw the takeover");
+    assert_eq!(target.status("TracerPid"), "0");
+    // The load's memfd and socket were closed again.
+    assert!(
+        agent_traces(target.pid).is_empty(),
+        "{:?}",
+        agent_traces(target.pid)
+    );
 }
 
 /// The executable mappings in `pid` of the objects whose file name starts
