@@ -240,11 +240,17 @@ struct Gil<'a> {
 }
 
 impl<'a> Gil<'a> {
-    fn take(api: &'a Api) -> Self {
-        // SAFETY: the interpreter is initialized (checked by the caller);
-        // any thread may take the GIL this way.
+    /// Takes the GIL, unless Python is not running: once `Py_FinalizeEx`
+    /// has begun, a thread that asks for the GIL is ended or blocked for
+    /// ever by Python, so every acquisition checks first.
+    fn take(api: &'a Api) -> Option<Self> {
+        if !api.usable() {
+            return None;
+        }
+        // SAFETY: the interpreter is initialized and not finalizing
+        // (checked just above); any thread may take the GIL this way.
         let state = unsafe { (api.gil_ensure)() };
-        Gil { api, state }
+        Some(Gil { api, state })
     }
 }
 
@@ -269,12 +275,11 @@ impl Session {
     #[allow(clippy::result_large_err)]
     pub fn start(levels: &crate::protocol::SessionLevels) -> Result<(Session, Text), Text> {
         let api = Api::find().ok_or_else(|| Text::new("not a Python process"))?;
-        if !api.usable() {
+        let Some(gil) = Gil::take(&api) else {
             return Err(Text::new(
                 "Python is not running (starting or shutting down)",
             ));
-        }
-        let gil = Gil::take(&api);
+        };
         // SAFETY: the GIL is held; every object pointer is checked for null
         // before use and each new reference is released.
         let outcome = unsafe {
@@ -320,10 +325,9 @@ impl Session {
     /// meanwhile); returns why a session failed to stop, if one did.
     pub fn stop(self, mut deliver: impl FnMut(&[u8])) -> Option<Text> {
         let api = &self.api;
-        if !api.usable() {
+        let Some(gil) = Gil::take(api) else {
             return Some(Text::new("Python is shutting down; the session is lost"));
-        }
-        let gil = Gil::take(api);
+        };
         let mut found = [(core::ptr::null::<u8>(), 0usize); MAX_SESSIONS];
         // SAFETY: the GIL is held; each item is checked to be bytes by
         // PyBytes_AsStringAndSize; the list, kept by an extra reference,
@@ -370,14 +374,17 @@ impl Session {
             // as the list holding it (referenced above).
             deliver(unsafe { core::slice::from_raw_parts(data, len) });
         }
-        let _gil = Gil::take(api);
-        // SAFETY: the GIL is held; drops the references taken above and
-        // the dictionary, which is ours.
-        unsafe {
-            if !xspaces.is_null() {
-                (api.decref)(xspaces);
+        // Python may have begun shutting down while the XSpaces were sent:
+        // then the references are left to the interpreter's own teardown.
+        if let Some(_gil) = Gil::take(api) {
+            // SAFETY: the GIL is held; drops the references taken above and
+            // the dictionary, which is ours.
+            unsafe {
+                if !xspaces.is_null() {
+                    (api.decref)(xspaces);
+                }
+                (api.decref)(self.globals);
             }
-            (api.decref)(self.globals);
         }
         why
     }
