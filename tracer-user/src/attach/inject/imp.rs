@@ -334,6 +334,11 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     if !process_alive(pid) {
         return Err(InjectError::TargetExited { pid });
     }
+    // The agent's thread, told to end, may still run its exit path (the
+    // thread-local destructors of the C library, CUDA or TSL): the exit
+    // function would join it from the thread taken over, which may hold
+    // what those destructors wait for. Let it end on its own first.
+    await_agent_thread_end(pid)?;
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
@@ -374,6 +379,22 @@ fn call_exit(c: &mut Calls, handle: u64, exit: &str) -> Result<(), InjectError> 
             function: exit.to_string(),
             code: if r < 0 { r } else { -libc::EIO },
         });
+    }
+    Ok(())
+}
+
+/// Waits up to [`LEFTOVER_THREAD_WAIT`] for the agent's thread in `pid` to
+/// be gone.
+fn await_agent_thread_end(pid: u32) -> Result<(), InjectError> {
+    let began = Instant::now();
+    while super::agent_thread_running(pid) {
+        if began.elapsed() >= LEFTOVER_THREAD_WAIT {
+            return Err(InjectError::AgentThreadRunning {
+                pid,
+                seconds: LEFTOVER_THREAD_WAIT.as_secs(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
     Ok(())
 }
@@ -431,16 +452,7 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     // for something the thread taken over holds (Python's GIL): the join
     // would wait for ever. One that ebtrace's exit just told to stop ends
     // within milliseconds.
-    let began = Instant::now();
-    while super::agent_thread_running(pid) {
-        if began.elapsed() >= LEFTOVER_THREAD_WAIT {
-            return Err(InjectError::AgentThreadRunning {
-                pid,
-                seconds: LEFTOVER_THREAD_WAIT.as_secs(),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    await_agent_thread_end(pid)?;
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
