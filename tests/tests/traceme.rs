@@ -638,6 +638,39 @@ fn max_events_switches_recording_off_early() {
     assert_matches_log(&space, &log, &tids);
 }
 
+/// The events a capture leaves queued in the target stay there until a
+/// session of its own drains them: `--max-events` bounds what all captures
+/// of the process leave together, however many there are.
+#[test]
+fn max_events_bounds_all_captures_of_a_process_together() {
+    if !require_root("max_events_bounds_all_captures_of_a_process_together") {
+        return;
+    }
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let mut refused_at = None;
+    for capture in 0..50 {
+        let dir = TempDir::new("traceme-max-total");
+        let out = run_capture(workload.pid, &dir, &["-d", "100ms", "--max-events", "5000"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if stdout.contains("TraceMe recording not switched on: earlier captures already left") {
+            refused_at = Some(capture);
+            break;
+        }
+    }
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    let (_, log) = workload.stop();
+    let refused_at = refused_at.expect("every capture switched recording on");
+    assert!(refused_at >= 1, "the first capture was refused");
+    // What the recorder itself logged, over all captures: the bound, and
+    // at most one drain interval's events past it.
+    assert!(
+        (5_000..11_000).contains(&log.len()),
+        "{} events recorded over {refused_at} captures",
+        log.len()
+    );
+}
+
 #[test]
 fn a_process_without_traceme_gets_one_info_line() {
     if !require_root("a_process_without_traceme_gets_one_info_line") {

@@ -11,9 +11,10 @@
 pub mod discover;
 pub mod facts;
 pub mod guard;
+mod left_behind;
 pub mod switch;
 
-use std::num::NonZeroU32;
+use std::{num::NonZeroU32, path::Path};
 
 use aya::programs::{UProbe, uprobe::UProbeScope};
 pub use discover::{Discovery, PythonGate, Recorder, StringLayout, discover};
@@ -148,6 +149,11 @@ pub struct TraceMeProbe {
     /// Events seen so far, and whether enabling stopped early.
     events: u64,
     max_events: u64,
+    /// Events earlier windows and captures left in these targets, which
+    /// count against `max_events` too (see [`left_behind`]).
+    earlier_events: u64,
+    /// Of `events`, those already added to the targets' counts.
+    noted_events: u64,
     level: i32,
     stopped_early: bool,
     warnings: Vec<String>,
@@ -238,11 +244,46 @@ impl TraceMeProbe {
                 }
             }
         }
+        probe.earlier_events = probe.left_in_targets_before();
         Ok(probe)
     }
 
-    /// Switches recording on in every recorder that has it off.
+    /// What earlier captures left in this probe's targets (see
+    /// [`left_behind`]).
+    fn left_in_targets_before(&self) -> u64 {
+        let dir = Path::new(switch::MARKER_DIR);
+        let pids: std::collections::BTreeSet<u32> =
+            self.recorders.iter().map(|r| r.recorder.pid).collect();
+        pids.into_iter()
+            .map(|pid| left_behind::read(dir, pid))
+            .sum()
+    }
+
+    /// Adds the events recorded since the last call to the counts of the
+    /// targets recording was switched on in.
+    fn note_left_in_targets(&mut self) {
+        let new = self.events.saturating_sub(self.noted_events);
+        self.noted_events = self.events;
+        for pid in self.resident.keys() {
+            left_behind::add(Path::new(switch::MARKER_DIR), *pid, new);
+        }
+    }
+
+    /// Switches recording on in every recorder that has it off, unless
+    /// earlier captures left as many events in the targets as
+    /// `--max-events` allows.
     pub fn enable(&mut self) {
+        if self.earlier_events >= self.max_events && !self.recorders.is_empty() {
+            self.stopped_early = true;
+            self.warnings.push(format!(
+                "TraceMe recording not switched on: earlier captures already left {} TraceMe \
+                 events in the traced processes' memory, which --max-events ({}) bounds for all \
+                 captures of a process together; a profiler session of the process's own frees \
+                 them (or raise --max-events)",
+                self.earlier_events, self.max_events
+            ));
+            return;
+        }
         for r in &mut self.recorders {
             if let Some(address) = r.recorder.trace_level_address {
                 let pid = r.recorder.pid;
@@ -275,7 +316,10 @@ impl TraceMeProbe {
     /// Switches recording on again after [`Self::restore`], for a new
     /// window of the same probes: counts and warnings start over.
     pub fn rearm(&mut self) {
+        self.note_left_in_targets();
+        self.earlier_events = self.left_in_targets_before();
         self.events = 0;
+        self.noted_events = 0;
         self.stopped_early = false;
         self.warnings.clear();
         self.resident.clear();
@@ -354,7 +398,8 @@ impl TraceMeProbe {
         if !self.stopped_early {
             self.keep_python_gates();
         }
-        if self.events >= self.max_events && !self.stopped_early {
+        let left = self.earlier_events.saturating_add(self.events);
+        if left >= self.max_events && !self.stopped_early {
             self.stopped_early = true;
             self.restore_python_gates(true);
             let mut restored = false;
@@ -370,9 +415,11 @@ impl TraceMeProbe {
             }
             if restored {
                 self.measure_left_behind();
+                self.note_left_in_targets();
                 self.warnings.push(format!(
-                    "TraceMe recording switched off after {} events (--max-events {}); later events are missing",
-                    self.events, self.max_events
+                    "TraceMe recording switched off after {} events ({} more left by earlier \
+                     captures; --max-events {} bounds them together); later events are missing",
+                    self.events, self.earlier_events, self.max_events
                 ));
             }
         }
@@ -396,6 +443,7 @@ impl TraceMeProbe {
             self.measure_left_behind();
             std::thread::sleep(IN_FLIGHT_GRACE);
         }
+        self.note_left_in_targets();
     }
 
     pub fn events(&self) -> u64 {

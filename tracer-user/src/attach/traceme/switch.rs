@@ -261,6 +261,10 @@ pub fn sweep_markers(dir: &Path) -> Vec<String> {
     });
     for entry in entries {
         let name = entry.file_name();
+        if name.to_str().is_some_and(super::left_behind::is_stale) {
+            let _ = fs::remove_file(entry.path());
+            continue;
+        }
         let Some((pid, started, address)) = name.to_str().and_then(parse_marker_name) else {
             continue;
         };
