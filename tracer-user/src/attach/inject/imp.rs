@@ -133,6 +133,17 @@ impl Calls<'_> {
         self.s.pid()
     }
 
+    /// Has the thread's `errno` put back at the end: the calls' failures
+    /// set it, and the program may be about to read its own. A C library
+    /// without `__errno_location` (none known) leaves it as the calls do.
+    fn keep_errno(&mut self) {
+        if let Some(f) = self.fns.errno_location
+            && let Err(e) = self.s.keep_errno(f)
+        {
+            log::debug!("pid {}: errno not kept: {e}", self.pid());
+        }
+    }
+
     fn dlopen(&mut self, path: &str, flags: i32) -> Result<u64, InjectError> {
         self.s.reset_scratch();
         let p = self.s.put_str(path)?;
@@ -177,7 +188,7 @@ impl Calls<'_> {
     fn memfd_create(&mut self) -> Result<i32, InjectError> {
         self.s.reset_scratch();
         let name = self.s.put_str(MEMFD_NAME)?;
-        let flags = libc::MFD_CLOEXEC as u64;
+        let flags = (libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) as u64;
         let fd = if self.fns.memfd_is_syscall {
             self.s.call(
                 "syscall",
@@ -251,6 +262,7 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     let mut s = open_session(pid)?;
     let tid = s.tid();
     let mut c = Calls { s: &mut s, fns };
+    c.keep_errno();
     let mut partial = Partial::default();
     let loaded = load_calls(&mut c, &mut partial, &pidfd, library, entry);
     if loaded.is_err() {
@@ -291,6 +303,7 @@ fn load_calls(
             e,
         )
     })?;
+    seal(&file).map_err(|e| io_err(format!("sealing the agent library in pid {pid}"), e))?;
     drop(file);
     let [agent_fd, our_fd] = c.socketpair()?;
     partial.agent_fd = Some(agent_fd);
@@ -342,6 +355,7 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
+    c.keep_errno();
     let unloaded = unload_agent(&mut c, injected.handle, injected.memfd, exit);
     let stopped = Some(s.stopped());
     let diverted = s.close();
@@ -354,11 +368,28 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
 }
 
 /// `exit()`, then `dlclose` and `close(memfd)`. With an `exit()` that
-/// fails, the library stays: its code may run still.
+/// fails, the library stays: its code may run still. The memfd is closed
+/// only if its descriptor number still holds it: a program that closed it
+/// may have opened something else under that number since.
 fn unload_agent(c: &mut Calls, handle: u64, memfd: i32, exit: &str) -> Result<(), InjectError> {
     call_exit(c, handle, exit)?;
     c.dlclose(handle)?;
-    c.close(memfd)
+    if leftover_fds(c.pid())?.contains(&memfd) {
+        c.close(memfd)?;
+    }
+    Ok(())
+}
+
+/// Seals the library's memfd: nothing in the target (or anyone it passes
+/// the descriptor to) can change the code ebtrace's agent runs from.
+fn seal(file: &fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on a descriptor we own, with an integer argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 fn call_exit(c: &mut Calls, handle: u64, exit: &str) -> Result<(), InjectError> {
@@ -456,6 +487,7 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
+    c.keep_errno();
     let mut unloaded = 0;
     let mut result = Ok(());
     for fd in fds {

@@ -22,6 +22,14 @@ const PTRACE_DETACH: libc::c_long = 17;
 const PTRACE_SEIZE: libc::c_long = 0x4206;
 const PTRACE_INTERRUPT: libc::c_long = 0x4207;
 const PTRACE_GET_SYSCALL_INFO: libc::c_long = 0x420e;
+const PTRACE_GETREGSET: libc::c_long = 0x4204;
+const PTRACE_SETREGSET: libc::c_long = 0x4205;
+/// The x87/SSE state (`struct user_fpregs_struct`).
+const NT_PRFPREG: u32 = 2;
+/// The whole XSAVE area (AVX, AVX-512, AMX tiles...).
+const NT_X86_XSTATE: u32 = 0x202;
+/// Room for the largest XSAVE area (AMX makes it about 11 KiB).
+const XSTATE_MAX: usize = 16 * 1024;
 const PTRACE_O_TRACESYSGOOD: libc::c_long = 1;
 const PTRACE_EVENT_STOP: i32 = 128;
 const SYSCALL_INFO_ENTRY: u8 = 1;
@@ -292,6 +300,45 @@ impl Tracee {
     /// which is abandoned; delivering it again would kill the target).
     pub fn drop_last_signal(&mut self) {
         self.pending.pop();
+    }
+
+    /// The thread's floating-point and vector state (`NT_X86_XSTATE`, or
+    /// `NT_PRFPREG` where the kernel has no XSAVE area), as the kernel
+    /// lays it out, to be put back by [`Self::set_fp_state`].
+    pub fn fp_state(&self) -> Result<(u32, Vec<u8>), InjectError> {
+        for note in [NT_X86_XSTATE, NT_PRFPREG] {
+            let mut buf = vec![0u8; XSTATE_MAX];
+            let mut iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            if ptrace(
+                PTRACE_GETREGSET,
+                self.tid,
+                u64::from(note),
+                &raw mut iov as u64,
+            )
+            .is_ok()
+            {
+                buf.truncate(iov.iov_len);
+                return Ok((note, buf));
+            }
+        }
+        Err(self.ptrace_error("get FP state", io::Error::last_os_error()))
+    }
+
+    /// Puts back what [`Self::fp_state`] read.
+    pub fn set_fp_state(&self, (note, state): &(u32, Vec<u8>)) -> Result<(), InjectError> {
+        let mut iov = libc::iovec {
+            iov_base: state.as_ptr() as *mut libc::c_void,
+            iov_len: state.len(),
+        };
+        self.request(
+            PTRACE_SETREGSET,
+            u64::from(*note),
+            &raw mut iov as u64,
+            "set FP state",
+        )
     }
 
     pub fn regs(&self) -> Result<Regs, InjectError> {

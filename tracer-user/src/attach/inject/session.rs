@@ -93,6 +93,13 @@ pub struct Session {
     tracee: Tracee,
     /// The thread's own (normalized) state.
     saved: Regs,
+    /// Its floating-point and vector state: the trampoline saves and
+    /// restores it around each call itself, but a call abandoned (faulted,
+    /// timed out) never reaches that restore.
+    saved_fp: (u32, Vec<u8>),
+    /// The thread's `errno` and where it lives, once [`Self::keep_errno`]
+    /// read it: the calls' failures set it.
+    saved_errno: Option<(u64, [u8; 4])>,
     code: u64,
     marker_ip: u64,
     /// The data block, below the thread's stack pointer.
@@ -151,6 +158,7 @@ impl Session {
             return Ok(Err(refusal));
         }
         let saved = normalize(raw);
+        let saved_fp = tracee.fp_state()?;
         let (bytes, marker_end) = trampoline::code(fp);
         tracee.write(code, &bytes)?;
         let block = trampoline::block_at(saved.rsp);
@@ -158,6 +166,8 @@ impl Session {
             fp_header: block - fp.header_below_block(),
             tracee,
             saved,
+            saved_fp,
+            saved_errno: None,
             code,
             marker_ip: code + marker_end,
             block,
@@ -262,6 +272,16 @@ impl Session {
         self.tracee.read_u64(self.block + RESULT)
     }
 
+    /// Notes the thread's `errno` (`errno_location` is the target's
+    /// `__errno_location`), to put it back when the session closes.
+    pub fn keep_errno(&mut self, errno_location: u64) -> Result<(), InjectError> {
+        let at = self.call("__errno_location", errno_location, &[])?;
+        let mut value = [0u8; 4];
+        self.tracee.read(at, &mut value)?;
+        self.saved_errno = Some((at, value));
+        Ok(())
+    }
+
     /// Puts the thread's registers back and lets it go, straight to its own
     /// code (not through the trampoline's restore, which is for an ebtrace
     /// that died: a thread seized again in there would look like one in a
@@ -272,7 +292,13 @@ impl Session {
 
     fn finish(&mut self) -> Result<Duration, InjectError> {
         self.closed = true;
-        let restored = self.tracee.set_regs(&self.saved);
+        let errno = match self.saved_errno {
+            Some((at, value)) => self.tracee.write(at, &value),
+            None => Ok(()),
+        };
+        let restored = errno
+            .and_then(|()| self.tracee.set_fp_state(&self.saved_fp))
+            .and_then(|()| self.tracee.set_regs(&self.saved));
         let diverted = self.stopped_at.elapsed();
         self.tracee.detach().and(restored).map(|()| diverted)
     }

@@ -20,13 +20,15 @@ pub struct TargetFns {
     pub memfd_is_syscall: bool,
     pub socketpair: u64,
     pub close: u64,
+    /// Where the calling thread's `errno` lives (absent: not kept).
+    pub errno_location: Option<u64>,
 }
 
 /// Flags of glibc's private `__libc_dlopen_mode` that make it act as
 /// `dlopen` called from the program: `__RTLD_DLOPEN`.
 pub const LIBC_DLOPEN_MODE_FLAG: u64 = 0x8000_0000;
 
-const NAMES: [&str; 11] = [
+const NAMES: [&str; 12] = [
     "dlopen",
     "dlsym",
     "dlclose",
@@ -38,6 +40,7 @@ const NAMES: [&str; 11] = [
     "__libc_dlopen_mode",
     "__libc_dlsym",
     "__libc_dlclose",
+    "__errno_location",
 ];
 
 /// Whether `obj` is a C library or dynamic loader worth searching.
@@ -86,6 +89,7 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         p_open,
         p_sym,
         p_close,
+        errno_location,
     ] = found;
     let no_loader = || InjectError::NoLoader { pid };
     let (dlopen, dlsym, dlclose, dlerror) = match (dlopen, dlsym, dlclose) {
@@ -111,6 +115,7 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         memfd_is_syscall,
         socketpair: socketpair.ok_or_else(no_loader)?,
         close: close.ok_or_else(no_loader)?,
+        errno_location,
     })
 }
 
