@@ -82,6 +82,10 @@ pub struct AgentSession {
     pub untrusted_listener: Option<String>,
     /// Kernel tid → `pthread_self()` of the target's threads.
     thread_pointers: HashMap<u32, u64>,
+    /// Kernel tid → when that thread started: its pointer, once read,
+    /// holds as long as the thread (a thread is stopped to read it, which
+    /// some of the program's calls would notice).
+    thread_starts: HashMap<u32, u64>,
     /// While the framework's session runs: the target's resident bytes
     /// when it started, and when.
     framework_since: Option<(u64, Instant)>,
@@ -193,6 +197,7 @@ impl AgentSession {
             load,
             untrusted_listener,
             thread_pointers: HashMap::new(),
+            thread_starts: HashMap::new(),
             framework_since: None,
             unanswered: false,
             closed: false,
@@ -447,8 +452,18 @@ impl AgentSession {
     /// thread ids can be named (threads that end before the session stops
     /// are known from the earlier reading).
     fn read_thread_pointers(&mut self) {
-        match inject::thread_pointers(self.pid) {
-            Ok(found) => self.thread_pointers.extend(found),
+        let start_of = |tid: u32| crate::procfs::start_time_ticks(tid);
+        let starts = &self.thread_starts;
+        let known = |tid: u32| starts.get(&tid).is_some_and(|s| start_of(tid) == Some(*s));
+        match inject::thread_pointers(self.pid, known) {
+            Ok(found) => {
+                for &tid in found.keys() {
+                    if let Some(started) = start_of(tid) {
+                        self.thread_starts.insert(tid, started);
+                    }
+                }
+                self.thread_pointers.extend(found);
+            }
             Err(_) if self.target_exited() => {}
             Err(e) => log::warn!("pid {}: threads not named: {e}", self.pid),
         }

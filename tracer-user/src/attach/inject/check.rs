@@ -80,7 +80,7 @@ fn one_cycle(
     let load = injected.report;
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     ping(&mut sock, cycle)?;
-    let threads = super::thread_pointers(pid)?.len();
+    let threads = super::thread_pointers(pid, |_| false)?.len();
     // Tells the library to finish (it stops at end of file).
     drop(sock);
     let unload = injected.unload(AGENT_DETACH)?;

@@ -234,13 +234,16 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
 }
 
 /// Kernel tid → `pthread_self()` of each thread of `pid` but the agent's
-/// (see [`threads::thread_pointers`]).
-pub fn thread_pointers(pid: u32) -> Result<std::collections::HashMap<u32, u64>, InjectError> {
+/// and those `known` names (see [`threads::thread_pointers`]).
+pub fn thread_pointers(
+    pid: u32,
+    known: impl Fn(u32) -> bool,
+) -> Result<std::collections::HashMap<u32, u64>, InjectError> {
     #[cfg(target_arch = "x86_64")]
-    return threads::thread_pointers(pid);
+    return threads::thread_pointers(pid, known);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = pid;
+        let _ = (pid, known);
         Err(unsupported())
     }
 }

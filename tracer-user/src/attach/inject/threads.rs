@@ -6,12 +6,18 @@ use std::collections::HashMap;
 use super::{InjectError, ptrace::Tracee};
 
 /// Reads the thread pointer (`fs_base`, which glibc's `pthread_self()`
-/// returns) of every thread of `pid` but the agent's, stopping one thread
-/// at a time for a few microseconds. Threads that end meanwhile are
-/// skipped.
-pub fn thread_pointers(pid: u32) -> Result<HashMap<u32, u64>, InjectError> {
+/// returns) of every thread of `pid` but the agent's and those `known`
+/// says are read already, stopping one thread at a time for a few
+/// microseconds. Threads that end meanwhile are skipped.
+pub fn thread_pointers(
+    pid: u32,
+    known: impl Fn(u32) -> bool,
+) -> Result<HashMap<u32, u64>, InjectError> {
     let mut found = HashMap::new();
-    for tid in super::program_threads(pid)? {
+    for tid in super::program_threads(pid)?
+        .into_iter()
+        .filter(|t| !known(*t))
+    {
         let mut thread = match Tracee::seize(pid, tid) {
             Ok(t) => t,
             Err(InjectError::TargetExited { .. }) => return Err(InjectError::TargetExited { pid }),
