@@ -242,14 +242,10 @@ impl Recording {
         let mut version = 0;
         // SAFETY: a valid out pointer.
         unsafe { (api.get_version)(&mut version) };
-        if !pin_self() {
-            return Err(Text::new(
-                "the agent could not pin itself in memory; CUPTI not used",
-            ));
-        }
         let mut subscriber: *mut c_void = core::ptr::null_mut();
-        // SAFETY: a valid out pointer and a callback that lives as long as
-        // the process (pinned above).
+        // SAFETY: a valid out pointer and a callback of this library's,
+        // which stays mapped: it is pinned below before this thread, the
+        // only one that could unload the library, goes on.
         let r = unsafe { (api.subscribe)(&mut subscriber, on_callback, core::ptr::null_mut()) };
         if r == ERROR_MULTIPLE_SUBSCRIBERS {
             return Err(Text::new(
@@ -261,6 +257,15 @@ impl Recording {
             let mut t = Text::new("cuptiSubscribe failed: ");
             api.describe(&mut t, r);
             return Err(t);
+        }
+        // Pinned only once CUPTI holds a callback: a refused start leaves
+        // nothing of the agent behind when it is unloaded.
+        if !pin_self() {
+            // SAFETY: the subscriber just returned; CUPTI drops its callback.
+            unsafe { (api.unsubscribe)(subscriber) };
+            return Err(Text::new(
+                "the agent could not pin itself in memory; CUPTI not used",
+            ));
         }
         let mut recording = Recording {
             api,
