@@ -45,3 +45,38 @@ pub fn daemonset_seccomp() -> Option<String> {
         .strip_prefix("type:")
         .map(|t| t.trim().to_string())
 }
+
+/// The DaemonSet's host directories and where its container mounts each:
+/// `(host path, container path, read-only)`.
+pub fn daemonset_host_mounts() -> Vec<(String, String, bool)> {
+    let yaml = deploy_file("kubernetes/daemonset.yaml");
+    let lines: Vec<&str> = yaml.lines().map(str::trim).collect();
+    // `- name: N` then `mountPath: P` (and `readOnly: true`) under
+    // volumeMounts; `- name: N`, `hostPath:`, `path: H` under volumes.
+    let field = |from: usize, key: &str| {
+        lines[from + 1..]
+            .iter()
+            .take_while(|l| !l.starts_with("- "))
+            .find_map(|l| l.strip_prefix(key))
+            .map(|v| v.trim().to_string())
+    };
+    let mut mounts = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(name) = line.strip_prefix("- name: ") else {
+            continue;
+        };
+        let Some(container) = field(i, "mountPath:") else {
+            continue;
+        };
+        let read_only = field(i, "readOnly:").as_deref() == Some("true");
+        let host = lines.iter().enumerate().find_map(|(j, l)| {
+            (l.strip_prefix("- name: ") == Some(name) && field(j, "hostPath:").is_some())
+                .then(|| field(j + 1, "path:"))
+                .flatten()
+        });
+        if let Some(host) = host {
+            mounts.push((host, container, read_only));
+        }
+    }
+    mounts
+}

@@ -23,7 +23,10 @@ use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
     debian_tool,
-    deploy::{daemonset_capabilities, daemonset_list, daemonset_seccomp, deploy_path},
+    deploy::{
+        daemonset_capabilities, daemonset_host_mounts, daemonset_list, daemonset_seccomp,
+        deploy_path,
+    },
     ebtrace_bin, require_root, serial,
     serve::xspace_of,
     xspace::{count_named, plane},
@@ -134,12 +137,15 @@ impl Container {
             );
             cmd.args(["--security-opt", "seccomp=unconfined"]);
         }
-        for (host, ro) in [
-            ("/sys/kernel/tracing", ":ro"),
-            ("/sys/kernel/debug", ""),
-            ("/sys/kernel/btf", ":ro"),
-        ] {
-            cmd.args(["-v", &format!("{host}:{host}{ro}")]);
+        let mounts = daemonset_host_mounts();
+        assert!(
+            mounts.iter().any(|(host, _, _)| host == "/run/ebtrace"),
+            "the DaemonSet keeps ebtrace's markers in a host directory: {mounts:?}"
+        );
+        for (host, container, read_only) in mounts {
+            std::fs::create_dir_all(&host).expect("the host directory");
+            let ro = if read_only { ":ro" } else { "" };
+            cmd.args(["-v", &format!("{host}:{container}{ro}")]);
         }
         cmd.arg(IMAGE);
         let mut args = daemonset_list("args:");

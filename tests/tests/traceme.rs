@@ -603,6 +603,71 @@ fn a_level_left_on_by_a_killed_ebtrace_and_guard_is_restored_by_any_next_start()
     workload.stop();
 }
 
+/// ebtrace in a container, as the DaemonSet runs it: `/run` its own, only
+/// `/run/ebtrace` the node's (a hostPath). Killed with its guard at once (a
+/// container's OOM kill takes the whole group), it leaves its marker on the
+/// node, and an ebtrace outside the container puts the gate back.
+#[test]
+fn a_gate_left_on_by_a_killed_container_is_put_back_from_the_node_s_markers() {
+    if !require_root("a_gate_left_on_by_a_killed_container_is_put_back_from_the_node_s_markers") {
+        return;
+    }
+    let _serial = serial();
+    let mut workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let dir = TempDir::new("traceme-container");
+    let keep = TempDir::new("traceme-container-markers");
+    std::fs::create_dir_all("/run/ebtrace").unwrap();
+    // A mount namespace with a fresh /run, the node's /run/ebtrace bound
+    // into it, then ebtrace itself (the same pid, through the execs).
+    let script = format!(
+        "mount --bind /run/ebtrace {keep} && mount -t tmpfs run /run && mkdir /run/ebtrace \
+         && mount --bind {keep} /run/ebtrace && exec \"$0\" \"$@\"",
+        keep = keep.path().display()
+    );
+    let mut child = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .arg(ebtrace_tests::ebtrace_bin())
+        .args(["-p", &workload.pid.to_string(), "-d", "60s", "--logdir"])
+        .arg(dir.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run unshare (util-linux)");
+    let stderr = child.stderr.take().unwrap();
+    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        if line.contains("TraceMe recorder in") {
+            break;
+        }
+    }
+    let guards = guards_of(child.id());
+    assert_eq!(guards.len(), 1, "one guard per ebtrace: {guards:?}");
+    signal(guards[0], libc::SIGKILL);
+    signal(child.id(), libc::SIGKILL);
+    let _ = child.wait();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
+
+    let mut other = std::process::Command::new("sleep")
+        .arg("5")
+        .spawn()
+        .expect("sleep");
+    let next = TempDir::new("traceme-after-container");
+    let out = record(&other.id().to_string(), "100ms", &next, &[]);
+    let _ = other.kill();
+    let _ = other.wait();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("pid {}: TraceMe gate", workload.pid))
+            && stderr.contains("by an ebtrace that died"),
+        "{stderr}"
+    );
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    assert!(workload.is_running());
+    workload.stop();
+}
+
 #[test]
 fn max_events_switches_recording_off_early() {
     if !require_root("max_events_switches_recording_off_early") {
