@@ -68,6 +68,23 @@ impl PythonWorkload {
     }
 }
 
+impl PythonWorkload {
+    /// Waits up to `deadline` for the workload to exit by itself; its exit
+    /// status, or `None` if it still runs.
+    pub fn wait_exit(&mut self, deadline: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let began = std::time::Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for the workload") {
+                return Some(status);
+            }
+            if began.elapsed() >= deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
 impl Drop for PythonWorkload {
     fn drop(&mut self) {
         let _ = self.child.kill();
