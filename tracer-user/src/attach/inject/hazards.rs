@@ -176,6 +176,17 @@ impl Hazards {
                     }),
             );
         }
+        // Reads the process's objects for the unwinder now, not while a
+        // thread is stopped.
+        let _ = hazards.unwinder.unwind(
+            pid,
+            &UserStack {
+                ip: 0,
+                sp: 0,
+                bp: 0,
+                bytes: &[],
+            },
+        );
         Ok(hazards)
     }
 

@@ -425,7 +425,8 @@ fn await_agent_thread_end(pid: u32) -> Result<(), InjectError> {
                 seconds: LEFTOVER_THREAD_WAIT.as_secs(),
             });
         }
-        std::thread::sleep(Duration::from_millis(10));
+        // A thread told to end is gone within a millisecond or so.
+        std::thread::sleep(Duration::from_millis(1));
     }
     Ok(())
 }

@@ -48,6 +48,8 @@ const SYSCALL_INFO_EXIT: u8 = 2;
 const ENDED_BY_A_STOP: [u64; 20] = [
     65, 128, 220, 232, 281, 441, 208, 333, 0, 1, 19, 20, 43, 44, 45, 46, 47, 288, 299, 307,
 ];
+/// How long [`Tracee::step_until`] looks for the next stop without sleeping.
+const SPIN_FOR: Duration = Duration::from_millis(1);
 /// The x86-64 `syscall` instruction.
 const SYSCALL_INSN: [u8; 2] = [0x0f, 0x05];
 
@@ -248,18 +250,26 @@ impl Tracee {
     /// thread is stopped where it is (in a wait, say) and `None` returned.
     pub fn step_until(&mut self, deadline: Instant) -> Result<Option<Stop>, InjectError> {
         self.request(PTRACE_SYSCALL, 0, 0, "resume")?;
-        let mut pause = Duration::from_micros(5);
+        let resumed = Instant::now();
+        let mut pause = Duration::from_micros(50);
         loop {
             if self.stopped_now()? {
                 return self.decode_stop().map(Some);
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 break;
             }
-            // A call's stops come microseconds apart; a blocked one's not at
-            // all: look often at first, then less.
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
+            // A call's stops come microseconds apart, and the thread is
+            // kept from its own code meanwhile: look again at once for a
+            // millisecond. A call blocked that long may block for good:
+            // then look less and less often.
+            if now - resumed < SPIN_FOR {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(2));
+            }
         }
         // The thread's next stop, whatever it is (leaving the wait it was
         // in, as often as not), holds it: resumed from there, it might go
