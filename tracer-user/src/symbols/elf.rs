@@ -267,6 +267,21 @@ impl ElfObject {
     pub fn scan(
         &self,
         wanted: &[&str],
+        visit: impl FnMut(&[u8]) -> bool,
+    ) -> io::Result<SymbolScan> {
+        self.scan_tables(&[SHT_SYMTAB, SHT_DYNSYM], wanted, visit)
+    }
+
+    /// [`Self::scan`] of `.dynsym` alone: the symbols the object exports,
+    /// without reading a large `.symtab`.
+    pub fn scan_exported(&self, wanted: &[&str]) -> io::Result<SymbolScan> {
+        self.scan_tables(&[SHT_DYNSYM], wanted, |_| false)
+    }
+
+    fn scan_tables(
+        &self,
+        kinds: &[u32],
+        wanted: &[&str],
         mut visit: impl FnMut(&[u8]) -> bool,
     ) -> io::Result<SymbolScan> {
         let began = Instant::now();
@@ -281,7 +296,7 @@ impl ElfObject {
             ..SymbolScan::default()
         };
         let mut visiting = true;
-        for kind in [SHT_SYMTAB, SHT_DYNSYM] {
+        for &kind in kinds {
             let table = sections
                 .symbols(endian, bytes, kind)
                 .map_err(|e| invalid(&self.path, e))?;

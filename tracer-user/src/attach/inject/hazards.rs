@@ -162,7 +162,7 @@ impl Hazards {
             let Some(bias) = obj.load_bias(elf.segments(), page_size()) else {
                 continue;
             };
-            let Ok(scan) = elf.scan(&ALLOCATOR_FUNCTIONS, |_| false) else {
+            let Ok(scan) = elf.scan_exported(&ALLOCATOR_FUNCTIONS) else {
                 continue;
             };
             hazards.allocators.extend(
