@@ -280,6 +280,23 @@ impl TraceMeWorkload {
         false
     }
 
+    /// Has the program fork a child that runs TraceMe steps (SIGUSR1);
+    /// returns the child's pid.
+    pub fn fork_child(&self, deadline: Duration) -> u32 {
+        crate::signal(self.pid, libc::SIGUSR1);
+        let start = Instant::now();
+        loop {
+            let forked = self.lines.lock().expect("lock").iter().find_map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).ok()?["forked"].as_u64()
+            });
+            if let Some(pid) = forked {
+                return pid as u32;
+            }
+            assert!(start.elapsed() < deadline, "the workload did not fork");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }

@@ -7,7 +7,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     io::{BufRead as _, BufReader},
     process::Output,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
@@ -665,6 +665,49 @@ fn a_gate_left_on_by_a_killed_container_is_put_back_from_the_node_s_markers() {
     );
     assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
     assert!(workload.is_running());
+    workload.stop();
+}
+
+/// A process forked while ebtrace had recording on inherits the gate on,
+/// and nothing of its own would switch it off: it would record into its
+/// memory for ever. The capture's end puts it back in the child too.
+#[test]
+fn a_child_forked_during_a_capture_has_its_gate_put_back() {
+    if !require_root("a_child_forked_during_a_capture_has_its_gate_put_back") {
+        return;
+    }
+    let _serial = serial();
+    let workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
+    let address = workload.lib(Toolchain::Gcc).trace_level_addr;
+    let dir = TempDir::new("traceme-fork");
+    let capture = spawn_record(&workload.pid.to_string(), "2s", &dir, &[]);
+    let began = Instant::now();
+    while workload.trace_level(Toolchain::Gcc) != 2 {
+        assert!(
+            began.elapsed() < Duration::from_secs(20),
+            "recording never on"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let child = workload.fork_child(Duration::from_secs(5));
+    assert_eq!(
+        read_i32(child, address),
+        2,
+        "the child inherited the gate on"
+    );
+    let out = wait_with_deadline(capture, Duration::from_secs(60));
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    assert_eq!(read_i32(child, address), -1, "the child records for ever");
+    assert!(
+        printed.contains(&format!("put back to -1 in its child {child}")),
+        "{printed}"
+    );
     workload.stop();
 }
 

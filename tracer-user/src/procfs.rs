@@ -208,6 +208,85 @@ pub fn start_time_ticks(pid: u32) -> Option<u64> {
     after_comm.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// Now, in the clock ticks since boot that [`start_time_ticks`] counts in.
+pub fn boot_ticks_now() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out pointer; CLOCK_BOOTTIME always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    let hz = clock_ticks_per_second();
+    ts.tv_sec as u64 * hz + ts.tv_nsec as u64 * hz / 1_000_000_000
+}
+
+/// The processes descended from `pid` (children, their children...) that
+/// started at or after `since` (clock ticks since boot), from the parent
+/// pids in `/proc/*/stat`.
+pub fn descendants_since(pid: u32, since: u64) -> Vec<u32> {
+    let Ok(entries) = fs::read_dir(proc_root()) else {
+        return Vec::new();
+    };
+    let mut parents: Vec<(u32, u32, u64)> = Vec::new();
+    for entry in entries.flatten() {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(after_comm) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let fields: Vec<&str> = after_comm.split_whitespace().collect();
+        // Field 4 (ppid) is the second after the name; field 22 the 20th.
+        if let (Some(Ok(ppid)), Some(Ok(started))) = (
+            fields.get(1).map(|f| f.parse::<u32>()),
+            fields.get(19).map(|f| f.parse::<u64>()),
+        ) {
+            parents.push((child, ppid, started));
+        }
+    }
+    let mut found = Vec::new();
+    let mut frontier = vec![pid];
+    while let Some(parent) = frontier.pop() {
+        for &(child, ppid, started) in &parents {
+            if ppid == parent && started >= since && !found.contains(&child) {
+                found.push(child);
+                frontier.push(child);
+            }
+        }
+    }
+    found
+}
+
+/// The mapping of `pid` that holds `address`: its start, file offset,
+/// device, inode and path, as `/proc/PID/maps` lists them.
+pub fn mapping_at(pid: u32, address: u64) -> Option<(u64, u64, String, u64, String)> {
+    let maps = fs::read_to_string(proc_root().join(pid.to_string()).join("maps")).ok()?;
+    maps.lines().find_map(|line| {
+        let mut parts = line.split_whitespace();
+        let (start, end) = parts.next()?.split_once('-')?;
+        let (start, end) = (
+            u64::from_str_radix(start, 16).ok()?,
+            u64::from_str_radix(end, 16).ok()?,
+        );
+        if !(start..end).contains(&address) {
+            return None;
+        }
+        let _perms = parts.next()?;
+        let offset = u64::from_str_radix(parts.next()?, 16).ok()?;
+        let device = parts.next()?.to_string();
+        let inode = parts.next()?.parse().ok()?;
+        let path = parts.next().unwrap_or("").to_string();
+        Some((start, offset, device, inode, path))
+    })
+}
+
 /// Resident memory of a process in bytes (`/proc/PID/statm`).
 pub fn resident_bytes(pid: u32) -> Option<u64> {
     let statm = fs::read_to_string(proc_root().join(pid.to_string()).join("statm")).ok()?;

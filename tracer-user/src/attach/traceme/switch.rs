@@ -340,6 +340,9 @@ pub struct TraceLevelSwitch {
     use_guard: bool,
     /// The guard has it armed.
     guarded: bool,
+    /// When it was switched on (clock ticks since boot): a process forked
+    /// from the target since then inherited the gate switched on.
+    engaged_at: u64,
 }
 
 impl TraceLevelSwitch {
@@ -373,6 +376,7 @@ impl TraceLevelSwitch {
             marker_dir: marker_dir.to_path_buf(),
             use_guard,
             guarded: false,
+            engaged_at: crate::procfs::boot_ticks_now(),
         };
         switch.state = switch
             .try_engage(on)
@@ -501,6 +505,7 @@ impl TraceLevelSwitch {
             // The process exited: nothing left to restore.
             Err(_) => None,
         };
+        let forked = self.restore_forked(i64::from(level));
         if let Some(path) = self.marker.take() {
             let _ = fs::remove_file(path);
         }
@@ -508,7 +513,46 @@ impl TraceLevelSwitch {
             guard::release(self.cell);
         }
         self.state = LevelState::Restored { level, early };
-        warning
+        match (warning, forked) {
+            (Some(w), Some(f)) => Some(format!("{w}; {f}")),
+            (w, f) => w.or(f),
+        }
+    }
+
+    /// Puts the gate back in the processes forked from the target while it
+    /// was on (they inherited it on, and no session of theirs switched it:
+    /// they would record into their memory for ever): those that still run
+    /// the same code at the gate's address and still hold ebtrace's value.
+    fn restore_forked(&self, on: i64) -> Option<String> {
+        let parent = self.cell.pid;
+        // The parent's mapping at the gate, to check a child's against:
+        // one that called exec since has other code there.
+        let ours = crate::procfs::mapping_at(parent, self.cell.address)?;
+        let mut restored = Vec::new();
+        // One tick of slack: the clock ticks are coarse.
+        let since = self.engaged_at.saturating_sub(1);
+        for child in crate::procfs::descendants_since(parent, since) {
+            if crate::procfs::mapping_at(child, self.cell.address).as_ref() != Some(&ours) {
+                continue;
+            }
+            let cell = Cell {
+                pid: child,
+                ..self.cell
+            };
+            if cell.read().ok() == Some(on) && cell.write(self.off).is_ok() {
+                restored.push(child.to_string());
+            }
+        }
+        (!restored.is_empty()).then(|| {
+            format!(
+                "pid {parent}: the TraceMe gate at {:#x} was on when it forked; put back to {} \
+                 in its child{} {}",
+                self.cell.address,
+                self.off,
+                if restored.len() == 1 { "" } else { "ren" },
+                restored.join(", ")
+            )
+        })
     }
 }
 
