@@ -402,6 +402,31 @@ fn a_load_that_waits_for_ever_is_abandoned_and_the_thread_put_back() {
     );
 }
 
+/// A program under a seccomp filter that kills it for `memfd_create`, as a
+/// sandbox might: the load is refused with one line before any call is
+/// made, and the program goes on.
+#[test]
+fn a_seccomp_filter_that_would_kill_the_program_refuses_the_load() {
+    if !require_root("a_seccomp_filter_that_would_kill_the_program_refuses_the_load") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("seccomp");
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "pid {} runs under a seccomp filter that would kill it (or stop it) for the \
+             memfd_create() call",
+            target.pid
+        )),
+        "{stderr}"
+    );
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0);
+    assert_eq!(target.status("TracerPid"), "0");
+}
+
 /// The executable mappings in `pid` of the objects whose file name starts
 /// with one of `names`, as `/proc/PID/maps` lists them.
 fn exec_ranges(pid: u32, names: &[&str]) -> Vec<(u64, u64, String)> {

@@ -310,6 +310,12 @@ pub fn real_uid(pid: u32) -> Option<u32> {
     status_number(pid, "Uid:")
 }
 
+/// The seccomp mode of `pid` (`Seccomp:` in `/proc/PID/status`): 0 none,
+/// 1 strict, 2 filters.
+pub fn seccomp_mode(pid: u32) -> Option<u32> {
+    status_number(pid, "Seccomp:")
+}
+
 /// The process a task id belongs to (itself for a process's main thread).
 pub fn process_of_task(tid: u32) -> Option<u32> {
     read_tgid(tid)

@@ -14,7 +14,7 @@ use std::{
 use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
     hazards::{Hazards, Refusals},
-    process_alive,
+    process_alive, seccomp,
     session::{RESTARTED_WAITS, Session, code_len},
     symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
 };
@@ -98,6 +98,22 @@ fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
         context: context.into(),
         source,
     }
+}
+
+/// The first call of the loading's that the seccomp filters of the
+/// session's thread would kill it for, where they can be read and run.
+fn forbidden_call(pid: u32, s: &Session) -> Option<&'static str> {
+    if crate::procfs::seccomp_mode(pid) != Some(2) {
+        return None;
+    }
+    let Some(filters) = s.seccomp_filters() else {
+        log::debug!("pid {pid}: its seccomp filters cannot be read (CAP_SYS_ADMIN); not judged");
+        return None;
+    };
+    seccomp::LOADING_CALLS
+        .iter()
+        .find(|(_, nr, args)| seccomp::judge(&filters, *nr, *args) == seccomp::Verdict::Harmful)
+        .map(|(name, _, _)| *name)
 }
 
 /// A descriptor of the target, duplicated into ebtrace (`pidfd_getfd`).
@@ -260,6 +276,10 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     let fns = symbols::resolve(pid)?;
     let pidfd = pidfd_open(pid)?;
     let mut s = open_session(pid)?;
+    if let Some(call) = forbidden_call(pid, &s) {
+        s.close()?;
+        return Err(InjectError::SeccompForbids { pid, call });
+    }
     let tid = s.tid();
     let mut c = Calls { s: &mut s, fns };
     c.keep_errno();

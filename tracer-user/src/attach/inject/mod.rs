@@ -39,6 +39,8 @@ mod hazards;
 #[cfg(target_arch = "x86_64")]
 mod ptrace;
 #[cfg(target_arch = "x86_64")]
+mod seccomp;
+#[cfg(target_arch = "x86_64")]
 mod session;
 #[cfg(target_arch = "x86_64")]
 mod symbols;
@@ -146,6 +148,13 @@ pub enum InjectError {
         call: &'static str,
         signal: i32,
     },
+
+    #[error(
+        "pid {pid} runs under a seccomp filter that would kill it (or stop it) for the {call}() \
+         call loading the agent makes: ebtrace does not load its agent into it; use \
+         --traceme uprobe and --no-device-activity, or start it with the agent preloaded"
+    )]
+    SeccompForbids { pid: u32, call: &'static str },
 
     #[error(
         "{call}() in pid {pid} did not return in {seconds} s (it waits for something another \

@@ -23,6 +23,10 @@ const PTRACE_SEIZE: libc::c_long = 0x4206;
 const PTRACE_INTERRUPT: libc::c_long = 0x4207;
 const PTRACE_GET_SYSCALL_INFO: libc::c_long = 0x420e;
 const PTRACE_GETREGSET: libc::c_long = 0x4204;
+const PTRACE_SECCOMP_GET_FILTER: libc::c_long = 0x420c;
+/// Filters a thread may have stacked: each costs the kernel at every
+/// call, and programs install one or two.
+const MAX_SECCOMP_FILTERS: u64 = 64;
 const PTRACE_SETREGSET: libc::c_long = 0x4205;
 /// The x87/SSE state (`struct user_fpregs_struct`).
 const NT_PRFPREG: u32 = 2;
@@ -349,6 +353,30 @@ impl Tracee {
             &raw mut iov as u64,
             "set FP state",
         )
+    }
+
+    /// The thread's seccomp filters, newest first; `None` where they
+    /// cannot be read (`PTRACE_SECCOMP_GET_FILTER` needs `CAP_SYS_ADMIN`).
+    pub fn seccomp_filters(&self) -> Option<Vec<Vec<super::seccomp::Insn>>> {
+        let mut filters = Vec::new();
+        for index in 0..MAX_SECCOMP_FILTERS {
+            let count = match ptrace(PTRACE_SECCOMP_GET_FILTER, self.tid, index, 0) {
+                Ok(n) => usize::try_from(n).ok()?,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Some(filters),
+                Err(_) => return None,
+            };
+            let mut bytes = vec![0u8; count.checked_mul(8)?];
+            let read = ptrace(
+                PTRACE_SECCOMP_GET_FILTER,
+                self.tid,
+                index,
+                bytes.as_mut_ptr() as u64,
+            )
+            .ok()?;
+            bytes.truncate(usize::try_from(read).ok()?.checked_mul(8)?.min(bytes.len()));
+            filters.push(super::seccomp::Insn::parse_all(&bytes));
+        }
+        None
     }
 
     pub fn regs(&self) -> Result<Regs, InjectError> {

@@ -192,6 +192,12 @@ impl Session {
         self.stopped
     }
 
+    /// The thread's seccomp filters, if they can be read (see
+    /// [`Tracee::seccomp_filters`]).
+    pub fn seccomp_filters(&self) -> Option<Vec<Vec<super::seccomp::Insn>>> {
+        self.tracee.seccomp_filters()
+    }
+
     /// Makes the whole scratch area free again (what was put there is used
     /// by one call only).
     pub fn reset_scratch(&mut self) {
