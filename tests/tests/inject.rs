@@ -402,6 +402,23 @@ fn a_load_that_waits_for_ever_is_abandoned_and_the_thread_put_back() {
     );
 }
 
+/// glibc's `setresuid()` in a multithreaded program signals every thread
+/// and waits until each has run its handler, which acts only on a signal
+/// its own process sent: a thread held while the signal came must get it
+/// back with its own sender, or the program waits for ever.
+#[test]
+fn a_set_id_call_in_another_thread_goes_on_through_the_takeovers() {
+    if !require_root("a_set_id_call_in_another_thread_goes_on_through_the_takeovers") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("setxid");
+    inject_check(target.pid, 30, Library::Agent);
+    target.wait_progress(50);
+    assert_eq!(target.errors(), 0, "the program saw the takeover");
+    assert_eq!(target.status("TracerPid"), "0");
+}
+
 /// A program under a seccomp filter that kills it for `memfd_create`, as a
 /// sandbox might: the load is refused with one line before any call is
 /// made, and the program goes on.

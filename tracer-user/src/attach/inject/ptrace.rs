@@ -23,6 +23,19 @@ const PTRACE_SEIZE: libc::c_long = 0x4206;
 const PTRACE_INTERRUPT: libc::c_long = 0x4207;
 const PTRACE_GET_SYSCALL_INFO: libc::c_long = 0x420e;
 const PTRACE_GETREGSET: libc::c_long = 0x4204;
+const PTRACE_CONT: libc::c_long = 7;
+const PTRACE_GETSIGINFO: libc::c_long = 0x4202;
+const PTRACE_SETSIGINFO: libc::c_long = 0x4203;
+/// `sizeof(siginfo_t)`.
+const SIGINFO_LEN: usize = 128;
+/// A `siginfo_t`, as bytes.
+type SigInfo = [u8; SIGINFO_LEN];
+/// The first real-time signal as the kernel counts (glibc keeps 32 and 33).
+const SIGRTMIN: i32 = 32;
+/// glibc's signal for `setuid()` and the like in a multithreaded program.
+const SIGSETXID: i32 = 33;
+/// How long the signals held back get to be taken by the thread again.
+const REDELIVERY_WAIT: Duration = Duration::from_millis(200);
 const PTRACE_SECCOMP_GET_FILTER: libc::c_long = 0x420c;
 /// Filters a thread may have stacked: each costs the kernel at every
 /// call, and programs install one or two.
@@ -78,11 +91,18 @@ pub struct Tracee {
     pub pid: u32,
     pub tid: u32,
     mem: File,
-    /// Signals suppressed while the thread was held, in arrival order.
-    pending: Vec<i32>,
+    /// Signals suppressed while the thread was held, in arrival order,
+    /// each with its `siginfo_t` as the kernel gave it.
+    pending: Vec<(i32, SigInfo)>,
     attached: bool,
     /// A stop's wait status taken but not decoded yet.
     status: Option<i32>,
+    /// A signal to deliver as the thread resumes: glibc's `SIGSETXID`,
+    /// which a thread of the program that changes its ids (`setuid`) sends
+    /// every thread, waiting for each to run its handler while it holds
+    /// the lock `pthread_create` needs: held back, it would stall both the
+    /// program and the agent's start. Its handler is async-signal-safe.
+    pass_on: Option<(i32, SigInfo)>,
 }
 
 fn ptrace(req: libc::c_long, tid: u32, addr: u64, data: u64) -> io::Result<libc::c_long> {
@@ -116,6 +136,7 @@ impl Tracee {
             pending: Vec::new(),
             attached: true,
             status: None,
+            pass_on: None,
         };
         t.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
         loop {
@@ -126,7 +147,7 @@ impl Tracee {
                 }
                 Stop::Signal(_) | Stop::SyscallEntry { .. } | Stop::SyscallExit => {
                     // Suppressed (and remembered); the interrupt is still due.
-                    t.request(PTRACE_SYSCALL, 0, 0, "resume")?;
+                    t.resume()?;
                 }
             }
         }
@@ -219,7 +240,14 @@ impl Tracee {
         if sig == libc::SIGTRAP | 0x80 {
             return self.syscall_stop();
         }
-        self.pending.push(sig);
+        let mut info: SigInfo = [0; SIGINFO_LEN];
+        let _ = ptrace(PTRACE_GETSIGINFO, self.tid, 0, info.as_mut_ptr() as u64);
+        if sig == SIGSETXID {
+            // Passed on as the thread resumes (see `pass_on`).
+            self.pass_on = Some((sig, info));
+            return Ok(Stop::Signal(sig));
+        }
+        self.pending.push((sig, info));
         Ok(Stop::Signal(sig))
     }
 
@@ -243,17 +271,23 @@ impl Tracee {
         })
     }
 
+    /// Lets the thread run on from a stop, taking the signal to pass on.
+    fn resume(&mut self) -> Result<(), InjectError> {
+        let sig = self.pass_on.take().map_or(0, |(sig, _)| sig);
+        self.request(PTRACE_SYSCALL, 0, sig as u64, "resume")
+    }
+
     /// Lets the thread run to its next stop (syscall entry or exit,
     /// signal, event).
     pub fn step(&mut self) -> Result<Stop, InjectError> {
-        self.request(PTRACE_SYSCALL, 0, 0, "resume")?;
+        self.resume()?;
         self.wait()
     }
 
     /// [`Self::step`], but waiting only until `deadline`: past it the
     /// thread is stopped where it is (in a wait, say) and `None` returned.
     pub fn step_until(&mut self, deadline: Instant) -> Result<Option<Stop>, InjectError> {
-        self.request(PTRACE_SYSCALL, 0, 0, "resume")?;
+        self.resume()?;
         let resumed = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
@@ -447,28 +481,88 @@ impl Tracee {
     }
 
     /// Lets the thread go with the state it is in, delivering the signals
-    /// that arrived meanwhile.
+    /// that arrived meanwhile as they came: each is queued again and, at
+    /// the stop where the thread takes it, given back its own `siginfo_t`
+    /// (its sender and code: glibc's `setxid` handshake, for one, acts
+    /// only on a signal its own process sent).
     pub fn detach(&mut self) -> Result<(), InjectError> {
         if !self.attached {
             return Ok(());
         }
+        let mut pending = std::mem::take(&mut self.pending);
+        // A standard signal pending twice is taken once.
+        let mut seen = Vec::new();
+        pending.retain(|(sig, _)| {
+            *sig >= SIGRTMIN
+                || !seen.contains(sig) && {
+                    seen.push(*sig);
+                    true
+                }
+        });
+        if let Some(held) = self.pass_on.take() {
+            pending.insert(0, held);
+        }
+        let last = self.redeliver(&mut pending);
         self.attached = false;
-        let mut pending = std::mem::take(&mut self.pending).into_iter();
-        let first = pending.next().unwrap_or(0);
-        ptrace(PTRACE_DETACH, self.tid, 0, first as u64)
-            .map_err(|e| self.ptrace_error("detach", e))?;
-        for sig in pending {
+        ptrace(PTRACE_DETACH, self.tid, 0, last as u64)
+            .map(drop)
+            .map_err(|e| self.ptrace_error("detach", e))
+    }
+
+    /// Delivers all of `pending` but the last, which the caller delivers as
+    /// it detaches (0: none left, or the thread never took them within
+    /// [`REDELIVERY_WAIT`]: then they are pending still, as sent again).
+    fn redeliver(&mut self, pending: &mut Vec<(i32, SigInfo)>) -> i32 {
+        for (sig, _) in pending.iter() {
             // SAFETY: sends a signal to the thread that received it first.
             unsafe {
                 libc::syscall(
                     libc::SYS_tgkill,
                     self.pid as libc::c_long,
                     self.tid as libc::c_long,
-                    sig as libc::c_long,
+                    *sig as libc::c_long,
                 )
             };
         }
-        Ok(())
+        let deadline = Instant::now() + REDELIVERY_WAIT;
+        let mut deliver = 0;
+        while !pending.is_empty() {
+            if ptrace(PTRACE_CONT, self.tid, 0, deliver as u64).is_err() {
+                return 0;
+            }
+            deliver = 0;
+            let stop = loop {
+                match self.stopped_now() {
+                    Ok(true) => break Some(self.status.take().unwrap_or(0)),
+                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
+                    _ => break None,
+                }
+            };
+            let Some(status) = stop else {
+                // Not taken in time: hold the thread again to let it go.
+                if self.request(PTRACE_INTERRUPT, 0, 0, "interrupt").is_ok() {
+                    let _ = self.wait();
+                }
+                self.pending.clear();
+                return 0;
+            };
+            if !libc::WIFSTOPPED(status) {
+                return 0;
+            }
+            let sig = libc::WSTOPSIG(status);
+            if status >> 16 != 0 || sig == libc::SIGTRAP | 0x80 {
+                continue;
+            }
+            deliver = sig;
+            if let Some(at) = pending.iter().position(|(s, _)| *s == sig) {
+                let (_, mut info) = pending.remove(at);
+                let _ = ptrace(PTRACE_SETSIGINFO, self.tid, 0, info.as_mut_ptr() as u64);
+            }
+            if pending.is_empty() {
+                return deliver;
+            }
+        }
+        deliver
     }
 }
 
