@@ -11,7 +11,7 @@ use std::{
         net::{SocketAddr, UnixStream},
         process::CommandExt as _,
     },
-    path::PathBuf,
+    path::Path,
     process::{Child, Command, Stdio},
     time::Duration,
 };
@@ -32,11 +32,15 @@ const NOBODY: u32 = 65534;
 fn start_fake_agent(uid: u32, args: &[&str]) -> (Child, u32) {
     let script = ebtrace_tests::workspace_root().join("tests/fixtures/agent/fake_agent.py");
     let source = std::fs::read_to_string(&script).expect("read fake_agent.py");
-    let mut child = Command::new("/usr/bin/python3")
-        .arg("-c")
-        .arg(source)
-        .args(args)
-        .uid(uid)
+    let mut python = Command::new("/usr/bin/python3");
+    python.arg("-c").arg(source).args(args).uid(uid);
+    start_python(python)
+}
+
+/// Starts `python` (the system's CPython running a script that prints
+/// `{"pid": N}` first); returns it and that pid once printed.
+fn start_python(mut python: Command) -> (Child, u32) {
+    let mut child = python
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -45,7 +49,7 @@ fn start_fake_agent(uid: u32, args: &[&str]) -> (Child, u32) {
     let mut first = String::new();
     BufReader::new(child.stdout.as_mut().expect("piped"))
         .read_line(&mut first)
-        .expect("fake agent's first line");
+        .expect("its first line");
     let line: serde_json::Value = serde_json::from_str(&first).expect("a JSON line");
     (child, line["pid"].as_u64().expect("pid") as u32)
 }
@@ -262,28 +266,20 @@ fn a_program_flooding_its_answers_loses_its_own_part_and_no_more() {
 
 /// A program that loads the stand-in CUDA driver and idles, started with
 /// the agent preloaded.
-fn start_preloaded_driver_program(preload: &str, libcuda: &PathBuf) -> Child {
+fn start_preloaded_driver_program(preload: &str, libcuda: &Path) -> Child {
     let source = format!(
         "import ctypes, json, os, time\n\
          ctypes.CDLL({libcuda:?})\n\
          print(json.dumps({{'pid': os.getpid()}}), flush=True)\n\
          while True: time.sleep(0.05)\n"
     );
-    let mut child = Command::new("/usr/bin/python3")
+    let mut python = Command::new("/usr/bin/python3");
+    python
         .arg("-c")
         .arg(source)
         .env("LD_PRELOAD", preload)
-        .env("EBTRACE_AGENT", "listen")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start /usr/bin/python3");
-    let mut first = String::new();
-    BufReader::new(child.stdout.as_mut().expect("piped"))
-        .read_line(&mut first)
-        .expect("first line");
-    child
+        .env("EBTRACE_AGENT", "listen");
+    start_python(python).0
 }
 
 #[test]

@@ -582,22 +582,7 @@ fn a_level_left_on_by_a_killed_ebtrace_and_guard_is_restored_by_any_next_start()
     assert!(xplane_files(dir.path()).is_empty());
 
     // Any next ebtrace, whatever it traces, puts it back at its start.
-    let mut other = std::process::Command::new("sleep")
-        .arg("5")
-        .spawn()
-        .expect("sleep");
-    let next = TempDir::new("traceme-after-kill");
-    let out = record(&other.id().to_string(), "100ms", &next, &[]);
-    let _ = other.kill();
-    let _ = other.wait();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains(&format!("pid {}: TraceMe gate", workload.pid))
-            && stderr.contains("by an ebtrace that died"),
-        "{stderr}"
-    );
-    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    assert_any_next_ebtrace_puts_the_gate_back(&workload);
     assert!(no_marker_names(workload.pid));
     assert!(workload.is_running());
     workload.stop();
@@ -648,22 +633,7 @@ fn a_gate_left_on_by_a_killed_container_is_put_back_from_the_node_s_markers() {
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
 
-    let mut other = std::process::Command::new("sleep")
-        .arg("5")
-        .spawn()
-        .expect("sleep");
-    let next = TempDir::new("traceme-after-container");
-    let out = record(&other.id().to_string(), "100ms", &next, &[]);
-    let _ = other.kill();
-    let _ = other.wait();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains(&format!("pid {}: TraceMe gate", workload.pid))
-            && stderr.contains("by an ebtrace that died"),
-        "{stderr}"
-    );
-    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
+    assert_any_next_ebtrace_puts_the_gate_back(&workload);
     assert!(workload.is_running());
     workload.stop();
 }
@@ -709,6 +679,27 @@ fn a_child_forked_during_a_capture_has_its_gate_put_back() {
         "{printed}"
     );
     workload.stop();
+}
+
+/// An ebtrace started now, tracing something else, puts back the gate a
+/// killed one left on in `workload`, and says so.
+fn assert_any_next_ebtrace_puts_the_gate_back(workload: &TraceMeWorkload) {
+    let mut other = std::process::Command::new("sleep")
+        .arg("5")
+        .spawn()
+        .expect("sleep");
+    let next = TempDir::new("traceme-after-kill");
+    let out = record(&other.id().to_string(), "100ms", &next, &[]);
+    let _ = other.kill();
+    let _ = other.wait();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("pid {}: TraceMe gate", workload.pid))
+            && stderr.contains("by an ebtrace that died"),
+        "{stderr}"
+    );
+    assert_eq!(workload.trace_level(Toolchain::Gcc), -1);
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tracer_agent::protocol::{self, Header};
+use tracer_agent::protocol::{self, Header, Hello};
 
 /// The most one answer may bring: one framework's XSpace fits.
 pub const MAX_ANSWER_BYTES: u64 = protocol::MAX_PAYLOAD as u64;
@@ -118,6 +118,33 @@ impl Channel {
             left -= chunk;
         }
         Ok((header.kind, payload))
+    }
+
+    /// Reads the agent's greeting: this protocol's version, from the
+    /// process the channel leads to.
+    pub fn greeting(&mut self) -> Result<Hello, String> {
+        let pid = self.pid;
+        let (kind, payload) = self.receive()?;
+        if kind != protocol::HELLO {
+            return Err(format!("the agent in pid {pid} greeted with frame {kind}"));
+        }
+        let hello = Hello::decode(&payload)
+            .ok_or_else(|| format!("the agent in pid {pid} sent a malformed greeting"))?;
+        if hello.version != protocol::VERSION {
+            return Err(format!(
+                "it speaks protocol version {}, this ebtrace {} (start the program with this \
+                 ebtrace's `ebtrace agent-library`)",
+                hello.version,
+                protocol::VERSION
+            ));
+        }
+        if hello.pid != pid {
+            return Err(format!(
+                "the agent in pid {pid} says it runs in pid {}",
+                hello.pid
+            ));
+        }
+        Ok(hello)
     }
 
     /// Fills `buf` within the answer's time bounds.

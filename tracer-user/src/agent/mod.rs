@@ -212,7 +212,7 @@ impl AgentSession {
     /// Reads a loaded agent's [`protocol::HELLO`]: this protocol, from
     /// `pid`.
     fn greeting(&mut self) -> Result<(), String> {
-        let answer = preloaded::read_hello(&mut self.control, self.pid);
+        let answer = self.control.greeting();
         self.unanswered |= answer.is_err();
         answer.map(|_| ())
     }

@@ -9,7 +9,7 @@
 
 use std::os::{linux::net::SocketAddrExt as _, unix::net::SocketAddr, unix::net::UnixStream};
 
-use tracer_agent::protocol::{self, Hello};
+use tracer_agent::protocol;
 
 use super::channel::Channel;
 
@@ -35,7 +35,7 @@ pub fn connect(pid: u32) -> Result<Option<Channel>, String> {
     }
     let mut channel = Channel::new(stream, pid);
     let refused = |why: String| format!("the agent pid {pid} was started with: {why}; ignored");
-    let hello = read_hello(&mut channel, pid).map_err(refused)?;
+    let hello = channel.greeting().map_err(refused)?;
     if hello.challenge != 0 {
         prove(&mut channel, pid, hello.challenge).map_err(refused)?;
     }
@@ -88,31 +88,6 @@ fn untrusted(pid: u32, peer_pid: u32, peer_uid: u32) -> Option<String> {
         )),
         None => Some(format!("pid {peer_pid}, whose user cannot be read")),
     }
-}
-
-/// Reads an agent's greeting: this protocol's version, from `pid`.
-pub fn read_hello(channel: &mut Channel, pid: u32) -> Result<Hello, String> {
-    let (kind, payload) = channel.receive()?;
-    if kind != protocol::HELLO {
-        return Err(format!("the agent in pid {pid} greeted with frame {kind}"));
-    }
-    let hello = Hello::decode(&payload)
-        .ok_or_else(|| format!("the agent in pid {pid} sent a malformed greeting"))?;
-    if hello.version != protocol::VERSION {
-        return Err(format!(
-            "it speaks protocol version {}, this ebtrace {} (start the program with this \
-             ebtrace's `ebtrace agent-library`)",
-            hello.version,
-            protocol::VERSION
-        ));
-    }
-    if hello.pid != pid {
-        return Err(format!(
-            "the agent in pid {pid} says it runs in pid {}",
-            hello.pid
-        ));
-    }
-    Ok(hello)
 }
 
 /// Answers the agent's challenge with what lies at `address` in `pid`.
