@@ -21,6 +21,17 @@ pub fn thread_ids(pid: u32) -> std::io::Result<Vec<u32>> {
     )
 }
 
+/// The ids of the processes there are right now (`/proc`).
+pub fn process_ids() -> Vec<u32> {
+    fs::read_dir(proc_root())
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn proc_root() -> PathBuf {
     PathBuf::from("/proc")
 }
@@ -224,19 +235,9 @@ pub fn boot_ticks_now() -> u64 {
 /// started at or after `since` (clock ticks since boot), from the parent
 /// pids in `/proc/*/stat`.
 pub fn descendants_since(pid: u32, since: u64) -> Vec<u32> {
-    let Ok(entries) = fs::read_dir(proc_root()) else {
-        return Vec::new();
-    };
     let mut parents: Vec<(u32, u32, u64)> = Vec::new();
-    for entry in entries.flatten() {
-        let Some(child) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+    for child in process_ids() {
+        let Ok(stat) = fs::read_to_string(proc_root().join(child.to_string()).join("stat")) else {
             continue;
         };
         let Some(after_comm) = stat.rfind(')').map(|i| &stat[i + 1..]) else {

@@ -101,22 +101,12 @@ impl Watched {
 
     fn discover(&mut self) {
         let me = std::process::id();
-        let Ok(dir) = fs::read_dir("/proc") else {
-            return;
-        };
-        for entry in dir.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|s| s.parse::<u32>().ok())
-            else {
-                continue;
-            };
+        for pid in crate::procfs::process_ids() {
             if pid == me || self.procs.contains_key(&pid) {
                 continue;
             }
             // Kernel threads and processes that went away read as empty.
-            let Ok(maps) = fs::read_to_string(entry.path().join("maps")) else {
+            let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
                 continue;
             };
             let Some(library) = runtime_library(&maps) else {
