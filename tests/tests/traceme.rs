@@ -571,14 +571,7 @@ fn a_level_left_on_by_a_killed_ebtrace_and_guard_is_restored_by_any_next_start()
     let mut workload = TraceMeWorkload::start(&[Toolchain::Gcc], &[]);
     let dir = TempDir::new("traceme-sigkill");
     let (mut child, _) = start_long_capture(workload.pid, &dir);
-    let guards = guards_of(child.id());
-    assert_eq!(guards.len(), 1, "one guard per ebtrace: {guards:?}");
-    // Both gone at once: nothing of ebtrace's runs to restore the level.
-    signal(guards[0], libc::SIGKILL);
-    signal(child.id(), libc::SIGKILL);
-    let _ = child.wait();
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
+    kill_with_its_guard(&mut child, &workload);
     assert!(xplane_files(dir.path()).is_empty());
 
     // Any next ebtrace, whatever it traces, puts it back at its start.
@@ -625,13 +618,7 @@ fn a_gate_left_on_by_a_killed_container_is_put_back_from_the_node_s_markers() {
             break;
         }
     }
-    let guards = guards_of(child.id());
-    assert_eq!(guards.len(), 1, "one guard per ebtrace: {guards:?}");
-    signal(guards[0], libc::SIGKILL);
-    signal(child.id(), libc::SIGKILL);
-    let _ = child.wait();
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
+    kill_with_its_guard(&mut child, &workload);
 
     assert_any_next_ebtrace_puts_the_gate_back(&workload);
     assert!(workload.is_running());
@@ -679,6 +666,19 @@ fn a_child_forked_during_a_capture_has_its_gate_put_back() {
         "{printed}"
     );
     workload.stop();
+}
+
+/// SIGKILLs the capture `child` and its guard at once (nothing of
+/// ebtrace's then runs to restore the level), and checks the level it
+/// switched on in `workload` is left on.
+fn kill_with_its_guard(child: &mut std::process::Child, workload: &TraceMeWorkload) {
+    let guards = guards_of(child.id());
+    assert_eq!(guards.len(), 1, "one guard per ebtrace: {guards:?}");
+    signal(guards[0], libc::SIGKILL);
+    signal(child.id(), libc::SIGKILL);
+    let _ = child.wait();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(workload.trace_level(Toolchain::Gcc), 2, "level left on");
 }
 
 /// An ebtrace started now, tracing something else, puts back the gate a
