@@ -419,6 +419,33 @@ fn a_set_id_call_in_another_thread_goes_on_through_the_takeovers() {
     assert_eq!(target.status("TracerPid"), "0");
 }
 
+/// A thread taken over may hold a `dlopen` error it has not read yet, or
+/// the message `dlerror()` gave it: the loader's own `dl*` calls reset and
+/// free both. After every load and unload the error is still there and the
+/// message intact.
+#[test]
+fn a_dlopen_error_the_program_holds_survives_the_takeovers() {
+    if !require_root("a_dlopen_error_the_program_holds_survives_the_takeovers") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("dlerror");
+    let cycles = inject_check(target.pid, 20, Library::Agent);
+    assert!(
+        cycles
+            .iter()
+            .any(|c| c["tid"].as_u64() == Some(target.pid as u64)),
+        "the thread holding the error was never taken over: {cycles:?}"
+    );
+    target.wait_progress(10);
+    assert_eq!(
+        target.errors(),
+        0,
+        "the program lost its dlopen error, or read a freed message"
+    );
+    assert_eq!(target.status("TracerPid"), "0");
+}
+
 /// A program under a seccomp filter that kills it for `memfd_create`, as a
 /// sandbox might: the load is refused with one line before any call is
 /// made, and the program goes on.

@@ -15,7 +15,7 @@ use std::{
 
 use object::{
     Endianness,
-    elf::{PT_LOAD, SHT_DYNSYM, SHT_SYMTAB, STT_FUNC, STT_GNU_IFUNC},
+    elf::{PT_LOAD, SHT_DYNSYM, SHT_SYMTAB, STT_FUNC, STT_GNU_IFUNC, STT_TLS},
     read::elf::{FileHeader as _, ProgramHeader as _, SectionHeader as _, Sym as _},
 };
 
@@ -69,6 +69,9 @@ pub struct FoundSymbol {
     pub exported: bool,
     /// A function (`STT_FUNC` or `STT_GNU_IFUNC`), not data.
     pub function: bool,
+    /// A thread-local variable (`STT_TLS`): `vaddr` is its offset in the
+    /// object's thread-local block.
+    pub thread_local: bool,
 }
 
 /// Result of one pass over an object's symbol tables.
@@ -326,6 +329,7 @@ impl ElfObject {
                                 size: sym.st_size(endian),
                                 exported: kind == SHT_DYNSYM,
                                 function: matches!(sym.st_type(), STT_FUNC | STT_GNU_IFUNC),
+                                thread_local: sym.st_type() == STT_TLS,
                             })
                         }
                     }

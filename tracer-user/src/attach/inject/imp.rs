@@ -149,12 +149,16 @@ impl Calls<'_> {
         self.s.pid()
     }
 
-    /// Has the thread's `errno` put back at the end: the calls' failures
-    /// set it, and the program may be about to read its own. A C library
-    /// without `__errno_location` (none known) leaves it as the calls do.
-    fn keep_errno(&mut self) {
+    /// Has the thread's `errno` and `dlerror()` state put back at the end:
+    /// the calls' failures set the one and every call resets the other,
+    /// and the program may be about to read its own. A C library without
+    /// `__errno_location` (none known) leaves both as the calls do; one
+    /// older than glibc 2.34, the `dlerror()` state.
+    fn keep_thread_state(&mut self) {
         if let Some(f) = self.fns.errno_location
-            && let Err(e) = self.s.keep_errno(f)
+            && let Err(e) = self
+                .s
+                .keep_thread_state(f, self.fns.dlerror_state_from_errno)
         {
             log::debug!("pid {}: errno not kept: {e}", self.pid());
         }
@@ -282,7 +286,7 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     }
     let tid = s.tid();
     let mut c = Calls { s: &mut s, fns };
-    c.keep_errno();
+    c.keep_thread_state();
     let mut partial = Partial::default();
     let loaded = load_calls(&mut c, &mut partial, &pidfd, library, entry);
     if loaded.is_err() {
@@ -375,7 +379,7 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
-    c.keep_errno();
+    c.keep_thread_state();
     let unloaded = unload_agent(&mut c, injected.handle, injected.memfd, exit);
     let stopped = Some(s.stopped());
     let diverted = s.close();
@@ -508,7 +512,7 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     let fns = symbols::resolve(pid)?;
     let mut s = open_session(pid)?;
     let mut c = Calls { s: &mut s, fns };
-    c.keep_errno();
+    c.keep_thread_state();
     let mut unloaded = 0;
     let mut result = Ok(());
     for fd in fds {

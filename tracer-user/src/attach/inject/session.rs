@@ -97,9 +97,11 @@ pub struct Session {
     /// restores it around each call itself, but a call abandoned (faulted,
     /// timed out) never reaches that restore.
     saved_fp: (u32, Vec<u8>),
-    /// The thread's `errno` and where it lives, once [`Self::keep_errno`]
+    /// The thread's `errno` and where it lives, once [`Self::keep_thread_state`]
     /// read it: the calls' failures set it.
     saved_errno: Option<(u64, [u8; 4])>,
+    /// The thread's `dlerror()` state once [`Self::keep_thread_state`] read it.
+    saved_dlerror: Option<DlerrorState>,
     code: u64,
     marker_ip: u64,
     /// The data block, below the thread's stack pointer.
@@ -168,6 +170,7 @@ impl Session {
             saved,
             saved_fp,
             saved_errno: None,
+            saved_dlerror: None,
             code,
             marker_ip: code + marker_end,
             block,
@@ -279,12 +282,22 @@ impl Session {
     }
 
     /// Notes the thread's `errno` (`errno_location` is the target's
-    /// `__errno_location`), to put it back when the session closes.
-    pub fn keep_errno(&mut self, errno_location: u64) -> Result<(), InjectError> {
+    /// `__errno_location`), to put it back when the session closes; and
+    /// its `dlerror()` state, `dlerror_from_errno` bytes from its `errno`
+    /// (see [`DlerrorState`]).
+    pub fn keep_thread_state(
+        &mut self,
+        errno_location: u64,
+        dlerror_from_errno: Option<i64>,
+    ) -> Result<(), InjectError> {
         let at = self.call("__errno_location", errno_location, &[])?;
         let mut value = [0u8; 4];
         self.tracee.read(at, &mut value)?;
         self.saved_errno = Some((at, value));
+        if let Some(distance) = dlerror_from_errno {
+            let slot = at.wrapping_add_signed(distance);
+            self.saved_dlerror = Some(DlerrorState::keep(&self.tracee, slot)?);
+        }
         Ok(())
     }
 
@@ -302,7 +315,12 @@ impl Session {
             Some((at, value)) => self.tracee.write(at, &value),
             None => Ok(()),
         };
+        let dlerror = match &self.saved_dlerror {
+            Some(state) => state.put_back(&self.tracee),
+            None => Ok(()),
+        };
         let restored = errno
+            .and(dlerror)
             .and_then(|()| self.tracee.set_fp_state(&self.saved_fp))
             .and_then(|()| self.tracee.set_regs(&self.saved));
         let diverted = self.stopped_at.elapsed();
@@ -315,6 +333,34 @@ impl Drop for Session {
         if !self.closed {
             let _ = self.finish();
         }
+    }
+}
+
+/// A thread's `dlerror()` state in glibc 2.34+: a thread-local pointer to
+/// the result of its last `dl*` call that failed, which the next call frees
+/// (with the message `dlerror()` may have handed the program). The program
+/// may hold an error it has not read yet, or that message: the session's
+/// own calls must neither lose the one nor free the other. So the pointer
+/// is cleared before the calls, which then find no result to free, and set
+/// again after them. An ebtrace killed in between leaves the thread with
+/// no error to report and the result unfreed, never a freed one in use.
+struct DlerrorState {
+    /// The thread-local pointer, and its value.
+    slot: u64,
+    result: u64,
+}
+
+impl DlerrorState {
+    fn keep(tracee: &Tracee, slot: u64) -> Result<Self, InjectError> {
+        let result = tracee.read_u64(slot)?;
+        if result != 0 {
+            tracee.write(slot, &0u64.to_le_bytes())?;
+        }
+        Ok(DlerrorState { slot, result })
+    }
+
+    fn put_back(&self, tracee: &Tracee) -> Result<(), InjectError> {
+        tracee.write(self.slot, &self.result.to_le_bytes())
     }
 }
 

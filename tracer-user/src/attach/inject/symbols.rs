@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::InjectError;
-use crate::symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size};
+use crate::symbols::{ElfObject, FoundSymbol, MappedObject, mapped_objects, maps::page_size};
 
 /// Addresses, in the target, of the functions a session calls.
 #[derive(Clone, Copy, Debug)]
@@ -22,13 +22,18 @@ pub struct TargetFns {
     pub close: u64,
     /// Where the calling thread's `errno` lives (absent: not kept).
     pub errno_location: Option<u64>,
+    /// Where the calling thread's `dlerror()` state lives, as a distance
+    /// from its `errno` (glibc 2.34+ exports both thread-locals: they sit
+    /// in the same block); absent: not kept.
+    pub dlerror_state_from_errno: Option<i64>,
 }
 
 /// Flags of glibc's private `__libc_dlopen_mode` that make it act as
 /// `dlopen` called from the program: `__RTLD_DLOPEN`.
 pub const LIBC_DLOPEN_MODE_FLAG: u64 = 0x8000_0000;
 
-const NAMES: [&str; 12] = [
+/// The functions looked up, then the C library's thread-locals.
+const NAMES: [&str; 14] = [
     "dlopen",
     "dlsym",
     "dlclose",
@@ -41,7 +46,12 @@ const NAMES: [&str; 12] = [
     "__libc_dlsym",
     "__libc_dlclose",
     "__errno_location",
+    "errno",
+    "__libc_dlerror_result",
 ];
+
+/// How many of [`NAMES`] are functions; the rest are thread-locals.
+const FUNCTIONS: usize = 12;
 
 /// Whether `obj` is a C library or dynamic loader worth searching.
 fn is_libc(obj: &MappedObject) -> bool {
@@ -71,10 +81,26 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         let Ok(scan) = elf.scan(&NAMES, |_| false) else {
             continue;
         };
-        for (slot, sym) in found.iter_mut().zip(&scan.found) {
-            if let Some(sym) = sym.filter(|s| s.exported && s.function) {
-                slot.get_or_insert(bias.wrapping_add(sym.vaddr));
+        for (i, (slot, sym)) in found.iter_mut().zip(&scan.found).enumerate() {
+            let wanted = |s: &FoundSymbol| {
+                s.exported
+                    && (if i < FUNCTIONS {
+                        s.function
+                    } else {
+                        s.thread_local
+                    })
+            };
+            if let Some(sym) = sym.filter(wanted) {
+                // A thread-local's value is its offset in the object's
+                // block, which the two are compared by.
+                let at = if i < FUNCTIONS { bias } else { 0 };
+                slot.get_or_insert(at.wrapping_add(sym.vaddr));
             }
+        }
+        if found[FUNCTIONS].is_some() != found[FUNCTIONS + 1].is_some() {
+            // Both from one object or neither.
+            found[FUNCTIONS] = None;
+            found[FUNCTIONS + 1] = None;
         }
     }
     let [
@@ -90,6 +116,8 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         p_sym,
         p_close,
         errno_location,
+        errno,
+        dlerror_state,
     ] = found;
     let no_loader = || InjectError::NoLoader { pid };
     let (dlopen, dlsym, dlclose, dlerror) = match (dlopen, dlsym, dlclose) {
@@ -116,6 +144,9 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         socketpair: socketpair.ok_or_else(no_loader)?,
         close: close.ok_or_else(no_loader)?,
         errno_location,
+        dlerror_state_from_errno: errno
+            .zip(dlerror_state)
+            .map(|(e, d)| d.wrapping_sub(e) as i64),
     })
 }
 
