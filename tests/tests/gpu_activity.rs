@@ -368,6 +368,71 @@ fn a_killed_ebtrace_leaves_cupti_free() {
     assert!(!kernels(&space).is_empty());
 }
 
+/// The copies of the agent `pid` maps (distinct memfds), and the memfds it
+/// holds open.
+fn agent_copies(pid: u32) -> (usize, usize) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    let mut inodes: Vec<&str> = maps
+        .lines()
+        .filter(|l| l.contains("/memfd:ebtrace-agent"))
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    inodes.sort_unstable();
+    inodes.dedup();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|l| l.to_string_lossy().contains("memfd:ebtrace-agent"))
+        })
+        .count();
+    (inodes.len(), open)
+}
+
+/// CUPTI keeps the callbacks the agent gave it, so the agent stays mapped
+/// once a capture that used CUPTI unloaded it: later captures, one after a
+/// killed ebtrace among them, start that copy again, record every kind as
+/// the first did, and leave one copy in the process, not one each, though
+/// the program's free descriptors move on between them (the loader knows
+/// a copy by the descriptor it was loaded from).
+#[test]
+fn captures_in_a_row_leave_one_copy_of_the_agent() {
+    if !require_root("captures_in_a_row_leave_one_copy_of_the_agent") {
+        return;
+    }
+    let _serial = serial();
+    let workload = launching(&[], &[]);
+    let pid = workload.pid;
+    for round in 0..4 {
+        signal(pid, libc::SIGUSR2);
+        if round == 2 {
+            kill_mid_capture(pid, "killed-between-captures");
+            wait_for_agent_threads_to_end(pid, Duration::from_secs(5), "ebtrace");
+        }
+        let (stderr, space) = capture(pid, "300ms", &[]);
+        assert!(
+            stderr.contains("device activity: CUPTI 12.8 activity: kernels"),
+            "round {round}: {stderr}"
+        );
+        let traced = kernels(&space);
+        assert!(!traced.is_empty(), "round {round}: no kernels\n{stderr}");
+        let launched = launches(&space);
+        let joined = traced
+            .iter()
+            .filter_map(|(_, e)| e.stats.get("correlation_id").map(Stat::as_u64))
+            .filter(|link| launched.contains_key(link))
+            .count();
+        assert!(
+            joined + 4 >= traced.len(),
+            "round {round}: {joined} of {} kernels joined to their launch",
+            traced.len()
+        );
+        assert_eq!(agent_copies(pid), (1, 0), "round {round}");
+        assert_eq!(agent_threads(pid), 0, "round {round}");
+    }
+}
+
 /// How a capture of the agent's ends.
 #[derive(Clone, Copy)]
 enum CaptureEnd {

@@ -20,7 +20,8 @@
 //! jax-ml/jax#15384, #40260). CUPTI keeps the buffer callbacks it was
 //! given, so the agent pins itself in memory (`RTLD_NODELETE`) before
 //! handing them over: unloading the agent never leaves CUPTI a dangling
-//! pointer.
+//! pointer. ebtrace starts a pinned copy again for the process's later
+//! captures rather than loading another.
 
 mod buffers;
 
@@ -196,14 +197,21 @@ fn open_library() -> Result<*mut c_void, Text> {
     ))
 }
 
+/// Whether [`pin_self`] has pinned this copy: ebtrace uses a pinned copy
+/// again for later captures, which pin it once.
+static PINNED: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+
 /// Keeps this library mapped for the life of the process: CUPTI keeps the
 /// callbacks it is given.
 fn pin_self() -> bool {
+    if PINNED.load(Ordering::Acquire) {
+        return true;
+    }
     let mut info = sys::DlInfo::EMPTY;
     // SAFETY: an address inside this library and a valid out pointer; the
     // name dladdr returns is the loaded object's, which dlopen matches
     // without opening anything (RTLD_NOLOAD).
-    unsafe {
+    let pinned = unsafe {
         sys::dladdr(lend_buffer as *const c_void, &mut info) != 0
             && !info.fname.is_null()
             && !sys::dlopen(
@@ -211,7 +219,9 @@ fn pin_self() -> bool {
                 sys::RTLD_LAZY | sys::RTLD_NOLOAD | sys::RTLD_NODELETE,
             )
             .is_null()
-    }
+    };
+    PINNED.store(pinned, Ordering::Release);
+    pinned
 }
 
 /// CUPTI recording activity for ebtrace.

@@ -13,13 +13,13 @@ use std::{
 
 use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
+    calls::Calls,
     hazards::{Hazards, Refusals},
     process_alive, seccomp,
     session::{RESTARTED_WAITS, Session, code_len},
-    symbols::{self, LIBC_DLOPEN_MODE_FLAG, TargetFns},
+    symbols,
 };
 
-const SYS_MEMFD_CREATE: u64 = 319;
 const SYS_FUTEX: i64 = 202;
 
 /// How long a session waits for a thread of the target to stop at a safe
@@ -138,120 +138,6 @@ fn pidfd_open(pid: u32) -> Result<OwnedFd, InjectError> {
     })
 }
 
-/// Calls on the thread of a session, by function name.
-struct Calls<'a> {
-    s: &'a mut Session,
-    fns: TargetFns,
-}
-
-impl Calls<'_> {
-    fn pid(&self) -> u32 {
-        self.s.pid()
-    }
-
-    /// Has the thread's `errno` and `dlerror()` state put back at the end:
-    /// the calls' failures set the one and every call resets the other,
-    /// and the program may be about to read its own. A C library without
-    /// `__errno_location` (none known) leaves both as the calls do; one
-    /// older than glibc 2.34, the `dlerror()` state.
-    fn keep_thread_state(&mut self) {
-        if let Some(f) = self.fns.errno_location
-            && let Err(e) = self
-                .s
-                .keep_thread_state(f, self.fns.dlerror_state_from_errno)
-        {
-            log::debug!("pid {}: errno not kept: {e}", self.pid());
-        }
-    }
-
-    fn dlopen(&mut self, path: &str, flags: i32) -> Result<u64, InjectError> {
-        self.s.reset_scratch();
-        let p = self.s.put_str(path)?;
-        let mut mode = flags as u64;
-        if self.fns.dlerror.is_none() {
-            mode |= LIBC_DLOPEN_MODE_FLAG;
-        }
-        self.s.call("dlopen", self.fns.dlopen, &[p, mode])
-    }
-
-    fn dlsym(&mut self, handle: u64, name: &str) -> Result<u64, InjectError> {
-        self.s.reset_scratch();
-        let p = self.s.put_str(name)?;
-        self.s.call("dlsym", self.fns.dlsym, &[handle, p])
-    }
-
-    fn dlclose(&mut self, handle: u64) -> Result<(), InjectError> {
-        self.s
-            .call("dlclose", self.fns.dlclose, &[handle])
-            .map(drop)
-    }
-
-    fn close(&mut self, fd: i32) -> Result<(), InjectError> {
-        self.s.call("close", self.fns.close, &[fd as u64]).map(drop)
-    }
-
-    /// The target's `dlerror()` text.
-    fn dlerror(&mut self) -> String {
-        let Some(f) = self.fns.dlerror else {
-            return "no reason given (this C library has no dlerror)".into();
-        };
-        match self.s.call("dlerror", f, &[]) {
-            Ok(0) => "no reason given".into(),
-            Ok(p) => self
-                .s
-                .read_cstring(p)
-                .unwrap_or_else(|e| format!("(its message is unreadable: {e})")),
-            Err(e) => format!("(dlerror failed: {e})"),
-        }
-    }
-
-    fn memfd_create(&mut self) -> Result<i32, InjectError> {
-        self.s.reset_scratch();
-        let name = self.s.put_str(MEMFD_NAME)?;
-        let flags = (libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) as u64;
-        let fd = if self.fns.memfd_is_syscall {
-            self.s.call(
-                "syscall",
-                self.fns.memfd_create,
-                &[SYS_MEMFD_CREATE, name, flags],
-            )?
-        } else {
-            self.s
-                .call("memfd_create", self.fns.memfd_create, &[name, flags])?
-        } as i32;
-        if fd < 0 {
-            return Err(InjectError::TargetCall {
-                pid: self.pid(),
-                call: "memfd_create",
-                detail: "it returned -1 (out of descriptors or memory?)".into(),
-            });
-        }
-        Ok(fd)
-    }
-
-    fn socketpair(&mut self) -> Result<[i32; 2], InjectError> {
-        self.s.reset_scratch();
-        let slot = self.s.put(&[0xff; 8])?;
-        let kind = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
-        let r = self.s.call(
-            "socketpair",
-            self.fns.socketpair,
-            &[libc::AF_UNIX as u64, kind, 0, slot],
-        )?;
-        let mut b = [0u8; 8];
-        self.s.read(slot, &mut b)?;
-        if r as i32 != 0 {
-            return Err(InjectError::TargetCall {
-                pid: self.pid(),
-                call: "socketpair",
-                detail: "it returned -1 (out of descriptors?)".into(),
-            });
-        }
-        let fd = |i: usize| i32::from_ne_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        Ok([fd(0), fd(4)])
-    }
-}
-
 /// What a load has set up so far in the target, to undo on failure.
 #[derive(Default)]
 struct Partial {
@@ -277,6 +163,12 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
         return Err(InjectError::NoSuchProcess { pid });
     }
     unload_leftovers(pid, AGENT_DETACH)?;
+    let name = copy_name(library);
+    let pinned = pinned_copy(pid, &name)?;
+    if pinned.is_some() {
+        // Its thread, if a capture that ended left it running, ends first.
+        await_agent_thread_end(pid)?;
+    }
     let fns = symbols::resolve(pid)?;
     let pidfd = pidfd_open(pid)?;
     let mut s = open_session(pid)?;
@@ -288,7 +180,15 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     let mut c = Calls { s: &mut s, fns };
     c.keep_thread_state();
     let mut partial = Partial::default();
-    let loaded = load_calls(&mut c, &mut partial, &pidfd, library, entry);
+    let reused = match pinned {
+        Some(address) => reuse_calls(&mut c, &mut partial, &pidfd, address, entry),
+        None => Ok(None),
+    };
+    let loaded = match reused {
+        Ok(Some(loaded)) => Ok(loaded),
+        Ok(None) => load_calls(&mut c, &mut partial, &pidfd, library, &name, entry),
+        Err(e) => Err(e),
+    };
     if loaded.is_err() {
         partial.undo(&mut c);
     }
@@ -304,7 +204,7 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
         pid,
         tid,
         handle,
-        memfd: partial.memfd.expect("set by a successful load"),
+        memfd: partial.memfd,
         report,
     };
     Ok((injected, UnixStream::from(ours)))
@@ -315,10 +215,11 @@ fn load_calls(
     partial: &mut Partial,
     pidfd: &OwnedFd,
     library: &[u8],
+    name: &str,
     entry: &str,
 ) -> Result<(u64, OwnedFd), InjectError> {
     let pid = c.pid();
-    let memfd = c.memfd_create()?;
+    let memfd = c.memfd_create(name)?;
     partial.memfd = Some(memfd);
     let mut file = fs::File::from(take_fd(pid, pidfd, memfd)?);
     file.write_all(library).map_err(|e| {
@@ -329,20 +230,93 @@ fn load_calls(
     })?;
     seal(&file).map_err(|e| io_err(format!("sealing the agent library in pid {pid}"), e))?;
     drop(file);
-    let [agent_fd, our_fd] = c.socketpair()?;
-    partial.agent_fd = Some(agent_fd);
-    let ours = take_fd(pid, pidfd, our_fd);
-    c.close(our_fd)?;
-    let ours = ours?;
-    let handle = c.dlopen(
-        &format!("/proc/self/fd/{memfd}"),
-        libc::RTLD_NOW | libc::RTLD_LOCAL,
-    )?;
+    let (agent_fd, ours) = socketpair(c, partial, pidfd)?;
+    let path = unused_path(c, memfd)?;
+    let handle = c.dlopen(&path, libc::RTLD_NOW | libc::RTLD_LOCAL)?;
     if handle == 0 {
         let message = c.dlerror();
         return Err(InjectError::Dlopen { pid, message });
     }
     partial.handle = Some(handle);
+    start_agent(c, partial, handle, entry, agent_fd)?;
+    Ok((handle, ours))
+}
+
+/// How many spellings of a path to the memfd [`unused_path`] tries.
+const PATH_SPELLINGS: usize = 16;
+
+/// A path to the target's descriptor `fd` that no loaded object is known
+/// by. The loader matches a name before it opens anything: a copy pinned
+/// earlier (of this agent or another version) keeps the path it was loaded
+/// from, whose descriptor number may be `fd` now, and `dlopen` of that path
+/// would return it. Spellings differ by `./` components; none has `//`,
+/// which [`unload_leftover`]'s lookups use.
+fn unused_path(c: &mut Calls, fd: i32) -> Result<String, InjectError> {
+    for dots in 0..PATH_SPELLINGS {
+        let path = format!("/proc/self/fd/{}{fd}", "./".repeat(dots));
+        let known = c.dlopen(&path, libc::RTLD_NOW | libc::RTLD_NOLOAD)?;
+        if known == 0 {
+            return Ok(path);
+        }
+        c.dlclose(known)?;
+    }
+    Err(InjectError::TargetCall {
+        pid: c.pid(),
+        call: "dlopen",
+        detail: format!(
+            "{PATH_SPELLINGS} spellings of a path to the agent's memfd all name libraries loaded              already"
+        ),
+    })
+}
+
+/// Starts again the copy of the agent pinned at `address`: a reference to
+/// it, its exit (which joins the thread a capture left, ended by now),
+/// then its entry on a new socketpair. None where the loader does not know
+/// the copy as expected: a fresh one is loaded instead.
+fn reuse_calls(
+    c: &mut Calls,
+    partial: &mut Partial,
+    pidfd: &OwnedFd,
+    address: u64,
+    entry: &str,
+) -> Result<Option<(u64, OwnedFd)>, InjectError> {
+    let Some(handle) = c.loaded_object_at(address)? else {
+        log::debug!(
+            "pid {}: the agent's pinned copy is not known to the loader; loading anew",
+            c.pid()
+        );
+        return Ok(None);
+    };
+    partial.handle = Some(handle);
+    call_exit(c, handle, AGENT_DETACH)?;
+    let (agent_fd, ours) = socketpair(c, partial, pidfd)?;
+    start_agent(c, partial, handle, entry, agent_fd)?;
+    Ok(Some((handle, ours)))
+}
+
+/// A socketpair in the target whose one end is moved into ebtrace: the
+/// target's end, and ebtrace's.
+fn socketpair(
+    c: &mut Calls,
+    partial: &mut Partial,
+    pidfd: &OwnedFd,
+) -> Result<(i32, OwnedFd), InjectError> {
+    let [agent_fd, our_fd] = c.socketpair()?;
+    partial.agent_fd = Some(agent_fd);
+    let ours = take_fd(c.pid(), pidfd, our_fd);
+    c.close(our_fd)?;
+    Ok((agent_fd, ours?))
+}
+
+/// Calls the agent's `entry(agent_fd)`, which starts its thread.
+fn start_agent(
+    c: &mut Calls,
+    partial: &mut Partial,
+    handle: u64,
+    entry: &str,
+    agent_fd: i32,
+) -> Result<(), InjectError> {
+    let pid = c.pid();
     let f = c.dlsym(handle, entry)?;
     if f == 0 {
         let message = c.dlerror();
@@ -362,7 +336,42 @@ fn load_calls(
     }
     // The agent owns its end of the socketpair now.
     partial.agent_fd = None;
-    Ok((handle, ours))
+    Ok(())
+}
+
+/// The memfd name of `library`'s copies: [`MEMFD_NAME`], a dot and a hash
+/// of its bytes. A copy that stays mapped once unloaded (CUPTI keeps the
+/// agent's callbacks, so the agent pins itself) is known by it as this
+/// library's, and used again rather than loaded anew. FNV-1a: a name, not
+/// a defence (a program that forged one would run its own code in itself).
+fn copy_name(library: &[u8]) -> String {
+    let hash = library.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{MEMFD_NAME}.{hash:016x}")
+}
+
+/// Whether `path` (a memfd's, as `/proc/PID/fd` and `maps` show it, less
+/// ` (deleted)`) holds a copy of the agent, of any version.
+fn is_agent_copy(path: &str) -> bool {
+    path.strip_prefix("/memfd:")
+        .and_then(|p| p.strip_prefix(MEMFD_NAME))
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+}
+
+/// An address in the copy named `name` that `pid` maps: one pinned by an
+/// earlier capture (the leftovers, with their memfds, are gone by now).
+fn pinned_copy(pid: u32, name: &str) -> Result<Option<u64>, InjectError> {
+    let objects = crate::symbols::mapped_objects(pid).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => InjectError::NoSuchProcess { pid },
+        _ => io_err(format!("reading /proc/{pid}/maps"), e),
+    })?;
+    let path = format!("/memfd:{name}");
+    Ok(objects
+        .iter()
+        .find(|o| o.path == path)
+        .and_then(|o| o.mappings.first())
+        .map(|m| m.start))
 }
 
 pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectError> {
@@ -391,14 +400,22 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     })
 }
 
-/// `exit()`, then `dlclose` and `close(memfd)`. With an `exit()` that
-/// fails, the library stays: its code may run still. The memfd is closed
-/// only if its descriptor number still holds it: a program that closed it
-/// may have opened something else under that number since.
-fn unload_agent(c: &mut Calls, handle: u64, memfd: i32, exit: &str) -> Result<(), InjectError> {
+/// `exit()`, then `dlclose` and `close(memfd)` (a copy used again has
+/// none). With an `exit()` that fails, the library stays: its code may run
+/// still. The memfd is closed only if its descriptor number still holds
+/// it: a program that closed it may have opened something else under that
+/// number since.
+fn unload_agent(
+    c: &mut Calls,
+    handle: u64,
+    memfd: Option<i32>,
+    exit: &str,
+) -> Result<(), InjectError> {
     call_exit(c, handle, exit)?;
     c.dlclose(handle)?;
-    if leftover_fds(c.pid())?.contains(&memfd) {
+    if let Some(memfd) = memfd
+        && leftover_fds(c.pid())?.contains(&memfd)
+    {
         c.close(memfd)?;
     }
     Ok(())
@@ -463,7 +480,9 @@ const MAX_LEFTOVER_REFS: usize = 64;
 /// `exit()`, then `dlclose` until it is gone; closes the memfd. Returns
 /// whether a library was loaded.
 fn unload_leftover(c: &mut Calls, fd: i32, exit: &str) -> Result<bool, InjectError> {
-    let path = format!("/proc/self/fd/{fd}");
+    // A spelling no object is loaded by (see [`unused_path`]): the loader
+    // then finds the leftover by the file the descriptor holds.
+    let path = format!("/proc/self//fd/{fd}");
     let noload = libc::RTLD_NOW | libc::RTLD_NOLOAD;
     let handle = c.dlopen(&path, noload)?;
     if handle != 0 {
@@ -471,9 +490,9 @@ fn unload_leftover(c: &mut Calls, fd: i32, exit: &str) -> Result<bool, InjectErr
         // Our RTLD_NOLOAD reference.
         c.dlclose(handle)?;
         for _ in 0..MAX_LEFTOVER_REFS {
-            // One the dead ebtrace left; then, is it gone?
-            c.dlclose(handle)?;
-            if c.dlopen(&path, noload)? == 0 {
+            // One the dead ebtrace left (none left: a pinned copy, which
+            // stays); then, is it gone?
+            if !c.dlclose(handle)? || c.dlopen(&path, noload)? == 0 {
                 break;
             }
             c.dlclose(handle)?;
@@ -489,10 +508,15 @@ fn leftover_fds(pid: u32) -> Result<Vec<i32>, InjectError> {
         std::io::ErrorKind::NotFound => InjectError::NoSuchProcess { pid },
         _ => io_err(format!("listing /proc/{pid}/fd"), e),
     })?;
-    let wanted = format!("/memfd:{MEMFD_NAME} (deleted)");
     let mut fds: Vec<i32> = dir
         .flatten()
-        .filter(|e| fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == wanted.as_str()))
+        .filter(|e| {
+            fs::read_link(e.path()).is_ok_and(|l| {
+                l.to_str()
+                    .and_then(|l| l.strip_suffix(" (deleted)"))
+                    .is_some_and(is_agent_copy)
+            })
+        })
         .filter_map(|e| e.file_name().to_str()?.parse().ok())
         .collect();
     fds.sort_unstable();

@@ -21,10 +21,12 @@
 //! not return in a few seconds is abandoned where it waits, and the thread
 //! put back.
 //!
-//! The library is written to a memfd named `ebtrace-agent` that stays open
-//! in the target until [`Injected::unload`]; an ebtrace killed meanwhile
-//! leaves it behind, and [`unload_leftovers`] (which [`load`] runs first)
-//! takes such agents out. The agent's own threads must be named
+//! The library is written to a memfd named `ebtrace-agent.HASH` (a hash
+//! of its bytes) that stays open in the target until [`Injected::unload`];
+//! an ebtrace killed meanwhile leaves it behind, and [`unload_leftovers`]
+//! (which [`load`] runs first) takes such agents out. A copy that pinned
+//! itself (it gave CUPTI callbacks) stays mapped after its unload: [`load`]
+//! starts that copy again, found by its name, instead of loading another. The agent's own threads must be named
 //! `ebtrace-agent…`: they are never the thread chosen to make the calls.
 //! The agent must write to its socket with `MSG_NOSIGNAL` (an ebtrace gone
 //! must not SIGPIPE the target), and its exit function must return 0 when
@@ -34,6 +36,8 @@
 //! its whole ptrace session on the calling thread (a tracer is a thread).
 //! x86-64 only.
 
+#[cfg(target_arch = "x86_64")]
+mod calls;
 #[cfg(target_arch = "x86_64")]
 mod hazards;
 #[cfg(target_arch = "x86_64")]
@@ -55,7 +59,8 @@ use std::{os::unix::net::UnixStream, time::Duration};
 
 /// The agent's function that stops it, called on leftovers by [`load`].
 pub const AGENT_DETACH: &str = "ebtrace_agent_detach";
-/// Name of the memfd that holds the library in the target.
+/// Name of the memfd that holds the library in the target (followed by a
+/// dot and the library's hash).
 pub const MEMFD_NAME: &str = "ebtrace-agent";
 /// Threads whose name starts with this belong to the agent.
 pub const AGENT_THREAD_PREFIX: &str = "ebtrace-agent";
@@ -69,8 +74,9 @@ pub struct Injected {
     pub tid: u32,
     /// The `dlopen` handle, in the target.
     pub handle: u64,
-    /// The memfd holding the library, a descriptor number in the target.
-    pub memfd: i32,
+    /// The memfd holding the library, a descriptor number in the target;
+    /// none for a pinned copy used again.
+    pub memfd: Option<i32>,
     pub report: InjectReport,
 }
 

@@ -22,6 +22,9 @@ pub struct TargetFns {
     pub close: u64,
     /// Where the calling thread's `errno` lives (absent: not kept).
     pub errno_location: Option<u64>,
+    /// Names the object an address is in (absent: a copy of the agent left
+    /// in the process is not used again).
+    pub dladdr: Option<u64>,
     /// Where the calling thread's `dlerror()` state lives, as a distance
     /// from its `errno` (glibc 2.34+ exports both thread-locals: they sit
     /// in the same block); absent: not kept.
@@ -33,7 +36,7 @@ pub struct TargetFns {
 pub const LIBC_DLOPEN_MODE_FLAG: u64 = 0x8000_0000;
 
 /// The functions looked up, then the C library's thread-locals.
-const NAMES: [&str; 14] = [
+const NAMES: [&str; 15] = [
     "dlopen",
     "dlsym",
     "dlclose",
@@ -46,12 +49,13 @@ const NAMES: [&str; 14] = [
     "__libc_dlsym",
     "__libc_dlclose",
     "__errno_location",
+    "dladdr",
     "errno",
     "__libc_dlerror_result",
 ];
 
 /// How many of [`NAMES`] are functions; the rest are thread-locals.
-const FUNCTIONS: usize = 12;
+const FUNCTIONS: usize = 13;
 
 /// Whether `obj` is a C library or dynamic loader worth searching.
 fn is_libc(obj: &MappedObject) -> bool {
@@ -116,6 +120,7 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         p_sym,
         p_close,
         errno_location,
+        dladdr,
         errno,
         dlerror_state,
     ] = found;
@@ -144,6 +149,7 @@ pub fn resolve(pid: u32) -> Result<TargetFns, InjectError> {
         socketpair: socketpair.ok_or_else(no_loader)?,
         close: close.ok_or_else(no_loader)?,
         errno_location,
+        dladdr,
         dlerror_state_from_errno: errno
             .zip(dlerror_state)
             .map(|(e, d)| d.wrapping_sub(e) as i64),
