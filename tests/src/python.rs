@@ -92,6 +92,15 @@ impl Drop for PythonWorkload {
     }
 }
 
+/// Address of jaxlib's `g_trace_level` in `pid` (a local `.symtab` symbol).
+pub fn jaxlib_trace_level_address(pid: u32) -> u64 {
+    symbol_address(
+        pid,
+        "/libjax_common.so",
+        "_ZN3tsl8profiler8internal13g_trace_levelE",
+    )
+}
+
 /// Address of `symbol` (mangled) of the object mapped in `pid` whose path
 /// ends in `suffix`, found with binutils' `nm` (not with ebtrace's own
 /// lookup): its value in the file plus the address the object's first page

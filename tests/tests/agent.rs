@@ -15,10 +15,14 @@ use std::{
 use ebtrace_proto::tensorflow::profiler::x_event;
 use ebtrace_tests::{
     TempDir, agent_threads, ebtrace_bin,
-    python::{PythonWorkload, flood_count, jax_python, start_jax, start_jax_with},
+    python::{
+        PythonWorkload, flood_count, jax_python, jaxlib_trace_level_address, start_jax,
+        start_jax_with,
+    },
     record, require_root, serial,
     serve::{ServeProcess, status_kib},
     signal, spawn_record,
+    traceme::read_i32,
     viewer::{self, TraceViewerPage},
     wait_with_deadline, xplane_files, xprof,
     xspace::{self, assert_lines_nest, line_events, plane},
@@ -690,4 +694,60 @@ fn an_agent_kept_from_the_gil_is_left_loaded_and_taken_out_later() {
     );
     assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
     signal(pid, libc::SIGTERM);
+}
+
+/// A process forked while the framework's session runs inherits that
+/// session's gate on, and no session to switch it off (threads, the
+/// agent's among them, are not forked): it would record into its memory
+/// for ever. The capture's end puts the gate back in the child too.
+#[test]
+fn a_child_forked_during_the_framework_session_has_its_gate_put_back() {
+    if !require_root("a_child_forked_during_the_framework_session_has_its_gate_put_back") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = start_jax(&python, &[]);
+    let pid = workload.pid;
+    let level_at = jaxlib_trace_level_address(pid);
+    let dir = TempDir::new("agent-fork");
+    let capture = spawn_record(&pid.to_string(), "3s", &dir, &["--traceme", "agent"]);
+    assert!(
+        wait_until(Duration::from_secs(30), || read_i32(pid, level_at) == 2),
+        "the framework's session never switched the gate on"
+    );
+    signal(pid, libc::SIGHUP);
+    let children = format!("/proc/{pid}/task/{pid}/children");
+    let mut child = 0;
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let listed = std::fs::read_to_string(&children).unwrap_or_default();
+            child = listed
+                .split_whitespace()
+                .next()
+                .map_or(0, |c| c.parse().unwrap());
+            child != 0
+        }),
+        "the program did not fork"
+    );
+    assert_eq!(
+        read_i32(child, level_at),
+        2,
+        "the child inherited the gate on"
+    );
+    let out = wait_with_deadline(capture, Duration::from_secs(90));
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(read_i32(pid, level_at), -1, "the session was stopped");
+    assert_eq!(read_i32(child, level_at), -1, "the child records for ever");
+    assert!(
+        printed.contains(&format!("put back to -1 in its child {child}")),
+        "{printed}"
+    );
 }

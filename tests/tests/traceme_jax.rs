@@ -9,22 +9,13 @@ use std::{process::Command, time::Duration};
 use ebtrace_tests::{
     TempDir,
     killed::kill_mid_capture,
-    python::{jax_python, start_jax, symbol_address},
+    python::{jax_python, jaxlib_trace_level_address, start_jax},
     record, require_root, serial, signal,
     traceme::read_i32,
     viewer::{self, TraceViewerPage},
     xplane_files, xprof,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
 };
-
-/// Address of jaxlib's `g_trace_level` in `pid` (a local `.symtab` symbol).
-fn jaxlib_trace_level_address(pid: u32) -> u64 {
-    symbol_address(
-        pid,
-        "/libjax_common.so",
-        "_ZN3tsl8profiler8internal13g_trace_levelE",
-    )
-}
 
 const XPROF_EVENTS: &str = r#"
 import json, os, shutil, sys, tempfile

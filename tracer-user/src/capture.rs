@@ -437,9 +437,8 @@ impl Capture {
     /// are taken out of the targets, as at the end of a capture.
     pub fn pause(&mut self) -> Result<()> {
         for session in self.framework.drain(..) {
-            let pid = session.pid;
-            if let Err(why) = session.close() {
-                log::warn!("pid {pid}: taking the agent out: {why}");
+            for warning in agents::take_out(session) {
+                log::warn!("{warning}");
             }
         }
         self.traceme.restore();
@@ -574,10 +573,8 @@ impl Capture {
         self.drain();
         self.name_kernels();
         for session in self.framework.drain(..) {
-            let pid = session.pid;
-            if let Err(why) = session.close() {
-                self.traceme
-                    .warn(format!("pid {pid}: taking the agent out: {why}"));
+            for warning in agents::take_out(session) {
+                self.traceme.warn(warning);
             }
         }
         if traceme_kernel.event_unreadable + traceme_kernel.name_unreadable > 0 {

@@ -89,6 +89,9 @@ pub struct AgentSession {
     /// While the framework's session runs: the target's resident bytes
     /// when it started, and when.
     framework_since: Option<(u64, Instant)>,
+    /// When the framework's session first started, in clock ticks since
+    /// boot: processes forked since inherit its gate.
+    framework_began: Option<u64>,
     /// A request went unanswered: the agent's thread may be waiting for
     /// the program (for Python's GIL), and later frames cannot be matched
     /// to requests.
@@ -199,6 +202,7 @@ impl AgentSession {
             thread_pointers: HashMap::new(),
             thread_starts: HashMap::new(),
             framework_since: None,
+            framework_began: None,
             unanswered: false,
             closed: false,
         };
@@ -250,6 +254,10 @@ impl AgentSession {
         match self.receive()? {
             (protocol::STARTED, p) => {
                 let started = Started::parse(&p);
+                if started.framework.is_some() && self.framework_began.is_none() {
+                    // One tick of slack: the clock ticks are coarse.
+                    self.framework_began = Some(crate::procfs::boot_ticks_now().saturating_sub(1));
+                }
                 self.framework_since = started
                     .framework
                     .as_ref()
@@ -374,6 +382,12 @@ impl AgentSession {
     /// and no error, where the target has exited and taken it along).
     pub fn close(mut self) -> Result<InjectReport, String> {
         self.shut_down()
+    }
+
+    /// When the framework's session first started (clock ticks since boot)
+    /// and the TraceMe level it ran at; none if it never ran.
+    pub fn framework_began(&self) -> Option<(u64, u32)> {
+        self.framework_began.map(|at| (at, self.levels.host))
     }
 
     /// Whether the target has exited (its agent with it).

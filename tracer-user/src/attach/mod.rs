@@ -27,7 +27,7 @@ pub use cuda::CudaProbe;
 pub use off_cpu::OffCpuStacks;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
 pub use sched::SchedProbe;
-pub use traceme::{TraceMeOptions, TraceMeProbe};
+pub use traceme::{TraceMeOptions, TraceMeProbe, restore_children_of_session};
 
 /// The eBPF object built by `build.rs` (empty when built with `AYA_BUILD_SKIP`).
 pub(crate) static EBPF_OBJECT: &[u8] =

@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use super::Capture;
+use crate::attach::restore_children_of_session;
 use crate::{
     agent::{AgentRecording, AgentSession, KernelNaming},
     attach::TraceMeProbe,
@@ -166,4 +167,20 @@ impl AgentQuestions<'_> {
         self.kernel_naming
             .ask(unnamed, self.framework, self.may_load_agent);
     }
+}
+
+/// Takes the agent out of its process and puts back the TraceMe gate in
+/// the children forked while the framework's session ran there; the lines
+/// that say what went wrong or was put back.
+pub(super) fn take_out(session: AgentSession) -> Vec<String> {
+    let pid = session.pid;
+    let began = session.framework_began();
+    let mut lines = Vec::new();
+    if let Err(why) = session.close() {
+        lines.push(format!("pid {pid}: taking the agent out: {why}"));
+    }
+    if let Some((since, level)) = began {
+        lines.extend(restore_children_of_session(pid, since, level));
+    }
+    lines
 }

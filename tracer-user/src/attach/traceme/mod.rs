@@ -19,6 +19,32 @@ use std::{num::NonZeroU32, path::Path};
 use aya::programs::{UProbe, uprobe::UProbeScope};
 pub use discover::{Discovery, PythonGate, Recorder, StringLayout, discover};
 pub use switch::{LevelState, TraceLevelSwitch};
+
+/// Puts the TraceMe gates back in the processes forked from `pid` since
+/// `since` (clock ticks since boot) while a framework's profiler session
+/// ran in it at `level`: a child inherits the session's gate on and has no
+/// session to switch it off (threads, the agent's among them, are not
+/// forked), so it would record into its memory for ever. The gates are
+/// looked for only where such a child exists. One line per gate put back.
+pub fn restore_children_of_session(pid: u32, since: u64, level: u32) -> Vec<String> {
+    if crate::procfs::descendants_since(pid, since).is_empty() {
+        return Vec::new();
+    }
+    let Ok(found) = discover(pid) else {
+        return Vec::new();
+    };
+    let off = i64::from(switch::DISABLED);
+    found
+        .recorders
+        .iter()
+        .filter_map(|r| {
+            let address = r.trace_level_address?;
+            let cell = switch::Cell::trace_level(pid, address);
+            let children = switch::put_back_in_children(cell, since, i64::from(level), off);
+            switch::describe_children(pid, address, off, &children)
+        })
+        .collect()
+}
 use tracer_common::traceme::{names, stat};
 
 use super::ProbeSet;

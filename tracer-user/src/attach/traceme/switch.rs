@@ -520,40 +520,54 @@ impl TraceLevelSwitch {
     }
 
     /// Puts the gate back in the processes forked from the target while it
-    /// was on (they inherited it on, and no session of theirs switched it:
-    /// they would record into their memory for ever): those that still run
-    /// the same code at the gate's address and still hold ebtrace's value.
+    /// was on (see [`put_back_in_children`]).
     fn restore_forked(&self, on: i64) -> Option<String> {
-        let parent = self.cell.pid;
-        // The parent's mapping at the gate, to check a child's against:
-        // one that called exec since has other code there.
-        let ours = crate::procfs::mapping_at(parent, self.cell.address)?;
-        let mut restored = Vec::new();
         // One tick of slack: the clock ticks are coarse.
         let since = self.engaged_at.saturating_sub(1);
-        for child in crate::procfs::descendants_since(parent, since) {
-            if crate::procfs::mapping_at(child, self.cell.address).as_ref() != Some(&ours) {
-                continue;
-            }
-            let cell = Cell {
-                pid: child,
-                ..self.cell
-            };
-            if cell.read().ok() == Some(on) && cell.write(self.off).is_ok() {
-                restored.push(child.to_string());
-            }
-        }
-        (!restored.is_empty()).then(|| {
-            format!(
-                "pid {parent}: the TraceMe gate at {:#x} was on when it forked; put back to {} \
-                 in its child{} {}",
-                self.cell.address,
-                self.off,
-                if restored.len() == 1 { "" } else { "ren" },
-                restored.join(", ")
-            )
-        })
+        let restored = put_back_in_children(self.cell, since, on, self.off);
+        describe_children(self.cell.pid, self.cell.address, self.off, &restored)
     }
+}
+
+/// Puts the gate `cell` back to `off` in the processes forked from its
+/// process since `since` (clock ticks since boot) that inherited it `on`
+/// and still hold that value (no session of theirs switched it: they would
+/// record into their memory for ever), and still run the same code at the
+/// gate's address (one that called exec since has other code there).
+/// Returns their pids.
+pub fn put_back_in_children(cell: Cell, since: u64, on: i64, off: i64) -> Vec<u32> {
+    let parent = cell.pid;
+    let Some(ours) = crate::procfs::mapping_at(parent, cell.address) else {
+        return Vec::new();
+    };
+    let mut restored = Vec::new();
+    for child in crate::procfs::descendants_since(parent, since) {
+        if crate::procfs::mapping_at(child, cell.address).as_ref() != Some(&ours) {
+            continue;
+        }
+        let cell = Cell { pid: child, ..cell };
+        if cell.read().ok() == Some(on) && cell.write(off).is_ok() {
+            restored.push(child);
+        }
+    }
+    restored
+}
+
+/// The line that says in which children of `parent` the gate at `address`
+/// was put back to `off`; none if in none.
+pub fn describe_children(parent: u32, address: u64, off: i64, children: &[u32]) -> Option<String> {
+    (!children.is_empty()).then(|| {
+        format!(
+            "pid {parent}: the TraceMe gate at {address:#x} was on when it forked; put back to \
+             {off} in its child{} {}",
+            if children.len() == 1 { "" } else { "ren" },
+            children
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })
 }
 
 impl Drop for TraceLevelSwitch {
