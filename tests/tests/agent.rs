@@ -751,3 +751,67 @@ fn a_child_forked_during_the_framework_session_has_its_gate_put_back() {
         "{printed}"
     );
 }
+
+/// ebtrace killed with SIGKILL in the middle of a dense capture: the
+/// agent's thread lets the framework's session go at once, without
+/// converting the million events it holds for no one, and hands the memory
+/// back: the program is as large as before the capture within 10%.
+#[test]
+fn a_killed_capture_of_a_dense_loop_hands_the_memory_back_at_once() {
+    if !require_root("a_killed_capture_of_a_dense_loop_hands_the_memory_back_at_once") {
+        return;
+    }
+    let Some(python) = jax_python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = start_jax_with(&python, &["--flood"]);
+    let pid = workload.pid;
+    std::thread::sleep(Duration::from_secs(1));
+    let before = ebtrace_tests::killed::resident_bytes(pid);
+    let logdir = TempDir::new("agent-killed-dense");
+    let mut child = Command::new(ebtrace_bin())
+        .args(["-p", &pid.to_string(), "-d", "30s", "--traceme", "agent"])
+        .args(["--max-events", "50000000", "--logdir"])
+        .arg(logdir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ebtrace");
+    // Read to the line, and kept open after it: ebtrace writes on.
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in stderr.by_ref().map_while(Result::ok) {
+        let ready = line.contains("TraceMe through ebtrace's agent");
+        seen.push(line);
+        if ready {
+            break;
+        }
+    }
+    assert_eq!(agent_threads(pid), 1, "the agent runs: {seen:?}");
+    std::thread::sleep(Duration::from_secs(3));
+    let grown = ebtrace_tests::killed::resident_bytes(pid);
+    assert!(
+        grown > before + (50 << 20),
+        "too few events recorded to judge: {before} then {grown} bytes"
+    );
+    child.kill().unwrap();
+    let killed = Instant::now();
+    let _ = child.wait();
+    drop(stderr);
+    assert!(
+        wait_until(Duration::from_secs(1), || agent_threads(pid) == 0),
+        "the agent's thread still runs 1 s after ebtrace was killed"
+    );
+    let settled = || {
+        let now = ebtrace_tests::killed::resident_bytes(pid);
+        (now - before).abs() * 10 <= before
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), settled),
+        "{} bytes 5 s after the kill ({:?} ago), {before} before the capture, {grown} at its height",
+        ebtrace_tests::killed::resident_bytes(pid),
+        killed.elapsed()
+    );
+}

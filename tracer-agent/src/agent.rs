@@ -142,7 +142,7 @@ pub fn serve(fd: c_int, challenge: bool) {
             Read::TimedOut => {
                 // No word for the lease: ebtrace hangs, or the peer forgot.
                 if let Some(s) = session.take() {
-                    let _ = s.stop(|_, _| {});
+                    s.discard();
                 }
                 deadline = None;
                 ended_at_deadline = true;
@@ -242,7 +242,7 @@ pub fn serve(fd: c_int, challenge: bool) {
             },
             protocol::SHUTDOWN => {
                 if let Some(s) = session.take() {
-                    let _ = s.stop(|_, _| {});
+                    s.discard();
                 }
                 send_frame(fd, protocol::BYE, &[]);
                 return;
@@ -252,9 +252,10 @@ pub fn serve(fd: c_int, challenge: bool) {
             }
         }
     }
-    // ebtrace is gone (or spoke nonsense): stop what it started.
+    // ebtrace is gone (or spoke nonsense): stop what it started, and free
+    // what it recorded at once.
     if let Some(s) = session.take() {
-        let _ = s.stop(|_, _| {});
+        s.discard();
     }
 }
 

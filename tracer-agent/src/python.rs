@@ -45,7 +45,7 @@ if _prof is not None:
         try:
             _version = getattr(_sys.modules.get('jax.version'), '__version__', '?')
             sessions.append(('jax ' + _version + ' ProfilerSession',
-                             _prof.ProfilerSession(_opts).stop))
+                             _prof.ProfilerSession(_opts).stop, lambda: None))
         except Exception as _e:
             _why.append(_not_started('jax', _e))
 _tf = _sys.modules.get('tensorflow')
@@ -79,13 +79,15 @@ if _tf is not None:
                     raise RuntimeError('it wrote no XSpace')
                 finally:
                     _shutil.rmtree(_tmp, ignore_errors=True)
+            def _tf_drop(_tmp=_tmp):
+                _shutil.rmtree(_tmp, ignore_errors=True)
             _version = str(getattr(_tf, '__version__', '?'))
-            sessions.append(('TensorFlow ' + _version + ' ProfilerSession', _tf_stop))
+            sessions.append(('TensorFlow ' + _version + ' ProfilerSession', _tf_stop, _tf_drop))
         except Exception as _e:
             _why.append(_not_started('TensorFlow', _e))
 if not sessions and not _why:
     _why.append('neither jax nor TensorFlow is loaded in this Python process')
-framework = ' and '.join(_n for _n, _ in sessions)
+framework = ' and '.join(_n for _n, _, _ in sessions)
 status = '; '.join(_why) or None
 if sessions and status:
     framework += ' (' + status + ')'
@@ -95,13 +97,26 @@ if sessions and status:
 const STOP_SOURCE: &CStr = c"
 xspaces = []
 _why = []
-for _n, _stop in sessions:
+for _n, _stop, _ in sessions:
     try:
         xspaces.append(bytes(_stop()))
     except Exception as _e:
         _why.append(_n + ' did not stop cleanly: ' + _first_line(_e))
 sessions = []
 status = '; '.join(_why) or None
+";
+
+/// Lets go of the sessions without converting what they recorded: the
+/// framework's session object, once gone, stops its recorder and frees its
+/// events (jax's and TensorFlow's `ProfilerSession` destructors).
+const DISCARD_SOURCE: &CStr = c"
+for _n, _stop, _drop in sessions:
+    try:
+        _drop()
+    except Exception:
+        pass
+sessions = []
+_stop = _drop = _s = None
 ";
 
 /// At most this many sessions (one per framework) are handed back.
@@ -387,6 +402,27 @@ impl Session {
             }
         }
         why
+    }
+}
+
+impl Session {
+    /// Ends the sessions and frees what they recorded, converting none of
+    /// it (no one is there to take it: ebtrace is gone), then hands the
+    /// freed memory back to the system. A Python that began shutting down
+    /// keeps the sessions for its own teardown.
+    pub fn discard(self) {
+        let api = &self.api;
+        if let Some(gil) = Gil::take(api) {
+            // SAFETY: the GIL is held; the dictionary is ours, and dropping
+            // it drops the last references to the sessions.
+            unsafe {
+                run(api, DISCARD_SOURCE, self.globals);
+                (api.err_clear)();
+                (api.decref)(self.globals);
+            }
+            drop(gil);
+            crate::sys::trim_heap();
+        }
     }
 }
 

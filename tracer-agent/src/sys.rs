@@ -260,3 +260,17 @@ unsafe extern "C" {
     pub fn dl_iterate_phdr(callback: DlIterateCallback, data: *mut c_void) -> c_int;
     pub fn dlclose(handle: *mut c_void) -> c_int;
 }
+
+/// Hands the C library's free memory back to the system: `malloc_trim(0)`
+/// where the C library has it (glibc; looked up, so that a C library
+/// without it still loads the agent).
+pub fn trim_heap() {
+    // SAFETY: a NUL-terminated name looked up in the global scope
+    // (RTLD_DEFAULT is the null handle).
+    let f = unsafe { dlsym(core::ptr::null_mut(), c"malloc_trim".as_ptr()) };
+    if !f.is_null() {
+        // SAFETY: glibc's `int malloc_trim(size_t pad)`.
+        let trim: extern "C" fn(usize) -> c_int = unsafe { core::mem::transmute(f) };
+        trim(0);
+    }
+}
