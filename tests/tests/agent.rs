@@ -349,13 +349,14 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
     let pid = workload.pid;
     let mut server = ServeProcess::loopback(&["--pid", &pid.to_string()]);
     let port = server.port().to_string();
-    // Twice: the second capture reuses the probes the first attached
-    // (they are kept, paused, between captures), and starts the agent
-    // again, which the pause took out.
-    for capture in ["first", "second"] {
+    // Three times: the later captures reuse the probes the first attached
+    // (they are kept, paused, between captures), and start the agent
+    // again, which the pause took out; what converting the earlier
+    // sessions left in the target never cuts a later one short.
+    for capture in ["first", "second", "third"] {
         let logdir = TempDir::new("serve-agent");
         let child = Command::new(&python)
-            .args(["-m", "jax.collect_profile", &port, "1500", "--log_dir"])
+            .args(["-m", "jax.collect_profile", &port, "2000", "--log_dir"])
             .arg(logdir.path())
             .arg("--no_perfetto_link")
             .stdin(Stdio::null())
@@ -385,6 +386,27 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
         let main = line_events(host, pid.into());
         let steps = main.iter().filter(|e| e.name == "ebtrace_step").count();
         assert!(steps >= 50, "{capture}: {steps} steps");
+        // The framework's events go on to the window's end.
+        let (start, stop) = xspace::profile_window(&space);
+        let last = main
+            .iter()
+            .filter(|e| e.name == "ebtrace_step")
+            .map(|e| e.end_ns())
+            .fold(0.0, f64::max);
+        assert!(
+            last >= (stop - start) as f64 - 300e6,
+            "{capture}: the last step ends at {last} ns of a {} ns window; server: {:?}",
+            stop - start,
+            server.lines()
+        );
+        assert!(
+            !server
+                .lines()
+                .iter()
+                .any(|l| l.contains("to spare the process's memory")),
+            "{capture}: {:?}",
+            server.lines()
+        );
         assert!(main.iter().any(|e| e.name == "Running"));
         assert!(space.planes.iter().any(|p| p.name == "/host:metadata"));
         // Between captures the probes stay, the agent does not.
@@ -488,10 +510,12 @@ fn tensorflow_own_session_runs_inside_the_target() {
 }
 
 /// A jax process entering TraceMe scopes as fast as one thread can (about
-/// 3M a second here), captured through the agent: every scope of the
-/// window is in the trace (checked against the fixture's own count,
-/// carried by a mark every 100,000 scopes), and the thread states stop
-/// with the window although the agent delivers seconds after it.
+/// 3M a second here), captured through the agent with the default bounds:
+/// the window is the 3 s asked for, every scope of it is in the trace
+/// (checked against the fixture's own count, carried by a mark every
+/// 100,000 scopes), the thread states stop with the window although the
+/// agent delivers seconds after it, and the summary says how much the
+/// process grew.
 #[test]
 fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
     if !require_root("a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window") {
@@ -506,15 +530,29 @@ fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
     let dir = TempDir::new("agent-flood");
     let out = record(
         &pid.to_string(),
-        "1s",
+        "3s",
         &dir,
-        &["--traceme", "agent", "--max-events", "50000000", "--json"],
+        &["--traceme", "agent", "--json"],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON summary");
     let duration_ns = summary["window"]["duration_ns"].as_u64().expect("duration");
+    assert!(
+        duration_ns.abs_diff(3_000_000_000) <= 50_000_000,
+        "a 3 s capture's window is {duration_ns} ns"
+    );
+    assert!(
+        !stderr.contains("to spare the process's memory"),
+        "{stderr}"
+    );
+    let growth = summary.to_string();
+    assert!(
+        growth.contains("\"target_growth_bytes\":")
+            && !growth.contains("\"target_growth_bytes\":0"),
+        "no growth reported: {growth}"
+    );
 
     // Each thread's time adds up to no more than the window.
     for t in summary["threads"].as_array().expect("threads") {
@@ -528,8 +566,8 @@ fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
     let space = xspace::load(&xplane_files(dir.path())[0]);
     let flood = flood_count(&space, pid);
     assert!(
-        flood.marks >= 5,
-        "{flood:?}: the fixture made fewer than 500,000 scopes in the window"
+        flood.marks >= 15,
+        "{flood:?}: the fixture made fewer than 1,500,000 scopes in the window"
     );
     assert_eq!(flood.missing, 0, "{flood:?}");
     eprintln!("{flood:?} in a {duration_ns} ns window");
@@ -559,14 +597,15 @@ fn a_traceme_flood_arrives_whole_and_thread_states_end_with_the_window() {
     signal(pid, libc::SIGTERM);
 }
 
-/// The same flood with a small `--max-events`: once the target grew by
-/// what that many events take in the framework's recorder, ebtrace stops
-/// the framework's session, so the target's memory stays near that
-/// (against about 460 MB a second without), while the events up to the
-/// stop are all in the trace and scheduling goes on to the window's end.
+/// The same flood with a small `--max-target-growth-mib`: once the target
+/// grew by that much, ebtrace stops the framework's session, so the
+/// target's memory stays near that (against about 460 MB a second
+/// without), while the events up to the stop are all in the trace, and the
+/// window is the one asked for: the capture does not wait while the target
+/// converts what it holds.
 #[test]
-fn a_flood_past_max_events_stops_the_framework_session_early() {
-    if !require_root("a_flood_past_max_events_stops_the_framework_session_early") {
+fn a_flood_past_the_memory_bound_stops_the_framework_session_early() {
+    if !require_root("a_flood_past_the_memory_bound_stops_the_framework_session_early") {
         return;
     }
     let Some(python) = jax_python() else {
@@ -584,7 +623,13 @@ fn a_flood_past_max_events_stops_the_framework_session_early() {
         &pid.to_string(),
         "3s",
         &dir,
-        &["--traceme", "agent", "--max-events", "300000", "--json"],
+        &[
+            "--traceme",
+            "agent",
+            "--max-target-growth-mib",
+            "64",
+            "--json",
+        ],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -594,20 +639,25 @@ fn a_flood_past_max_events_stops_the_framework_session_early() {
         "{stderr}"
     );
     assert_eq!(agent_traces(pid), (0, 0, 0), "the agent is taken out");
-    // 300,000 events take about 40 MB; the session stops within a poll and
-    // a GIL switch of that, and then converts what it holds.
+    // The session stops within a poll and a GIL switch of 64 MiB, and then
+    // converts what it holds.
     assert!(growth_mib < 400, "the target grew by {growth_mib} MiB");
 
     let space = xspace::load(&xplane_files(dir.path())[0]);
     let flood = flood_count(&space, pid);
     assert!(flood.marks >= 2, "{flood:?}");
     assert_eq!(flood.missing, 0, "{flood:?}");
+    // 64 MiB hold about 480,000 events.
     assert!(
-        (300_000..3_000_000).contains(&flood.scopes),
-        "{flood:?}: the session was not stopped near 300,000 events"
+        (200_000..3_000_000).contains(&flood.scopes),
+        "{flood:?}: the session was not stopped near 64 MiB"
     );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON summary");
     let duration_ns = summary["window"]["duration_ns"].as_u64().expect("duration");
+    assert!(
+        duration_ns.abs_diff(3_000_000_000) <= 50_000_000,
+        "a 3 s capture's window is {duration_ns} ns"
+    );
     let main = summary["threads"]
         .as_array()
         .expect("threads")

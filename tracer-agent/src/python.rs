@@ -391,7 +391,7 @@ impl Session {
         }
         // Python may have begun shutting down while the XSpaces were sent:
         // then the references are left to the interpreter's own teardown.
-        if let Some(_gil) = Gil::take(api) {
+        if let Some(gil) = Gil::take(api) {
             // SAFETY: the GIL is held; drops the references taken above and
             // the dictionary, which is ours.
             unsafe {
@@ -400,6 +400,10 @@ impl Session {
                 }
                 (api.decref)(self.globals);
             }
+            drop(gil);
+            // The session's events and their XSpace are freed: the memory
+            // they took goes back to the system, not to the heap's free lists.
+            crate::sys::trim_heap();
         }
         why
     }

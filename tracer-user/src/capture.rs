@@ -83,6 +83,10 @@ pub struct CaptureOptions {
     /// Never record what the GPU ran through the agent (CUPTI): the GPU
     /// lines then show the work as the host submitted it.
     pub no_device_activity: bool,
+    /// Most the framework's profiler session, run by the agent, may grow a
+    /// target by (its resident memory, in bytes) before ebtrace stops it;
+    /// none: [`default_framework_memory`].
+    pub framework_memory: Option<u64>,
     /// Where no agent of the capture's runs in a target (the flight
     /// recorder runs none), load one for a moment to ask the target's CUDA
     /// driver for the names of kernels looked up before the capture.
@@ -158,6 +162,8 @@ pub struct Capture {
     /// Device activity taken from the sessions while they record, by pid.
     collected: Vec<(u32, Vec<u8>)>,
     last_collection: Instant,
+    /// [`CaptureOptions::framework_memory`], resolved at the start.
+    framework_memory: u64,
     /// Kernel names asked of the driver inside the targets.
     kernel_naming: KernelNaming,
     /// Whether ebtrace's agent may be loaded for device work (kernel
@@ -332,6 +338,9 @@ impl Capture {
             recordings: Vec::new(),
             collected: Vec::new(),
             last_collection: Instant::now(),
+            framework_memory: options
+                .framework_memory
+                .unwrap_or_else(default_framework_memory),
             kernel_naming: KernelNaming::default(),
             agent_for_devices: device_activity || options.name_kernels_with_agent,
             traceme,
@@ -596,6 +605,18 @@ impl Capture {
         };
         Ok((timeline, stats, probes))
     }
+}
+
+/// How much a framework's profiler session may grow a target by when no
+/// bound is given: a quarter of the memory the machine has available as
+/// the capture starts (at least 1 GiB). The framework's own session has no
+/// bound; this one only keeps a capture from pushing the machine towards
+/// its out-of-memory killer, and leaves a normal capture whole: a jax loop
+/// recording 330,000 TraceMe events a second grows by about 50 MiB a
+/// second, so 30 s take 1.5 GiB.
+pub fn default_framework_memory() -> u64 {
+    const FLOOR: u64 = 1 << 30;
+    crate::procfs::mem_available_bytes().map_or(FLOOR, |available| (available / 4).max(FLOOR))
 }
 
 /// The TraceMe recorders and Python gates found, one line each.

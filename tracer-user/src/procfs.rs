@@ -297,6 +297,21 @@ pub fn resident_bytes(pid: u32) -> Option<u64> {
     Some(pages * u64::try_from(page).unwrap_or(4096))
 }
 
+/// The memory the machine has available for new work, in bytes
+/// (`MemAvailable` of `/proc/meminfo`).
+pub fn mem_available_bytes() -> Option<u64> {
+    let meminfo = fs::read_to_string(proc_root().join("meminfo")).ok()?;
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 /// ebtrace's own resident memory in bytes (0 where `/proc` says nothing).
 pub fn own_resident_bytes() -> usize {
     resident_bytes(std::process::id()).unwrap_or(0) as usize

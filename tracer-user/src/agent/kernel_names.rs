@@ -45,6 +45,8 @@ impl KernelNaming {
                 continue;
             }
             let answer = match sessions.iter_mut().find(|s| s.pid == pid) {
+                // Busy converting: asked again at the next collection.
+                Some(session) if session.framework_stopping() => continue,
                 Some(session) => session.name_kernels(&handles),
                 None if may_load_agent && crate::procfs::is_alive(pid) => {
                     AgentSession::connect_unless_busy(pid).and_then(|mut visit| {

@@ -92,6 +92,12 @@ pub struct AgentSession {
     /// When the framework's session first started, in clock ticks since
     /// boot: processes forked since inherit its gate.
     framework_began: Option<u64>,
+    /// STOP_FRAMEWORK was sent and its answer not read yet: the agent
+    /// converts what the framework's session holds meanwhile.
+    framework_stopping: bool,
+    /// The most [`Self::framework_growth`] has seen since the framework's
+    /// session started.
+    framework_peak: u64,
     /// A request went unanswered: the agent's thread may be waiting for
     /// the program (for Python's GIL), and later frames cannot be matched
     /// to requests.
@@ -111,6 +117,10 @@ pub struct AgentRecording {
     pub problem: Option<String>,
     /// Its host lines' thread ids → kernel tids.
     pub threads: ThreadIds,
+    /// How much the target's resident memory grew at most, in bytes, while
+    /// the framework's session recorded (what its recorder held, and
+    /// anything else the program allocated meanwhile).
+    pub target_growth: u64,
 }
 
 /// Writes the agent library to `path` (`ebtrace agent-library`).
@@ -203,6 +213,8 @@ impl AgentSession {
             thread_starts: HashMap::new(),
             framework_since: None,
             framework_began: None,
+            framework_stopping: false,
+            framework_peak: 0,
             unanswered: false,
             closed: false,
         };
@@ -273,6 +285,10 @@ impl AgentSession {
     /// Renews the session's lease (see [`SESSION_LEASE`]), where nothing
     /// else was asked of the agent lately.
     pub fn keep_alive(&mut self) -> Result<(), String> {
+        if self.framework_stopping {
+            // The stop renewed the lease; the agent answers it first.
+            return Ok(());
+        }
         if self.unanswered {
             return Err("an earlier request went unanswered".into());
         }
@@ -298,6 +314,10 @@ impl AgentSession {
     /// Takes the device activity recorded so far (CUPTI's completed
     /// buffers), the session recording on.
     pub fn collect_device_activity(&mut self) -> Result<Vec<Vec<u8>>, String> {
+        if self.framework_stopping {
+            // Taken with the stop's answer, or at the capture's end.
+            return Ok(Vec::new());
+        }
         self.send(protocol::COLLECT, &[])?;
         let mut batches = Vec::new();
         loop {
@@ -316,7 +336,21 @@ impl AgentSession {
     /// Stops the session and returns what it recorded; with `restart`, a
     /// new session starts right away (a long capture served in windows).
     pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, String> {
-        let recording = self.stop_with(protocol::STOP, "STOP")?;
+        // A framework's session stopped early answers first.
+        let early = self.finish_framework_stop();
+        let mut recording = self.stop_with(protocol::STOP, "STOP")?;
+        match early {
+            Some(Ok(early)) => {
+                recording.xspaces.splice(0..0, early.xspaces);
+                recording
+                    .device_activity
+                    .splice(0..0, early.device_activity);
+                recording.problem = recording.problem.or(early.problem);
+                recording.target_growth = recording.target_growth.max(early.target_growth);
+            }
+            Some(Err(why)) => recording.problem = recording.problem.or(Some(why)),
+            None => {}
+        }
         // What was recorded is kept even if the next session cannot start
         // (the process may have started one of its own meanwhile).
         if restart && let Err(why) = self.start_session() {
@@ -325,26 +359,58 @@ impl AgentSession {
         Ok(recording)
     }
 
-    /// Stops the framework's session alone and returns what it recorded;
-    /// the GPU's activity goes on recording.
-    pub fn stop_framework(&mut self) -> Result<AgentRecording, String> {
-        self.stop_with(protocol::STOP_FRAMEWORK, "STOP_FRAMEWORK")
+    /// Asks the agent to stop the framework's session alone, without
+    /// waiting for what it recorded: converting that takes the agent
+    /// seconds for millions of events, and the capture goes on meanwhile
+    /// ([`Self::finish_framework_stop`] takes it); the GPU's activity goes
+    /// on recording.
+    pub fn begin_framework_stop(&mut self) -> Result<(), String> {
+        self.read_thread_pointers();
+        self.framework_growth();
+        self.framework_since = None;
+        self.send(protocol::STOP_FRAMEWORK, &[])?;
+        self.framework_stopping = true;
+        Ok(())
+    }
+
+    /// What the framework's session recorded, where
+    /// [`Self::begin_framework_stop`] stopped it and its answer is still to
+    /// be read (waiting for it).
+    pub fn finish_framework_stop(&mut self) -> Option<Result<AgentRecording, String>> {
+        if !std::mem::take(&mut self.framework_stopping) {
+            return None;
+        }
+        Some(self.gather_recording("STOP_FRAMEWORK"))
+    }
+
+    /// Whether the framework's session is being stopped: the agent answers
+    /// nothing else until it is.
+    pub fn framework_stopping(&self) -> bool {
+        self.framework_stopping
     }
 
     /// While the framework's session runs: how much the target's resident
     /// memory grew since it started (what the framework's recorder holds,
     /// and anything else the program allocated), and how long ago that was.
-    pub fn framework_growth(&self) -> Option<(u64, Duration)> {
+    pub fn framework_growth(&mut self) -> Option<(u64, Duration)> {
         let (since, at) = self.framework_since?;
         let now = crate::procfs::resident_bytes(self.pid)?;
-        Some((now.saturating_sub(since), at.elapsed()))
+        let grown = now.saturating_sub(since);
+        self.framework_peak = self.framework_peak.max(grown);
+        Some((grown, at.elapsed()))
     }
 
     /// Sends `request` (a stop) and gathers the recording it answers with.
     fn stop_with(&mut self, request: u32, name: &str) -> Result<AgentRecording, String> {
         self.read_thread_pointers();
+        self.framework_growth();
         self.framework_since = None;
         self.send(request, &[])?;
+        self.gather_recording(name)
+    }
+
+    /// Reads the answer to a stop (`name`) and what it brought.
+    fn gather_recording(&mut self, name: &str) -> Result<AgentRecording, String> {
         let (mut xspaces, mut device_activity, mut problem) = (Vec::new(), Vec::new(), None);
         loop {
             match self.receive()? {
@@ -375,6 +441,7 @@ impl AgentSession {
                 .iter()
                 .map(|(&tid, &pointer)| (tsl_thread_id(pointer), tid))
                 .collect(),
+            target_growth: std::mem::take(&mut self.framework_peak),
         })
     }
 
@@ -419,6 +486,8 @@ impl AgentSession {
             // A preloaded agent stays; closing the socket ends the session.
             return Ok(InjectReport::default());
         };
+        // A stop under way is answered before anything else.
+        let _ = self.finish_framework_stop();
         // BYE means the agent's thread is done with Python: unloading never
         // waits for the GIL. Without it, that thread may still wait for the
         // GIL, which the thread the unload takes over may hold: the unload

@@ -13,47 +13,36 @@ use crate::{
     collect::{Collector, EncodedRecords},
 };
 
-/// What a framework's recorder holds in the target per TraceMe event until
-/// its session stops: about 140 bytes, measured on jaxlib (see the README,
-/// "What that costs the target").
-const FRAMEWORK_BYTES_PER_EVENT: u64 = 140;
-/// Room for the buffers the agent lends CUPTI, which grow the target too.
-const DEVICE_BUFFER_BYTES: u64 = 64 << 20;
-
 impl Capture {
     /// Stops the framework session of each target that grew, since it
-    /// started, past what `--max-events` TraceMe events take: the
-    /// framework keeps every event in the target's memory until its
-    /// session stops, and a flood of them could exhaust it. What the
+    /// started, past [`CaptureOptions::framework_memory`]: the framework
+    /// keeps every event in the target's memory until its session stops,
+    /// and a flood of them could exhaust it. The stop is asked for and not
+    /// waited for (the agent converts what the session holds meanwhile):
+    /// the capture's window and its other sources go on as asked. What the
     /// session recorded is kept; the GPU's activity goes on recording.
+    ///
+    /// [`CaptureOptions::framework_memory`]: super::CaptureOptions::framework_memory
     pub(super) fn bound_framework_sessions(&mut self) {
-        let max_events = self.options.traceme.max_events;
-        let budget = max_events.saturating_mul(FRAMEWORK_BYTES_PER_EVENT);
+        let budget = self.framework_memory;
         for session in &mut self.framework {
             let Some((grown, after)) = session.framework_growth() else {
                 continue;
             };
-            let device = if session.started.device.is_some() {
-                DEVICE_BUFFER_BYTES
-            } else {
-                0
-            };
-            if grown <= budget.saturating_add(device) {
+            if grown <= budget {
                 continue;
             }
             let pid = session.pid;
-            match session.stop_framework() {
-                Ok(r) => {
-                    self.recordings.push(r);
-                    self.traceme.warn(format!(
-                        "pid {pid}: the framework's profiler session grew the process by {} MiB \
-                         in {:.1} s, what about {max_events} TraceMe events take: ebtrace stopped \
-                         it there to spare the process's memory, and the TraceMe events after \
-                         that are missing (raise --max-events to record more)",
-                        grown >> 20,
-                        after.as_secs_f64()
-                    ));
-                }
+            match session.begin_framework_stop() {
+                Ok(()) => self.traceme.warn(format!(
+                    "pid {pid}: the framework's profiler session grew the process by {} MiB in \
+                     {:.1} s, past the {} MiB it may take (--max-target-growth-mib): ebtrace \
+                     stopped it there to spare the process's memory, and the TraceMe events after \
+                     that are missing",
+                    grown >> 20,
+                    after.as_secs_f64(),
+                    budget >> 20,
+                )),
                 Err(why) => self.traceme.warn(format!(
                     "pid {pid}: stopping the framework's profiler session early: {why}"
                 )),

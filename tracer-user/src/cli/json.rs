@@ -211,6 +211,9 @@ pub struct FrameworkSession {
     pub planes_carried: u64,
     /// Events of threads that ended before ebtrace could name them.
     pub events_left_out: u64,
+    /// How much the process's resident memory grew at most while the
+    /// session recorded, in bytes.
+    pub target_growth_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -307,6 +310,7 @@ impl Summary {
                     events: m.spans,
                     planes_carried: m.planes,
                     events_left_out: m.unnamed_events,
+                    target_growth_bytes: m.target_growth,
                 });
             }
         }

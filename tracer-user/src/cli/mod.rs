@@ -153,13 +153,21 @@ pub struct RecordArgs {
     #[arg(long)]
     pub no_device_activity: bool,
 
-    /// Switch TraceMe recording off again after this many events (through
-    /// the agent: once the target grew by what they take). The target's
-    /// recorder keeps every event it records in memory until a profiler
-    /// session drains it (jaxlib: about 140 bytes each).
+    /// Switch TraceMe recording off again after this many events, on the
+    /// uprobe route: the target's recorder keeps every event it records in
+    /// memory until a profiler session drains it (jaxlib: about 140 bytes
+    /// each). Through the agent, --max-target-growth-mib bounds it.
     #[arg(long, value_name = "N", default_value_t = 1_000_000,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_events: u64,
+
+    /// Stop the framework's profiler session that ebtrace's agent runs in a
+    /// target once the target grew by this many MiB since it started,
+    /// keeping what it recorded (it holds every event in memory until it
+    /// stops). Default: a quarter of the memory available when the capture
+    /// starts, at least 1024.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_target_growth_mib: Option<u64>,
 
     /// Also write Perfetto's native trace, perfetto_trace.pb, beside the
     /// .xplane.pb (open it in ui.perfetto.dev): CPU tracks, thread states

@@ -65,6 +65,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             args.traceme
         },
         no_device_activity: args.no_agent || args.no_device_activity,
+        framework_memory: args.max_target_growth_mib.map(|mib| mib << 20),
         name_kernels_with_agent: !args.no_agent,
         one_window: true,
         ..CaptureOptions::default()

@@ -289,12 +289,16 @@ fn add_framework(timeline: &mut Timeline, recordings: &[AgentRecording]) {
         .iter()
         .flat_map(|r| r.xspaces.iter().map(move |x| (r, x)))
     {
-        let (m, merged) = merge_framework_space(timeline, r.pid, xspace, &r.threads);
+        let (mut m, merged) = merge_framework_space(timeline, r.pid, xspace, &r.threads);
+        m.target_growth = r.target_growth;
         timeline.stats.sources.add_framework(r.pid, &m);
         timeline.stats.notes.push(format!(
             "pid {}: the framework's own session: {} events on the thread lines, \
-             {} planes carried over",
-            r.pid, m.spans, m.planes
+             {} planes carried over; the process grew by {} MiB at most while it recorded",
+            r.pid,
+            m.spans,
+            m.planes,
+            m.target_growth >> 20
         ));
         if m.unnamed_lines > 0 {
             timeline.stats.warnings.push(format!(

@@ -67,6 +67,9 @@ pub struct FrameworkMerge {
     pub unnamed_events: u64,
     /// Planes carried over as they are.
     pub planes: u64,
+    /// How much the process grew at most while the session recorded, in
+    /// bytes.
+    pub target_growth: u64,
 }
 
 /// Merges the XSpace `bytes` that process `pid`'s framework recorded, a

@@ -55,5 +55,6 @@ impl SourceStats {
         total.unnamed_lines += m.unnamed_lines;
         total.unnamed_events += m.unnamed_events;
         total.planes += m.planes;
+        total.target_growth = total.target_growth.max(m.target_growth);
     }
 }
