@@ -165,6 +165,23 @@ fn xprof_opens_a_jax_capture_with_its_threads_shown() {
     if !require_root("xprof_opens_a_jax_capture_with_its_threads_shown") {
         return;
     }
+    opens_with_its_threads_shown("uprobe");
+}
+
+/// The same through the agent, whose framework session leaves more of the
+/// pool threads running a little (and adds its own thread).
+#[test]
+fn xprof_opens_an_agent_capture_of_jax_with_its_threads_shown() {
+    if !require_root("xprof_opens_an_agent_capture_of_jax_with_its_threads_shown") {
+        return;
+    }
+    opens_with_its_threads_shown("agent");
+}
+
+/// A 2 s capture of a jax process with more threads than the trace viewer
+/// opens a process with, TraceMe through `route`, opens in XProf with
+/// `/host:CPU` expanded on its threads.
+fn opens_with_its_threads_shown(route: &str) {
     let Some(python) = jax_python() else {
         return;
     };
@@ -185,9 +202,12 @@ fn xprof_opens_a_jax_capture_with_its_threads_shown() {
 
     // Kept under target/tmp: the trace and the screenshot stay for a
     // person to look at after the run.
-    let dir = TempDir::kept(env!("CARGO_TARGET_TMPDIR"), "trace-viewer-jax");
+    let dir = TempDir::kept(
+        env!("CARGO_TARGET_TMPDIR"),
+        &format!("trace-viewer-jax-{route}"),
+    );
     let pid = workload.pid.to_string();
-    let out = record(&pid, "2s", &dir, &["-q", "--traceme", "uprobe"]);
+    let out = record(&pid, "2s", &dir, &["-q", "--traceme", route]);
     assert!(
         out.status.success(),
         "{}",
@@ -229,6 +249,33 @@ fn xprof_opens_a_jax_capture_with_its_threads_shown() {
             "thread {tid} has no row: {}",
             json["rows"]
         );
+    }
+    // The threads moved off `/host:CPU` have no events but their states.
+    let space = xspace::load(file);
+    for moved in space
+        .planes
+        .iter()
+        .filter(|p| p.name == "/host:CPU threads that ran least")
+    {
+        for l in &moved.lines {
+            for e in line_events(moved, l.id) {
+                assert!(
+                    matches!(
+                        e.name.as_str(),
+                        "Running"
+                            | "Runnable"
+                            | "Blocked"
+                            | "Unknown"
+                            | "Wakeup"
+                            | "Thread created"
+                    ),
+                    "thread {} with an event {:?} is on {}",
+                    l.id,
+                    e.name,
+                    moved.name
+                );
+            }
+        }
     }
 
     // XProf's UI in a browser: the process is open on the thread rows.

@@ -13,8 +13,8 @@ use rustc_hash::FxHashMap;
 
 use super::{
     BLOCKED_THREADS_PLANE, CPU_LINE_BASE, EncodeEvent, EventStats, FlowDirection, HOST_CPU_PLANE,
-    LineEvent, LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream, SharedGroups, SharedStats, Stat,
-    XPlaneBuilder, encode_line, flow_stat_value,
+    LEAST_RUN_THREADS_PLANE, LineEvent, LineOut, PER_CPU_PLANE, PlaneOut, PlaneStream,
+    SharedGroups, SharedStats, Stat, XPlaneBuilder, encode_line, flow_stat_value,
 };
 use crate::timeline::{
     CpuLines, FlowId, MarkKind, Peer, RunnableCause, Span, StateSlice, ThreadState, ThreadTrack,
@@ -23,21 +23,22 @@ use crate::timeline::{
 
 /// Writes `/host:CPU` to `out`, the first host plane; the per-CPU lines'
 /// ([`write_per_cpu_lines`], apart so that it can be encoded beside this
-/// one) and the threads blocked throughout ([`write_blocked_plane`]) come
-/// next when they have lines. `ps` turns a timeline time into picoseconds
-/// from the profile start. Each line goes out as it is made.
+/// one), the threads blocked throughout ([`write_blocked_plane`]) and the
+/// threads that ran least ([`write_least_run_plane`]) come next when they
+/// have lines. `ps` turns a timeline time into picoseconds from the
+/// profile start. Each line goes out as it is made.
 ///
 /// XProf's trace viewer shows each plane named `/host:CPU...` as a process
 /// of its own, and opens a process of more than 20 lines collapsed into
 /// one grey bar. A process's idle pool threads and the CPUs would take it
-/// past that; kept apart, `/host:CPU` holds the threads that ran, about
-/// those a profiler inside the process shows.
+/// past that; kept apart, `/host:CPU` holds the threads that did something,
+/// about those a profiler inside the process shows.
 pub(super) fn write_threads_plane<W: PlaneOut>(
     timeline: &Timeline,
     ps: &impl Fn(u64) -> i64,
     out: &mut W,
 ) -> io::Result<()> {
-    let threads = thread_lines(timeline, false);
+    let threads = host_threads(timeline, false).into_iter();
     write_thread_plane(0, HOST_CPU_PLANE, threads, timeline, ps, out)
 }
 
@@ -68,12 +69,66 @@ pub(super) fn write_blocked_plane<W: PlaneOut>(
     write_thread_plane(3, BLOCKED_THREADS_PLANE, blocked, timeline, ps, out)
 }
 
+/// The plane of the threads that ran least, when `/host:CPU` would have
+/// had more lines than the trace viewer opens (see [`host_threads`]).
+pub(super) fn write_least_run_plane<W: PlaneOut>(
+    timeline: &Timeline,
+    ps: &impl Fn(u64) -> i64,
+    out: &mut W,
+) -> io::Result<()> {
+    let moved = host_threads(timeline, true);
+    if moved.is_empty() {
+        return Ok(());
+    }
+    write_thread_plane(
+        4,
+        LEAST_RUN_THREADS_PLANE,
+        moved.into_iter(),
+        timeline,
+        ps,
+        out,
+    )
+}
+
 /// The threads of `timeline` that were blocked throughout, or the others.
 fn thread_lines(timeline: &Timeline, blocked: bool) -> impl Iterator<Item = &ThreadTrack> {
     timeline
         .threads
         .values()
         .filter(move |t| blocked_throughout(t) == blocked)
+}
+
+/// The most lines of a process XProf's trace viewer opens it with
+/// (`_collapseBigProcessTracks` in its `trace_viewer_index.js`).
+const TRACE_VIEWER_OPEN_MAX_LINES: usize = 20;
+
+/// The threads not blocked throughout that `/host:CPU` shows, or (`moved`)
+/// those [`LEAST_RUN_THREADS_PLANE`] shows instead. Past
+/// [`TRACE_VIEWER_OPEN_MAX_LINES`] of them, those without a span (no
+/// TraceMe range, driver call or wait) that were on a CPU least move, the
+/// threads of ebtrace's own agent first, until `/host:CPU` opens: the pool
+/// threads that woke for a few microseconds make way for the threads a
+/// profiler inside the process shows. Threads with spans all stay.
+fn host_threads(timeline: &Timeline, moved: bool) -> Vec<&ThreadTrack> {
+    let active: Vec<&ThreadTrack> = thread_lines(timeline, false).collect();
+    let excess = active.len().saturating_sub(TRACE_VIEWER_OPEN_MAX_LINES);
+    let mut movable: Vec<&ThreadTrack> = active
+        .iter()
+        .copied()
+        .filter(|t| t.spans.is_empty())
+        .collect();
+    movable.sort_by_key(|t| (!is_agent_thread(t), t.counters.on_cpu_ns, t.tid));
+    movable.truncate(excess);
+    let is_moved = |t: &ThreadTrack| movable.iter().any(|m| m.tid == t.tid);
+    active
+        .into_iter()
+        .filter(|t| is_moved(t) == moved)
+        .collect()
+}
+
+/// Whether `thread` is one of ebtrace's agent's, not the program's.
+fn is_agent_thread(thread: &ThreadTrack) -> bool {
+    thread.name.starts_with("ebtrace-agent")
 }
 
 /// Writes plane `id`, named `name`, with one line per thread of `threads`.

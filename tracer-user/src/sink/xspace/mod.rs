@@ -3,7 +3,9 @@
 //! Layout (conventions from TSL's `xplane_schema`):
 //! - `/host:CPU`: one line per traced thread (id = tid, name = thread name),
 //!   except those blocked through the whole capture, which have the same
-//!   lines on [`BLOCKED_THREADS_PLANE`].
+//!   lines on [`BLOCKED_THREADS_PLANE`], and, past the 20 lines the trace
+//!   viewer opens a process with, those without spans that ran least, on
+//!   [`LEAST_RUN_THREADS_PLANE`].
 //! - [`PER_CPU_PLANE`]: one line per CPU that ran a traced thread (id =
 //!   [`CPU_LINE_BASE`] + cpu, above any tid the kernel hands out and below
 //!   XProf's derived-line ids).
@@ -36,6 +38,9 @@ pub const PER_CPU_PLANE: &str = "/host:CPU per CPU";
 /// apart, they leave `/host:CPU` under the trace viewer's 20 lines past
 /// which it opens a process collapsed.
 pub const BLOCKED_THREADS_PLANE: &str = "/host:CPU threads blocked throughout";
+/// The lines of the threads without events that ran least, where
+/// `/host:CPU` would have had more lines than the trace viewer opens.
+pub const LEAST_RUN_THREADS_PLANE: &str = "/host:CPU threads that ran least";
 pub const TASK_ENV_PLANE: &str = "Task Environment";
 /// Prefix of the GPU planes; the device ordinal follows.
 pub const GPU_PLANE_PREFIX: &str = "/device:GPU:";
@@ -143,6 +148,7 @@ pub fn write_xspace<W: PlaneOut>(
     })?;
     per_cpu.write_into(out)?;
     host::write_blocked_plane(timeline, &ps, out)?;
+    host::write_least_run_plane(timeline, &ps, out)?;
     devices.write_into(out)?;
     let mut carried = Vec::new();
     for plane in &timeline.carried_planes {
@@ -480,6 +486,53 @@ mod tests {
         let per_cpu = xs.planes.iter().find(|p| p.name == PER_CPU_PLANE).unwrap();
         assert_eq!(per_cpu.lines[0].id, CPU_LINE_BASE + 2);
         assert_eq!(per_cpu.lines[0].events.len(), 1);
+    }
+
+    #[test]
+    fn past_twenty_active_threads_those_without_events_that_ran_least_move() {
+        let running = |tid: u32| {
+            let mut t = thread(
+                tid,
+                vec![StateSlice::new(
+                    1_000,
+                    2_000,
+                    ThreadState::Running { cpu: 0 },
+                )],
+            );
+            t.counters.on_cpu_ns = u64::from(tid);
+            t
+        };
+        let mut threads: BTreeMap<u32, ThreadTrack> = (1..=24).map(|t| (t, running(t))).collect();
+        // Ran least, but with an event: it stays.
+        threads
+            .get_mut(&1)
+            .unwrap()
+            .spans
+            .push(crate::timeline::Span {
+                start_ns: 1_200,
+                end_ns: 1_700,
+                name: "step".into(),
+                stats: Vec::new().into(),
+                correlation: None,
+            });
+        // ebtrace's own thread goes first, however much it ran.
+        let mut agent = running(99);
+        agent.name = "ebtrace-agent".into();
+        agent.counters.on_cpu_ns = 1_000;
+        threads.insert(99, agent);
+        let tl = window_of(threads, 0);
+        assert_file_and_memory_agree(&tl);
+        let xs = timeline_to_xspace(&tl, "host");
+        let tids = |name: &str| -> Vec<i64> {
+            let plane = xs.planes.iter().find(|p| p.name == name).unwrap();
+            let mut ids: Vec<i64> = plane.lines.iter().map(|l| l.id).collect();
+            ids.sort_unstable();
+            ids
+        };
+        assert_eq!(tids(LEAST_RUN_THREADS_PLANE), [2, 3, 4, 5, 99]);
+        let shown = tids(HOST_CPU_PLANE);
+        assert_eq!(shown.len(), 20);
+        assert_eq!(shown[..2], [1, 6]);
     }
 
     #[test]
