@@ -10,7 +10,7 @@ mod cuda;
 mod cuda_links;
 mod gpu_activity;
 mod harness;
-mod jax;
+pub mod jax;
 mod recorder;
 
 pub use recorder::Target as RecorderTarget;
@@ -48,6 +48,8 @@ pub struct Options {
     pub target_cpu: Option<usize>,
     /// Which benchmarks to run.
     pub suite: Suite,
+    /// Side of the matrix the jax loop's steps multiply.
+    pub jax_matrix: u32,
     /// Seconds of launching per CUDA run.
     pub cuda_seconds: f64,
 }
@@ -245,7 +247,7 @@ fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
     };
     let env = report::Environment::probe(root, &ebtrace, &bpftrace_version, opts);
     if opts.suite == Suite::Traceme {
-        return traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds);
+        return traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds, opts.jax_matrix);
     }
     say(format!(
         "bench: {} rounds x {:?}, {}s each, then one {}s ebtrace capture",
@@ -282,7 +284,7 @@ fn run_sched(root: &Path, ebtrace: &Path, opts: Options) -> Result<()> {
     let md = report::render(&env, &runs, started.elapsed());
     write_report(root, "sched.md", &md)?;
     if opts.suite == Suite::All {
-        traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds)?;
+        traceme::run_traceme_bench(root, &ebtrace, &env, opts.rounds, opts.jax_matrix)?;
     }
     Ok(())
 }

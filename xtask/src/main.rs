@@ -90,6 +90,11 @@ enum Task {
         /// With --suite recorder: only these targets (comma-separated).
         #[arg(long, value_enum, value_delimiter = ',')]
         recorder_targets: Vec<bench::RecorderTarget>,
+        /// Side of the square matrix each step of the jax loop of the
+        /// TraceMe suite multiplies: 64 (default) makes about 7,000 steps a
+        /// second here, 8 a loop three times as dense in TraceMe events.
+        #[arg(long, default_value_t = bench::jax::DEFAULT_MATRIX, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        jax_matrix: u32,
     },
 }
 
@@ -135,6 +140,7 @@ fn run() -> Result<()> {
             cuda_seconds,
             against,
             recorder_targets,
+            jax_matrix,
         } => {
             if against.is_some()
                 && !matches!(suite, bench::Suite::Recorder | bench::Suite::TracemeFlood)
@@ -156,6 +162,7 @@ fn run() -> Result<()> {
                     target_cpu: (!unpinned).then_some(target_cpu),
                     suite,
                     cuda_seconds,
+                    jax_matrix,
                 },
                 against,
                 recorder_targets,

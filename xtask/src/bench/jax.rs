@@ -32,6 +32,8 @@ pub use report::{render, render_memory};
 
 /// Seconds of each measurement window.
 pub const SECONDS: u64 = 3;
+/// The side of the matrices the jax loop's steps multiply by default.
+pub const DEFAULT_MATRIX: u32 = 64;
 /// Pause between two windows, so that one configuration's teardown does not
 /// run into the next one's window.
 const SETTLE: Duration = Duration::from_secs(1);
@@ -135,6 +137,8 @@ pub struct Window {
 #[derive(Clone, Debug)]
 pub struct JaxRun {
     pub rounds: usize,
+    /// The side of the matrices its steps multiplied.
+    pub matrix: u32,
     pub windows: Vec<Window>,
     /// RSS growth over an untraced window and over an uprobe-route window
     /// before any session ran in the process, and that window's events.
@@ -163,10 +167,15 @@ pub(super) struct Target {
 }
 
 impl Target {
-    pub(super) fn start(python: &Path, fixture: &Path, cpu: Option<usize>) -> Result<Self> {
+    pub(super) fn start(
+        python: &Path,
+        fixture: &Path,
+        cpu: Option<usize>,
+        matrix: u32,
+    ) -> Result<Self> {
         let mut child = harness::pinned(python, cpu)
             .arg(fixture)
-            .arg("--bench")
+            .args(["--bench", "--bench-matrix", &matrix.to_string()])
             .env("JAX_PLATFORMS", "cpu")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -316,7 +325,12 @@ impl Bench<'_> {
         let duration = format!("{SECONDS}s");
         let mut cmd =
             harness::ebtrace_command(self.ebtrace, self.target.pid, &duration, &self.logdir);
-        cmd.args(["--traceme", route, "--max-events", "100000000"]);
+        // The agent's own bound (a quarter of the memory available) is left
+        // as a user gets it; the uprobe route's, in events, is raised.
+        cmd.args(["--traceme", route]);
+        if route == "uprobe" {
+            cmd.args(["--max-events", "100000000"]);
+        }
         let t = harness::spawn_ebtrace(cmd, harness::attached, Duration::from_secs(120))?;
         let opened = t.last_mark().expect("a line was awaited");
         Ok((spawned + opened.as_secs_f64(), t))
@@ -366,6 +380,7 @@ pub fn run(
     scratch: &Path,
     target_cpu: Option<usize>,
     rounds: usize,
+    matrix: u32,
 ) -> Result<Option<JaxRun>> {
     let python = root.join(".venv/bin/python");
     if !util::succeeds(Command::new(&python).args(["-c", "import jax"])) {
@@ -376,6 +391,7 @@ pub fn run(
         &python,
         &root.join("tests/fixtures/traceme/jax_workload.py"),
         target_cpu,
+        matrix,
     )?;
     let bench = Bench {
         ebtrace,
@@ -417,6 +433,7 @@ pub fn run(
     }
     Ok(Some(JaxRun {
         rounds,
+        matrix,
         windows,
         rss_control_kib: rss1 - rss0,
         rss_traced_kib: rss3 - rss2,

@@ -276,6 +276,7 @@ fn jax_rows(
         &python,
         &root.join("tests/fixtures/traceme/jax_workload.py"),
         opts.target_cpu,
+        jax::DEFAULT_MATRIX,
     )?;
     std::thread::sleep(Duration::from_secs(2));
     let from = jax::monotonic_s();

@@ -105,6 +105,7 @@ pub fn run_traceme_bench(
     ebtrace: &Path,
     env: &Environment,
     rounds: usize,
+    jax_matrix: u32,
 ) -> Result<()> {
     // The g++ library is stripped: the recorder's symbols are in `.dynsym`,
     // where bpftrace finds them too.
@@ -130,7 +131,14 @@ pub fn run_traceme_bench(
         ));
         runs.push((round, run));
     }
-    let jax = jax::run(root, ebtrace, &bench.scratch, bench.target_cpu, rounds)?;
+    let jax = jax::run(
+        root,
+        ebtrace,
+        &bench.scratch,
+        bench.target_cpu,
+        rounds,
+        jax_matrix,
+    )?;
     let _ = std::fs::remove_dir_all(&bench.scratch);
     let md = render(env, rounds, &runs, jax.as_ref(), started.elapsed());
     harness::write_report(root, "traceme.md", &md)

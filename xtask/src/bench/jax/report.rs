@@ -36,7 +36,8 @@ pub fn render(md: &mut String, j: &JaxRun) {
     );
     let _ = writeln!(
         md,
-        "One `jax_workload.py --bench` process; {} rounds of {SECONDS} s windows of the {} \
+        "One `jax_workload.py --bench --bench-matrix {m}` process ({m}x{m} matmul steps); {} \
+         rounds of {SECONDS} s windows of the {} \
          configurations, order rotated each round, {} s apart. For ebtrace the window is its \
          capture window (from its `tracing pid` line on, for `--duration {SECONDS}s`), not its \
          attach or teardown; jax's own session is started by the process (SIGUSR1) {:.1} s \
@@ -48,7 +49,8 @@ pub fn render(md: &mut String, j: &JaxRun) {
         j.rounds,
         Config::ALL.len(),
         SETTLE.as_secs(),
-        SESSION_LEAD.as_secs_f64()
+        SESSION_LEAD.as_secs_f64(),
+        m = j.matrix,
     );
     let _ = writeln!(
         md,
