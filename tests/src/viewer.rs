@@ -283,3 +283,137 @@ fn expanded_headers(png: &Path) -> (Vec<std::ops::Range<u32>>, u32) {
     }
     (headers, info.height)
 }
+
+/// XProf's trace viewer opens a process with more threads than this
+/// collapsed into one grey bar (`_collapseBigProcessTracks` in its
+/// `trace_viewer_index.js`), where a jaxlib capture shows its few threads.
+pub const TRACE_VIEWER_OPEN_MAX_THREADS: u64 = 20;
+
+/// Height of one thread row in the trace viewer, in pixels.
+pub const ROW_PX: u32 = 18;
+
+/// Records `pid` for 2 s with ebtrace's `args` and checks that XProf opens
+/// the capture with `/host:CPU` expanded on the process's threads: in its
+/// conversion (few enough lines, a row for every thread, the threads moved
+/// off `/host:CPU` without events) and in its UI in headless Chromium (the
+/// process open, the main thread's row, rows drawn in the screenshot).
+/// The trace and the screenshot stay under `target/tmp/trace-viewer-TAG`.
+/// The workload is sent SIGTERM once recorded.
+pub fn assert_capture_opens_with_threads_shown(
+    python: &Path,
+    chromium: &Path,
+    pid: u32,
+    args: &[&str],
+    tag: &str,
+) {
+    let tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("list the workload's threads")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+
+    // Kept under target/tmp: the trace and the screenshot stay for a
+    // person to look at after the run.
+    let dir = TempDir::kept(
+        &crate::workspace_root().join("target/tmp").to_string_lossy(),
+        &format!("trace-viewer-{tag}"),
+    );
+    let mut all = vec!["-q"];
+    all.extend_from_slice(args);
+    let out = crate::record(&pid.to_string(), "2s", &dir, &all);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    crate::signal(pid, libc::SIGTERM);
+    let files = crate::xplane_files(dir.path());
+    assert_eq!(files.len(), 1);
+    let file = &files[0];
+    let run_dir = file.parent().expect("run directory");
+    let run = run_dir.file_name().and_then(|n| n.to_str()).expect("run");
+    let file_name = file.file_name().and_then(|n| n.to_str()).expect("name");
+    let host = file_name.strip_suffix(".xplane.pb").expect("host");
+    let host_process = format!("{host} /host:CPU");
+
+    // XProf's conversion: `/host:CPU` holds few enough threads to open,
+    // the Python thread among them, and every thread has its row.
+    let json = crate::xprof::trace_viewer_summary(python, file);
+    let processes = json["processes"].as_object().expect("processes");
+    let (host_pid, _) = processes
+        .iter()
+        .find(|(_, name)| name.as_str() == Some(host_process.as_str()))
+        .unwrap_or_else(|| panic!("no process {host_process}: {processes:?}"));
+    let count = json["thread_counts"][host_pid]
+        .as_u64()
+        .expect("thread_count");
+    assert!(
+        count <= TRACE_VIEWER_OPEN_MAX_THREADS,
+        "{host_process} has {count} threads: the trace viewer opens it collapsed"
+    );
+    assert_eq!(
+        json["row_pids"][&pid.to_string()].to_string(),
+        *host_pid,
+        "the Python thread is not in {host_process}"
+    );
+    for tid in &tids {
+        assert!(
+            json["rows"][tid.to_string()].is_string(),
+            "thread {tid} has no row: {}",
+            json["rows"]
+        );
+    }
+    // The threads moved off `/host:CPU` have no events but their states.
+    let space = crate::xspace::load(file);
+    for moved in space
+        .planes
+        .iter()
+        .filter(|p| p.name == "/host:CPU threads that ran least")
+    {
+        for l in &moved.lines {
+            for e in crate::xspace::line_events(moved, l.id) {
+                assert!(
+                    matches!(
+                        e.name.as_str(),
+                        "Running"
+                            | "Runnable"
+                            | "Blocked"
+                            | "Unknown"
+                            | "Wakeup"
+                            | "Thread created"
+                    ),
+                    "thread {} with an event {:?} is on {}",
+                    l.id,
+                    e.name,
+                    moved.name
+                );
+            }
+        }
+    }
+
+    // XProf's UI in a browser: the process is open on the thread rows.
+    let server = Xprof::start(python, dir.path());
+    let page = TraceViewerPage::open(chromium, &server, run, host, run_dir);
+    eprintln!("trace viewer: {}", page.screenshot.display());
+    assert_eq!(
+        page.process_expanded(&host_process),
+        Some(true),
+        "{host_process} is not open in the trace viewer (DOM: {})",
+        page.dom_path.display()
+    );
+    assert!(
+        page.shows_thread(pid),
+        "no row for the Python thread (DOM: {})",
+        page.dom_path.display()
+    );
+    let rows_px = page.first_open_process_px().unwrap_or_else(|| {
+        panic!(
+            "the screenshot shows no open process: {}",
+            page.screenshot.display()
+        )
+    });
+    assert!(
+        rows_px >= 3 * ROW_PX,
+        "{rows_px} px of rows under the first process: {}",
+        page.screenshot.display()
+    );
+}

@@ -12,8 +12,7 @@ use ebtrace_tests::{
     python::{jax_python, jaxlib_trace_level_address, start_jax},
     record, require_root, serial, signal,
     traceme::read_i32,
-    viewer::{self, TraceViewerPage},
-    xplane_files, xprof,
+    viewer, xplane_files,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
 };
 
@@ -152,14 +151,6 @@ fn jax_traceme_events_appear_and_the_level_is_restored() {
 /// more on larger ones) than XProf's trace viewer opens a process with.
 const EIGHT_HOST_DEVICES: (&str, &str) = ("XLA_FLAGS", "--xla_force_host_platform_device_count=8");
 
-/// XProf's trace viewer opens a process with more threads than this
-/// collapsed into one grey bar (`_collapseBigProcessTracks` in its
-/// `trace_viewer_index.js`), where a jaxlib capture shows its few threads.
-const TRACE_VIEWER_OPEN_MAX_THREADS: u64 = 20;
-
-/// Height of one thread row in the trace viewer, in pixels.
-const ROW_PX: u32 = 18;
-
 #[test]
 fn xprof_opens_a_jax_capture_with_its_threads_shown() {
     if !require_root("xprof_opens_a_jax_capture_with_its_threads_shown") {
@@ -190,119 +181,19 @@ fn opens_with_its_threads_shown(route: &str) {
     };
     let _serial = serial();
     let workload = start_jax(&python, &[EIGHT_HOST_DEVICES]);
-    let tids: Vec<u32> = std::fs::read_dir(format!("/proc/{}/task", workload.pid))
+    let threads = std::fs::read_dir(format!("/proc/{}/task", workload.pid))
         .expect("list the workload's threads")
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .collect();
+        .count();
     assert!(
-        tids.len() as u64 > TRACE_VIEWER_OPEN_MAX_THREADS,
-        "the workload has only {} threads",
-        tids.len()
+        threads as u64 > viewer::TRACE_VIEWER_OPEN_MAX_THREADS,
+        "the workload has only {threads} threads"
     );
-
-    // Kept under target/tmp: the trace and the screenshot stay for a
-    // person to look at after the run.
-    let dir = TempDir::kept(
-        env!("CARGO_TARGET_TMPDIR"),
-        &format!("trace-viewer-jax-{route}"),
-    );
-    let pid = workload.pid.to_string();
-    let out = record(&pid, "2s", &dir, &["-q", "--traceme", route]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    signal(workload.pid, libc::SIGTERM);
-    let files = xplane_files(dir.path());
-    assert_eq!(files.len(), 1);
-    let file = &files[0];
-    let run_dir = file.parent().expect("run directory");
-    let run = run_dir.file_name().and_then(|n| n.to_str()).expect("run");
-    let file_name = file.file_name().and_then(|n| n.to_str()).expect("name");
-    let host = file_name.strip_suffix(".xplane.pb").expect("host");
-    let host_process = format!("{host} /host:CPU");
-
-    // XProf's conversion: `/host:CPU` holds few enough threads to open,
-    // the Python thread among them, and every thread has its row.
-    let json = xprof::trace_viewer_summary(&python, file);
-    let processes = json["processes"].as_object().expect("processes");
-    let (host_pid, _) = processes
-        .iter()
-        .find(|(_, name)| name.as_str() == Some(host_process.as_str()))
-        .unwrap_or_else(|| panic!("no process {host_process}: {processes:?}"));
-    let count = json["thread_counts"][host_pid]
-        .as_u64()
-        .expect("thread_count");
-    assert!(
-        count <= TRACE_VIEWER_OPEN_MAX_THREADS,
-        "{host_process} has {count} threads: the trace viewer opens it collapsed"
-    );
-    assert_eq!(
-        json["row_pids"][&pid].to_string(),
-        *host_pid,
-        "the Python thread is not in {host_process}"
-    );
-    for tid in &tids {
-        assert!(
-            json["rows"][tid.to_string()].is_string(),
-            "thread {tid} has no row: {}",
-            json["rows"]
-        );
-    }
-    // The threads moved off `/host:CPU` have no events but their states.
-    let space = xspace::load(file);
-    for moved in space
-        .planes
-        .iter()
-        .filter(|p| p.name == "/host:CPU threads that ran least")
-    {
-        for l in &moved.lines {
-            for e in line_events(moved, l.id) {
-                assert!(
-                    matches!(
-                        e.name.as_str(),
-                        "Running"
-                            | "Runnable"
-                            | "Blocked"
-                            | "Unknown"
-                            | "Wakeup"
-                            | "Thread created"
-                    ),
-                    "thread {} with an event {:?} is on {}",
-                    l.id,
-                    e.name,
-                    moved.name
-                );
-            }
-        }
-    }
-
-    // XProf's UI in a browser: the process is open on the thread rows.
-    let server = viewer::Xprof::start(&python, dir.path());
-    let page = TraceViewerPage::open(&chromium, &server, run, host, run_dir);
-    eprintln!("trace viewer: {}", page.screenshot.display());
-    assert_eq!(
-        page.process_expanded(&host_process),
-        Some(true),
-        "{host_process} is not open in the trace viewer (DOM: {})",
-        page.dom_path.display()
-    );
-    assert!(
-        page.shows_thread(workload.pid),
-        "no row for the Python thread (DOM: {})",
-        page.dom_path.display()
-    );
-    let rows_px = page.first_open_process_px().unwrap_or_else(|| {
-        panic!(
-            "the screenshot shows no open process: {}",
-            page.screenshot.display()
-        )
-    });
-    assert!(
-        rows_px >= 3 * ROW_PX,
-        "{rows_px} px of rows under the first process: {}",
-        page.screenshot.display()
+    viewer::assert_capture_opens_with_threads_shown(
+        &python,
+        &chromium,
+        workload.pid,
+        &["--traceme", route],
+        &format!("jax-{route}"),
     );
 }
 

@@ -14,7 +14,7 @@ use ebtrace_tests::{
     python::{PythonWorkload, symbol_address},
     record, require_root, serial, signal,
     traceme::read_i32,
-    xplane_files,
+    viewer, xplane_files,
     xprof::python_with,
     xspace::{self, Stat, assert_lines_nest, line_events, plane},
 };
@@ -102,4 +102,28 @@ fn tensorflow_trace_steps_appear_and_both_gates_are_restored_even_after_sigkill(
     );
     assert_eq!(read_i32(pid, level_at), -1, "level left on after SIGKILL");
     signal(pid, libc::SIGTERM);
+}
+
+/// A 2 s capture of a `tf.function` loop opens in XProf with TensorFlow's
+/// threads shown, as TensorFlow's own capture does.
+#[test]
+fn xprof_opens_a_tensorflow_capture_with_its_threads_shown() {
+    if !require_root("xprof_opens_a_tensorflow_capture_with_its_threads_shown") {
+        return;
+    }
+    let Some(python) = python_with(&["tensorflow", ebtrace_tests::xprof::XPROF_MODULE]) else {
+        return;
+    };
+    let Some(chromium) = viewer::chromium() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = PythonWorkload::start(&python, "tf_workload.py", &[]);
+    viewer::assert_capture_opens_with_threads_shown(
+        &python,
+        &chromium,
+        workload.pid,
+        &[],
+        "tensorflow",
+    );
 }
