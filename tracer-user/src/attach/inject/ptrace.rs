@@ -499,26 +499,20 @@ impl Tracee {
                     true
                 }
         });
-        // The thread is still at the stop of a signal to pass on: delivered
-        // from that stop, it keeps its own `siginfo_t`. Sent again (as
-        // `pending` is), glibc's SIGSETXID handler would ignore it for
-        // its sender, and the `setuid()` waiting for it would wait for ever.
-        let at_stop = self.pass_on.take().map_or(0, |(sig, _)| sig);
-        let last = self.redeliver(&mut pending, at_stop);
+        if let Some(held) = self.pass_on.take() {
+            pending.insert(0, held);
+        }
+        let last = self.redeliver(&mut pending);
         self.attached = false;
         ptrace(PTRACE_DETACH, self.tid, 0, last as u64)
             .map(drop)
             .map_err(|e| self.ptrace_error("detach", e))
     }
 
-    /// Delivers `at_stop` (the signal of the stop the thread is at, or 0)
-    /// and all of `pending` but the last, which the caller delivers as it
-    /// detaches (0: none left, or the thread never took them within
+    /// Delivers all of `pending` but the last, which the caller delivers as
+    /// it detaches (0: none left, or the thread never took them within
     /// [`REDELIVERY_WAIT`]: then they are pending still, as sent again).
-    fn redeliver(&mut self, pending: &mut Vec<(i32, SigInfo)>, at_stop: i32) -> i32 {
-        if pending.is_empty() {
-            return at_stop;
-        }
+    fn redeliver(&mut self, pending: &mut Vec<(i32, SigInfo)>) -> i32 {
         for (sig, _) in pending.iter() {
             // SAFETY: sends a signal to the thread that received it first.
             unsafe {
@@ -531,7 +525,7 @@ impl Tracee {
             };
         }
         let deadline = Instant::now() + REDELIVERY_WAIT;
-        let mut deliver = at_stop;
+        let mut deliver = 0;
         while !pending.is_empty() {
             if ptrace(PTRACE_CONT, self.tid, 0, deliver as u64).is_err() {
                 return 0;
