@@ -405,7 +405,9 @@ fn a_load_that_waits_for_ever_is_abandoned_and_the_thread_put_back() {
 /// glibc's `setresuid()` in a multithreaded program signals every thread
 /// and waits until each has run its handler, which acts only on a signal
 /// its own process sent: a thread held while the signal came must get it
-/// back with its own sender, or the program waits for ever.
+/// back with its own sender, or the program waits for ever. The thread
+/// waiting inside `setresuid()` holds the lock starting a thread takes: it
+/// is never the one taken over, or the agent's start would wait for it.
 #[test]
 fn a_set_id_call_in_another_thread_goes_on_through_the_takeovers() {
     if !require_root("a_set_id_call_in_another_thread_goes_on_through_the_takeovers") {

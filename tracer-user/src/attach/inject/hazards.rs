@@ -3,9 +3,10 @@
 //! thread that waits inside such code): the dynamic loader (a `dlopen`, a
 //! library's constructor), any allocator's entry points (the C library's
 //! `malloc`, or one that a program or a tool interposes: tcmalloc, jemalloc,
-//! memray, heaptrack, ASAN, its own), and a signal handler. The agent's
-//! loading allocates and takes the loader's lock: a thread inside one of
-//! those may hold a lock the loading then waits for, for ever.
+//! memray, heaptrack, ASAN, its own), a signal handler, and the C library's
+//! set-id calls. The agent's loading allocates, takes the loader's lock and
+//! starts a thread: a thread inside one of those may hold a lock the
+//! loading then waits for, for ever.
 
 use std::{fmt, ops::Range};
 
@@ -42,6 +43,22 @@ const ALLOCATOR_FUNCTIONS: [&str; 22] = [
     "_ZdaPvm",
 ];
 
+/// The C library's calls that change the process's ids: in a multithreaded
+/// program each holds the lock on the cache of thread stacks while it waits
+/// for every other thread to change its own ids, and starting or joining a
+/// thread (the agent's) takes that lock.
+const SET_ID_FUNCTIONS: [&str; 9] = [
+    "setuid",
+    "setgid",
+    "seteuid",
+    "setegid",
+    "setreuid",
+    "setregid",
+    "setresuid",
+    "setresgid",
+    "setgroups",
+];
+
 /// The code a signal handler returns through (`__restore_rt`:
 /// `rt_sigreturn`): glibc's `mov $15, %rax; syscall`, musl's
 /// `mov $15, %eax; syscall`.
@@ -65,6 +82,8 @@ pub enum Refusal {
     InAllocator,
     /// A signal handler is on its stack.
     InSignalHandler,
+    /// A set-id call of the C library is on its stack.
+    InSetId,
 }
 
 /// How often each refusal happened, for the error that says no thread
@@ -75,6 +94,7 @@ pub struct Refusals {
     pub in_loader: u32,
     pub in_allocator: u32,
     pub in_signal_handler: u32,
+    pub in_set_id: u32,
 }
 
 impl Refusals {
@@ -84,6 +104,7 @@ impl Refusals {
             Refusal::InLoader => self.in_loader += 1,
             Refusal::InAllocator => self.in_allocator += 1,
             Refusal::InSignalHandler => self.in_signal_handler += 1,
+            Refusal::InSetId => self.in_set_id += 1,
         }
     }
 }
@@ -98,6 +119,10 @@ impl fmt::Display for Refusals {
             (self.in_loader, "with the dynamic loader on its stack"),
             (self.in_allocator, "with an allocator on its stack"),
             (self.in_signal_handler, "in a signal handler"),
+            (
+                self.in_set_id,
+                "changing the process's ids (setuid() and the like)",
+            ),
         ];
         let mut first = true;
         for (n, what) in parts.into_iter().filter(|(n, _)| *n > 0) {
@@ -118,6 +143,7 @@ pub struct Hazards {
     pub runtime: Vec<Range<u64>>,
     loader: Vec<Range<u64>>,
     allocators: Vec<Range<u64>>,
+    set_id: Vec<Range<u64>>,
     restorers: Vec<u64>,
     unwinder: StackUnwinder,
 }
@@ -135,6 +161,7 @@ impl Hazards {
             runtime,
             loader: Vec::new(),
             allocators: Vec::new(),
+            set_id: Vec::new(),
             restorers: Vec::new(),
             unwinder: StackUnwinder::default(),
         };
@@ -148,10 +175,10 @@ impl Hazards {
             if name.starts_with("ld-") {
                 hazards.loader.extend(code.clone());
             }
-            if name.starts_with("libc.so")
+            let c_library = name.starts_with("libc.so")
                 || name.starts_with("libc-")
-                || name.starts_with("ld-musl")
-            {
+                || name.starts_with("ld-musl");
+            if c_library {
                 for range in code {
                     hazards.restorers.extend(restorers_in(pid, range));
                 }
@@ -162,10 +189,10 @@ impl Hazards {
             let Some(bias) = obj.load_bias(elf.segments(), page_size()) else {
                 continue;
             };
-            let Ok(scan) = elf.scan_exported(&ALLOCATOR_FUNCTIONS) else {
-                continue;
-            };
-            hazards.allocators.extend(
+            let functions = |names: &[&str]| -> Vec<Range<u64>> {
+                let Ok(scan) = elf.scan_exported(names) else {
+                    return Vec::new();
+                };
                 scan.found
                     .iter()
                     .flatten()
@@ -173,8 +200,13 @@ impl Hazards {
                     .map(|s| {
                         let start = bias.wrapping_add(s.vaddr);
                         start..start.wrapping_add(s.size.max(1))
-                    }),
-            );
+                    })
+                    .collect()
+            };
+            hazards.allocators.extend(functions(&ALLOCATOR_FUNCTIONS));
+            if c_library {
+                hazards.set_id.extend(functions(&SET_ID_FUNCTIONS));
+            }
         }
         // Reads the process's objects for the unwinder now, not while a
         // thread is stopped.
@@ -217,6 +249,9 @@ impl Hazards {
             }
             if within(&self.allocators, address) {
                 return Some(Refusal::InAllocator);
+            }
+            if within(&self.set_id, address) {
+                return Some(Refusal::InSetId);
             }
         }
         None
@@ -281,7 +316,8 @@ mod tests {
         let hazards = Hazards::of(pid).unwrap();
         assert!(!hazards.restorers.is_empty());
         assert!(!hazards.loader.is_empty());
-        // The C library's malloc, at least.
+        // The C library's malloc, at least, and its set-id calls.
         assert!(!hazards.allocators.is_empty());
+        assert_eq!(hazards.set_id.len(), SET_ID_FUNCTIONS.len());
     }
 }
