@@ -5,7 +5,54 @@
 //! and the binary reports the missing object at run time.
 use anyhow::{Context as _, anyhow};
 
+/// Set in the child this script starts to build the eBPF object (see
+/// [`build_ebpf_quietly`]).
+const EBPF_BUILD_CHILD: &str = "EBTRACE_EBPF_BUILD_CHILD";
+
 fn main() -> anyhow::Result<()> {
+    if std::env::var_os(EBPF_BUILD_CHILD).is_some() {
+        return build_ebpf();
+    }
+    build_ebpf_quietly()?;
+    let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").context("OUT_DIR")?);
+    let object = out.join("tracer-ebpf");
+    if !object.exists() {
+        std::fs::write(&object, []).context("writing placeholder eBPF object")?;
+    }
+    let manifest_dir = std::path::PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?,
+    );
+    build_agent(&manifest_dir.join(".."), &out)
+}
+
+/// Builds the eBPF object in a child process (this script again) and passes
+/// on what it tells cargo: its progress, which `aya-build` prints as one
+/// cargo warning a line, only when the build fails.
+fn build_ebpf_quietly() -> anyhow::Result<()> {
+    let me = std::env::current_exe().context("this build script's path")?;
+    let child = std::process::Command::new(me)
+        .env(EBPF_BUILD_CHILD, "1")
+        .output()
+        .context("running the eBPF build")?;
+    let failed = !child.status.success();
+    for line in String::from_utf8_lossy(&child.stdout).lines() {
+        let progress = line.starts_with("cargo:warning=") && !line.contains("AYA_BUILD_SKIP");
+        if failed || !progress {
+            println!("{line}");
+        }
+    }
+    if failed {
+        eprint!("{}", String::from_utf8_lossy(&child.stderr));
+        return Err(anyhow!(
+            "building the eBPF object failed ({}): see the warnings above",
+            child.status
+        ));
+    }
+    Ok(())
+}
+
+/// Builds `tracer-ebpf` into OUT_DIR with `aya-build`.
+fn build_ebpf() -> anyhow::Result<()> {
     let cargo_metadata::Metadata { packages, .. } = cargo_metadata::MetadataCommand::new()
         .no_deps()
         .exec()
@@ -18,8 +65,6 @@ fn main() -> anyhow::Result<()> {
         .manifest_path
         .parent()
         .ok_or_else(|| anyhow!("tracer-ebpf manifest has no parent directory"))?;
-    let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").context("OUT_DIR")?);
-    let object = out.join("tracer-ebpf");
     // aya-build watches the eBPF crate only; the records it writes are
     // defined beside it, and a change there must rebuild both sides.
     let common = root_dir.join("../tracer-common/src");
@@ -31,11 +76,7 @@ fn main() -> anyhow::Result<()> {
             ..Default::default()
         }],
         aya_build::Toolchain::default(),
-    )?;
-    if !object.exists() {
-        std::fs::write(&object, []).context("writing placeholder eBPF object")?;
-    }
-    build_agent(root_dir.as_std_path(), &out)
+    )
 }
 
 /// Compiles the agent as a `cdylib` with rustc itself: it needs
@@ -43,10 +84,7 @@ fn main() -> anyhow::Result<()> {
 /// link time (its symbol references then carry no glibc version, so it
 /// loads into older targets), neither of which a workspace member's
 /// profile can ask for.
-fn build_agent(ebpf_dir: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
-    let workspace = ebpf_dir
-        .parent()
-        .ok_or_else(|| anyhow!("tracer-ebpf has no parent directory"))?;
+fn build_agent(workspace: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
     let source = workspace.join("tracer-agent/src");
     println!("cargo:rerun-if-changed={}", source.display());
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());

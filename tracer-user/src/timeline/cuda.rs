@@ -277,10 +277,7 @@ pub fn demangle(name: &str) -> Option<String> {
     if !name.starts_with("_Z") {
         return None;
     }
-    cpp_demangle::Symbol::new(name)
-        .ok()?
-        .demangle(&cpp_demangle::DemangleOptions::default())
-        .ok()
+    cpp_demangle::Symbol::new(name).ok()?.demangle().ok()
 }
 
 fn copy_name(kind: &str) -> String {
