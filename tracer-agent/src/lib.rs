@@ -33,6 +33,11 @@ mod sys;
 #[unsafe(link_section = ".init_array")]
 static ON_LOAD: extern "C" fn() = preload::on_load;
 
+/// The name [`ebtrace_agent_attach`] is exported under: what ebtrace calls.
+pub const ATTACH_SYMBOL: &str = "ebtrace_agent_attach";
+/// The name [`ebtrace_agent_detach`] is exported under.
+pub const DETACH_SYMBOL: &str = "ebtrace_agent_detach";
+
 /// Starts the agent on the control socket `fd` (the target's end of a
 /// socketpair whose other end ebtrace holds). Returns 0, or -EBUSY if an
 /// agent of this library already runs, or another negative errno.

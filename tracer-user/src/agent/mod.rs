@@ -30,7 +30,7 @@ use crate::{
 /// The agent library (built from `tracer-agent` by the build script).
 pub static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libebtrace_agent.so"));
 /// The library's entry point.
-pub const ATTACH: &str = "ebtrace_agent_attach";
+pub const ATTACH: &str = tracer_agent::ATTACH_SYMBOL;
 
 /// How long a session in the target goes on without word from ebtrace
 /// (`StartRequest::lease_ms`): a capture renews it several times a second

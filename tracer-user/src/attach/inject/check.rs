@@ -16,7 +16,7 @@ use std::{
 use super::{AGENT_DETACH, InjectReport, StopPoint};
 
 /// The agent's entry point.
-pub const AGENT_ATTACH: &str = "ebtrace_agent_attach";
+pub const AGENT_ATTACH: &str = tracer_agent::ATTACH_SYMBOL;
 
 fn micros(d: Duration) -> u128 {
     d.as_micros()

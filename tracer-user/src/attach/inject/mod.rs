@@ -58,7 +58,7 @@ pub mod check;
 use std::{os::unix::net::UnixStream, time::Duration};
 
 /// The agent's function that stops it, called on leftovers by [`load`].
-pub const AGENT_DETACH: &str = "ebtrace_agent_detach";
+pub const AGENT_DETACH: &str = tracer_agent::DETACH_SYMBOL;
 /// Name of the memfd that holds the library in the target (followed by a
 /// dot and the library's hash).
 pub const MEMFD_NAME: &str = "ebtrace-agent";
