@@ -244,8 +244,9 @@ fn overhead(md: &mut String, runs: &[Run]) {
         // What each event handled costs the target: the time added per
         // round trip, over the events in a round trip.
         let events_per_rt = per_rt(|b| b.switches) + per_rt(|b| b.wakeups);
-        let cost_ns = |c: Config| (1.0 / median(&rates(c)) - 1.0 / base) * 1e9 / events_per_rt;
-        let bpftrace = cost_ns(Config::Bpftrace);
+        let spread = spread(&rates(Config::Untraced));
+        let cost = |c: Config| added_cost(median(&rates(c)), base, spread, events_per_rt);
+        let bpftrace = cost(Config::Bpftrace);
         let _ = writeln!(
             md,
             "\n| configuration | added ns per event | vs bpftrace |\n|---|---:|---:|"
@@ -256,15 +257,48 @@ fn overhead(md: &mut String, runs: &[Run]) {
             Config::EbtraceKept,
             Config::Bpftrace,
         ] {
-            let _ = writeln!(
-                md,
-                "| {} | {:.0} | {:.2} |",
-                c.label(),
-                cost_ns(c),
-                harness::ratio(cost_ns(c), bpftrace)
-            );
+            let (added, versus) = match (cost(c), &bpftrace) {
+                (Ok(ns), Ok(bt)) => (
+                    format!("{ns:.0}"),
+                    format!("{:.2}", harness::ratio(ns, *bt)),
+                ),
+                (Ok(ns), Err(_)) => (format!("{ns:.0}"), "not resolved".to_string()),
+                (Err(why), _) => (why, "not resolved".to_string()),
+            };
+            let _ = writeln!(md, "| {} | {added} | {versus} |", c.label());
         }
     }
+}
+
+/// Half the range of `values` over their median: the spread of a rate
+/// between rounds, as a fraction.
+fn spread(values: &[f64]) -> f64 {
+    let max = values.iter().copied().fold(f64::MIN, f64::max);
+    let min = values.iter().copied().fold(f64::MAX, f64::min);
+    if values.is_empty() {
+        return 0.0;
+    }
+    (max - min) / 2.0 / median(values).max(1e-9)
+}
+
+/// The ns a tracer adds to each event it handles, from the round-trip rate
+/// it left (`traced`) and the untraced one (`base`, whose rounds spread by
+/// `spread`); or, where the slowdown is within that spread, why it is not
+/// resolved and what would resolve it.
+fn added_cost(traced: f64, base: f64, spread: f64, events_per_rt: f64) -> Result<f64, String> {
+    let slowdown = 1.0 - traced / base.max(1e-9);
+    if slowdown <= spread {
+        let how = if traced > base {
+            "traced ran faster than untraced"
+        } else {
+            "the slowdown is within the noise"
+        };
+        return Err(format!(
+            "not resolved ({how}; spread ±{:.0}%: more rounds or a quieter machine)",
+            spread * 100.0
+        ));
+    }
+    Ok((1.0 / traced - 1.0 / base) * 1e9 / events_per_rt)
 }
 
 /// b. Records per second of capture window, and drops.
@@ -393,4 +427,27 @@ fn attach(md: &mut String, runs: &[Run]) {
         "bpftrace: spawn → BEGIN fired (probes attached)",
         bt.iter().map(|b| ms(b.spawn_to_ready)).collect(),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cost_within_the_noise_is_not_resolved() {
+        let untraced = [100_000.0, 96_000.0, 104_000.0];
+        let s = spread(&untraced);
+        assert!((s - 0.04).abs() < 1e-9);
+        let faster = added_cost(110_000.0, 100_000.0, s, 4.0).unwrap_err();
+        assert!(
+            faster.contains("traced ran faster than untraced"),
+            "{faster}"
+        );
+        assert!(faster.contains("±4%"), "{faster}");
+        let within = added_cost(97_000.0, 100_000.0, s, 4.0).unwrap_err();
+        assert!(within.contains("within the noise"), "{within}");
+        // 10 µs a round trip untraced, 12.5 µs traced: 2.5 µs over 4 events.
+        let ns = added_cost(80_000.0, 100_000.0, s, 4.0).unwrap();
+        assert!((ns - 625.0).abs() < 1e-6, "{ns}");
+    }
 }
