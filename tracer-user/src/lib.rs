@@ -1,18 +1,30 @@
 //! ebtrace: an eBPF-assisted tracer for ML workloads.
 //!
-//! Data flows one way: **probes → collector → timeline → sinks**.
-//! - [`attach`]: loads the eBPF object and attaches its programs;
+//! Data flows one way: **probes and agent → collector → timeline →
+//! sinks**, with `capture`, `server` and `cli` above. The modules, floor by
+//! floor from the bottom:
+//! - the process and its files: [`procfs`] (what `/proc` says about the
+//!   targets), [`symbols`] (ELF symbols, addresses and stacks inside running
+//!   processes), [`clock`] (`ClockSync`, the one place where kernel time
+//!   becomes wall time), [`cuda_api`] (the CUDA driver functions probed and
+//!   their signatures), [`error`] (the errors ebtrace reports, each saying
+//!   what to do);
+//! - what records: [`attach`] (loads the eBPF object, attaches its programs,
+//!   and loads libraries into a target), [`agent`] (the in-process agent,
+//!   from ebtrace's side: the framework's own profiler session);
 //! - [`collect`]: drains the ring buffer into decoded records;
-//! - [`cuda_api`]: the CUDA driver functions probed and their signatures;
-//! - [`clock`]: `ClockSync`, the one place where kernel time becomes wall time;
 //! - [`timeline`]: the format-independent model of what each thread did;
-//! - [`sink`]: XSpace encoding and the XProf log directory layout;
+//! - what is written: [`sink`] (XSpace, Perfetto and pprof encoding, the
+//!   XProf log directory layout), [`metrics`] (Prometheus metrics);
 //! - [`capture`]: one capture from checks to what it recorded (which
 //!   `timeline::assemble` turns into a timeline);
-//! - [`procfs`]: what `/proc` says about the targets;
-//! - [`server`]: `ebtrace serve`, the gRPC ProfilerService;
-//! - [`symbols`]: ELF symbol lookup and addresses inside running processes;
+//! - [`server`]: `ebtrace serve`, the gRPC ProfilerService, the flight
+//!   recorder and the HTTP endpoints;
 //! - [`cli`]: the `ebtrace` command line.
+//!
+//! Two arrows still run against the floors: [`agent`] hands its recordings
+//! to [`timeline`] in the timeline's own types, and `timeline::assemble`
+//! reads [`agent`]'s.
 
 pub mod agent;
 pub mod attach;
