@@ -88,3 +88,56 @@ fn the_record_flag_table_says_what_help_says() {
 fn the_serve_flag_table_says_what_help_says() {
     assert_table_matches_help("serve.md", &["serve"]);
 }
+
+/// Markdown files of the repository's documentation, relative to its root.
+fn doc_files(root: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = vec![root.join("README.md"), root.join("BENCHMARKS.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("docs/").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                files.push(path);
+            }
+        }
+    }
+    files
+}
+
+/// Every relative link of the documentation leads to a file or folder of
+/// the repository (anchors aside).
+#[test]
+fn every_link_of_the_documentation_resolves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for file in doc_files(&root) {
+        let text = std::fs::read_to_string(&file).expect("read");
+        let mut in_code = false;
+        for line in text.lines() {
+            if line.trim_start().starts_with("```") {
+                in_code = !in_code;
+            }
+            if in_code {
+                continue;
+            }
+            for part in line.split("](").skip(1) {
+                let Some(end) = part.find(')') else { continue };
+                let target = &part[..end];
+                let target = target.split('#').next().unwrap_or_default();
+                if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                    continue;
+                }
+                checked += 1;
+                let resolved = file.parent().expect("in a folder").join(target);
+                if !resolved.exists() {
+                    broken.push(format!("{}: {target}", file.display()));
+                }
+            }
+        }
+    }
+    assert!(checked > 20, "too few links found ({checked})");
+    assert!(broken.is_empty(), "links that lead nowhere: {broken:#?}");
+}
