@@ -1,7 +1,7 @@
 //! ebtrace's in-process agent.
 //!
 //! ebtrace loads this library into a running target (ptrace, from a memfd:
-//! see `tracer-user/src/attach/inject`) or the program starts with it
+//! see `tracer-user/src/agent/inject`) or the program starts with it
 //! (`LD_PRELOAD`, see [`preload`]). Its entry point starts one thread that talks to ebtrace
 //! over a socket ([`protocol`]) and drives what only the process itself can
 //! run: the framework's own profiler session ([`python`]) and the profilers

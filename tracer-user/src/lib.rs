@@ -9,9 +9,10 @@
 //!   becomes wall time), [`cuda_api`] (the CUDA driver functions probed and
 //!   their signatures), [`error`] (the errors ebtrace reports, each saying
 //!   what to do);
-//! - what records: [`attach`] (loads the eBPF object, attaches its programs,
-//!   and loads libraries into a target), [`agent`] (the in-process agent,
-//!   from ebtrace's side: the framework's own profiler session);
+//! - what records: [`attach`] (loads the eBPF object and attaches its
+//!   programs), [`agent`] (the in-process agent, from ebtrace's side:
+//!   loading it into a target with ptrace, and the framework's own profiler
+//!   session it runs there);
 //! - [`collect`]: drains the ring buffer into decoded records;
 //! - [`timeline`]: the format-independent model of what each thread did;
 //! - what is written: [`sink`] (XSpace, Perfetto and pprof encoding, the

@@ -59,7 +59,7 @@ fn main() {
             pid,
             cycles,
             library,
-        }) => std::process::exit(ebtrace::attach::inject::check::run(
+        }) => std::process::exit(ebtrace::agent::inject::check::run(
             *pid,
             *cycles,
             library.as_deref(),

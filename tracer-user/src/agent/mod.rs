@@ -1,11 +1,12 @@
 //! The in-process agent, from ebtrace's side: load it into a target
-//! ([`crate::attach::inject`]), run the framework's own profiler session
+//! ([`inject`]), run the framework's own profiler session
 //! through it, collect the session's XSpace, take the agent out again.
 //!
 //! The wire protocol is `tracer_agent::protocol`. Everything the agent
 //! sends comes from inside the target and is read with limits.
 
 mod channel;
+pub mod inject;
 mod kernel_names;
 mod preloaded;
 mod route;
@@ -22,10 +23,9 @@ use tracer_agent::protocol::{self, SessionLevels, StartRequest};
 
 use channel::Channel;
 
-use crate::{
-    attach::inject::{self, InjectReport, Injected},
-    timeline::{ThreadIds, framework::tsl_thread_id},
-};
+use inject::{InjectReport, Injected};
+
+use crate::timeline::{ThreadIds, framework::tsl_thread_id};
 
 /// The agent library (built from `tracer-agent` by the build script).
 pub static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libebtrace_agent.so"));
@@ -182,7 +182,7 @@ impl AgentSession {
         };
         let (injected, control) = match preloaded {
             Some(control) => (None, control),
-            None if !wait && crate::attach::inject::agent_thread_running(pid) => {
+            None if !wait && inject::agent_thread_running(pid) => {
                 return Err(format!(
                     "another agent is in pid {pid} now (another capture's)"
                 ));

@@ -6,13 +6,11 @@
 //! finding the library and [`uprobe_multi`] linking its programs), [`traceme`]
 //! for TraceMe events of jaxlib / TensorFlow / libtpu processes, [`cpu_sample`] for
 //! CPU stack samples, [`off_cpu`] for the stacks of threads that blocked long. [`tracefs`] finds and checks the kernel's
-//! tracepoints first. [`inject`] loads ebtrace's in-process agent into a
-//! running process with ptrace.
+//! tracepoints first.
 
 pub mod btf;
 pub mod cpu_sample;
 pub mod cuda;
-pub mod inject;
 pub mod libcuda;
 pub mod links;
 pub mod off_cpu;
