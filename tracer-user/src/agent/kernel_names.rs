@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use super::AgentSession;
+use super::{AgentError, AgentSession};
 use crate::timeline::KernelNames;
 
 /// The names learnt so far, and what the user should know about them.
@@ -53,7 +53,7 @@ impl KernelNaming {
                         let names = visit.name_kernels(&handles);
                         visit
                             .close()
-                            .map_err(|e| format!("taking the agent out: {e}"))?;
+                            .map_err(|e| AgentError::TakeOut(Box::new(e)))?;
                         names
                     })
                 }

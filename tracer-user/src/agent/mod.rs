@@ -6,11 +6,13 @@
 //! sends comes from inside the target and is read with limits.
 
 mod channel;
+mod error;
 pub mod inject;
 mod kernel_names;
 mod preloaded;
 mod route;
 
+pub use error::AgentError;
 pub use kernel_names::KernelNaming;
 pub use route::{AgentStart, TraceMeRoute, start_agent_sessions};
 
@@ -22,7 +24,6 @@ use std::{
 use tracer_agent::protocol::{self, SessionLevels, StartRequest};
 
 use channel::Channel;
-
 use inject::{InjectReport, Injected};
 
 use crate::timeline::{ThreadIds, framework::tsl_thread_id};
@@ -152,7 +153,7 @@ impl AgentSession {
     /// session, the GPU's activity), through the agent it was started with
     /// or else one loaded now. The error is one line saying why nothing
     /// records (a loaded agent is taken out again).
-    pub fn start(pid: u32, levels: SessionLevels) -> Result<Self, String> {
+    pub fn start(pid: u32, levels: SessionLevels) -> Result<Self, AgentError> {
         let mut session = Self::connect(pid)?;
         session.levels = levels;
         session.started = session.start_session()?;
@@ -163,7 +164,7 @@ impl AgentSession {
     /// Reaches the agent in `pid` (the one it was started with, or one
     /// loaded now) without starting anything: for requests that need no
     /// session ([`Self::name_kernels`]).
-    pub fn connect(pid: u32) -> Result<Self, String> {
+    pub fn connect(pid: u32) -> Result<Self, AgentError> {
         Self::connect_waiting(pid, true)
     }
 
@@ -171,11 +172,11 @@ impl AgentSession {
     /// flight recorder's snapshot naming kernels): where another agent
     /// runs in `pid` (a capture's, or one stopping after its ebtrace
     /// ended), it fails at once rather than wait seconds for that one.
-    pub fn connect_unless_busy(pid: u32) -> Result<Self, String> {
+    pub fn connect_unless_busy(pid: u32) -> Result<Self, AgentError> {
         Self::connect_waiting(pid, false)
     }
 
-    fn connect_waiting(pid: u32, wait: bool) -> Result<Self, String> {
+    fn connect_waiting(pid: u32, wait: bool) -> Result<Self, AgentError> {
         let (preloaded, untrusted_listener) = match preloaded::connect(pid) {
             Ok(found) => (found, None),
             Err(why) => (None, Some(why)),
@@ -183,15 +184,13 @@ impl AgentSession {
         let (injected, control) = match preloaded {
             Some(control) => (None, control),
             None if !wait && inject::agent_thread_running(pid) => {
-                return Err(format!(
-                    "another agent is in pid {pid} now (another capture's)"
-                ));
+                return Err(AgentError::Busy { pid });
             }
             None => {
                 let (injected, control) =
-                    inject::load(pid, LIBRARY, ATTACH).map_err(|e| match &untrusted_listener {
-                        Some(listener) => format!("{e} ({listener})"),
-                        None => e.to_string(),
+                    inject::load(pid, LIBRARY, ATTACH).map_err(|source| AgentError::Load {
+                        source,
+                        listener: untrusted_listener.clone(),
                     })?;
                 (Some(injected), Channel::new(control, pid))
             }
@@ -227,8 +226,8 @@ impl AgentSession {
 
     /// Reads a loaded agent's [`protocol::HELLO`]: this protocol, from
     /// `pid`.
-    fn greeting(&mut self) -> Result<(), String> {
-        let answer = self.control.greeting();
+    fn greeting(&mut self) -> Result<(), AgentError> {
+        let answer = self.control.greeting().map_err(AgentError::Channel);
         self.unanswered |= answer.is_err();
         answer.map(|_| ())
     }
@@ -236,28 +235,32 @@ impl AgentSession {
     /// Asks the CUDA driver inside the target for the names of kernels by
     /// their function (or kernel) handles; handles it does not know are
     /// left out.
-    pub fn name_kernels(&mut self, handles: &[u64]) -> Result<HashMap<u64, String>, String> {
+    pub fn name_kernels(&mut self, handles: &[u64]) -> Result<HashMap<u64, String>, AgentError> {
         let mut names = HashMap::new();
         for batch in handles.chunks(protocol::MAX_NAMED_KERNELS) {
             let request: Vec<u8> = batch.iter().flat_map(|h| h.to_le_bytes()).collect();
             self.send(protocol::NAME_KERNELS, &request)?;
             match self.receive()? {
                 (protocol::KERNEL_NAMES, p) => {
-                    let answer = parse_kernel_names(batch, &p).ok_or_else(|| {
-                        format!("the agent in pid {} sent malformed kernel names", self.pid)
+                    let answer = parse_kernel_names(batch, &p).ok_or(AgentError::Malformed {
+                        pid: self.pid,
+                        what: "malformed kernel names",
                     })?;
                     names.extend(answer);
                 }
-                (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
+                (protocol::FAILED, p) => return Err(AgentError::refused(&p)),
                 (kind, _) => {
-                    return Err(format!("the agent answered NAME_KERNELS with frame {kind}"));
+                    return Err(AgentError::OutOfTurn {
+                        request: "NAME_KERNELS",
+                        kind,
+                    });
                 }
             }
         }
         Ok(names)
     }
 
-    fn start_session(&mut self) -> Result<Started, String> {
+    fn start_session(&mut self) -> Result<Started, AgentError> {
         let start = StartRequest {
             levels: self.levels,
             lease_ms: SESSION_LEASE.as_millis() as u32,
@@ -277,43 +280,52 @@ impl AgentSession {
                     .map(|bytes| (bytes, Instant::now()));
                 Ok(started)
             }
-            (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
-            (kind, _) => Err(format!("the agent answered START with frame {kind}")),
+            (protocol::FAILED, p) => Err(AgentError::refused(&p)),
+            (kind, _) => Err(AgentError::OutOfTurn {
+                request: "START",
+                kind,
+            }),
         }
     }
 
     /// Renews the session's lease (see [`SESSION_LEASE`]), where nothing
     /// else was asked of the agent lately.
-    pub fn keep_alive(&mut self) -> Result<(), String> {
+    pub fn keep_alive(&mut self) -> Result<(), AgentError> {
         if self.framework_stopping {
             // The stop renewed the lease; the agent answers it first.
             return Ok(());
         }
         if self.unanswered {
-            return Err("an earlier request went unanswered".into());
+            return Err(AgentError::Unanswered);
         }
         self.send(protocol::PING, &[])?;
         match self.receive()? {
             (protocol::PONG, _) => Ok(()),
-            (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
-            (kind, _) => Err(format!("the agent answered PING with frame {kind}")),
+            (protocol::FAILED, p) => Err(AgentError::refused(&p)),
+            (kind, _) => Err(AgentError::OutOfTurn {
+                request: "PING",
+                kind,
+            }),
         }
     }
 
     /// Tells the agent that the capture window opens now: the device
     /// activity it recorded while ebtrace attached its probes is dropped.
-    pub fn open_window(&mut self) -> Result<(), String> {
+    pub fn open_window(&mut self) -> Result<(), AgentError> {
         self.send(protocol::WINDOW_OPEN, &[])?;
         match self.receive()? {
             (protocol::WINDOW_OPENED, _) => Ok(()),
-            (protocol::FAILED, p) => Err(String::from_utf8_lossy(&p).into_owned()),
-            (kind, _) => Err(format!("the agent answered WINDOW_OPEN with frame {kind}")),
+            (protocol::FAILED, p) => Err(AgentError::refused(&p)),
+            (kind, _) => Err(AgentError::OutOfTurn {
+                request: "WINDOW_OPEN",
+                kind,
+            }),
         }
     }
 
     /// Takes the device activity recorded so far (CUPTI's completed
     /// buffers), the session recording on.
-    pub fn collect_device_activity(&mut self) -> Result<Vec<Vec<u8>>, String> {
+    pub fn collect_device_activity(&mut self) -> Result<Vec<Vec<u8>>, AgentError> {
         if self.framework_stopping {
             // Taken with the stop's answer, or at the capture's end.
             return Ok(Vec::new());
@@ -324,18 +336,21 @@ impl AgentSession {
             match self.receive()? {
                 (protocol::DEVICE_ACTIVITY, p) => batches.push(p),
                 (protocol::COLLECTED, why) if why.is_empty() => return Ok(batches),
-                (protocol::COLLECTED, why) => {
-                    return Err(String::from_utf8_lossy(&why).into_owned());
+                (protocol::COLLECTED, why) => return Err(AgentError::refused(&why)),
+                (protocol::FAILED, p) => return Err(AgentError::refused(&p)),
+                (kind, _) => {
+                    return Err(AgentError::OutOfTurn {
+                        request: "COLLECT",
+                        kind,
+                    });
                 }
-                (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
-                (kind, _) => return Err(format!("the agent answered COLLECT with frame {kind}")),
             }
         }
     }
 
     /// Stops the session and returns what it recorded; with `restart`, a
     /// new session starts right away (a long capture served in windows).
-    pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, String> {
+    pub fn collect(&mut self, restart: bool) -> Result<AgentRecording, AgentError> {
         // A framework's session stopped early answers first.
         let early = self.finish_framework_stop();
         let mut recording = self.stop_with(protocol::STOP, "STOP")?;
@@ -348,7 +363,7 @@ impl AgentSession {
                 recording.problem = recording.problem.or(early.problem);
                 recording.target_growth = recording.target_growth.max(early.target_growth);
             }
-            Some(Err(why)) => recording.problem = recording.problem.or(Some(why)),
+            Some(Err(why)) => recording.problem = recording.problem.or(Some(why.to_string())),
             None => {}
         }
         // What was recorded is kept even if the next session cannot start
@@ -364,7 +379,7 @@ impl AgentSession {
     /// seconds for millions of events, and the capture goes on meanwhile
     /// ([`Self::finish_framework_stop`] takes it); the GPU's activity goes
     /// on recording.
-    pub fn begin_framework_stop(&mut self) -> Result<(), String> {
+    pub fn begin_framework_stop(&mut self) -> Result<(), AgentError> {
         self.read_thread_pointers();
         self.framework_growth();
         self.framework_since = None;
@@ -376,7 +391,7 @@ impl AgentSession {
     /// What the framework's session recorded, where
     /// [`Self::begin_framework_stop`] stopped it and its answer is still to
     /// be read (waiting for it).
-    pub fn finish_framework_stop(&mut self) -> Option<Result<AgentRecording, String>> {
+    pub fn finish_framework_stop(&mut self) -> Option<Result<AgentRecording, AgentError>> {
         if !std::mem::take(&mut self.framework_stopping) {
             return None;
         }
@@ -401,7 +416,11 @@ impl AgentSession {
     }
 
     /// Sends `request` (a stop) and gathers the recording it answers with.
-    fn stop_with(&mut self, request: u32, name: &str) -> Result<AgentRecording, String> {
+    fn stop_with(
+        &mut self,
+        request: u32,
+        name: &'static str,
+    ) -> Result<AgentRecording, AgentError> {
         self.read_thread_pointers();
         self.framework_growth();
         self.framework_since = None;
@@ -410,7 +429,7 @@ impl AgentSession {
     }
 
     /// Reads the answer to a stop (`name`) and what it brought.
-    fn gather_recording(&mut self, name: &str) -> Result<AgentRecording, String> {
+    fn gather_recording(&mut self, name: &'static str) -> Result<AgentRecording, AgentError> {
         let (mut xspaces, mut device_activity, mut problem) = (Vec::new(), Vec::new(), None);
         loop {
             match self.receive()? {
@@ -419,7 +438,7 @@ impl AgentSession {
                 (protocol::STOPPED, why)
                     if xspaces.is_empty() && device_activity.is_empty() && !why.is_empty() =>
                 {
-                    return Err(String::from_utf8_lossy(&why).into_owned());
+                    return Err(AgentError::refused(&why));
                 }
                 (protocol::STOPPED, why) => {
                     if !why.is_empty() {
@@ -427,8 +446,13 @@ impl AgentSession {
                     }
                     break;
                 }
-                (protocol::FAILED, p) => return Err(String::from_utf8_lossy(&p).into_owned()),
-                (kind, _) => return Err(format!("the agent answered {name} with frame {kind}")),
+                (protocol::FAILED, p) => return Err(AgentError::refused(&p)),
+                (kind, _) => {
+                    return Err(AgentError::OutOfTurn {
+                        request: name,
+                        kind,
+                    });
+                }
             }
         }
         Ok(AgentRecording {
@@ -447,7 +471,7 @@ impl AgentSession {
 
     /// Stops everything the agent started and unloads it (nothing to do,
     /// and no error, where the target has exited and taken it along).
-    pub fn close(mut self) -> Result<InjectReport, String> {
+    pub fn close(mut self) -> Result<InjectReport, AgentError> {
         self.shut_down()
     }
 
@@ -477,7 +501,7 @@ impl AgentSession {
         self.injected.is_none()
     }
 
-    fn shut_down(&mut self) -> Result<InjectReport, String> {
+    fn shut_down(&mut self) -> Result<InjectReport, AgentError> {
         if self.closed {
             return Ok(InjectReport::default());
         }
@@ -497,7 +521,7 @@ impl AgentSession {
         let bye = self.send(protocol::SHUTDOWN, &[]).and_then(|()| {
             if self.unanswered {
                 // It did not answer before: it will not say goodbye now.
-                return Err("an earlier request went unanswered".to_string());
+                return Err(AgentError::Unanswered);
             }
             self.receive()
         });
@@ -505,11 +529,10 @@ impl AgentSession {
             if self.target_exited() {
                 return Ok(InjectReport::default());
             }
-            return Err(format!(
-                "the agent did not say goodbye ({why}), so it was left loaded: it stops once \
-                 the program lets its thread run, and the next ebtrace on pid {} takes it out",
-                self.pid
-            ));
+            return Err(AgentError::LeftLoaded {
+                pid: self.pid,
+                why: Box::new(why),
+            });
         }
         let failed = match injected.unload(inject::AGENT_DETACH) {
             Ok(report) => return Ok(report),
@@ -527,7 +550,10 @@ impl AgentSession {
                 );
                 Ok(InjectReport::default())
             }
-            Err(again) => Err(format!("{failed}; and again: {again}")),
+            Err(again) => Err(AgentError::NotTakenOut {
+                first: failed,
+                again,
+            }),
         }
     }
 
@@ -552,12 +578,14 @@ impl AgentSession {
         }
     }
 
-    fn send(&mut self, kind: u32, payload: &[u8]) -> Result<(), String> {
-        self.control.send(request_name(kind), kind, payload)
+    fn send(&mut self, kind: u32, payload: &[u8]) -> Result<(), AgentError> {
+        self.control
+            .send(request_name(kind), kind, payload)
+            .map_err(AgentError::Channel)
     }
 
-    fn receive(&mut self) -> Result<(u32, Vec<u8>), String> {
-        let answer = self.control.receive();
+    fn receive(&mut self) -> Result<(u32, Vec<u8>), AgentError> {
+        let answer = self.control.receive().map_err(AgentError::Channel);
         // Whatever comes later could be the answer to this request.
         self.unanswered |= answer.is_err();
         answer

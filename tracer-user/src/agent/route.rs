@@ -161,7 +161,7 @@ pub fn start_agent_sessions(
             }
             Err(why) => {
                 if framework.is_ok() {
-                    out.traceme_without_agent(pid, route, &why);
+                    out.traceme_without_agent(pid, route, &why.to_string());
                 }
                 if device {
                     out.notes.push(format!(
