@@ -355,6 +355,79 @@ pub fn read_memory(pid: u32, address: u64, out: &mut [u8]) -> std::io::Result<()
     mem.read_exact_at(out, address)
 }
 
+/// The text of `/proc/PID/maps`: what `pid` has mapped, line by line.
+pub fn maps_text(pid: u32) -> std::io::Result<String> {
+    fs::read_to_string(proc_root().join(pid.to_string()).join("maps"))
+}
+
+/// The executable `pid` runs (`/proc/PID/exe`); empty where it cannot be
+/// read.
+pub fn executable(pid: u32) -> PathBuf {
+    fs::read_link(proc_root().join(pid.to_string()).join("exe")).unwrap_or_default()
+}
+
+/// The name of thread `tid` of `pid` (`/proc/PID/task/TID/comm`), without
+/// its newline.
+pub fn thread_name(pid: u32, tid: u32) -> Option<String> {
+    let path = proc_root()
+        .join(pid.to_string())
+        .join("task")
+        .join(tid.to_string())
+        .join("comm");
+    let comm = fs::read_to_string(path).ok()?;
+    Some(comm.trim_end_matches('\n').to_string())
+}
+
+/// The name of process `pid` (`/proc/PID/comm`), without its newline.
+pub fn process_name(pid: u32) -> Option<String> {
+    let comm = fs::read_to_string(proc_root().join(pid.to_string()).join("comm")).ok()?;
+    Some(comm.trim_end_matches('\n').to_string())
+}
+
+/// The field `key` of thread `tid`'s status (`/proc/PID/task/TID/status`).
+pub fn thread_status_field(pid: u32, tid: u32, key: &str) -> Option<String> {
+    let path = proc_root()
+        .join(pid.to_string())
+        .join("task")
+        .join(tid.to_string())
+        .join("status");
+    fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.trim().to_string())
+}
+
+/// The process tracing `pid` (`TracerPid:`), if one does.
+pub fn tracer_of(pid: u32) -> Option<u32> {
+    status_number(pid, "TracerPid:").filter(|&t| t != 0)
+}
+
+/// A number a file under `/proc/sys` holds (`kernel/pid_max`, say).
+pub fn sysctl_number(name: &str) -> Option<u64> {
+    fs::read_to_string(proc_root().join("sys").join(name))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The running kernel's release (`/proc/sys/kernel/osrelease`); empty where
+/// it cannot be read.
+pub fn kernel_release() -> String {
+    fs::read_to_string(proc_root().join("sys/kernel/osrelease"))
+        .map(|r| r.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// User plus system CPU time of this process, in seconds (`/proc/self/stat`).
+pub fn own_cpu_seconds() -> Option<f64> {
+    let stat = fs::read_to_string(proc_root().join("self/stat")).ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
+    Some((ticks(11)? + ticks(12)?) as f64 / clock_ticks_per_second() as f64)
+}
+
 /// Effective capability set of this process (`CapEff` in `/proc/self/status`).
 pub fn effective_capabilities() -> u64 {
     fs::read_to_string("/proc/self/status")
@@ -379,6 +452,28 @@ pub fn seccomp_filtered() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `/proc` says of this test's own process, against what the
+    /// standard library and the kernel's interfaces say.
+    #[test]
+    fn this_process_read_through_proc() {
+        let pid = std::process::id();
+        assert_eq!(executable(pid), std::env::current_exe().unwrap());
+        assert!(maps_text(pid).unwrap().contains("[stack]"));
+        let main = thread_name(pid, pid).unwrap();
+        assert!(!main.is_empty() && !main.ends_with('\n'), "{main:?}");
+        assert_eq!(process_name(pid).unwrap(), main);
+        assert!(thread_status_field(pid, pid, "Tgid").is_some_and(|t| t == pid.to_string()));
+        assert_eq!(tracer_of(pid), None);
+        assert!(sysctl_number("kernel/pid_max").is_some_and(|n| n >= 301));
+        // SAFETY: uname fills the struct it is given.
+        let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::uname(&mut uts) }, 0);
+        // SAFETY: uname NUL-terminates its fields.
+        let release = unsafe { std::ffi::CStr::from_ptr(uts.release.as_ptr()) };
+        assert_eq!(kernel_release(), release.to_str().unwrap());
+        assert!(own_cpu_seconds().is_some());
+    }
 
     #[test]
     fn parses_stat_with_odd_comm() {

@@ -27,9 +27,9 @@ pub enum TraceMeRoute {
 
 /// Whether `pid` runs a framework the agent can drive: the reason if not.
 fn framework_in(pid: u32) -> std::result::Result<(), String> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
-    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+    let maps =
+        crate::procfs::maps_text(pid).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+    let exe = crate::procfs::executable(pid);
     let python = maps.contains("libpython")
         || exe
             .file_name()
@@ -47,7 +47,7 @@ fn framework_in(pid: u32) -> std::result::Result<(), String> {
 /// Whether `pid` has loaded something whose device work the agent can
 /// record: the CUDA driver (CUPTI) or a PJRT plugin (its own profiler).
 fn device_in(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| {
+    crate::procfs::maps_text(pid).is_ok_and(|m| {
         ["/libcuda.so", "libtpu", "pjrt", "xla_cuda_plugin"]
             .iter()
             .any(|lib| m.contains(lib))

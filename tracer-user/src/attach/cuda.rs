@@ -312,8 +312,7 @@ fn why_not_multi(set: &mut ProbeSet) -> Option<String> {
     if std::env::var_os(LINKS_ENV).is_some_and(|v| v == "perf") {
         return Some(format!("{LINKS_ENV}=perf"));
     }
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    if let Some(why) = uprobe_multi::kernel_unfit(release.trim()) {
+    if let Some(why) = uprobe_multi::kernel_unfit(&crate::procfs::kernel_release()) {
         return Some(why);
     }
     set.load_multi(&PROGRAMS).err().map(|e| e.to_string())

@@ -70,9 +70,8 @@ impl ProbeStats {
 /// The kernel's `pid_max`: one more than the largest thread id (the
 /// smallest the kernel allows where it cannot be read).
 fn pid_max() -> u32 {
-    std::fs::read_to_string("/proc/sys/kernel/pid_max")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
+    crate::procfs::sysctl_number("kernel/pid_max")
+        .and_then(|n| u32::try_from(n).ok())
         .unwrap_or(tracer_common::MAX_TRACKED_TIDS)
         .max(tracer_common::MAX_TRACKED_TIDS)
 }

@@ -197,7 +197,7 @@ impl Metrics {
                 "ebtrace_cpu_seconds_total",
                 "CPU time ebtrace itself used (user and system).",
                 Kind::Counter,
-                own_cpu_seconds().unwrap_or(0.0),
+                procfs::own_cpu_seconds().unwrap_or(0.0),
             ),
             (
                 "ebtrace_resident_memory_bytes",
@@ -212,11 +212,4 @@ impl Metrics {
         }
         e.finish()
     }
-}
-/// User + system CPU time of this process (`/proc/self/stat`).
-fn own_cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i)?.parse::<u64>().ok();
-    Some((ticks(11)? + ticks(12)?) as f64 / procfs::clock_ticks_per_second() as f64)
 }

@@ -6,7 +6,6 @@
 
 use std::{
     collections::BTreeMap,
-    fs,
     time::{Duration, Instant},
 };
 
@@ -106,7 +105,7 @@ impl Watched {
                 continue;
             }
             // Kernel threads and processes that went away read as empty.
-            let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            let Ok(maps) = crate::procfs::maps_text(pid) else {
                 continue;
             };
             let Some(library) = runtime_library(&maps) else {

@@ -283,8 +283,7 @@ fn program_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
 }
 
 fn is_agent_thread(pid: u32, tid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
-        .is_ok_and(|c| c.starts_with(AGENT_THREAD_PREFIX))
+    crate::procfs::thread_name(pid, tid).is_some_and(|c| c.starts_with(AGENT_THREAD_PREFIX))
 }
 
 /// Whether an agent's thread runs in `pid`: another capture's, or one an
@@ -296,36 +295,21 @@ pub fn agent_thread_running(pid: u32) -> bool {
 
 /// True while `pid` exists and is not a zombie.
 fn process_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| crate::procfs::parse_stat(&s))
-        .is_some_and(|s| s.state != 'Z' && s.state != 'X')
-}
-
-/// The field `key` of `/proc/PID/status`.
-fn status_field(pid: &str, key: &str) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
-        .map(|v| v.trim().to_string())
+    crate::procfs::is_alive(pid)
 }
 
 /// Why ptrace was refused, with what to do about it.
 fn why_not_permitted(pid: u32) -> String {
-    if let Some(tracer) = status_field(&pid.to_string(), "TracerPid").filter(|t| t != "0") {
-        let comm = std::fs::read_to_string(format!("/proc/{tracer}/comm")).unwrap_or_default();
+    if let Some(tracer) = crate::procfs::tracer_of(pid) {
+        let comm = crate::procfs::process_name(tracer).unwrap_or_default();
         return format!(
             "it is already traced by pid {tracer} ({}), e.g. a debugger; detach that first",
             comm.trim()
         );
     }
     const CAP_SYS_PTRACE: u32 = 19;
-    let has_cap = status_field("self", "CapEff")
-        .and_then(|v| u64::from_str_radix(&v, 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_SYS_PTRACE) != 0);
-    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
-        .ok()
-        .and_then(|s| s.trim().parse::<u32>().ok());
+    let has_cap = crate::procfs::effective_capabilities() & (1 << CAP_SYS_PTRACE) != 0;
+    let yama = crate::procfs::sysctl_number("kernel/yama/ptrace_scope");
     match yama {
         Some(3) => "kernel.yama.ptrace_scope is 3, which forbids ptrace for everyone until reboot"
             .to_string(),

@@ -127,7 +127,7 @@ impl Session {
         code: u64,
         hazards: &mut Hazards,
     ) -> Result<Result<Self, Refusal>, InjectError> {
-        let shstk = super::status_field(&format!("{pid}/task/{tid}"), "x86_Thread_features")
+        let shstk = crate::procfs::thread_status_field(pid, tid, "x86_Thread_features")
             .is_some_and(|f| f.contains("shstk"));
         if shstk {
             return Err(InjectError::UnsupportedArch {
