@@ -17,6 +17,10 @@
 pub mod xspace_parts;
 
 /// Package `tensorflow`: profiler options and the profiler gRPC services.
+#[allow(
+    clippy::allow_attributes_without_reason,
+    reason = "the gRPC stubs tonic generates allow lints without reasons"
+)]
 pub mod tensorflow {
     tonic::include_proto!("tensorflow");
 

@@ -347,9 +347,11 @@ pub struct CudaSymbol {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: plain `#[repr(C)]` data without implicit padding.
+    // SAFETY: `PendingCall` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for PendingCall {}
+    // SAFETY: `CudaCall` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for CudaCall {}
+    // SAFETY: `CudaSymbol` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for CudaSymbol {}
 }
 

@@ -332,14 +332,21 @@ pub struct TaskRename {
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
-    // SAFETY: plain `#[repr(C)]` data without implicit padding.
+    // SAFETY: `RecordHeader` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for RecordHeader {}
+    // SAFETY: `SchedSwitch` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for SchedSwitch {}
+    // SAFETY: `SchedWakeup` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for SchedWakeup {}
+    // SAFETY: `TaskNew` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for TaskNew {}
+    // SAFETY: `ProcessFork` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for ProcessFork {}
+    // SAFETY: `TaskExit` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for TaskExit {}
+    // SAFETY: `TaskRename` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for TaskRename {}
+    // SAFETY: `TraceMeRecord` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for TraceMeRecord {}
 }
 

@@ -466,9 +466,11 @@ mod tests {
         assert!(thread_status_field(pid, pid, "Tgid").is_some_and(|t| t == pid.to_string()));
         assert_eq!(tracer_of(pid), None);
         assert!(sysctl_number("kernel/pid_max").is_some_and(|n| n >= 301));
-        // SAFETY: uname fills the struct it is given.
+        // SAFETY: an all-zero `utsname` is valid (arrays of bytes).
         let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { libc::uname(&mut uts) }, 0);
+        // SAFETY: uname fills the struct it is given.
+        let rc = unsafe { libc::uname(&mut uts) };
+        assert_eq!(rc, 0);
         // SAFETY: uname NUL-terminates its fields.
         let release = unsafe { std::ffi::CStr::from_ptr(uts.release.as_ptr()) };
         assert_eq!(kernel_release(), release.to_str().unwrap());
