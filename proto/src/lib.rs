@@ -13,13 +13,16 @@
 //!
 //! The `.proto` sources under `proto/` are our own, written from the published field numbers of
 //! the TSL profiler protos; `build.rs` compiles them with `protox`, so no `protoc` is needed.
+#![warn(missing_docs)]
 
 pub mod xspace_parts;
 
 /// Package `tensorflow`: profiler options and the profiler gRPC services.
 #[allow(
     clippy::allow_attributes_without_reason,
-    reason = "the gRPC stubs tonic generates allow lints without reasons"
+    missing_docs,
+    reason = "the gRPC stubs tonic generates allow lints without reasons; the rest is generated \
+              from the .proto files, whose comments carry the documentation"
 )]
 pub mod tensorflow {
     tonic::include_proto!("tensorflow");
@@ -33,6 +36,10 @@ pub mod tensorflow {
 /// Package `perfetto.protos`: the Perfetto trace (`Trace` of `TracePacket`s).
 pub mod perfetto {
     /// Perfetto's trace packets, pruned to the fields ebtrace writes.
+    #[allow(
+        missing_docs,
+        reason = "generated from the .proto files, whose comments carry the documentation"
+    )]
     pub mod protos {
         tonic::include_proto!("perfetto.protos");
     }
@@ -41,6 +48,10 @@ pub mod perfetto {
 /// Package `perftools.profiles`: the pprof CPU profile.
 pub mod perftools {
     /// pprof's `Profile` and the messages it is made of.
+    #[allow(
+        missing_docs,
+        reason = "generated from the .proto files, whose comments carry the documentation"
+    )]
     pub mod profiles {
         tonic::include_proto!("perftools.profiles");
     }

@@ -72,19 +72,28 @@ pub mod layout {
 /// the return probe reads (0: none); bits 20..24 one plus the index of a
 /// `const char *` name argument copied on success (0: none); bit 24 set
 /// when the function has no return probe: its entry probe writes the
-/// [`super::CudaCall`] itself ([`super::flags::ENTRY_ONLY`]); bits 25..29
-/// how many words of [`super::CudaCall::extra`] its entry program fills;
-/// bits 29..32 how many arguments the function takes in registers (at most
-/// six). The record carries those arguments and words, no more
-/// ([`super::CudaCall::written_size`]).
+/// [`CudaCall`] itself ([`flags::ENTRY_ONLY`]); bits 25..29 how many
+/// words of [`CudaCall::extra`] its entry program fills; bits 29..32 how
+/// many arguments the function takes in registers (at most six). The
+/// record carries those arguments and words, no more
+/// ([`CudaCall::written_size`]).
 pub mod cookie {
+    /// Bits of the function's index.
     pub const FUNCTION_MASK: u64 = 0xffff;
+    /// Shift of the out-pointer argument's field (one plus its index).
     pub const OUT_SHIFT: u32 = 16;
+    /// Shift of the name argument's field (one plus its index).
     pub const NAME_SHIFT: u32 = 20;
+    /// Set when the function has no return probe.
     pub const ENTRY_ONLY: u64 = 1 << 24;
+    /// Shift of the count of [`super::CudaCall::extra`] words.
     pub const EXTRA_SHIFT: u32 = 25;
+    /// Shift of the count of register arguments.
     pub const ARGS_SHIFT: u32 = 29;
 
+    /// The cookie of a function probed at its entry and return: its index
+    /// `function`, the register arguments and extra words its record
+    /// carries, and its out-pointer and name arguments, if any.
     pub const fn encode(
         function: u16,
         args: usize,
@@ -135,6 +144,7 @@ pub mod cookie {
         }
     }
 
+    /// The function's index in userspace's table.
     pub const fn function(cookie: u64) -> u16 {
         (cookie & FUNCTION_MASK) as u16
     }
@@ -174,6 +184,7 @@ pub mod flags {
     /// Bits 8..11: how many of [`super::CudaCall::args`] the record
     /// carries (the function's register arguments); the others read as 0.
     pub const ARGS_SHIFT: u16 = 8;
+    /// The bits that hold the argument count.
     pub const ARGS_MASK: u16 = 0x7 << ARGS_SHIFT;
 
     /// `flags` saying the record carries `args` arguments.
@@ -240,10 +251,15 @@ pub const EXTRA_WORDS: usize = 8;
 
 /// Words of [`PendingCall::extra`] each entry program fills.
 pub mod extra_words {
+    /// [`super::shape::REGISTERS`]: none.
     pub const REGISTERS: usize = 0;
+    /// [`super::shape::STACK`]: the stack arguments.
     pub const STACK: usize = super::STACK_WORDS;
+    /// [`super::shape::LAUNCH_CONFIG`]: the words of [`super::layout::LAUNCH_CONFIG`].
     pub const LAUNCH_CONFIG: usize = super::layout::LAUNCH_CONFIG.len();
+    /// [`super::shape::MEMCPY2D`]: the words of [`super::layout::MEMCPY2D`].
     pub const MEMCPY2D: usize = super::layout::MEMCPY2D.len();
+    /// [`super::shape::MEMCPY3D`]: the words of [`super::layout::MEMCPY3D`].
     pub const MEMCPY3D: usize = super::layout::MEMCPY3D.len();
 }
 
@@ -251,6 +267,8 @@ pub mod extra_words {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct PendingCall {
+    /// Entry time (`CLOCK_MONOTONIC` ns); 0 marks the slot free, its call
+    /// returned.
     pub start_ns: u64,
     /// The six register arguments: rdi, rsi, rdx, rcx, r8, r9.
     pub args: [u64; REGISTER_ARGS],
@@ -273,8 +291,11 @@ pub struct PendingCall {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CudaCall {
+    /// Its `size` says how many words follow ([`CudaCall::words_of_size`]).
     pub header: crate::RecordHeader,
+    /// Calling thread.
     pub tid: u32,
+    /// Thread group of `tid`: a process whose driver calls are recorded.
     pub tgid: u32,
     /// Entry time (`CLOCK_MONOTONIC` ns).
     pub start_ns: u64,
@@ -287,7 +308,11 @@ pub struct CudaCall {
     /// The 8 bytes the out-pointer argument points to after the call (0 if
     /// the function has none or they could not be read).
     pub out_value: u64,
+    /// The register arguments, as many as [`flags::args`] says; with
+    /// [`flags::PACKED_LAUNCH`], the packed words ([`unpack_launch`]).
     pub args: [u64; REGISTER_ARGS],
+    /// The stack arguments or struct fields the function's shape saved
+    /// ([`PendingCall::extra`]).
     pub extra: [u64; EXTRA_WORDS],
 }
 
@@ -323,7 +348,9 @@ impl CudaCall {
 /// fixed part of a [`CudaCall`], then the words.
 #[repr(C)]
 pub struct CudaCallWritten<const W: usize> {
+    /// The fields of a [`CudaCall`] before its `args`.
     pub fixed: [u64; CudaCall::FIXED_SIZE / 8],
+    /// The register arguments the record carries, then its extra words.
     pub words: [u64; W],
 }
 
@@ -333,14 +360,19 @@ pub struct CudaCallWritten<const W: usize> {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct CudaSymbol {
+    /// Written as the lookup returns.
     pub header: crate::RecordHeader,
+    /// Thread that made the lookup.
     pub tid: u32,
+    /// Thread group of `tid`.
     pub tgid: u32,
+    /// The handle the lookup wrote through its out-pointer.
     pub handle: u64,
     /// Bytes copied, terminating NUL included (0: unreadable).
     pub len: u32,
     /// 1 if the name did not fit and was cut short.
     pub truncated: u32,
+    /// The name: `len` bytes copied, the last a NUL.
     pub name: [u8; CUDA_NAME_LEN],
 }
 

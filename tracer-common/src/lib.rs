@@ -8,6 +8,7 @@
 //!
 //! Timestamps are `bpf_ktime_get_ns()`, i.e. `CLOCK_MONOTONIC` nanoseconds;
 //! userspace converts them to wall-clock time in one place (`ClockSync`).
+#![warn(missing_docs)]
 #![no_std]
 
 pub mod cuda;
@@ -118,19 +119,31 @@ pub const TRACEPOINT_FIELDS: &[(&str, &str, &str, usize)] = &[
 
 /// Byte offsets of tracepoint fields (stable since Linux 4.x; checked at start-up).
 pub mod tp {
+    /// `sched_switch`: `prev_pid`, the tid switched out.
     pub const SWITCH_PREV_PID: usize = 24;
+    /// `sched_switch`: `prev_state` (see [`crate::SchedSwitch::prev_state`]).
     pub const SWITCH_PREV_STATE: usize = 32;
+    /// `sched_switch`: `next_pid`, the tid switched in.
     pub const SWITCH_NEXT_PID: usize = 56;
+    /// `sched_waking` and `sched_wakeup_new`: `pid`, the woken tid.
     pub const WAKEUP_PID: usize = 24;
+    /// `sched_waking` and `sched_wakeup_new`: `target_cpu`.
     pub const WAKEUP_TARGET_CPU: usize = 32;
+    /// `sched_process_fork`: `child_pid`, the new task's tid.
     pub const FORK_CHILD_PID: usize = 20;
+    /// `sched_process_exit`: `pid`, the exiting tid.
     pub const EXIT_PID: usize = 24;
     /// `group_dead` exists since Linux 6.9 only; see [`crate::names::EXIT_HAS_GROUP_DEAD`].
     pub const EXIT_GROUP_DEAD: usize = 32;
+    /// `task_newtask`: `pid`, the new task's tid.
     pub const NEWTASK_PID: usize = 8;
+    /// `task_newtask`: `comm`, the new task's name.
     pub const NEWTASK_COMM: usize = 12;
+    /// `task_newtask`: `clone_flags`.
     pub const NEWTASK_CLONE_FLAGS: usize = 32;
+    /// `task_rename`: `pid`, the renamed tid.
     pub const RENAME_PID: usize = 8;
+    /// `task_rename`: `newcomm`, the new name.
     pub const RENAME_NEWCOMM: usize = 28;
 }
 
@@ -144,12 +157,18 @@ pub const CLONE_THREAD: u64 = 0x0001_0000;
 #[repr(u16)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordKind {
-    /// 1 and 2 were their 40-byte layouts.
+    /// A context switch ([`SchedSwitch`]). 1 and 2 were the 40-byte
+    /// layouts of the switch and the wake-up.
     SchedSwitch = 9,
+    /// A wake-up ([`SchedWakeup`]).
     SchedWakeup = 10,
+    /// A task created by a traced thread ([`TaskNew`]).
     TaskNew = 3,
+    /// A fork or clone by a traced thread ([`ProcessFork`]).
     ProcessFork = 4,
+    /// A traced thread's exit ([`TaskExit`]).
     TaskExit = 5,
+    /// A traced thread's new name ([`TaskRename`]).
     TaskRename = 6,
     /// A completed CUDA driver call ([`cuda::CudaCall`]).
     CudaCall = 20,
@@ -162,6 +181,7 @@ pub enum RecordKind {
 }
 
 impl RecordKind {
+    /// The kind whose discriminant is `v`; `None` for one unknown or retired.
     pub const fn from_u16(v: u16) -> Option<Self> {
         Some(match v {
             9 => Self::SchedSwitch,
@@ -199,6 +219,8 @@ pub struct RecordHeader {
 }
 
 impl RecordHeader {
+    /// The header of a `kind` record of `size` bytes written on `cpu` at
+    /// `ts_ns`, its `detail` 0.
     pub const fn new(kind: RecordKind, size: usize, cpu: u32, ts_ns: u64) -> Self {
         Self {
             kind: kind as u16,
@@ -216,9 +238,12 @@ impl RecordHeader {
 pub struct SchedSwitch {
     /// Its `detail` is the tracepoint's `prev_state`.
     pub header: RecordHeader,
+    /// Thread switched out (the current one when the tracepoint fired);
+    /// 0 for the idle task.
     pub prev_tid: u32,
     /// Thread group of `prev_tid` if it is traced, else 0.
     pub prev_tgid: u32,
+    /// Thread switched in; 0 for the idle task.
     pub next_tid: u32,
     /// Thread group of `next_tid` if it is traced, else 0.
     pub next_tgid: u32,
@@ -247,11 +272,15 @@ pub struct SchedWakeup {
     /// Its `detail` is the target CPU, with [`WAKEUP_NEW`] set for
     /// `sched_wakeup_new`.
     pub header: RecordHeader,
+    /// Woken thread.
     pub tid: u32,
+    /// Thread group of `tid`: a recorded process (no other's wake-ups are
+    /// written).
     pub tgid: u32,
     /// Task that issued the wake-up (the current task when the tracepoint
     /// fired; for a wake-up from an interrupt, the task it interrupted).
     pub waker_tid: u32,
+    /// Thread group of `waker_tid`, traced or not.
     pub waker_tgid: u32,
 }
 
@@ -284,12 +313,21 @@ const _: () = assert!(size_of::<SchedSwitch>() == 32 && size_of::<SchedWakeup>()
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TaskNew {
+    /// Written in the parent as it creates the task.
     pub header: RecordHeader,
+    /// Thread creating the task (the current one).
     pub parent_tid: u32,
+    /// Thread group of `parent_tid`: a recorded process.
     pub parent_tgid: u32,
+    /// The new task's tid (its pid, if it is a new process).
     pub child_tid: u32,
+    /// Explicit padding, 0: records have no implicit padding.
     pub _pad: u32,
+    /// The `clone(2)` flags; [`CLONE_THREAD`] set for a new thread of the
+    /// parent's group.
     pub clone_flags: u64,
+    /// The new task's name (its parent's, copied at creation),
+    /// NUL-terminated.
     pub comm: [u8; COMM_LEN],
 }
 
@@ -297,9 +335,13 @@ pub struct TaskNew {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ProcessFork {
+    /// Written in the parent once the child is created.
     pub header: RecordHeader,
+    /// Thread that forked or cloned (the current one).
     pub parent_tid: u32,
+    /// Thread group of `parent_tid`: a recorded process.
     pub parent_tgid: u32,
+    /// The new task's tid (its pid, if it is a new process).
     pub child_tid: u32,
     /// 1 if the child joined the parent's thread group (and is now tracked).
     pub is_thread: u32,
@@ -309,13 +351,19 @@ pub struct ProcessFork {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TaskExit {
+    /// Written by the exiting thread.
     pub header: RecordHeader,
+    /// Exiting thread (the current one).
     pub tid: u32,
+    /// Thread group of `tid`: a recorded process.
     pub tgid: u32,
     /// 1 if this was the last thread of its group (the process is gone);
     /// 2 if the kernel does not say (no `group_dead` field).
     pub group_dead: u32,
+    /// Explicit padding, 0: records have no implicit padding.
     pub _pad: u32,
+    /// The thread's name as it exits, NUL-terminated (zeros if it could
+    /// not be read).
     pub comm: [u8; COMM_LEN],
 }
 
@@ -323,9 +371,14 @@ pub struct TaskExit {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TaskRename {
+    /// Written by the renamed thread or, through its `/proc` `comm` file,
+    /// by another thread of its process.
     pub header: RecordHeader,
+    /// Renamed thread.
     pub tid: u32,
+    /// Thread group of `tid`: a recorded process.
     pub tgid: u32,
+    /// The new name, NUL-terminated.
     pub comm: [u8; COMM_LEN],
 }
 

@@ -39,9 +39,10 @@ pub mod names {
     pub const OFF_CPU_TRACEPOINT: &str = "sys_exit";
     /// An array indexed by tid, sized to `pid_max` at load where off-CPU
     /// stacks may be taken (else one entry, never written), for the
-    /// threads of recorded processes: 0, or [`blocked_since`] from the
-    /// thread's switch-out blocked until its switch-in, then [`resumed`]
-    /// until its system call returns or it is switched out again.
+    /// threads of recorded processes: 0, or [`super::blocked_since`] from
+    /// the thread's switch-out blocked until its switch-in, then
+    /// [`super::resumed`] until its system call returns or it is switched
+    /// out again.
     pub const BLOCKED_AT_US: &str = "BLOCKED_AT_US";
     /// A one-entry array: the shortest wait, in microseconds, whose stack
     /// is taken as its system call returns (0: none, and waits are not
@@ -111,8 +112,12 @@ pub const fn since_resumed_us(entry: u64, now_us: u64) -> u32 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct StackSampleRecord {
+    /// Its `ts_ns` is the tick's time, or the system call's return with
+    /// [`FLAG_OFF_CPU`].
     pub header: RecordHeader,
+    /// Thread whose stacks these are (the current one).
     pub tid: u32,
+    /// Thread group of `tid`: a recorded process.
     pub tgid: u32,
     /// Frames filled in [`Self::user`] (innermost first).
     pub user_frames: u32,
@@ -123,7 +128,11 @@ pub struct StackSampleRecord {
     /// With [`FLAG_OFF_CPU`]: microseconds from the thread's switch-out to
     /// the stack (blocked, then waiting for a CPU); 0 for a sample.
     pub off_cpu_us: u32,
+    /// User-space instruction addresses, the first [`Self::user_frames`]
+    /// filled.
     pub user: [u64; MAX_FRAMES],
+    /// Kernel instruction addresses, the first [`Self::kernel_frames`]
+    /// filled.
     pub kernel: [u64; MAX_FRAMES],
     /// The user registers unwinding starts from: instruction, stack and
     /// frame pointer (x86-64's rip, rsp, rbp).
@@ -140,7 +149,10 @@ pub struct StackSampleRecord {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct StackSampleWithCopy {
+    /// The stacks and the user registers.
     pub sample: StackSampleRecord,
+    /// The user stack from the stack pointer up, its first
+    /// [`StackSampleRecord::stack_len`] bytes copied.
     pub stack: [u8; STACK_COPY_BYTES],
 }
 

@@ -45,8 +45,12 @@ pub const FLAG_NAME_UNREADABLE: u16 = 1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TraceMeRecord {
+    /// Its `size` covers the fixed part and the copied name, rounded up to
+    /// 8 bytes ([`traceme_record_size`]).
     pub header: RecordHeader,
+    /// Thread that called `Record`.
     pub tid: u32,
+    /// Thread group of `tid`: a recorded process.
     pub tgid: u32,
     /// Address of the probed `Record` in the target: tells which loaded
     /// object (each has its own recorder) recorded the event.
@@ -61,6 +65,7 @@ pub struct TraceMeRecord {
     pub copied: u16,
     /// [`FLAG_NAME_UNREADABLE`].
     pub flags: u16,
+    /// The name, its first `copied` bytes copied (no terminating NUL).
     pub name: [u8; NAME_CAP],
 }
 
