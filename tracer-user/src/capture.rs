@@ -72,9 +72,12 @@ pub fn check_privileges() -> Result<()> {
     })
 }
 
+/// What a capture records, and how.
 #[derive(Clone, Debug, Default)]
 pub struct CaptureOptions {
+    /// How the eBPF object is loaded.
     pub probe: ProbeSetConfig,
+    /// Which probe families are attached.
     pub families: ProbeFamilies,
     /// TraceMe settings; the level itself comes from `families`.
     pub traceme: TraceMeOptions,
@@ -140,6 +143,7 @@ impl ProbeFamilies {
         off_cpu_min: Duration::ZERO,
     };
 
+    /// Whether no family is on.
     pub fn is_empty(&self) -> bool {
         *self == Self::NONE
     }
@@ -148,11 +152,13 @@ impl ProbeFamilies {
 /// What [`Capture::poll`] saw.
 #[derive(Clone, Copy, Debug)]
 pub struct PollStatus {
+    /// Records held so far, stack samples included.
     pub records: usize,
     /// Traced processes still alive.
     pub alive: usize,
 }
 
+/// A capture in progress: its probes, agents and what they recorded so far.
 pub struct Capture {
     /// Framework sessions run by the agent; dropped first, which stops
     /// them and takes the agent out of the targets.
@@ -371,14 +377,17 @@ impl Capture {
         })
     }
 
+    /// The processes recorded now.
     pub fn targets(&self) -> &[TargetProcess] {
         &self.targets
     }
 
+    /// When the capture window started (`CLOCK_MONOTONIC` ns); reset by [`Self::resume`].
     pub fn start_ns(&self) -> u64 {
         self.start_ns
     }
 
+    /// The probe families it was started with.
     pub fn families(&self) -> ProbeFamilies {
         self.families
     }
@@ -529,6 +538,7 @@ impl Capture {
         self.collector.clear_malformed();
     }
 
+    /// The probes' outcome counters, with the events the families lost in their own maps.
     pub fn probe_stats(&self) -> Result<ProbeStats> {
         Ok(ProbeStats {
             dropped_by_family: self.family_drops()?,

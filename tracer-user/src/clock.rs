@@ -85,6 +85,7 @@ impl ClockSync {
         (wall_ns as i64).wrapping_sub(self.offset_ns) as u64
     }
 
+    /// How far the offset may be off, in ns: the width of the bracket it was read in.
     pub fn uncertainty_ns(&self) -> u64 {
         self.uncertainty_ns
     }

@@ -52,8 +52,11 @@ impl Shape {
 /// Direction of a copy as the function's name states it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CopyKind {
+    /// Host to device.
     HtoD,
+    /// Device to host.
     DtoH,
+    /// Device to device.
     DtoD,
     /// Between the memories of two devices (contexts).
     Peer,
@@ -75,9 +78,11 @@ pub enum MemsetExtent {
 /// What kind of memory an allocation or free is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Memory {
+    /// Device memory.
     Device,
     /// Pitched device memory: `(dptr*, pitch*, width, height, elem)`.
     DevicePitched,
+    /// Unified (managed) memory.
     Managed,
     /// Page-locked host memory.
     Host,
@@ -95,28 +100,41 @@ pub enum Op {
     GraphLaunch,
     /// `(dst, src, bytes[, stream])`, peer: `(dst, dstCtx, src, srcCtx, bytes[, stream])`.
     Memcpy {
+        /// The copy's direction.
         kind: CopyKind,
+        /// Index of the byte count argument.
         bytes: usize,
+        /// Index of the stream argument; none for a synchronous copy.
         stream: Option<usize>,
     },
     /// `(const CUDA_MEMCPY2D/3D *[, stream])`.
     MemcpyStruct {
+        /// A `CUDA_MEMCPY3D` rather than a `CUDA_MEMCPY2D`.
         three_d: bool,
+        /// Index of the stream argument; none for a synchronous copy.
         stream: Option<usize>,
     },
+    /// A memset, `cuMemsetD*`.
     Memset {
+        /// Bytes per element: 1, 2 or 4.
         element_bytes: u64,
+        /// Where the element count is.
         extent: MemsetExtent,
+        /// Index of the stream argument; none for a synchronous memset.
         stream: Option<usize>,
     },
     /// `(ptr *out, bytes, ...[, stream])`.
     Alloc {
+        /// The kind of memory allocated.
         memory: Memory,
+        /// Index of the stream argument of a stream-ordered allocation.
         stream: Option<usize>,
     },
     /// `(ptr[, stream])`.
     Free {
+        /// The kind of memory freed.
         memory: Memory,
+        /// Index of the stream argument of a stream-ordered free.
         stream: Option<usize>,
     },
     /// `(stream)`.
@@ -131,7 +149,10 @@ pub enum Op {
     DeviceGet,
     /// `(CUcontext *out, ..., CUdevice dev)` with `dev` at this index; the
     /// new context becomes the thread's current one.
-    CtxCreate { device: usize },
+    CtxCreate {
+        /// Index of the `CUdevice` argument.
+        device: usize,
+    },
     /// `(CUcontext *out, CUdevice dev)`.
     PrimaryCtxRetain,
     /// `(CUcontext)`.
@@ -161,11 +182,14 @@ pub enum Op {
 /// One probed driver function.
 #[derive(Clone, Copy, Debug)]
 pub struct DriverFunction {
+    /// The exported symbol.
     pub name: &'static str,
+    /// What a call does.
     pub op: Op,
 }
 
 impl DriverFunction {
+    /// Which entry program saves its arguments.
     pub fn shape(&self) -> Shape {
         match self.op {
             Op::Launch => Shape::Stack,

@@ -9,69 +9,101 @@ pub const EXIT_USAGE: i32 = 2;
 /// Exit code for failures during a capture.
 pub const EXIT_FAILURE: i32 = 1;
 
+/// An error ebtrace reports to its user.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A target process does not exist.
     #[error("no process with pid {pid} (is it still running? check with `ps -p {pid}`)")]
-    NoSuchProcess { pid: u32 },
+    NoSuchProcess {
+        /// The pid asked for.
+        pid: u32,
+    },
 
+    /// A target process has exited and was not reaped.
     #[error("pid {pid} is a zombie (it has exited and waits to be reaped); nothing to trace")]
-    ZombieProcess { pid: u32 },
+    ZombieProcess {
+        /// The pid asked for.
+        pid: u32,
+    },
 
+    /// ebtrace lacks the capabilities to load eBPF programs.
     #[error(
         "not permitted to load eBPF programs: ebtrace needs root, or CAP_BPF and CAP_PERFMON \
          (missing: {missing}); run it with sudo"
     )]
-    NotPrivileged { missing: String },
+    NotPrivileged {
+        /// The capabilities missing, comma-separated.
+        missing: String,
+    },
 
+    /// A kernel tracepoint ebtrace needs is not in tracefs.
     #[error(
         "kernel tracepoint {category}:{name} not found under {tracefs} (needs a kernel with \
          CONFIG_TRACEPOINTS and tracefs mounted: `mount -t tracefs nodev /sys/kernel/tracing`)"
     )]
     MissingTracepoint {
+        /// The tracepoint's category (`sched`, ...).
         category: String,
+        /// The tracepoint's name.
         name: String,
+        /// Where tracefs was looked in.
         tracefs: PathBuf,
     },
 
+    /// A tracepoint's record format differs from what the eBPF programs read.
     #[error(
         "kernel tracepoint {category}:{name} has an unsupported layout: field `{field}` {found} \
          (expected offset {expected}); please report this kernel version"
     )]
     TracepointLayout {
+        /// The tracepoint's category.
         category: String,
+        /// The tracepoint's name.
         name: String,
+        /// The field out of place.
         field: String,
+        /// Where it is instead (`is at offset N`, or `is missing`).
         found: String,
+        /// The byte offset the programs read it at.
         expected: usize,
     },
 
+    /// tracefs is not mounted, and ebtrace could not mount it.
     #[error(
         "tracefs is not mounted and mounting it at {path} failed: {source} (mount it first: \
          `mount -t tracefs nodev /sys/kernel/tracing`; in a container, mount the host's \
          /sys/kernel/tracing, as deploy/ does)"
     )]
     TracefsMount {
+        /// Where mounting it was tried.
         path: PathBuf,
+        /// The mount's error.
         #[source]
         source: std::io::Error,
     },
 
+    /// The log directory cannot be written.
     #[error("cannot write traces under {path}: {source} (choose another directory with --logdir)")]
     LogdirNotWritable {
+        /// The directory.
         path: PathBuf,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
 
+    /// The binary has no eBPF object to load.
     #[error(
         "this ebtrace binary was built without its eBPF object (AYA_BUILD_SKIP was set); \
          rebuild it with `cargo build --release`"
     )]
     NoEbpfObject,
 
+    /// Loading the eBPF object failed.
     #[error("loading the eBPF programs failed: {0}")]
     Load(#[source] Box<aya::EbpfError>),
 
+    /// The kernel refused `bpf()` for another reason than missing capabilities.
     #[error(
         "the kernel refused ebtrace's bpf() calls (operation not permitted) although it has \
          CAP_BPF and CAP_PERFMON: {}",
@@ -90,33 +122,45 @@ pub enum Error {
         seccomp: bool,
     },
 
+    /// Loading or attaching one eBPF program failed.
     #[error("attaching {what} failed: {source}")]
     Attach {
+        /// The program and what it was attached to.
         what: String,
+        /// aya's error.
         #[source]
         source: Box<aya::programs::ProgramError>,
     },
 
+    /// Opening or using an eBPF map failed.
     #[error("eBPF map {name}: {source}")]
     Map {
+        /// The map's name.
         name: &'static str,
+        /// The error.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
 
+    /// The server could not listen on its address.
     #[error(
         "cannot listen on {addr}: {source} (is another server using it? choose another address \
          with --bind)"
     )]
     Bind {
+        /// The address.
         addr: std::net::SocketAddr,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
 
+    /// A `--allow-write-under` directory could not be opened.
     #[error("--allow-write-under {path}: {source} (it must be an existing directory)")]
     AllowWriteUnder {
+        /// The directory.
         path: PathBuf,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
@@ -125,12 +169,16 @@ pub enum Error {
     #[error("{0}")]
     RetainMemory(String),
 
+    /// A thread of `ebtrace serve` panicked: the first panic, on one line.
     #[error("stopped after an internal error: {0}")]
     Panicked(String),
 
+    /// Any other I/O error.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done.
         context: String,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
@@ -187,6 +235,7 @@ impl Error {
     }
 }
 
+/// The result of ebtrace's operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[cfg(test)]

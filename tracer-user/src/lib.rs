@@ -27,6 +27,8 @@
 //! to [`timeline`] in the timeline's own types, and `timeline::assemble`
 //! reads [`agent`]'s.
 
+#![warn(missing_docs)]
+
 pub mod agent;
 pub mod attach;
 pub mod capture;

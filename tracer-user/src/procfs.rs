@@ -39,7 +39,9 @@ fn proc_root() -> PathBuf {
 /// One line of `/proc/PID/task/TID/stat`, the fields we use.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TaskStat {
+    /// The thread id.
     pub tid: u32,
+    /// Its name, without the parentheses.
     pub comm: String,
     /// Single-letter state: R, S, D, T, t, Z, X, I, ...
     pub state: char,
@@ -68,7 +70,9 @@ pub fn parse_stat(line: &str) -> Option<TaskStat> {
 /// A process to trace.
 #[derive(Clone, Debug)]
 pub struct TargetProcess {
+    /// The process id.
     pub pid: u32,
+    /// Its name (`comm`) when it was opened.
     pub name: String,
     /// A pidfd of it, readable once it has exited: a watcher asks many
     /// times a second whether its targets still run, and reading `/proc`
@@ -161,9 +165,12 @@ pub struct ProcessCounters {
     /// User + system CPU time of the whole process (exited threads
     /// included), in clock ticks.
     pub cpu_ticks: u64,
-    /// Context switches of its live threads (`/proc/PID/task/*/status`).
+    /// Voluntary context switches of its live threads
+    /// (`/proc/PID/task/*/status`).
     pub voluntary_switches: u64,
+    /// Involuntary context switches of its live threads.
     pub involuntary_switches: u64,
+    /// Its live threads.
     pub threads: usize,
 }
 

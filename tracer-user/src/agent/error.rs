@@ -9,22 +9,37 @@ pub enum AgentError {
     /// (one the program was started with) was not used instead.
     #[error("{source}{}", listener.as_ref().map(|l| format!(" ({l})")).unwrap_or_default())]
     Load {
+        /// Why the load failed.
         #[source]
         source: InjectError,
+        /// Why a listening agent was not used, if the program had one.
         listener: Option<String>,
     },
     /// Another capture's agent is in the process now.
     #[error("another agent is in pid {pid} now (another capture's)")]
-    Busy { pid: u32 },
+    Busy {
+        /// The target process.
+        pid: u32,
+    },
     /// The agent could not do it, in its own words.
     #[error("{0}")]
     Refused(String),
     /// The agent answered `request` with a frame that does not answer it.
     #[error("the agent answered {request} with frame {kind}")]
-    OutOfTurn { request: &'static str, kind: u32 },
+    OutOfTurn {
+        /// The request sent.
+        request: &'static str,
+        /// The kind of the frame that came back.
+        kind: u32,
+    },
     /// The agent's answer broke the protocol.
     #[error("the agent in pid {pid} sent {what}")]
-    Malformed { pid: u32, what: &'static str },
+    Malformed {
+        /// The target process.
+        pid: u32,
+        /// What was wrong with the answer.
+        what: &'static str,
+    },
     /// The control socket failed, or an answer passed its bounds (see
     /// `channel`): the session ends.
     #[error("{0}")]
@@ -38,14 +53,21 @@ pub enum AgentError {
         "the agent did not say goodbye ({why}), so it was left loaded: it stops once the \
          program lets its thread run, and the next ebtrace on pid {pid} takes it out"
     )]
-    LeftLoaded { pid: u32, why: Box<AgentError> },
+    LeftLoaded {
+        /// The target process.
+        pid: u32,
+        /// Why the shutdown was not acknowledged.
+        why: Box<AgentError>,
+    },
     /// Taking out an agent loaded for one question failed.
     #[error("taking the agent out: {0}")]
     TakeOut(#[source] Box<AgentError>),
     /// Taking the agent out failed, and so did the second try.
     #[error("{first}; and again: {again}")]
     NotTakenOut {
+        /// Why the first try failed.
         first: InjectError,
+        /// Why the second try failed.
         #[source]
         again: InjectError,
     },

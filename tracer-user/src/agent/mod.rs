@@ -70,6 +70,7 @@ impl Started {
 /// What ebtrace's agent records in a target: the framework's profiler
 /// session, the GPU's activity, or both.
 pub struct AgentSession {
+    /// The target process.
     pub pid: u32,
     levels: SessionLevels,
     control: Channel,
@@ -108,6 +109,7 @@ pub struct AgentSession {
 
 /// What a session recorded.
 pub struct AgentRecording {
+    /// The target process.
     pub pid: u32,
     /// The serialized XSpaces, as the frameworks wrote them (one per
     /// framework: jax and TensorFlow each have their own profiler).

@@ -56,9 +56,11 @@ fn device_in(pid: u32) -> bool {
 
 /// What each target's agent records, and the lines saying so.
 pub struct AgentStart {
+    /// The sessions started.
     pub sessions: Vec<AgentSession>,
     /// Targets whose TraceMe events the uprobes collect.
     pub uprobe_pids: Vec<u32>,
+    /// Lines for the summary: which route each target's TraceMe events take, and why.
     pub notes: Vec<String>,
 }
 

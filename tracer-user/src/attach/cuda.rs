@@ -42,7 +42,9 @@ use crate::{
 /// The driver library of one traced process and what was attached to it.
 #[derive(Clone, Debug)]
 pub struct CudaTarget {
+    /// The process.
     pub pid: u32,
+    /// Its driver library.
     pub library: Library,
     /// Functions probed: with both probes attached, or the entry probe
     /// only ([`Self::entry_only`] of them).
@@ -92,10 +94,12 @@ pub struct CudaProbeStats {
     pub names_truncated: u64,
 }
 
+/// The CUDA driver uprobes of a capture: their links and counters.
 pub struct CudaProbe {
     stats: PerCpuArray<MapData, u64>,
     /// Each link with the process it probes.
     links: Vec<(u32, OwnedLink)>,
+    /// The processes attached to.
     pub targets: Vec<CudaTarget>,
     /// The functions probed.
     calls: DriverCalls,
@@ -187,6 +191,7 @@ impl CudaProbe {
         links.into_iter().map(|(_, l)| l).collect()
     }
 
+    /// What the probes lost so far, summed over CPUs.
     pub fn stats(&self) -> Result<CudaProbeStats> {
         let sum = |index: u32| -> Result<u64> {
             let values = self.stats.get(&index, 0).map_err(|e| Error::Map {

@@ -52,6 +52,7 @@ pub struct Library {
     /// Path that names the same file from here (through `/proc/PID/root`
     /// or `/proc/PID/map_files`): what the uprobes attach to.
     pub attach_path: PathBuf,
+    /// How it was found.
     pub source: Source,
 }
 

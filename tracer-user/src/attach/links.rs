@@ -17,10 +17,15 @@ const RELEASE_THREADS: usize = 64;
 
 /// A link ebtrace owns: dropping it detaches the program.
 pub enum OwnedLink {
+    /// A tracepoint program's link.
     TracePoint(TracePointLink),
+    /// A raw tracepoint program's link.
     RawTracePoint(RawTracePointLink),
+    /// A uprobe's link.
     UProbe(UProbeLink),
+    /// A multi-uprobe link: one program on many offsets.
     UProbeMulti(uprobe_multi::Link),
+    /// A perf-event program's link (CPU stack sampling).
     PerfEvent(PerfEventLink),
 }
 

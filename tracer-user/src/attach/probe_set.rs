@@ -22,6 +22,7 @@ use crate::{
     error::{Error, Result},
 };
 
+/// How a [`ProbeSet`] is loaded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeSetConfig {
     /// Ring buffer size in bytes (a power of two, at least one page).
@@ -46,9 +47,13 @@ impl Default for ProbeSetConfig {
 /// Outcome counters summed over CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProbeStats {
+    /// Records submitted to the ring buffer.
     pub submitted: u64,
+    /// Records lost because the ring buffer was full.
     pub dropped_ringbuf_full: u64,
+    /// New threads that could not be tracked: their tid is past the tracked-thread array.
     pub dropped_track_full: u64,
+    /// Submits that woke the reader because the ring buffer was filling up.
     pub forced_wakeups: u64,
     /// Program runs the kernel skipped because another BPF program (or a
     /// BPF syscall of some process) was active on that CPU.
@@ -59,6 +64,7 @@ pub struct ProbeStats {
 }
 
 impl ProbeStats {
+    /// All records lost, every way.
     pub fn dropped(&self) -> u64 {
         self.dropped_ringbuf_full
             + self.dropped_track_full
@@ -76,6 +82,7 @@ fn pid_max() -> u32 {
         .max(tracer_common::MAX_TRACKED_TIDS)
 }
 
+/// The loaded eBPF object, its shared maps and the links of every family attached to it.
 pub struct ProbeSet {
     /// Programs and the membership maps; dropping it unloads them.
     ebpf: Option<Ebpf>,
@@ -301,6 +308,7 @@ impl ProbeSet {
             .sum()
     }
 
+    /// The outcome counters so far, summed over CPUs; `dropped_by_family` is left 0.
     pub fn stats(&self) -> Result<ProbeStats> {
         let sum = |index: u32| -> Result<u64> {
             let values = self

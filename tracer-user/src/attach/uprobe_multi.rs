@@ -46,15 +46,21 @@ pub enum Kind {
 /// Why the programs for multi-uprobe links could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
+    /// Re-reading the eBPF object failed.
     #[error("re-reading the eBPF object for uprobe_multi links failed: {0}")]
     Object(String),
+    /// A map the programs need was not created.
     #[error("the eBPF object's map {0} was not created; the object and its loader disagree")]
     MissingMap(String),
+    /// The object has no such program.
     #[error("the eBPF object has no program {0}")]
     MissingProgram(String),
+    /// The kernel refused to load a program.
     #[error("the kernel refused program {program} for uprobe_multi links: {source}{log}")]
     Refused {
+        /// The program.
         program: String,
+        /// The kernel's error.
         #[source]
         source: io::Error,
         /// The verifier's last lines, if it said anything.

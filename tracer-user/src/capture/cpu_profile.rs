@@ -29,6 +29,7 @@ const DRAIN_PERIOD: Duration = Duration::from_millis(100);
 pub struct CpuProfile {
     /// The gzipped pprof profile.
     pub pprof: Vec<u8>,
+    /// Stack samples in it.
     pub samples: usize,
     /// Samples the kernel could not hand over (ring buffer full).
     pub dropped: u64,

@@ -19,6 +19,9 @@ pub enum Format {
     Perfetto,
 }
 
+// A `concat!` doc, which clap does not read: a literal one would become
+// the help text of the command this type is part of.
+#[doc = concat!("The flags of `ebtrace convert`.")]
 #[derive(Debug, Clone, Args)]
 pub struct ConvertArgs {
     /// The XSpace to read (<host>.xplane.pb, from ebtrace or from jax /
@@ -35,6 +38,7 @@ pub struct ConvertArgs {
     pub output: Option<PathBuf>,
 }
 
+/// Runs `ebtrace convert`: reads the XSpace and writes it in the format asked for.
 pub fn run(args: &ConvertArgs) -> Result<()> {
     let bytes = std::fs::read(&args.input)
         .map_err(|e| Error::io(format!("reading {}", args.input.display()), e))?;

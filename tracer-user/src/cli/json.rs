@@ -88,7 +88,9 @@ impl Start {
 
 /// What the capture was asked for.
 pub struct Asked {
+    /// The XProf log directory the trace is written under.
     pub logdir: PathBuf,
+    /// `--duration`.
     pub requested: Duration,
     /// `--max-events`, to tell whether TraceMe recording stopped at it.
     pub max_events: u64,
@@ -97,22 +99,27 @@ pub struct Asked {
 /// The summary object.
 #[derive(Debug, Serialize)]
 pub struct Summary {
+    /// The version of ebtrace that made the capture.
     pub ebtrace_version: &'static str,
     /// The `.xplane.pb` written.
     pub trace: PathBuf,
     /// The Perfetto trace, with `--perfetto`.
     pub perfetto_trace: Option<PathBuf>,
+    /// The XProf log directory the trace was written under.
     pub logdir: PathBuf,
     /// `--duration`.
     pub requested_duration_ns: u64,
+    /// The capture window.
     pub window: WindowTimes,
     /// From starting to every probe attached.
     pub attach_ns: u64,
     /// Why the capture ended before its duration, if it did.
     pub ended_early: Option<String>,
+    /// Kernel records captured and lost.
     pub records: Records,
     /// Scheduler transitions the kernel did not report (shown as Unknown).
     pub unreported_transitions: u64,
+    /// The traced processes, by pid.
     pub processes: Vec<Process>,
     /// Threads with anything on the trace, most time on CPU first.
     pub threads: Vec<Thread>,
@@ -126,7 +133,9 @@ pub struct Summary {
     pub cpu_samples: Option<u64>,
     /// Off-CPU stacks over the threads' long waits (`--off-cpu-min`), if taken.
     pub off_cpu_stacks: Option<u64>,
+    /// The summary's informational lines.
     pub notes: Vec<String>,
+    /// The summary's warnings, then those the library logged.
     pub warnings: Vec<String>,
 }
 
@@ -134,17 +143,22 @@ pub struct Summary {
 /// `profile_start_time` and `profile_stop_time`).
 #[derive(Debug, Serialize)]
 pub struct WindowTimes {
+    /// Start of the window.
     pub start_unix_ns: u64,
+    /// End of the window.
     pub stop_unix_ns: u64,
+    /// Length of the window, in ns.
     pub duration_ns: u64,
 }
 
 /// Kernel records: captured, and every way of losing them.
 #[derive(Debug, Serialize)]
 pub struct Records {
+    /// Kernel records the timeline was built from.
     pub captured: u64,
     /// All lost records: the sum of the four below and `malformed`.
     pub dropped: u64,
+    /// Records lost because the ring buffer was full.
     pub ring_buffer_full: u64,
     /// Threads beyond the tracking map's capacity.
     pub thread_map_full: u64,
@@ -160,7 +174,9 @@ pub struct Records {
 /// One traced process.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Process {
+    /// Its process id.
     pub pid: u32,
+    /// Its command name (`/proc/PID/comm`).
     pub name: String,
     /// Whether its last thread exited during the capture.
     pub exited: bool,
@@ -168,7 +184,9 @@ pub struct Process {
     pub threads: usize,
     /// `agent` or `uprobe`: how its TraceMe events were collected.
     pub traceme_route: Option<&'static str>,
+    /// ebtrace's agent in it, if loaded or preloaded.
     pub agent: Option<Agent>,
+    /// Its CUDA driver probes, if it was probed.
     pub cuda_probes: Option<CudaProbes>,
     /// What its framework's own profiler sessions gave.
     pub framework_session: Option<FrameworkSession>,
@@ -183,31 +201,41 @@ pub struct Process {
 pub struct Agent {
     /// Started with the process (`LD_PRELOAD`) rather than loaded now.
     pub preloaded: bool,
+    /// How long loading it took, in ns; none when preloaded.
     pub load_ns: Option<u64>,
     /// How long one thread of the process was kept from its own code.
     pub thread_kept_ns: Option<u64>,
+    /// The framework profiler session it ran, e.g. `jax 0.10.2 ProfilerSession`.
     pub framework_session: Option<String>,
+    /// The device activity source it ran, e.g. CUPTI's.
     pub device_activity: Option<String>,
 }
 
 /// The CUDA driver probes of one process.
 #[derive(Clone, Debug, Serialize)]
 pub struct CudaProbes {
+    /// The CUDA driver library probed.
     pub library: PathBuf,
     /// Mapped by the process (else found where its loader would look).
     pub loaded: bool,
+    /// Driver functions probed.
     pub functions: usize,
+    /// Driver functions exported but not probed.
     pub skipped_functions: usize,
+    /// Probe links attached.
     pub links: usize,
     /// `uprobe_multi` or `perf_event`.
     pub link_kind: &'static str,
+    /// Why perf-event links were used instead of `uprobe_multi` ones.
     pub no_multi_because: Option<String>,
 }
 
+/// What the framework profiler sessions that the agent ran in one process gave.
 #[derive(Clone, Debug, Serialize)]
 pub struct FrameworkSession {
     /// Events laid on the thread lines.
     pub events: u64,
+    /// Planes of the framework's own carried into the trace as they were.
     pub planes_carried: u64,
     /// Events of threads that ended before ebtrace could name them.
     pub events_left_out: u64,
@@ -216,10 +244,14 @@ pub struct FrameworkSession {
     pub target_growth_bytes: u64,
 }
 
+/// What CUPTI recorded of one process's GPU work.
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuActivity {
+    /// Kernel executions.
     pub kernels: u64,
+    /// Memory copies.
     pub copies: u64,
+    /// Memory sets.
     pub memsets: u64,
     /// Work joined to a driver call the uprobes recorded.
     pub joined_to_driver_calls: u64,
@@ -231,39 +263,57 @@ pub struct GpuActivity {
     pub skipped: u64,
 }
 
+/// Kernel names asked of the CUDA driver inside one process.
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelNames {
+    /// Function handles asked for.
     pub asked: u64,
+    /// Function handles the driver named.
     pub named: u64,
 }
 
 /// One thread's totals over the window.
 #[derive(Debug, Serialize)]
 pub struct Thread {
+    /// Its thread id.
     pub tid: u32,
+    /// Its process id.
     pub pid: u32,
+    /// Its name (`/proc/PID/task/TID/comm`).
     pub name: String,
+    /// Its time in each state and its event counts.
     #[serde(flatten)]
     pub counters: ThreadCounters,
 }
 
+/// One GPU's streams of one kind of timing.
 #[derive(Debug, Serialize)]
 pub struct Gpu {
+    /// The CUDA device ordinal.
     pub ordinal: u32,
     /// `host_observed` (spans of the submitting calls) or `device` (timed
     /// by the GPU, from CUPTI).
     pub timing: &'static str,
+    /// Events on those streams.
     pub events: usize,
+    /// Streams with this timing.
     pub streams: usize,
 }
 
+/// The TraceMe uprobe route's events and what became of them.
 #[derive(Debug, Serialize)]
 pub struct TraceMe {
+    /// Events read from the targets.
     pub events: u64,
+    /// Spans added to the timeline.
     pub spans: u64,
+    /// Events not wholly inside the capture window.
     pub outside_window: u64,
+    /// Activity starts and ends whose partner was not recorded.
     pub unpaired_activity_halves: u64,
+    /// Spans cut to make them nest.
     pub cut_to_nest: u64,
+    /// Records with impossible times.
     pub malformed: u64,
     /// Events the probe could not read from the target: lost.
     pub unreadable: u64,

@@ -26,13 +26,18 @@ use crate::agent::TraceMeRoute;
                   View: xprof --logdir ./ebtrace-logs (or tensorboard --logdir ./ebtrace-logs)"
 )]
 pub struct Cli {
+    /// The subcommand; none runs `record` with the flags below.
     #[command(subcommand)]
     pub command: Option<Command>,
 
+    /// `record`'s flags, given without the subcommand's name.
     #[command(flatten)]
     pub record: RecordArgs,
 }
 
+// A `concat!` doc, which clap does not read: a literal one would become
+// the help text of the command this type is part of.
+#[doc = concat!("The subcommands of `ebtrace`.")]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Record running processes into an XSpace (the default command).
@@ -77,6 +82,9 @@ pub enum Command {
     },
 }
 
+// A `concat!` doc, which clap does not read: a literal one would become
+// the help text of the command this type is part of.
+#[doc = concat!("The flags of `ebtrace record`.")]
 #[derive(Debug, Clone, Args)]
 pub struct RecordArgs {
     /// Process to trace (repeat or comma-separate for several). A thread id

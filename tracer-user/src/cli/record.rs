@@ -23,6 +23,8 @@ use crate::{
 /// How often the loop wakes to drain and to check the stop conditions.
 const TICK: Duration = Duration::from_millis(50);
 
+/// Runs `ebtrace record`: attaches, records, writes the trace and prints
+/// the summary.
 pub fn run(args: &RecordArgs) -> Result<()> {
     let targets = open_targets(&args.pids)?;
     check_privileges()?;

@@ -13,6 +13,9 @@ use crate::{
     server::{self, ServeConfig, recorder::Retention, validate::Limits, watch::WatchMode},
 };
 
+// A `concat!` doc, which clap does not read: a literal one would become
+// the help text of the command this type is part of.
+#[doc = concat!("The flags of `ebtrace serve`.")]
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Process to watch (repeat or comma-separate for several). A thread id
@@ -128,6 +131,7 @@ fn parse_bind(s: &str) -> Result<SocketAddr, String> {
     })
 }
 
+/// Runs `ebtrace serve` until SIGTERM or SIGINT.
 pub fn run(args: &ServeArgs) -> Result<()> {
     crate::attach::traceme::prepare_gates();
     let watch = if args.discover {

@@ -18,18 +18,27 @@ use tracer_common::{
 /// that the frequent scheduler records stay small.
 #[derive(Clone, Debug)]
 pub enum Record {
+    /// A `sched_switch` involving a traced thread.
     Switch(SchedSwitch),
+    /// A wake-up of a traced thread.
     Wakeup(SchedWakeup),
     // Boxed, as the rare records below: a record's size is its largest
     // variant's, and captures hold millions of switches and wake-ups.
+    /// A thread created by a traced thread.
     TaskNew(Box<TaskNew>),
+    /// A process forked by a traced thread.
     Fork(ProcessFork),
+    /// A traced thread's exit.
     Exit(Box<TaskExit>),
+    /// A traced thread's new name.
     Rename(Box<TaskRename>),
+    /// A CUDA driver call.
     CudaCall(Box<CudaCall>),
+    /// A kernel handle and the name it was looked up by.
     CudaSymbol(Box<CudaSymbol>),
     /// Boxed: it is much larger than the others and much rarer.
     TraceMe(Box<TraceMeEvent>),
+    /// A CPU stack sample or an off-CPU stack.
     StackSample(Box<StackSample>),
 }
 
@@ -37,8 +46,11 @@ pub enum Record {
 /// sampling clock of its CPU ticked.
 #[derive(Clone, Debug)]
 pub struct StackSample {
+    /// Kind, size, CPU and time of the record.
     pub header: RecordHeader,
+    /// The sampled thread.
     pub tid: u32,
+    /// Its process.
     pub tgid: u32,
     /// User-space instruction addresses, innermost first (every one past
     /// the first is a return address).
@@ -47,6 +59,7 @@ pub struct StackSample {
     pub kernel: Box<[u64]>,
     /// The user stack could not be read (a kernel thread, or unwinding failed).
     pub user_unreadable: bool,
+    /// The kernel stack could not be read.
     pub kernel_unreadable: bool,
     /// 0 for a tick of the sampling clock. Otherwise the stack was taken as
     /// the system call the thread waited in returned (an off-CPU stack:
@@ -68,13 +81,19 @@ impl StackSample {
 /// A `TraceMeRecorder::Record(Event&&)` call as the uprobe saw it.
 #[derive(Clone, Debug)]
 pub struct TraceMeEvent {
+    /// Kind, size, CPU and time of the record.
     pub header: RecordHeader,
+    /// The thread that recorded the event.
     pub tid: u32,
+    /// Its process.
     pub tgid: u32,
     /// Address of the probed `Record`: which recorder (loaded object).
     pub site: u64,
-    /// `Event::start_time` and `end_time`, as the target wrote them.
+    /// `Event::start_time`, as the target wrote it (wall-clock epoch ns,
+    /// or minus an activity's id at its end).
     pub start_time: i64,
+    /// `Event::end_time`, as the target wrote it (wall-clock epoch ns, or
+    /// minus an activity's id at its start).
     pub end_time: i64,
     /// The name, or its first `NAME_CAP` bytes (invalid UTF-8 replaced).
     pub name: String,
@@ -87,6 +106,7 @@ pub struct TraceMeEvent {
 }
 
 impl Record {
+    /// The header the record starts with.
     pub fn header(&self) -> &RecordHeader {
         match self {
             Record::Switch(r) => &r.header,
@@ -170,17 +190,25 @@ impl Record {
     }
 }
 
+/// Why a ring-buffer item is not a record.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
+    /// Shorter than a record header: its length in bytes.
     #[error("record of {0} bytes is shorter than its header")]
     Short(usize),
+    /// The header names no known kind.
     #[error("unknown record kind {0}")]
     UnknownKind(u16),
+    /// The size in the header is not its kind's, or the item is shorter.
     #[error("record kind {kind:?} claims {claimed} bytes, expected {expected}, got {got}")]
     Size {
+        /// The record's kind.
         kind: RecordKind,
+        /// The size in its header, in bytes.
         claimed: usize,
+        /// The size of its kind, in bytes.
         expected: usize,
+        /// The item's length, in bytes.
         got: usize,
     },
 }
@@ -279,13 +307,15 @@ pub fn held_record_len(bytes: &[u8]) -> Option<usize> {
 /// copy each whole record once more only to count it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DriverCallCounted {
+    /// The calling process.
     pub tgid: u32,
     /// Index of the function in [`crate::cuda_api`]'s table.
     pub function: u16,
     /// The `CUresult` returned.
     pub result: u32,
-    /// Entry and return times (`CLOCK_MONOTONIC` ns).
+    /// Entry time (`CLOCK_MONOTONIC` ns).
     pub start_ns: u64,
+    /// Return time (`CLOCK_MONOTONIC` ns).
     pub end_ns: u64,
 }
 

@@ -53,7 +53,9 @@ pub struct EncodedRecords {
 /// [`EncodedRecords::places`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecordPlace {
+    /// Its chunk's index, the oldest held chunk being 0.
     pub chunk: u32,
+    /// Its byte offset in that chunk.
     pub offset: u32,
 }
 
@@ -74,6 +76,7 @@ impl EncodedRecords {
         self.len
     }
 
+    /// Whether it holds no record.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

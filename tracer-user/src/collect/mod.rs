@@ -17,6 +17,7 @@ pub use encoded::{EncodedRecords, RecordPlace, is_driver_record};
 pub use ring::{RingError, RingReader, RingUsage};
 pub use stop::{DrainStop, StopOnDrop};
 
+/// The userspace end of the probes' ring buffer: drains it into records.
 pub struct Collector {
     ring: RingReader,
     decoder: Decoder,
@@ -33,6 +34,7 @@ struct Decoder {
 }
 
 impl Collector {
+    /// A collector draining `ring`.
     pub fn new(ring: RingReader) -> Self {
         Collector {
             ring,
@@ -46,6 +48,7 @@ impl Collector {
         self.decoder.malformed
     }
 
+    /// Starts the count of [`Self::malformed`] over.
     pub fn clear_malformed(&mut self) {
         self.decoder.malformed = 0;
     }

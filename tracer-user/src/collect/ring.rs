@@ -34,10 +34,13 @@ const PUBLISH_EVERY: usize = 256 * 1024;
 /// Why the ring buffer could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum RingError {
+    /// The map is not a `BPF_MAP_TYPE_RINGBUF`.
     #[error("the events map is not a ring buffer")]
     NotARing,
+    /// Its size could not be read.
     #[error("reading the events map's size: {0}")]
     Info(#[source] aya::maps::MapError),
+    /// Its pages could not be mapped.
     #[error("mapping the ring buffer into memory: {0}")]
     Map(#[source] std::io::Error),
 }
@@ -51,6 +54,7 @@ pub struct RingUsage {
     pub size: usize,
 }
 
+/// Reads records from a BPF ring buffer mapped into this process.
 pub struct RingReader {
     /// Owns the map's descriptor.
     map: MapData,

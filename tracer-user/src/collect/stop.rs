@@ -18,6 +18,7 @@ pub struct DrainStop {
 }
 
 impl DrainStop {
+    /// A flag not set yet.
     pub fn new() -> Self {
         // SAFETY: eventfd takes no pointers; a valid descriptor it returns
         // is ours alone.
@@ -40,6 +41,7 @@ impl DrainStop {
         }
     }
 
+    /// Whether the flag is set.
     pub fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::Acquire)
     }

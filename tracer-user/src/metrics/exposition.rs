@@ -6,11 +6,15 @@
 
 use std::fmt::Write as _;
 
+/// The HTTP `Content-Type` of the format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// A metric family's type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// A value that only goes up.
     Counter,
+    /// A value that goes up and down.
     Gauge,
 }
 
@@ -51,6 +55,7 @@ impl Exposition {
         let _ = writeln!(self.out, " {value}");
     }
 
+    /// The text written.
     pub fn finish(self) -> String {
         self.out
     }

@@ -40,6 +40,7 @@ pub struct ServerCounters {
 }
 
 impl ServerCounters {
+    /// Counts a capture answered, and the records it lost.
     pub fn add_capture(&self, dropped: u64) {
         self.captures.fetch_add(1, Ordering::Relaxed);
         self.records_dropped.fetch_add(dropped, Ordering::Relaxed);
@@ -55,6 +56,7 @@ pub struct Metrics {
     /// Whether a flight recorder has counted: until then the probe-based
     /// series are left out rather than shown as zeros.
     activity_counted: AtomicBool,
+    /// What the session hub counted.
     pub server: ServerCounters,
 }
 

@@ -12,8 +12,11 @@ use crate::procfs::{self, TargetProcess};
 /// `status`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ThreadSample {
+    /// Time spent runnable, waiting on a run queue, in ns.
     pub runqueue_wait_ns: u64,
+    /// Voluntary context switches.
     pub voluntary_switches: u64,
+    /// Involuntary context switches.
     pub involuntary_switches: u64,
 }
 
@@ -56,8 +59,11 @@ fn parse_schedstat(line: &str) -> Option<ThreadSample> {
 /// What one watched process has done since ebtrace first saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessTotals {
+    /// The process id.
     pub pid: u32,
+    /// Its name (`comm`).
     pub name: String,
+    /// Its live threads.
     pub threads: usize,
     /// User + system CPU time of the whole process, ns (clock-tick
     /// resolution).

@@ -53,11 +53,17 @@ use write_guard::WriteGuard;
 /// Everything `ebtrace serve` was asked to do.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
+    /// The addresses the gRPC ProfilerService listens on (`--bind`).
     pub binds: Vec<SocketAddr>,
+    /// How target processes are chosen.
     pub watch: WatchMode,
+    /// What a request may ask for.
     pub limits: Limits,
+    /// The most sessions run at once (`--max-sessions`).
     pub max_sessions: usize,
+    /// How the eBPF object is loaded.
     pub probe: ProbeSetConfig,
+    /// The directory under which the server may save traces itself (`--allow-write-under`).
     pub allow_write_under: Option<PathBuf>,
     /// How long a finished capture's probes stay attached (paused) for
     /// the next one.

@@ -9,9 +9,13 @@ use crate::procfs::{ProcessCounters, TargetProcess, clock_ticks_per_second};
 
 /// One process's counters at both ends of the window.
 pub struct Sample {
+    /// The process id.
     pub pid: u32,
+    /// Its name (`comm`).
     pub name: String,
+    /// Its counters at the start of the window; none if it had exited.
     pub before: Option<ProcessCounters>,
+    /// Its counters at the end; none if it had exited.
     pub after: Option<ProcessCounters>,
 }
 

@@ -130,6 +130,8 @@ impl Retention {
 /// listens, about: [`Retention::check_room`] is asked before.
 pub const SERVER_MEMORY: usize = 4 * 1024 * 1024;
 
+/// The flight recorder: a capture of the watched processes that keeps only the last `--retain` of
+/// what it recorded.
 pub struct FlightRecorder {
     capture: Capture,
     pids: BTreeSet<u32>,

@@ -22,12 +22,17 @@ pub const XPLANE_TOOL: &str = "xplane.pb";
 /// What the server's log says about a delivered session.
 #[derive(Clone, Debug)]
 pub struct Delivered {
-    /// Time to build the XSpace and to encode it.
+    /// Time to build the encoded XSpace.
     pub built: std::time::Duration,
+    /// Time to decode it into the response's `xspace` (inline delivery only).
     pub encoded: std::time::Duration,
+    /// Events in the trace.
     pub events: usize,
+    /// Size of the encoded XSpace.
     pub bytes: usize,
+    /// No line has an event.
     pub empty: bool,
+    /// Where the server saved its own copy, if it did.
     pub saved: Option<std::path::PathBuf>,
     /// Why a copy the request asked the server for was not saved.
     pub not_saved: Option<String>,

@@ -20,9 +20,13 @@ use super::{
 };
 use crate::clock;
 
+/// TensorFlow's gRPC ProfilerService, answered by the session hub.
 pub struct ProfilerServer {
+    /// Where requests go.
     pub hub: HubHandle,
+    /// What a request may ask for.
     pub limits: Limits,
+    /// The directory the server may save traces under, if any.
     pub guard: Option<Arc<WriteGuard>>,
     /// This machine's name, recorded in traces unless a request overrides it.
     pub hostname: String,

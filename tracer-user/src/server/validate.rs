@@ -38,8 +38,11 @@ pub const PIDS_KEY: &str = "pid";
 /// verbose), device (0/1), python (0/1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TracerLevels {
+    /// `host_tracer_level`: scheduler data and TraceMe events at this level.
     pub host: u32,
+    /// `device_tracer_level`: CUDA driver calls and, through them, device work.
     pub device: u32,
+    /// `python_tracer_level`; ebtrace has no Python tracer, so it switches nothing.
     pub python: u32,
 }
 
@@ -51,6 +54,7 @@ impl TracerLevels {
         python: 0,
     };
 
+    /// The levels `opts` asks for; TSL's defaults without them or where `opts.version` is 0.
     pub fn of(opts: Option<&ProfileOptions>) -> Self {
         match opts {
             Some(o) if o.version != 0 => TracerLevels {
@@ -114,8 +118,11 @@ pub struct SessionSpec {
     pub session_id: String,
     /// Requested start, wall-clock epoch ns; `None`: now.
     pub start_wall_ns: Option<u64>,
+    /// How long to record.
     pub duration: Duration,
+    /// The tracer levels asked for.
     pub levels: TracerLevels,
+    /// The probe families those levels switch on.
     pub families: ProbeFamilies,
     /// At most this many events in the trace (`None`: no limit).
     pub max_events: Option<usize>,
@@ -123,6 +130,7 @@ pub struct SessionSpec {
     pub pids: Option<BTreeSet<u32>>,
     /// Host name recorded in the XSpace.
     pub hostname: String,
+    /// How the XSpace goes back to the client.
     pub delivery: Delivery,
     /// Whether the server itself saves the XSpace.
     pub server_copy: ServerCopy,

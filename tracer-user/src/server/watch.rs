@@ -43,9 +43,13 @@ pub enum WatchMode {
     /// Exactly these processes (checked at start-up).
     Pids(Vec<TargetProcess>),
     /// Processes mapping a runtime library, rescanned every interval.
-    Discover { interval: Duration },
+    Discover {
+        /// Time between scans.
+        interval: Duration,
+    },
 }
 
+/// The processes `ebtrace serve` watches, chosen as its [`WatchMode`] says.
 pub struct Watched {
     mode: WatchMode,
     procs: BTreeMap<u32, TargetProcess>,
@@ -53,6 +57,7 @@ pub struct Watched {
 }
 
 impl Watched {
+    /// Watches as `mode` says; a discovering one scans for processes at once.
     pub fn new(mode: WatchMode) -> Self {
         let procs = match &mode {
             WatchMode::Pids(targets) => targets.iter().map(|t| (t.pid, t.clone())).collect(),
@@ -128,6 +133,7 @@ impl Watched {
         self.procs.values().cloned().collect()
     }
 
+    /// Whether `pid` is watched, as of the last refresh.
     pub fn contains(&self, pid: u32) -> bool {
         self.procs.contains_key(&pid)
     }

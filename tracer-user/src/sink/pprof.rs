@@ -30,6 +30,7 @@ pub struct SamplingInfo {
     pub hz: u64,
     /// Wall-clock start of the sampling, ns since the Unix epoch.
     pub start_unix_ns: i64,
+    /// How long it sampled, in ns.
     pub duration_ns: i64,
 }
 

@@ -43,10 +43,15 @@ impl Mmap {
 /// A `PT_LOAD` segment: where a range of the file goes in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoadSegment {
+    /// Virtual address of its start (`p_vaddr`).
     pub vaddr: u64,
+    /// Its size in memory, in bytes (`p_memsz`).
     pub memsz: u64,
+    /// Offset of its start in the file (`p_offset`).
     pub offset: u64,
+    /// Its size in the file, in bytes (`p_filesz`).
     pub filesz: u64,
+    /// Mapped executable (`PF_X`).
     pub executable: bool,
 }
 
@@ -64,6 +69,7 @@ pub struct SectionRange {
 pub struct FoundSymbol {
     /// Virtual address in the object file (`st_value`).
     pub vaddr: u64,
+    /// Size in bytes (`st_size`).
     pub size: u64,
     /// Found in `.dynsym` (exported) rather than only in `.symtab`.
     pub exported: bool,
@@ -81,6 +87,7 @@ pub struct SymbolScan {
     pub found: Vec<Option<FoundSymbol>>,
     /// Symbols looked at (both tables).
     pub symbols: usize,
+    /// How long the scan took.
     pub elapsed: Duration,
 }
 
@@ -147,10 +154,12 @@ impl ElfObject {
         })
     }
 
+    /// The path it was opened at.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
+    /// Its `PT_LOAD` segments.
     pub fn segments(&self) -> &[LoadSegment] {
         &self.segments
     }

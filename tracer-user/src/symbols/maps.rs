@@ -12,12 +12,17 @@ use super::elf::LoadSegment;
 /// One line of `/proc/PID/maps`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mapping {
+    /// First address of the mapping.
     pub start: u64,
+    /// Address just past its end.
     pub end: u64,
+    /// Permissions, e.g. `r-xp`.
     pub perms: String,
     /// Offset in the file of `start`.
     pub offset: u64,
+    /// The file's device, `major:minor` in hex.
     pub dev: String,
+    /// The file's inode; 0 for an anonymous mapping.
     pub inode: u64,
     /// File path, `[heap]`-style name, or empty.
     pub path: String,
@@ -57,11 +62,15 @@ pub fn parse_maps_line(line: &str) -> Option<Mapping> {
 /// A file mapped into a process, with all its mappings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MappedObject {
+    /// The process.
     pub pid: u32,
     /// The path as the process sees it.
     pub path: String,
+    /// The file's device, `major:minor` in hex.
     pub dev: String,
+    /// The file's inode.
     pub inode: u64,
+    /// Its mappings, in address order.
     pub mappings: Vec<Mapping>,
 }
 
@@ -187,11 +196,13 @@ pub fn in_code(code: &[Range<u64>], address: u64) -> bool {
 /// unmapped when dropped.
 #[cfg(test)]
 pub struct AnonymousCode {
+    /// Start of the page.
     pub address: u64,
 }
 
 #[cfg(test)]
 impl AnonymousCode {
+    /// Maps one page, readable and executable.
     pub fn map() -> Self {
         // SAFETY: a new anonymous mapping of one page, unmapped on drop.
         let at = unsafe {

@@ -37,15 +37,20 @@ const MAPS_REREAD_AT_MOST: Duration = Duration::from_secs(32);
 /// Whose address space an address is in.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Space {
+    /// The kernel's.
     Kernel,
+    /// A process's, by pid.
     Process(u32),
 }
 
 /// One function at an address.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Frame {
+    /// The function's name, demangled.
     pub function: String,
+    /// Its source file, where the object has debug information.
     pub file: Option<String>,
+    /// The line in that file.
     pub line: Option<u32>,
 }
 
@@ -53,6 +58,7 @@ pub struct Frame {
 /// then the function the address is in. Empty where nothing is known.
 #[derive(Clone, Debug, Default)]
 pub struct Symbol {
+    /// The functions inlined at the address, innermost first, then the one it is in.
     pub frames: Vec<Frame>,
     /// The object the address is in, where known.
     pub module: Option<String>,

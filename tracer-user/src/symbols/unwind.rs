@@ -37,8 +37,11 @@ const MAX_FRAMES: usize = tracer_common::stack::MAX_FRAMES;
 /// What the sampling program copied of a thread's user state.
 #[derive(Clone, Copy, Debug)]
 pub struct UserStack<'a> {
+    /// The instruction pointer.
     pub ip: u64,
+    /// The stack pointer.
     pub sp: u64,
+    /// The frame pointer (`rbp`).
     pub bp: u64,
     /// The stack's bytes from `sp` up.
     pub bytes: &'a [u8],
@@ -56,6 +59,7 @@ impl UserStack<'_> {
 /// An unwound stack: the instruction address, then return addresses.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unwound {
+    /// The instruction address, then the return addresses, innermost first.
     pub frames: Vec<u64>,
     /// It reached the stack's outermost frame (rather than stopping where
     /// the copy ended or the information ran out).

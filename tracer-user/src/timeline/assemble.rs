@@ -32,6 +32,7 @@ pub struct Sources<'a> {
     /// When recording began (monotonic ns): a window that starts earlier
     /// shows from here.
     pub start_ns: u64,
+    /// Maps the records' monotonic times to wall-clock time.
     pub clock: ClockSync,
     /// The traced processes: pid and name.
     pub processes: Vec<(u32, String)>,
@@ -96,6 +97,7 @@ impl Sources<'_> {
 
 /// The TraceMe events of a capture and what its probes found.
 pub struct TraceMeInput<'a> {
+    /// The events the uprobes recorded.
     pub events: &'a [TraceMeEvent],
     /// For the summary: one line per recorder, Python gate, and target
     /// left recording.

@@ -49,6 +49,7 @@ const STREAM_PER_THREAD: u64 = 0x2;
 /// Work submitted to one GPU, as the host saw it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DeviceTrack {
+    /// The CUDA device ordinal.
     pub ordinal: u32,
     /// Lines by stream id.
     pub streams: BTreeMap<i64, StreamTrack>,
@@ -77,6 +78,7 @@ pub struct StreamTrack {
     pub label: String,
     /// Where its events' times come from.
     pub timing: StreamTiming,
+    /// The work submitted, in order.
     pub events: Vec<Span>,
 }
 
@@ -128,6 +130,7 @@ impl OrdinalSource {
 pub struct CudaTimeline {
     /// Host spans by tid, with the thread's pid; they nest.
     pub spans: FxHashMap<u32, (u32, Vec<Span>)>,
+    /// GPUs by ordinal, with the work submitted to them.
     pub devices: BTreeMap<u32, DeviceTrack>,
     /// Driver calls in the window.
     pub calls: u64,
@@ -164,6 +167,7 @@ impl CudaTimeline {
     }
 }
 
+/// Builds a [`CudaTimeline`] from driver-call and kernel-name records fed in return-time order.
 #[derive(Default)]
 pub struct CudaTimelineBuilder {
     start_ns: u64,
@@ -351,6 +355,8 @@ impl CudaTimelineBuilder {
         }
     }
 
+    /// Notes the kernel name a `cuModuleGetFunction` or `cuLibraryGetKernel` lookup gave its
+    /// handle.
     pub fn push_symbol(&mut self, rec: &CudaSymbol) {
         if let Some(symbol) = symbol_from(rec) {
             self.symbols.insert((rec.tgid, rec.handle), symbol);

@@ -54,6 +54,7 @@ pub fn tsl_thread_id(pthread_self: u64) -> i64 {
 pub struct CarriedPlane {
     /// The process whose session recorded it.
     pub pid: u32,
+    /// The plane.
     pub plane: XPlane,
 }
 
@@ -62,8 +63,9 @@ pub struct CarriedPlane {
 pub struct FrameworkMerge {
     /// Events laid on thread lines as spans.
     pub spans: u64,
-    /// Host lines whose thread ebtrace could not name, and their events.
+    /// Host lines whose thread ebtrace could not name.
     pub unnamed_lines: u64,
+    /// Events on those lines.
     pub unnamed_events: u64,
     /// Planes carried over as they are.
     pub planes: u64,

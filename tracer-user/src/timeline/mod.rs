@@ -71,11 +71,20 @@ pub type FlowId = std::num::NonZeroU32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ThreadState {
     /// On a CPU.
-    Running { cpu: u32 },
+    Running {
+        /// The CPU's number.
+        cpu: u32,
+    },
     /// Ready to run, waiting for a CPU.
-    Runnable { cause: RunnableCause },
+    Runnable {
+        /// How it became runnable.
+        cause: RunnableCause,
+    },
     /// Off the run queue: sleeping, waiting for I/O, stopped...
-    Blocked { state: TaskState },
+    Blocked {
+        /// The task state the kernel reported.
+        state: TaskState,
+    },
     /// The kernel delivered no scheduler event that explains this interval
     /// (seen on some virtual machines, for every BPF tracer alike): the
     /// thread was switched out, then seen switching out again.
@@ -87,7 +96,10 @@ pub enum ThreadState {
     /// sample).
     ///
     /// [`Unknown`]: ThreadState::Unknown
-    Sampled { cpu: u32 },
+    Sampled {
+        /// The CPU of its sample nearest the reported switch.
+        cpu: u32,
+    },
 }
 
 impl ThreadState {
@@ -190,7 +202,9 @@ impl TaskState {
 /// One stretch of time a thread spent in one state, `[start_ns, end_ns)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateSlice {
+    /// Start, monotonic ns.
     pub start_ns: u64,
+    /// End (excluded), monotonic ns.
     pub end_ns: u64,
     state: PackedState,
 }
@@ -216,6 +230,7 @@ impl StateSlice {
         self.state = PackedState::new(state);
     }
 
+    /// Length of the slice, in ns.
     pub fn duration_ns(&self) -> u64 {
         self.end_ns - self.start_ns
     }
@@ -224,6 +239,7 @@ impl StateSlice {
 /// An instant on a thread's timeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Mark {
+    /// When, monotonic ns.
     pub ts_ns: u64,
     kind: PackedMark,
 }
@@ -249,19 +265,28 @@ impl Mark {
     }
 }
 
+/// What a [`Mark`] records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MarkKind {
     /// This thread woke `woken` (in [`Timeline::peers`]); `flow_id`
     /// matches the woken thread's slice (`None` when the trace does not
     /// show that slice).
     Wakeup {
+        /// The thread woken.
         woken: PeerId,
+        /// Links this mark to the woken thread's slice.
         flow_id: Option<FlowId>,
     },
     /// This thread created a thread of its own process.
-    ThreadCreated { tid: u32 },
+    ThreadCreated {
+        /// The new thread.
+        tid: u32,
+    },
     /// This thread forked a new process.
-    ProcessForked { pid: u32 },
+    ProcessForked {
+        /// The new process.
+        pid: u32,
+    },
     /// The thread exited.
     Exited,
 }
@@ -269,8 +294,11 @@ pub enum MarkKind {
 /// A typed value attached to a span (becomes an XStat).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
+    /// A signed integer.
     I64(i64),
+    /// An unsigned integer.
     U64(u64),
+    /// A floating-point number.
     F64(f64),
     /// Text, shared: the spans of a driver call and of the work it
     /// submitted repeat a few texts (kernel names, stream labels) tens of
@@ -283,11 +311,14 @@ pub enum Value {
 /// partially overlapping intervals resolves them before adding them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Span {
+    /// Start, monotonic ns.
     pub start_ns: u64,
+    /// End (included), monotonic ns.
     pub end_ns: u64,
     /// Shared by the spans of one name (a framework's session repeats a
     /// few names millions of times).
     pub name: std::sync::Arc<str>,
+    /// Values attached to it, written as XStats.
     pub stats: Stats,
     /// The id a CUDA driver call's span shares with the device event of
     /// the work it submitted; XProf draws an arrow from one to the other.
@@ -310,8 +341,11 @@ pub const CORRELATION_STAT: &str = "correlation_id";
 /// Per-thread totals over the capture window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ThreadCounters {
+    /// Time on a CPU ([`ThreadState::Running`] or [`ThreadState::Sampled`]), in ns.
     pub on_cpu_ns: u64,
+    /// Time runnable, waiting for a CPU, in ns.
     pub runnable_ns: u64,
+    /// Time blocked, in ns.
     pub blocked_ns: u64,
     /// Time in [`ThreadState::Unknown`] intervals.
     pub unknown_ns: u64,
@@ -328,12 +362,19 @@ pub struct ThreadCounters {
 /// Everything known about one traced thread.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ThreadTrack {
+    /// Thread id.
     pub tid: u32,
+    /// Its process id.
     pub pid: u32,
+    /// Its name (`comm`).
     pub name: String,
+    /// Its scheduling states, in time order, consecutive and non-overlapping.
     pub slices: Vec<StateSlice>,
+    /// Instants on it: wake-ups issued, threads created, exit.
     pub marks: Vec<Mark>,
+    /// Named intervals from other sources, nested.
     pub spans: Vec<Span>,
+    /// Its totals over the window.
     pub counters: ThreadCounters,
 }
 
@@ -380,16 +421,22 @@ impl ThreadTrack {
 /// Which traced thread ran on a CPU, `[start_ns, end_ns)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CpuSlice {
+    /// Start, monotonic ns.
     pub start_ns: u64,
+    /// End (excluded), monotonic ns.
     pub end_ns: u64,
+    /// The thread that ran.
     pub tid: u32,
+    /// Its process id.
     pub pid: u32,
 }
 
 /// A traced process.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessInfo {
+    /// Process id.
     pub pid: u32,
+    /// Its name (`comm`).
     pub name: String,
     /// When its last thread exited, if it did during the capture.
     pub exited_ns: Option<u64>,
@@ -398,8 +445,11 @@ pub struct ProcessInfo {
 /// Capture-wide accounting, stored in the output so a partial trace says so.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CaptureStats {
+    /// Records the timeline was built from.
     pub records: u64,
+    /// Records lost in the kernel, every way ([`crate::attach::ProbeStats::dropped`]).
     pub dropped: u64,
+    /// Ring-buffer items that could not be decoded.
     pub malformed: u64,
     /// Scheduler transitions the kernel did not report (a switch-out of a
     /// thread not running, a switch-in of one already running); the
@@ -418,11 +468,15 @@ pub struct CaptureStats {
 /// The whole capture.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Timeline {
-    /// Capture window, monotonic ns.
+    /// Start of the capture window, monotonic ns.
     pub start_ns: u64,
+    /// End of the capture window, monotonic ns.
     pub stop_ns: u64,
+    /// Converts the timeline's monotonic ns to wall-clock time.
     pub clock: ClockSync,
+    /// The traced processes, by pid.
     pub processes: BTreeMap<u32, ProcessInfo>,
+    /// The traced threads, by tid.
     pub threads: BTreeMap<u32, ThreadTrack>,
     /// The threads wake-ups name, numbered by [`PeerId`].
     pub peers: Vec<Peer>,
@@ -431,10 +485,12 @@ pub struct Timeline {
     /// Planes a framework's own profiler recorded that have no model here
     /// (XLA's metadata, device planes): see [`framework`].
     pub carried_planes: Vec<CarriedPlane>,
+    /// What the capture recorded and lost.
     pub stats: CaptureStats,
 }
 
 impl Timeline {
+    /// Length of the capture window, in ns.
     pub fn duration_ns(&self) -> u64 {
         self.stop_ns - self.start_ns
     }

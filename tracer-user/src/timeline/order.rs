@@ -19,7 +19,9 @@ pub enum RecordInput<'a> {
     /// never has them all decoded at once (a driver call decoded takes
     /// more than its held bytes).
     Held {
+        /// The scheduler and driver records, in ring-buffer order.
         records: &'a EncodedRecords,
+        /// The stack samples, in time order.
         samples: &'a VecDeque<Box<StackSample>>,
     },
 }

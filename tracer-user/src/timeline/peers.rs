@@ -8,7 +8,9 @@ use rustc_hash::FxHashMap;
 /// A thread named by a wake-up, traced or not.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Peer {
+    /// Its thread id.
     pub tid: u32,
+    /// Its process id.
     pub pid: u32,
 }
 
@@ -29,6 +31,7 @@ impl PeerId {
             .map(PeerId)
     }
 
+    /// Its index in [`Timeline::peers`](super::Timeline::peers).
     pub fn index(self) -> usize {
         self.0 as usize
     }

@@ -24,10 +24,13 @@ use crate::{clock::ClockSync, collect::Record};
 /// A thread as `/proc` showed it when the capture started.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InitialState {
+    /// Its process.
     pub pid: u32,
+    /// Its name (`comm`).
     pub name: String,
     /// `/proc/.../stat` state letter.
     pub state: char,
+    /// The CPU it last ran on.
     pub cpu: u32,
 }
 
@@ -127,6 +130,8 @@ impl ThreadBuild {
     }
 }
 
+/// Builds the threads' scheduling states, marks and counters in a capture window from its scheduler
+/// records, fed in time order.
 pub struct SchedTimelineBuilder {
     bounds: Bounds,
     targets: BTreeSet<u32>,

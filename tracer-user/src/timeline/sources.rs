@@ -31,10 +31,11 @@ pub struct SourceStats {
 pub struct TraceMeSource {
     /// Events read from the targets.
     pub events: u64,
+    /// What became of them as spans.
     pub spans: TraceMeSpanStats,
-    /// Events the probe could not read from the target (lost), and
-    /// events recorded without their name.
+    /// Events the probe could not read from the target (lost).
     pub unreadable: u64,
+    /// Events recorded without their name.
     pub unnamed: u64,
     /// Whether recording was switched off at `--max-events`.
     pub stopped_at_max_events: bool,
@@ -43,7 +44,9 @@ pub struct TraceMeSource {
 /// Names asked of the CUDA driver inside one process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelNames {
+    /// Function handles asked for.
     pub asked: u64,
+    /// Function handles the driver named.
     pub named: u64,
 }
 

@@ -68,10 +68,12 @@ impl Stats {
         self.iter().any(|s| s == stat)
     }
 
+    /// How many stats it holds, shared and its own.
     pub fn len(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| s.len()) + self.own.len()
     }
 
+    /// Whether it holds no stat.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -81,6 +83,7 @@ impl Stats {
         self.own.reserve_exact(n);
     }
 
+    /// Adds a stat of its own, after the others.
     pub fn push(&mut self, stat: Stat) {
         self.own.push(stat);
     }

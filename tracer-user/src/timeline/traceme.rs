@@ -54,7 +54,9 @@ pub struct TraceMeSpanStats {
 /// An event name split into its name and its `#k=v,...#` metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParsedName {
+    /// The event's name, without the metadata.
     pub name: String,
+    /// The metadata, typed.
     pub stats: Vec<(StatName, Value)>,
 }
 

@@ -26,8 +26,10 @@ use super::{MarkKind, RunnableCause, Span, ThreadState, Timeline};
 /// The part of a timeline one trace shows.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Window {
-    /// Monotonic ns; the timeline's own window is narrowed to this one.
+    /// Start, monotonic ns; the timeline's own window is narrowed to this
+    /// one.
     pub start_ns: u64,
+    /// End, monotonic ns.
     pub stop_ns: u64,
     /// Only these processes (`None`: all of them).
     pub pids: Option<BTreeSet<u32>>,

@@ -69,6 +69,7 @@ pub const AGENT_THREAD_PREFIX: &str = "ebtrace-agent";
 /// it out again.
 #[derive(Debug)]
 pub struct Injected {
+    /// The target process.
     pub pid: u32,
     /// The thread that made the calls.
     pub tid: u32,
@@ -77,6 +78,7 @@ pub struct Injected {
     /// The memfd holding the library, a descriptor number in the target;
     /// none for a pinned copy used again.
     pub memfd: Option<i32>,
+    /// How long the load took.
     pub report: InjectReport,
 }
 
@@ -84,9 +86,15 @@ pub struct Injected {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StopPoint {
     /// Blocked in this restarted wait (syscall number).
-    Wait { syscall: i64 },
+    Wait {
+        /// The x86-64 syscall number.
+        syscall: i64,
+    },
     /// Running its own code at this instruction.
-    Code { ip: u64 },
+    Code {
+        /// The instruction pointer.
+        ip: u64,
+    },
 }
 
 /// How long a load or unload took.
@@ -103,106 +111,181 @@ pub struct InjectReport {
 /// Why a load or unload failed, one actionable line each.
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
+    /// The target is gone or never existed.
     #[error("no process with pid {pid} (is it still running? check with `ps -p {pid}`)")]
-    NoSuchProcess { pid: u32 },
+    NoSuchProcess {
+        /// The target process.
+        pid: u32,
+    },
 
+    /// The kernel refused `PTRACE_SEIZE` or opening `/proc/PID/mem`.
     #[error("not permitted to attach to pid {pid} with ptrace: {why}")]
-    NotPermitted { pid: u32, why: String },
+    NotPermitted {
+        /// The target process.
+        pid: u32,
+        /// What stands in the way (another tracer, a missing capability,
+        /// Yama's ptrace scope) and how to lift it.
+        why: String,
+    },
 
+    /// The target exited during the operation.
     #[error("pid {pid} exited while ebtrace was loading or unloading its agent")]
-    TargetExited { pid: u32 },
+    TargetExited {
+        /// The target process.
+        pid: u32,
+    },
 
+    /// The target runs code the trampoline cannot drive (32-bit code, a
+    /// shadow stack, another architecture).
     #[error("loading the agent into an x86-64 Linux process is all ebtrace supports: {what}")]
-    UnsupportedArch { what: String },
+    UnsupportedArch {
+        /// What about the target is unsupported.
+        what: String,
+    },
 
+    /// The target maps no C library to provide `dlopen`.
     #[error(
         "pid {pid} maps no C library with dlopen (statically linked?); the in-process agent \
          cannot be loaded into it"
     )]
-    NoLoader { pid: u32 },
-
-    #[error("dlopen of the agent in pid {pid} failed: {message}")]
-    Dlopen { pid: u32, message: String },
-
-    #[error("the agent library in pid {pid} has no function `{symbol}`: {message}")]
-    MissingSymbol {
+    NoLoader {
+        /// The target process.
         pid: u32,
-        symbol: String,
+    },
+
+    /// `dlopen` of the agent's memfd returned no handle.
+    #[error("dlopen of the agent in pid {pid} failed: {message}")]
+    Dlopen {
+        /// The target process.
+        pid: u32,
+        /// The target's `dlerror()` text.
         message: String,
     },
 
+    /// `dlsym` found no such function in the loaded agent.
+    #[error("the agent library in pid {pid} has no function `{symbol}`: {message}")]
+    MissingSymbol {
+        /// The target process.
+        pid: u32,
+        /// The function looked up.
+        symbol: String,
+        /// The target's `dlerror()` text.
+        message: String,
+    },
+
+    /// The agent's entry or exit function returned an error.
     #[error("the agent's {function}() in pid {pid} failed: {}", std::io::Error::from_raw_os_error(-code))]
     AgentFailed {
+        /// The target process.
         pid: u32,
+        /// The agent function called.
         function: String,
+        /// What it returned, a negated errno.
         code: i32,
     },
 
+    /// A call made in the target failed.
     #[error("{call}() in pid {pid} failed: {detail}")]
     TargetCall {
+        /// The target process.
         pid: u32,
+        /// The function called in the target.
         call: &'static str,
+        /// How it failed.
         detail: String,
     },
 
+    /// A call made in the target was killed by a signal.
     #[error(
         "{call}() in pid {pid} crashed with signal {signal}; the call was abandoned and the \
          thread's own state put back"
     )]
     TargetCrashed {
+        /// The target process.
         pid: u32,
+        /// The function called in the target.
         call: &'static str,
+        /// The signal number.
         signal: i32,
     },
 
+    /// The target's seccomp filter would punish a syscall the load needs.
     #[error(
         "pid {pid} runs under a seccomp filter that would kill it (or stop it) for the {call}() \
          call loading the agent makes: ebtrace does not load its agent into it; use \
          --traceme uprobe and --no-device-activity, or start it with the agent preloaded"
     )]
-    SeccompForbids { pid: u32, call: &'static str },
+    SeccompForbids {
+        /// The target process.
+        pid: u32,
+        /// The call the filter forbids.
+        call: &'static str,
+    },
 
+    /// A call made in the target did not return in time and was abandoned.
     #[error(
         "{call}() in pid {pid} did not return in {seconds} s (it waits for something another \
          thread holds, such as a library constructor that never ends); the call was abandoned \
          where it waited and the thread put back in its own code"
     )]
     CallTimedOut {
+        /// The target process.
         pid: u32,
+        /// The function called in the target.
         call: &'static str,
+        /// How long it was given, in seconds.
         seconds: u64,
     },
 
+    /// No thread of the target stopped where it could safely make the
+    /// calls.
     #[error(
         "no thread of pid {pid} stopped where it could call into the C library in {seconds} s \
          ({tries} tries: {refusals}); try again, or start the program with the agent preloaded \
          (`ebtrace agent-library --help`)"
     )]
     NoSafePoint {
+        /// The target process.
         pid: u32,
+        /// How long threads were tried, in seconds.
         seconds: u64,
+        /// How many thread stops were tried.
         tries: u32,
+        /// Why the stops were refused, counted by reason.
         refusals: String,
     },
 
+    /// A leftover agent's thread did not end after its exit function.
     #[error(
         "an earlier agent's thread in pid {pid} has not ended after {seconds} s (it waits for \
          the program, such as for Python's GIL): its library stays loaded, inert once the thread \
          ends; try again later, or use --traceme uprobe"
     )]
-    AgentThreadRunning { pid: u32, seconds: u64 },
+    AgentThreadRunning {
+        /// The target process.
+        pid: u32,
+        /// How long it was waited for, in seconds.
+        seconds: u64,
+    },
 
+    /// A ptrace request failed.
     #[error("ptrace {what} of thread {tid} failed: {source}")]
     Ptrace {
+        /// The request.
         what: &'static str,
+        /// The thread it was made on.
         tid: u32,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
 
+    /// Any other I/O error.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done.
         context: String,
+        /// The error.
         #[source]
         source: std::io::Error,
     },

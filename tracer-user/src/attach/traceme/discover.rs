@@ -86,6 +86,7 @@ impl StringLayout {
         }
     }
 
+    /// The layout's name, as the summary and the symbol cache spell it.
     pub fn describe(self) -> &'static str {
         match self {
             StringLayout::Libstdcxx => "libstdc++",
@@ -170,6 +171,7 @@ impl NamespaceFinders {
 /// One TraceMe recorder in a process.
 #[derive(Clone, Debug)]
 pub struct Recorder {
+    /// The process.
     pub pid: u32,
     /// The object's path as the process sees it.
     pub object: String,
@@ -177,6 +179,7 @@ pub struct Recorder {
     pub open_path: PathBuf,
     /// `tsl` or `tensorflow`.
     pub namespace: &'static str,
+    /// How its `Event`'s name string is laid out.
     pub layout: StringLayout,
     /// File offset of `Record` (where the uprobe goes).
     pub record_offset: u64,
@@ -186,17 +189,20 @@ pub struct Recorder {
     pub trace_level_address: Option<u64>,
     /// Address of `g_trace_filter_bitmap` in the process, if it has it.
     pub filter_bitmap_address: Option<u64>,
-    /// Symbols looked at, and how long the lookup took.
+    /// Symbols looked at.
     pub symbols: usize,
+    /// How long the symbol lookup took.
     pub lookup_time: Duration,
     /// The symbols were remembered from an earlier search of the same file.
     pub cached: bool,
-    /// Files the process had mapped, and how long searching them all took.
+    /// Files the process had mapped.
     pub objects: usize,
+    /// How long searching all of them took.
     pub search_time: Duration,
 }
 
 impl Recorder {
+    /// The object's file name, without its directory.
     pub fn file_name(&self) -> &str {
         self.object.rsplit('/').next().unwrap_or(&self.object)
     }
@@ -205,6 +211,7 @@ impl Recorder {
 /// The Python-level TraceMe gate of a process (TensorFlow 2.21 and later).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PythonGate {
+    /// The process.
     pub pid: u32,
     /// The object's path as the process sees it.
     pub object: String,
@@ -213,6 +220,7 @@ pub struct PythonGate {
 }
 
 impl PythonGate {
+    /// The object's file name, without its directory.
     pub fn file_name(&self) -> &str {
         self.object.rsplit('/').next().unwrap_or(&self.object)
     }
@@ -221,14 +229,18 @@ impl PythonGate {
 /// An object that has a recorder ebtrace cannot use, and why.
 #[derive(Clone, Debug)]
 pub struct Unusable {
+    /// The object's path as the process sees it.
     pub object: String,
+    /// Why its recorder cannot be used.
     pub reason: String,
 }
 
 /// What [`discover`] found in one process.
 #[derive(Clone, Debug, Default)]
 pub struct Discovery {
+    /// The usable recorders.
     pub recorders: Vec<Recorder>,
+    /// Objects whose recorder cannot be used.
     pub unusable: Vec<Unusable>,
     /// Exported Python TraceMe gates, to switch with the level.
     pub python_gates: Vec<PythonGate>,
@@ -237,6 +249,7 @@ pub struct Discovery {
     pub python_gates_in_python: Vec<String>,
     /// Objects mapped in the process (all were looked at).
     pub objects: usize,
+    /// How long the search took.
     pub elapsed: Duration,
 }
 

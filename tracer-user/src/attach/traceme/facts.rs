@@ -40,6 +40,7 @@ const FORMAT: &str = "ebtrace traceme facts 1";
 pub struct RecorderFacts {
     /// Index into the recorder namespaces (`tsl`, `tensorflow`).
     pub namespace: usize,
+    /// How its `Event`'s name string is laid out.
     pub layout: StringLayout,
     /// `TraceMeRecorder::Record`.
     pub record: u64,
@@ -52,6 +53,7 @@ pub struct RecorderFacts {
 /// The Python-level TraceMe gate in an object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateFacts {
+    /// The object has no gate.
     None,
     /// An exported `xla::profiler::traceme_enabled` at this address.
     Exported(u64),
@@ -64,6 +66,7 @@ pub enum GateFacts {
 pub struct ObjectFacts {
     /// `Err(why)` where the object has a recorder ebtrace cannot use.
     pub recorder: Result<Option<RecorderFacts>, String>,
+    /// Its Python TraceMe gate.
     pub gate: GateFacts,
     /// Symbols searched to find these (0 when no search was needed).
     pub symbols: usize,

@@ -39,11 +39,14 @@ pub const SUBCOMMAND: &str = "restore-guard";
 /// A gate ebtrace is switching on, and how to put it back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Armed {
+    /// The gate.
     pub cell: Cell,
     /// The target's start time (clock ticks since boot): tells a pid
     /// reused by another process apart.
     pub pid_start: u64,
+    /// The value ebtrace writes.
     pub on: i64,
+    /// The value to put back.
     pub off: i64,
     /// The marker file to remove once restored.
     pub marker: Option<PathBuf>,

@@ -90,14 +90,18 @@ impl Default for TraceMeOptions {
 /// Kernel-side TraceMe counters, summed over CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TraceMeProbeStats {
+    /// Uprobe hits in a traced process.
     pub hits: u64,
+    /// Events whose `Event` could not be read: not recorded.
     pub event_unreadable: u64,
+    /// Events recorded without their name (its memory could not be read).
     pub name_unreadable: u64,
 }
 
 /// One attached recorder and the switch of its trace level.
 #[derive(Debug)]
 pub struct AttachedRecorder {
+    /// The recorder found.
     pub recorder: Recorder,
     /// `None` when the object has no `g_trace_level` to switch.
     pub switch: Option<TraceLevelSwitch>,
@@ -132,6 +136,7 @@ impl AttachedRecorder {
 /// A process's Python TraceMe gate and its switch.
 #[derive(Debug)]
 pub struct AttachedPythonGate {
+    /// The gate found.
     pub gate: PythonGate,
     /// `None` until recording is switched on; never engaged where ebtrace
     /// did not switch the process's level on itself.
@@ -141,6 +146,7 @@ pub struct AttachedPythonGate {
 }
 
 impl AttachedPythonGate {
+    /// One line for the capture summary on what became of the gate.
     pub fn describe(&self) -> String {
         let g = &self.gate;
         let state = match self.switch.as_ref().map(TraceLevelSwitch::state) {
@@ -168,7 +174,9 @@ impl AttachedPythonGate {
 /// The TraceMe probe family.
 #[derive(Debug, Default)]
 pub struct TraceMeProbe {
+    /// The recorders attached, every target's.
     pub recorders: Vec<AttachedRecorder>,
+    /// The Python TraceMe gates found, every target's.
     pub python_gates: Vec<AttachedPythonGate>,
     /// Lines for the user: what was found, or why nothing was.
     pub notes: Vec<String>,
@@ -472,6 +480,7 @@ impl TraceMeProbe {
         self.note_left_in_targets();
     }
 
+    /// Events counted since the capture (or its last resume) started.
     pub fn events(&self) -> u64 {
         self.events
     }

@@ -45,7 +45,9 @@ pub const DISABLED: i32 = -1;
 /// A gate in a target's memory: an aligned integer of `width` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cell {
+    /// The target process.
     pub pid: u32,
+    /// The gate's address in the target.
     pub address: u64,
     /// 4 for `std::atomic<int>`, 1 for `std::atomic<bool>`.
     pub width: u8,
@@ -113,18 +115,37 @@ fn mem_path(pid: u32) -> PathBuf {
 /// Where a gate stands, as far as ebtrace is concerned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LevelState {
-    /// ebtrace switched it on at `level`. `adopted`: a killed ebtrace had
-    /// left it on, and this one took it over.
-    Enabled { level: i32, adopted: bool },
-    /// A profiler session in the process has it on at `level`: observed only.
-    InProcess { level: i32 },
-    /// Another running ebtrace (`owner`) switched it on: observed only.
-    OtherEbtrace { owner: u32, level: i32 },
-    /// ebtrace had it on at `level` and put the off value back; `early`:
-    /// before the capture ended (`--max-events`).
-    Restored { level: i32, early: bool },
+    /// ebtrace switched it on.
+    Enabled {
+        /// The value written.
+        level: i32,
+        /// A killed ebtrace had left it on, and this one took it over.
+        adopted: bool,
+    },
+    /// A profiler session in the process has it on: observed only.
+    InProcess {
+        /// The value found.
+        level: i32,
+    },
+    /// Another running ebtrace switched it on: observed only.
+    OtherEbtrace {
+        /// That ebtrace's pid.
+        owner: u32,
+        /// The value it wrote.
+        level: i32,
+    },
+    /// ebtrace had it on and put the off value back.
+    Restored {
+        /// The value it had written.
+        level: i32,
+        /// Put back before the capture ended (`--max-events`).
+        early: bool,
+    },
     /// Reading or writing it failed.
-    Failed { error: String },
+    Failed {
+        /// What failed, and how.
+        error: String,
+    },
 }
 
 impl LevelState {
@@ -138,6 +159,7 @@ impl LevelState {
         )
     }
 
+    /// One line for the capture summary on where the gate stands.
     pub fn describe(&self) -> String {
         match self {
             LevelState::Enabled {
@@ -386,6 +408,7 @@ impl TraceLevelSwitch {
         switch
     }
 
+    /// The gate this switch works.
     pub fn cell(&self) -> Cell {
         self.cell
     }
@@ -482,6 +505,7 @@ impl TraceLevelSwitch {
         Ok(())
     }
 
+    /// Where the gate stands now.
     pub fn state(&self) -> &LevelState {
         &self.state
     }

@@ -16,32 +16,49 @@ use crate::{
     },
 };
 
+/// Where the hub sends a session's response, or why there is none.
 pub type Reply = oneshot::Sender<Result<ProfileResponse, SessionError>>;
 
 /// What the gRPC methods ask of the hub.
 pub enum Command {
     /// Run a session and answer with its trace.
-    Profile { spec: SessionSpec, reply: Reply },
+    Profile {
+        /// The session asked for.
+        spec: SessionSpec,
+        /// Receives its response.
+        reply: Reply,
+    },
     /// End every session with this id now; answers how many there were.
     Terminate {
+        /// The `session_id` of the sessions to end.
         session_id: String,
+        /// Receives how many sessions were ended.
         reply: oneshot::Sender<usize>,
     },
     /// Switches the flight recorder on (as this request asks) if it is off.
     StartRecorder {
+        /// The request, with the tracer levels to record.
         spec: SessionSpec,
+        /// Receives whether the recorder could start.
         reply: oneshot::Sender<Result<(), SessionError>>,
     },
     /// Switches the flight recorder off; answers whether it was on.
-    StopRecorder { reply: oneshot::Sender<bool> },
+    StopRecorder {
+        /// Receives whether it was on.
+        reply: oneshot::Sender<bool>,
+    },
     /// Answers with what the flight recorder kept.
     Snapshot {
+        /// The session id the snapshot's trace is written under.
         snapshot_id: String,
+        /// Who asked (for the server's log).
         client: String,
+        /// Receives the snapshot's response.
         reply: Reply,
     },
     /// The watched processes now.
     Targets {
+        /// Receives the processes.
         reply: oneshot::Sender<Vec<TargetProcess>>,
     },
     /// Finish every session with what it has, detach, stop.
@@ -51,20 +68,29 @@ pub enum Command {
 /// Why a session could not run; the service maps each to a gRPC status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionError {
+    /// The server already runs as many sessions as it may.
     Busy {
+        /// The most it runs at once (`--max-sessions`).
         limit: usize,
     },
+    /// No process is watched; says why.
     NothingWatched(String),
+    /// The request names a process the server does not watch.
     PidNotWatched {
+        /// The pid asked for.
         pid: u32,
+        /// The pids watched.
         watched: Vec<u32>,
     },
+    /// Attaching the probes failed: the error, as text.
     Attach(String),
+    /// Building or writing the response failed: the error, as text.
     Response(String),
     /// `GetSnapshot` while the flight recorder is off.
     RecorderOff,
     /// `--retain-memory` leaves the flight recorder no room: what to do.
     NoRoom(String),
+    /// The server is shutting down.
     ShuttingDown,
 }
 
@@ -97,15 +123,20 @@ impl fmt::Display for SessionError {
     }
 }
 
+/// How `ebtrace serve`'s session hub runs.
 pub struct HubConfig {
+    /// How target processes are chosen.
     pub watch: WatchMode,
+    /// The most sessions run at once (`--max-sessions`).
     pub max_sessions: usize,
     /// The longest session allowed; captures are shared for at most twice this.
     pub max_duration: Duration,
+    /// How the eBPF object is loaded.
     pub probe: ProbeSetConfig,
     /// The set loaded at start to check the kernel, kept for the flight
     /// recorder's first start (`--retain`) rather than loaded again.
     pub checked_probes: Option<ProbeSet>,
+    /// The directory the server may write traces under, if any (`--allow-write-under`).
     pub guard: Option<Arc<WriteGuard>>,
     /// How long the probes of a finished capture stay attached, paused,
     /// for the next session (zero: detached at once).
@@ -137,6 +168,8 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)?
     }
 
+    /// Ends every session with `session_id` now, each answered with what it recorded; resolves to
+    /// how many there were.
     pub async fn terminate(&self, session_id: String) -> Result<usize, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -145,6 +178,7 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)
     }
 
+    /// Switches the flight recorder on, recording as `spec` asks, if it is off.
     pub async fn start_recorder(&self, spec: SessionSpec) -> Result<(), SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -153,6 +187,7 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)?
     }
 
+    /// Switches the flight recorder off; resolves to whether it was on.
     pub async fn stop_recorder(&self) -> Result<bool, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -161,6 +196,7 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)
     }
 
+    /// Answers with what the flight recorder kept, as the session `snapshot_id` for `client`.
     pub async fn snapshot(
         &self,
         snapshot_id: String,
@@ -177,6 +213,7 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)?
     }
 
+    /// The processes watched now.
     pub async fn targets(&self) -> Result<Vec<TargetProcess>, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -185,6 +222,7 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)
     }
 
+    /// Asks the hub to finish every session with what it has, detach and stop; does not wait.
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
     }

@@ -30,6 +30,7 @@ use prost::Message as _;
 use crate::timeline::{DeviceTrack, Span, StreamTiming, Timeline};
 use chunked::Chunked;
 
+/// The plane of the traced threads' lines.
 pub const HOST_CPU_PLANE: &str = "/host:CPU";
 /// The per-CPU lines. XProf's trace viewer (2.22.3 and later) shows every
 /// plane whose name starts with `/host:CPU` as a process, in name order.
@@ -41,6 +42,8 @@ pub const BLOCKED_THREADS_PLANE: &str = "/host:CPU threads blocked throughout";
 /// The lines of the threads without events that ran least, where
 /// `/host:CPU` would have had more lines than the trace viewer opens.
 pub const LEAST_RUN_THREADS_PLANE: &str = "/host:CPU threads that ran least";
+/// The plane of capture-wide facts: the window, ebtrace's version, record counts, the traced pids,
+/// warnings.
 pub const TASK_ENV_PLANE: &str = "Task Environment";
 /// Prefix of the GPU planes; the device ordinal follows.
 pub const GPU_PLANE_PREFIX: &str = "/device:GPU:";
@@ -62,10 +65,13 @@ pub fn flow_stat_value(id: u64, direction: FlowDirection) -> u64 {
     (direction as u64) | ((id & ((1 << 56) - 1)) << 2) | (GENERIC_CONTEXT << 58)
 }
 
+/// Which end of an XProf flow (arrow) an event is.
 #[derive(Clone, Copy, Debug)]
 #[repr(u64)]
 pub enum FlowDirection {
+    /// The arrow ends at this event.
     In = 1,
+    /// The arrow starts at this event.
     Out = 2,
 }
 

@@ -85,6 +85,7 @@ impl SharedGroups {
     }
 }
 
+/// Builds one `XPlane`, interning event and stat names and encoding each line as it is written.
 pub struct XPlaneBuilder {
     /// Id, name, metadata and plane stats; the lines are in `lines`.
     plane: XPlane,
@@ -107,6 +108,7 @@ pub struct XPlaneBuilder {
 }
 
 impl XPlaneBuilder {
+    /// An empty plane with this id and name.
     pub fn new(id: i64, name: &str) -> Self {
         XPlaneBuilder {
             plane: XPlane {
@@ -233,6 +235,7 @@ impl XPlaneBuilder {
         &self.shared
     }
 
+    /// Adds a stat to the plane itself.
     pub fn add_plane_stat(&mut self, name: &str, value: &StatValue) {
         let stat = self.stat(name, value).as_proto();
         self.plane.stats.push(stat);

@@ -11,8 +11,11 @@ use prost::encoding::WireType;
 /// A stat value as written: strings are interned, so a value is 8 bytes.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Encoded {
+    /// `int64_value`.
     I64(i64),
+    /// `uint64_value`.
     U64(u64),
+    /// `double_value`.
     F64(f64),
     /// `ref_value`: the id of the stat metadata holding the string.
     Ref(u64),
@@ -21,19 +24,24 @@ pub enum Encoded {
 /// A stat ready to be written: its metadata id and value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Stat {
+    /// Id of its `XStatMetadata` in the plane.
     pub metadata_id: i64,
+    /// Its value.
     pub value: Encoded,
 }
 
 impl Stat {
+    /// A stat of `metadata_id` with `value`.
     pub fn new(metadata_id: i64, value: Encoded) -> Self {
         Stat { metadata_id, value }
     }
 
+    /// A signed integer stat.
     pub fn i64(metadata_id: i64, v: i64) -> Self {
         Self::new(metadata_id, Encoded::I64(v))
     }
 
+    /// An unsigned integer stat.
     pub fn u64(metadata_id: i64, v: u64) -> Self {
         Self::new(metadata_id, Encoded::U64(v))
     }
@@ -93,14 +101,19 @@ fn encode_string(tag: u32, s: &str, out: &mut Vec<u8>) {
 /// encoded already.
 #[derive(Clone, Copy, Debug)]
 pub enum EventStats<'a> {
+    /// Up to four stats, held by value.
     Inline {
+        /// How many of `stats` are the event's.
         len: u8,
+        /// The stats, the first `len` used.
         stats: [Stat; 4],
     },
     /// Stats shared with other events, encoded once (with
     /// [`encode_stat_fields`]), then the event's own.
     Shared {
+        /// The shared stats, already encoded as `XEvent.stats` fields.
         encoded: &'a [u8],
+        /// The event's own stats, written after them.
         own: &'a [Stat],
     },
 }
@@ -167,9 +180,13 @@ impl<'a> EventStats<'a> {
 /// One event of a line, as [`XPlaneBuilder::write_line`] writes it.
 #[derive(Clone, Copy, Debug)]
 pub struct LineEvent<'a> {
+    /// Id of its `XEventMetadata` in the plane.
     pub metadata_id: i64,
+    /// Start, in ps from the line's `timestamp_ns`.
     pub offset_ps: i64,
+    /// Length, in ps.
     pub duration_ps: i64,
+    /// Its stats.
     pub stats: EventStats<'a>,
 }
 
@@ -392,7 +409,9 @@ impl EventBytes<'_> {
 /// bytes, an in-memory answer), or one that a file's writer empties as it
 /// fills, so that a line of millions of events is not held whole.
 pub enum LineOut<'a> {
+    /// A buffer that holds the whole line.
     Buffer(&'a mut Vec<u8>),
+    /// A buffer a file's writer empties as it fills.
     File(SpillingLine<'a>),
 }
 

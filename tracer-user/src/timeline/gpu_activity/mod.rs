@@ -42,8 +42,11 @@ const JOIN_TOLERANCE_NS: u64 = 3_000;
 /// What became of one process's device activity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ActivityMerge {
+    /// Kernel executions laid on the device streams.
     pub kernels: u64,
+    /// Memory copies laid on the device streams.
     pub copies: u64,
+    /// Memory sets laid on the device streams.
     pub memsets: u64,
     /// Work joined to a driver call span the uprobes recorded.
     pub joined: u64,

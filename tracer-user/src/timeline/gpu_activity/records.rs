@@ -17,32 +17,51 @@ use tracer_agent::activity;
 /// One CUPTI record, times in the GPU's timebase (`cuptiGetTimestamp`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Activity {
+    /// A kernel execution.
     Kernel(Kernel),
+    /// A memory copy.
     Memcpy(Transfer),
+    /// A memory set.
     Memset(Transfer),
+    /// A driver API call.
     Driver(DriverCall),
 }
 
 /// Where and when a piece of device work ran.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Placement {
+    /// Start, GPU timebase ns.
     pub start: u64,
+    /// End, GPU timebase ns.
     pub end: u64,
+    /// The CUDA device id.
     pub device: u32,
+    /// The CUDA context id.
     pub context: u32,
+    /// The CUDA stream id.
     pub stream: u32,
+    /// CUPTI's id of the driver call that submitted it.
     pub correlation: u32,
 }
 
+/// A kernel execution.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Kernel {
+    /// Where and when it ran.
     pub at: Placement,
+    /// Its function name, as CUPTI gave it (mangled).
     pub name: String,
+    /// Grid size in blocks, x, y, z.
     pub grid: [i32; 3],
+    /// Block size in threads, x, y, z.
     pub block: [i32; 3],
+    /// Registers per thread.
     pub registers: u16,
+    /// Static shared memory per block, in bytes.
     pub static_shared: i32,
+    /// Dynamic shared memory per block, in bytes.
     pub dynamic_shared: i32,
+    /// CUPTI's id of this launch's grid, unique at run time.
     pub grid_id: i64,
     /// From `Kernel9` on.
     pub graph_id: Option<u32>,
@@ -54,12 +73,19 @@ pub struct Kernel {
 /// kind; `value` the value set).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Transfer {
+    /// Where and when it ran.
     pub at: Placement,
+    /// Bytes copied or set.
     pub bytes: u64,
+    /// Copy kind (`CUpti_ActivityMemcpyKind`) or memory kind (`CUpti_ActivityMemoryKind`).
     pub kind: u8,
+    /// A copy's source memory kind (`CUpti_ActivityMemoryKind`); 0 for a memset.
     pub src_kind: u8,
+    /// A copy's destination memory kind; 0 for a memset.
     pub dst_kind: u8,
+    /// `CUpti_ActivityFlag` bits; bit 0 says asynchronous.
     pub flags: u16,
+    /// The value a memset set; 0 for a copy.
     pub value: u32,
 }
 
@@ -68,21 +94,31 @@ pub struct Transfer {
 pub struct DriverCall {
     /// `CUpti_driver_api_trace_cbid`.
     pub cbid: u32,
+    /// Start, GPU timebase ns.
     pub start: u64,
+    /// End, GPU timebase ns.
     pub end: u64,
+    /// The calling process.
     pub pid: u32,
+    /// The calling thread.
     pub tid: u32,
+    /// Its CUPTI correlation id, shared with the work it submitted.
     pub correlation: u32,
+    /// The `CUresult` it returned.
     pub result: u32,
 }
 
-/// Byte length of each kernel layout: `Kernel9`, `Kernel10`, `Kernel11`.
+/// Byte length of `CUpti_ActivityKernel9` (CUDA 12.x).
 pub const KERNEL9_LEN: usize = 208;
+/// Byte length of `CUpti_ActivityKernel10` (CUDA 13.0).
 pub const KERNEL10_LEN: usize = 216;
+/// Byte length of `CUpti_ActivityKernel11` (CUDA 13.1 on).
 pub const KERNEL11_LEN: usize = 224;
-/// `CUpti_ActivityMemcpy6`, `CUpti_ActivityMemset4`, `CUpti_ActivityAPI`.
+/// Byte length of `CUpti_ActivityMemcpy6`.
 pub const MEMCPY6_LEN: usize = 96;
+/// Byte length of `CUpti_ActivityMemset4`.
 pub const MEMSET4_LEN: usize = 88;
+/// Byte length of `CUpti_ActivityAPI`.
 pub const API_LEN: usize = 40;
 
 /// CUPTI API version of CUDA 13.1, whose kernel record adds `priority`.
