@@ -150,6 +150,36 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
+/// `fd` moved above the descriptors the process holds now (to the lowest
+/// free one from 64 below its limit, or from 4032 where the limit is
+/// higher), where an exiting process releases it first: its files are
+/// released the highest-numbered first, and each BPF link or perf event
+/// released waits for an RCU grace period, so that a socket opened among
+/// the probes' descriptors would close only tens or hundreds of
+/// milliseconds after a SIGKILL. Left where it is where none is free.
+pub fn released_first_at_exit(fd: OwnedFd) -> OwnedFd {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid out pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return fd;
+    }
+    let floor = limit.rlim_cur.min(4096).saturating_sub(64);
+    if floor <= fd.as_raw_fd() as u64 {
+        return fd;
+    }
+    // SAFETY: duplicates a descriptor this process owns.
+    let moved = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, floor as libc::c_int) };
+    if moved < 0 {
+        return fd;
+    }
+    // SAFETY: a fresh descriptor that nothing else owns; `fd` closes as it
+    // drops.
+    unsafe { OwnedFd::from_raw_fd(moved) }
+}
+
 /// True while process `pid` exists and has not exited (zombies count as gone).
 pub fn is_alive(pid: u32) -> bool {
     fs::read_to_string(proc_root().join(pid.to_string()).join("stat"))
@@ -459,6 +489,24 @@ pub fn seccomp_filtered() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_descriptor_released_first_sits_above_the_others_and_closes_on_exec() {
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let before = ours.as_raw_fd();
+        let moved = released_first_at_exit(ours.into());
+        let highest_other = fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|&fd| fd != moved.as_raw_fd())
+            .max()
+            .unwrap();
+        assert!(moved.as_raw_fd() > before && moved.as_raw_fd() > highest_other);
+        // SAFETY: reads the flags of a descriptor this test owns.
+        let flags = unsafe { libc::fcntl(moved.as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
+    }
 
     /// What `/proc` says of this test's own process, against what the
     /// standard library and the kernel's interfaces say.

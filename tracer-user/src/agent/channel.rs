@@ -43,10 +43,12 @@ pub struct Channel {
 }
 
 impl Channel {
-    /// The channel over `stream`, to the agent in `pid`.
+    /// The channel over `stream`, to the agent in `pid`. The socket moves
+    /// above ebtrace's other descriptors: should ebtrace die, it is closed
+    /// first, and the agent lets its session go at once.
     pub fn new(stream: UnixStream, pid: u32) -> Self {
         Channel {
-            stream,
+            stream: UnixStream::from(crate::procfs::released_first_at_exit(stream.into())),
             pid,
             request: "HELLO",
             answer_bytes: 0,
