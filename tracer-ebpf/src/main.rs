@@ -119,7 +119,7 @@ pub(crate) fn count_large_submit() -> u64 {
 /// The flags for the `n`th record this CPU submits.
 #[inline(always)]
 fn submit_flags(n: u64) -> u64 {
-    if n % WAKEUP_CHECK_EVERY != 0 {
+    if !n.is_multiple_of(WAKEUP_CHECK_EVERY) {
         return BPF_RB_NO_WAKEUP as u64;
     }
     wakeup_flags()

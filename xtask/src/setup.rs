@@ -96,7 +96,8 @@ pub fn run_setup(root: &Path, opts: Options) -> Result<()> {
     Ok(())
 }
 
-/// The eBPF crate builds with nightly (`-Z build-std=core`) and needs rust-src.
+/// The eBPF crate builds with nightly (`-Z build-std=core`) and needs
+/// rust-src; clippy checks it.
 fn nightly_toolchain() -> Result<()> {
     match stdout_of(Command::new("rustup").args(["run", "nightly", "rustc", "--version"])) {
         Some(v) => say(format!("ok: nightly toolchain ({v})")),
@@ -117,17 +118,24 @@ fn nightly_toolchain() -> Result<()> {
     ]))
     .unwrap_or_default();
     // Installed components are listed with their target triple appended,
-    // except rust-src, which has none.
-    if installed.lines().any(|l| l.trim() == "rust-src") {
-        say("ok: rust-src for nightly");
-    } else {
-        run(Command::new("rustup").args([
-            "component",
-            "add",
-            "rust-src",
-            "--toolchain",
-            "nightly",
-        ]))?;
+    // except rust-src, which has none. Clippy checks the eBPF crate for its
+    // own target (`cargo xtask test`).
+    for component in ["rust-src", "clippy"] {
+        let has = installed.lines().any(|l| {
+            let l = l.trim();
+            l == component || l.starts_with(&format!("{component}-"))
+        });
+        if has {
+            say(format!("ok: {component} for nightly"));
+        } else {
+            run(Command::new("rustup").args([
+                "component",
+                "add",
+                component,
+                "--toolchain",
+                "nightly",
+            ]))?;
+        }
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `cargo xtask test`: the full check CI runs, with nothing allowed to skip.
 
-use std::path::Path;
+use std::{path::Path, process::Command};
 
 use anyhow::Result;
 
@@ -42,6 +42,30 @@ pub fn run_tests(root: &Path, libtest_args: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // The eBPF programs, for their own target as tracer-user/build.rs
+    // builds them (its own target directory: another target's artifacts).
+    run(Command::new("rustup")
+        .current_dir(root)
+        .env("CARGO_TARGET_DIR", root.join("target/ebpf-clippy"))
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .args([
+            "run",
+            "nightly",
+            "cargo",
+            "clippy",
+            "-p",
+            "tracer-ebpf",
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+            "--bins",
+            "--",
+            "-D",
+            "warnings",
+        ]))?;
     // The tests run this binary (EBTRACE_BIN); build it explicitly, since
     // `cargo test` builds binaries only for their own package's tests.
     let ebtrace = util::build_release(root)?;
