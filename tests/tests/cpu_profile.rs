@@ -410,7 +410,8 @@ fn record_lays_stack_samples_on_the_thread_lines_where_the_threads_ran() {
     // kernel, `bpftrace` misses the same ones) leaves an interval whose
     // state is unknown; the thread's own samples narrow it, and the part
     // they show on a CPU is "Running" with a reason: it starts or ends at
-    // one of the thread's samples.
+    // one of the thread's samples. (A run both of whose switches went
+    // unreported hides in a Runnable interval; its samples show it.)
     let hot = line_events(host, i64::from(fixture.hot_tid));
     let sampled = |r: &&xspace::Event| r.name == "Running" && r.stats.contains_key("reason");
     let within = |state: &str, t: f64| {

@@ -202,10 +202,21 @@ pub fn assemble(
     }
     if let Some(symbolizer) = sources.stacks {
         let narrowed = narrow_unknown(&mut timeline, &samples);
-        if narrowed > 0 {
+        // Each such interval hides a switch onto a CPU and one off it.
+        timeline.stats.inconsistencies += 2 * narrowed.contradicted;
+        if narrowed.contradicted > 0 {
             timeline.stats.notes.push(format!(
-                "{narrowed} of those Unknown intervals narrowed by the threads' own stack samples \
-                 (shown Running, with a reason)"
+                "{} Runnable or Blocked intervals hold stack samples of their own thread, so the \
+                 kernel left a switch onto a CPU and back unreported in each: shown Unknown, and \
+                 Running from their first sample to their last",
+                narrowed.contradicted
+            ));
+        }
+        if narrowed.unknown > 0 {
+            timeline.stats.notes.push(format!(
+                "{} of those Unknown intervals narrowed by the threads' own stack samples \
+                 (shown Running, with a reason)",
+                narrowed.unknown
             ));
         }
         let laid = add_cpu_samples(&mut timeline, &samples, (window_start, stop_ns), symbolizer);

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use super::{Span, Stat, StateSlice, Stats, ThreadState, ThreadTrack, Timeline, Value};
 use crate::{
@@ -192,37 +192,43 @@ fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> (String, St
     (name, lines.join("\n"))
 }
 
+/// What [`narrow_unknown`] found in the threads' stack samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Narrowed {
+    /// [`ThreadState::Unknown`] intervals whose on-CPU part the samples showed.
+    pub unknown: u64,
+    /// Runnable or Blocked intervals a sample of their own thread lay in:
+    /// the kernel reported neither the switch onto a CPU nor the one off it.
+    pub contradicted: u64,
+}
+
+/// A sample this close to an interval's edge is taken to be at the edge.
+const EDGE_NS: u64 = 1_000;
+
 /// Narrows the [`ThreadState::Unknown`] intervals with the threads' own
 /// stack samples, each of which shows its thread on a CPU at its time. An
 /// interval ended by a reported switch-out (its switch-in went unreported)
 /// was on a CPU from its first sample on; one begun by a reported
 /// switch-in (its switch-out went unreported), up to its last. Those parts
-/// become [`ThreadState::Sampled`]; the rest stays unknown. Returns how
-/// many intervals it narrowed.
-pub fn narrow_unknown(timeline: &mut Timeline, samples: &[&StackSample]) -> u64 {
-    let with_unknown: FxHashSet<u32> = timeline
-        .threads
-        .values()
-        .filter(|t| t.slices.iter().any(|s| s.state() == ThreadState::Unknown))
-        .map(|t| t.tid)
-        .collect();
-    if with_unknown.is_empty() {
-        return 0;
-    }
+/// become [`ThreadState::Sampled`]; the rest stays unknown.
+///
+/// A Runnable or Blocked interval with a sample of its thread inside hides
+/// an unreported switch in and out: from its first sample to its last it
+/// is [`ThreadState::Sampled`], either side of them [`ThreadState::Unknown`].
+pub fn narrow_unknown(timeline: &mut Timeline, samples: &[&StackSample]) -> Narrowed {
     let mut seen: FxHashMap<u32, Vec<(u64, u32)>> = FxHashMap::default();
-    for s in samples
-        .iter()
-        .filter(|s| !s.is_off_cpu() && with_unknown.contains(&s.tid))
-    {
+    for s in samples.iter().filter(|s| !s.is_off_cpu()) {
         seen.entry(s.tid)
             .or_default()
             .push((s.header.ts_ns, s.header.cpu.into()));
     }
-    let mut narrowed = 0;
+    let mut narrowed = Narrowed::default();
     for (tid, mut seen) in seen {
         seen.sort_unstable();
         if let Some(thread) = timeline.threads.get_mut(&tid) {
-            narrowed += narrow_thread(thread, &seen);
+            let n = narrow_thread(thread, &seen);
+            narrowed.unknown += n.unknown;
+            narrowed.contradicted += n.contradicted;
         }
     }
     narrowed
@@ -230,37 +236,67 @@ pub fn narrow_unknown(timeline: &mut Timeline, samples: &[&StackSample]) -> u64 
 
 /// [`narrow_unknown`] for one thread, `seen` being its samples' times and
 /// CPUs, in time order.
-fn narrow_thread(thread: &mut ThreadTrack, seen: &[(u64, u32)]) -> u64 {
+fn narrow_thread(thread: &mut ThreadTrack, seen: &[(u64, u32)]) -> Narrowed {
     let mut slices = Vec::with_capacity(thread.slices.len() + 2);
-    let mut narrowed = 0;
+    let mut narrowed = Narrowed::default();
     for (i, &slice) in thread.slices.iter().enumerate() {
-        if slice.state() != ThreadState::Unknown {
+        let (start, end) = (slice.start_ns, slice.end_ns);
+        let state = slice.state();
+        if state.on_cpu().is_some() {
             slices.push(slice);
             continue;
         }
-        let (start, end) = (slice.start_ns, slice.end_ns);
-        let inside = &seen[seen.partition_point(|&(ts, _)| ts < start)
-            ..seen.partition_point(|&(ts, _)| ts < end)];
-        let next = thread
-            .slices
-            .get(i + 1)
-            .filter(|n| n.start_ns == end)
-            .map(StateSlice::state);
-        let (Some(&(first, first_cpu)), Some(&(last, last_cpu)), Some(next)) =
-            (inside.first(), inside.last(), next)
-        else {
-            slices.push(slice);
-            continue;
+        let inside = |margin: u64| {
+            let (from, to) = (start + margin, end.saturating_sub(margin));
+            if to <= from {
+                return &seen[..0];
+            }
+            &seen[seen.partition_point(|&(ts, _)| ts < from)
+                ..seen.partition_point(|&(ts, _)| ts < to)]
         };
-        let pieces = if next.on_cpu().is_some() {
-            [
-                (start, last, ThreadState::Sampled { cpu: last_cpu }),
-                (last, end, ThreadState::Unknown),
-            ]
+        let pieces = if state == ThreadState::Unknown {
+            let inside = inside(0);
+            let next = thread
+                .slices
+                .get(i + 1)
+                .filter(|n| n.start_ns == end)
+                .map(StateSlice::state);
+            let (Some(&(first, first_cpu)), Some(&(last, last_cpu)), Some(next)) =
+                (inside.first(), inside.last(), next)
+            else {
+                slices.push(slice);
+                continue;
+            };
+            if next.on_cpu().is_some() {
+                vec![
+                    (start, last, ThreadState::Sampled { cpu: last_cpu }),
+                    (last, end, ThreadState::Unknown),
+                ]
+            } else {
+                vec![
+                    (start, first, ThreadState::Unknown),
+                    (first, end, ThreadState::Sampled { cpu: first_cpu }),
+                ]
+            }
         } else {
-            [
+            let inside = inside(EDGE_NS);
+            let (Some(&(first, cpu)), Some(&(last, _))) = (inside.first(), inside.last()) else {
+                slices.push(slice);
+                continue;
+            };
+            narrowed.contradicted += 1;
+            let c = &mut thread.counters;
+            match state {
+                ThreadState::Runnable { .. } => {
+                    c.runnable_ns = c.runnable_ns.saturating_sub(end - start)
+                }
+                _ => c.blocked_ns = c.blocked_ns.saturating_sub(end - start),
+            }
+            c.unknown_ns += end - start;
+            vec![
                 (start, first, ThreadState::Unknown),
-                (first, end, ThreadState::Sampled { cpu: first_cpu }),
+                (first, last, ThreadState::Sampled { cpu }),
+                (last, end, ThreadState::Unknown),
             ]
         };
         for (from, to, state) in pieces {
@@ -271,9 +307,21 @@ fn narrow_thread(thread: &mut ThreadTrack, seen: &[(u64, u32)]) -> u64 {
                 let c = &mut thread.counters;
                 c.unknown_ns = c.unknown_ns.saturating_sub(to - from);
                 c.on_cpu_ns += to - from;
-                narrowed += 1;
+                if slice.state() == ThreadState::Unknown {
+                    narrowed.unknown += 1;
+                }
             }
-            slices.push(StateSlice::new(from, to, state));
+            match slices.last_mut() {
+                // One sample alone leaves two unknown parts: one interval.
+                Some(prev)
+                    if state == ThreadState::Unknown
+                        && prev.state() == ThreadState::Unknown
+                        && prev.end_ns == from =>
+                {
+                    *prev = StateSlice::new(prev.start_ns, to, state);
+                }
+                _ => slices.push(StateSlice::new(from, to, state)),
+            }
         }
     }
     thread.slices = slices;
@@ -298,6 +346,7 @@ mod tests {
             match state {
                 ThreadState::Unknown => counters.unknown_ns += to - from,
                 s if s.on_cpu().is_some() => counters.on_cpu_ns += to - from,
+                ThreadState::Runnable { .. } => counters.runnable_ns += to - from,
                 _ => counters.blocked_ns += to - from,
             }
         }
@@ -332,7 +381,7 @@ mod tests {
             (1_000, 1_200, SLEEPING),
         ]);
         let n = narrow_thread(&mut t, &[(50, 0), (400, 1), (700, 1), (1_100, 1)]);
-        assert_eq!(n, 1);
+        assert_eq!(n.unknown, 1);
         assert_eq!(
             states(&t),
             [
@@ -356,7 +405,7 @@ mod tests {
             (1_000, 1_200, ThreadState::Running { cpu: 1 }),
         ]);
         let n = narrow_thread(&mut t, &[(300, 0), (600, 0)]);
-        assert_eq!(n, 1);
+        assert_eq!(n.unknown, 1);
         assert_eq!(
             states(&t),
             [
@@ -381,11 +430,14 @@ mod tests {
             (200, 300, ThreadState::Unknown),
         ];
         let mut t = thread(&line);
-        assert_eq!(narrow_thread(&mut t, &[(150, 0), (250, 0), (300, 0)]), 0);
+        assert_eq!(
+            narrow_thread(&mut t, &[(100, 0), (250, 0), (300, 0)]),
+            Narrowed::default()
+        );
         assert_eq!(states(&t), line);
 
         let mut t = thread(&line);
-        assert_eq!(narrow_thread(&mut t, &[(0, 3)]), 1);
+        assert_eq!(narrow_thread(&mut t, &[(0, 3)]).unknown, 1);
         assert_eq!(
             states(&t),
             [
@@ -404,8 +456,71 @@ mod tests {
             (100, 200, ThreadState::Running { cpu: 0 }),
         ];
         let mut t = thread(&line);
-        assert_eq!(narrow_thread(&mut t, &[(0, 0)]), 0);
+        assert_eq!(narrow_thread(&mut t, &[(0, 0)]), Narrowed::default());
         assert_eq!(states(&t), line);
+    }
+
+    /// A sample inside a Runnable interval: the kernel reported neither the
+    /// switch onto a CPU nor the one off it. On a CPU from the first sample
+    /// to the last; either side, unknown.
+    #[test]
+    fn a_sample_in_a_runnable_interval_shows_an_unreported_run() {
+        let mut t = thread(&[
+            (0, 10_000, ThreadState::Running { cpu: 0 }),
+            (10_000, 20_000, PREEMPTED),
+            (20_000, 30_000, ThreadState::Running { cpu: 1 }),
+        ]);
+        let n = narrow_thread(&mut t, &[(5_000, 0), (13_000, 1), (16_000, 1)]);
+        assert_eq!(
+            n,
+            Narrowed {
+                unknown: 0,
+                contradicted: 1
+            }
+        );
+        assert_eq!(
+            states(&t),
+            [
+                (0, 10_000, ThreadState::Running { cpu: 0 }),
+                (10_000, 13_000, ThreadState::Unknown),
+                (13_000, 16_000, ThreadState::Sampled { cpu: 1 }),
+                (16_000, 20_000, ThreadState::Unknown),
+                (20_000, 30_000, ThreadState::Running { cpu: 1 }),
+            ]
+        );
+        assert_eq!(t.counters.runnable_ns, 0);
+        assert_eq!(t.counters.unknown_ns, 7_000);
+        assert_eq!(t.counters.on_cpu_ns, 23_000);
+    }
+
+    /// One sample inside a Blocked interval leaves it one unknown interval;
+    /// a sample within a microsecond of its edge belongs to the switch.
+    #[test]
+    fn a_lone_sample_in_a_wait_makes_it_unknown_and_one_at_its_edge_does_not() {
+        let line = [
+            (0, 10_000, ThreadState::Running { cpu: 0 }),
+            (10_000, 20_000, SLEEPING),
+            (20_000, 30_000, ThreadState::Running { cpu: 0 }),
+        ];
+        let mut t = thread(&line);
+        assert_eq!(
+            narrow_thread(&mut t, &[(10_500, 0), (19_200, 0)]),
+            Narrowed::default()
+        );
+        assert_eq!(states(&t), line);
+
+        let n = narrow_thread(&mut t, &[(15_000, 0)]);
+        assert_eq!(n.contradicted, 1);
+        assert_eq!(
+            states(&t),
+            [
+                (0, 10_000, ThreadState::Running { cpu: 0 }),
+                (10_000, 20_000, ThreadState::Unknown),
+                (20_000, 30_000, ThreadState::Running { cpu: 0 }),
+            ]
+        );
+        assert_eq!(t.counters.blocked_ns, 0);
+        assert_eq!(t.counters.unknown_ns, 10_000);
     }
 
     /// Samples with one stack share its name and its stat; a sample with

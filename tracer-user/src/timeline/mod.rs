@@ -93,7 +93,8 @@ pub enum ThreadState {
     /// thread's own stack samples show: the part of an [`Unknown`]
     /// interval from its first sample to the reported switch-out that
     /// ended it (or from the reported switch-in that began it to its last
-    /// sample).
+    /// sample), or from the first sample to the last of an interval the
+    /// kernel showed off a CPU (both switches of that run went unreported).
     ///
     /// [`Unknown`]: ThreadState::Unknown
     Sampled {
