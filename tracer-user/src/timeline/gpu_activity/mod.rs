@@ -15,29 +15,20 @@
 //! GPU timestamps map to `CLOCK_MONOTONIC` through the pair of readings
 //! each batch carries ([`ClockSync::pairing`]).
 
+mod join;
 pub mod records;
 
-use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    num::NonZeroU64,
-};
+use std::collections::{BTreeMap, HashMap};
 
 use tracer_agent::activity::{self, BatchHeader};
 
 pub use records::{Activity, DriverCall, Kernel, Transfer, decode};
-use records::{copy_kind_name, driver_function, memory_kind_name};
+use records::{Placement, copy_kind_name, memory_kind_name};
 
 use super::{
-    DeviceTrack, Span, Stat, StatName, StreamTiming, StreamTrack, Timeline, Value, cuda::demangle,
+    DeviceTrack, Span, StatName, StreamTiming, StreamTrack, Timeline, Value, cuda::demangle,
 };
 use crate::clock::ClockSync;
-
-/// How long before CUPTI's record of a driver call the uprobe span of the
-/// same call may start (the uprobe fires first; its cost is µs).
-const JOIN_SLACK_NS: u64 = 20_000;
-/// How far CUPTI's record may stick out of the uprobe span that encloses
-/// it (the two clocks are paired to within a µs or so).
-const JOIN_TOLERANCE_NS: u64 = 3_000;
 
 /// What became of one process's device activity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -58,6 +49,19 @@ pub struct ActivityMerge {
     pub skipped: u64,
 }
 
+/// Where the device's work was laid, by the CUPTI correlation id of the
+/// call that submitted it.
+#[derive(Default)]
+struct LaidWork {
+    /// `(device, line, index)` of the work's event.
+    events: HashMap<u32, (u32, i64, usize)>,
+    /// The kernel's name, demangled, of each kernel execution.
+    kernel_names: HashMap<u32, String>,
+}
+
+/// Records, each with the clock pairing of the batch it came in.
+type Clocked<T> = Vec<(T, ClockSync)>;
+
 /// Merges the activity `batches` the agent forwarded from process `pid`.
 pub fn merge_device_activity(
     timeline: &mut Timeline,
@@ -65,8 +69,26 @@ pub fn merge_device_activity(
     batches: &[&[u8]],
 ) -> ActivityMerge {
     let mut merge = ActivityMerge::default();
-    let mut work: Vec<(Activity, ClockSync)> = Vec::new();
-    let mut calls: Vec<(DriverCall, ClockSync)> = Vec::new();
+    let (work, calls) = read_batches(batches, &mut merge);
+    if batches.is_empty() {
+        return merge;
+    }
+    drop_host_observed(timeline, pid);
+    let laid = lay_work(timeline, pid, work, &mut merge);
+    join::join_calls(timeline, pid, calls, &laid, &mut merge);
+    sort_lines_of(timeline, pid);
+    merge
+}
+
+/// The device's work and the driver calls that CUPTI's records in
+/// `batches` hold, each with the clock pairing of its batch; counts what
+/// was dropped or skipped in `merge`.
+fn read_batches(
+    batches: &[&[u8]],
+    merge: &mut ActivityMerge,
+) -> (Clocked<Activity>, Clocked<DriverCall>) {
+    let mut work = Vec::new();
+    let mut calls = Vec::new();
     for batch in batches {
         let Some(header) = BatchHeader::decode(batch) else {
             continue;
@@ -81,27 +103,32 @@ pub fn merge_device_activity(
             }
         }
     }
-    if batches.is_empty() {
-        return merge;
-    }
-    // The device ran it: CUPTI's events replace the host-observed ones.
+    (work, calls)
+}
+
+/// The device ran it: CUPTI's events replace the host-observed ones of `pid`.
+fn drop_host_observed(timeline: &mut Timeline, pid: u32) {
     for device in timeline.devices.values_mut() {
         device.streams.retain(|_, s| s.pid != pid);
     }
     timeline.devices.retain(|_, d| !d.streams.is_empty());
+}
 
-    // Unique across processes; not 0, as the pid is not.
-    let link = |correlation: u32| {
-        NonZeroU64::new((u64::from(pid) << 32) | u64::from(correlation)).unwrap_or(NonZeroU64::MAX)
-    };
-    let mut kernel_names: HashMap<u32, String> = HashMap::new();
-    let mut submitted: HashMap<u32, (u32, i64, usize)> = HashMap::new();
+/// Lays each piece of `work` of `pid` on its CUPTI stream's line, timed
+/// by the device.
+fn lay_work(
+    timeline: &mut Timeline,
+    pid: u32,
+    work: Clocked<Activity>,
+    merge: &mut ActivityMerge,
+) -> LaidWork {
+    let mut laid = LaidWork::default();
     for (a, clock) in work {
-        let (at, name, stats) = match &a {
+        let (at, name, mut stats) = match &a {
             Activity::Kernel(k) => {
                 merge.kernels += 1;
                 let name = demangle(&k.name).unwrap_or_else(|| k.name.clone());
-                kernel_names.insert(k.at.correlation, name.clone());
+                laid.kernel_names.insert(k.at.correlation, name.clone());
                 (k.at, name, kernel_stats(k))
             }
             Activity::Memcpy(t) => {
@@ -119,21 +146,7 @@ pub fn merge_device_activity(
             Activity::Driver(_) => continue,
         };
         let line = stream_line(timeline, at.device, pid, at.stream);
-        let mut stats = stats;
-        stats.extend([
-            ("device_id".into(), Value::U64(u64::from(at.device))),
-            (
-                "context_id".into(),
-                Value::Str(format!("$${}", at.context).into()),
-            ),
-            ("stream_id".into(), Value::U64(u64::from(at.stream))),
-            (
-                "cupti_correlation_id".into(),
-                Value::U64(u64::from(at.correlation)),
-            ),
-            ("pid".into(), Value::I64(i64::from(pid))),
-        ]);
-        let start = clock.to_monotonic_ns(at.start);
+        stats.extend(placement_stats(&at, pid));
         let events = &mut timeline
             .devices
             .get_mut(&at.device)
@@ -141,92 +154,37 @@ pub fn merge_device_activity(
             .expect("stream_line made it")
             .events;
         events.push(Span {
-            start_ns: start,
+            start_ns: clock.to_monotonic_ns(at.start),
             end_ns: clock.to_monotonic_ns(at.end.max(at.start)),
             name: name.into(),
             stats: stats.into(),
             correlation: None,
         });
-        submitted.insert(at.correlation, (at.device, line, events.len() - 1));
+        laid.events
+            .insert(at.correlation, (at.device, line, events.len() - 1));
     }
+    laid
+}
 
-    // Join each piece of work to the call that submitted it; a span joins
-    // one call.
-    let mut taken: HashSet<(u32, usize)> = HashSet::new();
-    let mut starts: HashMap<u32, Vec<(u64, usize)>> = HashMap::new();
-    for (call, clock) in calls {
-        let Some(&(device, line, index)) = submitted.get(&call.correlation) else {
-            continue;
-        };
-        let (start, end) = (
-            clock.to_monotonic_ns(call.start),
-            clock.to_monotonic_ns(call.end.max(call.start)),
-        );
-        let function = driver_function(call.cbid);
-        let id = link(call.correlation);
-        let by_start = starts
-            .entry(call.tid)
-            .or_insert_with(|| span_starts(timeline, call.tid));
-        let joined = timeline.threads.get_mut(&call.tid).and_then(|t| {
-            let i = uprobe_span(&t.spans, by_start, function, start, end, |i| {
-                !taken.contains(&(call.tid, i))
-            })?;
-            taken.insert((call.tid, i));
-            Some(&mut t.spans[i])
-        });
-        let submitted_by = match joined {
-            Some(span) => {
-                merge.joined += 1;
-                span.correlation = Some(id);
-                if let Some(name) = kernel_names.get(&call.correlation) {
-                    name_unresolved_kernel(span, name);
-                }
-                span.name.to_string()
-            }
-            None => {
-                let Some(track) = timeline.threads.get_mut(&call.tid) else {
-                    continue;
-                };
-                merge.spans_from_records += 1;
-                let name = function
-                    .map_or_else(|| format!("CUDA driver call {}", call.cbid), str::to_string);
-                let mut stats = vec![
-                    (
-                        "source".into(),
-                        Value::Str("CUPTI driver API record".into()),
-                    ),
-                    (
-                        "result_code".into(),
-                        Value::I64(i64::from(call.result as i32)),
-                    ),
-                ];
-                if let Some(kernel) = kernel_names.get(&call.correlation) {
-                    stats.push(("kernel".into(), Value::Str(kernel.as_str().into())));
-                }
-                track.spans.push(Span {
-                    start_ns: start,
-                    end_ns: end,
-                    name: name.as_str().into(),
-                    stats: stats.into(),
-                    correlation: Some(id),
-                });
-                name
-            }
-        };
-        let event = &mut timeline
-            .devices
-            .get_mut(&device)
-            .expect("made above")
-            .streams
-            .get_mut(&line)
-            .expect("made above")
-            .events[index];
-        event.correlation = Some(id);
-        event.stats.extend([
-            ("submitted_by".into(), Value::Str(submitted_by.into())),
-            ("tid".into(), Value::I64(i64::from(call.tid))),
-        ]);
-    }
+/// Where a piece of work of `pid` ran, as stats.
+fn placement_stats(at: &Placement, pid: u32) -> [(StatName, Value); 5] {
+    [
+        ("device_id".into(), Value::U64(u64::from(at.device))),
+        (
+            "context_id".into(),
+            Value::Str(format!("$${}", at.context).into()),
+        ),
+        ("stream_id".into(), Value::U64(u64::from(at.stream))),
+        (
+            "cupti_correlation_id".into(),
+            Value::U64(u64::from(at.correlation)),
+        ),
+        ("pid".into(), Value::I64(i64::from(pid))),
+    ]
+}
+
+/// Sorts the spans of `pid`'s threads and the events of its lines by time.
+fn sort_lines_of(timeline: &mut Timeline, pid: u32) {
     for track in timeline.threads.values_mut().filter(|t| t.pid == pid) {
         track
             .spans
@@ -235,71 +193,6 @@ pub fn merge_device_activity(
     for device in timeline.devices.values_mut() {
         for stream in device.streams.values_mut().filter(|s| s.pid == pid) {
             stream.events.sort_by_key(|e| (e.start_ns, e.end_ns));
-        }
-    }
-    merge
-}
-
-/// A thread's spans as `(start, index)`, sorted.
-fn span_starts(timeline: &Timeline, tid: u32) -> Vec<(u64, usize)> {
-    let mut starts: Vec<(u64, usize)> = timeline.threads.get(&tid).map_or_else(Vec::new, |t| {
-        t.spans
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.start_ns, i))
-            .collect()
-    });
-    starts.sort_unstable();
-    starts
-}
-
-/// The uprobe span of the driver call CUPTI timed at `[start, end]`: one
-/// of the same function (when CUPTI's id names it) that encloses it and
-/// is `free`, the nearest by midpoint; its index. `by_start` is
-/// [`span_starts`] of the thread.
-fn uprobe_span(
-    spans: &[Span],
-    by_start: &[(u64, usize)],
-    function: Option<&str>,
-    start: u64,
-    end: u64,
-    free: impl Fn(usize) -> bool,
-) -> Option<usize> {
-    let (lo, hi) = (
-        start.saturating_sub(JOIN_SLACK_NS),
-        end.saturating_add(JOIN_SLACK_NS),
-    );
-    let mid = start / 2 + end / 2;
-    let first = by_start.partition_point(|&(s, _)| s < lo);
-    by_start[first..]
-        .iter()
-        .take_while(|&&(s, _)| s <= hi)
-        .map(|&(_, i)| (i, &spans[i]))
-        .filter(|(_, s)| {
-            s.start_ns <= start.saturating_add(JOIN_TOLERANCE_NS)
-                && s.end_ns.saturating_add(JOIN_TOLERANCE_NS) >= end
-        })
-        .filter(|(_, s)| match function {
-            Some(f) => &*s.name == f,
-            None => s.name.starts_with("cu"),
-        })
-        .filter(|(i, _)| free(*i))
-        .min_by_key(|(_, s)| (s.start_ns / 2 + s.end_ns / 2).abs_diff(mid))
-        .map(|(i, _)| i)
-}
-
-/// Names the kernel of a launch span whose function handle was looked up
-/// before the capture.
-fn name_unresolved_kernel(span: &mut Span, name: &str) {
-    let unresolved =
-        |(k, v): &Stat| k == "kernel" && matches!(v, Value::Str(s) if s.starts_with("<unresolved"));
-    // Stats shared with other spans are copied only for the spans changed.
-    if !span.stats.iter().any(unresolved) {
-        return;
-    }
-    for stat in span.stats.iter_mut() {
-        if unresolved(stat) {
-            stat.1 = Value::Str(name.into());
         }
     }
 }
@@ -391,6 +284,8 @@ fn memset_stats(t: &Transfer) -> Vec<(StatName, Value)> {
 
 #[cfg(test)]
 mod tests {
+    use std::num::NonZeroU64;
+
     use super::*;
     use crate::timeline::{CaptureStats, ThreadCounters, ThreadTrack};
 
