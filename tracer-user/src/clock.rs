@@ -5,25 +5,22 @@
 //! offset between the clocks is measured by bracketing one monotonic read
 //! between two realtime reads and keeping the tightest of several tries.
 
+pub use rustix::time::ClockId;
+
 /// Reads a clock in nanoseconds.
-pub fn now_ns(clock: libc::clockid_t) -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec; both clocks always exist on Linux.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
+pub fn now_ns(clock: ClockId) -> u64 {
+    let ts = rustix::time::clock_gettime(clock);
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// `CLOCK_MONOTONIC` now, in the time base of eBPF records.
 pub fn monotonic_ns() -> u64 {
-    now_ns(libc::CLOCK_MONOTONIC)
+    now_ns(ClockId::Monotonic)
 }
 
 /// `CLOCK_REALTIME` now, nanoseconds since the Unix epoch.
 pub fn realtime_ns() -> u64 {
-    now_ns(libc::CLOCK_REALTIME)
+    now_ns(ClockId::Realtime)
 }
 
 /// Offset from `CLOCK_MONOTONIC` to `CLOCK_REALTIME`.

@@ -16,7 +16,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::symbols::{ElfObject, mapped_objects};
+use crate::{
+    procfs,
+    symbols::{ElfObject, mapped_objects},
+};
 
 /// The name the CUDA runtime (and every framework) `dlopen`s.
 pub const SONAME: &str = "libcuda.so.1";
@@ -62,9 +65,8 @@ pub fn locate(pid: u32) -> Option<Library> {
     if let Some(lib) = find_mapped(pid) {
         return Some(lib);
     }
-    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-    let root = proc_dir.join("root");
-    let environ = fs::read(proc_dir.join("environ")).unwrap_or_default();
+    let root = procfs::root_dir(pid);
+    let environ = procfs::environment(pid);
     let cache = fs::read(root.join("etc/ld.so.cache")).unwrap_or_default();
     let (path, via) = search(&root, &environ, &cache)?;
     Some(Library {
@@ -292,7 +294,7 @@ mod tests {
     #[test]
     fn offsets_of_this_test_binarys_libc() {
         // libc's dynamic symbols stand in for the driver's.
-        let maps = fs::read_to_string("/proc/self/maps").unwrap();
+        let maps = procfs::maps_text(std::process::id()).unwrap();
         let libc = maps
             .lines()
             .filter_map(|l| l.split_whitespace().nth(5))

@@ -5,10 +5,13 @@
 //! (except where the kernel serializes them: perf-event uprobes, hence
 //! [`uprobe_multi`](super::uprobe_multi) links for the driver).
 
+use std::os::fd::IntoRawFd as _;
+
 use aya::programs::{
     perf_event::PerfEventLink, raw_trace_point::RawTracePointLink, trace_point::TracePointLink,
     uprobe::UProbeLink,
 };
+use rustix::io::Errno;
 
 use super::uprobe_multi;
 
@@ -85,34 +88,29 @@ pub fn release<L: Send>(links: Vec<L>) {
 /// in the background. Call it last, after the trace is written. If fork
 /// fails, this process's exit releases them itself.
 pub fn release_after_exit() {
-    let mut pipe = [0; 2];
-    // SAFETY: a valid two-int array.
-    if unsafe { libc::pipe(pipe.as_mut_ptr()) } != 0 {
+    let Ok((read_end, write_end)) = rustix::pipe::pipe() else {
+        return;
+    };
+    // SAFETY: fork; the child below makes only plain syscalls, which are
+    // async-signal-safe, as a child of a multithreaded process requires.
+    if unsafe { libc::fork() } != 0 {
+        // This process (or a failed fork): the write end stays open until
+        // it exits.
+        let _ = write_end.into_raw_fd();
         return;
     }
-    let [read_end, write_end] = pipe;
-    // SAFETY: fork; the child below only calls async-signal-safe functions.
-    match unsafe { libc::fork() } {
-        // SAFETY: close, setsid, read and _exit are async-signal-safe, as a
-        // child of a multithreaded process requires.
-        0 => unsafe {
-            libc::close(write_end);
-            // Out of the terminal's session and off stdio: nobody waits
-            // for this child.
-            libc::setsid();
-            for fd in 0..=2 {
-                libc::close(fd);
-            }
-            let mut b = 0u8;
-            while libc::read(read_end, (&mut b as *mut u8).cast(), 1) != 0
-                && *libc::__errno_location() == libc::EINTR
-            {}
-            libc::_exit(0)
-        },
-        // SAFETY: our end of the pipe; its write end stays open until
-        // this process exits.
-        _ => unsafe {
-            libc::close(read_end);
-        },
+    // The child. Out of the terminal's session and off stdio: nobody waits
+    // for it.
+    drop(write_end);
+    let _ = rustix::process::setsid();
+    for fd in 0..=2 {
+        // SAFETY: the standard descriptors, which nothing in this child
+        // uses again.
+        unsafe { libc::close(fd) };
     }
+    let mut byte = [0u8];
+    while rustix::io::read(&read_end, &mut byte) == Err(Errno::INTR) {}
+    // SAFETY: ends the child at once, running nothing of the parent's
+    // (no exit handlers, no destructors).
+    unsafe { libc::_exit(0) }
 }

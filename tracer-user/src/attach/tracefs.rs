@@ -6,6 +6,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use rustix::mount::MountFlags;
 use tracer_common::TRACEPOINT_FIELDS;
 
 use crate::error::{Error, Result};
@@ -37,25 +38,13 @@ pub fn locate() -> Result<PathBuf> {
 }
 
 fn mount_tracefs(target: &Path) -> std::io::Result<()> {
-    use std::ffi::CString;
-    let src = CString::new("nodev").expect("no NUL");
-    let fstype = CString::new("tracefs").expect("no NUL");
-    let dst = CString::new(target.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: valid NUL-terminated strings; no data argument.
-    let rc = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            dst.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    Ok(rustix::mount::mount(
+        "nodev",
+        target,
+        "tracefs",
+        MountFlags::empty(),
+        None,
+    )?)
 }
 
 /// Offset of `field` in a tracefs `format` file, if the field exists.

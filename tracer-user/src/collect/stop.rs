@@ -2,10 +2,12 @@
 //! for its poll or its timer to run out.
 
 use std::{
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::{AsRawFd as _, OwnedFd},
     sync::atomic::{AtomicBool, Ordering},
     time::Duration,
 };
+
+use rustix::event::EventfdFlags;
 
 /// A flag and an eventfd that wakes a [`super::Collector::wait_unless_stopped`]
 /// when the flag is set: the producers do not wake the collector per record,
@@ -20,13 +22,10 @@ pub struct DrainStop {
 impl DrainStop {
     /// A flag not set yet.
     pub fn new() -> Self {
-        // SAFETY: eventfd takes no pointers; a valid descriptor it returns
-        // is ours alone.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        let flags = EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK;
         DrainStop {
             stopped: AtomicBool::new(false),
-            // SAFETY: `fd` is a new descriptor nothing else owns.
-            event: (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) }),
+            event: rustix::event::eventfd(0, flags).ok(),
         }
     }
 
@@ -34,10 +33,8 @@ impl DrainStop {
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
         if let Some(event) = &self.event {
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writes 8 bytes from a live buffer to our eventfd. It
-            // cannot fail but by overflow, which leaves it readable anyway.
-            unsafe { libc::write(event.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+            // It cannot fail but by overflow, which leaves it readable anyway.
+            let _ = rustix::io::write(event, &1u64.to_ne_bytes());
         }
     }
 
@@ -70,7 +67,9 @@ impl Default for DrainStop {
 }
 
 /// Waits until one of `fds` (the first two) is readable or `timeout`
-/// passes (EINTR, e.g. Ctrl-C, ends it early).
+/// passes (EINTR, e.g. Ctrl-C, ends it early). The plain C call: the
+/// descriptors come as numbers, which rustix's poll would take only
+/// through an unsafe borrow of each.
 pub(super) fn poll_readable(fds: &[i32], timeout: Duration) {
     let unused = libc::pollfd {
         fd: -1,

@@ -23,19 +23,13 @@ pub struct ThreadSample {
 impl ThreadSample {
     /// Reads thread `tid` of `pid`; `None` once it has exited.
     pub fn read(pid: u32, tid: u32) -> Option<Self> {
-        let dir = format!("/proc/{pid}/task/{tid}");
-        let schedstat = std::fs::read_to_string(format!("{dir}/schedstat")).ok()?;
-        let status = std::fs::read_to_string(format!("{dir}/status")).ok()?;
-        let mut s = parse_schedstat(&schedstat)?;
-        for line in status.lines() {
-            let value = |prefix: &str| line.strip_prefix(prefix)?.trim().parse::<u64>().ok();
-            if let Some(v) = value("voluntary_ctxt_switches:") {
-                s.voluntary_switches = v;
-            } else if let Some(v) = value("nonvoluntary_ctxt_switches:") {
-                s.involuntary_switches = v;
-            }
-        }
-        Some(s)
+        let schedstat = procfs::thread_schedstat(pid, tid)?;
+        let switches = procfs::thread_context_switches(pid, tid)?;
+        Some(ThreadSample {
+            voluntary_switches: switches.voluntary,
+            involuntary_switches: switches.involuntary,
+            ..parse_schedstat(&schedstat)?
+        })
     }
 
     fn add(&mut self, other: &ThreadSample) {
@@ -150,9 +144,10 @@ mod tests {
     fn cpu_time_of_exited_threads_still_counts() {
         let me = TargetProcess::open(std::process::id()).unwrap();
         let mut totals = Totals::default();
+        // 200 ms of its own CPU time, however busy the machine is.
         let spin = || {
-            let start = std::time::Instant::now();
-            while start.elapsed() < std::time::Duration::from_millis(200) {
+            let cpu = crate::clock::ClockId::ThreadCPUTime;
+            while crate::clock::now_ns(cpu) < 200_000_000 {
                 std::hint::spin_loop();
             }
         };
@@ -162,7 +157,7 @@ mod tests {
         let during = totals.refresh(std::slice::from_ref(&me));
         worker.join().unwrap();
         let after = totals.refresh(std::slice::from_ref(&me));
-        // The worker ran ~180 ms more after it was first seen.
+        // The worker ran at least 180 ms more after it was first seen.
         let grown = after[0].cpu_ns.saturating_sub(during[0].cpu_ns);
         assert!(grown >= 150_000_000, "{grown} ns");
         assert!(after[0].sum.voluntary_switches >= during[0].sum.voluntary_switches);

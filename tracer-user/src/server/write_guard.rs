@@ -14,13 +14,15 @@
 //! themselves).
 
 use std::{
-    ffi::{CString, OsStr, OsString},
+    ffi::{OsStr, OsString},
     fmt, fs, io,
-    os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
-        unix::ffi::OsStrExt as _,
-    },
+    os::fd::{AsFd, OwnedFd},
     path::{Component, Path, PathBuf},
+};
+
+use rustix::{
+    fs::{AtFlags, Gid, Mode, OFlags, ResolveFlags, Uid},
+    io::Errno,
 };
 
 use crate::sink::logdir::xplane_file_name;
@@ -70,19 +72,8 @@ impl WriteGuard {
                 "not a directory",
             ));
         }
-        let c = CString::new(root.as_os_str().as_bytes())?;
-        // SAFETY: valid C string; the result is checked.
-        let fd = unsafe {
-            libc::open(
-                c.as_ptr(),
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd was just opened and is owned by nobody else.
-        let dir = unsafe { OwnedFd::from_raw_fd(fd) };
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let dir = rustix::fs::open(&root, flags, Mode::empty())?;
         Ok(WriteGuard { root, dir })
     }
 
@@ -164,112 +155,80 @@ impl WriteGuard {
         for name in &destination.below_root {
             dir = open_or_create_dir(&dir, name)?;
         }
-        let owner = owner_of(dir.as_raw_fd())?;
+        let owner = owner_of(&dir)?;
         let tmp = format!(".{}.tmp-{}", destination.file_name, std::process::id());
         let file = open_beneath(
             &dir,
             OsStr::new(&tmp),
-            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            0o644,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
         )?;
         let result = (|| {
             let mut f = fs::File::from(file);
             io::Write::write_all(&mut f, bytes)?;
             f.sync_all()?;
-            chown_fd(f.as_raw_fd(), owner)?;
-            rename_in(&dir, &tmp, &destination.file_name)
+            chown_fd(&f, owner)?;
+            Ok(rustix::fs::renameat(
+                &dir,
+                tmp.as_str(),
+                &dir,
+                destination.file_name.as_str(),
+            )?)
         })();
         if result.is_err() {
-            let c = CString::new(tmp.as_bytes())?;
-            // SAFETY: valid dirfd and C string.
-            unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) };
+            let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), AtFlags::empty());
         }
         result.map(|()| self.path_of(destination))
     }
 }
 
 /// `openat2(dir, name, flags, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`.
-fn open_beneath(dir: &OwnedFd, name: &OsStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
-    let c = CString::new(name.as_bytes())?;
-    // SAFETY: open_how is plain data; zeroed is a valid value.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = flags as u64;
-    how.mode = if flags & libc::O_CREAT != 0 {
-        u64::from(mode)
+fn open_beneath(dir: &OwnedFd, name: &OsStr, flags: OFlags, mode: Mode) -> io::Result<OwnedFd> {
+    // The kernel refuses a mode given to a call that creates nothing.
+    let mode = if flags.contains(OFlags::CREATE) {
+        mode
     } else {
-        0
+        Mode::empty()
     };
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
-    // SAFETY: valid dirfd, C string and open_how of the size passed.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const libc::open_how,
-            size_of::<libc::open_how>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS;
+    Ok(rustix::fs::openat2(dir, name, flags, mode, resolve)?)
 }
 
 fn open_or_create_dir(parent: &OwnedFd, name: &OsStr) -> io::Result<OwnedFd> {
-    let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC;
-    match open_beneath(parent, name, flags, 0) {
+    let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    match open_beneath(parent, name, flags, Mode::empty()) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            let c = CString::new(name.as_bytes())?;
-            // SAFETY: valid dirfd and C string.
-            let rc = unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o755) };
-            if rc != 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::AlreadyExists {
-                    return Err(e);
+            match rustix::fs::mkdirat(parent, name, Mode::from_raw_mode(0o755)) {
+                Err(e) if e != Errno::EXIST => return Err(e.into()),
+                Err(_) => {}
+                Ok(()) => {
+                    let owner = owner_of(parent)?;
+                    let dir = open_beneath(parent, name, flags, Mode::empty())?;
+                    chown_fd(&dir, owner)?;
+                    return Ok(dir);
                 }
-            } else {
-                let owner = owner_of(parent.as_raw_fd())?;
-                let dir = open_beneath(parent, name, flags, 0)?;
-                chown_fd(dir.as_raw_fd(), owner)?;
-                return Ok(dir);
             }
-            open_beneath(parent, name, flags, 0)
+            open_beneath(parent, name, flags, Mode::empty())
         }
         other => other,
     }
 }
 
-fn owner_of(fd: RawFd) -> io::Result<(u32, u32)> {
-    // SAFETY: stat is plain data; fstat fills it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid fd and pointer.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok((st.st_uid, st.st_gid))
+fn owner_of(fd: impl AsFd) -> io::Result<(Uid, Gid)> {
+    let st = rustix::fs::fstat(fd)?;
+    Ok((Uid::from_raw(st.st_uid), Gid::from_raw(st.st_gid)))
 }
 
-fn chown_fd(fd: RawFd, (uid, gid): (u32, u32)) -> io::Result<()> {
-    let empty = c"";
-    // SAFETY: valid fd; AT_EMPTY_PATH makes the call act on fd itself
-    // (which works for O_PATH descriptors, unlike fchown).
-    let rc = unsafe { libc::fchownat(fd, empty.as_ptr(), uid, gid, libc::AT_EMPTY_PATH) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn rename_in(dir: &OwnedFd, from: &str, to: &str) -> io::Result<()> {
-    let (f, t) = (CString::new(from)?, CString::new(to)?);
-    // SAFETY: valid dirfd and C strings.
-    let rc = unsafe { libc::renameat(dir.as_raw_fd(), f.as_ptr(), dir.as_raw_fd(), t.as_ptr()) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+fn chown_fd(fd: impl AsFd, (uid, gid): (Uid, Gid)) -> io::Result<()> {
+    // AT_EMPTY_PATH makes the call act on fd itself (which works for O_PATH
+    // descriptors, unlike fchown).
+    Ok(rustix::fs::chownat(
+        fd,
+        c"",
+        Some(uid),
+        Some(gid),
+        AtFlags::EMPTY_PATH,
+    )?)
 }
 
 #[cfg(test)]

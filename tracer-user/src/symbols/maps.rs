@@ -1,13 +1,10 @@
 //! The objects a process has mapped, from `/proc/PID/maps`, and where each
 //! was loaded.
 
-use std::{
-    fs, io,
-    ops::Range,
-    path::{Path, PathBuf},
-};
+use std::{fs, io, ops::Range, path::PathBuf};
 
 use super::elf::LoadSegment;
+use crate::procfs;
 
 /// One line of `/proc/PID/maps`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,16 +78,12 @@ impl MappedObject {
     pub fn open_path(&self) -> PathBuf {
         use std::os::unix::fs::MetadataExt as _;
         let first = &self.mappings[0];
-        let via_root =
-            Path::new(&format!("/proc/{}/root", self.pid)).join(self.path.trim_start_matches('/'));
+        let via_root = procfs::root_dir(self.pid).join(self.path.trim_start_matches('/'));
         let same_file = || fs::metadata(&via_root).is_ok_and(|m| m.ino() == self.inode);
         if !first.deleted && same_file() {
             via_root
         } else {
-            PathBuf::from(format!(
-                "/proc/{}/map_files/{:x}-{:x}",
-                self.pid, first.start, first.end
-            ))
+            procfs::mapped_file(self.pid, first.start, first.end)
         }
     }
 
@@ -134,7 +127,7 @@ impl MappedObject {
 
 /// Reads and parses `/proc/PID/maps`.
 pub fn read_maps(pid: u32) -> io::Result<Vec<Mapping>> {
-    let text = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let text = procfs::maps_text(pid)?;
     Ok(text.lines().filter_map(parse_maps_line).collect())
 }
 
@@ -170,9 +163,11 @@ pub fn objects_of(pid: u32, maps: Vec<Mapping>) -> Vec<MappedObject> {
 
 /// The system page size.
 pub fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if v > 0 { v as u64 } else { 4096 }
+    match rustix::param::page_size() {
+        // 0, or -1 from the C library.
+        size if size == 0 || size > isize::MAX as usize => 4096,
+        size => size as u64,
+    }
 }
 
 /// The executable ones of `maps`, sorted.
@@ -230,6 +225,8 @@ impl Drop for AnonymousCode {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     #[test]

@@ -24,7 +24,7 @@ use framehop::{
 use super::{
     ElfObject, MappedObject,
     elf::SectionRange,
-    maps::{code_ranges, in_code, objects_of, read_maps},
+    maps::{code_ranges, in_code, objects_of, page_size, read_maps},
 };
 
 /// How often a process's mappings are read again when a sample is in code
@@ -150,7 +150,7 @@ impl StackUnwinder {
     fn forget_exited(&mut self) {
         let before = self.processes.len();
         self.processes
-            .retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
+            .retain(|pid, _| crate::procfs::is_listed(*pid));
         if self.processes.len() < before {
             self.forget_unmapped_objects();
         }
@@ -199,8 +199,7 @@ impl StackUnwinder {
         modules_code: Vec<Range<u64>>,
     ) -> ProcessUnwinder {
         let mut unwinder = UnwinderX86_64::new();
-        // SAFETY: sysconf has no preconditions.
-        let page_size = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let page_size = page_size();
         for mapped in objects {
             if !mapped.mappings.iter().any(|m| m.perms.contains('x')) {
                 continue;

@@ -4,12 +4,11 @@
 use std::{
     fs,
     io::Write as _,
-    os::{
-        fd::{FromRawFd as _, OwnedFd},
-        unix::net::UnixStream,
-    },
+    os::{fd::OwnedFd, unix::net::UnixStream},
     time::{Duration, Instant},
 };
+
+use rustix::{fs::SealFlags, process::PidfdGetfdFlags};
 
 use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
@@ -19,6 +18,7 @@ use super::{
     session::{RESTARTED_WAITS, Session, code_len},
     symbols,
 };
+use crate::procfs;
 
 const SYS_FUTEX: i64 = 202;
 
@@ -37,8 +37,7 @@ const LEFTOVER_THREAD_WAIT: Duration = Duration::from_secs(5);
 fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
     let mut ranked: Vec<(u8, u32)> = Vec::new();
     for tid in super::program_threads(pid)? {
-        let syscall =
-            fs::read_to_string(format!("/proc/{pid}/task/{tid}/syscall")).unwrap_or_default();
+        let syscall = procfs::thread_syscall(pid, tid).unwrap_or_default();
         let first = syscall.split_whitespace().next().unwrap_or("");
         let tier = match first.parse::<i64>() {
             Ok(SYS_FUTEX) => 1,
@@ -90,7 +89,7 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
 }
 
 fn thread_gone(pid: u32, tid: u32) -> bool {
-    process_alive(pid) && !std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+    process_alive(pid) && !procfs::thread_is_listed(pid, tid)
 }
 
 fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
@@ -103,7 +102,7 @@ fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
 /// The first call of the loading's that the seccomp filters of the
 /// session's thread would kill it for, where they can be read and run.
 fn forbidden_call(pid: u32, s: &Session) -> Option<&'static str> {
-    if crate::procfs::seccomp_mode(pid) != Some(2) {
+    if procfs::seccomp_mode(pid) != Some(2) {
         return None;
     }
     let Some(filters) = s.seccomp_filters() else {
@@ -118,21 +117,16 @@ fn forbidden_call(pid: u32, s: &Session) -> Option<&'static str> {
 
 /// A descriptor of the target, duplicated into ebtrace (`pidfd_getfd`).
 fn take_fd(pid: u32, pidfd: &OwnedFd, fd: i32) -> Result<OwnedFd, InjectError> {
-    use std::os::fd::AsRawFd as _;
-    // SAFETY: pidfd_getfd on a pidfd we own; returns a new descriptor.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if r < 0 {
-        return Err(io_err(
+    rustix::process::pidfd_getfd(pidfd, fd, PidfdGetfdFlags::empty()).map_err(|e| {
+        io_err(
             format!("copying descriptor {fd} of pid {pid} (pidfd_getfd needs Linux 5.6+)"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    // SAFETY: a fresh descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+            e.into(),
+        )
+    })
 }
 
 fn pidfd_open(pid: u32) -> Result<OwnedFd, InjectError> {
-    crate::procfs::pidfd_open(pid).map_err(|e| match e.raw_os_error() {
+    procfs::pidfd_open(pid).map_err(|e| match e.raw_os_error() {
         Some(libc::ESRCH) => InjectError::NoSuchProcess { pid },
         _ => io_err(format!("pidfd_open of pid {pid} (needs Linux 5.3+)"), e),
     })
@@ -424,13 +418,8 @@ fn unload_agent(
 /// Seals the library's memfd: nothing in the target (or anyone it passes
 /// the descriptor to) can change the code ebtrace's agent runs from.
 fn seal(file: &fs::File) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd as _;
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: fcntl on a descriptor we own, with an integer argument.
-    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    let seals = SealFlags::SEAL | SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE;
+    Ok(rustix::fs::fcntl_add_seals(file, seals)?)
 }
 
 fn call_exit(c: &mut Calls, handle: u64, exit: &str) -> Result<(), InjectError> {
@@ -504,20 +493,19 @@ fn unload_leftover(c: &mut Calls, fd: i32, exit: &str) -> Result<bool, InjectErr
 
 /// Descriptors of `pid` that hold an agent's memfd.
 fn leftover_fds(pid: u32) -> Result<Vec<i32>, InjectError> {
-    let dir = fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| match e.kind() {
+    let targets = procfs::descriptor_targets(pid).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => InjectError::NoSuchProcess { pid },
         _ => io_err(format!("listing /proc/{pid}/fd"), e),
     })?;
-    let mut fds: Vec<i32> = dir
-        .flatten()
-        .filter(|e| {
-            fs::read_link(e.path()).is_ok_and(|l| {
-                l.to_str()
-                    .and_then(|l| l.strip_suffix(" (deleted)"))
-                    .is_some_and(is_agent_copy)
-            })
+    let mut fds: Vec<i32> = targets
+        .into_iter()
+        .filter(|(_, target)| {
+            target
+                .to_str()
+                .and_then(|l| l.strip_suffix(" (deleted)"))
+                .is_some_and(is_agent_copy)
         })
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .map(|(fd, _)| fd)
         .collect();
     fds.sort_unstable();
     Ok(fds)

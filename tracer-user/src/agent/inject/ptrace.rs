@@ -122,11 +122,7 @@ impl Tracee {
     /// stop ended is replayed from then on, see
     /// [`Self::replay_wait_ended_by_the_stop`]).
     pub fn seize(pid: u32, tid: u32) -> Result<Self, InjectError> {
-        let mem = File::options()
-            .read(true)
-            .write(true)
-            .open(format!("/proc/{pid}/mem"))
-            .map_err(|e| open_error(pid, e))?;
+        let mem = crate::procfs::memory_file(pid).map_err(|e| open_error(pid, e))?;
         ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACESYSGOOD as u64)
             .map_err(|e| open_error(pid, e))?;
         let mut t = Tracee {

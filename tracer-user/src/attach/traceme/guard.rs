@@ -22,7 +22,7 @@ use std::{
     fs,
     io::{self, Write as _},
     os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
+        fd::{AsFd as _, AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd},
         unix::process::CommandExt as _,
     },
     path::PathBuf,
@@ -30,8 +30,14 @@ use std::{
     sync::Mutex,
 };
 
+use rustix::{
+    event::{EventfdFlags, PollFd, PollFlags, Timespec},
+    fs::MemfdFlags,
+    io::FdFlags,
+};
+
 use super::switch::Cell;
-use crate::procfs::start_time_ticks;
+use crate::procfs::{self, start_time_ticks};
 
 /// The hidden subcommand that runs the guard.
 pub const SUBCOMMAND: &str = "restore-guard";
@@ -153,19 +159,9 @@ impl Lifeline {
 
     /// A new lifeline, held by the calling thread.
     fn create() -> io::Result<Lifeline> {
-        // SAFETY: plain syscall with a NUL-terminated name.
-        let fd =
-            unsafe { libc::memfd_create(c"ebtrace-guard-lifeline".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: memfd_create returned a descriptor nobody else owns.
-        let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let size = std::mem::size_of::<libc::pthread_mutex_t>() as libc::off_t;
-        // SAFETY: plain syscall on our descriptor.
-        if unsafe { libc::ftruncate(memfd.as_raw_fd(), size) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let memfd = rustix::fs::memfd_create(c"ebtrace-guard-lifeline", MemfdFlags::CLOEXEC)?;
+        let size = std::mem::size_of::<libc::pthread_mutex_t>() as u64;
+        rustix::fs::ftruncate(&memfd, size)?;
         let lifeline = Lifeline::map(memfd)?;
         // SAFETY: the attribute and the mutex live in memory we own (the
         // stack, the mapping), are initialized before use, and the mutex is
@@ -210,7 +206,7 @@ static LINK: Mutex<Option<Link>> = Mutex::new(None);
 fn spawn() -> io::Result<Link> {
     let lifeline = Lifeline::create()?;
     let memfd: RawFd = lifeline.memfd.as_raw_fd();
-    let mut command = Command::new("/proc/self/exe");
+    let mut command = Command::new(procfs::own_executable());
     command
         .arg(SUBCOMMAND)
         .arg(LIFELINE_FLAG)
@@ -218,13 +214,15 @@ fn spawn() -> io::Result<Link> {
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
-    // SAFETY: setsid and fcntl are async-signal-safe and touch no memory
-    // of the parent; they run in the forked child just before exec.
+    // SAFETY: setsid and fcntl are plain syscalls, async-signal-safe, that
+    // touch no memory of the parent; they run in the forked child just
+    // before exec, where `memfd` is open as in ebtrace (the lifeline holds
+    // it until the child has started).
     unsafe {
         command.pre_exec(move || {
-            if libc::setsid() < 0 || libc::fcntl(memfd, libc::F_SETFD, 0) < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            rustix::process::setsid()?;
+            let memfd = BorrowedFd::borrow_raw(memfd);
+            rustix::io::fcntl_setfd(memfd, FdFlags::empty())?;
             Ok(())
         });
     }
@@ -349,7 +347,7 @@ pub fn run(lifeline_fd: Option<RawFd>) -> i32 {
     }
     // The guard is a few MiB at most; the OOM killer should pick anything
     // else first (best effort: needs CAP_SYS_RESOURCE).
-    let _ = fs::write("/proc/self/oom_score_adj", "-1000");
+    let _ = procfs::set_own_oom_score_adj(-1000);
     let parent = std::os::unix::process::parent_id();
     let report = |done: Vec<String>| {
         let mut stderr = io::stderr();
@@ -381,7 +379,7 @@ pub fn run(lifeline_fd: Option<RawFd>) -> i32 {
     let mut ledger = Ledger::default();
     let mut pipe = Pipe::default();
     loop {
-        let (input, died) = wake.wait(libc::STDIN_FILENO);
+        let (input, died) = wake.wait(io::stdin().as_fd());
         if input {
             let open = pipe.take_in(&mut ledger);
             if !open {
@@ -409,20 +407,19 @@ impl Pipe {
     /// end-of-file.
     fn take_in(&mut self, ledger: &mut Ledger) -> bool {
         // Raw reads: a buffered reader could hold lines poll cannot see.
+        let stdin_handle = io::stdin();
+        let stdin = stdin_handle.as_fd();
         let mut buf = [0u8; 4096];
+        let no_wait = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
         loop {
-            let mut fds = libc::pollfd {
-                fd: libc::STDIN_FILENO,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd; zero timeout.
-            if unsafe { libc::poll(&mut fds, 1, 0) } <= 0 {
+            let mut polled = [PollFd::from_borrowed_fd(stdin, PollFlags::IN)];
+            if !matches!(rustix::event::poll(&mut polled, Some(&no_wait)), Ok(1..)) {
                 return true;
             }
-            // SAFETY: reads into a valid buffer of its length.
-            let n = unsafe { libc::read(libc::STDIN_FILENO, buf.as_mut_ptr().cast(), buf.len()) };
-            match usize::try_from(n) {
+            match rustix::io::read(stdin, &mut buf) {
                 Ok(0) | Err(_) => return false,
                 Ok(n) => {
                     self.partial.extend_from_slice(&buf[..n]);
@@ -443,52 +440,35 @@ struct Wake {
 
 impl Wake {
     fn new() -> io::Result<Wake> {
-        // SAFETY: plain syscall.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let event = rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?;
         Ok(Wake {
-            // SAFETY: eventfd returned a descriptor nobody else owns.
-            event: std::sync::Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }),
+            event: std::sync::Arc::new(event),
         })
     }
 
     fn notifier(&self) -> impl FnOnce() + Send + 'static {
         let event = std::sync::Arc::clone(&self.event);
         move || {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a valid u64 to our eventfd.
-            unsafe { libc::write(event.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            let _ = rustix::io::write(&event, &1u64.to_ne_bytes());
         }
     }
 
     /// Blocks until `fd` is readable (or hung up) or the notifier ran;
     /// returns (fd ready, notified).
-    fn wait(&self, fd: RawFd) -> (bool, bool) {
-        let mut fds = [
-            libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.event.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
+    fn wait(&self, fd: BorrowedFd<'_>) -> (bool, bool) {
+        let mut polled = [
+            PollFd::from_borrowed_fd(fd, PollFlags::IN),
+            PollFd::new(&self.event, PollFlags::IN),
         ];
-        // SAFETY: two valid pollfds; no timeout.
-        if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0 {
+        if rustix::event::poll(&mut polled, None).is_err() {
             return (false, false);
         }
-        let notified = fds[1].revents != 0;
+        let notified = !polled[1].revents().is_empty();
         if notified {
-            let mut v: u64 = 0;
-            // SAFETY: reads 8 bytes into a valid u64 from our eventfd.
-            unsafe { libc::read(self.event.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+            let mut count = [0u8; 8];
+            let _ = rustix::io::read(&self.event, &mut count);
         }
-        (fds[0].revents != 0, notified)
+        (!polled[0].revents().is_empty(), notified)
     }
 }
 

@@ -28,7 +28,7 @@ use ebtrace_proto::perfetto::protos::{
 use prost::Message as _;
 
 use crate::{
-    clock::now_ns,
+    clock::{ClockId, now_ns},
     timeline::{CORRELATION_STAT, Span, StatName, Timeline, Value},
 };
 
@@ -66,8 +66,8 @@ pub struct PerfettoClocks {
 impl PerfettoClocks {
     /// Reads the offset now; valid for a capture the host did not suspend in.
     pub fn measure() -> Self {
-        let mono = now_ns(libc::CLOCK_MONOTONIC);
-        let boot = now_ns(libc::CLOCK_BOOTTIME);
+        let mono = now_ns(ClockId::Monotonic);
+        let boot = now_ns(ClockId::Boottime);
         PerfettoClocks {
             boot_minus_mono_ns: boot.saturating_sub(mono),
         }

@@ -1,0 +1,50 @@
+//! What `/proc` tells about the traced processes and about ebtrace's own:
+//! existence, threads, names, the state each thread is in when the capture
+//! starts, memory, files and the kernel's settings. Every read of `/proc`
+//! goes through here; the rest of the crate asks these functions.
+
+mod files;
+mod memory;
+mod process;
+mod status;
+mod system;
+
+use std::path::PathBuf;
+
+pub use files::{
+    descriptor_targets, environment, executable, mapped_file, own_executable, pidfd_open,
+    released_first_at_exit, root_dir,
+};
+pub use memory::{
+    mapping_at, maps_text, mem_available_bytes, memory_file, own_resident_bytes, read_memory,
+    resident_bytes,
+};
+pub use process::{
+    ProcessCounters, TargetProcess, TaskStat, descendants_since, is_alive, is_listed, parse_stat,
+    process_ids, start_time_ticks, thread_ids, thread_is_listed, thread_syscall,
+};
+pub use status::{
+    ContextSwitches, process_name, process_of_task, real_uid, seccomp_mode,
+    thread_context_switches, thread_name, thread_schedstat, thread_status_field, tracer_of,
+};
+pub use system::{
+    boot_ticks_now, clock_ticks_per_second, effective_capabilities, kernel_release,
+    own_cpu_seconds, seccomp_filtered, set_own_oom_score_adj, sysctl_number,
+};
+
+fn proc_root() -> PathBuf {
+    PathBuf::from("/proc")
+}
+
+/// `/proc/PID`.
+fn process_dir(pid: u32) -> PathBuf {
+    proc_root().join(pid.to_string())
+}
+
+/// `/proc/PID/task/TID`.
+fn thread_dir(pid: u32, tid: u32) -> PathBuf {
+    process_dir(pid).join("task").join(tid.to_string())
+}
+
+#[cfg(test)]
+mod tests;
