@@ -10,14 +10,16 @@
 //! [`timeline::assemble`] per window instead. Whatever ends a capture, what
 //! was recorded up to then is kept.
 //!
-//! Its rooms: [`records`] (what it holds, and forgets), [`targets`] (the
-//! processes it records, taken on and let go while it runs), [`windows`]
-//! (what it hands over to be shown), [`agents`] (the in-process agent's
-//! sessions), [`cpu_profile`] (pprof profiles).
+//! Its rooms: [`start`] (agents, probes and the window's opening),
+//! [`records`] (what it holds, and forgets), [`targets`] (the processes it
+//! records, taken on and let go while it runs), [`windows`] (what it hands
+//! over to be shown), [`agents`] (the in-process agent's sessions),
+//! [`cpu_profile`] (pprof profiles).
 
 mod agents;
 pub mod cpu_profile;
 mod records;
+mod start;
 mod targets;
 mod windows;
 
@@ -30,15 +32,12 @@ use std::{
 };
 
 use crate::{
-    agent::{
-        AgentRecording, AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions,
-    },
-    attach::{
-        CpuSampler, CudaProbe, OffCpuStacks, ProbeSet, ProbeSetConfig, ProbeStats, SchedProbe,
-        TraceMeOptions, TraceMeProbe, cuda, tracefs,
-    },
+    agent::{AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions},
+    attach::{CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, TraceMeOptions, TraceMeProbe, cuda},
     clock::{ClockSync, monotonic_ns},
-    collect::{Collector, EncodedRecords, Record, StackSample, TraceMeEvent},
+    collect::{
+        Collector, EncodedRecords, Record, StackSample, TraceMeEvent, agent::AgentRecording,
+    },
     cuda_api::DriverCalls,
     error::{Error, Result},
     metrics::activity::ActivityTally,
@@ -231,152 +230,6 @@ pub struct Capture {
 }
 
 impl Capture {
-    /// Checks the kernel, loads and attaches the probes; the capture window
-    /// starts when this returns.
-    pub fn start(targets: Vec<TargetProcess>, options: &CaptureOptions) -> Result<Self> {
-        Self::start_with(targets, options, None)
-    }
-
-    /// [`Capture::start`] on `loaded`, a set loaded beforehand (to check
-    /// the kernel), where it was loaded as this capture needs; a set is
-    /// loaded otherwise.
-    pub fn start_with(
-        targets: Vec<TargetProcess>,
-        options: &CaptureOptions,
-        loaded: Option<ProbeSet>,
-    ) -> Result<Self> {
-        let began = Instant::now();
-        let tracefs_root = tracefs::locate()?;
-        let check = tracefs::check_tracepoints(&tracefs_root)?;
-        // The agent goes in before the probes are loaded: its control
-        // socket then gets a low descriptor number, which a dying ebtrace
-        // closes before its many probe links (each takes a while), so the
-        // agent notices within milliseconds.
-        let level = options.families.traceme_level;
-        let device_activity = options.families.cuda && !options.no_device_activity;
-        let AgentStart {
-            sessions: mut framework,
-            uprobe_pids,
-            mut notes,
-        } = start_agent_sessions(&targets, level, options.route, device_activity);
-        let traceme_options = TraceMeOptions {
-            level,
-            ..options.traceme
-        };
-        // Reading the targets' libraries for TraceMe recorders overlaps
-        // loading the probes.
-        let discovering = {
-            let (pids, options) = (uprobe_pids.clone(), traceme_options);
-            std::thread::Builder::new()
-                .name("ebtrace-discover".into())
-                .spawn(move || TraceMeProbe::discover(&pids, &options))
-        };
-        let off_cpu_min = options.families.off_cpu_min;
-        let off_cpu_stacks = options.families.sched && !off_cpu_min.is_zero();
-        let config = ProbeSetConfig {
-            exit_has_group_dead: check.exit_has_group_dead,
-            off_cpu_stacks,
-            ..options.probe.clone()
-        };
-        let mut probe = match loaded {
-            Some(set) if set.config() == &config => set,
-            _ => ProbeSet::load(&config)?,
-        };
-        for t in &targets {
-            probe.add_target(t.pid)?;
-        }
-        // Follow thread creation first, then list the threads that exist:
-        // a thread created in between is seen by one or the other.
-        SchedProbe::attach_thread_creation(&mut probe)?;
-        let initial = track_threads(&mut probe, &targets)?;
-        if options.families.sched {
-            notes.push(SchedProbe::attach_scheduling(&mut probe)?);
-        }
-        let (cuda, warnings) = if options.families.cuda {
-            CudaProbe::attach(&mut probe, &targets, options.driver_calls)?
-        } else {
-            (None, Vec::new())
-        };
-        notes.extend(
-            cuda.iter()
-                .flat_map(|c| c.targets.iter().map(cuda::describe)),
-        );
-        let discovered = match discovering.map(std::thread::JoinHandle::join) {
-            Ok(Ok(found)) => found,
-            // No thread to spare, or it panicked: look here.
-            _ => TraceMeProbe::discover(&uprobe_pids, &traceme_options),
-        };
-        let mut traceme = TraceMeProbe::attach(&mut probe, discovered, traceme_options)?;
-        let hz = options.families.cpu_sample_hz;
-        if hz > 0 {
-            CpuSampler::attach(&mut probe, u64::from(hz))?;
-            notes.push(format!("CPU stacks: sampled {hz} times a second per CPU"));
-        }
-        if off_cpu_stacks {
-            OffCpuStacks::attach(&mut probe, off_cpu_min)?;
-            notes.push(format!(
-                "off-CPU stacks: of system calls that waited {} or longer",
-                humantime::format_duration(off_cpu_min)
-            ));
-        }
-        for session in &mut framework {
-            if let Err(why) = session.open_window() {
-                notes.push(format!(
-                    "pid {}: device activity before the window is kept: {why}",
-                    session.pid
-                ));
-            }
-        }
-        for t in &targets {
-            probe.open_window(t.pid)?;
-        }
-        let start_ns = monotonic_ns();
-        let clock = ClockSync::measure();
-        let collector = Collector::new(probe.take_events());
-        // After the window opened: every event recorded starts inside it.
-        traceme.enable();
-        let streamed = options.one_window.then(|| {
-            let processes = targets.iter().map(|t| (t.pid, t.name.clone()));
-            StreamedScheduling::new(start_ns, processes, initial.clone())
-        });
-        Ok(Capture {
-            framework,
-            recordings: Vec::new(),
-            collected: Vec::new(),
-            last_collection: Instant::now(),
-            framework_memory: options
-                .framework_memory
-                .unwrap_or_else(default_framework_memory),
-            kernel_naming: KernelNaming::default(),
-            agent_for_devices: device_activity || options.name_kernels_with_agent,
-            traceme,
-            traceme_events: VecDeque::new(),
-            probe,
-            collector,
-            drained: Vec::new(),
-            targets,
-            initial,
-            tracked_from: Vec::new(),
-            held: EncodedRecords::default(),
-            stack_samples: VecDeque::new(),
-            streamed,
-            sample_slots: 0,
-            forgot: false,
-            forgotten_through_ns: 0,
-            activity: ActivityTally::default(),
-            clock,
-            start_ns,
-            families: options.families,
-            attach_time: began.elapsed(),
-            cuda,
-            options: options.clone(),
-            uprobe_pids,
-            stacks: (hz > 0 || off_cpu_stacks).then(StackSymbolizer::default),
-            notes,
-            warnings,
-        })
-    }
-
     /// The processes recorded now.
     pub fn targets(&self) -> &[TargetProcess] {
         &self.targets

@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::{
     attach::{ProbeStats, cuda::Links, libcuda::Source},
     capture::Capture,
-    timeline::{StreamTiming, ThreadCounters, Timeline},
+    timeline::{StreamTiming, ThreadCounters, Timeline, TraceMeSource},
 };
 
 /// What is known once the probes are attached: kept until the summary.
@@ -340,93 +340,10 @@ impl Summary {
     ) -> Self {
         let stats = &timeline.stats;
         let sources = &stats.sources;
-        let mut processes = start.processes;
-        for (pid, info) in &timeline.processes {
-            let p = processes.entry(*pid).or_insert_with(|| Process {
-                pid: *pid,
-                name: info.name.clone(),
-                ..Process::default()
-            });
-            p.exited = info.exited_ns.is_some();
-        }
-        for t in timeline.threads.values() {
-            if let Some(p) = processes.get_mut(&t.pid) {
-                p.threads += 1;
-            }
-        }
-        for (pid, m) in &sources.frameworks {
-            if let Some(p) = processes.get_mut(pid) {
-                p.framework_session = Some(FrameworkSession {
-                    events: m.spans,
-                    planes_carried: m.planes,
-                    events_left_out: m.unnamed_events,
-                    target_growth_bytes: m.target_growth,
-                });
-            }
-        }
-        for (pid, m) in &sources.gpu_activity {
-            if let Some(p) = processes.get_mut(pid) {
-                p.gpu_activity = Some(GpuActivity {
-                    kernels: m.kernels,
-                    copies: m.copies,
-                    memsets: m.memsets,
-                    joined_to_driver_calls: m.joined,
-                    calls_from_cupti: m.spans_from_records,
-                    dropped: m.dropped,
-                    skipped: m.skipped,
-                });
-            }
-        }
-        for (pid, k) in &sources.kernel_names {
-            if let Some(p) = processes.get_mut(pid) {
-                p.kernel_names = Some(KernelNames {
-                    asked: k.asked,
-                    named: k.named,
-                });
-            }
-        }
-
-        let mut threads: Vec<Thread> = timeline
-            .threads
-            .values()
-            .map(|t| Thread {
-                tid: t.tid,
-                pid: t.pid,
-                name: t.name.clone(),
-                counters: t.counters,
-            })
-            .collect();
-        threads.sort_by_key(|t| std::cmp::Reverse(t.counters.on_cpu_ns));
-
-        let mut gpus = Vec::new();
-        for (ordinal, device) in &timeline.devices {
-            for (timing, name) in [
-                (StreamTiming::HostObserved, "host_observed"),
-                (StreamTiming::Device, "device"),
-            ] {
-                let (streams, events) = device.count_timed(timing);
-                if streams > 0 {
-                    gpus.push(Gpu {
-                        ordinal: *ordinal,
-                        timing: name,
-                        events,
-                        streams,
-                    });
-                }
-            }
-        }
-
-        let traceme = sources.traceme.map(|t| TraceMe {
-            events: t.events,
-            spans: t.spans.spans,
-            outside_window: t.spans.outside_window,
-            unpaired_activity_halves: t.spans.unpaired_activity_halves,
-            cut_to_nest: t.spans.clipped,
-            malformed: t.spans.malformed,
-            unreadable: t.unreadable,
-            unnamed: t.unnamed,
-            stopped_at_max_events: t.events >= out.max_events,
-        });
+        let processes = processes_on_the_timeline(start.processes, timeline);
+        let threads = threads_by_time_on_cpu(timeline);
+        let gpus = gpus_by_timing(timeline);
+        let traceme = sources.traceme.map(|t| TraceMe::of(&t, out.max_events));
 
         let mut notes = start.notes;
         notes.extend(stats.notes.iter().cloned());
@@ -457,7 +374,7 @@ impl Summary {
                 malformed: stats.malformed,
             },
             unreported_transitions: stats.inconsistencies,
-            processes: processes.into_values().collect(),
+            processes,
             threads,
             gpus,
             traceme,
@@ -479,5 +396,116 @@ impl Summary {
     /// One line of JSON.
     pub fn to_line(&self) -> String {
         serde_json::to_string(self).expect("a summary always serializes")
+    }
+}
+
+/// The processes known at the start and those the timeline has, each with
+/// its threads and what its framework session, GPU activity and kernel
+/// names gave.
+fn processes_on_the_timeline(
+    mut processes: BTreeMap<u32, Process>,
+    timeline: &Timeline,
+) -> Vec<Process> {
+    let sources = &timeline.stats.sources;
+    for (pid, info) in &timeline.processes {
+        let p = processes.entry(*pid).or_insert_with(|| Process {
+            pid: *pid,
+            name: info.name.clone(),
+            ..Process::default()
+        });
+        p.exited = info.exited_ns.is_some();
+    }
+    for t in timeline.threads.values() {
+        if let Some(p) = processes.get_mut(&t.pid) {
+            p.threads += 1;
+        }
+    }
+    for (pid, m) in &sources.frameworks {
+        if let Some(p) = processes.get_mut(pid) {
+            p.framework_session = Some(FrameworkSession {
+                events: m.spans,
+                planes_carried: m.planes,
+                events_left_out: m.unnamed_events,
+                target_growth_bytes: m.target_growth,
+            });
+        }
+    }
+    for (pid, m) in &sources.gpu_activity {
+        if let Some(p) = processes.get_mut(pid) {
+            p.gpu_activity = Some(GpuActivity {
+                kernels: m.kernels,
+                copies: m.copies,
+                memsets: m.memsets,
+                joined_to_driver_calls: m.joined,
+                calls_from_cupti: m.spans_from_records,
+                dropped: m.dropped,
+                skipped: m.skipped,
+            });
+        }
+    }
+    for (pid, k) in &sources.kernel_names {
+        if let Some(p) = processes.get_mut(pid) {
+            p.kernel_names = Some(KernelNames {
+                asked: k.asked,
+                named: k.named,
+            });
+        }
+    }
+    processes.into_values().collect()
+}
+
+/// Every thread of the timeline, most time on CPU first.
+fn threads_by_time_on_cpu(timeline: &Timeline) -> Vec<Thread> {
+    let mut threads: Vec<Thread> = timeline
+        .threads
+        .values()
+        .map(|t| Thread {
+            tid: t.tid,
+            pid: t.pid,
+            name: t.name.clone(),
+            counters: t.counters,
+        })
+        .collect();
+    threads.sort_by_key(|t| std::cmp::Reverse(t.counters.on_cpu_ns));
+    threads
+}
+
+/// Each GPU's streams, host-observed then device-timed, where it has any.
+fn gpus_by_timing(timeline: &Timeline) -> Vec<Gpu> {
+    let mut gpus = Vec::new();
+    for (ordinal, device) in &timeline.devices {
+        for (timing, name) in [
+            (StreamTiming::HostObserved, "host_observed"),
+            (StreamTiming::Device, "device"),
+        ] {
+            let (streams, events) = device.count_timed(timing);
+            if streams > 0 {
+                gpus.push(Gpu {
+                    ordinal: *ordinal,
+                    timing: name,
+                    events,
+                    streams,
+                });
+            }
+        }
+    }
+    gpus
+}
+
+impl TraceMe {
+    /// What the TraceMe uprobe route recorded; `max_events` tells whether
+    /// recording stopped at `--max-events`.
+    fn of(t: &TraceMeSource, max_events: u64) -> Self {
+        TraceMe {
+            events: t.events,
+            spans: t.spans.spans,
+            outside_window: t.spans.outside_window,
+            unpaired_activity_halves: t.spans.unpaired_activity_halves,
+            cut_to_nest: t.spans.clipped,
+            malformed: t.spans.malformed,
+            unreadable: t.unreadable,
+            unnamed: t.unnamed,
+            stopped_at_max_events: t.events >= max_events,
+        }
     }
 }

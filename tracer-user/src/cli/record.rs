@@ -2,6 +2,7 @@
 //! bar, write the XSpace, print where it went.
 
 use std::{
+    path::{Path, PathBuf},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -33,9 +34,56 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     if args.json {
         super::start_keeping_logged_warnings();
     }
+    let stop = stop_on_signals()?;
+    let options = capture_options(args);
+    let session = logdir::session_name(chrono::Local::now());
+    let mut capture = Capture::start(targets, &options)?;
+    let started = Instant::now();
+    let start = announce(&capture, args);
+    let bar = progress_bar(args);
+    let ended_early = record_until_done(&mut capture, args, started, &stop, &bar);
+    bar.finish_and_clear();
 
-    // Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is
-    // still written and the targets' TraceMe levels are restored.
+    let (timeline, probe_stats, probes) = capture.finish(ended_early)?;
+    let host = xspace::local_hostname();
+    let summary = summary::render(&timeline, &probe_stats);
+    let json_summary = start.map(|start| {
+        let asked = json::Asked {
+            logdir: args.logdir.clone(),
+            requested: args.duration,
+            max_events: args.max_events,
+        };
+        let logged = super::take_logged_warnings();
+        json::Summary::new(start, &timeline, &probe_stats, asked, logged)
+    });
+    let path = logdir::write_run_with(&args.logdir, &session, &host, |file| {
+        xspace::write_xspace(&timeline, &host, file)
+    })?;
+    let perfetto_bytes = args.perfetto.then(|| {
+        perfetto::timeline_to_perfetto_bytes(&timeline, perfetto::PerfettoClocks::measure())
+    });
+    drop(timeline);
+    let perfetto_path = perfetto_bytes
+        .map(|bytes| write_perfetto(&path, &bytes))
+        .transpose()?;
+    let human = report_for_people(args, &summary, &path, perfetto_path.as_deref());
+    match json_summary {
+        // Scripts read stdout: people get theirs on stderr.
+        Some(json) => {
+            eprint!("{human}");
+            let json = json.written_to(path.clone(), perfetto_path.clone());
+            println!("{}", json.to_line());
+        }
+        None => print!("{human}"),
+    }
+    // The trace is out: the probes are released in the background.
+    probes.release_after_exit();
+    Ok(())
+}
+
+/// Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is
+/// still written and the targets' TraceMe levels are restored.
+fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [
         signal_hook::consts::SIGINT,
@@ -45,8 +93,12 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         signal_hook::flag::register(sig, Arc::clone(&stop))
             .map_err(|e| crate::error::Error::io("installing signal handlers", e))?;
     }
+    Ok(stop)
+}
 
-    let options = CaptureOptions {
+/// The capture the command line asks for.
+fn capture_options(args: &RecordArgs) -> CaptureOptions {
+    CaptureOptions {
         probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
             ..ProbeSetConfig::default()
@@ -71,10 +123,12 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         name_kernels_with_agent: !args.no_agent,
         one_window: true,
         ..CaptureOptions::default()
-    };
-    let session = logdir::session_name(chrono::Local::now());
-    let mut capture = Capture::start(targets, &options)?;
-    let started = Instant::now();
+    }
+}
+
+/// Prints what is traced, the notes and the warnings of the attach; with
+/// `--json`, keeps them for the summary.
+fn announce(capture: &Capture, args: &RecordArgs) -> Option<json::Start> {
     let names: Vec<String> = capture
         .targets()
         .iter()
@@ -97,10 +151,12 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     for note in &notes[capture.notes.len()..] {
         eprintln!("ebtrace: {note}");
     }
-    let start = args
-        .json
-        .then(|| json::Start::of(&capture, notes, capture.warnings.clone()));
+    args.json
+        .then(|| json::Start::of(capture, notes, capture.warnings.clone()))
+}
 
+/// The bar that shows the capture's progress (hidden with `--quiet`).
+fn progress_bar(args: &RecordArgs) -> ProgressBar {
     let bar = if args.quiet {
         ProgressBar::hidden()
     } else {
@@ -111,57 +167,57 @@ pub fn run(args: &RecordArgs) -> Result<()> {
             .expect("valid template")
             .progress_chars("=> "),
     );
+    bar
+}
 
-    let ended_early = loop {
+/// Polls the capture until its duration is up, a signal came or every
+/// target exited; says why if it ended before its duration.
+fn record_until_done(
+    capture: &mut Capture,
+    args: &RecordArgs,
+    started: Instant,
+    stop: &AtomicBool,
+    bar: &ProgressBar,
+) -> Option<String> {
+    loop {
         let elapsed = started.elapsed();
         if stop.load(Ordering::Relaxed) {
-            break Some("interrupted".to_string());
+            return Some("interrupted".to_string());
         }
         if elapsed >= args.duration {
-            break None;
+            return None;
         }
         let status = capture.poll(TICK.min(args.duration - elapsed));
         bar.set_position(started.elapsed().as_millis() as u64);
         bar.set_message(format!("{} records", status.records));
         if status.alive == 0 {
-            break Some("every traced process exited".to_string());
+            return Some("every traced process exited".to_string());
         }
-    };
-    bar.finish_and_clear();
+    }
+}
 
-    let (timeline, probe_stats, probes) = capture.finish(ended_early)?;
-    let host = xspace::local_hostname();
-    let summary = summary::render(&timeline, &probe_stats);
-    let json_summary = start.map(|start| {
-        let asked = json::Asked {
-            logdir: args.logdir.clone(),
-            requested: args.duration,
-            max_events: args.max_events,
-        };
-        let logged = super::take_logged_warnings();
-        json::Summary::new(start, &timeline, &probe_stats, asked, logged)
-    });
-    let path = logdir::write_run_with(&args.logdir, &session, &host, |file| {
-        xspace::write_xspace(&timeline, &host, file)
-    })?;
-    let perfetto_bytes = args.perfetto.then(|| {
-        perfetto::timeline_to_perfetto_bytes(&timeline, perfetto::PerfettoClocks::measure())
-    });
-    drop(timeline);
-    let perfetto_path = match perfetto_bytes {
-        Some(bytes) => {
-            let p = path.with_file_name(perfetto::FILE_NAME);
-            logdir::write_atomically(&p, &bytes)
-                .map_err(|e| crate::error::Error::io(format!("writing {}", p.display()), e))?;
-            Some(p)
-        }
-        None => None,
-    };
+/// Writes the Perfetto trace beside the XSpace at `xspace`; returns its
+/// path.
+fn write_perfetto(xspace: &Path, bytes: &[u8]) -> Result<PathBuf> {
+    let p = xspace.with_file_name(perfetto::FILE_NAME);
+    logdir::write_atomically(&p, bytes)
+        .map_err(|e| crate::error::Error::io(format!("writing {}", p.display()), e))?;
+    Ok(p)
+}
+
+/// What people are told at the end: the summary and where the traces
+/// went, only their paths with `--quiet`, nothing with `--quiet --json`.
+fn report_for_people(
+    args: &RecordArgs,
+    summary: &str,
+    path: &Path,
+    perfetto_path: Option<&Path>,
+) -> String {
     let mut human = String::new();
     if !args.quiet {
-        human.push_str(&summary);
+        human.push_str(summary);
         human.push_str(&format!("trace: {}\n", path.display()));
-        if let Some(p) = &perfetto_path {
+        if let Some(p) = perfetto_path {
             human.push_str(&format!(
                 "trace: {}   (open in https://ui.perfetto.dev)\n",
                 p.display()
@@ -173,20 +229,9 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         ));
     } else if !args.json {
         human.push_str(&format!("{}\n", path.display()));
-        if let Some(p) = &perfetto_path {
+        if let Some(p) = perfetto_path {
             human.push_str(&format!("{}\n", p.display()));
         }
     }
-    match json_summary {
-        // Scripts read stdout: people get theirs on stderr.
-        Some(json) => {
-            eprint!("{human}");
-            let json = json.written_to(path.clone(), perfetto_path.clone());
-            println!("{}", json.to_line());
-        }
-        None => print!("{human}"),
-    }
-    // The trace is out: the probes are released in the background.
-    probes.release_after_exit();
-    Ok(())
+    human
 }

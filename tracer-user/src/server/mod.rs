@@ -32,7 +32,11 @@ pub mod write_guard;
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use ebtrace_proto::tensorflow::profiler_service_server::ProfilerServiceServer;
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::{
+    net::TcpListener,
+    signal::unix::{Signal, SignalKind, signal},
+    task::JoinSet,
+};
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::{
@@ -45,7 +49,7 @@ use crate::{
 use panics::PanicWatch;
 use recorder::Retention;
 use service::ProfilerServer;
-use sessions::HubConfig;
+use sessions::{HubConfig, HubHandle};
 use validate::Limits;
 use watch::WatchMode;
 use write_guard::WriteGuard;
@@ -140,28 +144,8 @@ async fn serve(
     mut panics: PanicWatch,
 ) -> Result<()> {
     // Bind first: a taken address is reported before anything else runs.
-    let mut listeners = Vec::new();
-    for addr in &config.binds {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| Error::Bind {
-                addr: *addr,
-                source,
-            })?;
-        listeners.push(listener);
-    }
-    let http_listener = match config.http {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::Bind { addr, source })?,
-        ),
-        None => None,
-    };
-    let mut terminate = signal(SignalKind::terminate())
-        .map_err(|e| Error::io("installing the SIGTERM handler", e))?;
-    let mut interrupt = signal(SignalKind::interrupt())
-        .map_err(|e| Error::io("installing the SIGINT handler", e))?;
+    let listeners = Listeners::bind(&config).await?;
+    let mut signals = StopSignals::install()?;
 
     let metrics = Arc::new(Metrics::default());
     let (hub, hub_thread) = sessions::spawn(HubConfig {
@@ -193,47 +177,21 @@ async fn serve(
         );
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut servers = tokio::task::JoinSet::new();
-    for listener in listeners {
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::io("reading the bound address", e))?;
-        eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
-        if !local.ip().is_loopback() {
-            eprintln!(
-                "ebtrace: warning: {local} is not a loopback address: any machine that reaches \
-                 it can start captures of the watched processes"
-            );
-        }
-        let mut stopped = stopped.clone();
-        let server = tonic::transport::Server::builder()
-            .add_service(answer::Answering::new(
-                ProfilerServiceServer::from_arc(Arc::clone(&service)),
-                Arc::clone(&service),
-            ))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            });
-        servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
+    let mut servers = JoinSet::new();
+    for listener in listeners.grpc {
+        spawn_grpc_server(listener, &service, stopped.clone(), &mut servers)?;
     }
-    if let Some(listener) = http_listener {
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::io("reading the bound address", e))?;
-        eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
-        eprintln!("ebtrace: serving CPU profiles (pprof) on http://{local}/debug/pprof/profile");
-        let mut stopped = stopped.clone();
-        let shutdown = async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        };
-        let server = http::serve(
+    if let Some(listener) = listeners.http {
+        let metrics = Arc::clone(&metrics);
+        let hub = hub.clone();
+        spawn_http_server(
             listener,
-            Arc::clone(&metrics),
-            hub.clone(),
+            metrics,
+            hub,
             config.sample_hz,
-            shutdown,
-        );
-        servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
+            stopped.clone(),
+            &mut servers,
+        )?;
     }
     if let Some(first) = config.binds.first() {
         eprintln!(
@@ -244,8 +202,8 @@ async fn serve(
     }
 
     let failure = tokio::select! {
-        _ = terminate.recv() => None,
-        _ = interrupt.recv() => None,
+        _ = signals.terminate.recv() => None,
+        _ = signals.interrupt.recv() => None,
         _ = panics.panicked() => {
             exit_anyway_after(PANIC_EXIT_DEADLINE);
             None
@@ -262,6 +220,127 @@ async fn serve(
     eprintln!("ebtrace: shutting down: answering captures in progress with what they recorded");
     hub.shutdown();
     let _ = stop.send(true);
+    drain_servers(&mut servers).await;
+    let _ = tokio::task::spawn_blocking(move || hub_thread.join()).await;
+    eprintln!("ebtrace: stopped; every probe is detached");
+    if let Some(why) = panics.seen() {
+        return Err(Error::Panicked(why));
+    }
+    match failure {
+        Some(why) => Err(Error::io(why, std::io::Error::other("server stopped"))),
+        None => Ok(()),
+    }
+}
+
+/// The servers running, each with the address it serves on and how it
+/// ended.
+type Servers = JoinSet<(SocketAddr, std::result::Result<(), String>)>;
+
+/// The sockets the server listens on, bound before anything else runs.
+struct Listeners {
+    /// One per `--bind` address, for the gRPC ProfilerService.
+    grpc: Vec<TcpListener>,
+    /// The `--http` address's, if there is one.
+    http: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds every address `config` names, in order.
+    async fn bind(config: &ServeConfig) -> Result<Self> {
+        let mut grpc = Vec::new();
+        for addr in &config.binds {
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::Bind {
+                    addr: *addr,
+                    source,
+                })?;
+            grpc.push(listener);
+        }
+        let http = match config.http {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| Error::Bind { addr, source })?,
+            ),
+            None => None,
+        };
+        Ok(Listeners { grpc, http })
+    }
+}
+
+/// The signals that stop the server.
+struct StopSignals {
+    terminate: Signal,
+    interrupt: Signal,
+}
+
+impl StopSignals {
+    fn install() -> Result<Self> {
+        Ok(StopSignals {
+            terminate: signal(SignalKind::terminate())
+                .map_err(|e| Error::io("installing the SIGTERM handler", e))?,
+            interrupt: signal(SignalKind::interrupt())
+                .map_err(|e| Error::io("installing the SIGINT handler", e))?,
+        })
+    }
+}
+
+/// Resolves once the server is told to stop.
+async fn stop_requested(mut stopped: tokio::sync::watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|s| *s).await;
+}
+
+/// Starts serving the ProfilerService on `listener`, until `stopped`.
+fn spawn_grpc_server(
+    listener: TcpListener,
+    service: &Arc<ProfilerServer>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+    servers: &mut Servers,
+) -> Result<()> {
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading the bound address", e))?;
+    eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
+    if !local.ip().is_loopback() {
+        eprintln!(
+            "ebtrace: warning: {local} is not a loopback address: any machine that reaches \
+             it can start captures of the watched processes"
+        );
+    }
+    let server = tonic::transport::Server::builder()
+        .add_service(answer::Answering::new(
+            ProfilerServiceServer::from_arc(Arc::clone(service)),
+            Arc::clone(service),
+        ))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop_requested(stopped));
+    servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
+    Ok(())
+}
+
+/// Starts serving `/metrics` and CPU profiles (of `hub`'s processes,
+/// sampled `sample_hz` times a second) on `listener`, until `stopped`.
+fn spawn_http_server(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    hub: HubHandle,
+    sample_hz: u64,
+    stopped: tokio::sync::watch::Receiver<bool>,
+    servers: &mut Servers,
+) -> Result<()> {
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading the bound address", e))?;
+    eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
+    eprintln!("ebtrace: serving CPU profiles (pprof) on http://{local}/debug/pprof/profile");
+    let server = http::serve(listener, metrics, hub, sample_hz, stop_requested(stopped));
+    servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
+    Ok(())
+}
+
+/// Waits up to [`SHUTDOWN_GRACE`] for the servers to answer what is in
+/// flight and stop.
+async fn drain_servers(servers: &mut Servers) {
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
         while servers.join_next().await.is_some() {}
     })
@@ -271,15 +350,6 @@ async fn serve(
             "ebtrace: connections still open after {}s; closing them",
             SHUTDOWN_GRACE.as_secs()
         );
-    }
-    let _ = tokio::task::spawn_blocking(move || hub_thread.join()).await;
-    eprintln!("ebtrace: stopped; every probe is detached");
-    if let Some(why) = panics.seen() {
-        return Err(Error::Panicked(why));
-    }
-    match failure {
-        Some(why) => Err(Error::io(why, std::io::Error::other("server stopped"))),
-        None => Ok(()),
     }
 }
 

@@ -99,32 +99,61 @@ impl<W: Write> Bundler<'_, W> {
     }
 }
 
+/// Writes the traced threads' scheduling: every CPU's switches, then the
+/// wake-ups.
 pub(super) fn write_sched<W: Write>(
     w: &mut PacketWriter<W>,
     timeline: &Timeline,
     clocks: PerfettoClocks,
 ) -> io::Result<()> {
-    let comm = |tid: u32| -> String {
-        timeline
+    w.stats.sched_switches = write_switches(w, timeline, clocks)?;
+    w.stats.sched_wakings = write_wakings(w, timeline, clocks)?;
+    Ok(())
+}
+
+/// `sched_switch` events as ftrace writes them, for the threads of a
+/// timeline.
+struct Switches<'a> {
+    timeline: &'a Timeline,
+    clocks: PerfettoClocks,
+}
+
+impl Switches<'_> {
+    /// The name of thread `tid`, empty if the timeline has none.
+    fn comm(&self, tid: u32) -> String {
+        self.timeline
             .threads
             .get(&tid)
             .map_or_else(String::new, |t| t.name.clone())
-    };
-    // pid 0 is what ftrace calls the idle task of each CPU.
-    let switch = |cpu: u32, ts: u64, prev: Option<(u32, i64)>, next: Option<u32>| FtraceEvent {
-        timestamp: Some(clocks.boot(ts)),
-        pid: Some(prev.map_or(0, |p| p.0)),
-        event: Some(ftrace_event::Event::SchedSwitch(SchedSwitchFtraceEvent {
-            prev_comm: Some(prev.map_or_else(|| format!("swapper/{cpu}"), |p| comm(p.0))),
-            prev_pid: Some(prev.map_or(0, |p| p.0 as i32)),
-            prev_prio: Some(PRIO),
-            prev_state: Some(prev.map_or(0, |p| p.1)),
-            next_comm: Some(next.map_or_else(|| format!("swapper/{cpu}"), comm)),
-            next_pid: Some(next.map_or(0, |n| n as i32)),
-            next_prio: Some(PRIO),
-        })),
-    };
+    }
 
+    /// A switch on `cpu` at `ts` from `prev` (tid and `prev_state`) to
+    /// `next`; `None` for either is the CPU's idle task.
+    fn event(&self, cpu: u32, ts: u64, prev: Option<(u32, i64)>, next: Option<u32>) -> FtraceEvent {
+        // pid 0 is what ftrace calls the idle task of each CPU.
+        FtraceEvent {
+            timestamp: Some(self.clocks.boot(ts)),
+            pid: Some(prev.map_or(0, |p| p.0)),
+            event: Some(ftrace_event::Event::SchedSwitch(SchedSwitchFtraceEvent {
+                prev_comm: Some(prev.map_or_else(|| format!("swapper/{cpu}"), |p| self.comm(p.0))),
+                prev_pid: Some(prev.map_or(0, |p| p.0 as i32)),
+                prev_prio: Some(PRIO),
+                prev_state: Some(prev.map_or(0, |p| p.1)),
+                next_comm: Some(next.map_or_else(|| format!("swapper/{cpu}"), |n| self.comm(n))),
+                next_pid: Some(next.map_or(0, |n| n as i32)),
+                next_prio: Some(PRIO),
+            })),
+        }
+    }
+}
+
+/// Writes each CPU's switches in bundles of its own; returns how many.
+fn write_switches<W: Write>(
+    w: &mut PacketWriter<W>,
+    timeline: &Timeline,
+    clocks: PerfettoClocks,
+) -> io::Result<u64> {
+    let switch = Switches { timeline, clocks };
     let mut switches = 0;
     let lines = timeline.cpu_lines();
     for (cpu, slices) in lines.iter() {
@@ -138,7 +167,7 @@ pub(super) fn write_sched<W: Write>(
         while let Some(slice) = slices.next() {
             // Switched in from the previous traced thread, or from idle.
             if prev_end.is_none_or(|(end, _)| end != slice.start_ns) {
-                b.push(switch(cpu, slice.start_ns, None, Some(slice.tid)))?;
+                b.push(switch.event(cpu, slice.start_ns, None, Some(slice.tid)))?;
                 switches += 1;
             }
             let Some(thread) = timeline.threads.get(&slice.tid) else {
@@ -154,7 +183,7 @@ pub(super) fn write_sched<W: Write>(
                 .peek()
                 .filter(|n| n.start_ns == slice.end_ns)
                 .map(|n| n.tid);
-            b.push(switch(
+            b.push(switch.event(
                 cpu,
                 slice.end_ns,
                 Some((slice.tid, prev_state(after))),
@@ -165,10 +194,17 @@ pub(super) fn write_sched<W: Write>(
         }
         b.flush()?;
     }
-    w.stats.sched_switches = switches;
+    Ok(switches)
+}
 
-    // Wake-ups: on the waker's CPU when it is a traced thread that was
-    // running, else on the CPU the woken thread ran on next.
+/// Writes the wake-ups: on the waker's CPU when it is a traced thread that
+/// was running, else on the CPU the woken thread ran on next. Returns how
+/// many.
+fn write_wakings<W: Write>(
+    w: &mut PacketWriter<W>,
+    timeline: &Timeline,
+    clocks: PerfettoClocks,
+) -> io::Result<u64> {
     let mut wakings = 0;
     let mut bundles: std::collections::BTreeMap<u32, Vec<FtraceEvent>> = Default::default();
     for thread in timeline.threads.values() {
@@ -221,6 +257,5 @@ pub(super) fn write_sched<W: Write>(
         }
         .flush()?;
     }
-    w.stats.sched_wakings = wakings;
-    Ok(())
+    Ok(wakings)
 }

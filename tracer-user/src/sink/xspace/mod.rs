@@ -78,6 +78,7 @@ pub enum FlowDirection {
 mod chunked;
 mod host;
 mod plane;
+mod task_env;
 mod wire;
 
 pub use plane::{PlaneOut, PlaneStream, SharedGroups, SharedStats, XPlaneBuilder};
@@ -156,82 +157,34 @@ pub fn write_xspace<W: PlaneOut>(
     host::write_blocked_plane(timeline, &ps, out)?;
     host::write_least_run_plane(timeline, &ps, out)?;
     devices.write_into(out)?;
+    write_carried_planes(timeline, out)?;
+    out.write_all(&task_env::task_environment_plane(timeline).into_field(1))?;
+    out.write_all(
+        &XSpace {
+            planes: vec![],
+            errors: vec![],
+            warnings: task_env::trace_warnings(timeline),
+            hostnames: vec![hostname.to_string()],
+        }
+        .encode_to_vec(),
+    )
+}
+
+/// Writes the planes carried from the frameworks' own sessions, their
+/// times relative to the trace's start.
+fn write_carried_planes<W: PlaneOut>(timeline: &Timeline, out: &mut W) -> io::Result<()> {
     let mut carried = Vec::new();
     for plane in &timeline.carried_planes {
         carried.clear();
         XSpace {
-            planes: vec![relative_to(&plane.plane, start)],
+            planes: vec![relative_to(&plane.plane, timeline.start_ns)],
             ..XSpace::default()
         }
         .encode(&mut carried)
         .expect("a Vec grows as needed");
         out.write_all(&carried)?;
     }
-
-    let mut env = XPlaneBuilder::new(1, TASK_ENV_PLANE);
-    env.add_plane_stat(
-        "profile_start_time",
-        &StatValue::U64(timeline.clock.to_wall_ns(timeline.start_ns)),
-    );
-    env.add_plane_stat(
-        "profile_stop_time",
-        &StatValue::U64(timeline.clock.to_wall_ns(timeline.stop_ns)),
-    );
-    env.add_plane_stat(
-        "ebtrace_version",
-        &StatValue::Str(env!("CARGO_PKG_VERSION").into()),
-    );
-    env.add_plane_stat("ebtrace_records", &StatValue::U64(timeline.stats.records));
-    env.add_plane_stat(
-        "ebtrace_dropped_records",
-        &StatValue::U64(timeline.stats.dropped),
-    );
-    env.add_plane_stat(
-        "ebtrace_unreported_transitions",
-        &StatValue::U64(timeline.stats.inconsistencies),
-    );
-    let pids = timeline
-        .processes
-        .keys()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    env.add_plane_stat("ebtrace_pids", &StatValue::Str(pids.into()));
-
-    let mut warnings = Vec::new();
-    if timeline.stats.dropped > 0 {
-        warnings.push(format!(
-            "ebtrace: {} records were dropped (ring buffer full); this trace is partial",
-            timeline.stats.dropped
-        ));
-    }
-    if timeline.stats.inconsistencies > 0 {
-        warnings.push(format!(
-            "ebtrace: {} scheduler transitions were not reported by the kernel; \
-             the intervals they leave unexplained are marked Unknown",
-            timeline.stats.inconsistencies
-        ));
-    }
-    if let Some(why) = &timeline.stats.ended_early {
-        warnings.push(format!("ebtrace: capture ended early: {why}"));
-    }
-    warnings.extend(
-        timeline
-            .stats
-            .warnings
-            .iter()
-            .map(|w| format!("ebtrace: {w}")),
-    );
-    out.write_all(&env.into_field(1))?;
-    out.write_all(
-        &XSpace {
-            planes: vec![],
-            errors: vec![],
-            warnings,
-            hostnames: vec![hostname.to_string()],
-        }
-        .encode_to_vec(),
-    )
+    Ok(())
 }
 
 /// A carried plane with its times made relative to the trace's start, as

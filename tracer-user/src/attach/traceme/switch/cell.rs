@@ -1,0 +1,79 @@
+//! A gate in a target's memory, read and written through
+//! `/proc/PID/mem`.
+
+use std::{
+    fs::{self, OpenOptions},
+    io,
+    os::unix::fs::FileExt as _,
+    path::PathBuf,
+};
+
+/// A gate in a target's memory: an aligned integer of `width` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cell {
+    /// The target process.
+    pub pid: u32,
+    /// The gate's address in the target.
+    pub address: u64,
+    /// 4 for `std::atomic<int>`, 1 for `std::atomic<bool>`.
+    pub width: u8,
+}
+
+impl Cell {
+    /// `g_trace_level` (an `std::atomic<int>`).
+    pub fn trace_level(pid: u32, address: u64) -> Cell {
+        Cell {
+            pid,
+            address,
+            width: 4,
+        }
+    }
+
+    /// A boolean gate (an `std::atomic<bool>`).
+    pub fn flag(pid: u32, address: u64) -> Cell {
+        Cell {
+            pid,
+            address,
+            width: 1,
+        }
+    }
+
+    /// Reads the value (sign-extended for 4 bytes, 0/1 for a bool).
+    pub fn read(&self) -> io::Result<i64> {
+        let mem = fs::File::open(mem_path(self.pid))?;
+        match self.width {
+            1 => {
+                let mut b = [0u8; 1];
+                mem.read_exact_at(&mut b, self.address)?;
+                Ok(i64::from(b[0]))
+            }
+            _ => {
+                let mut b = [0u8; 4];
+                mem.read_exact_at(&mut b, self.address)?;
+                Ok(i64::from(i32::from_ne_bytes(b)))
+            }
+        }
+    }
+
+    /// Writes the value in one aligned store.
+    pub fn write(&self, value: i64) -> io::Result<()> {
+        let mem = OpenOptions::new().write(true).open(mem_path(self.pid))?;
+        let bytes4 = (value as i32).to_ne_bytes();
+        let bytes: &[u8] = match self.width {
+            1 => &[value as u8],
+            _ => &bytes4,
+        };
+        let n = mem.write_at(bytes, self.address)?;
+        if n != bytes.len() {
+            return Err(io::Error::other(format!(
+                "short write ({n} of {} bytes)",
+                bytes.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn mem_path(pid: u32) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/mem"))
+}

@@ -1,0 +1,106 @@
+//! Stack sample records: a thread's stacks where the sampling clock found
+//! it or where it waited, and the copy of its user stack to unwind.
+
+use tracer_common::{
+    RecordHeader, RecordKind,
+    stack::{
+        FLAG_KERNEL_UNREADABLE, FLAG_OFF_CPU, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
+        StackSampleRecord, StackSampleWithCopy,
+    },
+};
+
+use super::{DecodeError, check_size, read};
+use crate::symbols::stacks::SampledStack;
+
+/// A CPU stack sample: where a thread of a traced process was when the
+/// sampling clock of its CPU ticked.
+#[derive(Clone, Debug)]
+pub struct StackSample {
+    /// Kind, size, CPU and time of the record.
+    pub header: RecordHeader,
+    /// The sampled thread.
+    pub tid: u32,
+    /// Its process.
+    pub tgid: u32,
+    /// User-space instruction addresses, innermost first (every one past
+    /// the first is a return address).
+    pub user: Box<[u64]>,
+    /// Kernel instruction addresses, innermost first.
+    pub kernel: Box<[u64]>,
+    /// The user stack could not be read (a kernel thread, or unwinding failed).
+    pub user_unreadable: bool,
+    /// The kernel stack could not be read.
+    pub kernel_unreadable: bool,
+    /// 0 for a tick of the sampling clock. Otherwise the stack was taken as
+    /// the system call the thread waited in returned (an off-CPU stack:
+    /// where it waited), after this many microseconds off the CPU.
+    pub off_cpu_us: u32,
+    /// With [`Self::off_cpu_us`]: the number of the system call the thread
+    /// waited in.
+    pub syscall: u32,
+}
+
+impl StackSample {
+    /// Whether this is the stack of a thread that waited in a system call,
+    /// not a sample of a thread on a CPU.
+    pub fn is_off_cpu(&self) -> bool {
+        self.off_cpu_us != 0
+    }
+
+    /// Its stacks, as the symbolizer reads them.
+    pub fn stack(&self) -> SampledStack<'_> {
+        SampledStack {
+            pid: self.tgid,
+            kernel: &self.kernel,
+            user: &self.user,
+        }
+    }
+}
+
+/// A stack sample keeps only the frames the kernel filled in; the copy
+/// of the user stack behind it is read by [`user_stack`].
+pub(super) fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSample, DecodeError> {
+    let kind = RecordKind::StackSample;
+    check_size(bytes, kind, claimed, size_of::<StackSampleWithCopy>())?;
+    let r: StackSampleRecord = read(bytes, kind, size_of::<StackSampleRecord>())?;
+    let frames = |n: u32| (n as usize).min(MAX_FRAMES);
+    Ok(StackSample {
+        header: r.header,
+        tid: r.tid,
+        tgid: r.tgid,
+        user: r.user[..frames(r.user_frames)].into(),
+        kernel: r.kernel[..frames(r.kernel_frames)].into(),
+        user_unreadable: r.flags & FLAG_USER_UNREADABLE != 0,
+        kernel_unreadable: r.flags & FLAG_KERNEL_UNREADABLE != 0,
+        off_cpu_us: if r.flags & FLAG_OFF_CPU != 0 {
+            r.off_cpu_us.max(1)
+        } else {
+            0
+        },
+        syscall: r.syscall,
+    })
+}
+
+/// The user registers and stack bytes a stack sample record carries
+/// (`bytes` decoded as a
+/// [`Record::StackSample`](super::Record::StackSample)), if it copied any.
+#[cfg(target_arch = "x86_64")]
+pub fn user_stack(bytes: &[u8]) -> Option<crate::symbols::unwind::UserStack<'_>> {
+    if bytes.len() < size_of::<StackSampleWithCopy>() {
+        return None;
+    }
+    // SAFETY: length checked; a plain #[repr(C)] record; unaligned read.
+    let r: StackSampleRecord = unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) };
+    let len = (r.stack_len as usize).min(STACK_COPY_BYTES);
+    if len == 0 {
+        return None;
+    }
+    let stack = &bytes[size_of::<StackSampleRecord>()..][..len];
+    let [ip, sp, bp] = r.user_regs;
+    Some(crate::symbols::unwind::UserStack {
+        ip,
+        sp,
+        bp,
+        bytes: stack,
+    })
+}
