@@ -171,7 +171,7 @@ fn main() {
     let window = (START_NS, stop_ns);
     let mut symbolizer = StackSymbolizer::default();
     for s in &samples {
-        symbolizer.note_sample(s);
+        symbolizer.note_stack(s.stack());
     }
     let mut warm = timeline(stop_ns);
     add_cpu_samples(&mut warm, &refs, window, &mut symbolizer);

@@ -210,8 +210,9 @@ impl Error {
 
     /// [`Error::Load`] of `source`, or [`Error::BpfRefused`] where the
     /// kernel said EPERM: with the capabilities checked before, that is a
-    /// seccomp filter or a security module, not a missing privilege.
-    pub(crate) fn load(source: aya::EbpfError) -> Self {
+    /// seccomp filter or a security module, not a missing privilege;
+    /// `seccomp_filtered` says whether ebtrace runs under a seccomp filter.
+    pub(crate) fn load(source: aya::EbpfError, seccomp_filtered: impl FnOnce() -> bool) -> Self {
         let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&source);
         while let Some(e) = cause {
             if e.downcast_ref::<std::io::Error>()
@@ -219,7 +220,7 @@ impl Error {
                 == Some(libc::EPERM)
             {
                 return Error::BpfRefused {
-                    seccomp: crate::procfs::seccomp_filtered(),
+                    seccomp: seccomp_filtered(),
                 };
             }
             cause = e.source();
@@ -255,14 +256,14 @@ mod tests {
     /// usage error; other load failures keep aya's own words.
     #[test]
     fn a_refused_bpf_call_names_its_cause() {
-        let refused = Error::load(create_error(libc::EPERM));
+        let refused = Error::load(create_error(libc::EPERM), || true);
         assert!(matches!(refused, Error::BpfRefused { .. }), "{refused:?}");
         assert_eq!(refused.exit_code(), EXIT_USAGE);
         let seccomp = Error::BpfRefused { seccomp: true }.to_string();
         assert!(seccomp.contains("seccomp=unconfined"), "{seccomp}");
         let other = Error::BpfRefused { seccomp: false }.to_string();
         assert!(other.contains("security module"), "{other}");
-        let failed = Error::load(create_error(libc::EINVAL));
+        let failed = Error::load(create_error(libc::EINVAL), || unreachable!());
         assert!(matches!(failed, Error::Load(_)), "{failed:?}");
     }
 }

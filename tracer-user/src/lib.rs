@@ -2,18 +2,20 @@
 //!
 //! Data flows one way: **probes and agent → collector → timeline →
 //! sinks**, with `capture`, `server` and `cli` above. The modules, floor by
-//! floor from the bottom:
+//! floor from the bottom (one bullet per floor); a module uses only those
+//! on its own floor and below, which `tests/floors.rs` checks:
 //! - the process and its files: [`procfs`] (what `/proc` says about the
 //!   targets), [`symbols`] (ELF symbols, addresses and stacks inside running
 //!   processes), [`clock`] (`ClockSync`, the one place where kernel time
 //!   becomes wall time), [`cuda_api`] (the CUDA driver functions probed and
 //!   their signatures), [`error`] (the errors ebtrace reports, each saying
 //!   what to do);
+//! - [`collect`]: the records entering ebtrace, drained from the probes'
+//!   ring buffer and decoded, and what the in-process agents hand over;
 //! - what records: [`attach`] (loads the eBPF object and attaches its
 //!   programs), [`agent`] (the in-process agent, from ebtrace's side:
 //!   loading it into a target with ptrace, and the framework's own profiler
 //!   session it runs there);
-//! - [`collect`]: drains the ring buffer into decoded records;
 //! - [`timeline`]: the format-independent model of what each thread did;
 //! - what is written: [`sink`] (XSpace, Perfetto and pprof encoding, the
 //!   XProf log directory layout), [`metrics`] (Prometheus metrics);
@@ -22,10 +24,6 @@
 //! - [`server`]: `ebtrace serve`, the gRPC ProfilerService, the flight
 //!   recorder and the HTTP endpoints;
 //! - [`cli`]: the `ebtrace` command line.
-//!
-//! Two arrows still run against the floors: [`agent`] hands its recordings
-//! to [`timeline`] in the timeline's own types, and `timeline::assemble`
-//! reads [`agent`]'s.
 
 #![warn(missing_docs)]
 

@@ -3,24 +3,20 @@
 //! the process, through the agent's session there, or through an agent
 //! loaded for that question alone.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use super::{AgentError, AgentSession};
-use crate::timeline::KernelNames;
+use crate::collect::agent::DriverKernelNames;
 
-/// The names learnt so far, and what the user should know about them.
+/// Asks the CUDA driver in each process for kernel names, once per handle.
 #[derive(Default)]
 pub struct KernelNaming {
-    /// Raw (mangled) names by `(pid, handle)`.
-    pub names: HashMap<(u32, u64), String>,
+    /// The names learnt so far, and what the user should know about them.
+    pub found: DriverKernelNames,
     /// Handles the driver answered for, named or not: not asked again.
     answered: HashSet<(u32, u64)>,
     /// Handles asked for at least once, answered or not (for `counts`).
     tried: HashSet<(u32, u64)>,
-    /// One line per process asked.
-    pub notes: Vec<String>,
-    /// How many handles were asked for and named, per process.
-    pub counts: BTreeMap<u32, KernelNames>,
 }
 
 impl KernelNaming {
@@ -59,7 +55,7 @@ impl KernelNaming {
                 }
                 None => continue,
             };
-            let counts = self.counts.entry(pid).or_default();
+            let counts = self.found.counts.entry(pid).or_default();
             for h in &handles {
                 counts.asked += u64::from(self.tried.insert((pid, *h)));
             }
@@ -73,7 +69,8 @@ impl KernelNaming {
                         names.len(),
                         handles.len()
                     );
-                    self.names
+                    self.found
+                        .names
                         .extend(names.into_iter().map(|(h, name)| ((pid, h), name)));
                     (line, false)
                 }
@@ -88,8 +85,8 @@ impl KernelNaming {
             };
             // A question failing the same way at every snapshot of a
             // recorder that runs for days is said once.
-            if !(failed && self.notes.contains(&line)) {
-                self.notes.push(line);
+            if !(failed && self.found.notes.contains(&line)) {
+                self.found.notes.push(line);
             }
         }
     }

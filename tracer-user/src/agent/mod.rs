@@ -26,7 +26,7 @@ use tracer_agent::protocol::{self, SessionLevels, StartRequest};
 use channel::Channel;
 use inject::{InjectReport, Injected};
 
-use crate::timeline::{ThreadIds, framework::tsl_thread_id};
+use crate::collect::agent::{AgentRecording, tsl_thread_id};
 
 /// The agent library (built from `tracer-agent` by the build script).
 pub static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libebtrace_agent.so"));
@@ -105,25 +105,6 @@ pub struct AgentSession {
     /// to requests.
     unanswered: bool,
     closed: bool,
-}
-
-/// What a session recorded.
-pub struct AgentRecording {
-    /// The target process.
-    pub pid: u32,
-    /// The serialized XSpaces, as the frameworks wrote them (one per
-    /// framework: jax and TensorFlow each have their own profiler).
-    pub xspaces: Vec<Vec<u8>>,
-    /// CUPTI activity batches (`tracer_agent::activity`).
-    pub device_activity: Vec<Vec<u8>>,
-    /// Why a source did not stop cleanly (what it recorded is kept).
-    pub problem: Option<String>,
-    /// Its host lines' thread ids → kernel tids.
-    pub threads: ThreadIds,
-    /// How much the target's resident memory grew at most, in bytes, while
-    /// the framework's session recorded (what its recorder held, and
-    /// anything else the program allocated meanwhile).
-    pub target_growth: u64,
 }
 
 /// Writes the agent library to `path` (`ebtrace agent-library`).

@@ -135,7 +135,7 @@ impl ProbeSet {
             .map_max_entries(names::RECORDING_TGIDS, pid_max().div_ceil(64))
             .map_max_entries(names::DRIVER_CALL_TGIDS, pid_max().div_ceil(64))
             .load(EBPF_OBJECT)
-            .map_err(Error::load)?;
+            .map_err(|e| Error::load(e, crate::procfs::seccomp_filtered))?;
         let map_fds = ebpf
             .maps()
             .map(|(name, map)| Ok((name.to_string(), map_fd(map).try_clone_to_owned()?)))

@@ -8,9 +8,9 @@ use std::time::Instant;
 use super::Capture;
 use crate::attach::restore_children_of_session;
 use crate::{
-    agent::{AgentRecording, AgentSession, KernelNaming},
+    agent::{AgentSession, KernelNaming},
     attach::TraceMeProbe,
-    collect::{Collector, EncodedRecords},
+    collect::{Collector, EncodedRecords, agent::AgentRecording},
 };
 
 impl Capture {

@@ -70,7 +70,7 @@ pub fn take_cpu_profile(
         // kept for those that exit before the end.
         note_thread_names(targets, &samples[before..], &mut thread_names);
         for s in &samples[before..] {
-            symbolizer.note_sample(s);
+            symbolizer.note_stack(s.stack());
         }
     }
     let sampled_for = started.elapsed();
@@ -80,7 +80,7 @@ pub fn take_cpu_profile(
     keep_samples(&mut collector, &mut batch, &mut samples);
     note_thread_names(targets, &samples[before..], &mut thread_names);
     for s in &samples[before..] {
-        symbolizer.note_sample(s);
+        symbolizer.note_stack(s.stack());
     }
     let process_names = targets.iter().map(|t| (t.pid, t.name.clone())).collect();
     let info = SamplingInfo {

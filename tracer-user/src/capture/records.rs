@@ -37,7 +37,7 @@ impl Capture {
                 }
                 Record::StackSample(sample) => {
                     if let Some(stacks) = self.stacks.as_mut() {
-                        stacks.note_sample(&sample);
+                        stacks.note_stack(sample.stack());
                     }
                     self.sample_slots += sample_slots(&sample);
                     self.stack_samples.push_back(sample);

@@ -194,7 +194,7 @@ impl Capture {
             },
             streamed,
             malformed: self.collector.malformed(),
-            kernel_naming: Some(&self.kernel_naming),
+            driver_kernel_names: Some(&self.kernel_naming.found),
             traceme,
             warnings: self.traceme.warnings().to_vec(),
             recordings: &self.recordings,

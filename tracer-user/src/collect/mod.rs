@@ -5,6 +5,7 @@
 //! per record (see `tracer-ebpf`), so it drains on a timer and when the
 //! ring passes its fill threshold.
 
+pub mod agent;
 mod decode;
 mod encoded;
 mod ring;

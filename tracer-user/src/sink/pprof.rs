@@ -17,7 +17,7 @@ use prost::Message as _;
 
 use crate::{
     collect::StackSample,
-    symbols::stacks::{Space, StackSymbolizer, sample_frames},
+    symbols::stacks::{Space, StackSymbolizer},
 };
 
 /// The mapping name of kernel frames, as `perf` names it.
@@ -66,7 +66,9 @@ pub fn build(
     let mut counts: HashMap<ThreadStack, i64> = HashMap::new();
     // A CPU profile counts time on a CPU: off-CPU stacks are not in it.
     for s in samples.iter().filter(|s| !s.is_off_cpu()) {
-        *counts.entry((s.tgid, s.tid, sample_frames(s))).or_default() += 1;
+        *counts
+            .entry((s.tgid, s.tid, s.stack().frames()))
+            .or_default() += 1;
     }
     symbolizer.resolve_stacks(counts.keys().map(|(_, _, stack)| stack.as_slice()));
 

@@ -2,7 +2,7 @@
 //! (demangled), the functions inlined at an address, and file:line where
 //! the object has debug information. User addresses are resolved in the
 //! sampled process (its mappings, while it runs), or, once it has exited,
-//! in the files it had mapped where [`StackSymbolizer::note_sample`] saw
+//! in the files it had mapped where [`StackSymbolizer::note_stack`] saw
 //! them; kernel ones from `/proc/kallsyms`. The addresses of each sample
 //! are named as it arrives, on a thread of its own
 //! (`super::symbolizer_thread`), so that a trace built later finds them
@@ -15,14 +15,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use blazesym::symbolize::{CodeInfo, Symbolized};
 use rustc_hash::{FxHashMap, FxHashSet};
 
+pub use super::symbolizer_thread::{Frame, Symbol};
 use super::{
     maps::{self, Mapping},
     symbolizer_thread::{Answer, Place, SymbolizerThread},
 };
-use crate::collect::StackSample;
 
 /// How soon a process's mappings are read again when a sample has an
 /// address in none of its executable ones (a library loaded since).
@@ -41,27 +40,6 @@ pub enum Space {
     Kernel,
     /// A process's, by pid.
     Process(u32),
-}
-
-/// One function at an address.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Frame {
-    /// The function's name, demangled.
-    pub function: String,
-    /// Its source file, where the object has debug information.
-    pub file: Option<String>,
-    /// The line in that file.
-    pub line: Option<u32>,
-}
-
-/// What is at one address: the functions inlined there, innermost first,
-/// then the function the address is in. Empty where nothing is known.
-#[derive(Clone, Debug, Default)]
-pub struct Symbol {
-    /// The functions inlined at the address, innermost first, then the one it is in.
-    pub frames: Vec<Frame>,
-    /// The object the address is in, where known.
-    pub module: Option<String>,
 }
 
 /// Resolves addresses, each once per address space, and keeps the
@@ -96,48 +74,33 @@ pub fn lookup_address(depth: usize, address: u64) -> u64 {
     }
 }
 
-/// A sample's stack as the addresses to look up: kernel frames, then user
-/// frames, innermost first.
-pub fn sample_frames(sample: &StackSample) -> Vec<(Space, u64)> {
-    let kernel = sample
-        .kernel
-        .iter()
-        .enumerate()
-        .map(|(depth, a)| (Space::Kernel, lookup_address(depth, *a)));
-    let user = sample
-        .user
-        .iter()
-        .enumerate()
-        .map(|(depth, a)| (Space::Process(sample.tgid), lookup_address(depth, *a)));
-    kernel.chain(user).collect()
+/// A sampled stack, as the symbolizer reads it: its process and its
+/// addresses, innermost first (every one past the first a return address).
+#[derive(Clone, Copy, Debug)]
+pub struct SampledStack<'a> {
+    /// The process whose user addresses these are.
+    pub pid: u32,
+    /// Kernel instruction addresses.
+    pub kernel: &'a [u64],
+    /// User-space instruction addresses.
+    pub user: &'a [u64],
 }
 
-/// The functions blazesym found at one address, innermost first.
-pub(super) fn symbol_of(result: &Symbolized<'_>) -> Option<Symbol> {
-    let Symbolized::Sym(sym) = result else {
-        return None;
-    };
-    let mut frames: Vec<Frame> = sym
-        .inlined
-        .iter()
-        .rev()
-        .map(|f| frame(&f.name, f.code_info.as_ref()))
-        .collect();
-    frames.push(frame(&sym.name, sym.code_info.as_deref()));
-    Some(Symbol {
-        frames,
-        module: sym
-            .module
-            .as_ref()
-            .map(|m| m.to_string_lossy().into_owned()),
-    })
-}
-
-fn frame(function: &str, code_info: Option<&CodeInfo<'_>>) -> Frame {
-    Frame {
-        function: function.to_string(),
-        file: code_info.map(|c| c.to_path().display().to_string()),
-        line: code_info.and_then(|c| c.line),
+impl SampledStack<'_> {
+    /// The addresses to look up: kernel frames, then user frames,
+    /// innermost first.
+    pub fn frames(self) -> Vec<(Space, u64)> {
+        let kernel = self
+            .kernel
+            .iter()
+            .enumerate()
+            .map(|(depth, a)| (Space::Kernel, lookup_address(depth, *a)));
+        let user = self
+            .user
+            .iter()
+            .enumerate()
+            .map(|(depth, a)| (Space::Process(self.pid), lookup_address(depth, *a)));
+        kernel.chain(user).collect()
     }
 }
 
@@ -176,32 +139,32 @@ fn mapping_of(maps: &[Mapping], address: u64) -> Option<&Mapping> {
 }
 
 impl StackSymbolizer {
-    /// Remembers where `sample`'s process has its code while it runs: its
+    /// Remembers where `stack`'s process has its code while it runs: its
     /// addresses can then still be named after it exits. Reads its
     /// mappings the first time, and again (at most once a second) when an
     /// address is in none of them.
-    pub fn note_sample(&mut self, sample: &StackSample) {
+    pub fn note_stack(&mut self, stack: SampledStack<'_>) {
         self.take_answers();
-        self.ask_ahead(sample);
-        self.note_code(sample);
+        self.ask_ahead(stack);
+        self.note_code(stack);
     }
 
-    /// Asks for the names of the addresses of `sample` not named yet,
+    /// Asks for the names of the addresses of `stack` not named yet,
     /// without waiting. (Called for every sample: most addresses are
     /// named already, and this looks them up without allocating.)
-    fn ask_ahead(&mut self, sample: &StackSample) {
-        let kernel = sample
+    fn ask_ahead(&mut self, stack: SampledStack<'_>) {
+        let kernel = stack
             .kernel
             .iter()
             .enumerate()
             .map(|(depth, a)| lookup_address(depth, *a));
         self.ask_for(Space::Kernel, kernel);
-        let user = sample
+        let user = stack
             .user
             .iter()
             .enumerate()
             .map(|(depth, a)| lookup_address(depth, *a));
-        self.ask_for(Space::Process(sample.tgid), user);
+        self.ask_for(Space::Process(stack.pid), user);
     }
 
     fn ask_for(&mut self, space: Space, addresses: impl Iterator<Item = u64>) {
@@ -279,16 +242,16 @@ impl StackSymbolizer {
         true
     }
 
-    /// Remembers where `sample`'s process has its code (see
-    /// [`Self::note_sample`]).
-    fn note_code(&mut self, sample: &StackSample) {
-        let pid = sample.tgid;
-        if sample.user.is_empty() {
+    /// Remembers where `stack`'s process has its code (see
+    /// [`Self::note_stack`]).
+    fn note_code(&mut self, stack: SampledStack<'_>) {
+        let pid = stack.pid;
+        if stack.user.is_empty() {
             return;
         }
         if let Some(known) = self.code.get(&pid)
             && (known.read_at.elapsed() < known.reread_after
-                || sample.user.iter().all(|a| maps::in_code(&known.all, *a)))
+                || stack.user.iter().all(|a| maps::in_code(&known.all, *a)))
         {
             return;
         }
@@ -363,7 +326,7 @@ impl StackSymbolizer {
         Some((ours.symbols?, ours.not_yet))
     }
 
-    /// Resolves every address of `stacks` (see [`sample_frames`]), one
+    /// Resolves every address of `stacks` (see [`SampledStack::frames`]), one
     /// batch per address space.
     pub fn resolve_stacks<'a>(&mut self, stacks: impl IntoIterator<Item = &'a [(Space, u64)]>) {
         let mut by_space: HashMap<Space, Vec<u64>> = HashMap::new();
@@ -442,22 +405,28 @@ impl StackSymbolizer {
 mod tests {
     use std::process::{Command, Stdio};
 
-    use tracer_common::{RecordHeader, RecordKind};
-
     use super::*;
 
     /// A sample of process `pid` whose user stack is `address` alone.
-    fn user_sample(pid: u32, address: u64) -> StackSample {
-        StackSample {
-            header: RecordHeader::new(RecordKind::StackSample, 0, 0, 0),
-            tid: pid,
-            tgid: pid,
-            user: vec![address].into(),
-            kernel: Box::new([]),
-            user_unreadable: false,
-            kernel_unreadable: false,
-            off_cpu_us: 0,
-            syscall: 0,
+    struct UserSample {
+        pid: u32,
+        user: [u64; 1],
+    }
+
+    impl UserSample {
+        fn stack(&self) -> SampledStack<'_> {
+            SampledStack {
+                pid: self.pid,
+                kernel: &[],
+                user: &self.user,
+            }
+        }
+    }
+
+    fn user_sample(pid: u32, address: u64) -> UserSample {
+        UserSample {
+            pid,
+            user: [address],
         }
     }
 
@@ -497,7 +466,7 @@ mod tests {
         let address = theirs.start + (write - ours.start);
         let sample = user_sample(pid, address);
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_sample(&sample);
+        symbolizer.note_stack(sample.stack());
         child.kill().unwrap();
         child.wait().unwrap();
 
@@ -523,13 +492,13 @@ mod tests {
         let pid = std::process::id();
         let jit = AnonymousCode::map();
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_code(&user_sample(pid, jit.address));
+        symbolizer.note_code(user_sample(pid, jit.address).stack());
         let long_ago = Instant::now() - 2 * MAPS_REREAD_AT_MOST;
         fn code(s: &mut StackSymbolizer) -> &mut ProcessCode {
             s.code.get_mut(&std::process::id()).unwrap()
         }
         code(&mut symbolizer).read_at = long_ago;
-        symbolizer.note_code(&user_sample(pid, jit.address + 8));
+        symbolizer.note_code(user_sample(pid, jit.address + 8).stack());
         assert_eq!(
             code(&mut symbolizer).read_at,
             long_ago,
@@ -540,20 +509,20 @@ mod tests {
         let mut waits = Vec::new();
         for _ in 0..7 {
             code(&mut symbolizer).read_at = long_ago;
-            symbolizer.note_code(&user_sample(pid, 0x10));
+            symbolizer.note_code(user_sample(pid, 0x10).stack());
             assert!(code(&mut symbolizer).read_at > long_ago);
             waits.push(code(&mut symbolizer).reread_after.as_secs());
         }
         assert_eq!(waits, [2, 4, 8, 16, 32, 32, 32]);
         // Not before that wait is over.
         let read_at = code(&mut symbolizer).read_at;
-        symbolizer.note_code(&user_sample(pid, 0x10));
+        symbolizer.note_code(user_sample(pid, 0x10).stack());
         assert_eq!(code(&mut symbolizer).read_at, read_at);
 
         // Code mapped since: found at the next read, and the wait is short again.
         let later = AnonymousCode::map();
         code(&mut symbolizer).read_at = long_ago;
-        symbolizer.note_code(&user_sample(pid, later.address));
+        symbolizer.note_code(user_sample(pid, later.address).stack());
         let known = code(&mut symbolizer);
         assert!(maps::in_code(&known.all, later.address));
         assert_eq!(known.reread_after, MAPS_REREAD_AFTER);
@@ -567,7 +536,7 @@ mod tests {
         let address = a_noted_sample_is_named_before_it_is_asked_for as *const () as u64;
         let sample = user_sample(pid, address);
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_sample(&sample);
+        symbolizer.note_stack(sample.stack());
         assert!(symbolizer.asked.contains(&(Space::Process(pid), address)));
         let deadline = Instant::now() + Duration::from_secs(30);
         while !symbolizer.asked.is_empty() && Instant::now() < deadline {
@@ -585,7 +554,7 @@ mod tests {
             "{symbol:?}"
         );
         // Noted again, it is not asked again.
-        symbolizer.note_sample(&sample);
+        symbolizer.note_stack(sample.stack());
         assert!(symbolizer.asked.is_empty());
     }
 
@@ -598,7 +567,7 @@ mod tests {
             names_that_come_after_their_process_was_forgotten_are_dropped as *const () as u64;
         let sample = user_sample(pid, address);
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_sample(&sample);
+        symbolizer.note_stack(sample.stack());
         symbolizer.forget_process(pid);
         let answers = symbolizer.thread.wait_for_all();
         assert_eq!(answers.len(), 1);
@@ -617,7 +586,11 @@ mod tests {
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.asked.insert((Space::Process(pid), 0x1010));
         let symbol = Symbol {
-            frames: vec![frame("f", None)],
+            frames: vec![Frame {
+                function: "f".into(),
+                file: None,
+                line: None,
+            }],
             module: Some("libf.so".into()),
         };
         symbolizer.keep(Answer::for_test(
@@ -626,8 +599,8 @@ mod tests {
             vec![Some(symbol.clone())],
             vec![Some(0x1000..0x1040)],
         ));
-        symbolizer.ask_ahead(&user_sample(pid, 0x1000));
-        symbolizer.ask_ahead(&user_sample(pid, 0x103f));
+        symbolizer.ask_ahead(user_sample(pid, 0x1000).stack());
+        symbolizer.ask_ahead(user_sample(pid, 0x103f).stack());
         assert!(symbolizer.asked.is_empty());
         for address in [0x1000, 0x1010, 0x103f] {
             let found = symbolizer.get(Space::Process(pid), address);
@@ -637,8 +610,8 @@ mod tests {
             );
         }
         // Not in another process, nor past the function's end.
-        symbolizer.ask_ahead(&user_sample(pid, 0x1040));
-        symbolizer.ask_ahead(&user_sample(pid + 1, 0x1010));
+        symbolizer.ask_ahead(user_sample(pid, 0x1040).stack());
+        symbolizer.ask_ahead(user_sample(pid + 1, 0x1010).stack());
         assert!(symbolizer.asked.contains(&(Space::Process(pid), 0x1040)));
         assert!(
             symbolizer

@@ -10,6 +10,9 @@
 //! otherwise reads `/proc/PID/maps` at every lookup, and a Python process
 //! with jaxlib maps thousands of regions, so that reading took most of a
 //! recorder's CPU on a jax loop.
+//!
+//! What it answers for an address is a [`Symbol`]: the functions there,
+//! inlined ones first, with their files and lines.
 
 use std::{
     collections::HashMap,
@@ -22,12 +25,60 @@ use std::{
 use blazesym::{
     Pid,
     symbolize::{
-        Input, Reason, Symbolized, Symbolizer, cache,
+        CodeInfo, Input, Reason, Symbolized, Symbolizer, cache,
         source::{Elf, Kernel, Process, Source},
     },
 };
 
-use super::stacks::{Symbol, symbol_of};
+/// One function at an address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// The function's name, demangled.
+    pub function: String,
+    /// Its source file, where the object has debug information.
+    pub file: Option<String>,
+    /// The line in that file.
+    pub line: Option<u32>,
+}
+
+/// What is at one address: the functions inlined there, innermost first,
+/// then the function the address is in. Empty where nothing is known.
+#[derive(Clone, Debug, Default)]
+pub struct Symbol {
+    /// The functions inlined at the address, innermost first, then the one it is in.
+    pub frames: Vec<Frame>,
+    /// The object the address is in, where known.
+    pub module: Option<String>,
+}
+
+/// The functions blazesym found at one address, innermost first.
+fn symbol_of(result: &Symbolized<'_>) -> Option<Symbol> {
+    let Symbolized::Sym(sym) = result else {
+        return None;
+    };
+    let mut frames: Vec<Frame> = sym
+        .inlined
+        .iter()
+        .rev()
+        .map(|f| frame(&f.name, f.code_info.as_ref()))
+        .collect();
+    frames.push(frame(&sym.name, sym.code_info.as_deref()));
+    Some(Symbol {
+        frames,
+        module: sym
+            .module
+            .as_ref()
+            .map(|m| m.to_string_lossy().into_owned()),
+    })
+}
+
+fn frame(function: &str, code_info: Option<&CodeInfo<'_>>) -> Frame {
+    Frame {
+        function: function.to_string(),
+        file: code_info.map(|c| c.to_path().display().to_string()),
+        line: code_info.and_then(|c| c.line),
+    }
+}
 
 /// The addresses of the function `found` names at `address`, where every
 /// one of them has that name alone: no inlined functions, no file:line.

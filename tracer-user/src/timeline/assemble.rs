@@ -21,9 +21,11 @@ use super::{
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
 };
 use crate::{
-    agent::{AgentRecording, KernelNaming},
     clock::ClockSync,
-    collect::{Record, TraceMeEvent},
+    collect::{
+        Record, StackSample, TraceMeEvent,
+        agent::{AgentRecording, DriverKernelNames},
+    },
     symbols::stacks::StackSymbolizer,
 };
 
@@ -57,7 +59,7 @@ pub struct Sources<'a> {
     /// Ring-buffer items that could not be decoded.
     pub malformed: u64,
     /// Kernel names asked of the driver inside the targets.
-    pub kernel_naming: Option<&'a KernelNaming>,
+    pub driver_kernel_names: Option<&'a DriverKernelNames>,
     /// The TraceMe events, when a recorder was found in any target.
     pub traceme: Option<TraceMeInput<'a>>,
     /// Problems met while recording, which the trace states.
@@ -85,7 +87,7 @@ impl Sources<'_> {
             records: RecordInput::default(),
             streamed: None,
             malformed: 0,
-            kernel_naming: None,
+            driver_kernel_names: None,
             traceme: None,
             warnings: Vec::new(),
             recordings: &[],
@@ -116,31 +118,18 @@ pub fn assemble(
     let stop_ns = window.stop_ns;
     let window_start = window.start_ns.max(sources.start_ns);
     let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
-    if let Some(k) = sources.kernel_naming {
+    if let Some(k) = sources.driver_kernel_names {
         cuda.add_driver_names(&k.names);
     }
     let mut warnings = sources.warnings;
     let streamed = sources.streamed.is_some();
-    let mut builder = match sources.streamed {
-        Some(streamed) => {
-            let (mut builder, queued, late) = streamed.finish(stop_ns);
-            for r in &queued {
-                builder.push(r);
-            }
-            if late > 0 {
-                warnings.push(format!(
-                    "{late} scheduler records reached ebtrace more than {} ms after later \
-                     ones and were laid out of order: some thread states around them may be \
-                     wrong",
-                    REORDER_SLACK_NS / 1_000_000
-                ));
-            }
-            builder
-        }
-        None => {
-            SchedTimelineBuilder::new(window_start, stop_ns, sources.processes, sources.initial)
-        }
-    };
+    let mut builder = sched_builder(
+        sources.streamed,
+        (window_start, stop_ns),
+        sources.processes,
+        sources.initial,
+        &mut warnings,
+    );
     for &(pid, since_ns) in &sources.tracked_from {
         builder.tracked_from(pid, since_ns);
     }
@@ -158,7 +147,7 @@ pub fn assemble(
         warnings,
         sources: SourceStats {
             kernel_names: sources
-                .kernel_naming
+                .driver_kernel_names
                 .map(|k| k.counts.clone())
                 .unwrap_or_default(),
             ..SourceStats::default()
@@ -194,46 +183,14 @@ pub fn assemble(
         without_scheduling(&mut timeline);
     }
     cuda.add_to(&mut timeline);
-    if let Some(k) = sources.kernel_naming {
+    if let Some(k) = sources.driver_kernel_names {
         timeline.stats.notes.extend(k.notes.iter().cloned());
     }
     if let Some(traceme) = sources.traceme {
         add_traceme(&mut timeline, traceme);
     }
     if let Some(symbolizer) = sources.stacks {
-        let narrowed = narrow_unknown(&mut timeline, &samples);
-        // Each such interval hides a switch onto a CPU and one off it.
-        timeline.stats.inconsistencies += 2 * narrowed.contradicted;
-        if narrowed.contradicted > 0 {
-            timeline.stats.notes.push(format!(
-                "{} Runnable or Blocked intervals hold stack samples of their own thread, so the \
-                 kernel left a switch onto a CPU and back unreported in each: shown Unknown, and \
-                 Running from their first sample to their last",
-                narrowed.contradicted
-            ));
-        }
-        if narrowed.unknown > 0 {
-            timeline.stats.notes.push(format!(
-                "{} of those Unknown intervals narrowed by the threads' own stack samples \
-                 (shown Running, with a reason)",
-                narrowed.unknown
-            ));
-        }
-        let laid = add_cpu_samples(&mut timeline, &samples, (window_start, stop_ns), symbolizer);
-        timeline.stats.sources.cpu_samples = Some(laid.samples);
-        timeline.stats.sources.off_cpu_stacks = Some(laid.off_cpu);
-        if laid.samples > 0 || laid.off_cpu == 0 {
-            timeline.stats.notes.push(format!(
-                "{} CPU stack samples on the thread lines",
-                laid.samples
-            ));
-        }
-        if laid.off_cpu > 0 {
-            timeline.stats.notes.push(format!(
-                "{} off-CPU stacks on the thread lines (waits of --off-cpu-min or more)",
-                laid.off_cpu
-            ));
-        }
+        add_stacks(&mut timeline, &samples, (window_start, stop_ns), symbolizer);
     }
     add_framework(&mut timeline, sources.recordings);
     add_device_activity(&mut timeline, sources.recordings, sources.device_batches);
@@ -294,6 +251,78 @@ fn add_traceme(timeline: &mut Timeline, traceme: TraceMeInput<'_>) {
         spans.unpaired_activity_halves,
         spans.clipped
     ));
+}
+
+/// The scheduling builder: the one that built thread states while
+/// recording, fed what it still queued, or a new one for the window.
+fn sched_builder(
+    streamed: Option<StreamedScheduling>,
+    (window_start, stop_ns): (u64, u64),
+    processes: Vec<(u32, String)>,
+    initial: HashMap<u32, InitialState>,
+    warnings: &mut Vec<String>,
+) -> SchedTimelineBuilder {
+    match streamed {
+        Some(streamed) => {
+            let (mut builder, queued, late) = streamed.finish(stop_ns);
+            for r in &queued {
+                builder.push(r);
+            }
+            if late > 0 {
+                warnings.push(format!(
+                    "{late} scheduler records reached ebtrace more than {} ms after later \
+                     ones and were laid out of order: some thread states around them may be \
+                     wrong",
+                    REORDER_SLACK_NS / 1_000_000
+                ));
+            }
+            builder
+        }
+        None => SchedTimelineBuilder::new(window_start, stop_ns, processes, initial),
+    }
+}
+
+/// Narrows the scheduling states with the threads' own CPU samples, then
+/// lays the samples and off-CPU stacks of `window` on the thread lines.
+fn add_stacks(
+    timeline: &mut Timeline,
+    samples: &[&StackSample],
+    (window_start, stop_ns): (u64, u64),
+    symbolizer: &mut StackSymbolizer,
+) {
+    let narrowed = narrow_unknown(timeline, samples);
+    // Each such interval hides a switch onto a CPU and one off it.
+    timeline.stats.inconsistencies += 2 * narrowed.contradicted;
+    if narrowed.contradicted > 0 {
+        timeline.stats.notes.push(format!(
+            "{} Runnable or Blocked intervals hold stack samples of their own thread, so the \
+             kernel left a switch onto a CPU and back unreported in each: shown Unknown, and \
+             Running from their first sample to their last",
+            narrowed.contradicted
+        ));
+    }
+    if narrowed.unknown > 0 {
+        timeline.stats.notes.push(format!(
+            "{} of those Unknown intervals narrowed by the threads' own stack samples \
+             (shown Running, with a reason)",
+            narrowed.unknown
+        ));
+    }
+    let laid = add_cpu_samples(timeline, samples, (window_start, stop_ns), symbolizer);
+    timeline.stats.sources.cpu_samples = Some(laid.samples);
+    timeline.stats.sources.off_cpu_stacks = Some(laid.off_cpu);
+    if laid.samples > 0 || laid.off_cpu == 0 {
+        timeline.stats.notes.push(format!(
+            "{} CPU stack samples on the thread lines",
+            laid.samples
+        ));
+    }
+    if laid.off_cpu > 0 {
+        timeline.stats.notes.push(format!(
+            "{} off-CPU stacks on the thread lines (waits of --off-cpu-min or more)",
+            laid.off_cpu
+        ));
+    }
 }
 
 /// Merges what the framework sessions recorded and says how it went.

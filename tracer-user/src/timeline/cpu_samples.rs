@@ -15,7 +15,7 @@ use rustc_hash::FxHashMap;
 use super::{Span, Stat, StateSlice, Stats, ThreadState, ThreadTrack, Timeline, Value};
 use crate::{
     collect::StackSample,
-    symbols::stacks::{Space, StackSymbolizer, sample_frames},
+    symbols::stacks::{Space, StackSymbolizer},
 };
 
 /// Stat of a sample's instant: its stack, innermost frame first, one per
@@ -67,7 +67,7 @@ pub fn add_cpu_samples(
             *stack_of
                 .entry((s.tgid, &s.kernel, &s.user))
                 .or_insert_with(|| {
-                    stacks.push(sample_frames(s));
+                    stacks.push(s.stack().frames());
                     stacks.len() - 1
                 })
         })
@@ -552,7 +552,7 @@ mod tests {
         ];
         let mut symbolizer = StackSymbolizer::default();
         for s in &samples {
-            symbolizer.note_sample(s);
+            symbolizer.note_stack(s.stack());
         }
         let mut timeline = Timeline {
             start_ns: 0,
@@ -643,7 +643,7 @@ mod tests {
         ];
         let mut symbolizer = StackSymbolizer::default();
         for s in &stacks {
-            symbolizer.note_sample(s);
+            symbolizer.note_stack(s.stack());
         }
         let mut alone = thread(&[(0, 400_000, ThreadState::Running { cpu: 0 })]);
         alone.tid = 5;

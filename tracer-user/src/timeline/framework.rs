@@ -24,29 +24,12 @@ use ebtrace_proto::{
 use prost::Message as _;
 
 use super::{Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value, cuda::StreamTiming};
-use crate::clock::ClockSync;
+use crate::{clock::ClockSync, collect::agent::ThreadIds};
 
 /// The plane of host threads in TSL's XSpaces.
 pub const HOST_PLANE: &str = "/host:CPU";
 /// TSL's plane of capture-wide facts; ebtrace writes its own.
 pub const TASK_ENVIRONMENT_PLANE: &str = "Task Environment";
-
-/// TSL thread ids (line ids of its `/host:CPU` plane) → kernel tids.
-pub type ThreadIds = HashMap<i64, u32>;
-
-/// libstdc++'s `std::hash<std::thread::id>` of a thread whose `pthread_t`
-/// is `pthread_self` (`_Hash_bytes` of its 8 bytes, seed 0xc70f6907): the
-/// id TSL gives a thread when it cannot ask the kernel.
-pub fn tsl_thread_id(pthread_self: u64) -> i64 {
-    const MUL: u64 = (0xc6a4_a793 << 32) + 0x5bd1_e995;
-    const SEED: u64 = 0xc70f_6907;
-    let shift_mix = |v: u64| v ^ (v >> 47);
-    let mut hash = SEED ^ 8u64.wrapping_mul(MUL);
-    hash ^= shift_mix(pthread_self.wrapping_mul(MUL)).wrapping_mul(MUL);
-    hash = hash.wrapping_mul(MUL);
-    hash = shift_mix(hash).wrapping_mul(MUL);
-    shift_mix(hash) as i64
-}
 
 /// A plane of the framework's carried into the trace, its lines'
 /// `timestamp_ns` in monotonic ns.
@@ -630,12 +613,5 @@ mod tests {
             })
             .collect();
         assert_eq!(kept, vec![(450, 150), (900, 100)]);
-    }
-
-    #[test]
-    fn thread_ids_are_libstdcxx_hashes_of_pthread_self() {
-        // Read from a jaxlib 0.10.2 session: the main thread's
-        // `threading.main_thread().ident` and its `/host:CPU` line id.
-        assert_eq!(tsl_thread_id(0x7f77_c405_9b80), 3_392_712_717_861_966_570);
     }
 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::{ActivityMerge, FrameworkMerge, TraceMeSpanStats};
+use crate::collect::agent::KernelNames;
 
 /// Per-source accounting of one capture.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -39,15 +40,6 @@ pub struct TraceMeSource {
     pub unnamed: u64,
     /// Whether recording was switched off at `--max-events`.
     pub stopped_at_max_events: bool,
-}
-
-/// Names asked of the CUDA driver inside one process.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KernelNames {
-    /// Function handles asked for.
-    pub asked: u64,
-    /// Function handles the driver named.
-    pub named: u64,
 }
 
 impl SourceStats {

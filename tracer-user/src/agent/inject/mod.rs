@@ -15,9 +15,11 @@
 //! that a killed ebtrace left under way is let finish it first. The calls
 //! allocate and take the loader's lock, so the thread must hold neither:
 //! one stopped inside the C library, the loader or a preloaded allocator
-//! (in `malloc`, say), or with the loader, any allocator or a signal
-//! handler anywhere on its stack, is let go and another moment or thread is
-//! tried ([`session::at_safe_point`], [`hazards`]). A call that still does
+//! (in `malloc`, say), or with the loader, any allocator, a signal handler
+//! or one of libc's set-id functions (`setuid` and the like hold the
+//! thread-stack lock while every other thread changes its ids) anywhere on
+//! its stack, is let go and another moment or thread is tried
+//! ([`session::at_safe_point`], [`hazards`]). A call that still does
 //! not return in a few seconds is abandoned where it waits, and the thread
 //! put back.
 //!
@@ -26,8 +28,9 @@
 //! an ebtrace killed meanwhile leaves it behind, and [`unload_leftovers`]
 //! (which [`load`] runs first) takes such agents out. A copy that pinned
 //! itself (it gave CUPTI callbacks) stays mapped after its unload: [`load`]
-//! starts that copy again, found by its name, instead of loading another. The agent's own threads must be named
-//! `ebtrace-agent…`: they are never the thread chosen to make the calls.
+//! starts that copy again, found by its name, instead of loading another.
+//! The agent's own threads must be named `ebtrace-agent…`: they are never
+//! the thread chosen to make the calls.
 //! The agent must write to its socket with `MSG_NOSIGNAL` (an ebtrace gone
 //! must not SIGPIPE the target), and its exit function must return 0 when
 //! it is not attached (leftovers may never have been).

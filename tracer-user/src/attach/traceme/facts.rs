@@ -23,7 +23,7 @@ use std::{
     time::Duration,
 };
 
-use super::discover::{
+use super::recorder_symbols::{
     FILTER_BITMAP, LayoutVotes, NAMESPACES, NamespaceFinders, PYTHON_GATE, PYTHON_GATE_IN_PYTHON,
     PYTHON_GATE_NEEDLE, RECORD_NEEDLE, StringLayout,
 };

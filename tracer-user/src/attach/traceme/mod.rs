@@ -12,12 +12,14 @@ pub mod discover;
 pub mod facts;
 pub mod guard;
 mod left_behind;
+mod recorder_symbols;
 pub mod switch;
 
 use std::{num::NonZeroU32, path::Path};
 
 use aya::programs::{UProbe, uprobe::UProbeScope};
-pub use discover::{Discovery, PythonGate, Recorder, StringLayout, discover};
+pub use discover::{Discovery, PythonGate, Recorder, discover};
+pub use recorder_symbols::StringLayout;
 pub use switch::{LevelState, TraceLevelSwitch};
 
 /// Puts the TraceMe gates back in the processes forked from `pid` since
@@ -516,9 +518,8 @@ impl TraceMeProbe {
 /// process's own set a filter mask, which outlives that session) keeps
 /// TraceMes out.
 fn check_filter(pid: u32, address: u64) -> Option<String> {
-    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).ok()?;
     let mut bytes = [0u8; 8];
-    std::os::unix::fs::FileExt::read_exact_at(&mem, &mut bytes, address).ok()?;
+    crate::procfs::read_memory(pid, address, &mut bytes).ok()?;
     match u64::from_ne_bytes(bytes) {
         u64::MAX => None,
         0 => Some(format!(
