@@ -237,8 +237,9 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
     );
 
     // Ping wakes pong once per round trip; pong wakes ping each time ping
-    // had to wait for the reply (the fixture counts both). Each wake-up has
-    // a flow from waker to woken.
+    // slept waiting for the reply (the fixture counts both; ping's by its
+    // own voluntary switches around the wait). Each wake-up has a flow
+    // from waker to woken.
     // Ping waits only for a reply not there yet: where pong, woken, runs at
     // once on ping's CPU (preempting it), the reply is there before ping
     // reads, and ping may hardly wait at all. The count checked below is
