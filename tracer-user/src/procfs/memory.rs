@@ -49,6 +49,15 @@ pub fn read_memory(pid: u32, address: u64, out: &mut [u8]) -> std::io::Result<()
     mem.read_exact_at(out, address)
 }
 
+/// Writes `bytes` into `pid`'s memory at `address` in one write, returning
+/// how many it wrote (`/proc/PID/mem`, opened for writing only).
+pub fn write_memory(pid: u32, address: u64, bytes: &[u8]) -> std::io::Result<usize> {
+    let mem = fs::File::options()
+        .write(true)
+        .open(process_dir(pid).join("mem"))?;
+    mem.write_at(bytes, address)
+}
+
 /// Resident memory of a process in bytes (`/proc/PID/statm`).
 pub fn resident_bytes(pid: u32) -> Option<u64> {
     let statm = fs::read_to_string(process_dir(pid).join("statm")).ok()?;

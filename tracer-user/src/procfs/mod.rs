@@ -17,7 +17,7 @@ pub use files::{
 };
 pub use memory::{
     mapping_at, maps_text, mem_available_bytes, memory_file, own_resident_bytes, read_memory,
-    resident_bytes,
+    resident_bytes, write_memory,
 };
 pub use process::{
     ProcessCounters, TargetProcess, TaskStat, descendants_since, is_alive, is_listed, parse_stat,

@@ -14,7 +14,7 @@ use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
     calls::Calls,
     hazards::{Hazards, Refusals},
-    process_alive, seccomp,
+    seccomp,
     session::{RESTARTED_WAITS, Session, code_len},
     symbols,
 };
@@ -72,7 +72,7 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
                 Err(e) => return Err(e),
             }
         }
-        if !process_alive(pid) {
+        if !procfs::is_alive(pid) {
             return Err(InjectError::NoSuchProcess { pid });
         }
         if began.elapsed() >= SAFE_POINT_WAIT {
@@ -89,7 +89,7 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
 }
 
 fn thread_gone(pid: u32, tid: u32) -> bool {
-    process_alive(pid) && !procfs::thread_is_listed(pid, tid)
+    procfs::is_alive(pid) && !procfs::thread_is_listed(pid, tid)
 }
 
 fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
@@ -153,7 +153,7 @@ impl Partial {
 
 pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStream), InjectError> {
     let began = Instant::now();
-    if !process_alive(pid) {
+    if !procfs::is_alive(pid) {
         return Err(InjectError::NoSuchProcess { pid });
     }
     unload_leftovers(pid, AGENT_DETACH)?;
@@ -371,7 +371,7 @@ fn pinned_copy(pid: u32, name: &str) -> Result<Option<u64>, InjectError> {
 pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectError> {
     let began = Instant::now();
     let pid = injected.pid;
-    if !process_alive(pid) {
+    if !procfs::is_alive(pid) {
         return Err(InjectError::TargetExited { pid });
     }
     // The agent's thread, told to end, may still run its exit path (the

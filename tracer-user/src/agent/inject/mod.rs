@@ -379,11 +379,6 @@ pub fn agent_thread_running(pid: u32) -> bool {
         .is_ok_and(|tids| tids.into_iter().any(|t| is_agent_thread(pid, t)))
 }
 
-/// True while `pid` exists and is not a zombie.
-fn process_alive(pid: u32) -> bool {
-    crate::procfs::is_alive(pid)
-}
-
 /// Why ptrace was refused, with what to do about it.
 fn why_not_permitted(pid: u32) -> String {
     if let Some(tracer) = crate::procfs::tracer_of(pid) {

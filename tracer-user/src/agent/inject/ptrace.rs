@@ -185,7 +185,7 @@ impl Tracee {
     }
 
     fn ptrace_error(&self, what: &'static str, e: io::Error) -> InjectError {
-        if e.raw_os_error() == Some(libc::ESRCH) && !super::process_alive(self.pid) {
+        if e.raw_os_error() == Some(libc::ESRCH) && !crate::procfs::is_alive(self.pid) {
             InjectError::TargetExited { pid: self.pid }
         } else {
             InjectError::Ptrace {
@@ -467,7 +467,7 @@ impl Tracee {
     }
 
     fn mem_error(&self, what: &'static str, addr: u64, e: io::Error) -> InjectError {
-        if !super::process_alive(self.pid) {
+        if !crate::procfs::is_alive(self.pid) {
             return InjectError::TargetExited { pid: self.pid };
         }
         InjectError::Io {

@@ -1,12 +1,9 @@
 //! A gate in a target's memory, read and written through
 //! `/proc/PID/mem`.
 
-use std::{
-    fs::{self, OpenOptions},
-    io,
-    os::unix::fs::FileExt as _,
-    path::PathBuf,
-};
+use std::io;
+
+use crate::procfs;
 
 /// A gate in a target's memory: an aligned integer of `width` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,16 +37,15 @@ impl Cell {
 
     /// Reads the value (sign-extended for 4 bytes, 0/1 for a bool).
     pub fn read(&self) -> io::Result<i64> {
-        let mem = fs::File::open(mem_path(self.pid))?;
         match self.width {
             1 => {
                 let mut b = [0u8; 1];
-                mem.read_exact_at(&mut b, self.address)?;
+                procfs::read_memory(self.pid, self.address, &mut b)?;
                 Ok(i64::from(b[0]))
             }
             _ => {
                 let mut b = [0u8; 4];
-                mem.read_exact_at(&mut b, self.address)?;
+                procfs::read_memory(self.pid, self.address, &mut b)?;
                 Ok(i64::from(i32::from_ne_bytes(b)))
             }
         }
@@ -57,13 +53,12 @@ impl Cell {
 
     /// Writes the value in one aligned store.
     pub fn write(&self, value: i64) -> io::Result<()> {
-        let mem = OpenOptions::new().write(true).open(mem_path(self.pid))?;
         let bytes4 = (value as i32).to_ne_bytes();
         let bytes: &[u8] = match self.width {
             1 => &[value as u8],
             _ => &bytes4,
         };
-        let n = mem.write_at(bytes, self.address)?;
+        let n = procfs::write_memory(self.pid, self.address, bytes)?;
         if n != bytes.len() {
             return Err(io::Error::other(format!(
                 "short write ({n} of {} bytes)",
@@ -72,8 +67,4 @@ impl Cell {
         }
         Ok(())
     }
-}
-
-fn mem_path(pid: u32) -> PathBuf {
-    PathBuf::from(format!("/proc/{pid}/mem"))
 }

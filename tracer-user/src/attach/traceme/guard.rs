@@ -36,7 +36,7 @@ use rustix::{
     io::FdFlags,
 };
 
-use super::switch::Cell;
+use super::cell::Cell;
 use crate::procfs::{self, start_time_ticks};
 
 /// The hidden subcommand that runs the guard.

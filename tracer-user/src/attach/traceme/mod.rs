@@ -8,6 +8,7 @@
 //! in the process has it on, and back off at the end. A process without a
 //! recorder is simply traced without TraceMe events.
 
+pub mod cell;
 pub mod discover;
 pub mod facts;
 pub mod guard;
@@ -41,7 +42,7 @@ pub fn restore_children_of_session(pid: u32, since: u64, level: u32) -> Vec<Stri
         .iter()
         .filter_map(|r| {
             let address = r.trace_level_address?;
-            let cell = switch::Cell::trace_level(pid, address);
+            let cell = cell::Cell::trace_level(pid, address);
             let children = switch::put_back_in_children(cell, since, i64::from(level), off);
             switch::describe_children(pid, address, off, &children)
         })

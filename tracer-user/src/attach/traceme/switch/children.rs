@@ -1,7 +1,7 @@
 //! The gate in the processes forked from a target while it was on: they
 //! inherited it switched on, and nothing else would switch it off.
 
-use super::Cell;
+use super::super::cell::Cell;
 
 /// Puts the gate `cell` back to `off` in the processes forked from its
 /// process since `since` (clock ticks since boot) that inherited it `on`

@@ -8,7 +8,7 @@ use std::{
     path::Path,
 };
 
-use super::{Cell, DISABLED};
+use super::{super::cell::Cell, DISABLED};
 use crate::procfs::start_time_ticks;
 
 /// Who switched a cell on, as recorded in a marker file: enough for any

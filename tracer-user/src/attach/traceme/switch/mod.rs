@@ -30,7 +30,6 @@
 //! (the gate in processes forked while it was on) and, here,
 //! [`TraceLevelSwitch`], which switches one gate on and off again.
 
-mod cell;
 mod children;
 mod marker;
 mod state;
@@ -40,10 +39,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::guard;
+use super::{cell::Cell, guard};
 use crate::procfs::start_time_ticks;
 
-pub use cell::Cell;
 pub use children::{describe_children, put_back_in_children};
 pub(crate) use marker::Marker;
 pub use marker::sweep_markers;
