@@ -2,7 +2,8 @@
 //! samples on their thread's line costs a snapshot, in time and in memory.
 //! `EBTRACE_BENCH_SAMPLES` samples (default 100,000: 30 s of about 35
 //! busy CPUs at 99 Hz) of one thread of this process, 24 frames deep, go
-//! through `add_cpu_samples` as a snapshot lays them. Their stacks are
+//! through `narrow_unknown` (which checks the thread's states against its
+//! own samples) and `add_cpu_samples`, as a snapshot lays them. Their stacks are
 //! 2,000 address stacks over 40 libc functions: 500 call chains, each
 //! sampled at four addresses of its innermost function, as a busy
 //! function is. The addresses are named before the rounds, as a running
@@ -24,7 +25,7 @@ use ebtrace::{
     symbols::stacks::StackSymbolizer,
     timeline::{
         CaptureStats, StateSlice, ThreadCounters, ThreadState, ThreadTrack, Timeline, Value,
-        cpu_samples::{STACK_STAT, add_cpu_samples},
+        cpu_samples::{STACK_STAT, add_cpu_samples, narrow_unknown},
     },
 };
 use tracer_common::{RecordHeader, RecordKind};
@@ -186,8 +187,13 @@ fn main() {
     drop(warm);
 
     let (mut times, mut peaks, mut kept) = (Vec::new(), Vec::new(), Vec::new());
+    let mut narrowing = Vec::new();
     for _ in 0..rounds {
         let mut tl = timeline(stop_ns);
+        let t0 = Instant::now();
+        let narrowed = narrow_unknown(&mut tl, &refs);
+        narrowing.push(t0.elapsed());
+        assert_eq!(narrowed.contradicted + narrowed.unknown, 0);
         let before = heap_from_here();
         let t0 = Instant::now();
         let laid = add_cpu_samples(&mut tl, &refs, window, &mut symbolizer);
@@ -198,11 +204,17 @@ fn main() {
         drop(tl);
     }
     let time = median(times);
+    let narrowing = median(narrowing);
     let per = |bytes: usize| bytes / n.max(1);
     println!(
         "cpu samples: {n} samples of {} address stacks, {} stack texts (median of {rounds})",
         CHAINS * ADDRESSES,
         texts.len()
+    );
+    println!(
+        "  narrow_unknown                 {:>8.1} ms  {:>7.1} ns/sample",
+        narrowing.as_secs_f64() * 1e3,
+        narrowing.as_nanos() as f64 / n.max(1) as f64
     );
     println!(
         "  add_cpu_samples                {:>8.1} ms  {:>7.1} ns/sample",
