@@ -95,6 +95,18 @@ fn thread_states_match(env: &[(&str, &str)], route: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "ebtrace failed: {stderr}\n{stdout}");
     assert!(stderr.contains(route), "{route:?} not in {stderr}");
+    // A process without a CUDA driver or a TraceMe recorder is not a
+    // problem: each is said in a plain line, and no line claims that only
+    // scheduling is traced (stacks, say, may be too).
+    let no_driver = format!(
+        "pid {} (sched_workload): no libcuda.so.1 loaded or on its library path",
+        workload.pid
+    );
+    assert!(stderr.contains(&no_driver), "{no_driver:?} not in {stderr}");
+    assert!(
+        !stderr.contains("warning:") && !stderr.contains("scheduling only"),
+        "{stderr}"
+    );
     let summary: serde_json::Value =
         serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
     let records = &summary["records"];

@@ -105,22 +105,31 @@ pub struct CudaProbe {
     calls: DriverCalls,
 }
 
-/// Messages for the user about processes whose driver calls are not traced.
-pub type Warnings = Vec<String>;
+/// What attaching to the targets' driver libraries tells the user: lines
+/// about processes that have no driver to probe (a CPU-only process is
+/// not a problem), and warnings about those whose driver could not be
+/// probed.
+#[derive(Debug, Default)]
+pub struct CudaMessages {
+    /// Processes with no CUDA driver, loaded or to load.
+    pub notes: Vec<String>,
+    /// Processes whose driver could not be probed.
+    pub warnings: Vec<String>,
+}
 
 impl CudaProbe {
     /// Attaches to the driver library of every target that has one (or
-    /// would load one). Returns `None` when no target has any; warnings
-    /// name the processes left out.
+    /// would load one). Returns `None` when no target has any; the
+    /// messages name the processes left out.
     pub fn attach(
         set: &mut ProbeSet,
         targets: &[TargetProcess],
         calls: DriverCalls,
-    ) -> Result<(Option<CudaProbe>, Warnings)> {
+    ) -> Result<(Option<CudaProbe>, CudaMessages)> {
         let mut links = Vec::new();
-        let (attached, warnings) = attach_targets(set, targets, calls, &mut links);
+        let (attached, messages) = attach_targets(set, targets, calls, &mut links);
         if attached.is_empty() {
-            return Ok((None, warnings));
+            return Ok((None, messages));
         }
         let stats = set
             .ebpf()
@@ -139,17 +148,17 @@ impl CudaProbe {
                 targets: attached,
                 calls,
             }),
-            warnings,
+            messages,
         ))
     }
 
     /// Attaches to the driver library of `targets` too (processes a running
-    /// capture takes on); returns what [`Self::attach`] does for them: the
-    /// targets now probed, and warnings naming those left out.
-    pub fn add(&mut self, set: &mut ProbeSet, targets: &[TargetProcess]) -> Warnings {
-        let (attached, warnings) = attach_targets(set, targets, self.calls, &mut self.links);
+    /// capture takes on); returns the messages [`Self::attach`] does for
+    /// them.
+    pub fn add(&mut self, set: &mut ProbeSet, targets: &[TargetProcess]) -> CudaMessages {
+        let (attached, messages) = attach_targets(set, targets, self.calls, &mut self.links);
         self.targets.extend(attached);
-        warnings
+        messages
     }
 
     /// Detaches the probes of `pid`, which exited, on another thread (a
@@ -210,23 +219,22 @@ impl CudaProbe {
 
 /// Attaches to the driver library of every target of `targets` that has
 /// one (or would load one), keeping the links in `links`: the targets
-/// probed, and warnings naming the processes left out.
+/// probed, and messages naming the processes left out.
 fn attach_targets(
     set: &mut ProbeSet,
     targets: &[TargetProcess],
     calls: DriverCalls,
     links: &mut Vec<(u32, OwnedLink)>,
-) -> (Vec<CudaTarget>, Warnings) {
-    let mut warnings = Vec::new();
+) -> (Vec<CudaTarget>, CudaMessages) {
+    let mut messages = CudaMessages::default();
     let found: Vec<(u32, Library)> = targets
         .iter()
         .filter_map(|t| match libcuda::locate(t.pid) {
             Some(lib) => Some((t.pid, lib)),
             None => {
-                warnings.push(format!(
-                    "pid {} ({}) has not loaded {} and none is on its library path \
-                     (LD_LIBRARY_PATH, ld.so.cache, /usr/lib...): its CUDA driver calls are \
-                     not traced",
+                messages.notes.push(format!(
+                    "pid {} ({}): no {} loaded or on its library path (LD_LIBRARY_PATH, \
+                     ld.so.cache, /usr/lib...): no CUDA driver calls to trace",
                     t.pid,
                     t.name,
                     libcuda::SONAME
@@ -236,8 +244,9 @@ fn attach_targets(
         })
         .collect();
     if found.is_empty() {
-        return (Vec::new(), warnings);
+        return (Vec::new(), messages);
     }
+    let warnings = &mut messages.warnings;
     let no_multi = why_not_multi(set);
     let mut attached = Vec::new();
     for (pid, library) in found {
@@ -258,7 +267,7 @@ fn attach_targets(
             )),
         }
     }
-    (attached, warnings)
+    (attached, messages)
 }
 
 /// One line per target saying what is traced, for the user.

@@ -165,11 +165,13 @@ impl Attached {
             _ => ProbeSet::load(&config)?,
         };
         let initial = attach_scheduling(&mut probe, targets, options.families.sched, &mut notes)?;
-        let (cuda, warnings) = if options.families.cuda {
+        let (cuda, messages) = if options.families.cuda {
             CudaProbe::attach(&mut probe, targets, options.driver_calls)?
         } else {
-            (None, Vec::new())
+            (None, cuda::CudaMessages::default())
         };
+        notes.extend(messages.notes);
+        let warnings = messages.warnings;
         notes.extend(
             cuda.iter()
                 .flat_map(|c| c.targets.iter().map(cuda::describe)),

@@ -41,15 +41,16 @@ impl Capture {
             let initial = track_threads(&mut self.probe, one)?;
             let mut notes = Vec::new();
             if self.families.cuda {
-                match &mut self.cuda {
-                    Some(cuda) => notes.extend(cuda.add(&mut self.probe, one)),
+                let messages = match &mut self.cuda {
+                    Some(cuda) => cuda.add(&mut self.probe, one),
                     None => {
-                        let (cuda, warnings) =
+                        let (cuda, messages) =
                             CudaProbe::attach(&mut self.probe, one, self.options.driver_calls)?;
                         self.cuda = cuda;
-                        notes.extend(warnings);
+                        messages
                     }
-                }
+                };
+                notes.extend(messages.notes.into_iter().chain(messages.warnings));
                 let probed = self.cuda.iter().flat_map(|c| &c.targets);
                 notes.extend(probed.filter(|c| c.pid == pid).map(cuda::describe));
             }

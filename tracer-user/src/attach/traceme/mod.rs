@@ -230,8 +230,8 @@ impl TraceMeProbe {
                 Ok(found) => found,
                 Err(e) => {
                     probe.notes.push(format!(
-                        "pid {pid}: cannot look for a TraceMe recorder (/proc/{pid}/maps: {e}); \
-                         tracing scheduling only"
+                        "pid {pid}: cannot look for a TraceMe recorder (/proc/{pid}/maps: {e}): \
+                         no TraceMe events from it"
                     ));
                     continue;
                 }
@@ -264,7 +264,7 @@ impl TraceMeProbe {
             if found.recorders.is_empty() {
                 probe.notes.push(format!(
                     "pid {pid}: no TraceMe recorder (jaxlib, TensorFlow or libtpu) loaded in its {} \
-                     mapped files; tracing scheduling only",
+                     mapped files: no TraceMe events from it",
                     found.objects
                 ));
             }
