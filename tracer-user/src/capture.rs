@@ -18,6 +18,7 @@
 
 mod agents;
 pub mod cpu_profile;
+pub mod flight_recorder;
 mod records;
 mod start;
 mod targets;

@@ -20,9 +20,11 @@
 //! - what is written: [`sink`] (XSpace, Perfetto and pprof encoding, the
 //!   XProf log directory layout), [`metrics`] (Prometheus metrics);
 //! - [`capture`]: one capture from checks to what it recorded (which
-//!   `timeline::assemble` turns into a timeline);
-//! - [`server`]: `ebtrace serve`, the gRPC ProfilerService, the flight
-//!   recorder and the HTTP endpoints;
+//!   `timeline::assemble` turns into a timeline), and the flight recorder,
+//!   a capture that never ends and keeps only its last seconds;
+//! - [`server`]: `ebtrace serve`, the gRPC ProfilerService (the flight
+//!   recorder's commands and snapshots among its requests) and the HTTP
+//!   endpoints;
 //! - [`cli`]: the `ebtrace` command line.
 
 #![warn(missing_docs)]

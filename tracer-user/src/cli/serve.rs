@@ -8,9 +8,9 @@ use clap::Args;
 use super::{parse_duration, parse_duration_or_zero, parse_ring_mib};
 use crate::{
     attach::ProbeSetConfig,
-    capture::open_targets,
+    capture::{flight_recorder::Retention, open_targets},
     error::Result,
-    server::{self, ServeConfig, recorder::Retention, validate::Limits, watch::WatchMode},
+    server::{self, ServeConfig, validate::Limits, watch::WatchMode},
 };
 
 // A `concat!` doc, which clap does not read: a literal one would become

@@ -21,7 +21,6 @@ pub mod answer;
 pub mod http;
 pub mod monitor;
 pub mod panics;
-pub mod recorder;
 pub mod response;
 pub mod service;
 pub mod sessions;
@@ -42,12 +41,12 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::{
     attach::{ProbeSet, ProbeSetConfig, tracefs},
     capture::check_privileges,
+    capture::flight_recorder::Retention,
     error::{EXIT_FAILURE, Error, Result},
     metrics::Metrics,
     sink::xspace::local_hostname,
 };
 use panics::PanicWatch;
-use recorder::Retention;
 use service::ProfilerServer;
 use sessions::{HubConfig, HubHandle};
 use validate::Limits;
@@ -84,6 +83,10 @@ pub struct ServeConfig {
 }
 
 /// How long in-flight captures get to finish after SIGTERM/SIGINT.
+/// What the server's threads and runtime add to ebtrace's memory once it
+/// listens, about: [`Retention::check_room`] is asked before.
+pub const SERVER_MEMORY: usize = 4 * 1024 * 1024;
+
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// After a panic, the process exits by then even if stopping hangs.
 const PANIC_EXIT_DEADLINE: Duration = Duration::from_secs(45);
@@ -105,10 +108,10 @@ pub fn run(config: ServeConfig) -> Result<()> {
     // flight recorder's records: whether `--retain-memory` leaves them
     // room is known now.
     let resident = crate::procfs::own_resident_bytes();
-    if let Err(why) = config.retention.check_room(
-        resident + recorder::SERVER_MEMORY,
-        config.probe.ring_bytes as usize,
-    ) {
+    if let Err(why) = config
+        .retention
+        .check_room(resident + SERVER_MEMORY, config.probe.ring_bytes as usize)
+    {
         if config.record_from_start {
             return Err(Error::RetainMemory(why));
         }

@@ -5,8 +5,9 @@ use std::{collections::BTreeSet, sync::atomic::Ordering, time::Duration, time::I
 
 use super::{Command, Hub, Session, SessionError, TRIM_AFTER_IDLE};
 use crate::{
+    capture::flight_recorder::{FlightRecorder, FlightRecorderError},
     collect::{DrainStop, StopOnDrop},
-    server::{recorder::FlightRecorder, validate::SessionSpec},
+    server::validate::SessionSpec,
 };
 
 impl Hub {
@@ -23,6 +24,7 @@ impl Hub {
             }
             Command::StopRecorder { reply } => {
                 self.recorder_wanted = false;
+                self.recorder_spec = None;
                 let was_on = self.recorder.take().map(|r| {
                     eprintln!(
                         "ebtrace: flight recorder off ({} records held, {} forgotten)",
@@ -45,7 +47,10 @@ impl Hub {
                 Some(r) => {
                     let building = Instant::now();
                     let timeline = r.snapshot(None);
-                    let mut spec = r.spec.clone();
+                    let mut spec = self
+                        .recorder_spec
+                        .clone()
+                        .unwrap_or_else(|| SessionSpec::flight_recorder(&self.config.hostname));
                     spec.session_id = snapshot_id;
                     spec.client = client;
                     spec.duration = Duration::from_nanos(timeline.duration_ns());
@@ -128,13 +133,17 @@ impl Hub {
         }
         let recorder = FlightRecorder::start(
             targets,
-            spec,
             &self.config.probe,
             self.config.checked_probes.take(),
             self.config.retention,
-        )?;
+        )
+        .map_err(|e| match e {
+            FlightRecorderError::Attach(e) => SessionError::Attach(e.to_string()),
+            FlightRecorderError::NoRoom(what) => SessionError::NoRoom(what),
+        })?;
         self.config.metrics.start_counting_activity();
         self.recorder = Some(recorder);
+        self.recorder_spec = Some(spec);
         Ok(())
     }
 
@@ -176,7 +185,7 @@ impl Hub {
             }
         }
         let old = self.recorder.take();
-        let spec = old.as_ref().map(|r| r.spec.clone());
+        let spec = self.recorder_spec.take();
         if let Some(r) = old {
             if pids.is_empty() && !self.shutting_down {
                 eprintln!(

@@ -9,11 +9,10 @@ use tokio::sync::oneshot;
 
 use crate::{
     attach::{ProbeSet, ProbeSetConfig},
+    capture::flight_recorder::Retention,
     metrics::Metrics,
     procfs::TargetProcess,
-    server::{
-        recorder::Retention, validate::SessionSpec, watch::WatchMode, write_guard::WriteGuard,
-    },
+    server::{validate::SessionSpec, watch::WatchMode, write_guard::WriteGuard},
 };
 
 /// Where the hub sends a session's response, or why there is none.

@@ -40,13 +40,12 @@ use std::{
 };
 
 use super::{
-    recorder::FlightRecorder,
     response::{self, Delivered},
     validate::SessionSpec,
     watch::Watched,
 };
 use crate::{
-    capture::{Capture, CaptureOptions, ProbeFamilies},
+    capture::{Capture, CaptureOptions, ProbeFamilies, flight_recorder::FlightRecorder},
     clock::{self, ClockSync},
     procfs::TargetProcess,
     timeline::{self, Sources, Timeline, Window},
@@ -84,6 +83,7 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
         running: Vec::new(),
         kept: None,
         recorder: None,
+        recorder_spec: None,
         recorder_wanted,
         delivering: Vec::new(),
         unanswered: Arc::default(),
@@ -138,6 +138,8 @@ struct Hub {
     kept: Option<(Running, Instant)>,
     /// The flight recorder, while on.
     recorder: Option<FlightRecorder>,
+    /// The request its snapshots answer (host name, delivery), while on.
+    recorder_spec: Option<SessionSpec>,
     /// Whether it should be on (started, or asked for at start-up): it is
     /// started again when the watched processes change.
     recorder_wanted: bool,

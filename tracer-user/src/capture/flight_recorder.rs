@@ -10,8 +10,9 @@
 //! target keep every event in its own memory until a profiler session of
 //! its own drains them. A process that exits stays in it until its
 //! records are too old (then nothing of it is kept): its last seconds are
-//! what a snapshot after a crash is for. A process watched after it started is recorded from
-//! then on, alongside the others.
+//! what a snapshot after a crash is for. A process watched after it
+//! started is recorded from then on, alongside the others. `ebtrace
+//! serve` runs it and answers `GetSnapshot` with [`FlightRecorder::snapshot`].
 
 use std::{
     collections::{BTreeMap, BTreeSet, btree_map::Entry},
@@ -20,11 +21,10 @@ use std::{
 
 use tracer_common::SchedSwitch;
 
-use super::{sessions::SessionError, validate::SessionSpec};
+use super::{Capture, CaptureOptions, ProbeFamilies};
 use crate::{
     agent::TraceMeRoute,
     attach::{ProbeSet, ProbeSetConfig},
-    capture::{Capture, CaptureOptions, ProbeFamilies},
     clock,
     cuda_api::DriverCalls,
     metrics::activity::ActivityTally,
@@ -126,17 +126,22 @@ impl Retention {
     }
 }
 
-/// What the server's threads and runtime add to ebtrace's memory once it
-/// listens, about: [`Retention::check_room`] is asked before.
-pub const SERVER_MEMORY: usize = 4 * 1024 * 1024;
+/// Why the flight recorder could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FlightRecorderError {
+    /// Attaching its probes failed.
+    #[error(transparent)]
+    Attach(#[from] crate::error::Error),
+    /// `--retain-memory` leaves it no room: what to do.
+    #[error("{0}")]
+    NoRoom(String),
+}
 
 /// The flight recorder: a capture of the watched processes that keeps only the last `--retain` of
 /// what it recorded.
 pub struct FlightRecorder {
     capture: Capture,
     pids: BTreeSet<u32>,
-    /// The snapshots' request: host name, delivery, probe families.
-    pub spec: SessionSpec,
     retention: Retention,
     /// Records and TraceMe events forgotten since it started.
     pub forgotten: u64,
@@ -165,16 +170,15 @@ pub struct FlightRecorder {
 
 impl FlightRecorder {
     /// Attaches its probes to `targets`: scheduling and CUDA driver calls,
-    /// whatever tracer levels `spec` names (XProf's client asks for
+    /// whatever tracer levels a request names (XProf's client asks for
     /// continuous profiling with `host_tracer_level` 0, meant for the
     /// device buffers of TPUs).
     pub fn start(
         targets: Vec<TargetProcess>,
-        spec: SessionSpec,
         probe: &ProbeSetConfig,
         loaded: Option<ProbeSet>,
         retention: Retention,
-    ) -> Result<Self, SessionError> {
+    ) -> Result<Self, FlightRecorderError> {
         let families = ProbeFamilies {
             sched: true,
             cuda: true,
@@ -198,12 +202,11 @@ impl FlightRecorder {
             ..CaptureOptions::default()
         };
         let pids = targets.iter().map(|t| t.pid).collect();
-        let capture = Capture::start_with(targets, &options, loaded)
-            .map_err(|e| SessionError::Attach(e.to_string()))?;
+        let capture = Capture::start_with(targets, &options, loaded)?;
         let beside = crate::procfs::own_resident_bytes();
         retention
             .check_room(beside, probe.ring_bytes as usize)
-            .map_err(SessionError::NoRoom)?;
+            .map_err(FlightRecorderError::NoRoom)?;
         eprintln!(
             "ebtrace: flight recorder on: keeping the last {} of pid {} (at most {} records: \
              with a snapshot of them and ebtrace's own {} MiB, {} MiB; probes attached in {} ms)",
@@ -217,7 +220,6 @@ impl FlightRecorder {
         Ok(FlightRecorder {
             capture,
             pids,
-            spec,
             retention,
             forgotten: 0,
             reported: 0,
