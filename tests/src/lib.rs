@@ -14,6 +14,7 @@ pub mod http;
 pub mod killed;
 pub mod perfetto;
 pub mod pjrt;
+pub mod pyenv;
 pub mod python;
 pub mod serve;
 pub mod traceme;

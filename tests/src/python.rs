@@ -35,6 +35,8 @@ pub fn start_jax_with(python: &Path, args: &[&str]) -> PythonWorkload {
 pub struct PythonWorkload {
     child: Child,
     pub pid: u32,
+    /// What the script printed first.
+    pub start_line: serde_json::Value,
 }
 
 impl PythonWorkload {
@@ -46,8 +48,16 @@ impl PythonWorkload {
 
     /// Like [`Self::start`], with the script's arguments `args`.
     pub fn start_with(python: &Path, script: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let path = workspace_root().join("tests/fixtures/traceme").join(script);
+        Self::start_script(python, &path, args, env)
+    }
+
+    /// The script at `path`, with `args` and extra environment `env`;
+    /// waits for its start line (`{"pid": N, ...}`, kept in [`Self::start_line`]).
+    pub fn start_script(python: &Path, path: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let script = path.display();
         let mut child = Command::new(python)
-            .arg(workspace_root().join("tests/fixtures/traceme").join(script))
+            .arg(path)
             .args(args)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
@@ -64,6 +74,7 @@ impl PythonWorkload {
         PythonWorkload {
             pid: v["pid"].as_u64().expect("pid") as u32,
             child,
+            start_line: v,
         }
     }
 }

@@ -12,6 +12,7 @@
 #![no_std]
 
 pub mod cuda;
+pub mod python;
 pub mod stack;
 pub mod traceme;
 
@@ -401,6 +402,8 @@ mod pod {
     unsafe impl aya::Pod for TaskRename {}
     // SAFETY: `TraceMeRecord` is plain `#[repr(C)]` data without implicit padding.
     unsafe impl aya::Pod for TraceMeRecord {}
+    // SAFETY: `PythonProcess` is plain `#[repr(C)]` data without implicit padding.
+    unsafe impl aya::Pod for crate::python::PythonProcess {}
 }
 
 #[cfg(test)]
@@ -417,6 +420,8 @@ mod tests {
         assert_eq!(size_of::<ProcessFork>(), 32);
         assert_eq!(size_of::<TaskExit>(), 48);
         assert_eq!(size_of::<TaskRename>(), 40);
+        assert_eq!(size_of::<python::PythonProcess>(), 40);
+        assert_eq!(size_of::<python::PythonFrameRecord>(), 24);
         assert_eq!(traceme::TRACEME_PREFIX, 56);
         assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
         assert_eq!(

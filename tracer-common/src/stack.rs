@@ -11,7 +11,7 @@
 //! stack of a thread that waited long in a system call, taken as the call
 //! returned.
 
-use crate::RecordHeader;
+use crate::{RecordHeader, python::PythonStack};
 
 /// Bytes of the user stack copied, from the stack pointer up (perf's
 /// default for `--call-graph dwarf` is 8 KiB).
@@ -143,6 +143,9 @@ pub struct StackSampleRecord {
     /// With [`FLAG_OFF_CPU`]: the number of the system call the thread
     /// waited in (x86-64's).
     pub syscall: u32,
+    /// The Python frames the thread was running, where its process runs
+    /// CPython (see [`crate::python`]).
+    pub python: PythonStack,
 }
 
 /// What the program writes: the sample, then the top of the user stack.

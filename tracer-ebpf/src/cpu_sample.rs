@@ -2,7 +2,8 @@
 //! (attached by userspace at the sampling rate). A tick that lands in a
 //! thread of a recorded process writes its kernel and user stacks as the
 //! kernel walks them, and the user registers and the top of the user
-//! stack for userspace to unwind; every other tick costs one bitmap
+//! stack for userspace to unwind, and, in a Python process, the Python
+//! frames the thread runs (`python.rs`); every other tick costs one bitmap
 //! lookup.
 //!
 //! [`write_stack`] also writes the off-CPU stacks (see `off_cpu.rs`).
@@ -82,6 +83,9 @@ pub(crate) unsafe fn write_stack(ctx: *mut c_void, tid: u32, tgid: u32, what: &S
     // SAFETY: `record` is the reserved, exclusively owned ring-buffer
     // slot; each copy is bounded by its array's size.
     unsafe {
+        // First, while few paths lead here: the walk's loop is verified
+        // once per path into it.
+        crate::python::write_python_stack(&raw mut (*record).python, tgid);
         let user = bpf_get_stack(
             ctx,
             (*record).user.as_mut_ptr().cast(),

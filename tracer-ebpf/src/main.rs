@@ -10,6 +10,7 @@
 mod cpu_sample;
 mod cuda;
 mod off_cpu;
+mod python;
 mod sched;
 mod traceme;
 

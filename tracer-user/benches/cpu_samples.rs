@@ -131,6 +131,7 @@ fn samples(n: usize) -> Vec<StackSample> {
             kernel_unreadable: false,
             off_cpu_us: 0,
             syscall: 0,
+            python: Default::default(),
         })
         .collect()
 }

@@ -33,6 +33,9 @@ const TENSORFLOW_VERSION: &str = "2.21.0";
 /// Perfetto's Python package: its `perfetto_trace_pb2` is the independent
 /// schema the Perfetto output tests parse `perfetto_trace.pb` with.
 const PERFETTO_VERSION: &str = "0.59.1";
+/// py-spy, the independent reader of Python stacks the Python stack tests
+/// compare ebtrace's with (a Rust binary in a wheel, run as root).
+const PY_SPY_VERSION: &str = "0.4.1";
 
 /// Debian packages: (package, why).
 const APT_BASE: &[(&str, &str)] = &[
@@ -212,7 +215,8 @@ fn python_venv(root: &Path) -> Result<()> {
         "import {XPROF_PROBE_MODULE}, {JAX_PROBE_MODULE}, jax, jaxlib, importlib.metadata; \
          assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'; \
          assert importlib.metadata.version('{TENSORFLOW_PACKAGE}') == '{TENSORFLOW_VERSION}'; \
-         assert importlib.metadata.version('perfetto') == '{PERFETTO_VERSION}'"
+         assert importlib.metadata.version('perfetto') == '{PERFETTO_VERSION}'; \
+         assert importlib.metadata.version('py-spy') == '{PY_SPY_VERSION}'"
     );
     if succeeds(Command::new(&python).args(["-c", &import])) {
         say(format!(
@@ -232,6 +236,7 @@ fn python_venv(root: &Path) -> Result<()> {
         &format!("jaxlib=={JAX_VERSION}"),
         &format!("{TENSORFLOW_PACKAGE}=={TENSORFLOW_VERSION}"),
         &format!("perfetto=={PERFETTO_VERSION}"),
+        &format!("py-spy=={PY_SPY_VERSION}"),
     ]))?;
     if !succeeds(Command::new(&python).args(["-c", &import])) {
         bail!(

@@ -267,6 +267,19 @@ impl<'a> Btf<'a> {
     }
 }
 
+/// Where `task_struct` keeps a thread's thread pointer (x86-64's
+/// `thread.fsbase`), from the kernel's BTF: the stack programs read a
+/// Python thread's state through it. `None` where it cannot be told.
+pub fn task_fsbase_offset() -> Option<u32> {
+    let data = std::fs::read(Path::new(VMLINUX_BTF)).ok()?;
+    let btf = Btf::parse(&data).ok()?;
+    let task = btf.find(KIND_STRUCT, "task_struct")?;
+    match btf.member_offset(task, &["thread", "fsbase"], 8)? {
+        (offset, 8) => Some(offset),
+        _ => None,
+    }
+}
+
 impl TaskOffsets {
     /// Reads the kernel's BTF and checks that the scheduler tracepoints
     /// pass what the raw programs expect.
@@ -336,6 +349,12 @@ impl TaskOffsets {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn this_kernels_btf_places_the_thread_pointer() {
+        let offset = task_fsbase_offset().expect("task_struct.thread.fsbase in this kernel's BTF");
+        assert!(offset > 0 && offset.is_multiple_of(8), "{offset}");
+    }
 
     #[test]
     fn rejects_what_is_not_btf() {

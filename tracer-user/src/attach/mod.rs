@@ -15,6 +15,7 @@ pub mod libcuda;
 pub mod links;
 pub mod off_cpu;
 pub mod probe_set;
+pub mod python;
 pub mod sched;
 pub mod tracefs;
 pub mod traceme;
@@ -24,6 +25,7 @@ pub use cpu_sample::CpuSampler;
 pub use cuda::CudaProbe;
 pub use off_cpu::OffCpuStacks;
 pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
+pub use python::read_python_frames;
 pub use sched::SchedProbe;
 pub use traceme::{TraceMeOptions, TraceMeProbe, restore_children_of_session};
 

@@ -9,10 +9,11 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, Map, MapData, PerCpuArray},
 };
-use tracer_common::{names, stat};
+use tracer_common::{names, python::PythonProcess, stat};
 
 use super::{
     EBPF_OBJECT,
+    btf::task_fsbase_offset,
     links::{OwnedLink, release},
     sched::SchedRoute,
     uprobe_multi,
@@ -126,6 +127,11 @@ impl ProbeSet {
             .override_global(names::TASK_PID_OFFSET, &offsets[0], true)
             .override_global(names::TASK_EXIT_STATE_OFFSET, &offsets[1], true)
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
+            .override_global(
+                tracer_common::python::names::TASK_FSBASE_OFFSET,
+                &task_fsbase_offset().unwrap_or(0),
+                true,
+            )
             .map_max_entries(names::EVENTS, config.ring_bytes)
             .map_max_entries(names::TRACKED_TIDS, pid_max())
             .map_max_entries(
@@ -227,6 +233,7 @@ impl ProbeSet {
     pub fn remove_target(&mut self, tgid: u32) -> Result<()> {
         self.set_bit(names::DRIVER_CALL_TGIDS, tgid, false)?;
         self.set_bit(names::RECORDING_TGIDS, tgid, false)?;
+        self.set_python(tgid, None)?;
         self.set_target(tgid, None)
     }
 
@@ -251,6 +258,29 @@ impl ProbeSet {
         let word = bitmap.get(&index, 0).map_err(|e| map_err(name, e))?;
         let word = if on { word | bit } else { word & !bit };
         bitmap.set(index, word, 0).map_err(|e| map_err(name, e))
+    }
+
+    /// Has the stack programs read the Python frames of `tgid`'s threads
+    /// (`None`: no more).
+    pub fn set_python(&mut self, tgid: u32, walk: Option<PythonProcess>) -> Result<()> {
+        let name = tracer_common::python::names::PYTHON_PROCESSES;
+        let map = self.ebpf().map_mut(name).expect("map is in the object");
+        let mut map: HashMap<&mut MapData, u32, PythonProcess> =
+            HashMap::try_from(map).map_err(|e| map_err(name, e))?;
+        match walk {
+            Some(walk) => map.insert(tgid, walk, 0),
+            // A process that runs no Python has no entry to remove.
+            None => match map.remove(&tgid) {
+                Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+                {
+                    Ok(())
+                }
+                other => other,
+            },
+        }
+        .map_err(|e| map_err(name, e))
     }
 
     /// Marks existing threads as members of a traced process.

@@ -10,7 +10,7 @@ use std::{
 };
 
 use crate::{
-    attach::{CpuSampler, ProbeSet, ProbeSetConfig},
+    attach::{CpuSampler, ProbeSet, ProbeSetConfig, read_python_frames},
     clock::realtime_ns,
     collect::{Collector, Record, StackSample},
     error::Result,
@@ -54,6 +54,7 @@ pub fn take_cpu_profile(
     for t in targets {
         set.add_target(t.pid)?;
     }
+    read_python_frames(&mut set, targets)?;
     let mut collector = Collector::new(set.take_events());
     let start_unix_ns = realtime_ns() as i64;
     let started = Instant::now();

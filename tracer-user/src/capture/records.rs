@@ -250,6 +250,7 @@ mod tests {
             kernel_unreadable: false,
             off_cpu_us: 0,
             syscall: 0,
+            python: Default::default(),
         };
         let (few, many) = (sample_slots(&sample(1)), sample_slots(&sample(127)));
         assert!(few >= 2, "{few}");

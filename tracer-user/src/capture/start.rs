@@ -14,7 +14,7 @@ use crate::{
     agent::{AgentSession, AgentStart, KernelNaming, start_agent_sessions},
     attach::{
         CpuSampler, CudaProbe, OffCpuStacks, ProbeSet, ProbeSetConfig, SchedProbe, TraceMeOptions,
-        TraceMeProbe, cuda, tracefs, traceme::Discovered,
+        TraceMeProbe, cuda, read_python_frames, tracefs, traceme::Discovered,
     },
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, EncodedRecords},
@@ -182,7 +182,13 @@ impl Attached {
             _ => TraceMeProbe::discover(&uprobe_pids, &traceme_options),
         };
         let traceme = TraceMeProbe::attach(&mut probe, discovered, traceme_options)?;
-        attach_stack_probes(&mut probe, options.families, off_cpu_stacks, &mut notes)?;
+        attach_stack_probes(
+            &mut probe,
+            targets,
+            options.families,
+            off_cpu_stacks,
+            &mut notes,
+        )?;
         Ok(Attached {
             framework,
             uprobe_pids,
@@ -230,14 +236,19 @@ fn attach_scheduling(
     Ok(initial)
 }
 
-/// Attaches the CPU sampler and the off-CPU stacks, as `families` asks.
+/// Attaches the CPU sampler and the off-CPU stacks, as `families` asks,
+/// with the Python frames of the `targets` that run Python.
 fn attach_stack_probes(
     probe: &mut ProbeSet,
+    targets: &[TargetProcess],
     families: ProbeFamilies,
     off_cpu_stacks: bool,
     notes: &mut Vec<String>,
 ) -> Result<()> {
     let hz = families.cpu_sample_hz;
+    if hz > 0 || off_cpu_stacks {
+        notes.extend(read_python_frames(probe, targets)?);
+    }
     if hz > 0 {
         CpuSampler::attach(probe, u64::from(hz))?;
         notes.push(format!("CPU stacks: sampled {hz} times a second per CPU"));

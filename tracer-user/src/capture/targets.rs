@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use super::Capture;
 use crate::{
-    attach::{CudaProbe, ProbeSet, cuda},
+    attach::{CudaProbe, ProbeSet, cuda, read_python_frames},
     clock::monotonic_ns,
     error::Result,
     procfs::TargetProcess,
@@ -53,6 +53,9 @@ impl Capture {
                 notes.extend(messages.notes.into_iter().chain(messages.warnings));
                 let probed = self.cuda.iter().flat_map(|c| &c.targets);
                 notes.extend(probed.filter(|c| c.pid == pid).map(cuda::describe));
+            }
+            if self.stacks.is_some() {
+                notes.extend(read_python_frames(&mut self.probe, one)?);
             }
             self.probe.open_window(pid)?;
             self.initial.extend(initial);

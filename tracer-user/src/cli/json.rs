@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::{
     attach::{ProbeStats, cuda::Links, libcuda::Source},
     capture::Capture,
-    timeline::{StreamTiming, ThreadCounters, Timeline, TraceMeSource},
+    timeline::{PythonStacks, StreamTiming, ThreadCounters, Timeline, TraceMeSource},
 };
 
 /// What is known once the probes are attached: kept until the summary.
@@ -133,6 +133,9 @@ pub struct Summary {
     pub cpu_samples: Option<u64>,
     /// Off-CPU stacks over the threads' long waits (`--off-cpu-min`), if taken.
     pub off_cpu_stacks: Option<u64>,
+    /// Of those samples and stacks, the ones with Python frames, and the
+    /// Python frames that could not be read; if stacks were taken.
+    pub python_stacks: Option<PythonStacks>,
     /// The summary's informational lines.
     pub notes: Vec<String>,
     /// The summary's warnings, then those the library logged.
@@ -381,6 +384,7 @@ impl Summary {
             spans_cut_to_nest: sources.spans_cut_to_nest,
             cpu_samples: sources.cpu_samples,
             off_cpu_stacks: sources.off_cpu_stacks,
+            python_stacks: sources.python_stacks,
             notes,
             warnings,
         }

@@ -601,6 +601,7 @@ mod tests {
             kernel_unreadable: false,
             off_cpu_us: 0,
             syscall: 0,
+            python: Default::default(),
         }));
         assert!(!held.push(&sample));
         assert!(held.is_empty());

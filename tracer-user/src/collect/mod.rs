@@ -13,7 +13,13 @@ mod stop;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 
-pub use decode::{DecodeError, DriverCallCounted, Record, StackSample, TraceMeEvent, decode};
+use tracer_common::python::{PYTHON_TRUNCATED, PYTHON_UNREADABLE};
+
+use crate::symbols::python::frames::PythonFrames;
+
+pub use decode::{
+    DecodeError, DriverCallCounted, Record, SampledPython, StackSample, TraceMeEvent, decode,
+};
 pub use encoded::{EncodedRecords, RecordPlace, is_driver_record};
 pub use ring::{RingError, RingReader, RingUsage};
 pub use stop::{DrainStop, StopOnDrop};
@@ -32,6 +38,9 @@ struct Decoder {
     /// Unwinds the user stacks of stack samples, made at the first one.
     #[cfg(target_arch = "x86_64")]
     unwinder: Option<Box<crate::symbols::unwind::StackUnwinder>>,
+    /// Names the Python frames of stack samples and puts them in their
+    /// user stacks.
+    python: PythonFrames,
 }
 
 impl Collector {
@@ -125,12 +134,26 @@ impl Decoder {
                     let unwinder = self.unwinder.get_or_insert_default();
                     unwind_user_stack(unwinder, &mut sample, &stack);
                 }
+                name_python_frames(&mut self.python, &mut sample);
                 out.push(Record::StackSample(sample));
             }
             Ok(record) => out.push(record),
             Err(_) => self.malformed += 1,
         }
     }
+}
+
+/// Puts `sample`'s Python frames, named, in its user stack, in place of
+/// the eval-loop frames that ran them.
+fn name_python_frames(python: &mut PythonFrames, sample: &mut StackSample) {
+    let read = std::mem::take(&mut sample.python.read);
+    if read.is_empty() && sample.python.flags & (PYTHON_TRUNCATED | PYTHON_UNREADABLE) == 0 {
+        return;
+    }
+    let (user, mixed) = python.mix(sample.tgid, &sample.user, &read, sample.python.flags);
+    sample.user = user.into();
+    sample.python.named = mixed.named;
+    sample.python.unreadable = mixed.unreadable;
 }
 
 /// Replaces the kernel's frame-pointer walk of `sample`'s user stack with

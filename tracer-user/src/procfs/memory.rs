@@ -49,6 +49,28 @@ pub fn read_memory(pid: u32, address: u64, out: &mut [u8]) -> std::io::Result<()
     mem.read_exact_at(out, address)
 }
 
+/// A process's memory, open for reading at addresses (`/proc/PID/mem`,
+/// opened once: a reader of many small objects, such as Python's code
+/// objects, would otherwise open it for each).
+#[derive(Debug)]
+pub struct ProcessMemory {
+    file: fs::File,
+}
+
+impl ProcessMemory {
+    /// Opens `pid`'s memory for reading (the rights ptrace needs over `pid`).
+    pub fn open(pid: u32) -> std::io::Result<Self> {
+        let file = fs::File::open(process_dir(pid).join("mem"))?;
+        Ok(ProcessMemory { file })
+    }
+
+    /// Fills `out` from `address`; false if any of it cannot be read (not
+    /// mapped, or the process has exited).
+    pub fn read(&self, address: u64, out: &mut [u8]) -> bool {
+        self.file.read_exact_at(out, address).is_ok()
+    }
+}
+
 /// Writes `bytes` into `pid`'s memory at `address` in one write, returning
 /// how many it wrote (`/proc/PID/mem`, opened for writing only).
 pub fn write_memory(pid: u32, address: u64, bytes: &[u8]) -> std::io::Result<usize> {

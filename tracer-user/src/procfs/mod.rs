@@ -16,8 +16,8 @@ pub use files::{
     released_first_at_exit, root_dir,
 };
 pub use memory::{
-    mapping_at, maps_text, mem_available_bytes, memory_file, own_resident_bytes, read_memory,
-    resident_bytes, write_memory,
+    ProcessMemory, mapping_at, maps_text, mem_available_bytes, memory_file, own_resident_bytes,
+    read_memory, resident_bytes, write_memory,
 };
 pub use process::{
     ProcessCounters, TargetProcess, TaskStat, descendants_since, is_alive, is_listed, parse_stat,

@@ -245,7 +245,7 @@ impl Builder {
         let symbol = symbolizer.get(space, address);
         let module = match (space, &symbol.module) {
             (Space::Kernel, _) => Some(KERNEL_MODULE),
-            (Space::Process(_), m) => m.as_deref(),
+            (Space::Process(_) | Space::Python, m) => m.as_deref(),
         };
         let mapping_id = module.map_or(0, |m| self.mapping(m));
         let line = symbol
@@ -297,6 +297,7 @@ mod tests {
             kernel_unreadable: false,
             off_cpu_us: 0,
             syscall: 0,
+            python: Default::default(),
         }
     }
 

@@ -14,6 +14,7 @@
 
 pub mod elf;
 pub mod maps;
+pub mod python;
 pub mod stacks;
 mod symbolizer_thread;
 #[cfg(target_arch = "x86_64")]

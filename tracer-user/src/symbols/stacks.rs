@@ -20,6 +20,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 pub use super::symbolizer_thread::{Frame, Symbol};
 use super::{
     maps::{self, Mapping},
+    python::frames::{is_python_frame, python_symbol},
     symbolizer_thread::{Answer, Place, SymbolizerThread},
 };
 
@@ -40,6 +41,9 @@ pub enum Space {
     Kernel,
     /// A process's, by pid.
     Process(u32),
+    /// Python frames: not addresses but the tagged entries that name them
+    /// (see [`super::python::frames`]), the same in every process.
+    Python,
 }
 
 /// Resolves addresses, each once per address space, and keeps the
@@ -95,19 +99,23 @@ impl SampledStack<'_> {
             .iter()
             .enumerate()
             .map(|(depth, a)| (Space::Kernel, lookup_address(depth, *a)));
-        let user = self
-            .user
-            .iter()
-            .enumerate()
-            .map(|(depth, a)| (Space::Process(self.pid), lookup_address(depth, *a)));
+        let user = self.user.iter().enumerate().map(|(depth, a)| {
+            if is_python_frame(*a) {
+                (Space::Python, *a)
+            } else {
+                (Space::Process(self.pid), lookup_address(depth, *a))
+            }
+        });
         kernel.chain(user).collect()
     }
 }
 
-fn place_of(space: Space) -> Place {
+/// Where blazesym looks `space`'s addresses up (`None`: it does not).
+fn place_of(space: Space) -> Option<Place> {
     match space {
-        Space::Kernel => Place::Kernel,
-        Space::Process(pid) => Place::Process(pid),
+        Space::Kernel => Some(Place::Kernel),
+        Space::Process(pid) => Some(Place::Process(pid)),
+        Space::Python => None,
     }
 }
 
@@ -163,11 +171,15 @@ impl StackSymbolizer {
             .user
             .iter()
             .enumerate()
+            .filter(|(_, a)| !is_python_frame(**a))
             .map(|(depth, a)| lookup_address(depth, *a));
         self.ask_for(Space::Process(stack.pid), user);
     }
 
     fn ask_for(&mut self, space: Space, addresses: impl Iterator<Item = u64>) {
+        let Some(place) = place_of(space) else {
+            return;
+        };
         let mut unnamed = Vec::new();
         for address in addresses {
             if !self.cache.contains_key(&(space, address))
@@ -180,7 +192,7 @@ impl StackSymbolizer {
         if unnamed.is_empty() {
             return;
         }
-        if !self.thread.ask(place_of(space), unnamed.clone()) {
+        if !self.thread.ask(place, unnamed.clone()) {
             for a in unnamed {
                 self.asked.remove(&(space, a));
             }
@@ -251,7 +263,10 @@ impl StackSymbolizer {
         }
         if let Some(known) = self.code.get(&pid)
             && (known.read_at.elapsed() < known.reread_after
-                || stack.user.iter().all(|a| maps::in_code(&known.all, *a)))
+                || stack
+                    .user
+                    .iter()
+                    .all(|a| is_python_frame(*a) || maps::in_code(&known.all, *a)))
         {
             return;
         }
@@ -345,6 +360,9 @@ impl StackSymbolizer {
     /// address that cannot be resolved (the process exited, the object has
     /// no symbols) gets an empty [`Symbol`].
     pub fn resolve(&mut self, space: Space, addresses: impl IntoIterator<Item = u64>) {
+        let Some(place) = place_of(space) else {
+            return;
+        };
         for answer in self.thread.wait_for_all() {
             self.keep(answer);
         }
@@ -358,14 +376,14 @@ impl StackSymbolizer {
         if wanted.is_empty() {
             return;
         }
-        let (symbols, not_yet) = match self.look_up(place_of(space), wanted.clone()) {
+        let (symbols, not_yet) = match self.look_up(place, wanted.clone()) {
             Some((found, not_yet)) => (found, not_yet),
             // The process has exited: the files it had mapped when it was
             // sampled still name its code. (Only then: a live process in a
             // container sees other files at those paths.)
             None => match space {
                 Space::Process(pid) => (self.resolve_in_files(pid, &wanted), Vec::new()),
-                Space::Kernel => (vec![None; wanted.len()], Vec::new()),
+                Space::Kernel | Space::Python => (vec![None; wanted.len()], Vec::new()),
             },
         };
         for (address, symbol) in wanted.into_iter().zip(symbols) {
@@ -394,6 +412,9 @@ impl StackSymbolizer {
 
     /// What [`Self::resolve`] found at `address` of `space`.
     pub fn get(&self, space: Space, address: u64) -> Arc<Symbol> {
+        if space == Space::Python {
+            return python_symbol(address);
+        }
         self.cache
             .get(&(space, address))
             .cloned()

@@ -12,8 +12,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::{
-    CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, SchedTimelineBuilder,
-    SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
+    CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, PythonStacks,
+    SchedTimelineBuilder, SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
     cpu_samples::{add_cpu_samples, narrow_unknown},
     cuda::CudaTimeline,
     merge_device_activity, merge_framework_space, nest,
@@ -311,10 +311,20 @@ fn add_stacks(
     let laid = add_cpu_samples(timeline, samples, (window_start, stop_ns), symbolizer);
     timeline.stats.sources.cpu_samples = Some(laid.samples);
     timeline.stats.sources.off_cpu_stacks = Some(laid.off_cpu);
+    timeline.stats.sources.python_stacks = Some(PythonStacks {
+        stacks_with_python: laid.with_python,
+        unreadable_frames: laid.python_unreadable,
+    });
     if laid.samples > 0 || laid.off_cpu == 0 {
         timeline.stats.notes.push(format!(
             "{} CPU stack samples on the thread lines",
             laid.samples
+        ));
+    }
+    if laid.with_python > 0 {
+        timeline.stats.notes.push(format!(
+            "{} of the stacks with Python frames ({} Python frames could not be read)",
+            laid.with_python, laid.python_unreadable
         ));
     }
     if laid.off_cpu > 0 {

@@ -15,7 +15,10 @@ use rustc_hash::FxHashMap;
 use super::{Span, Stat, StateSlice, Stats, ThreadState, ThreadTrack, Timeline, Value};
 use crate::{
     collect::StackSample,
-    symbols::stacks::{Space, StackSymbolizer},
+    symbols::{
+        python::frames,
+        stacks::{Space, StackSymbolizer, Symbol},
+    },
 };
 
 /// Stat of a sample's instant: its stack, innermost frame first, one per
@@ -37,6 +40,10 @@ pub struct LaidStacks {
     pub samples: u64,
     /// Off-CPU stacks, as spans over the waits they explain.
     pub off_cpu: u64,
+    /// Of both, those with Python frames.
+    pub with_python: u64,
+    /// Python frames that could not be named, marked in the stacks.
+    pub python_unreadable: u64,
 }
 
 /// Lays the samples and off-CPU stacks of `[start_ns, stop_ns]` on their
@@ -93,6 +100,8 @@ pub fn add_cpu_samples(
     let mut laid = LaidStacks::default();
     let mut off_cpu_described: FxHashMap<(usize, u32), Described> = FxHashMap::default();
     for (s, stack) in samples.iter().zip(which) {
+        laid.with_python += u64::from(s.python.named > 0);
+        laid.python_unreadable += u64::from(s.python.unreadable);
         let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
         let ts = s.header.ts_ns;
         let (start_ns, end_ns, (name, stats)) = if s.is_off_cpu() {
@@ -154,19 +163,16 @@ type Described = (Arc<str>, Arc<[Stat]>);
 /// addresses.
 type StackKey<'a> = (u32, &'a [u64], &'a [u64]);
 
-/// A sample's name (the innermost function of its user stack, else of
-/// its kernel stack) and its stack's text: innermost frame first, one per
-/// line.
+/// A sample's name (see [`sample_name`]) and its stack's text: innermost
+/// frame first, one per line.
 fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> (String, String) {
     let mut lines = Vec::new();
-    let mut innermost_user = None;
-    let mut innermost = None;
+    let mut named = Vec::with_capacity(stack.len());
     for &(space, address) in stack {
         let symbol = symbolizer.get(space, address);
         let mark = if space == Space::Kernel { " [k]" } else { "" };
         if symbol.frames.is_empty() {
             lines.push(format!("{address:#x}{mark}"));
-            continue;
         }
         for (i, f) in symbol.frames.iter().enumerate() {
             let inlined = if i + 1 < symbol.frames.len() {
@@ -180,16 +186,33 @@ fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> (String, St
             };
             lines.push(format!("{}{place}{mark}{inlined}", f.function));
         }
-        let name = &symbol.frames[0].function;
-        innermost.get_or_insert_with(|| name.clone());
-        if space != Space::Kernel {
-            innermost_user.get_or_insert_with(|| name.clone());
+        named.push((space, symbol));
+    }
+    let name = sample_name(&named).unwrap_or_else(|| UNKNOWN_FRAME.to_string());
+    (name, lines.join("\n"))
+}
+
+/// What a sample is named after: its innermost Python frame where the
+/// thread ran the interpreter's own code, or the C runtime on its behalf
+/// (the frames inside it are the interpreter's work for that Python line),
+/// else the innermost function of its user stack (native code, called from
+/// Python or not), else of its kernel stack.
+fn sample_name(stack: &[(Space, Arc<Symbol>)]) -> Option<String> {
+    let first = |s: &Symbol| s.frames.first().map(|f| f.function.clone());
+    let mut user = stack.iter().filter(|(space, _)| *space != Space::Kernel);
+    let python = user.clone().position(|(space, _)| *space == Space::Python);
+    if let Some(at) = python {
+        let in_interpreter = user.clone().take(at).all(|(_, s)| {
+            s.module
+                .as_deref()
+                .is_some_and(|m| frames::is_interpreter_object(m) || frames::is_c_runtime_object(m))
+        });
+        if in_interpreter {
+            return user.nth(at).and_then(|(_, s)| first(s));
         }
     }
-    let name = innermost_user
-        .or(innermost)
-        .unwrap_or_else(|| UNKNOWN_FRAME.to_string());
-    (name, lines.join("\n"))
+    user.find_map(|(_, s)| first(s))
+        .or_else(|| stack.iter().find_map(|(_, s)| first(s)))
 }
 
 /// What [`narrow_unknown`] found in the threads' stack samples.
@@ -543,6 +566,7 @@ mod tests {
             kernel_unreadable: false,
             off_cpu_us: 0,
             syscall: 0,
+            python: Default::default(),
         };
         let samples = [
             sample(10, write),
@@ -621,6 +645,7 @@ mod tests {
             kernel_unreadable: false,
             off_cpu_us,
             syscall,
+            python: Default::default(),
         };
         let blocked = ThreadState::Blocked {
             state: super::super::TaskState::Sleeping,
@@ -664,7 +689,8 @@ mod tests {
             laid,
             LaidStacks {
                 samples: 0,
-                off_cpu: 2
+                off_cpu: 2,
+                ..LaidStacks::default()
             }
         );
 

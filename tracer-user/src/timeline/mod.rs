@@ -54,7 +54,7 @@ pub use order::RecordInput;
 use packed::{PackedMark, PackedState};
 pub use peers::{Peer, PeerId, PeerTable, peer_in};
 pub use sched::{InitialState, SchedTimelineBuilder};
-pub use sources::{SourceStats, TraceMeSource};
+pub use sources::{PythonStacks, SourceStats, TraceMeSource};
 pub use stats::{Stat, Stats};
 pub use texts::SharedTexts;
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};

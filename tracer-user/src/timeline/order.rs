@@ -308,6 +308,7 @@ mod tests {
             kernel_unreadable: false,
             off_cpu_us: 0,
             syscall: 0,
+            python: Default::default(),
         })
     }
 

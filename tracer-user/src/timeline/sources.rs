@@ -25,6 +25,19 @@ pub struct SourceStats {
     pub cpu_samples: Option<u64>,
     /// Off-CPU stacks laid over the waits they explain, when taken.
     pub off_cpu_stacks: Option<u64>,
+    /// Of the samples and off-CPU stacks, those with Python frames, and
+    /// the Python frames that could not be named; when stacks were taken.
+    pub python_stacks: Option<PythonStacks>,
+}
+
+/// Python frames in the stacks laid on the thread lines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PythonStacks {
+    /// Samples and off-CPU stacks with at least one Python frame.
+    pub stacks_with_python: u64,
+    /// Python frames that could not be read or named, marked in their
+    /// stacks (`[unreadable python frame]` and the like).
+    pub unreadable_frames: u64,
 }
 
 /// The TraceMe uprobe route's events and what became of them.

@@ -19,9 +19,9 @@ use tracer_common::{
 
 pub use as_written::{encode, held_record_len};
 pub use driver_call::{DriverCallCounted, driver_call_counted};
-pub use stack_sample::StackSample;
 #[cfg(target_arch = "x86_64")]
 pub use stack_sample::user_stack;
+pub use stack_sample::{SampledPython, StackSample};
 pub use traceme::TraceMeEvent;
 
 use driver_call::read_driver_call;

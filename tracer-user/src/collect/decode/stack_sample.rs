@@ -3,6 +3,7 @@
 
 use tracer_common::{
     RecordHeader, RecordKind,
+    python::{MAX_PYTHON_FRAMES, PythonFrameRecord},
     stack::{
         FLAG_KERNEL_UNREADABLE, FLAG_OFF_CPU, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
         StackSampleRecord, StackSampleWithCopy,
@@ -38,6 +39,22 @@ pub struct StackSample {
     /// With [`Self::off_cpu_us`]: the number of the system call the thread
     /// waited in.
     pub syscall: u32,
+    /// Its Python frames, in a process that runs CPython.
+    pub python: SampledPython,
+}
+
+/// The Python frames of a sample: as the program read them, until they
+/// are named into its user stack, then what came of them.
+#[derive(Clone, Debug, Default)]
+pub struct SampledPython {
+    /// The frames read, innermost first; emptied once named.
+    pub read: Box<[PythonFrameRecord]>,
+    /// The walk's flags (`tracer_common::python::PYTHON_*`).
+    pub flags: u32,
+    /// Python frames named in the user stack.
+    pub named: u32,
+    /// Python frames that could not be named, marked in the user stack.
+    pub unreadable: u32,
 }
 
 impl StackSample {
@@ -78,6 +95,11 @@ pub(super) fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSam
             0
         },
         syscall: r.syscall,
+        python: SampledPython {
+            read: r.python.frames[..(r.python.len as usize).min(MAX_PYTHON_FRAMES)].into(),
+            flags: r.python.flags,
+            ..SampledPython::default()
+        },
     })
 }
 

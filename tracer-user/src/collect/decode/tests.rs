@@ -3,6 +3,7 @@
 use tracer_common::{
     RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TraceMeRecord,
     cuda::{CudaCall, flags},
+    python::{FRAME_ENTRY, MAX_PYTHON_FRAMES, PYTHON_WALKED, PythonFrameRecord, PythonStack},
     stack::{
         FLAG_KERNEL_UNREADABLE, FLAG_OFF_CPU, MAX_FRAMES, STACK_COPY_BYTES, StackSampleRecord,
         StackSampleWithCopy,
@@ -310,6 +311,16 @@ fn decodes_a_stack_sample_and_keeps_only_filled_frames() {
             user_regs: [0x1000, 0x7ff0, 0x7ff8],
             stack_len: 16,
             syscall: 0,
+            python: PythonStack {
+                len: 1,
+                flags: PYTHON_WALKED,
+                frames: [PythonFrameRecord {
+                    code: 0x5000,
+                    instruction: 0x5100,
+                    first_line: 12,
+                    flags: FRAME_ENTRY,
+                }; MAX_PYTHON_FRAMES],
+            },
         },
         stack: [0xab; STACK_COPY_BYTES],
     });
@@ -318,6 +329,9 @@ fn decodes_a_stack_sample_and_keeps_only_filled_frames() {
     let Record::StackSample(s) = decode(&bytes).unwrap() else {
         panic!("wrong kind")
     };
+    assert_eq!(s.python.read.len(), 1, "only the frames the walk filled");
+    assert_eq!(s.python.read[0].code, 0x5000);
+    assert_eq!(s.python.flags, PYTHON_WALKED);
     assert_eq!((s.tid, s.tgid, s.header.ts_ns), (8, 7, 42));
     assert_eq!(&*s.user, &[0xdead, 0xbeef]);
     assert!(s.kernel.is_empty() && s.kernel_unreadable && !s.user_unreadable);

@@ -1,0 +1,120 @@
+//! The CPython interpreters of the machine image (pyenv's 3.10 to 3.13)
+//! and py-spy, the independent reader of Python stacks the tests compare
+//! ebtrace with. A missing interpreter fails the test that needs it, with
+//! what to install: the Python stacks are checked on every version.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use crate::workspace_root;
+
+/// The CPython minor versions ebtrace reads, each checked by the tests.
+pub const MINORS: [u8; 4] = [10, 11, 12, 13];
+
+/// Where pyenv keeps its interpreters: `pyenv root`, else `$PYENV_ROOT`,
+/// else `~/.pyenv`.
+pub fn pyenv_root() -> PathBuf {
+    let from_pyenv = Command::new("pyenv")
+        .arg("root")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    from_pyenv
+        .or_else(|| std::env::var_os("PYENV_ROOT").map(PathBuf::from))
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".pyenv")
+        })
+}
+
+/// CPython 3.`minor` under pyenv; panics, saying what to install, if it
+/// is not there.
+pub fn cpython(minor: u8) -> PathBuf {
+    let versions = pyenv_root().join("versions");
+    let prefix = format!("3.{minor}.");
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&versions)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    found.retain(|p| {
+        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+            n.starts_with(&prefix) && n[prefix.len()..].bytes().all(|b| b.is_ascii_digit())
+        })
+    });
+    found.sort();
+    let python = found
+        .last()
+        .map(|p| p.join(format!("bin/python3.{minor}")))
+        .filter(|p| p.exists());
+    python.unwrap_or_else(|| {
+        panic!(
+            "CPython 3.{minor} not found under {}: the Python stack tests run on every \
+             version ebtrace reads; install it with `pyenv install 3.{minor}`",
+            versions.display()
+        )
+    })
+}
+
+/// py-spy, installed into the venv by `cargo xtask setup`.
+pub fn py_spy() -> PathBuf {
+    let path = workspace_root().join(".venv/bin/py-spy");
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo xtask setup`",
+        path.display()
+    );
+    path
+}
+
+/// A Python fixture of `tests/fixtures/python`.
+pub fn python_fixture(script: &str) -> PathBuf {
+    workspace_root().join("tests/fixtures/python").join(script)
+}
+
+/// One Python frame as a stack's text shows it: `function file:line`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PyFrame {
+    pub function: String,
+    pub file: String,
+    pub line: u32,
+}
+
+/// The Python frames of a stack's text (one frame a line, innermost
+/// first), in order.
+pub fn python_frames(stack: &str) -> Vec<PyFrame> {
+    stack
+        .lines()
+        .filter_map(|l| {
+            let (function, place) = l.rsplit_once(' ')?;
+            let (file, line) = place.rsplit_once(':')?;
+            let line = line.parse().ok()?;
+            file.ends_with(".py").then(|| PyFrame {
+                function: function.to_string(),
+                file: file.to_string(),
+                line,
+            })
+        })
+        .collect()
+}
+
+/// The lines of each `def` of a script: from the `def` line to the line
+/// before the next top-level statement.
+pub fn function_lines(script: &Path) -> Vec<(String, std::ops::RangeInclusive<u32>)> {
+    let text = std::fs::read_to_string(script).expect("read the script");
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let Some(rest) = l.trim_start().strip_prefix("def ") else {
+            continue;
+        };
+        let indent = l.len() - l.trim_start().len();
+        let name = rest.split('(').next().unwrap_or_default().to_string();
+        let end = lines[i + 1..]
+            .iter()
+            .position(|n| !n.trim().is_empty() && n.len() - n.trim_start().len() <= indent)
+            .map_or(lines.len(), |p| i + 1 + p);
+        out.push((name, (i as u32 + 1)..=(end as u32)));
+    }
+    out
+}

@@ -1,0 +1,334 @@
+//! Python frames in the stacks ebtrace samples, on real CPython processes
+//! of every version it reads (pyenv's 3.10 to 3.13, each required): which
+//! function and line of the script, nested as the script nests them, and
+//! where the time went as py-spy (PyPI), reading the same process after,
+//! sees it.
+
+use std::{collections::HashMap, path::Path, time::Duration};
+
+use ebtrace_tests::{
+    TempDir,
+    pyenv::{self, PyFrame, function_lines, python_fixture, python_frames},
+    python::PythonWorkload,
+    record, require_root, serial, xplane_files,
+    xspace::{self, Event, line_events, plane},
+};
+
+/// What each sample of a thread shows: its name and its stack's text.
+fn thread_stacks(logdir: &TempDir, tid: u32, stat: &str) -> Vec<Event> {
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    line_events(host, i64::from(tid))
+        .into_iter()
+        .filter(|e| e.stats.contains_key(stat))
+        .collect()
+}
+
+/// Runs ebtrace on `pid` for `duration` with `args`; its JSON summary.
+fn record_json(pid: u32, duration: &str, logdir: &TempDir, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = record(&pid.to_string(), duration, logdir, &all);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"))
+}
+
+/// The share of `leaves` (innermost Python function of each sample) that
+/// is each function.
+fn shares(leaves: &[String]) -> HashMap<String, f64> {
+    let mut counts: HashMap<String, f64> = HashMap::new();
+    for l in leaves {
+        *counts.entry(l.clone()).or_default() += 1.0;
+    }
+    let n = leaves.len().max(1) as f64;
+    counts.values_mut().for_each(|c| *c /= n);
+    counts
+}
+
+/// What py-spy (`record --format raw`) sees of `pid` in `seconds` at 99 Hz:
+/// the innermost Python function of each of the main thread's samples.
+fn py_spy_leaves(pid: u32, seconds: u32, out: &Path) -> Vec<String> {
+    let status = std::process::Command::new(pyenv::py_spy())
+        .args(["record", "--pid", &pid.to_string(), "--rate", "99"])
+        .args([
+            "--duration",
+            &seconds.to_string(),
+            "--format",
+            "raw",
+            "--output",
+        ])
+        .arg(out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("run py-spy");
+    assert!(status.success(), "py-spy record failed: {status}");
+    let text = std::fs::read_to_string(out).expect("py-spy's output");
+    // Each line: `frame;frame;...;frame count`, outermost first, each frame
+    // `function (file:line)`.
+    let mut leaves = Vec::new();
+    for line in text.lines() {
+        let Some((stack, count)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Some(leaf) = stack.rsplit(';').next() else {
+            continue;
+        };
+        let function = leaf.split(" (").next().unwrap_or(leaf).to_string();
+        for _ in 0..count.parse::<usize>().unwrap_or(0) {
+            leaves.push(function.clone());
+        }
+    }
+    leaves
+}
+
+/// The nesting `nested_work.py` runs its work in, outermost last.
+const NESTING: [&str; 3] = ["outer_step", "main", "<module>"];
+
+/// Whether `frames` (innermost first) nest as the script does, each line
+/// inside its function.
+fn nests_as_the_script(frames: &[PyFrame], script: &Path) -> bool {
+    let lines = function_lines(script);
+    let in_function = |f: &PyFrame| {
+        f.function == "<module>"
+            || lines
+                .iter()
+                .any(|(name, range)| *name == f.function && range.contains(&f.line))
+    };
+    let names: Vec<&str> = frames.iter().map(|f| f.function.as_str()).collect();
+    let nested = match names.as_slice() {
+        [leaf, rest @ ..] if ["inner_hot", "cold_leaf"].contains(leaf) => rest == NESTING,
+        all => all == NESTING,
+    };
+    nested
+        && frames.iter().all(in_function)
+        && frames
+            .iter()
+            .all(|f| Path::new(&f.file).file_name() == script.file_name())
+}
+
+/// On CPython 3.`minor`: nearly every sample of the script's thread holds
+/// its functions nested as the script nests them, each at a line of its
+/// own function, named after the innermost; and the time each function
+/// takes agrees with py-spy's reading of the same process.
+fn samples_name_the_scripts_lines(minor: u8) {
+    let test = format!("python_3_{minor}_samples_name_the_scripts_lines");
+    if !require_root(&test) {
+        return;
+    }
+    let _serial = serial();
+    let script = python_fixture("nested_work.py");
+    let workload = PythonWorkload::start_script(&pyenv::cpython(minor), &script, &[], &[]);
+    let logdir = TempDir::new("python-stacks");
+    let summary = record_json(workload.pid, "3s", &logdir, &["--sample-hz", "99"]);
+    let notes = summary["notes"].to_string();
+    assert!(
+        notes.contains(&format!("Python 3.{minor}")),
+        "no line about the interpreter: {notes}"
+    );
+    let samples = thread_stacks(&logdir, workload.pid, "cpu_sample_stack");
+    assert!(
+        samples.len() >= 150,
+        "{} samples in 3 s at 99 Hz",
+        samples.len()
+    );
+    let mut leaves = Vec::new();
+    let mut well_nested = 0;
+    for s in &samples {
+        let stack = s.stats["cpu_sample_stack"].as_str();
+        let frames = python_frames(stack);
+        if nests_as_the_script(&frames, &script) {
+            well_nested += 1;
+            // In the interpreter's own code (or its C runtime), a sample is
+            // named after the innermost Python frame.
+            let named_after_python = s.name == frames[0].function;
+            let native_above = stack.lines().next().is_some_and(|l| !l.contains(".py:"));
+            assert!(named_after_python || native_above, "{}:\n{stack}", s.name);
+        }
+        leaves.extend(frames.first().map(|f| f.function.clone()));
+    }
+    let share = well_nested as f64 / samples.len() as f64;
+    assert!(
+        share >= 0.9,
+        "3.{minor}: {well_nested} of {} samples nest as the script does; one that does \
+         not:\n{}",
+        samples.len(),
+        samples
+            .iter()
+            .map(|s| s.stats["cpu_sample_stack"].as_str())
+            .find(|st| !nests_as_the_script(&python_frames(st), &script))
+            .unwrap_or_default()
+    );
+    let python = &summary["python_stacks"];
+    assert!(
+        python["stacks_with_python"].as_u64().unwrap() >= well_nested,
+        "{python}"
+    );
+    assert_eq!(python["unreadable_frames"], 0, "{python}");
+
+    let py_spy = py_spy_leaves(workload.pid, 3, &logdir.path().join("py-spy.txt"));
+    assert!(py_spy.len() >= 150, "py-spy took {} samples", py_spy.len());
+    let (ours, theirs) = (shares(&leaves), shares(&py_spy));
+    for function in ["inner_hot", "cold_leaf", "outer_step"] {
+        let (a, b) = (
+            ours.get(function).copied().unwrap_or(0.0),
+            theirs.get(function).copied().unwrap_or(0.0),
+        );
+        assert!(
+            (a - b).abs() <= 0.10,
+            "3.{minor}: {function} has {:.0}% of ebtrace's samples and {:.0}% of py-spy's \
+             (ebtrace {ours:?}, py-spy {theirs:?})",
+            a * 100.0,
+            b * 100.0
+        );
+    }
+}
+
+#[test]
+fn python_3_10_samples_name_the_scripts_lines() {
+    samples_name_the_scripts_lines(10);
+}
+
+#[test]
+fn python_3_11_samples_name_the_scripts_lines() {
+    samples_name_the_scripts_lines(11);
+}
+
+#[test]
+fn python_3_12_samples_name_the_scripts_lines() {
+    samples_name_the_scripts_lines(12);
+}
+
+#[test]
+fn python_3_13_samples_name_the_scripts_lines() {
+    samples_name_the_scripts_lines(13);
+}
+
+/// Each thread gets its own Python stack: the spinning one in its samples,
+/// and, over their waits, the sleeping one (`time.sleep`) and the one
+/// blocked in a native read, each in the function that waits. On 3.10
+/// (no `native_thread_id`, threads told apart by their thread pointers
+/// only) and 3.13 (`_Py_DebugOffsets`).
+#[test]
+fn each_thread_has_its_own_python_stack_on_and_off_the_cpu() {
+    if !require_root("each_thread_has_its_own_python_stack_on_and_off_the_cpu") {
+        return;
+    }
+    let _serial = serial();
+    for minor in [10, 13] {
+        let script = python_fixture("threads_work.py");
+        let workload = PythonWorkload::start_script(&pyenv::cpython(minor), &script, &[], &[]);
+        let tid = |name: &str| workload.start_line[name].as_u64().expect("tid") as u32;
+        let logdir = TempDir::new("python-threads");
+        record_json(
+            workload.pid,
+            "2s",
+            &logdir,
+            &["--sample-hz", "99", "--off-cpu-min", "20ms"],
+        );
+        let spinner = thread_stacks(&logdir, tid("spinner"), "cpu_sample_stack");
+        assert!(
+            spinner.len() >= 50,
+            "3.{minor}: {} spinner samples",
+            spinner.len()
+        );
+        for s in &spinner {
+            let frames = python_frames(s.stats["cpu_sample_stack"].as_str());
+            assert_eq!(
+                frames.first().map(|f| f.function.as_str()),
+                Some("spin_in_python"),
+                "3.{minor}: {:?}",
+                s.stats["cpu_sample_stack"]
+            );
+        }
+        // 3.10's time.sleep waits in select, later ones in clock_nanosleep.
+        for (thread, function, calls) in [
+            (
+                "sleeper",
+                "sleep_in_python",
+                &["clock_nanosleep", "select"][..],
+            ),
+            ("reader", "blocked_in_read", &["read"][..]),
+        ] {
+            let waits = thread_stacks(&logdir, tid(thread), "off_cpu_stack");
+            let named = waits.iter().find(|w| {
+                let frames = python_frames(w.stats["off_cpu_stack"].as_str());
+                frames.first().map(|f| f.function.as_str()) == Some(function)
+            });
+            let Some(wait) = named else {
+                panic!(
+                    "3.{minor}: no wait of the {thread} thread in {function}: {:?}",
+                    waits
+                        .iter()
+                        .map(|w| &w.stats["off_cpu_stack"])
+                        .collect::<Vec<_>>()
+                );
+            };
+            assert!(
+                calls.iter().any(|c| wait.name.contains(c)),
+                "3.{minor}: {}",
+                wait.name
+            );
+            assert!(wait.duration_ns > 0.0);
+        }
+        drop(workload);
+    }
+}
+
+/// A process that corrupts its own frame chain (a link to a fake frame
+/// whose code is unmapped and whose own link loops back to itself): the
+/// capture ends on time, its frames are marked and counted unreadable,
+/// nothing is named after the junk, and the honest thread beside it, and
+/// the corrupt thread's own frame, are still named.
+#[test]
+fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
+    if !require_root("a_corrupt_frame_chain_is_marked_and_counted_not_followed") {
+        return;
+    }
+    let _serial = serial();
+    let script = python_fixture("hostile_frames.py");
+    let workload = PythonWorkload::start_script(&pyenv::cpython(11), &script, &[], &[]);
+    let tid = |name: &str| workload.start_line[name].as_u64().expect("tid") as u32;
+    let logdir = TempDir::new("python-hostile");
+    let began = std::time::Instant::now();
+    let summary = record_json(workload.pid, "2s", &logdir, &["--sample-hz", "99"]);
+    assert!(
+        began.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        began.elapsed()
+    );
+    let python = &summary["python_stacks"];
+    assert!(
+        python["unreadable_frames"].as_u64().unwrap() > 0,
+        "{python}"
+    );
+    let liar = thread_stacks(&logdir, tid("liar"), "cpu_sample_stack");
+    let honest = thread_stacks(&logdir, tid("honest"), "cpu_sample_stack");
+    assert!(
+        liar.len() >= 30 && honest.len() >= 30,
+        "{} and {}",
+        liar.len(),
+        honest.len()
+    );
+    for s in &liar {
+        let stack = s.stats["cpu_sample_stack"].as_str();
+        assert_eq!(s.name, "spin_on_a_lie", "{stack}");
+        assert!(stack.contains("[unreadable python frame]"), "{stack}");
+        let marked = stack.lines().filter(|l| l.starts_with('[')).count();
+        assert!(marked <= 2, "a loop shows once, not per turn: {stack}");
+    }
+    for s in &honest {
+        let frames = python_frames(s.stats["cpu_sample_stack"].as_str());
+        let names: Vec<&str> = frames.iter().map(|f| f.function.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "spin_honestly",
+                "Thread.run",
+                "Thread._bootstrap_inner",
+                "Thread._bootstrap"
+            ]
+        );
+    }
+}

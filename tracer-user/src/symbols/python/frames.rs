@@ -1,0 +1,412 @@
+//! Python frames in a sampled user stack: each frame the stack program
+//! read is named (function, file, line) from its code object, in the
+//! process's memory while it runs, and the named frames take the place of
+//! the native eval-loop frame that ran them, so that C and C++ frames of
+//! extensions stay between them in order.
+//!
+//! A named frame stands in the user stack as a tagged value, not an
+//! address ([`is_python_frame`]); [`python_symbol`] names it. Names are
+//! kept once per process of ebtrace, however many captures share them.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rustc_hash::FxHashMap;
+use tracer_common::python::{
+    FRAME_ENTRY, FRAME_SHIM, PYTHON_TRUNCATED, PYTHON_UNREADABLE, PythonFrameRecord,
+};
+
+use super::{
+    code::{Code, CodeError},
+    runtime::{PythonError, PythonRuntime},
+};
+use crate::{
+    procfs::ProcessMemory,
+    symbols::stacks::{Frame, Symbol, lookup_address},
+};
+
+/// The high bits of a user stack entry that is a Python frame: no user
+/// address has them (x86-64 user space ends at 2^47).
+const TAG: u64 = 0xe000_0000_0000_0000;
+const TAG_MASK: u64 = 0xffff_0000_0000_0000;
+
+/// The module Python frames are reported in (pprof's mapping).
+pub const PYTHON_MODULE: &str = "[python]";
+
+/// Most distinct Python frames named (function, file and line): past it,
+/// new ones read [`Marker::TooMany`].
+const MAX_NAMES: usize = 1 << 20;
+/// Most code objects remembered per process; past it they are read again.
+const MAX_CODES: usize = 1 << 16;
+
+/// Frames that could not be named, marked where they stood.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Marker {
+    /// Its frame or code object could not be read.
+    Unreadable = 0,
+    /// Its code object was freed and its memory reused since the sample.
+    Changed = 1,
+    /// Its code object did not read as one.
+    Malformed = 2,
+    /// The chain went on past the frames the program reads.
+    Truncated = 3,
+    /// More distinct frames than are kept.
+    TooMany = 4,
+}
+
+impl Marker {
+    const ALL: [Marker; 5] = [
+        Marker::Unreadable,
+        Marker::Changed,
+        Marker::Malformed,
+        Marker::Truncated,
+        Marker::TooMany,
+    ];
+
+    fn text(self) -> &'static str {
+        match self {
+            Marker::Unreadable => "[unreadable python frame]",
+            Marker::Changed => "[python frame: code object reused]",
+            Marker::Malformed => "[python frame: not a code object]",
+            Marker::Truncated => "[more python frames]",
+            Marker::TooMany => "[python frame: too many distinct frames]",
+        }
+    }
+}
+
+/// The names of Python frames, by the number their tagged entries carry.
+struct Names {
+    symbols: Vec<Arc<Symbol>>,
+    ids: FxHashMap<Frame, u64>,
+}
+
+fn names() -> &'static Mutex<Names> {
+    static NAMES: OnceLock<Mutex<Names>> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let symbols = Marker::ALL
+            .iter()
+            .map(|m| {
+                Arc::new(Symbol {
+                    frames: vec![Frame {
+                        function: m.text().to_string(),
+                        file: None,
+                        line: None,
+                    }],
+                    module: Some(PYTHON_MODULE.to_string()),
+                })
+            })
+            .collect();
+        Mutex::new(Names {
+            symbols,
+            ids: FxHashMap::default(),
+        })
+    })
+}
+
+/// The tagged entry of `frame`, named once.
+fn entry_of(frame: Frame) -> u64 {
+    let mut names = names().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(id) = names.ids.get(&frame) {
+        return TAG | id;
+    }
+    if names.symbols.len() >= MAX_NAMES {
+        return marker_entry(Marker::TooMany);
+    }
+    let id = names.symbols.len() as u64;
+    names.symbols.push(Arc::new(Symbol {
+        frames: vec![frame.clone()],
+        module: Some(PYTHON_MODULE.to_string()),
+    }));
+    names.ids.insert(frame, id);
+    TAG | id
+}
+
+fn marker_entry(marker: Marker) -> u64 {
+    TAG | marker as u64
+}
+
+/// Whether a user stack entry is a Python frame, not an address.
+pub fn is_python_frame(entry: u64) -> bool {
+    entry & TAG_MASK == TAG
+}
+
+/// Whether a Python frame entry is a [`Marker`]: a frame that could not be named.
+pub fn is_marker(entry: u64) -> bool {
+    is_python_frame(entry) && entry & !TAG_MASK < Marker::ALL.len() as u64
+}
+
+/// The name of a Python frame entry (empty for anything else).
+pub fn python_symbol(entry: u64) -> Arc<Symbol> {
+    if !is_python_frame(entry) {
+        return Arc::default();
+    }
+    let names = names().lock().unwrap_or_else(|e| e.into_inner());
+    names
+        .symbols
+        .get((entry & !TAG_MASK) as usize)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Whether an object (by path) holds the interpreter itself: its frames
+/// are the interpreter's own work for the Python frame they run under.
+pub fn is_interpreter_object(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name.starts_with("libpython3.")
+        || name == "python"
+        || name == "python3"
+        || name
+            .strip_prefix("python3.")
+            .is_some_and(|minor| minor.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Whether an object (by path) is the C runtime the interpreter calls into
+/// for its own work (allocation, copies, thread-local state): its frames
+/// between the interpreter's and a Python frame are that frame's work too.
+pub fn is_c_runtime_object(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    ["libc.so", "libm.so", "ld-linux", "libpthread.so"]
+        .iter()
+        .any(|p| name.starts_with(p))
+}
+
+/// `user` (native addresses, innermost first) with each frame `in_eval`
+/// replaced by the next group of `python` (entries, innermost first, each
+/// group ending at an entry frame); groups left over go at the outer end.
+fn interleave(user: &[u64], python: &[(u64, bool)], in_eval: impl Fn(u64) -> bool) -> Vec<u64> {
+    let mut groups = python.split_inclusive(|(_, entry)| *entry);
+    let mut out = Vec::with_capacity(user.len() + python.len());
+    for (depth, &address) in user.iter().enumerate() {
+        let group = if in_eval(lookup_address(depth, address)) {
+            groups.next()
+        } else {
+            None
+        };
+        match group {
+            Some(frames) => out.extend(frames.iter().map(|(e, _)| *e)),
+            None => out.push(address),
+        }
+    }
+    out.extend(groups.flatten().map(|(e, _)| *e));
+    out
+}
+
+/// A process whose Python frames are named.
+struct NamedProcess {
+    runtime: PythonRuntime,
+    memory: ProcessMemory,
+    codes: FxHashMap<(u64, u32), Result<Arc<Code>, CodeError>>,
+}
+
+/// What [`PythonFrames::mix`] made of one stack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mixed {
+    /// Python frames named.
+    pub named: u32,
+    /// Frames marked instead (see [`Marker`]).
+    pub unreadable: u32,
+}
+
+/// Names Python frames and puts them in their stacks.
+#[derive(Default)]
+pub struct PythonFrames {
+    /// Each process seen, and its interpreter if one was found.
+    processes: FxHashMap<u32, Option<NamedProcess>>,
+}
+
+impl PythonFrames {
+    /// `user` (native addresses, innermost first) with each eval-loop
+    /// frame replaced by the Python frames it ran: those of `python` up to
+    /// the next entry frame. Python frames left over (a native stack cut
+    /// short) go at its outer end.
+    pub fn mix(
+        &mut self,
+        pid: u32,
+        user: &[u64],
+        python: &[PythonFrameRecord],
+        flags: u32,
+    ) -> (Vec<u64>, Mixed) {
+        let mut mixed = Mixed::default();
+        let Some(process) = self.process(pid) else {
+            return (user.to_vec(), mixed);
+        };
+        let mut named: Vec<(u64, bool)> = Vec::with_capacity(python.len() + 1);
+        for f in python {
+            if f.flags & FRAME_SHIM != 0 {
+                // It ends the C call of the frame before it.
+                if let Some((_, entry)) = named.last_mut() {
+                    *entry = true;
+                }
+                continue;
+            }
+            let entry = process.entry(f);
+            if is_marker(entry) {
+                mixed.unreadable += 1;
+                // A run of them (a chain that loops through junk) shows once.
+                if let Some(last) = named.last_mut().filter(|(e, _)| *e == entry) {
+                    last.1 |= f.flags & FRAME_ENTRY != 0;
+                    continue;
+                }
+            } else {
+                mixed.named += 1;
+            }
+            named.push((entry, f.flags & FRAME_ENTRY != 0));
+        }
+        let end = if flags & PYTHON_TRUNCATED != 0 {
+            Some(Marker::Truncated)
+        } else if flags & PYTHON_UNREADABLE != 0 {
+            Some(Marker::Unreadable)
+        } else {
+            None
+        };
+        if let Some(marker) = end {
+            mixed.unreadable += 1;
+            named.push((marker_entry(marker), true));
+        }
+        let runtime = &process.runtime;
+        let out = interleave(user, &named, |address| runtime.in_eval(address));
+        (out, mixed)
+    }
+
+    /// The process `pid`, its interpreter found the first time it is asked
+    /// for (`None`: it has none ebtrace reads).
+    fn process(&mut self, pid: u32) -> Option<&mut NamedProcess> {
+        self.processes
+            .entry(pid)
+            .or_insert_with(|| {
+                let runtime = PythonRuntime::find(pid).ok()??;
+                let memory = ProcessMemory::open(pid).ok()?;
+                Some(NamedProcess {
+                    runtime,
+                    memory,
+                    codes: FxHashMap::default(),
+                })
+            })
+            .as_mut()
+    }
+
+    /// Forgets process `pid`, which exited.
+    pub fn forget_process(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+    }
+
+    /// Takes `runtime`, found already, for its process.
+    pub fn add_runtime(&mut self, runtime: PythonRuntime) -> Result<(), PythonError> {
+        let memory = ProcessMemory::open(runtime.pid)?;
+        self.processes.insert(
+            runtime.pid,
+            Some(NamedProcess {
+                runtime,
+                memory,
+                codes: FxHashMap::default(),
+            }),
+        );
+        Ok(())
+    }
+}
+
+impl NamedProcess {
+    /// The tagged entry naming `frame`.
+    fn entry(&mut self, frame: &PythonFrameRecord) -> u64 {
+        let code = match self.code(frame) {
+            Ok(code) => code,
+            Err(CodeError::Unreadable) => return marker_entry(Marker::Unreadable),
+            Err(CodeError::Changed) => return marker_entry(Marker::Changed),
+            Err(CodeError::Malformed(_)) => return marker_entry(Marker::Malformed),
+        };
+        let line = code.line_at(&self.runtime.layout, frame.code, frame.instruction);
+        entry_of(Frame {
+            function: code.name.clone(),
+            file: Some(code.file.clone()),
+            line: line.or(Some(code.first_line)),
+        })
+    }
+
+    /// The code object of `frame`, read once while it lives.
+    fn code(&mut self, frame: &PythonFrameRecord) -> Result<Arc<Code>, CodeError> {
+        let key = (frame.code, frame.first_line);
+        if let Some(known) = self.codes.get(&key) {
+            return known.clone();
+        }
+        if self.codes.len() >= MAX_CODES {
+            self.codes.clear();
+        }
+        let read = Code::read(
+            &self.memory,
+            &self.runtime.layout,
+            &self.runtime.types,
+            frame.code,
+            frame.first_line,
+        )
+        .map(Arc::new);
+        // An object not read now may be read at the next sample.
+        if !matches!(read, Err(CodeError::Unreadable)) {
+            self.codes.insert(key, read.clone());
+        }
+        read
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tagged_entries_are_no_user_address_and_name_their_frame() {
+        let frame = Frame {
+            function: "inner_hot".into(),
+            file: Some("work.py".into()),
+            line: Some(5),
+        };
+        let entry = entry_of(frame.clone());
+        assert!(is_python_frame(entry) && !is_marker(entry));
+        assert_eq!(entry_of(frame.clone()), entry);
+        assert_eq!(python_symbol(entry).frames, vec![frame]);
+        assert!(!is_python_frame(0x7fff_ffff_f000));
+        assert!(is_marker(marker_entry(Marker::Changed)));
+        assert!(python_symbol(0x1234).frames.is_empty());
+    }
+
+    /// Each eval-loop frame gives way to the Python frames its call ran,
+    /// native frames stay between them, and what the native stack lacks
+    /// room for goes at its outer end.
+    #[test]
+    fn python_frames_take_the_place_of_the_eval_frames_that_ran_them() {
+        let eval = |a: u64| (0x100..0x200).contains(&a);
+        // innermost: native leaf, eval, extension, eval, main.
+        let user = [0x900, 0x150, 0x700, 0x160, 0x800];
+        let (a, b, c, d) = (TAG | 10, TAG | 11, TAG | 12, TAG | 13);
+        let python = [(a, false), (b, true), (c, true), (d, true)];
+        assert_eq!(
+            interleave(&user, &python, eval),
+            [0x900, a, b, 0x700, c, 0x800, d],
+        );
+        assert_eq!(interleave(&user, &[], eval), user);
+        // A native stack with no eval frame (not unwound): all at the end.
+        assert_eq!(interleave(&[0x900], &python, eval), [0x900, a, b, c, d]);
+        // A return address one past the end of the eval loop is in it.
+        assert_eq!(interleave(&[0x900, 0x200], &[(a, true)], eval), [0x900, a]);
+    }
+
+    #[test]
+    fn interpreter_objects_are_told_by_name() {
+        for yes in [
+            "/usr/lib/libpython3.11.so.1.0",
+            "/opt/py/bin/python3.13",
+            "python3",
+        ] {
+            assert!(is_interpreter_object(yes), "{yes}");
+        }
+        for no in [
+            "/x/libtorch_cpu.so",
+            "/x/python3.11-config",
+            "pythonista.so",
+        ] {
+            assert!(!is_interpreter_object(no), "{no}");
+        }
+        assert!(is_c_runtime_object(
+            "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
+        ));
+        assert!(is_c_runtime_object("/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(!is_c_runtime_object("/x/libcublas.so.12"));
+    }
+}
