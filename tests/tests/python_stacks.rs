@@ -7,10 +7,12 @@
 use std::{collections::HashMap, path::Path, time::Duration};
 
 use ebtrace_tests::{
-    TempDir,
+    TempDir, debian_tool, http,
     pyenv::{self, PyFrame, function_lines, python_fixture, python_frames},
     python::PythonWorkload,
-    record, require_root, serial, xplane_files,
+    record, require_root, serial,
+    serve::ServeProcess,
+    xplane_files,
     xspace::{self, Event, line_events, plane},
 };
 
@@ -331,4 +333,69 @@ fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
             ]
         );
     }
+}
+
+/// `/debug/pprof/profile` of a CPython process: its locations name the
+/// script's functions with their files and lines, and Go's own `go tool
+/// pprof -top` puts the hot Python function on top.
+#[test]
+fn pprof_profiles_name_python_functions_and_go_tool_pprof_lists_them() {
+    if !require_root("pprof_profiles_name_python_functions_and_go_tool_pprof_lists_them") {
+        return;
+    }
+    let _serial = serial();
+    let script = python_fixture("nested_work.py");
+    let workload = PythonWorkload::start_script(&pyenv::cpython(12), &script, &[], &[]);
+    let server =
+        ServeProcess::loopback(&["--pid", &workload.pid.to_string(), "--http", "127.0.0.1:0"]);
+    let response = http::get(server.http_addr(), "/debug/pprof/profile?seconds=2&hz=99");
+    assert_eq!(response.status, 200, "{}", response.text());
+    let profile = response.pprof();
+    let s = |i: i64| profile.string_table[i as usize].as_str();
+    let lines = function_lines(&script);
+    let inner_hot = &lines
+        .iter()
+        .find(|(name, _)| name == "inner_hot")
+        .unwrap()
+        .1;
+    let named = profile.location.iter().any(|loc| {
+        loc.line.iter().any(|l| {
+            let f = &profile.function[l.function_id as usize - 1];
+            s(f.name) == "inner_hot"
+                && s(f.filename).ends_with("nested_work.py")
+                && inner_hot.contains(&(l.line as u32))
+        })
+    });
+    assert!(
+        named,
+        "no location of inner_hot at one of its lines {inner_hot:?}"
+    );
+
+    let Some(go) = debian_tool("go") else {
+        return;
+    };
+    let dir = TempDir::new("python-pprof");
+    let file = dir.path().join("profile.pb.gz");
+    std::fs::write(&file, &response.body).unwrap();
+    let out = std::process::Command::new(go)
+        .args(["tool", "pprof", "-top", "-symbolize=none"])
+        .arg(&file)
+        .env("HOME", dir.path())
+        .output()
+        .expect("run go tool pprof");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let first_row = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("flat"))
+        .nth(1)
+        .unwrap_or_default();
+    assert!(
+        first_row.trim_end().ends_with(" inner_hot"),
+        "go tool pprof -top:\n{text}"
+    );
 }

@@ -119,6 +119,8 @@ pub struct ProbeFamilies {
     /// this long, taken as the call returns and laid over the wait on its
     /// line (zero: none).
     pub off_cpu_min: Duration,
+    /// Whether the stacks of CPython targets get their Python frames.
+    pub python_frames: bool,
 }
 
 impl Default for ProbeFamilies {
@@ -129,6 +131,7 @@ impl Default for ProbeFamilies {
             traceme_level: 2,
             cpu_sample_hz: 0,
             off_cpu_min: Duration::ZERO,
+            python_frames: true,
         }
     }
 }
@@ -141,11 +144,15 @@ impl ProbeFamilies {
         traceme_level: 0,
         cpu_sample_hz: 0,
         off_cpu_min: Duration::ZERO,
+        python_frames: false,
     };
 
     /// Whether no family is on.
     pub fn is_empty(&self) -> bool {
-        *self == Self::NONE
+        ProbeFamilies {
+            python_frames: false,
+            ..*self
+        } == Self::NONE
     }
 }
 

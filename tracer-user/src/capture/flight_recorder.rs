@@ -187,6 +187,7 @@ impl FlightRecorder {
             // Off-CPU stacks slow every system call on the machine down
             // while taken: not for an always-on recorder.
             off_cpu_min: Duration::ZERO,
+            python_frames: true,
         };
         let options = CaptureOptions {
             probe: probe.clone(),

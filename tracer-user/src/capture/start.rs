@@ -246,7 +246,7 @@ fn attach_stack_probes(
     notes: &mut Vec<String>,
 ) -> Result<()> {
     let hz = families.cpu_sample_hz;
-    if hz > 0 || off_cpu_stacks {
+    if (hz > 0 || off_cpu_stacks) && families.python_frames {
         notes.extend(read_python_frames(probe, targets)?);
     }
     if hz > 0 {

@@ -54,7 +54,7 @@ impl Capture {
                 let probed = self.cuda.iter().flat_map(|c| &c.targets);
                 notes.extend(probed.filter(|c| c.pid == pid).map(cuda::describe));
             }
-            if self.stacks.is_some() {
+            if self.stacks.is_some() && self.families.python_frames {
                 notes.extend(read_python_frames(&mut self.probe, one)?);
             }
             self.probe.open_window(pid)?;

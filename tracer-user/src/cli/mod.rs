@@ -130,6 +130,12 @@ pub struct RecordArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub off_cpu_min: Option<Duration>,
 
+    /// Native frames only in the stacks of CPython targets. By default a
+    /// CPython target's stacks (3.10 to 3.13) show the Python functions,
+    /// files and lines each thread ran, where the interpreter ran them.
+    #[arg(long)]
+    pub no_python_frames: bool,
+
     /// TraceMe events of jaxlib / TensorFlow / libtpu targets, at this
     /// level (ProfileOptions' host_tracer_level): 0 none, 1 critical,
     /// 2 info, 3 verbose. A target with no profiler session of its own is

@@ -107,6 +107,7 @@ fn capture_options(args: &RecordArgs) -> CaptureOptions {
             traceme_level: args.host_tracer_level,
             cpu_sample_hz: args.sample_hz,
             off_cpu_min: args.off_cpu_min.unwrap_or_default(),
+            python_frames: !args.no_python_frames,
             ..ProbeFamilies::default()
         },
         traceme: TraceMeOptions {

@@ -85,6 +85,7 @@ pub fn families_for(levels: TracerLevels, off_cpu_min: Duration) -> ProbeFamilie
         } else {
             Duration::ZERO
         },
+        python_frames: true,
     }
 }
 
