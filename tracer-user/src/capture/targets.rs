@@ -81,6 +81,7 @@ impl Capture {
         if let Some(cuda) = &mut self.cuda {
             cuda.release_target(pid);
         }
+        self.collector.forget_process(pid);
         self.probe.remove_target(pid)
     }
 

@@ -58,6 +58,12 @@ impl Collector {
         self.decoder.malformed
     }
 
+    /// Forgets what it knows of process `pid`'s interpreter (it exited: a
+    /// process that reuses its pid has its own).
+    pub fn forget_process(&mut self, pid: u32) {
+        self.decoder.python.forget_process(pid);
+    }
+
     /// Starts the count of [`Self::malformed`] over.
     pub fn clear_malformed(&mut self) {
         self.decoder.malformed = 0;

@@ -8,7 +8,10 @@
 //! address ([`is_python_frame`]); [`python_symbol`] names it. Names are
 //! kept once per process of ebtrace, however many captures share them.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::{
+    sync::{Arc, Mutex, OnceLock},
+    time::{Duration, Instant},
+};
 
 use rustc_hash::FxHashMap;
 use tracer_common::python::{
@@ -17,7 +20,7 @@ use tracer_common::python::{
 
 use super::{
     code::{Code, CodeError},
-    runtime::{PythonError, PythonRuntime},
+    runtime::PythonRuntime,
 };
 use crate::{
     procfs::ProcessMemory,
@@ -37,6 +40,9 @@ pub const PYTHON_MODULE: &str = "[python]";
 const MAX_NAMES: usize = 1 << 20;
 /// Most code objects remembered per process; past it they are read again.
 const MAX_CODES: usize = 1 << 16;
+/// How soon a process whose interpreter was not found is looked at again
+/// (its samples may have outlived it, and a new process reuse its pid).
+const FIND_AGAIN_AFTER: Duration = Duration::from_secs(1);
 
 /// Frames that could not be named, marked where they stood.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,8 +215,8 @@ pub struct Mixed {
 /// Names Python frames and puts them in their stacks.
 #[derive(Default)]
 pub struct PythonFrames {
-    /// Each process seen, and its interpreter if one was found.
-    processes: FxHashMap<u32, Option<NamedProcess>>,
+    /// Each process seen: its interpreter, or when none was found.
+    processes: FxHashMap<u32, Result<NamedProcess, Instant>>,
 }
 
 impl PythonFrames {
@@ -270,37 +276,27 @@ impl PythonFrames {
     /// The process `pid`, its interpreter found the first time it is asked
     /// for (`None`: it has none ebtrace reads).
     fn process(&mut self, pid: u32) -> Option<&mut NamedProcess> {
-        self.processes
-            .entry(pid)
-            .or_insert_with(|| {
-                let runtime = PythonRuntime::find(pid).ok()??;
-                let memory = ProcessMemory::open(pid).ok()?;
-                Some(NamedProcess {
-                    runtime,
-                    memory,
-                    codes: FxHashMap::default(),
+        let known = self.processes.get(&pid);
+        if known.is_none_or(|p| matches!(p, Err(at) if at.elapsed() >= FIND_AGAIN_AFTER)) {
+            let found = PythonRuntime::find(pid)
+                .ok()
+                .flatten()
+                .and_then(|runtime| {
+                    Some(NamedProcess {
+                        memory: ProcessMemory::open(pid).ok()?,
+                        runtime,
+                        codes: FxHashMap::default(),
+                    })
                 })
-            })
-            .as_mut()
+                .ok_or_else(Instant::now);
+            self.processes.insert(pid, found);
+        }
+        self.processes.get_mut(&pid)?.as_mut().ok()
     }
 
     /// Forgets process `pid`, which exited.
     pub fn forget_process(&mut self, pid: u32) {
         self.processes.remove(&pid);
-    }
-
-    /// Takes `runtime`, found already, for its process.
-    pub fn add_runtime(&mut self, runtime: PythonRuntime) -> Result<(), PythonError> {
-        let memory = ProcessMemory::open(runtime.pid)?;
-        self.processes.insert(
-            runtime.pid,
-            Some(NamedProcess {
-                runtime,
-                memory,
-                codes: FxHashMap::default(),
-            }),
-        );
-        Ok(())
     }
 }
 
