@@ -341,6 +341,38 @@ fn driver_calls_and_gpu_streams_match_the_workloads_log() {
     check_calls(&t);
     check_devices(&t, true);
 
+    // Each call that submits work carries the stack it was made from: the
+    // driver's entry point, then the workload's function that called it.
+    let host = plane(&t.space, "/host:CPU");
+    let submitting = |name: &str| {
+        ["cuLaunch", "cuMemcpy", "cuMemset"]
+            .iter()
+            .any(|p| name.starts_with(p))
+    };
+    let calls = cuda_spans(host, tid(&t.report, "launcher-0"));
+    let submissions: Vec<&Event> = calls.iter().filter(|e| submitting(&e.name)).collect();
+    assert!(
+        submissions.len() as u64 >= ITERS,
+        "{} submissions",
+        submissions.len()
+    );
+    for call in submissions {
+        let stack = str_stat(call, "launch_stack")
+            .unwrap_or_else(|| panic!("{} has no launch_stack: {:?}", call.name, call.stats));
+        assert!(stack.starts_with(&call.name), "{}: {stack}", call.name);
+        assert!(
+            stack.lines().any(|l| l.starts_with("launcher0 ")),
+            "{}: {stack}",
+            call.name
+        );
+    }
+    assert!(
+        calls
+            .iter()
+            .filter(|e| !submitting(&e.name))
+            .all(|e| !e.stats.contains_key("launch_stack"))
+    );
+
     // The failed launch reached no GPU.
     let host = plane(&t.space, "/host:CPU");
     let failed: Vec<Event> = cuda_spans(host, tid(&t.report, "launcher-0"))

@@ -399,3 +399,108 @@ fn pprof_profiles_name_python_functions_and_go_tool_pprof_lists_them() {
         "go tool pprof -top:\n{text}"
     );
 }
+
+/// A CUDA launch made from Python (through ctypes, on the stand-in
+/// driver): each launch's span carries the stack it was made from, with
+/// the Python function that launched it and its caller, in order, below
+/// the driver's entry point and the native frames of ctypes.
+#[test]
+fn a_launch_from_python_carries_the_python_line_that_made_it() {
+    if !require_root("a_launch_from_python_carries_the_python_line_that_made_it") {
+        return;
+    }
+    let _serial = serial();
+    let (lib_dir, _) = ebtrace_tests::cuda::build();
+    let script = python_fixture("cuda_launcher.py");
+    let library_path = lib_dir.display().to_string();
+    let env = [("LD_LIBRARY_PATH", library_path.as_str())];
+    let workload = PythonWorkload::start_script(&pyenv::cpython(12), &script, &[], &env);
+    let logdir = TempDir::new("python-launches");
+    let summary = record_json(workload.pid, "2s", &logdir, &[]);
+    let notes = summary["notes"].to_string();
+    assert!(notes.contains("launch stacks"), "{notes}");
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    let launches: Vec<Event> = line_events(host, i64::from(workload.pid))
+        .into_iter()
+        .filter(|e| e.name == "cuLaunchKernel")
+        .collect();
+    assert!(launches.len() >= 40, "{} launches in 2 s", launches.len());
+    let lines = function_lines(&script);
+    let launch_line = &lines
+        .iter()
+        .find(|(n, _)| n == "launch_from_python")
+        .unwrap()
+        .1;
+    for launch in &launches {
+        let stack = launch.stats["launch_stack"].as_str();
+        assert!(stack.starts_with("cuLaunchKernel"), "{stack}");
+        let frames = python_frames(stack);
+        let names: Vec<&str> = frames.iter().map(|f| f.function.as_str()).collect();
+        assert_eq!(
+            names,
+            ["launch_from_python", "step", "main", "<module>"],
+            "{stack}"
+        );
+        assert!(launch_line.contains(&frames[0].line), "{stack}");
+        let first_python = stack.lines().position(|l| l.contains(".py:")).unwrap();
+        assert!(
+            stack
+                .lines()
+                .take(first_python)
+                .any(|l| l.starts_with("ffi_call")),
+            "ctypes' native frames stand between the driver and Python: {stack}"
+        );
+    }
+}
+
+/// `/debug/pprof/profile` of a process that launches from Python: beside
+/// CPU time, a `launches` value counts the launches made from each stack,
+/// and the stack holds the launching Python function.
+#[test]
+fn pprof_counts_launches_by_the_stack_they_were_made_from() {
+    if !require_root("pprof_counts_launches_by_the_stack_they_were_made_from") {
+        return;
+    }
+    let _serial = serial();
+    let (lib_dir, _) = ebtrace_tests::cuda::build();
+    let script = python_fixture("cuda_launcher.py");
+    let library_path = lib_dir.display().to_string();
+    let env = [("LD_LIBRARY_PATH", library_path.as_str())];
+    let workload = PythonWorkload::start_script(&pyenv::cpython(13), &script, &[], &env);
+    let server =
+        ServeProcess::loopback(&["--pid", &workload.pid.to_string(), "--http", "127.0.0.1:0"]);
+    let response = http::get(server.http_addr(), "/debug/pprof/profile?seconds=2&hz=99");
+    assert_eq!(response.status, 200, "{}", response.text());
+    let profile = response.pprof();
+    let s = |i: i64| profile.string_table[i as usize].as_str();
+    let types: Vec<&str> = profile.sample_type.iter().map(|t| s(t.r#type)).collect();
+    assert_eq!(types, ["samples", "cpu", "launches"]);
+    let function_names = |sample: &ebtrace_proto::perftools::profiles::Sample| -> Vec<String> {
+        sample
+            .location_id
+            .iter()
+            .flat_map(|id| &profile.location[*id as usize - 1].line)
+            .map(|l| s(profile.function[l.function_id as usize - 1].name).to_string())
+            .collect()
+    };
+    let launches: i64 = profile
+        .sample
+        .iter()
+        .filter(|sample| sample.value[2] > 0)
+        .inspect(|sample| {
+            let names = function_names(sample);
+            assert_eq!(
+                names.first().map(String::as_str),
+                Some("cuLaunchKernel"),
+                "{names:?}"
+            );
+            assert!(names.iter().any(|n| n == "launch_from_python"), "{names:?}");
+        })
+        .map(|sample| sample.value[2])
+        .sum();
+    assert!(
+        (40..=110).contains(&launches),
+        "{launches} launches in 2 s, one every 20 ms"
+    );
+}

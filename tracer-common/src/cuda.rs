@@ -90,6 +90,9 @@ pub mod cookie {
     pub const EXTRA_SHIFT: u32 = 25;
     /// Shift of the count of register arguments.
     pub const ARGS_SHIFT: u32 = 29;
+    /// Set when the function submits work to a GPU (a launch, a copy, a
+    /// memset): its calls carry the stack they were made from.
+    pub const SUBMITS: u64 = 1 << 32;
 
     /// The cookie of a function probed at its entry and return: its index
     /// `function`, the register arguments and extra words its record
@@ -152,6 +155,11 @@ pub mod cookie {
     /// Whether the function is probed at its entry only.
     pub const fn entry_only(cookie: u64) -> bool {
         cookie & ENTRY_ONLY != 0
+    }
+
+    /// Whether the function submits work to a GPU.
+    pub const fn submits(cookie: u64) -> bool {
+        cookie & SUBMITS != 0
     }
 
     /// Index of the out-pointer argument, if any.

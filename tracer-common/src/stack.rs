@@ -48,6 +48,9 @@ pub mod names {
     /// is taken as its system call returns (0: none, and waits are not
     /// noted).
     pub const OFF_CPU_MIN_US: &str = "OFF_CPU_MIN_US";
+    /// Global set before load: 1 to take the stack of each driver call
+    /// that submits work ([`super::FLAG_LAUNCH`]), 0 not to.
+    pub const LAUNCH_STACKS: &str = "LAUNCH_STACKS";
 }
 
 /// [`StackSampleRecord::flags`]: the user stack could not be read (the
@@ -60,6 +63,12 @@ pub const FLAG_KERNEL_UNREADABLE: u32 = 2;
 /// returned: where it waited ([`StackSampleRecord::off_cpu_us`] says how
 /// long, [`StackSampleRecord::syscall`] in which call).
 pub const FLAG_OFF_CPU: u32 = 4;
+
+/// [`StackSampleRecord::flags`]: not a tick of the sampling clock but the
+/// stack of a CUDA driver call that submits work (a launch, a copy, a
+/// memset), taken at its entry: where it was made from. Its header's time
+/// is the call's start, the `start_ns` of its `CudaCall`.
+pub const FLAG_LAUNCH: u32 = 8;
 
 /// How long after its switch-in a thread's system call may return for its
 /// wait to count as the call's: the return from a wait takes

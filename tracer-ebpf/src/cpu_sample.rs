@@ -47,6 +47,7 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
         flags: 0,
         off_cpu_us: 0,
         syscall: 0,
+        at_ns: 0,
     };
     // SAFETY: a perf_event context is what `bpf_get_stack` takes.
     unsafe { write_stack(ctx.as_ptr(), tid, tgid, &what) };
@@ -62,6 +63,8 @@ pub(crate) struct StackOf {
     pub flags: u32,
     pub off_cpu_us: u32,
     pub syscall: u32,
+    /// The record's time, if not now (a driver call's start).
+    pub at_ns: u64,
 }
 
 /// Writes one stack record of the current thread: its kernel and user
@@ -98,6 +101,9 @@ pub(crate) unsafe fn write_stack(ctx: *mut c_void, tid: u32, tgid: u32, what: &S
             0
         };
         (*record).header = header(RecordKind::StackSample, size_of::<StackSampleWithCopy>());
+        if what.at_ns != 0 {
+            (*record).header.ts_ns = what.at_ns;
+        }
         (*record).tid = tid;
         (*record).tgid = tgid;
         (*record).user_frames = frames(user);

@@ -14,6 +14,11 @@
 //! calls itself, so one slot per thread and function is enough even when
 //! the driver calls one exported function from another.
 //!
+//! A call that submits work (a launch, a copy, a memset) also writes the
+//! stack it was made from at its entry, as a stack sample marked
+//! `FLAG_LAUNCH` whose time is the call's start, where `LAUNCH_STACKS` is
+//! set.
+//!
 //! A slot outlives its call: the return marks it free (`start_ns` 0) and
 //! the thread's next call of the function writes it again in place. A
 //! lookup the verifier inlines costs a fraction of the insert and delete
@@ -40,9 +45,14 @@ use tracer_common::{
         PACKED_LAUNCH_WORDS, PendingCall, REGISTER_ARGS, STACK_WORDS, cookie, extra_words, flags,
         layout, pack_launch, stat,
     },
+    stack::FLAG_LAUNCH,
 };
 
-use crate::{EVENTS, bump, count_submit, current, header, is_target, records_driver_calls};
+use crate::{
+    EVENTS, bump, count_submit,
+    cpu_sample::{StackOf, write_stack},
+    current, header, is_target, records_driver_calls,
+};
 
 #[map]
 static CUDA_PENDING: LruHashMap<u64, PendingCall> =
@@ -50,6 +60,17 @@ static CUDA_PENDING: LruHashMap<u64, PendingCall> =
 
 #[map]
 static CUDA_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
+
+/// See `tracer_common::stack::names::LAUNCH_STACKS`.
+#[unsafe(no_mangle)]
+static LAUNCH_STACKS: u32 = 0;
+
+/// Whether the calls that submit work carry their stacks.
+#[inline(always)]
+fn launch_stacks() -> bool {
+    // SAFETY: a global read-only after load.
+    unsafe { core::ptr::read_volatile(&LAUNCH_STACKS) != 0 }
+}
 
 #[inline(always)]
 fn cuda_bump(index: u32) {
@@ -102,6 +123,18 @@ fn enter(ctx: &ProbeContext, extra: impl FnOnce(&[u64; 6], u64) -> [u64; 8]) -> 
         extra: extra(&args, regs.rsp),
         args,
     };
+    if cookie::submits(cookie) && launch_stacks() {
+        let what = StackOf {
+            regs: Some([regs.rip, regs.rsp, regs.rbp]),
+            kernel: false,
+            flags: FLAG_LAUNCH,
+            off_cpu_us: 0,
+            syscall: 0,
+            at_ns: start_ns,
+        };
+        // SAFETY: a uprobe's context is what `bpf_get_stack` takes.
+        unsafe { write_stack(ctx.as_ptr(), tid, tgid, &what) };
+    }
     if cookie::entry_only(cookie) {
         submit_call(tid, tgid, cookie, &pending, 0, 0, flags::ENTRY_ONLY);
         return 0;

@@ -119,6 +119,7 @@ pub fn off_cpu_stack(ctx: RawTracePointContext) -> i32 {
         flags: FLAG_OFF_CPU,
         off_cpu_us: resumed_off_us(noted),
         syscall: regs.orig_rax as u32,
+        at_ns: 0,
     };
     // SAFETY: a raw tracepoint's context is what `bpf_get_stack` takes.
     unsafe { write_stack(ctx.as_ptr(), tid, tgid, &what) };

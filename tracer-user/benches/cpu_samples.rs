@@ -132,6 +132,7 @@ fn samples(n: usize) -> Vec<StackSample> {
             off_cpu_us: 0,
             syscall: 0,
             python: Default::default(),
+            launch: false,
         })
         .collect()
 }

@@ -11,6 +11,7 @@ mod cuda_links;
 mod gpu_activity;
 mod harness;
 pub mod jax;
+mod python_stacks;
 mod recorder;
 
 pub use recorder::Target as RecorderTarget;
@@ -75,6 +76,11 @@ pub enum Suite {
     /// scopes as fast as it can: events per second kept, none missing,
     /// time after the window and ebtrace's memory.
     TracemeFlood,
+    /// What sampling a CPython process's stacks at 99 Hz costs it: ebtrace
+    /// with and without Python frames against py-spy, and the kernel's
+    /// statistics of ebtrace's stack program. Measures the ebtrace already
+    /// built (`target/release/ebtrace`).
+    PythonStacks,
 }
 
 /// What ebtrace reported about one capture.
@@ -172,6 +178,10 @@ pub fn run_bench(
         bail!("--rounds and --seconds must be positive");
     }
     setup::run_setup(root, setup::Options { bench: true })?;
+    if opts.suite == Suite::PythonStacks {
+        let md = python_stacks::run(root, opts)?;
+        return write_report(root, "python-stacks.md", &md);
+    }
     let ebtrace = util::build_release(root)?;
     if opts.suite == Suite::Recorder {
         let md = recorder::run(

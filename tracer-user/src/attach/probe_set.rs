@@ -33,6 +33,9 @@ pub struct ProbeSetConfig {
     /// Whether off-CPU stacks may be taken: their per-thread array then
     /// has a slot for every tid (8 bytes each), else one.
     pub off_cpu_stacks: bool,
+    /// Whether each driver call that submits work carries the stack it was
+    /// made from (a stack sample at its entry: a few microseconds a call).
+    pub launch_stacks: bool,
 }
 
 impl Default for ProbeSetConfig {
@@ -41,6 +44,7 @@ impl Default for ProbeSetConfig {
             ring_bytes: 16 * 1024 * 1024,
             exit_has_group_dead: true,
             off_cpu_stacks: false,
+            launch_stacks: false,
         }
     }
 }
@@ -127,6 +131,11 @@ impl ProbeSet {
             .override_global(names::TASK_PID_OFFSET, &offsets[0], true)
             .override_global(names::TASK_EXIT_STATE_OFFSET, &offsets[1], true)
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
+            .override_global(
+                tracer_common::stack::names::LAUNCH_STACKS,
+                &u32::from(config.launch_stacks),
+                true,
+            )
             .override_global(
                 tracer_common::python::names::TASK_FSBASE_OFFSET,
                 &task_fsbase_offset().unwrap_or(0),

@@ -10,9 +10,10 @@ use std::{
 };
 
 use crate::{
-    attach::{CpuSampler, ProbeSet, ProbeSetConfig, read_python_frames},
+    attach::{CpuSampler, CudaProbe, ProbeSet, ProbeSetConfig, read_python_frames},
     clock::realtime_ns,
     collect::{Collector, Record, StackSample},
+    cuda_api::DriverCalls,
     error::Result,
     procfs::TargetProcess,
     sink::pprof::{self, SamplingInfo},
@@ -49,12 +50,22 @@ pub fn take_cpu_profile(
     super::check_privileges()?;
     let mut set = ProbeSet::load(&ProbeSetConfig {
         ring_bytes: RING_BYTES,
+        launch_stacks: true,
         ..ProbeSetConfig::default()
     })?;
     for t in targets {
         set.add_target(t.pid)?;
     }
     read_python_frames(&mut set, targets)?;
+    // The driver calls that submit work, for their stacks: the profile's
+    // launches. A process without the driver, or one it cannot be probed
+    // in, still gets its CPU profile.
+    let cuda = CudaProbe::attach(&mut set, targets, DriverCalls::Every)
+        .ok()
+        .and_then(|(cuda, _)| cuda);
+    for t in targets {
+        set.open_window(t.pid)?;
+    }
     let mut collector = Collector::new(set.take_events());
     let start_unix_ns = realtime_ns() as i64;
     let started = Instant::now();
@@ -76,6 +87,7 @@ pub fn take_cpu_profile(
     }
     let sampled_for = started.elapsed();
     let dropped = set.stats().map(|s| s.dropped()).unwrap_or(0);
+    drop(cuda);
     set.detach();
     let before = samples.len();
     keep_samples(&mut collector, &mut batch, &mut samples);

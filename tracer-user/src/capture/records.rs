@@ -251,6 +251,7 @@ mod tests {
             off_cpu_us: 0,
             syscall: 0,
             python: Default::default(),
+            launch: false,
         };
         let (few, many) = (sample_slots(&sample(1)), sample_slots(&sample(127)));
         assert!(few >= 2, "{few}");

@@ -64,6 +64,7 @@ impl Capture {
             StreamedScheduling::new(start_ns, processes, initial.clone())
         });
         let sampled = options.families.cpu_sample_hz > 0;
+        let launch_stacks = probe.config().launch_stacks;
         Ok(Capture {
             framework,
             recordings: Vec::new(),
@@ -96,7 +97,7 @@ impl Capture {
             cuda,
             options: options.clone(),
             uprobe_pids,
-            stacks: (sampled || off_cpu_stacks).then(StackSymbolizer::default),
+            stacks: (sampled || off_cpu_stacks || launch_stacks).then(StackSymbolizer::default),
             notes,
             warnings,
         })
@@ -158,6 +159,7 @@ impl Attached {
         let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
             off_cpu_stacks,
+            launch_stacks: options.probe.launch_stacks && options.families.cuda,
             ..options.probe.clone()
         };
         let mut probe = match loaded {
@@ -182,13 +184,11 @@ impl Attached {
             _ => TraceMeProbe::discover(&uprobe_pids, &traceme_options),
         };
         let traceme = TraceMeProbe::attach(&mut probe, discovered, traceme_options)?;
-        attach_stack_probes(
-            &mut probe,
-            targets,
-            options.families,
-            off_cpu_stacks,
-            &mut notes,
-        )?;
+        let stacks = Stacks {
+            off_cpu: off_cpu_stacks,
+            launches: config.launch_stacks && cuda.is_some(),
+        };
+        attach_stack_probes(&mut probe, targets, options.families, stacks, &mut notes)?;
         Ok(Attached {
             framework,
             uprobe_pids,
@@ -236,18 +236,35 @@ fn attach_scheduling(
     Ok(initial)
 }
 
+/// Which stacks other than the CPU samples a capture takes.
+#[derive(Clone, Copy)]
+struct Stacks {
+    /// Of long waits.
+    off_cpu: bool,
+    /// Of driver calls that submit work.
+    launches: bool,
+}
+
 /// Attaches the CPU sampler and the off-CPU stacks, as `families` asks,
 /// with the Python frames of the `targets` that run Python.
 fn attach_stack_probes(
     probe: &mut ProbeSet,
     targets: &[TargetProcess],
     families: ProbeFamilies,
-    off_cpu_stacks: bool,
+    stacks: Stacks,
     notes: &mut Vec<String>,
 ) -> Result<()> {
     let hz = families.cpu_sample_hz;
-    if (hz > 0 || off_cpu_stacks) && families.python_frames {
+    let off_cpu_stacks = stacks.off_cpu;
+    if (hz > 0 || off_cpu_stacks || stacks.launches) && families.python_frames {
         notes.extend(read_python_frames(probe, targets)?);
+    }
+    if stacks.launches {
+        notes.push(
+            "launch stacks: each CUDA driver call that submits work carries the stack it was \
+             made from (--no-launch-stacks: none)"
+                .into(),
+        );
     }
     if hz > 0 {
         CpuSampler::attach(probe, u64::from(hz))?;

@@ -136,6 +136,13 @@ pub struct RecordArgs {
     #[arg(long)]
     pub no_python_frames: bool,
 
+    /// CUDA driver calls without the stacks they were made from. By
+    /// default each call that submits work (a launch, a copy, a memset)
+    /// carries its stack, native and Python, in its `launch_stack` stat:
+    /// which line launched a kernel. It costs a few microseconds a call.
+    #[arg(long)]
+    pub no_launch_stacks: bool,
+
     /// TraceMe events of jaxlib / TensorFlow / libtpu targets, at this
     /// level (ProfileOptions' host_tracer_level): 0 none, 1 critical,
     /// 2 info, 3 verbose. A target with no profiler session of its own is

@@ -101,6 +101,7 @@ fn capture_options(args: &RecordArgs) -> CaptureOptions {
     CaptureOptions {
         probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
+            launch_stacks: !args.no_launch_stacks,
             ..ProbeSetConfig::default()
         },
         families: ProbeFamilies {

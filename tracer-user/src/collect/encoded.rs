@@ -602,6 +602,7 @@ mod tests {
             off_cpu_us: 0,
             syscall: 0,
             python: Default::default(),
+            launch: false,
         }));
         assert!(!held.push(&sample));
         assert!(held.is_empty());

@@ -256,11 +256,29 @@ impl DriverFunction {
     pub fn cookie(&self, id: u16) -> u64 {
         let extra = self.shape().extra_words();
         let args = self.register_args();
-        if self.entry_only() {
+        let cookie = if self.entry_only() {
             cookie::encode_entry_only(id, args, extra)
         } else {
             cookie::encode(id, args, extra, self.out_arg(), self.name_arg())
+        };
+        if self.submits_work() {
+            cookie | cookie::SUBMITS
+        } else {
+            cookie
         }
+    }
+
+    /// Whether its calls submit work to a GPU: launches, copies, memsets.
+    pub fn submits_work(&self) -> bool {
+        matches!(
+            self.op,
+            Op::Launch
+                | Op::LaunchEx
+                | Op::GraphLaunch
+                | Op::Memcpy { .. }
+                | Op::MemcpyStruct { .. }
+                | Op::Memset { .. }
+        )
     }
 }
 

@@ -3,7 +3,9 @@
 //!
 //! Samples of the same thread with the same stack are counted together.
 //! Each sample carries two values, as Go's own CPU profiles do: the number
-//! of samples and the CPU time they stand for (one sampling period each).
+//! of samples and the CPU time they stand for (one sampling period each);
+//! where CUDA driver calls were probed with their stacks, a third: the
+//! launches (calls that submit work) made from that stack.
 //! Stacks are kernel frames then user frames, innermost first; functions,
 //! inlined calls and lines are resolved here, so readers need no binary.
 
@@ -63,13 +65,21 @@ pub fn build(
     symbolizer: &mut StackSymbolizer,
 ) -> Profile {
     let period = 1_000_000_000 / info.hz.max(1) as i64;
-    let mut counts: HashMap<ThreadStack, i64> = HashMap::new();
-    // A CPU profile counts time on a CPU: off-CPU stacks are not in it.
+    // (CPU samples, launches) per stack. A CPU profile counts time on a
+    // CPU: off-CPU stacks are not in it; the stacks of driver calls that
+    // submit work count as launches.
+    let mut counts: HashMap<ThreadStack, (i64, i64)> = HashMap::new();
     for s in samples.iter().filter(|s| !s.is_off_cpu()) {
-        *counts
+        let count = counts
             .entry((s.tgid, s.tid, s.stack().frames()))
-            .or_default() += 1;
+            .or_default();
+        if s.launch {
+            count.1 += 1;
+        } else {
+            count.0 += 1;
+        }
     }
+    let with_launches = counts.values().any(|(_, launches)| *launches > 0);
     symbolizer.resolve_stacks(counts.keys().map(|(_, _, stack)| stack.as_slice()));
 
     let mut b = Builder::default();
@@ -81,11 +91,15 @@ pub fn build(
         r#type: b.string("cpu"),
         unit: b.string("nanoseconds"),
     };
+    let launches_type = ValueType {
+        r#type: b.string("launches"),
+        unit: b.string("count"),
+    };
     let mut out_samples = Vec::with_capacity(counts.len());
     let mut keys: Vec<_> = counts.into_iter().collect();
     // A stable order: the same samples give the same bytes.
     keys.sort_unstable();
-    for ((tgid, tid, stack), n) in keys {
+    for ((tgid, tid, stack), (n, launches)) in keys {
         let location_id = stack
             .iter()
             .map(|&(space, address)| b.location(space, address, symbolizer))
@@ -116,13 +130,21 @@ pub fn build(
         }
         out_samples.push(Sample {
             location_id,
-            value: vec![n, n * period],
+            value: if with_launches {
+                vec![n, n * period, launches]
+            } else {
+                vec![n, n * period]
+            },
             label,
         });
     }
     b.kernel_mapping_last();
     Profile {
-        sample_type: vec![samples_type, cpu_type],
+        sample_type: if with_launches {
+            vec![samples_type, cpu_type, launches_type]
+        } else {
+            vec![samples_type, cpu_type]
+        },
         sample: out_samples,
         period_type: Some(cpu_type),
         period,
@@ -298,6 +320,7 @@ mod tests {
             off_cpu_us: 0,
             syscall: 0,
             python: Default::default(),
+            launch: false,
         }
     }
 

@@ -16,6 +16,7 @@ use super::{
     SchedTimelineBuilder, SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
     cpu_samples::{add_cpu_samples, narrow_unknown},
     cuda::CudaTimeline,
+    launch_stacks::add_launch_stacks,
     merge_device_activity, merge_framework_space, nest,
     order::{Ordered, RecordInput, in_time_order_by_builder, take_samples},
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
@@ -308,6 +309,12 @@ fn add_stacks(
             narrowed.unknown
         ));
     }
+    let launches = add_launch_stacks(timeline, samples, symbolizer);
+    if launches > 0 {
+        timeline.stats.notes.push(format!(
+            "{launches} driver calls with the stacks they were made from (launch_stack)"
+        ));
+    }
     let laid = add_cpu_samples(timeline, samples, (window_start, stop_ns), symbolizer);
     timeline.stats.sources.cpu_samples = Some(laid.samples);
     timeline.stats.sources.off_cpu_stacks = Some(laid.off_cpu);
@@ -315,7 +322,7 @@ fn add_stacks(
         stacks_with_python: laid.with_python,
         unreadable_frames: laid.python_unreadable,
     });
-    if laid.samples > 0 || laid.off_cpu == 0 {
+    if laid.samples > 0 || (laid.off_cpu == 0 && launches == 0) {
         timeline.stats.notes.push(format!(
             "{} CPU stack samples on the thread lines",
             laid.samples

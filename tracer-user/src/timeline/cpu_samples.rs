@@ -58,7 +58,7 @@ pub fn add_cpu_samples(
     let samples: Vec<&StackSample> = samples
         .iter()
         .copied()
-        .filter(|s| (start_ns..=stop_ns).contains(&s.header.ts_ns))
+        .filter(|s| !s.launch && (start_ns..=stop_ns).contains(&s.header.ts_ns))
         .filter(|s| timeline.threads.contains_key(&s.tid))
         .collect();
     // A busy thread's samples repeat a few stacks: each stack is looked up
@@ -165,7 +165,7 @@ type StackKey<'a> = (u32, &'a [u64], &'a [u64]);
 
 /// A sample's name (see [`sample_name`]) and its stack's text: innermost
 /// frame first, one per line.
-fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> (String, String) {
+pub(super) fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> (String, String) {
     let mut lines = Vec::new();
     let mut named = Vec::with_capacity(stack.len());
     for &(space, address) in stack {
@@ -240,7 +240,7 @@ const EDGE_NS: u64 = 1_000;
 /// is [`ThreadState::Sampled`], either side of them [`ThreadState::Unknown`].
 pub fn narrow_unknown(timeline: &mut Timeline, samples: &[&StackSample]) -> Narrowed {
     let mut seen: FxHashMap<u32, Vec<(u64, u32)>> = FxHashMap::default();
-    for s in samples.iter().filter(|s| !s.is_off_cpu()) {
+    for s in samples.iter().filter(|s| s.is_cpu_sample()) {
         seen.entry(s.tid)
             .or_default()
             .push((s.header.ts_ns, s.header.cpu.into()));
@@ -567,6 +567,7 @@ mod tests {
             off_cpu_us: 0,
             syscall: 0,
             python: Default::default(),
+            launch: false,
         };
         let samples = [
             sample(10, write),
@@ -646,6 +647,7 @@ mod tests {
             off_cpu_us,
             syscall,
             python: Default::default(),
+            launch: false,
         };
         let blocked = ThreadState::Blocked {
             state: super::super::TaskState::Sleeping,

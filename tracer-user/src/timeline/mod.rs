@@ -30,6 +30,7 @@ pub mod cpu_samples;
 pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;
+pub mod launch_stacks;
 pub mod nest;
 mod order;
 mod packed;

@@ -309,6 +309,7 @@ mod tests {
             off_cpu_us: 0,
             syscall: 0,
             python: Default::default(),
+            launch: false,
         })
     }
 

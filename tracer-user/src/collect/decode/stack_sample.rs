@@ -5,8 +5,8 @@ use tracer_common::{
     RecordHeader, RecordKind,
     python::{MAX_PYTHON_FRAMES, PythonFrameRecord},
     stack::{
-        FLAG_KERNEL_UNREADABLE, FLAG_OFF_CPU, FLAG_USER_UNREADABLE, MAX_FRAMES, STACK_COPY_BYTES,
-        StackSampleRecord, StackSampleWithCopy,
+        FLAG_KERNEL_UNREADABLE, FLAG_LAUNCH, FLAG_OFF_CPU, FLAG_USER_UNREADABLE, MAX_FRAMES,
+        STACK_COPY_BYTES, StackSampleRecord, StackSampleWithCopy,
     },
 };
 
@@ -41,6 +41,9 @@ pub struct StackSample {
     pub syscall: u32,
     /// Its Python frames, in a process that runs CPython.
     pub python: SampledPython,
+    /// Not a sample but the stack of a driver call that submits work, taken
+    /// at its entry: its header's time is the call's start.
+    pub launch: bool,
 }
 
 /// The Python frames of a sample: as the program read them, until they
@@ -62,6 +65,12 @@ impl StackSample {
     /// not a sample of a thread on a CPU.
     pub fn is_off_cpu(&self) -> bool {
         self.off_cpu_us != 0
+    }
+
+    /// Whether this is a tick of the sampling clock: neither an off-CPU
+    /// stack nor a driver call's.
+    pub fn is_cpu_sample(&self) -> bool {
+        !self.is_off_cpu() && !self.launch
     }
 
     /// Its stacks, as the symbolizer reads them.
@@ -100,6 +109,7 @@ pub(super) fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSam
             flags: r.python.flags,
             ..SampledPython::default()
         },
+        launch: r.flags & FLAG_LAUNCH != 0,
     })
 }
 
