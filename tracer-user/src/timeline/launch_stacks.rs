@@ -49,7 +49,9 @@ pub fn add_launch_stacks(
         .map(|stack| describe(stack, symbolizer).1.into())
         .collect();
     let mut laid = 0;
-    let tids: Vec<u32> = call_stack.keys().map(|(tid, _)| *tid).collect();
+    let mut tids: Vec<u32> = call_stack.keys().map(|(tid, _)| *tid).collect();
+    tids.sort_unstable();
+    tids.dedup();
     for tid in tids {
         let Some(thread) = timeline.threads.get_mut(&tid) else {
             continue;

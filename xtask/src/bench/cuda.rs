@@ -133,7 +133,7 @@ impl Bench {
         }
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         for threads in [1, cpus] {
-            let run = bench.run(Config::Ebtrace, threads)?;
+            let run = bench.run(Config::EbtraceNoLaunchStacks, threads)?;
             say(format!(
                 "cuda ebtrace, {threads} launching thread(s): {:.0} launches/s, {} dropped",
                 run.launches.launches as f64 / run.launches.elapsed_s,
@@ -213,9 +213,13 @@ impl Bench {
         let logdir = std::env::temp_dir().join(format!("ebtrace-cuda-bench-{}", workload.pid));
         let mut tracer = match config {
             Config::Untraced => None,
-            Config::Ebtrace => {
+            Config::Ebtrace | Config::EbtraceNoLaunchStacks => {
                 let duration = format!("{}s", self.seconds.ceil() + 60.0);
-                let cmd = harness::ebtrace_command(&self.ebtrace, workload.pid, &duration, &logdir);
+                let mut cmd =
+                    harness::ebtrace_command(&self.ebtrace, workload.pid, &duration, &logdir);
+                if config == Config::EbtraceNoLaunchStacks {
+                    cmd.arg("--no-launch-stacks");
+                }
                 Some(harness::spawn_ebtrace(
                     cmd,
                     harness::attached,
@@ -249,7 +253,7 @@ impl Bench {
             counted: None,
         };
         match (config, tracer.as_mut()) {
-            (Config::Ebtrace, Some(t)) => {
+            (Config::Ebtrace | Config::EbtraceNoLaunchStacks, Some(t)) => {
                 let records = harness::finish_ebtrace(t)?.summary.records;
                 run.recorded = Some((records.captured, records.dropped));
                 let _ = std::fs::remove_dir_all(&logdir);
@@ -259,8 +263,12 @@ impl Bench {
             }
             _ => {}
         }
-        if let (Some((records, _)), true) = (run.recorded, threads == 1)
-            && records < launches.launches
+        // Without stacks every launch must be recorded; a launch stack is
+        // a 21 KiB record, and at this loop's rate the ring fills.
+        if let (Some((records, _)), true) = (
+            run.recorded,
+            threads == 1 && config == Config::EbtraceNoLaunchStacks,
+        ) && records < launches.launches
         {
             bail!(
                 "ebtrace recorded {records} records for {} launches",
@@ -336,8 +344,12 @@ fn render_cost_and_rate(md: &mut String, runs: &[Run], rate_runs: &[Run]) {
         let what = match c {
             Config::Untraced => "untraced",
             Config::Ebtrace => {
-                "ebtrace (entry + return uprobe, one 120-byte record per launch, all driver \
-                 functions probed)"
+                "ebtrace (entry + return uprobe, all driver functions probed, each launch with \
+                 its stack: the default)"
+            }
+            Config::EbtraceNoLaunchStacks => {
+                "ebtrace `--no-launch-stacks` (entry + return uprobe, one 96-byte record per \
+                 launch)"
             }
             Config::Bpftrace => {
                 "bpftrace (uprobe + uretprobe on cuLaunchKernel: saves time and argument, \
@@ -361,9 +373,20 @@ fn render_cost_and_rate(md: &mut String, runs: &[Run], rate_runs: &[Run]) {
         "\nbpftrace counted / launches made: {}.",
         counted.join(", ")
     );
+    let dropped: Vec<String> = runs
+        .iter()
+        .filter(|r| r.config == Config::Ebtrace)
+        .filter_map(|r| Some(format!("{} of {}", r.recorded?.1, r.launches.launches)))
+        .collect();
     let _ = writeln!(
         md,
-        "\n### b. Launch rate recorded by ebtrace\n\n| launching threads | launches/s | records \
+        "\nRecords ebtrace dropped with launch stacks (ring buffer full), of the launches made: \
+         {}.",
+        dropped.join(", ")
+    );
+    let _ = writeln!(
+        md,
+        "\n### b. Launch rate recorded by ebtrace (`--no-launch-stacks`)\n\n| launching threads | launches/s | records \
          | dropped |\n|---:|---:|---:|---:|"
     );
     let mut best: Option<f64> = None;

@@ -30,22 +30,30 @@ pub fn rotated<C: Configuration>(rounds: usize) -> impl Iterator<Item = (usize, 
     })
 }
 
-/// The target untraced, under ebtrace, and under an equivalent bpftrace
-/// program: the CUDA suite's configurations.
+/// The target untraced, under ebtrace (with the stacks of its launches,
+/// the default, and without), and under an equivalent bpftrace program:
+/// the CUDA suite's configurations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tracer {
     Untraced,
     Ebtrace,
+    EbtraceNoLaunchStacks,
     Bpftrace,
 }
 
 impl Configuration for Tracer {
-    const ALL: &'static [Tracer] = &[Tracer::Untraced, Tracer::Ebtrace, Tracer::Bpftrace];
+    const ALL: &'static [Tracer] = &[
+        Tracer::Untraced,
+        Tracer::Ebtrace,
+        Tracer::EbtraceNoLaunchStacks,
+        Tracer::Bpftrace,
+    ];
 
     fn label(self) -> &'static str {
         match self {
             Tracer::Untraced => "untraced",
             Tracer::Ebtrace => "ebtrace",
+            Tracer::EbtraceNoLaunchStacks => "ebtrace-no-stacks",
             Tracer::Bpftrace => "bpftrace",
         }
     }
