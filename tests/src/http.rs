@@ -37,6 +37,52 @@ impl Response {
     }
 }
 
+/// One row of `go tool pprof -top`: flat and cumulative percent, function.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TopRow {
+    pub flat_pct: f64,
+    pub cum_pct: f64,
+    pub function: String,
+}
+
+/// What Go's own `go tool pprof -top` (Debian's `golang-go`) makes of the
+/// gzipped profile `body`: its rows, most time in itself first, and its
+/// whole output; `None` where Go is not installed.
+pub fn go_pprof_top(body: &[u8]) -> Option<(Vec<TopRow>, String)> {
+    let go = crate::debian_tool("go")?;
+    let dir = crate::TempDir::new("go-pprof");
+    let file = dir.path().join("profile.pb.gz");
+    std::fs::write(&file, body).expect("write the profile");
+    let out = std::process::Command::new(go)
+        .args(["tool", "pprof", "-top", "-symbolize=none"])
+        .arg(&file)
+        .env("HOME", dir.path())
+        .output()
+        .expect("run go tool pprof");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let percent = |f: &str| f.trim_end_matches('%').parse::<f64>().ok();
+    // `flat flat% sum% cum cum% function [(inline)]`.
+    let rows = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("flat"))
+        .skip(1)
+        .filter_map(|row| {
+            let f: Vec<&str> = row.split_whitespace().collect();
+            Some(TopRow {
+                flat_pct: percent(f.get(1)?)?,
+                cum_pct: percent(f.get(4)?)?,
+                function: f.get(5)?.to_string(),
+            })
+        })
+        .collect();
+    Some((rows, text))
+}
+
 /// `GET path` from `addr`.
 pub fn get(addr: SocketAddr, path: &str) -> Response {
     let mut stream = TcpStream::connect(addr).expect("connect");

@@ -13,7 +13,7 @@ use std::{
 
 use ebtrace_proto::perftools::profiles::Profile;
 use ebtrace_tests::{
-    TempDir, debian_tool,
+    TempDir,
     fixture::{SchedWorkload, build_c, build_c_shared},
     http, loaded_bpf_program_names, record, require_root, serial,
     serve::ServeProcess,
@@ -219,33 +219,10 @@ fn pprof_profile_names_the_hot_function_and_go_tool_pprof_reads_it() {
     );
 
     // Go's own pprof reads it and puts the hot function on top.
-    let Some(go) = debian_tool("go") else {
-        return;
-    };
-    let dir = TempDir::new("cpu-profile");
-    let file = dir.path().join("profile.pb.gz");
-    std::fs::write(&file, &response.body).unwrap();
-    let out = Command::new(go)
-        .args(["tool", "pprof", "-top", "-symbolize=none"])
-        .arg(&file)
-        .env("HOME", dir.path())
-        .output()
-        .expect("run go tool pprof");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let first_row = text
-        .lines()
-        .skip_while(|l| !l.trim_start().starts_with("flat"))
-        .nth(1)
-        .unwrap_or_default();
-    assert!(
-        first_row.trim_end().ends_with(" ebtrace_hot_spin"),
-        "go tool pprof -top:\n{text}"
-    );
+    if let Some((rows, text)) = http::go_pprof_top(&response.body) {
+        let top = rows.first().map(|r| r.function.as_str());
+        assert_eq!(top, Some("ebtrace_hot_spin"), "go tool pprof -top:\n{text}");
+    }
 }
 
 /// Whether `function` in `binary` sets up a frame pointer (`mov

@@ -425,8 +425,12 @@ mod tests {
         assert_eq!(traceme::TRACEME_PREFIX, 56);
         assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
         assert_eq!(
+            size_of::<python::PythonStack>(),
+            8 + 24 * python::MAX_PYTHON_FRAMES
+        );
+        assert_eq!(
             size_of::<stack::StackSampleRecord>(),
-            40 + 2 * 8 * stack::MAX_FRAMES + 32
+            40 + 2 * 8 * stack::MAX_FRAMES + 32 + size_of::<python::PythonStack>()
         );
         assert_eq!(
             size_of::<stack::StackSampleWithCopy>(),
