@@ -65,6 +65,13 @@ impl Capture {
         });
         let sampled = options.families.cpu_sample_hz > 0;
         let launch_stacks = probe.config().launch_stacks;
+        let mut stacks =
+            (sampled || off_cpu_stacks || launch_stacks).then(StackSymbolizer::default);
+        if let Some(stacks) = &mut stacks {
+            for target in &targets {
+                stacks.note_process(target.pid);
+            }
+        }
         Ok(Capture {
             framework,
             recordings: Vec::new(),
@@ -97,7 +104,7 @@ impl Capture {
             cuda,
             options: options.clone(),
             uprobe_pids,
-            stacks: (sampled || off_cpu_stacks || launch_stacks).then(StackSymbolizer::default),
+            stacks,
             notes,
             warnings,
         })

@@ -17,6 +17,8 @@ use std::{
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use crate::procfs;
+
 pub use super::symbolizer_thread::{Frame, Symbol};
 use super::{
     maps::{self, Mapping},
@@ -270,6 +272,18 @@ impl StackSymbolizer {
         {
             return;
         }
+        self.read_code(pid);
+    }
+
+    /// Remembers where process `pid` has its code now, before any stack of
+    /// it arrives: a process that exits before its first stacks are drained
+    /// still has them named.
+    pub fn note_process(&mut self, pid: u32) {
+        self.read_code(pid);
+    }
+
+    /// Reads `pid`'s mappings into [`Self::code`].
+    fn read_code(&mut self, pid: u32) {
         let Ok(maps) = maps::read_maps(pid) else {
             return;
         };
@@ -376,16 +390,27 @@ impl StackSymbolizer {
         if wanted.is_empty() {
             return;
         }
-        let (symbols, not_yet) = match self.look_up(place, wanted.clone()) {
+        let (mut symbols, not_yet) = match self.look_up(place, wanted.clone()) {
             Some((found, not_yet)) => (found, not_yet),
-            // The process has exited: the files it had mapped when it was
-            // sampled still name its code. (Only then: a live process in a
-            // container sees other files at those paths.)
-            None => match space {
-                Space::Process(pid) => (self.resolve_in_files(pid, &wanted), Vec::new()),
-                Space::Kernel | Space::Python => (vec![None; wanted.len()], Vec::new()),
-            },
+            None => (vec![None; wanted.len()], Vec::new()),
         };
+        // Once the process has exited (a zombie maps nothing), the files it
+        // had mapped when it was seen still name its code. (Only then: a
+        // live process in a container sees other files at those paths.)
+        if let Space::Process(pid) = space
+            && !procfs::is_alive(pid)
+        {
+            let unnamed: Vec<usize> = (0..wanted.len())
+                .filter(|i| symbols[*i].is_none() && !not_yet.contains(&wanted[*i]))
+                .collect();
+            if !unnamed.is_empty() {
+                let addresses: Vec<u64> = unnamed.iter().map(|i| wanted[*i]).collect();
+                let found = self.resolve_in_files(pid, &addresses);
+                for (i, symbol) in unnamed.into_iter().zip(found) {
+                    symbols[i] = symbol;
+                }
+            }
+        }
         for (address, symbol) in wanted.into_iter().zip(symbols) {
             if !not_yet.contains(&address) {
                 self.cache
@@ -459,14 +484,14 @@ mod tests {
             .find(|m| m.perms.contains('x') && m.start <= address && address < m.end)
     }
 
-    #[test]
-    fn an_exited_process_is_named_from_the_files_it_had_mapped() {
+    /// A child running `sleep`, and where libc's `write()` is in it.
+    fn sleeping_child() -> (std::process::Child, u64, Mapping) {
         // libc's write() in this process, and where the same byte of the
-        // same file is in a child's address space.
+        // same file is in the child's address space.
         let write = libc::write as *const () as u64;
         let ours = code_mapping(std::process::id(), write).expect("write() is mapped");
         assert!(ours.path.contains("libc"), "{ours:?}");
-        let mut child = Command::new("sleep")
+        let child = Command::new("sleep")
             .arg("30")
             .stdout(Stdio::null())
             .spawn()
@@ -484,22 +509,54 @@ mod tests {
                 None => panic!("sleep never mapped {}", ours.path),
             }
         };
-        let address = theirs.start + (write - ours.start);
-        let sample = user_sample(pid, address);
+        (child, theirs.start + (write - ours.start), ours)
+    }
+
+    fn assert_names_write(symbolizer: &StackSymbolizer, pid: u32, address: u64, libc: &Mapping) {
+        let symbol = symbolizer.get(Space::Process(pid), address);
+        let function = &symbol.frames.last().expect("a name").function;
+        assert!(function.contains("write"), "{symbol:?}");
+        assert_eq!(symbol.module.as_deref(), Some(libc.path.as_str()));
+    }
+
+    #[test]
+    fn an_exited_process_is_named_from_the_files_it_had_mapped() {
+        let (mut child, address, libc) = sleeping_child();
+        let pid = child.id();
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_stack(sample.stack());
+        symbolizer.note_stack(user_sample(pid, address).stack());
         child.kill().unwrap();
         child.wait().unwrap();
 
         symbolizer.resolve(Space::Process(pid), [address]);
-        let symbol = symbolizer.get(Space::Process(pid), address);
-        let function = &symbol.frames.last().expect("a name").function;
-        assert!(function.contains("write"), "{symbol:?}");
-        assert_eq!(symbol.module.as_deref(), Some(ours.path.as_str()));
+        assert_names_write(&symbolizer, pid, address, &libc);
 
         // An address in no file it had mapped stays unknown.
         symbolizer.resolve(Space::Process(pid), [8]);
         assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
+    }
+
+    /// A target noted when the capture starts, whose stacks are all drained
+    /// after it exited (a short run), and which is a zombie when they are
+    /// named: its own mappings are empty, the files it had mapped name them.
+    #[test]
+    fn a_zombie_noted_before_its_stacks_came_is_named_from_its_files() {
+        let (mut child, address, libc) = sleeping_child();
+        let pid = child.id();
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_process(pid);
+        child.kill().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while procfs::is_alive(pid) {
+            assert!(Instant::now() < deadline, "sleep did not die");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(procfs::is_listed(pid), "a zombie until reaped");
+
+        symbolizer.note_stack(user_sample(pid, address).stack());
+        symbolizer.resolve(Space::Process(pid), [address]);
+        assert_names_write(&symbolizer, pid, address, &libc);
+        child.wait().unwrap();
     }
 
     /// A sample in code that is in no file (JIT code) does not have the
