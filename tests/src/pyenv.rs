@@ -8,7 +8,10 @@ use std::{
     process::Command,
 };
 
-use crate::workspace_root;
+use crate::{
+    TempDir, record, workspace_root, xplane_files,
+    xspace::{self, Event, line_events, plane},
+};
 
 /// The CPython minor versions ebtrace reads, each checked by the tests.
 pub const MINORS: [u8; 4] = [10, 11, 12, 13];
@@ -117,4 +120,25 @@ pub fn function_lines(script: &Path) -> Vec<(String, std::ops::RangeInclusive<u3
         out.push((name, (i as u32 + 1)..=(end as u32)));
     }
     out
+}
+
+/// Runs ebtrace on `pid` for `duration` with `args`; its JSON summary.
+pub fn record_json(pid: u32, duration: &str, logdir: &TempDir, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = record(&pid.to_string(), duration, logdir, &all);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"))
+}
+
+/// The events of thread `tid` in the trace of `logdir` that carry `stat`
+/// (a sample's stack, an off-CPU stack).
+pub fn sampled_events(logdir: &TempDir, tid: u32, stat: &str) -> Vec<Event> {
+    let space = xspace::load(&xplane_files(logdir.path())[0]);
+    let host = plane(&space, "/host:CPU");
+    line_events(host, i64::from(tid))
+        .into_iter()
+        .filter(|e| e.stats.contains_key(stat))
+        .collect()
 }

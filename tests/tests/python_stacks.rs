@@ -10,31 +10,11 @@ use ebtrace_tests::{
     TempDir, http,
     pyenv::{self, PyFrame, function_lines, python_fixture, python_frames},
     python::PythonWorkload,
-    record, require_root, serial,
+    require_root, serial,
     serve::ServeProcess,
     xplane_files,
     xspace::{self, Event, line_events, plane},
 };
-
-/// What each sample of a thread shows: its name and its stack's text.
-fn thread_stacks(logdir: &TempDir, tid: u32, stat: &str) -> Vec<Event> {
-    let space = xspace::load(&xplane_files(logdir.path())[0]);
-    let host = plane(&space, "/host:CPU");
-    line_events(host, i64::from(tid))
-        .into_iter()
-        .filter(|e| e.stats.contains_key(stat))
-        .collect()
-}
-
-/// Runs ebtrace on `pid` for `duration` with `args`; its JSON summary.
-fn record_json(pid: u32, duration: &str, logdir: &TempDir, args: &[&str]) -> serde_json::Value {
-    let mut all = vec!["--json"];
-    all.extend_from_slice(args);
-    let out = record(&pid.to_string(), duration, logdir, &all);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"))
-}
 
 /// The share of `leaves` (innermost Python function of each sample) that
 /// is each function.
@@ -123,13 +103,13 @@ fn samples_name_the_scripts_lines(minor: u8) {
     let script = python_fixture("nested_work.py");
     let workload = PythonWorkload::start_script(&pyenv::cpython(minor), &script, &[], &[]);
     let logdir = TempDir::new("python-stacks");
-    let summary = record_json(workload.pid, "3s", &logdir, &["--sample-hz", "99"]);
+    let summary = pyenv::record_json(workload.pid, "3s", &logdir, &["--sample-hz", "99"]);
     let notes = summary["notes"].to_string();
     assert!(
         notes.contains(&format!("Python 3.{minor}")),
         "no line about the interpreter: {notes}"
     );
-    let samples = thread_stacks(&logdir, workload.pid, "cpu_sample_stack");
+    let samples = pyenv::sampled_events(&logdir, workload.pid, "cpu_sample_stack");
     assert!(
         samples.len() >= 150,
         "{} samples in 3 s at 99 Hz",
@@ -223,13 +203,13 @@ fn each_thread_has_its_own_python_stack_on_and_off_the_cpu() {
         let workload = PythonWorkload::start_script(&pyenv::cpython(minor), &script, &[], &[]);
         let tid = |name: &str| workload.start_line[name].as_u64().expect("tid") as u32;
         let logdir = TempDir::new("python-threads");
-        record_json(
+        pyenv::record_json(
             workload.pid,
             "2s",
             &logdir,
             &["--sample-hz", "99", "--off-cpu-min", "20ms"],
         );
-        let spinner = thread_stacks(&logdir, tid("spinner"), "cpu_sample_stack");
+        let spinner = pyenv::sampled_events(&logdir, tid("spinner"), "cpu_sample_stack");
         assert!(
             spinner.len() >= 50,
             "3.{minor}: {} spinner samples",
@@ -253,7 +233,7 @@ fn each_thread_has_its_own_python_stack_on_and_off_the_cpu() {
             ),
             ("reader", "blocked_in_read", &["read"][..]),
         ] {
-            let waits = thread_stacks(&logdir, tid(thread), "off_cpu_stack");
+            let waits = pyenv::sampled_events(&logdir, tid(thread), "off_cpu_stack");
             let named = waits.iter().find(|w| {
                 let frames = python_frames(w.stats["off_cpu_stack"].as_str());
                 frames.first().map(|f| f.function.as_str()) == Some(function)
@@ -294,7 +274,7 @@ fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
     let tid = |name: &str| workload.start_line[name].as_u64().expect("tid") as u32;
     let logdir = TempDir::new("python-hostile");
     let began = std::time::Instant::now();
-    let summary = record_json(workload.pid, "2s", &logdir, &["--sample-hz", "99"]);
+    let summary = pyenv::record_json(workload.pid, "2s", &logdir, &["--sample-hz", "99"]);
     assert!(
         began.elapsed() < Duration::from_secs(30),
         "{:?}",
@@ -305,8 +285,8 @@ fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
         python["unreadable_frames"].as_u64().unwrap() > 0,
         "{python}"
     );
-    let liar = thread_stacks(&logdir, tid("liar"), "cpu_sample_stack");
-    let honest = thread_stacks(&logdir, tid("honest"), "cpu_sample_stack");
+    let liar = pyenv::sampled_events(&logdir, tid("liar"), "cpu_sample_stack");
+    let honest = pyenv::sampled_events(&logdir, tid("honest"), "cpu_sample_stack");
     assert!(
         liar.len() >= 30 && honest.len() >= 30,
         "{} and {}",
@@ -407,7 +387,7 @@ fn a_launch_from_python_carries_the_python_line_that_made_it() {
     let _serial = serial();
     let (workload, script) = start_cuda_launcher(12);
     let logdir = TempDir::new("python-launches");
-    let summary = record_json(workload.pid, "2s", &logdir, &[]);
+    let summary = pyenv::record_json(workload.pid, "2s", &logdir, &[]);
     let notes = summary["notes"].to_string();
     assert!(notes.contains("launch stacks"), "{notes}");
     let space = xspace::load(&xplane_files(logdir.path())[0]);

@@ -30,6 +30,11 @@ const JAX_PROBE_MODULE: &str = "jax.collect_profile";
 /// metadata: importing TensorFlow takes seconds.
 const TENSORFLOW_PACKAGE: &str = "tensorflow-cpu";
 const TENSORFLOW_VERSION: &str = "2.21.0";
+/// PyTorch (PyPI's build, which runs on the CPU and pulls its CUDA
+/// libraries, about 3.5 GB installed): the mixed-stack tests sample a CPU
+/// training loop. Its version is checked through the package metadata:
+/// importing torch takes seconds.
+const TORCH_VERSION: &str = "2.15.0";
 /// Perfetto's Python package: its `perfetto_trace_pb2` is the independent
 /// schema the Perfetto output tests parse `perfetto_trace.pb` with.
 const PERFETTO_VERSION: &str = "0.59.1";
@@ -216,11 +221,13 @@ fn python_venv(root: &Path) -> Result<()> {
          assert jax.__version__ == jaxlib.__version__ == '{JAX_VERSION}'; \
          assert importlib.metadata.version('{TENSORFLOW_PACKAGE}') == '{TENSORFLOW_VERSION}'; \
          assert importlib.metadata.version('perfetto') == '{PERFETTO_VERSION}'; \
+         assert importlib.metadata.version('torch') == '{TORCH_VERSION}'; \
          assert importlib.metadata.version('py-spy') == '{PY_SPY_VERSION}'"
     );
     if succeeds(Command::new(&python).args(["-c", &import])) {
         say(format!(
-            "ok: {} has xprof, jax {JAX_VERSION} and TensorFlow {TENSORFLOW_VERSION}",
+            "ok: {} has xprof, jax {JAX_VERSION}, TensorFlow {TENSORFLOW_VERSION} and \
+             torch {TORCH_VERSION}",
             venv.display()
         ));
         return Ok(());
@@ -237,11 +244,12 @@ fn python_venv(root: &Path) -> Result<()> {
         &format!("{TENSORFLOW_PACKAGE}=={TENSORFLOW_VERSION}"),
         &format!("perfetto=={PERFETTO_VERSION}"),
         &format!("py-spy=={PY_SPY_VERSION}"),
+        &format!("torch=={TORCH_VERSION}"),
     ]))?;
     if !succeeds(Command::new(&python).args(["-c", &import])) {
         bail!(
-            "xprof {XPROF_VERSION}, jax {JAX_VERSION} and TensorFlow {TENSORFLOW_VERSION} \
-             installed into {} but `{import}` fails",
+            "xprof {XPROF_VERSION}, jax {JAX_VERSION}, TensorFlow {TENSORFLOW_VERSION} and \
+             torch {TORCH_VERSION} installed into {} but `{import}` fails",
             venv.display()
         );
     }
