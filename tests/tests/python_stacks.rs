@@ -10,7 +10,7 @@ use ebtrace_tests::{
     TempDir, http,
     pyenv::{self, PyFrame, function_lines, python_fixture, python_frames},
     python::PythonWorkload,
-    require_root, serial,
+    record, require_root, serial,
     serve::ServeProcess,
     xplane_files,
     xspace::{self, Event, line_events, plane},
@@ -185,6 +185,73 @@ fn python_3_12_samples_name_the_scripts_lines() {
 #[test]
 fn python_3_13_samples_name_the_scripts_lines() {
     samples_name_the_scripts_lines(13);
+}
+
+/// Two interpreters of different layouts (3.10's frames and 3.13's, whose
+/// offsets come from `_Py_DebugOffsets`) in one capture: each process has
+/// its own line saying which Python it runs, and its own samples nest as
+/// the script does, read with its own layout.
+#[test]
+fn two_interpreters_in_one_capture_each_read_with_its_own_layout() {
+    if !require_root("two_interpreters_in_one_capture_each_read_with_its_own_layout") {
+        return;
+    }
+    let _serial = serial();
+    let script = python_fixture("nested_work.py");
+    let workloads: Vec<(u8, PythonWorkload)> = [10, 13]
+        .into_iter()
+        .map(|minor| {
+            let python = pyenv::cpython(minor);
+            (
+                minor,
+                PythonWorkload::start_script(&python, &script, &[], &[]),
+            )
+        })
+        .collect();
+    let pids: Vec<String> = workloads.iter().map(|(_, w)| w.pid.to_string()).collect();
+    let logdir = TempDir::new("python-two");
+    let out = record(
+        &pids.join(","),
+        "3s",
+        &logdir,
+        &["--json", "--sample-hz", "99"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let notes: Vec<&str> = summary["notes"]
+        .as_array()
+        .expect("notes")
+        .iter()
+        .filter_map(|n| n.as_str())
+        .collect();
+    for (minor, workload) in &workloads {
+        let pid = format!("pid {} ", workload.pid);
+        let version = format!("Python 3.{minor}");
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.starts_with(&pid) && n.contains(&version)),
+            "no line about {pid}running 3.{minor}: {notes:?}"
+        );
+        let samples = pyenv::sampled_events(&logdir, workload.pid, "cpu_sample_stack");
+        // Two CPU-bound processes share the CPUs with ebtrace.
+        assert!(samples.len() >= 60, "3.{minor}: {} samples", samples.len());
+        let nested = samples
+            .iter()
+            .filter(|s| {
+                nests_as_the_script(
+                    &python_frames(s.stats["cpu_sample_stack"].as_str()),
+                    &script,
+                )
+            })
+            .count();
+        assert!(
+            nested * 10 >= samples.len() * 9,
+            "3.{minor}: {nested} of {} samples nest as the script does",
+            samples.len()
+        );
+    }
 }
 
 /// Each thread gets its own Python stack: the spinning one in its samples,
