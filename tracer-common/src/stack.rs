@@ -48,10 +48,18 @@ pub mod names {
     /// is taken as its system call returns (0: none, and waits are not
     /// noted).
     pub const OFF_CPU_MIN_US: &str = "OFF_CPU_MIN_US";
-    /// Global set before load: 1 to take the stack of each driver call
-    /// that submits work ([`super::FLAG_LAUNCH`]), 0 not to.
-    pub const LAUNCH_STACKS: &str = "LAUNCH_STACKS";
+    /// Global (`u64`) set before load: the stacks of driver calls that
+    /// submit work ([`super::FLAG_LAUNCH`]): 0 for every call,
+    /// [`super::NO_LAUNCH_STACKS`] for none, else at least this many
+    /// nanoseconds between two on one CPU (a bound on their cost).
+    pub const LAUNCH_STACK_GAP_NS: &str = "LAUNCH_STACK_GAP_NS";
+    /// A one-entry per-CPU array: when the CPU's last launch stack was
+    /// taken (`bpf_ktime_get_ns`).
+    pub const LAUNCH_STACK_LAST_NS: &str = "LAUNCH_STACK_LAST_NS";
 }
+
+/// [`names::LAUNCH_STACK_GAP_NS`] that takes no launch stacks.
+pub const NO_LAUNCH_STACKS: u64 = u64::MAX;
 
 /// [`StackSampleRecord::flags`]: the user stack could not be read (the
 /// kernel returned an error, e.g. in a kernel thread).

@@ -16,8 +16,8 @@
 //!
 //! A call that submits work (a launch, a copy, a memset) also writes the
 //! stack it was made from at its entry, as a stack sample marked
-//! `FLAG_LAUNCH` whose time is the call's start, where `LAUNCH_STACKS` is
-//! set.
+//! `FLAG_LAUNCH` whose time is the call's start, as `LAUNCH_STACK_GAP_NS`
+//! says: every call, none, or at most one per gap on each CPU.
 //!
 //! A slot outlives its call: the return marks it free (`start_ns` 0) and
 //! the thread's next call of the function writes it again in place. A
@@ -45,7 +45,7 @@ use tracer_common::{
         PACKED_LAUNCH_WORDS, PendingCall, REGISTER_ARGS, STACK_WORDS, cookie, extra_words, flags,
         layout, pack_launch, stat,
     },
-    stack::FLAG_LAUNCH,
+    stack::{FLAG_LAUNCH, NO_LAUNCH_STACKS},
 };
 
 use crate::{
@@ -61,15 +61,37 @@ static CUDA_PENDING: LruHashMap<u64, PendingCall> =
 #[map]
 static CUDA_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 
-/// See `tracer_common::stack::names::LAUNCH_STACKS`.
+/// See `tracer_common::stack::names::LAUNCH_STACK_GAP_NS`.
 #[unsafe(no_mangle)]
-static LAUNCH_STACKS: u32 = 0;
+static LAUNCH_STACK_GAP_NS: u64 = NO_LAUNCH_STACKS;
 
-/// Whether the calls that submit work carry their stacks.
+/// See `tracer_common::stack::names::LAUNCH_STACK_LAST_NS`.
+#[map]
+static LAUNCH_STACK_LAST_NS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Whether a call that submits work at `now_ns` carries its stack: always,
+/// never, or if this CPU took none for the gap.
 #[inline(always)]
-fn launch_stacks() -> bool {
+fn take_launch_stack(now_ns: u64) -> bool {
     // SAFETY: a global read-only after load.
-    unsafe { core::ptr::read_volatile(&LAUNCH_STACKS) != 0 }
+    let gap = unsafe { core::ptr::read_volatile(&LAUNCH_STACK_GAP_NS) };
+    if gap == 0 {
+        return true;
+    }
+    if gap == NO_LAUNCH_STACKS {
+        return false;
+    }
+    let Some(last) = LAUNCH_STACK_LAST_NS.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's slot; programs do not migrate while running.
+    unsafe {
+        if now_ns.wrapping_sub(*last) < gap {
+            return false;
+        }
+        *last = now_ns;
+    }
+    true
 }
 
 #[inline(always)]
@@ -123,7 +145,7 @@ fn enter(ctx: &ProbeContext, extra: impl FnOnce(&[u64; 6], u64) -> [u64; 8]) -> 
         extra: extra(&args, regs.rsp),
         args,
     };
-    if cookie::submits(cookie) && launch_stacks() {
+    if cookie::submits(cookie) && take_launch_stack(start_ns) {
         let what = StackOf {
             regs: Some([regs.rip, regs.rsp, regs.rbp]),
             kernel: false,

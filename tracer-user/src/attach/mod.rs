@@ -24,7 +24,7 @@ pub mod uprobe_multi;
 pub use cpu_sample::CpuSampler;
 pub use cuda::CudaProbe;
 pub use off_cpu::OffCpuStacks;
-pub use probe_set::{ProbeSet, ProbeSetConfig, ProbeStats};
+pub use probe_set::{LaunchStacks, ProbeSet, ProbeSetConfig, ProbeStats};
 pub use python::read_python_frames;
 pub use sched::SchedProbe;
 pub use traceme::{TraceMeOptions, TraceMeProbe, restore_children_of_session};

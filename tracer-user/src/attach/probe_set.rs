@@ -33,9 +33,40 @@ pub struct ProbeSetConfig {
     /// Whether off-CPU stacks may be taken: their per-thread array then
     /// has a slot for every tid (8 bytes each), else one.
     pub off_cpu_stacks: bool,
-    /// Whether each driver call that submits work carries the stack it was
-    /// made from (a stack sample at its entry: a few microseconds a call).
-    pub launch_stacks: bool,
+    /// Which driver calls that submit work carry the stack they were made
+    /// from (a stack sample at the call's entry: a few microseconds each).
+    pub launch_stacks: LaunchStacks,
+}
+
+/// Which driver calls that submit work carry the stack they were made from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchStacks {
+    /// None.
+    Off,
+    /// Every one.
+    Every,
+    /// At most this many a second on each CPU: what an always-on capture
+    /// can afford whatever the launch rate.
+    PerCpuPerSecond(u32),
+}
+
+impl LaunchStacks {
+    /// Whether any call carries its stack.
+    pub fn any(self) -> bool {
+        self.gap_ns() != tracer_common::stack::NO_LAUNCH_STACKS
+    }
+
+    /// The probe's gap between two stacks on one CPU (see
+    /// `tracer_common::stack::names::LAUNCH_STACK_GAP_NS`).
+    fn gap_ns(self) -> u64 {
+        match self {
+            LaunchStacks::Off | LaunchStacks::PerCpuPerSecond(0) => {
+                tracer_common::stack::NO_LAUNCH_STACKS
+            }
+            LaunchStacks::Every => 0,
+            LaunchStacks::PerCpuPerSecond(n) => 1_000_000_000 / u64::from(n),
+        }
+    }
 }
 
 impl Default for ProbeSetConfig {
@@ -44,7 +75,7 @@ impl Default for ProbeSetConfig {
             ring_bytes: 16 * 1024 * 1024,
             exit_has_group_dead: true,
             off_cpu_stacks: false,
-            launch_stacks: false,
+            launch_stacks: LaunchStacks::Off,
         }
     }
 }
@@ -132,8 +163,8 @@ impl ProbeSet {
             .override_global(names::TASK_EXIT_STATE_OFFSET, &offsets[1], true)
             .override_global(names::TASK_CPU_OFFSET, &offsets[2], true)
             .override_global(
-                tracer_common::stack::names::LAUNCH_STACKS,
-                &u32::from(config.launch_stacks),
+                tracer_common::stack::names::LAUNCH_STACK_GAP_NS,
+                &config.launch_stacks.gap_ns(),
                 true,
             )
             .override_global(

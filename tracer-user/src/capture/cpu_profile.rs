@@ -10,7 +10,7 @@ use std::{
 };
 
 use crate::{
-    attach::{CpuSampler, CudaProbe, ProbeSet, ProbeSetConfig, read_python_frames},
+    attach::{CpuSampler, CudaProbe, LaunchStacks, ProbeSet, ProbeSetConfig, read_python_frames},
     clock::realtime_ns,
     collect::{Collector, Record, StackSample},
     cuda_api::DriverCalls,
@@ -50,7 +50,7 @@ pub fn take_cpu_profile(
     super::check_privileges()?;
     let mut set = ProbeSet::load(&ProbeSetConfig {
         ring_bytes: RING_BYTES,
-        launch_stacks: true,
+        launch_stacks: LaunchStacks::Every,
         ..ProbeSetConfig::default()
     })?;
     for t in targets {

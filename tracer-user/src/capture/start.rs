@@ -13,8 +13,8 @@ use super::{
 use crate::{
     agent::{AgentSession, AgentStart, KernelNaming, start_agent_sessions},
     attach::{
-        CpuSampler, CudaProbe, OffCpuStacks, ProbeSet, ProbeSetConfig, SchedProbe, TraceMeOptions,
-        TraceMeProbe, cuda, read_python_frames, tracefs, traceme::Discovered,
+        CpuSampler, CudaProbe, LaunchStacks, OffCpuStacks, ProbeSet, ProbeSetConfig, SchedProbe,
+        TraceMeOptions, TraceMeProbe, cuda, read_python_frames, tracefs, traceme::Discovered,
     },
     clock::{ClockSync, monotonic_ns},
     collect::{Collector, EncodedRecords},
@@ -64,7 +64,7 @@ impl Capture {
             StreamedScheduling::new(start_ns, processes, initial.clone())
         });
         let sampled = options.families.cpu_sample_hz > 0;
-        let launch_stacks = probe.config().launch_stacks;
+        let launch_stacks = probe.config().launch_stacks.any();
         let mut stacks =
             (sampled || off_cpu_stacks || launch_stacks).then(StackSymbolizer::default);
         if let Some(stacks) = &mut stacks {
@@ -166,7 +166,11 @@ impl Attached {
         let config = ProbeSetConfig {
             exit_has_group_dead: check.exit_has_group_dead,
             off_cpu_stacks,
-            launch_stacks: options.probe.launch_stacks && options.families.cuda,
+            launch_stacks: if options.families.cuda {
+                options.probe.launch_stacks
+            } else {
+                LaunchStacks::Off
+            },
             ..options.probe.clone()
         };
         let mut probe = match loaded {
@@ -193,7 +197,8 @@ impl Attached {
         let traceme = TraceMeProbe::attach(&mut probe, discovered, traceme_options)?;
         let stacks = Stacks {
             off_cpu: off_cpu_stacks,
-            launches: config.launch_stacks && cuda.is_some(),
+            launches: (cuda.is_some() && config.launch_stacks.any())
+                .then_some(config.launch_stacks),
         };
         attach_stack_probes(&mut probe, targets, options.families, stacks, &mut notes)?;
         Ok(Attached {
@@ -248,8 +253,8 @@ fn attach_scheduling(
 struct Stacks {
     /// Of long waits.
     off_cpu: bool,
-    /// Of driver calls that submit work.
-    launches: bool,
+    /// Of driver calls that submit work: which.
+    launches: Option<LaunchStacks>,
 }
 
 /// Attaches the CPU sampler and the off-CPU stacks, as `families` asks,
@@ -263,15 +268,20 @@ fn attach_stack_probes(
 ) -> Result<()> {
     let hz = families.cpu_sample_hz;
     let off_cpu_stacks = stacks.off_cpu;
-    if (hz > 0 || off_cpu_stacks || stacks.launches) && families.python_frames {
+    if (hz > 0 || off_cpu_stacks || stacks.launches.is_some()) && families.python_frames {
         notes.extend(read_python_frames(probe, targets)?);
     }
-    if stacks.launches {
-        notes.push(
+    match stacks.launches {
+        Some(LaunchStacks::PerCpuPerSecond(n)) => notes.push(format!(
+            "launch stacks: CUDA driver calls that submit work carry the stack they were made \
+             from, at most {n} a second on each CPU (--launch-stacks-per-s)"
+        )),
+        Some(_) => notes.push(
             "launch stacks: each CUDA driver call that submits work carries the stack it was \
              made from (--no-launch-stacks: none)"
                 .into(),
-        );
+        ),
+        None => {}
     }
     if hz > 0 {
         CpuSampler::attach(probe, u64::from(hz))?;

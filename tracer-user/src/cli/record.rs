@@ -15,7 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::{RecordArgs, json, summary};
 use crate::{
     agent::TraceMeRoute,
-    attach::{ProbeSetConfig, TraceMeOptions},
+    attach::{LaunchStacks, ProbeSetConfig, TraceMeOptions},
     capture::{Capture, CaptureOptions, ProbeFamilies, check_privileges, open_targets},
     error::Result,
     sink::{logdir, perfetto, xspace},
@@ -101,7 +101,11 @@ fn capture_options(args: &RecordArgs) -> CaptureOptions {
     CaptureOptions {
         probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
-            launch_stacks: !args.no_launch_stacks,
+            launch_stacks: if args.no_launch_stacks {
+                LaunchStacks::Off
+            } else {
+                LaunchStacks::Every
+            },
             ..ProbeSetConfig::default()
         },
         families: ProbeFamilies {

@@ -7,7 +7,7 @@ use clap::Args;
 
 use super::{parse_duration, parse_duration_or_zero, parse_ring_mib};
 use crate::{
-    attach::ProbeSetConfig,
+    attach::{LaunchStacks, ProbeSetConfig},
     capture::{flight_recorder::Retention, open_targets},
     error::Result,
     server::{self, ServeConfig, validate::Limits, watch::WatchMode},
@@ -115,11 +115,26 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub off_cpu_min: Option<Duration>,
 
+    /// CUDA driver calls that submit work carry the stack they were made
+    /// from in captures and the flight recorder, at most this many a second
+    /// on each CPU (0: none). A stack costs the launching thread a few
+    /// microseconds: the default keeps them under 0.1% of a CPU however
+    /// fast a program launches.
+    #[arg(long, value_name = "N", default_value_t = RECORDER_LAUNCH_STACKS_PER_S,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub launch_stacks_per_s: u32,
+
     /// Kernel ring buffer size in MiB (a power of two), shared by the
     /// captures in progress.
     #[arg(long, value_name = "MIB", default_value_t = 16, value_parser = parse_ring_mib)]
     pub ring_buffer_mib: u32,
 }
+
+/// Launch stacks a second on each CPU that `serve` takes by default: at
+/// the 3 to 4 µs a stack costs a launching thread (BENCHMARKS.md), 0.08%
+/// of a CPU, within the flight recorder's budget of 0.5% of one with its
+/// CPU samples.
+const RECORDER_LAUNCH_STACKS_PER_S: u32 = 200;
 
 /// What the flight recorder keeps when `StartContinuousProfiling` starts it
 /// and `--retain` did not say.
@@ -152,6 +167,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         max_sessions: args.max_sessions as usize,
         probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
+            launch_stacks: LaunchStacks::PerCpuPerSecond(args.launch_stacks_per_s),
             ..ProbeSetConfig::default()
         },
         allow_write_under: args.allow_write_under.clone(),
