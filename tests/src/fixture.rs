@@ -367,3 +367,51 @@ impl SchedstatSeries {
         self.0.len()
     }
 }
+
+/// A running `cpu_hotspot` (a thread spinning in `ebtrace_hot_spin`, one
+/// reading `/dev/zero`), killed when dropped.
+pub struct Hotspot {
+    pub child: Child,
+    /// Kept open: the fixture may print more.
+    pub stdout: BufReader<ChildStdout>,
+    pub pid: u32,
+    pub hot_tid: u32,
+    pub reader_tid: u32,
+}
+
+impl Hotspot {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// With the fixture's arguments `args`; waits for its first line.
+    pub fn start_with(args: &[&str]) -> Self {
+        let mut child = Command::new(build_c("cpu_hotspot"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start cpu_hotspot");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        stdout
+            .read_line(&mut line)
+            .expect("a line from the fixture");
+        let v: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        let id = |key: &str| v[key].as_u64().unwrap_or_else(|| panic!("no {key}: {v}")) as u32;
+        Hotspot {
+            pid: id("pid"),
+            hot_tid: id("hot_tid"),
+            reader_tid: id("reader_tid"),
+            child,
+            stdout,
+        }
+    }
+}
+
+impl Drop for Hotspot {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

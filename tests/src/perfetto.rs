@@ -25,7 +25,14 @@ pub fn python() -> Option<PathBuf> {
 /// flows that leave (`flow_out`) and end (`flow_in`) on events, as [id,
 /// track] (the track as in `named`, or "tid:TID"), and per
 /// named track, as "parent name/name", the events begun or instant on it
-/// (`named`).
+/// (`named`); per tid the `PerfSample`s (`perf_samples`: [timestamp,
+/// callstack as [function, mapping] from its root]), resolved through the
+/// interned data of their sequence as Perfetto's reader does, the
+/// sequences they (`perf_sequences`) and the track events
+/// (`track_event_sequences`) are on, and what breaks the interning rules
+/// (`interning_errors`: data on a sequence not cleared first, an iid or a
+/// string interned twice, a sample without `SEQ_NEEDS_INCREMENTAL_STATE`,
+/// an iid no entry has).
 const SUMMARIZE: &str = r#"
 import json, sys, collections
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
@@ -35,12 +42,55 @@ with open(sys.argv[1], "rb") as f:
 out = {"processes": {}, "threads": {}, "switch_in": collections.Counter(),
        "switch_out": collections.Counter(), "wakings": collections.Counter(),
        "clocks": {}, "spans": {}, "unbalanced": 0, "flow_out": [], "flow_in": [],
-       "named": collections.Counter()}
+       "named": collections.Counter(), "perf_samples": {}, "perf_sequences": [],
+       "track_event_sequences": [], "interning_errors": []}
+TABLES = ("function_names", "frames", "callstacks", "mappings", "mapping_paths")
+interned = {}
+errors = out["interning_errors"]
+def resolve(state, s):
+    def name(table, iid):
+        return state[table][iid].str.decode()
+    frames = []
+    for f in state["callstacks"][s.callstack_iid].frame_ids:
+        frame = state["frames"][f]
+        mapping = state["mappings"][frame.mapping_id]
+        frames.append([name("function_names", frame.function_name_id),
+                       "/".join(name("mapping_paths", i) for i in mapping.path_string_ids)])
+    return frames
 track_tid = {}
 track_name = {}
 depth = collections.Counter()
 for p in t.packet:
     kind = p.WhichOneof("data")
+    seq = p.trusted_packet_sequence_id
+    if p.sequence_flags & pb.TracePacket.SEQ_INCREMENTAL_STATE_CLEARED:
+        interned[seq] = {table: {} for table in TABLES}
+    if p.HasField("interned_data"):
+        state = interned.get(seq)
+        if state is None:
+            errors.append(f"interned data on sequence {seq} before it was cleared")
+            state = {}
+        for table in state:
+            for entry in getattr(p.interned_data, table):
+                if entry.iid in state[table]:
+                    errors.append(f"{table} {entry.iid} interned twice")
+                if hasattr(entry, "str") and any(e.str == entry.str for e in state[table].values()):
+                    errors.append(f"{table}: {entry.str!r} interned twice")
+                state[table][entry.iid] = entry
+    if kind == "track_event" and seq not in out["track_event_sequences"]:
+        out["track_event_sequences"].append(seq)
+    if kind == "perf_sample":
+        s = p.perf_sample
+        if seq not in out["perf_sequences"]:
+            out["perf_sequences"].append(seq)
+        if not p.sequence_flags & pb.TracePacket.SEQ_NEEDS_INCREMENTAL_STATE:
+            errors.append(f"sample at {p.timestamp} without SEQ_NEEDS_INCREMENTAL_STATE")
+        try:
+            frames = resolve(interned[seq], s)
+        except KeyError as e:
+            errors.append(f"sample at {p.timestamp}: no interned {e}")
+            continue
+        out["perf_samples"].setdefault(str(s.tid), []).append([p.timestamp, frames])
     if kind == "clock_snapshot":
         for c in p.clock_snapshot.clocks:
             out["clocks"][str(c.clock_id)] = c.timestamp

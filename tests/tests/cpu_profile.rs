@@ -5,65 +5,27 @@
 //! own `go tool pprof` (Debian's `golang-go`).
 
 use std::{
-    io::{BufRead, BufReader},
+    io::BufRead,
     net::SocketAddr,
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
 use ebtrace_proto::perftools::profiles::Profile;
 use ebtrace_tests::{
     TempDir,
-    fixture::{SchedWorkload, build_c, build_c_shared},
+    fixture::{Hotspot, SchedWorkload, build_c, build_c_shared},
     http, loaded_bpf_program_names, record, require_root, serial,
     serve::ServeProcess,
     signal, spawn_record, wait_with_deadline, xplane_files,
     xspace::{self, line_events, plane},
 };
 
-/// The running `cpu_hotspot` fixture; killed when dropped.
-struct Hotspot {
-    child: Child,
-    stdout: BufReader<std::process::ChildStdout>,
-    pid: u32,
-    hot_tid: u32,
-    reader_tid: u32,
-}
-
-impl Hotspot {
-    fn start() -> Self {
-        Self::start_with(&[])
-    }
-
-    fn start_with(args: &[&str]) -> Self {
-        let mut child = Command::new(build_c("cpu_hotspot"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start cpu_hotspot");
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let v = read_json_line(&mut stdout);
-        Hotspot {
-            pid: v["pid"].as_u64().expect("pid") as u32,
-            hot_tid: v["hot_tid"].as_u64().expect("hot_tid") as u32,
-            reader_tid: v["reader_tid"].as_u64().expect("reader_tid") as u32,
-            child,
-            stdout,
-        }
-    }
-}
-
+/// The next line the fixture prints, as JSON.
 fn read_json_line(from: &mut impl BufRead) -> serde_json::Value {
     let mut line = String::new();
     from.read_line(&mut line).expect("a line from the fixture");
     serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
-}
-
-impl Drop for Hotspot {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The fixture, and `ebtrace serve` watching it with `--http`, and its

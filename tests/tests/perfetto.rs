@@ -12,7 +12,7 @@ use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
-    fixture::SchedWorkload,
+    fixture::{Hotspot, SchedWorkload},
     perfetto, record, require_root, run_ebtrace, serial, spawn_attached,
     traceme::{Toolchain, TraceMeWorkload},
     workspace_root, xplane_files,
@@ -38,7 +38,13 @@ const REALTIME: &str = "1";
 
 /// Records `pid` with `--perfetto`; returns the XSpace and the Perfetto file.
 fn capture(pid: u32, duration: &str, dir: &TempDir) -> (XSpace, PathBuf) {
-    let out = record(&pid.to_string(), duration, dir, &["--perfetto"]);
+    capture_with(pid, duration, dir, &[])
+}
+
+/// [`capture`] with more of ebtrace's flags.
+fn capture_with(pid: u32, duration: &str, dir: &TempDir, extra: &[&str]) -> (XSpace, PathBuf) {
+    let args = [&["--perfetto"], extra].concat();
+    let out = record(&pid.to_string(), duration, dir, &args);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -277,4 +283,95 @@ fn gpu_stream_work_is_linked_to_its_launches() {
         .map(|(_, n)| n.as_u64().unwrap())
         .sum();
     assert_eq!(on_streams, device_events);
+}
+
+/// Each thread has a `PerfSample` for each sample instant the XSpace lays
+/// on its line, in the same order, whose callstack read from its root is
+/// the instant's stack text read from its last line; kernel frames lie in
+/// the kernel's mapping.
+#[test]
+fn cpu_samples_carry_the_xspace_stacks_as_callstacks() {
+    if !require_root("cpu_samples_carry_the_xspace_stacks_as_callstacks") {
+        return;
+    }
+    let Some(python) = perfetto::python() else {
+        return;
+    };
+    let _serial = serial();
+    let fixture = Hotspot::start();
+    let dir = TempDir::new("perfetto-samples");
+    let (space, pb) = capture_with(fixture.pid, "2s", &dir, &["--sample-hz", "99"]);
+    let (hot_tid, reader_tid) = (fixture.hot_tid, fixture.reader_tid);
+    drop(fixture);
+    let summary = perfetto::summarize(&python, &pb);
+    assert_eq!(summary["interning_errors"], serde_json::json!([]));
+    let sequences = summary["perf_sequences"].as_array().unwrap();
+    assert_eq!(sequences.len(), 1, "{sequences:?}");
+    assert!(
+        !summary["track_event_sequences"]
+            .as_array()
+            .unwrap()
+            .contains(&sequences[0])
+    );
+
+    let host = plane(&space, "/host:CPU");
+    let mut leaves: HashMap<u32, Vec<String>> = HashMap::new();
+    let mut total = 0;
+    for line in &host.lines {
+        let mut want: Vec<(f64, Vec<(String, String)>)> = line_events(host, line.id)
+            .into_iter()
+            .filter(|e| e.duration_ns == 0.0)
+            .filter_map(|e| {
+                let text = e.stats.get("cpu_sample_stack")?.as_str();
+                let frames = text
+                    .lines()
+                    .rev()
+                    .map(|l| {
+                        let kernel = l.trim_end_matches(" (inlined)").ends_with(" [k]");
+                        let mapping = if kernel { "[kernel]" } else { "[user]" };
+                        (l.to_string(), mapping.to_string())
+                    })
+                    .collect();
+                Some((e.start_ns, frames))
+            })
+            .collect();
+        want.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut got: Vec<(u64, Vec<(String, String)>)> =
+            serde_json::from_value(summary["perf_samples"][line.id.to_string()].clone())
+                .unwrap_or_default();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got.len(), want.len(), "samples of thread {}", line.id);
+        for (i, ((_, got), (_, want))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(got, want, "sample {i} of thread {}", line.id);
+        }
+        let tid = line.id as u32;
+        leaves.insert(
+            tid,
+            got.into_iter()
+                .filter_map(|(_, frames)| frames.last().map(|f| f.0.clone()))
+                .collect(),
+        );
+        total += want.len();
+    }
+    let perf_threads = summary["perf_samples"].as_object().unwrap().len();
+    assert_eq!(
+        perf_threads,
+        leaves.values().filter(|l| !l.is_empty()).count()
+    );
+    assert!(total > 0, "no samples");
+
+    // The hot thread's samples end in the hot function (or the one
+    // inlined into it); the reader's show the kernel.
+    let hot = &leaves[&hot_tid];
+    let in_hot = hot
+        .iter()
+        .filter(|l| l.starts_with("ebtrace_hot_spin") || l.starts_with("mix_step"))
+        .count();
+    assert!(hot.len() >= 50, "{} samples of the hot thread", hot.len());
+    assert!(10 * in_hot >= 9 * hot.len(), "{hot:?}");
+    assert!(
+        leaves[&reader_tid].iter().any(|l| l.ends_with(" [k]")),
+        "{:?}",
+        leaves[&reader_tid]
+    );
 }

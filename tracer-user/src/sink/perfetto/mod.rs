@@ -6,16 +6,20 @@
 //! scheduling slices go out as those ([`sched`]); TraceMe spans and driver
 //! calls become track events on their threads, GPU stream work becomes
 //! track events on one track per stream, linked to its launch by a flow.
+//! CPU stack samples also go out as `PerfSample`s with interned callstacks
+//! ([`samples`]), which Perfetto's UI draws as a CPU profile.
 //!
 //! The trace is written packet by packet (each a one-packet `Trace`, which
 //! concatenates into one valid `Trace`): nothing but the current ftrace
-//! bundle is buffered, the timeline is only read.
+//! bundle and the samples' interning tables (one entry per distinct stack
+//! and frame) are kept, the timeline is only read.
 //!
 //! Timestamps are `CLOCK_BOOTTIME`, the clock Perfetto assumes for ftrace;
 //! a clock snapshot ties it to `CLOCK_MONOTONIC` (the records' clock) and
 //! `CLOCK_REALTIME`, so the trace lines up with other traces of the host.
 
 pub mod convert;
+mod samples;
 mod sched;
 
 use std::io::{self, Write};
@@ -89,6 +93,8 @@ pub struct PerfettoStats {
     pub sched_wakings: u64,
     /// Track events (slice begins and ends, instants).
     pub track_events: u64,
+    /// `PerfSample`s (CPU stack samples with their callstacks).
+    pub perf_samples: u64,
     /// Encoded size of the trace.
     pub bytes: u64,
 }
@@ -138,6 +144,7 @@ impl<W: Write> PacketWriter<W> {
             optional_trusted_packet_sequence_id: Some(
                 trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(SEQUENCE_ID),
             ),
+            interned_data: None,
             sequence_flags: first
                 .then_some(trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32),
             first_packet_on_sequence: first.then_some(true),
@@ -189,6 +196,7 @@ pub fn write_timeline<W: Write>(
             false,
         )?;
     }
+    samples::write_samples(&mut w, timeline, clocks)?;
     for device in timeline.devices.values() {
         for stream in device.streams.values() {
             let uuid = stream_uuid(device.ordinal, stream.id);

@@ -1,6 +1,6 @@
 //! The sink's packets, decoded again with prost.
 
-use std::{collections::BTreeMap, num::NonZeroU64};
+use std::{collections::BTreeMap, num::NonZeroU64, sync::Arc};
 
 use ebtrace_proto::perfetto::protos::{Trace, ftrace_event, trace_packet, track_event};
 use prost::Message as _;
@@ -203,4 +203,197 @@ fn stats_of(bytes: &[u8]) -> PerfettoStats {
     let stats = write_timeline(&timeline(), clocks, Vec::new()).unwrap();
     assert_eq!(stats.bytes as usize, bytes.len());
     stats
+}
+
+#[test]
+fn a_stack_text_reads_back_as_its_frames() {
+    let text = "leaf app.c:3 (inlined)\nouter app.c:9\ncopy_page [k]\nentry [k] (inlined)\n\
+                run script.py:12\n0x7f00 [k]";
+    assert_eq!(
+        samples::stack_frames(text).collect::<Vec<_>>(),
+        [
+            ("leaf app.c:3 (inlined)", false),
+            ("outer app.c:9", false),
+            ("copy_page [k]", true),
+            ("entry [k] (inlined)", true),
+            ("run script.py:12", false),
+            ("0x7f00 [k]", true),
+        ]
+    );
+    assert_eq!(
+        samples::stack_frames("").collect::<Vec<_>>(),
+        [(crate::timeline::cpu_samples::UNKNOWN_FRAME, false)]
+    );
+}
+
+/// Thread 11 is sampled three times (twice in one stack, once while its
+/// state says blocked), thread 12 once in the first stack; the instant
+/// `mark` carries no stack and is no sample.
+#[test]
+fn cpu_samples_carry_interned_callstacks_on_their_own_sequence() {
+    use ebtrace_proto::perfetto::protos::{InternedData, PerfSample, profiling};
+
+    use crate::timeline::cpu_samples::STACK_STAT;
+
+    const SHALLOW: &str = "leaf app.c:3 (inlined)\nouter app.c:9\nmain";
+    const DEEP: &str = "copy_page [k]\nentry [k] (inlined)\nouter app.c:9\nmain";
+    let sample = |ts: u64, text: &str| Span {
+        stats: Stats::shared_then(
+            Arc::from([(STACK_STAT.into(), Value::Str(text.into()))]),
+            Vec::new(),
+        ),
+        ..span("leaf", ts, ts, None)
+    };
+    let mut timeline = timeline();
+    let spans = &mut timeline.threads.get_mut(&11).unwrap().spans;
+    spans.extend([
+        sample(150, SHALLOW),
+        sample(250, SHALLOW),
+        sample(600, DEEP),
+    ]);
+    spans.sort_by_key(|s| s.start_ns);
+    timeline.threads.get_mut(&12).unwrap().spans = vec![sample(500, SHALLOW)];
+    let clocks = PerfettoClocks {
+        boot_minus_mono_ns: 1_000,
+    };
+    let bytes = timeline_to_perfetto_bytes(&timeline, clocks);
+    let trace = Trace::decode(bytes.as_slice()).unwrap();
+
+    let mut interned = InternedData::default();
+    let mut got: Vec<(u64, PerfSample, u32, bool)> = Vec::new();
+    let mut carrying = 0;
+    for p in &trace.packet {
+        let Some(trace_packet::Data::PerfSample(s)) = &p.data else {
+            continue;
+        };
+        assert_eq!(
+            p.optional_trusted_packet_sequence_id,
+            Some(
+                trace_packet::OptionalTrustedPacketSequenceId::TrustedPacketSequenceId(
+                    samples::SAMPLES_SEQUENCE_ID
+                )
+            )
+        );
+        if let Some(new) = &p.interned_data {
+            carrying += 1;
+            interned.mapping_paths.extend(new.mapping_paths.clone());
+            interned.mappings.extend(new.mappings.clone());
+            interned.function_names.extend(new.function_names.clone());
+            interned.frames.extend(new.frames.clone());
+            interned.callstacks.extend(new.callstacks.clone());
+        }
+        got.push((
+            p.timestamp(),
+            *s,
+            p.sequence_flags(),
+            p.first_packet_on_sequence(),
+        ));
+    }
+    assert_ne!(samples::SAMPLES_SEQUENCE_ID, SEQUENCE_ID);
+
+    // Only the first packet clears the sequence's state; all use it.
+    let (cleared, needs) = (
+        trace_packet::SequenceFlags::SeqIncrementalStateCleared as u32,
+        trace_packet::SequenceFlags::SeqNeedsIncrementalState as u32,
+    );
+    let flags: Vec<(u32, bool)> = got.iter().map(|g| (g.2, g.3)).collect();
+    assert_eq!(
+        flags,
+        [
+            (cleared | needs, true),
+            (needs, false),
+            (needs, false),
+            (needs, false)
+        ]
+    );
+    // Interned data travels only with the samples that need something new.
+    assert_eq!(carrying, 2);
+
+    // Each name, frame and stack interned once.
+    let names: Vec<&[u8]> = interned.function_names.iter().map(|n| n.str()).collect();
+    assert_eq!(names.len(), 5, "{names:?}");
+    let unique: std::collections::HashSet<_> = names.iter().collect();
+    assert_eq!(unique.len(), names.len());
+    assert_eq!(interned.frames.len(), names.len());
+    assert_eq!(interned.callstacks.len(), 2);
+    assert_eq!(interned.mappings.len(), 2);
+
+    let name_of = |iid: u64| {
+        let f = interned.frames.iter().find(|f| f.iid() == iid).unwrap();
+        let n = interned
+            .function_names
+            .iter()
+            .find(|n| n.iid() == f.function_name_id())
+            .unwrap();
+        let m = interned
+            .mappings
+            .iter()
+            .find(|m| m.iid() == f.mapping_id())
+            .unwrap();
+        let path = interned
+            .mapping_paths
+            .iter()
+            .find(|p| p.iid() == m.path_string_ids[0])
+            .unwrap();
+        (
+            String::from_utf8(n.str().to_vec()).unwrap(),
+            String::from_utf8(path.str().to_vec()).unwrap(),
+        )
+    };
+    // Root first: the text's lines reversed.
+    let stack_of = |s: &PerfSample| -> Vec<(String, String)> {
+        let c = interned
+            .callstacks
+            .iter()
+            .find(|c| c.iid() == s.callstack_iid())
+            .unwrap();
+        c.frame_ids.iter().map(|&f| name_of(f)).collect()
+    };
+    let lines = |text: &str, kernel_from: usize| -> Vec<(String, String)> {
+        let mut l: Vec<_> = text
+            .lines()
+            .enumerate()
+            .map(|(i, l)| {
+                let mapping = if i < kernel_from {
+                    "[kernel]"
+                } else {
+                    "[user]"
+                };
+                (l.to_string(), mapping.to_string())
+            })
+            .collect();
+        l.reverse();
+        l
+    };
+    let boot = |ns: u64| ns + 1_000;
+    let rows: Vec<_> = got
+        .iter()
+        .map(|(ts, s, ..)| (*ts, s.tid(), s.pid(), s.cpu(), s.cpu_mode(), stack_of(s)))
+        .collect();
+    use profiling::CpuMode::{ModeKernel, ModeUser};
+    assert_eq!(
+        rows,
+        [
+            (boot(150), 11, 10, 1, ModeUser, lines(SHALLOW, 0)),
+            (boot(250), 11, 10, 0, ModeUser, lines(SHALLOW, 0)),
+            (boot(600), 11, 10, 1, ModeKernel, lines(DEEP, 2)),
+            (boot(500), 12, 10, 0, ModeUser, lines(SHALLOW, 0)),
+        ]
+    );
+    assert_eq!(
+        write_timeline(&timeline, clocks, Vec::new())
+            .unwrap()
+            .perf_samples,
+        4
+    );
+    // The instants stay, with their stacks as text.
+    let instants = trace
+        .packet
+        .iter()
+        .filter(|p| {
+            matches!(&p.data, Some(trace_packet::Data::TrackEvent(e))
+                if e.r#type() == track_event::Type::Instant && !e.debug_annotations.is_empty())
+        })
+        .count();
+    assert_eq!(instants, 4);
 }
