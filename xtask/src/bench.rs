@@ -6,6 +6,7 @@
 //! The CUDA benchmark ([`cuda`]) measures what a traced driver call costs;
 //! its results go to `target/bench/cuda.md`.
 
+mod bpf;
 mod cuda;
 mod cuda_links;
 mod gpu_activity;

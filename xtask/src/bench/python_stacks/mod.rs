@@ -19,12 +19,14 @@
 //! For the two ebtrace runs, the kernel's BPF run-time statistics give
 //! what the stack program itself costs: its `run_time_ns` and `run_cnt`
 //! (from `/proc/<ebtrace>/fdinfo` of its program) when the window opens
-//! and at 80% of it.
+//! and at 80% of it. Those runs are rounds apart, and the machine's speed
+//! drifts between them by more than the Python frames cost; a last capture
+//! switches the frames off and on within itself ([`interleaved`]) for a
+//! figure the drift does not blur.
 
 use std::{
     fmt::Write as _,
     io::{BufRead as _, BufReader},
-    os::fd::{FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
@@ -33,15 +35,19 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use interleaved::Interleaved;
 
 use super::{
     Options,
+    bpf::{BpfStats, ProgStats},
     harness::{self, Configuration, each, ratio},
     jax::monotonic_s,
     report::{Environment, thousands},
     tracer::Traced,
 };
 use crate::util::{self, median, say};
+
+mod interleaved;
 
 /// The interpreter: one of the versions ebtrace reads Python frames of
 /// (3.10 to 3.13) that py-spy 0.4.1 reads too.
@@ -57,12 +63,6 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// When, as a fraction of ebtrace's window, its program's statistics are
 /// read the second time: well inside the window, before its end.
 const STATS_AT: f64 = 0.8;
-/// `BPF_PROG_TYPE_PERF_EVENT`: the type of ebtrace's stack program, its
-/// only one of that type.
-const PERF_EVENT_PROGRAM: &str = "7";
-/// `bpf(2)` commands and arguments the kernel's uapi header defines.
-const BPF_ENABLE_STATS: libc::c_long = 32;
-const BPF_STATS_RUN_TIME: u32 = 0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Config {
@@ -180,8 +180,13 @@ pub fn run(root: &Path, opts: Options) -> Result<String> {
         say(progress(&run, round, opts.rounds));
         runs.push(run);
     }
+    let seconds = opts.seconds * opts.rounds as f64;
+    say(format!(
+        "python stacks: one capture, Python frames switched off and on for {seconds} s"
+    ));
+    let interleaved = bench.interleaved(seconds)?;
     let _ = std::fs::remove_dir_all(&bench.scratch);
-    Ok(render(&env, &runs, opts, started.elapsed()))
+    Ok(render(&env, &runs, &interleaved, opts, started.elapsed()))
 }
 
 /// The progress line of one run.
@@ -326,7 +331,7 @@ impl Bench {
         Ok(Run {
             config,
             rate,
-            kernel: Some(second.since(&first, samples_per_s)?),
+            kernel: Some(kernel_cost_between(&first, &second, samples_per_s)?),
             samples,
             python_stacks: Some(python_stacks),
         })
@@ -537,115 +542,30 @@ fn schedstat(pid: u32) -> (u64, u64) {
     (fields.next().unwrap_or(0), fields.next().unwrap_or(0))
 }
 
-/// The kernel's BPF run-time statistics, on while this is held: a
-/// `BPF_ENABLE_STATS` file descriptor, which the kernel counts as one more
-/// user of `kernel.bpf_stats_enabled` and lets go of when it is closed,
-/// even if xtask is killed. The sysctl itself is never changed.
-struct BpfStats {
-    _enabled: OwnedFd,
+/// What the stack program cost from `earlier` to `later`, the target
+/// being sampled `samples_per_s` times a second meanwhile.
+fn kernel_cost_between(
+    earlier: &ProgStats,
+    later: &ProgStats,
+    samples_per_s: f64,
+) -> Result<Kernel> {
+    let (ns, runs) = later.since(earlier)?;
+    let samples = samples_per_s * (later.at - earlier.at);
+    let ns_per_sample = ns / samples.max(1.0);
+    Ok(Kernel {
+        ns_per_run: ns / runs,
+        ns_per_sample,
+        share: ns_per_sample * samples_per_s / 1e9,
+    })
 }
 
-impl BpfStats {
-    fn enable() -> Result<Self> {
-        /// `union bpf_attr`'s `enable_stats`.
-        #[repr(C)]
-        struct EnableStats {
-            kind: u32,
-        }
-        let attr = EnableStats {
-            kind: BPF_STATS_RUN_TIME,
-        };
-        // SAFETY: `attr` is a valid `enable_stats` of the size given; the
-        // kernel only reads it.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_ENABLE_STATS,
-                &raw const attr,
-                size_of::<EnableStats>(),
-            )
-        };
-        if fd < 0 {
-            bail!(
-                "bpf(BPF_ENABLE_STATS): {} (the kernel's BPF run-time statistics)",
-                std::io::Error::last_os_error()
-            );
-        }
-        // SAFETY: a descriptor the kernel just opened for this process and
-        // that nothing else owns.
-        let enabled = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(BpfStats { _enabled: enabled })
-    }
-}
-
-/// The kernel's statistics of ebtrace's stack program at one moment.
-#[derive(Clone, Copy, Debug)]
-struct ProgStats {
-    at: f64,
-    run_time_ns: u64,
-    run_cnt: u64,
-}
-
-impl ProgStats {
-    /// Reads them from the fdinfo of the program's descriptors in
-    /// `ebtrace_pid`: those whose `prog_type` is the perf_event one.
-    fn read(ebtrace_pid: u32) -> Result<Self> {
-        let at = monotonic_s();
-        let dir = format!("/proc/{ebtrace_pid}/fdinfo");
-        let mut found: Vec<(u64, u64, u64)> = std::fs::read_dir(&dir)
-            .with_context(|| format!("listing {dir}"))?
-            .flatten()
-            .filter_map(|fd| {
-                let info = std::fs::read_to_string(fd.path()).ok()?;
-                let field = |name: &str| {
-                    info.lines()
-                        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                        .map(str::trim)
-                };
-                if field("prog_type")? != PERF_EVENT_PROGRAM {
-                    return None;
-                }
-                let num = |name: &str| field(name)?.parse::<u64>().ok();
-                Some((num("prog_id")?, num("run_time_ns")?, num("run_cnt")?))
-            })
-            .collect();
-        found.sort_unstable();
-        found.dedup();
-        match found[..] {
-            [(_, run_time_ns, run_cnt)] => Ok(ProgStats {
-                at,
-                run_time_ns,
-                run_cnt,
-            }),
-            _ => bail!(
-                "expected one perf_event program among ebtrace's descriptors in {dir}, found \
-                 {found:?} (prog_id, run_time_ns, run_cnt)"
-            ),
-        }
-    }
-
-    /// What the program cost from `earlier` to this reading, the target
-    /// being sampled `samples_per_s` times a second meanwhile.
-    fn since(&self, earlier: &ProgStats, samples_per_s: f64) -> Result<Kernel> {
-        let ns = self.run_time_ns.saturating_sub(earlier.run_time_ns) as f64;
-        let runs = self.run_cnt.saturating_sub(earlier.run_cnt) as f64;
-        if ns == 0.0 || runs == 0.0 {
-            bail!(
-                "the stack program's statistics did not move ({earlier:?} to {self:?}): are the \
-                 kernel's BPF statistics on?"
-            );
-        }
-        let samples = samples_per_s * (self.at - earlier.at);
-        let ns_per_sample = ns / samples.max(1.0);
-        Ok(Kernel {
-            ns_per_run: ns / runs,
-            ns_per_sample,
-            share: ns_per_sample * samples_per_s / 1e9,
-        })
-    }
-}
-
-fn render(env: &Environment, runs: &[Run], opts: Options, took: Duration) -> String {
+fn render(
+    env: &Environment,
+    runs: &[Run],
+    interleaved: &Interleaved,
+    opts: Options,
+    took: Duration,
+) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "## Python stacks benchmark ({})\n", env.date());
     md.push_str(&env.header_lines());
@@ -682,6 +602,7 @@ fn render(env: &Environment, runs: &[Run], opts: Options, took: Duration) -> Str
     kernel_cost(&mut md, runs);
     versus_py_spy(&mut md, runs);
     direct_cost(&mut md, runs, opts.seconds);
+    interleaved::render(&mut md, interleaved);
     md
 }
 
@@ -1019,11 +940,11 @@ mod tests {
             run_time_ns: 401_000,
             run_cnt: 410,
         };
-        let k = second.since(&first, 100.0).unwrap();
+        let k = kernel_cost_between(&first, &second, 100.0).unwrap();
         assert_eq!(k.ns_per_run, 1_000.0);
         assert_eq!(k.ns_per_sample, 2_000.0);
         assert!((k.share - 0.000_2).abs() < 1e-12, "{k:?}");
-        assert!(first.since(&first, 100.0).is_err());
+        assert!(kernel_cost_between(&first, &first, 100.0).is_err());
     }
 
     #[test]
