@@ -53,9 +53,16 @@ pub mod names {
     /// [`super::NO_LAUNCH_STACKS`] for none, else at least this many
     /// nanoseconds between two on one CPU (a bound on their cost).
     pub const LAUNCH_STACK_GAP_NS: &str = "LAUNCH_STACK_GAP_NS";
-    /// A one-entry per-CPU array: when the CPU's last launch stack was
-    /// taken (`bpf_ktime_get_ns`).
+    /// A one-entry per-CPU array: the start of the driver call whose stack
+    /// the CPU took last (`bpf_ktime_get_ns`), which the stack program
+    /// reached by tail call writes as the record's time.
     pub const LAUNCH_STACK_LAST_NS: &str = "LAUNCH_STACK_LAST_NS";
+    /// A one-entry program array: [`LAUNCH_STACK_PROGRAM`], which the
+    /// driver calls' entry programs tail-call to take a launch stack.
+    pub const LAUNCH_STACK_JUMP: &str = "LAUNCH_STACK_JUMP";
+    /// The program that writes a launch stack, in the entry's context: one
+    /// program verifies the stack walk, not each entry program.
+    pub const LAUNCH_STACK_PROGRAM: &str = "cuda_launch_stack";
 }
 
 /// [`names::LAUNCH_STACK_GAP_NS`] that takes no launch stacks.

@@ -17,7 +17,9 @@
 //! A call that submits work (a launch, a copy, a memset) also writes the
 //! stack it was made from at its entry, as a stack sample marked
 //! `FLAG_LAUNCH` whose time is the call's start, as `LAUNCH_STACK_GAP_NS`
-//! says: every call, none, or at most one per gap on each CPU.
+//! says: every call, none, or at most one per gap on each CPU. The entry
+//! program tail-calls `cuda_launch_stack` for it, so that the stack walk
+//! is verified once rather than in each entry program.
 //!
 //! A slot outlives its call: the return marks it free (`start_ns` 0) and
 //! the thread's next call of the function writes it again in place. A
@@ -35,7 +37,7 @@ use aya_ebpf::{
         generated::{bpf_get_attach_cookie, bpf_probe_read_user_str},
     },
     macros::{map, uprobe, uretprobe},
-    maps::{LruHashMap, PerCpuArray},
+    maps::{LruHashMap, PerCpuArray, ProgramArray},
     programs::{ProbeContext, RetProbeContext},
 };
 use tracer_common::{
@@ -69,15 +71,17 @@ static LAUNCH_STACK_GAP_NS: u64 = NO_LAUNCH_STACKS;
 #[map]
 static LAUNCH_STACK_LAST_NS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
+/// See `tracer_common::stack::names::LAUNCH_STACK_JUMP`.
+#[map]
+static LAUNCH_STACK_JUMP: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
 /// Whether a call that submits work at `now_ns` carries its stack: always,
-/// never, or if this CPU took none for the gap.
+/// never, or if this CPU took none for the gap. If so, `now_ns` is left for
+/// the stack program as the record's time.
 #[inline(always)]
 fn take_launch_stack(now_ns: u64) -> bool {
     // SAFETY: a global read-only after load.
     let gap = unsafe { core::ptr::read_volatile(&LAUNCH_STACK_GAP_NS) };
-    if gap == 0 {
-        return true;
-    }
     if gap == NO_LAUNCH_STACKS {
         return false;
     }
@@ -86,12 +90,36 @@ fn take_launch_stack(now_ns: u64) -> bool {
     };
     // SAFETY: this CPU's slot; programs do not migrate while running.
     unsafe {
-        if now_ns.wrapping_sub(*last) < gap {
+        if gap != 0 && now_ns.wrapping_sub(*last) < gap {
             return false;
         }
         *last = now_ns;
     }
     true
+}
+
+/// The stack of a driver call that submits work, at its entry: tail-called
+/// by the entry program (its context is the entry's), so that the stack
+/// walk and its Python frames are verified once, not in each entry program.
+#[uprobe]
+pub fn cuda_launch_stack(ctx: ProbeContext) -> u32 {
+    let (tid, tgid) = current();
+    let Some(at_ns) = LAUNCH_STACK_LAST_NS.get(0).copied() else {
+        return 0;
+    };
+    // SAFETY: a uprobe context holds the user registers at the probed instruction.
+    let regs = unsafe { &*ctx.regs };
+    let what = StackOf {
+        regs: Some([regs.rip, regs.rsp, regs.rbp]),
+        kernel: false,
+        flags: FLAG_LAUNCH,
+        off_cpu_us: 0,
+        syscall: 0,
+        at_ns,
+    };
+    // SAFETY: a uprobe's context is what `bpf_get_stack` takes.
+    unsafe { write_stack(ctx.as_ptr(), tid, tgid, &what) };
+    0
 }
 
 #[inline(always)]
@@ -145,32 +173,28 @@ fn enter(ctx: &ProbeContext, extra: impl FnOnce(&[u64; 6], u64) -> [u64; 8]) -> 
         extra: extra(&args, regs.rsp),
         args,
     };
-    if cookie::submits(cookie) && take_launch_stack(start_ns) {
-        let what = StackOf {
-            regs: Some([regs.rip, regs.rsp, regs.rbp]),
-            kernel: false,
-            flags: FLAG_LAUNCH,
-            off_cpu_us: 0,
-            syscall: 0,
-            at_ns: start_ns,
-        };
-        // SAFETY: a uprobe's context is what `bpf_get_stack` takes.
-        unsafe { write_stack(ctx.as_ptr(), tid, tgid, &what) };
-    }
+    let stack = cookie::submits(cookie) && take_launch_stack(start_ns);
     if cookie::entry_only(cookie) {
         submit_call(tid, tgid, cookie, &pending, 0, 0, flags::ENTRY_ONLY);
-        return 0;
-    }
-    let key = pending_key(tid, cookie);
-    match CUDA_PENDING.get_ptr_mut(key) {
-        // SAFETY: a live map value; only this thread reads or writes the
-        // slots under its tid.
-        Some(slot) => unsafe { *slot = pending },
-        None => {
-            if CUDA_PENDING.insert(key, pending, 0).is_err() {
-                cuda_bump(stat::PENDING_FULL);
+    } else {
+        let key = pending_key(tid, cookie);
+        match CUDA_PENDING.get_ptr_mut(key) {
+            // SAFETY: a live map value; only this thread reads or writes the
+            // slots under its tid.
+            Some(slot) => unsafe { *slot = pending },
+            None => {
+                if CUDA_PENDING.insert(key, pending, 0).is_err() {
+                    cuda_bump(stat::PENDING_FULL);
+                }
             }
         }
+    }
+    if stack {
+        // Last: a tail call does not come back. If it fails (no program
+        // in the array), the call goes without its stack.
+        // SAFETY: the program in the array is `cuda_launch_stack`, of this
+        // program's type, which takes this context.
+        unsafe { LAUNCH_STACK_JUMP.tail_call(ctx, 0) };
     }
     0
 }

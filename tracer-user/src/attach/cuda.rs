@@ -19,13 +19,16 @@
 use std::num::NonZeroU32;
 
 use aya::{
-    maps::{MapData, PerCpuArray},
+    maps::{MapData, PerCpuArray, ProgramArray},
     programs::{
         UProbe,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
-use tracer_common::cuda::{names, shape, stat};
+use tracer_common::{
+    cuda::{names, shape, stat},
+    stack::names as stack_names,
+};
 
 use super::{
     ProbeSet,
@@ -248,6 +251,9 @@ fn attach_targets(
     }
     let warnings = &mut messages.warnings;
     let no_multi = why_not_multi(set);
+    if let Err(e) = set_launch_stack_program(set, no_multi.is_none()) {
+        warnings.push(format!("launch stacks: {e}; driver calls go without them"));
+    }
     let mut attached = Vec::new();
     for (pid, library) in found {
         let mut made = Vec::new();
@@ -320,6 +326,49 @@ impl Drop for CudaProbe {
     }
 }
 
+/// Puts the program that writes launch stacks where the entry programs
+/// tail-call it, if the set takes them: its copy loaded for multi-uprobe
+/// links (`multi`), or aya's, loaded once per probe set.
+fn set_launch_stack_program(set: &mut ProbeSet, multi: bool) -> Result<()> {
+    if !set.config().launch_stacks.any() {
+        return Ok(());
+    }
+    let program = stack_names::LAUNCH_STACK_PROGRAM;
+    let jump = stack_names::LAUNCH_STACK_JUMP;
+    if multi {
+        return set
+            .set_multi_jump(jump, 0, program)
+            .map_err(|e| Error::io(format!("putting {program} in {jump}"), e));
+    }
+    let probe = uprobe(set, program);
+    if probe.fd().is_ok() {
+        return Ok(());
+    }
+    probe.load().map_err(|source| Error::Attach {
+        what: format!("program {program} (verifier)"),
+        source: Box::new(source),
+    })?;
+    let fd = probe
+        .fd()
+        .and_then(|fd| fd.try_clone().map_err(Into::into))
+        .map_err(|source| Error::Attach {
+            what: format!("program {program}"),
+            source: Box::new(source),
+        })?;
+    let map_error = |source| Error::Map {
+        name: jump,
+        source: Box::new(source),
+    };
+    let map = set.ebpf().map_mut(jump).ok_or_else(|| {
+        map_error(aya::maps::MapError::InvalidName {
+            name: jump.to_string(),
+        })
+    })?;
+    ProgramArray::try_from(map)
+        .and_then(|mut array| array.set(0, &fd, 0))
+        .map_err(map_error)
+}
+
 /// Chooses, once per capture, between multi-uprobe links (`None`, the
 /// programs loaded for them) and perf-event links (why not multi).
 fn why_not_multi(set: &mut ProbeSet) -> Option<String> {
@@ -329,7 +378,11 @@ fn why_not_multi(set: &mut ProbeSet) -> Option<String> {
     if let Some(why) = uprobe_multi::kernel_unfit(&crate::procfs::kernel_release()) {
         return Some(why);
     }
-    set.load_multi(&PROGRAMS).err().map(|e| e.to_string())
+    let mut programs = PROGRAMS.to_vec();
+    if set.config().launch_stacks.any() {
+        programs.push(stack_names::LAUNCH_STACK_PROGRAM);
+    }
+    set.load_multi(&programs).err().map(|e| e.to_string())
 }
 
 /// One probed function: where, and what its programs are told.

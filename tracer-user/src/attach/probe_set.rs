@@ -3,7 +3,10 @@
 //! loads and attaches its own programs on it; dropping or detaching the
 //! set detaches every program at once.
 
-use std::os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd};
+use std::{
+    io,
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
+};
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -227,6 +230,22 @@ impl ProbeSet {
     ) -> std::result::Result<(), uprobe_multi::LoadError> {
         self.multi = uprobe_multi::Programs::load(EBPF_OBJECT, &self.map_fds, names)?;
         Ok(())
+    }
+
+    /// Puts `program`, loaded by [`ProbeSet::load_multi`], at `index` of
+    /// the program array `map`, for the programs loaded with it to
+    /// tail-call.
+    pub fn set_multi_jump(&self, map: &str, index: u32, program: &str) -> io::Result<()> {
+        let map = self
+            .map_fds
+            .iter()
+            .find(|(name, _)| name == map)
+            .map(|(_, fd)| fd.as_fd())
+            .ok_or_else(|| io::Error::other(format!("no map {map}")))?;
+        let program = self
+            .multi_program(program)
+            .ok_or_else(|| io::Error::other(format!("program {program} is not loaded")))?;
+        uprobe_multi::set_jump(map, index, program)
     }
 
     /// A program loaded by [`ProbeSet::load_multi`].

@@ -241,6 +241,34 @@ pub fn attach(
     Ok(Link { _fd: fd })
 }
 
+/// Puts `program` at `index` of the program array `map`, for tail calls
+/// from the programs loaded here (a tail call needs a program of the
+/// caller's attach type: these, not aya's).
+pub fn set_jump(map: BorrowedFd<'_>, index: u32, program: BorrowedFd<'_>) -> io::Result<()> {
+    let value = program.as_raw_fd() as u32;
+    // SAFETY: bpf_attr is a plain C union of integers; zeroes are unset.
+    let mut attr: bpf_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: writing plain integer fields of the map element member.
+    let elem = unsafe { &mut attr.__bindgen_anon_2 };
+    elem.map_fd = map.as_raw_fd() as u32;
+    elem.key = &raw const index as u64;
+    elem.__bindgen_anon_1.value = &raw const value as u64;
+    // SAFETY: attr is valid for BPF_MAP_UPDATE_ELEM; key and value outlive
+    // the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            bpf_cmd::BPF_MAP_UPDATE_ELEM as libc::c_long,
+            &raw mut attr,
+            size_of::<bpf_attr>(),
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// `bpf(cmd, attr)` for commands that return a new descriptor.
 ///
 /// # Safety

@@ -277,9 +277,13 @@ impl StackSymbolizer {
 
     /// Remembers where process `pid` has its code now, before any stack of
     /// it arrives: a process that exits before its first stacks are drained
-    /// still has them named.
+    /// still has them named. Its first stack with an address in none of
+    /// these mappings (a library loaded since) has them read again at once.
     pub fn note_process(&mut self, pid: u32) {
         self.read_code(pid);
+        if let Some(known) = self.code.get_mut(&pid) {
+            known.reread_after = Duration::ZERO;
+        }
     }
 
     /// Reads `pid`'s mappings into [`Self::code`].
@@ -294,7 +298,9 @@ impl StackSymbolizer {
             .collect();
         files.sort_by_key(|m| m.start);
         let reread_after = match self.code.get(&pid) {
-            Some(known) if known.all == all => (known.reread_after * 2).min(MAPS_REREAD_AT_MOST),
+            Some(known) if known.all == all => {
+                (known.reread_after * 2).clamp(MAPS_REREAD_AFTER, MAPS_REREAD_AT_MOST)
+            }
             _ => MAPS_REREAD_AFTER,
         };
         self.code.insert(
@@ -534,6 +540,25 @@ mod tests {
         // An address in no file it had mapped stays unknown.
         symbolizer.resolve(Space::Process(pid), [8]);
         assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
+    }
+
+    /// Code mapped after the capture started (a library the target loads
+    /// later) has the mappings read again at the first stack in it, not a
+    /// second later.
+    #[test]
+    fn code_mapped_after_the_start_is_read_at_its_first_stack() {
+        use maps::AnonymousCode;
+
+        let pid = std::process::id();
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_process(pid);
+        let read_at = symbolizer.code[&pid].read_at;
+        let later = AnonymousCode::map();
+        symbolizer.note_code(user_sample(pid, later.address).stack());
+        let known = &symbolizer.code[&pid];
+        assert!(known.read_at > read_at);
+        assert!(maps::in_code(&known.all, later.address));
+        assert_eq!(known.reread_after, MAPS_REREAD_AFTER);
     }
 
     /// A target noted when the capture starts, whose stacks are all drained

@@ -264,8 +264,7 @@ fn read_debug_offsets(
     debug.code_qualname = small(0x128).map(u64::from).or(debug.code_qualname);
     debug.code_adaptive = small(0x158).map(u64::from).or(debug.code_adaptive);
     debug.thread_native_id = small(0xc8).map(u64::from).or(debug.thread_native_id);
-    let frame_end = [walk_end(&debug)];
-    if frame_end[0] <= u64::from(debug.walk.frame_bytes) {
+    if walk_end(&debug) <= u64::from(debug.walk.frame_bytes) {
         *layout = debug;
     }
     Ok(())
