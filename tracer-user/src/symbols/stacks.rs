@@ -286,10 +286,19 @@ impl StackSymbolizer {
         }
     }
 
-    /// Reads `pid`'s mappings into [`Self::code`].
+    /// Reads `pid`'s mappings into [`Self::code`]. A process that has
+    /// exited keeps the mappings last read: a zombie maps nothing, and its
+    /// addresses are named from the files it had mapped.
     fn read_code(&mut self, pid: u32) {
-        let Ok(maps) = maps::read_maps(pid) else {
-            return;
+        let maps = match maps::read_maps(pid) {
+            Ok(maps) if !maps.is_empty() => maps,
+            _ => {
+                if let Some(known) = self.code.get_mut(&pid) {
+                    known.read_at = Instant::now();
+                    known.reread_after = MAPS_REREAD_AT_MOST;
+                }
+                return;
+            }
         };
         let all = maps::code_ranges(&maps);
         let mut files: Vec<Mapping> = maps
@@ -580,6 +589,41 @@ mod tests {
 
         symbolizer.note_stack(user_sample(pid, address).stack());
         symbolizer.resolve(Space::Process(pid), [address]);
+        assert_names_write(&symbolizer, pid, address, &libc);
+        child.wait().unwrap();
+    }
+
+    /// A target noted when the capture starts, which loads a library, runs
+    /// in it and exits before its stacks are drained: the stack in the new
+    /// library has its mappings read again, from a zombie that maps
+    /// nothing, and what was read at the start still names the rest.
+    #[test]
+    fn a_zombie_read_again_keeps_the_files_it_had_mapped() {
+        let (mut child, address, libc) = sleeping_child();
+        let pid = child.id();
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_process(pid);
+        child.kill().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while procfs::is_alive(pid) {
+            assert!(Instant::now() < deadline, "sleep did not die");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+
+        // An address in no mapping read at the start: a library loaded since.
+        let stack = [0x10, address + 1];
+        symbolizer.note_stack(SampledStack {
+            pid,
+            kernel: &[],
+            user: &stack,
+        });
+        // The background lookup finds the zombie's map empty.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !symbolizer.asked.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+            symbolizer.take_answers();
+        }
+        symbolizer.resolve(Space::Process(pid), [lookup_address(1, address + 1)]);
         assert_names_write(&symbolizer, pid, address, &libc);
         child.wait().unwrap();
     }
