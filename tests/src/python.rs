@@ -4,7 +4,7 @@
 use std::{
     io::{BufRead as _, BufReader},
     path::Path,
-    process::{Child, Command, Stdio},
+    process::{Child, ChildStdout, Command, Stdio},
 };
 
 use ebtrace_proto::tensorflow::profiler::{XSpace, x_event, x_stat};
@@ -34,6 +34,7 @@ pub fn start_jax_with(python: &Path, args: &[&str]) -> PythonWorkload {
 /// script prints `{"pid": N}` once warmed up.
 pub struct PythonWorkload {
     child: Child,
+    stdout: BufReader<ChildStdout>,
     pub pid: u32,
     /// What the script printed first.
     pub start_line: serde_json::Value,
@@ -66,20 +67,33 @@ impl PythonWorkload {
             .spawn()
             .unwrap_or_else(|e| panic!("start {script}: {e}"));
         let mut first = String::new();
-        BufReader::new(child.stdout.as_mut().expect("piped"))
-            .read_line(&mut first)
-            .expect("read start line");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        stdout.read_line(&mut first).expect("read start line");
         let v: serde_json::Value = serde_json::from_str(&first)
             .unwrap_or_else(|e| panic!("bad start line of {script} {first:?}: {e}"));
         PythonWorkload {
             pid: v["pid"].as_u64().expect("pid") as u32,
             child,
+            stdout,
             start_line: v,
         }
     }
 }
 
 impl PythonWorkload {
+    /// The next JSON line the script prints (it blocks until one comes).
+    pub fn next_line(&mut self) -> serde_json::Value {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("read a line");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}"))
+    }
+
+    /// Sends the script `signal`.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: a signal to the child, which this owns and has not reaped.
+        assert_eq!(unsafe { libc::kill(self.pid as i32, signal) }, 0);
+    }
+
     /// Waits up to `deadline` for the workload to exit by itself; its exit
     /// status, or `None` if it still runs.
     pub fn wait_exit(&mut self, deadline: std::time::Duration) -> Option<std::process::ExitStatus> {

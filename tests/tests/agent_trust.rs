@@ -366,6 +366,7 @@ fn a_session_nobody_stops_ends_when_its_lease_runs_out() {
             host: 2,
             python: 0,
             device: 0,
+            ops: 0,
         },
         lease_ms: 1_500,
     };

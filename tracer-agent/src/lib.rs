@@ -4,8 +4,8 @@
 //! see `tracer-user/src/agent/inject`) or the program starts with it
 //! (`LD_PRELOAD`, see [`preload`]). Its entry point starts one thread that talks to ebtrace
 //! over a socket ([`protocol`]) and drives what only the process itself can
-//! run: the framework's own profiler session ([`python`]) and the profilers
-//! of its PJRT plugins ([`pjrt`]). When ebtrace's
+//! run: the framework's own profiler session ([`python`]), the profilers
+//! of its PJRT plugins ([`pjrt`]) and PyTorch's ops ([`torch_ops`]). When ebtrace's
 //! end of the socket closes, whatever the agent started is stopped.
 //!
 //! It is small and self-contained: `no_std`, no allocator of its own (it
@@ -15,6 +15,7 @@
 #![cfg_attr(not(test), no_std)]
 
 pub mod activity;
+pub mod op_records;
 pub mod protocol;
 
 mod agent;
@@ -26,6 +27,7 @@ pub mod preload;
 mod python;
 mod sources;
 mod sys;
+mod torch_ops;
 
 /// Listens for ebtrace when preloaded (see [`preload`]).
 #[cfg(feature = "cdylib")]

@@ -6,7 +6,7 @@
 //! whatever it started and its thread ends: the socket is its watchdog.
 
 /// Version of this protocol, sent in [`HELLO`].
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
 /// Longest payload ebtrace accepts from an agent (an XSpace).
@@ -124,10 +124,16 @@ pub const COLLECTED: u32 = 110;
 /// agent → ebtrace: answer to a right [`PROVE`].
 pub const PROVEN: u32 = 111;
 
+/// agent → ebtrace: PyTorch's ops, one frame at the end of a recording
+/// (see [`crate::op_records`]).
+pub const TORCH_OPS: u32 = 112;
+
 /// A [`STARTED`] line: the framework session that runs.
 pub const SOURCE_FRAMEWORK: &str = "framework";
 /// A [`STARTED`] line: the device activity source that runs.
 pub const SOURCE_DEVICE: &str = "device";
+/// A [`STARTED`] line: PyTorch's ops recording.
+pub const SOURCE_OPS: &str = "ops";
 /// A [`STARTED`] line: a source that did not start, and why.
 pub const SOURCE_NOTE: &str = "note";
 
@@ -168,18 +174,21 @@ pub struct SessionLevels {
     pub python: u32,
     /// Device tracers (GPU/TPU activity): 0 off, 1 on.
     pub device: u32,
+    /// PyTorch's ops (RecordFunction callbacks): 0 off, 1 on.
+    pub ops: u32,
 }
 
 impl SessionLevels {
     /// Bytes of an encoded [`SessionLevels`].
-    pub const LEN: usize = 12;
+    pub const LEN: usize = 16;
 
     /// The payload of a [`START`].
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0; Self::LEN];
         b[..4].copy_from_slice(&self.host.to_le_bytes());
         b[4..8].copy_from_slice(&self.python.to_le_bytes());
-        b[8..].copy_from_slice(&self.device.to_le_bytes());
+        b[8..12].copy_from_slice(&self.device.to_le_bytes());
+        b[12..].copy_from_slice(&self.ops.to_le_bytes());
         b
     }
 
@@ -190,6 +199,7 @@ impl SessionLevels {
             host: word(0),
             python: word(4),
             device: word(8),
+            ops: word(12),
         }
     }
 }
@@ -306,6 +316,7 @@ mod tests {
             host: 2,
             python: 0,
             device: 1,
+            ops: 1,
         };
         assert_eq!(SessionLevels::decode(&l.encode()), l);
         let start = StartRequest {
@@ -330,6 +341,7 @@ mod tests {
                 host: 2,
                 python: 0,
                 device: 0,
+                ops: 0,
             },
             lease_ms: u32::MAX,
         };

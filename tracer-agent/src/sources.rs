@@ -1,6 +1,6 @@
 //! What the agent records between a START and a STOP: the framework's own
-//! profiler session and the device's activity, each where the process
-//! allows it.
+//! profiler session, the device's activity and PyTorch's ops, each where
+//! the process allows it.
 //!
 //! Never two device tracers at once: the framework's session starts
 //! first, and where it traces the GPU itself (jax with its CUDA plugin) it
@@ -13,6 +13,7 @@ use crate::{
     cupti, pjrt,
     protocol::{self, SessionLevels},
     python::{Session, Text},
+    torch_ops,
 };
 
 /// The sources recording for ebtrace.
@@ -20,6 +21,7 @@ pub struct Sources {
     framework: Option<Session>,
     plugin: Option<pjrt::PluginSession>,
     cupti: Option<cupti::Recording>,
+    ops: Option<torch_ops::Recording>,
 }
 
 impl Sources {
@@ -33,6 +35,7 @@ impl Sources {
             framework: None,
             plugin: None,
             cupti: None,
+            ops: None,
         };
         let mut first_failure = None;
         if levels.host > 0 {
@@ -79,7 +82,23 @@ impl Sources {
                 }
             }
         }
-        if sources.framework.is_none() && sources.plugin.is_none() && sources.cupti.is_none() {
+        if levels.ops > 0 {
+            match torch_ops::Recording::start() {
+                Ok((r, what)) => {
+                    line(&mut lines, protocol::SOURCE_OPS, what.as_bytes());
+                    sources.ops = Some(r);
+                }
+                Err(why) => {
+                    line(&mut lines, protocol::SOURCE_NOTE, why.as_bytes());
+                    first_failure.get_or_insert(why);
+                }
+            }
+        }
+        if sources.framework.is_none()
+            && sources.plugin.is_none()
+            && sources.cupti.is_none()
+            && sources.ops.is_none()
+        {
             return Err(first_failure.unwrap_or_else(|| Text::new("nothing to record")));
         }
         Ok((sources, lines))
@@ -125,6 +144,9 @@ impl Sources {
         if let Some(r) = self.cupti {
             let _ = r.stop(|_| {});
         }
+        if let Some(r) = self.ops {
+            r.discard();
+        }
     }
 
     /// Stops every source, handing what each recorded to `deliver` as
@@ -141,6 +163,11 @@ impl Sources {
         }
         if let Some(r) = self.cupti
             && let Some(w) = r.stop(|batch| deliver(protocol::DEVICE_ACTIVITY, batch))
+        {
+            why.get_or_insert(w);
+        }
+        if let Some(r) = self.ops
+            && let Some(w) = r.stop(|ops| deliver(protocol::TORCH_OPS, ops))
         {
             why.get_or_insert(w);
         }

@@ -10,6 +10,12 @@ use core::ffi::{c_char, c_int, c_ulong, c_void};
 /// `pthread_t`.
 pub type PthreadT = c_ulong;
 
+/// `pthread_key_t`.
+pub type PthreadKey = core::ffi::c_uint;
+
+/// `SYS_gettid` (x86-64).
+pub const SYS_GETTID: core::ffi::c_long = 186;
+
 /// `sigset_t` (glibc: 1024 bits).
 #[repr(C)]
 pub struct SigSet([u64; 16]);
@@ -94,6 +100,13 @@ pub const RTLD_NODELETE: c_int = 0x1000;
 pub const PROT_READ_WRITE: c_int = 3;
 /// `MAP_PRIVATE | MAP_ANONYMOUS`.
 pub const MAP_PRIVATE_ANONYMOUS: c_int = 0x02 | 0x20;
+/// `PROT_READ | PROT_EXEC`.
+pub const PROT_READ_EXEC: c_int = 1 | 4;
+/// `MAP_FIXED_NOREPLACE`: at this address or nowhere (Linux 4.17; older
+/// kernels take the address as a hint).
+pub const MAP_FIXED_NOREPLACE: c_int = 0x10_0000;
+/// `MAP_NORESERVE`.
+pub const MAP_NORESERVE: c_int = 0x4000;
 /// `MAP_FAILED`.
 pub const MAP_FAILED: *mut c_void = !0usize as *mut c_void;
 
@@ -204,6 +217,15 @@ unsafe extern "C" {
         offset: i64,
     ) -> *mut c_void;
     pub fn munmap(addr: *mut c_void, len: usize) -> c_int;
+    pub fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> c_int;
+    pub fn pthread_key_create(
+        key: *mut PthreadKey,
+        destructor: Option<unsafe extern "C" fn(*mut c_void)>,
+    ) -> c_int;
+    pub fn pthread_key_delete(key: PthreadKey) -> c_int;
+    pub fn pthread_getspecific(key: PthreadKey) -> *mut c_void;
+    pub fn pthread_setspecific(key: PthreadKey, value: *const c_void) -> c_int;
+    pub fn syscall(number: core::ffi::c_long, ...) -> core::ffi::c_long;
     pub fn clock_gettime(clock: c_int, ts: *mut Timespec) -> c_int;
     pub fn nanosleep(req: *const Timespec, rem: *mut Timespec) -> c_int;
     pub fn poll(fds: *mut PollFd, n: c_ulong, timeout_ms: c_int) -> c_int;

@@ -86,6 +86,8 @@ pub struct CaptureOptions {
     /// Never record what the GPU ran through the agent (CUPTI): the GPU
     /// lines then show the work as the host submitted it.
     pub no_device_activity: bool,
+    /// Never record PyTorch's ops through the agent.
+    pub no_torch_ops: bool,
     /// Most the framework's profiler session, run by the agent, may grow a
     /// target by (its resident memory, in bytes) before ebtrace stops it;
     /// none: [`default_framework_memory`].
@@ -349,7 +351,13 @@ impl Capture {
             sessions: mut framework,
             uprobe_pids,
             notes,
-        } = start_agent_sessions(&self.targets, level, self.options.route, device_activity);
+        } = start_agent_sessions(
+            &self.targets,
+            level,
+            self.options.route,
+            device_activity,
+            !self.options.no_torch_ops,
+        );
         if uprobe_pids != self.uprobe_pids {
             return Err("the targets' TraceMe events now take another route".into());
         }

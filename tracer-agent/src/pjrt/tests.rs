@@ -30,6 +30,7 @@ fn profile_options_decode_to_the_levels() {
         host: 2,
         python: 1,
         device: 1,
+        ops: 0,
     });
     assert_eq!(
         (
@@ -55,7 +56,12 @@ fn profile_options_decode_to_the_levels() {
 proptest! {
     #[test]
     fn profile_options_carry_any_levels(host: u32, python: u32, device: u32) {
-        let o = options(SessionLevels { host, python, device });
+        let o = options(SessionLevels {
+            host,
+            python,
+            device,
+            ops: 0,
+        });
         prop_assert_eq!(o.version, 1);
         prop_assert_eq!(o.host_tracer_level, host);
         prop_assert_eq!(o.device_tracer_level, device);
@@ -230,6 +236,7 @@ const LEVELS: SessionLevels = SessionLevels {
     host: 2,
     python: 0,
     device: 1,
+    ops: 0,
 };
 
 /// The whole route in this process, in one test: plugins are global.

@@ -11,6 +11,7 @@ pub mod inject;
 mod kernel_names;
 mod preloaded;
 mod route;
+mod torch_abi;
 
 pub use error::AgentError;
 pub use kernel_names::KernelNaming;
@@ -47,6 +48,8 @@ pub struct Started {
     pub framework: Option<String>,
     /// The device activity source, e.g. `CUPTI 12.8 activity: kernels, ...`.
     pub device: Option<String>,
+    /// PyTorch's ops recording.
+    pub ops: Option<String>,
     /// Sources that did not start, and why.
     pub notes: Vec<String>,
 }
@@ -60,6 +63,7 @@ impl Started {
             match source {
                 protocol::SOURCE_FRAMEWORK => started.framework = Some(text),
                 protocol::SOURCE_DEVICE => started.device = Some(text),
+                protocol::SOURCE_OPS => started.ops = Some(text),
                 _ => started.notes.push(text),
             }
         }
@@ -185,6 +189,7 @@ impl AgentSession {
                 host: 0,
                 python: 0,
                 device: 0,
+                ops: 0,
             },
             control,
             injected,
@@ -343,6 +348,7 @@ impl AgentSession {
                 recording
                     .device_activity
                     .splice(0..0, early.device_activity);
+                recording.torch_ops.splice(0..0, early.torch_ops);
                 recording.problem = recording.problem.or(early.problem);
                 recording.target_growth = recording.target_growth.max(early.target_growth);
             }
@@ -414,12 +420,17 @@ impl AgentSession {
     /// Reads the answer to a stop (`name`) and what it brought.
     fn gather_recording(&mut self, name: &'static str) -> Result<AgentRecording, AgentError> {
         let (mut xspaces, mut device_activity, mut problem) = (Vec::new(), Vec::new(), None);
+        let mut torch_ops = Vec::new();
         loop {
             match self.receive()? {
                 (protocol::XSPACE, p) => xspaces.push(p),
                 (protocol::DEVICE_ACTIVITY, p) => device_activity.push(p),
+                (protocol::TORCH_OPS, p) => torch_ops.push(p),
                 (protocol::STOPPED, why)
-                    if xspaces.is_empty() && device_activity.is_empty() && !why.is_empty() =>
+                    if xspaces.is_empty()
+                        && device_activity.is_empty()
+                        && torch_ops.is_empty()
+                        && !why.is_empty() =>
                 {
                     return Err(AgentError::refused(&why));
                 }
@@ -442,6 +453,7 @@ impl AgentSession {
             pid: self.pid,
             xspaces,
             device_activity,
+            torch_ops,
             problem,
             threads: self
                 .thread_pointers

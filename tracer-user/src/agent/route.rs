@@ -4,7 +4,10 @@
 
 use tracer_agent::protocol::SessionLevels;
 
-use super::AgentSession;
+use super::{
+    AgentSession,
+    torch_abi::{self, NO_PYTORCH},
+};
 use crate::procfs::TargetProcess;
 
 /// How a target's TraceMe events are collected.
@@ -81,16 +84,18 @@ impl AgentStart {
 }
 
 /// Starts, through the agent, the framework's own profiler session in
-/// every target the TraceMe route allows and, with `device_activity`, the
+/// every target the TraceMe route allows, with `device_activity` the
 /// device's activity (CUPTI, or a PJRT plugin's profiler) in every process
-/// with a GPU or TPU runtime loaded; returns those sessions,
-/// the pids left to the TraceMe uprobes, and lines saying which route each
-/// target got.
+/// with a GPU or TPU runtime loaded, and with `torch_ops` PyTorch's ops in
+/// every PyTorch process whose callback layout checks out; returns those
+/// sessions, the pids left to the TraceMe uprobes, and lines saying which
+/// route each target got.
 pub fn start_agent_sessions(
     targets: &[TargetProcess],
     level: u32,
     route: TraceMeRoute,
     device_activity: bool,
+    torch_ops: bool,
 ) -> AgentStart {
     let mut out = AgentStart {
         sessions: Vec::new(),
@@ -106,6 +111,17 @@ pub fn start_agent_sessions(
             framework_in(pid)
         };
         let device = device_activity && device_in(pid);
+        let torch = if torch_ops {
+            torch_abi::check(pid)
+        } else {
+            Err(String::new())
+        };
+        if let Err(why) = &torch
+            && why != NO_PYTORCH
+            && !why.is_empty()
+        {
+            out.notes.push(format!("pid {pid}: no PyTorch ops: {why}"));
+        }
         if traceme && framework.is_err() {
             match (route, &framework) {
                 (TraceMeRoute::Agent, Err(why)) => out
@@ -116,13 +132,14 @@ pub fn start_agent_sessions(
                 _ => out.uprobe_pids.push(pid),
             }
         }
-        if framework.is_err() && !device {
+        if framework.is_err() && !device && torch.is_err() {
             continue;
         }
         let levels = SessionLevels {
             host: if framework.is_ok() { level } else { 0 },
             python: 0,
             device: u32::from(device_activity),
+            ops: u32::from(torch.is_ok()),
         };
         match AgentSession::start(pid, levels) {
             Ok(s) => {
@@ -148,6 +165,21 @@ pub fn start_agent_sessions(
                     }
                     None => {}
                 }
+                match (&started.ops, &torch) {
+                    (Some(ops), Ok(abi)) => out.notes.push(format!(
+                        "pid {pid}: {ops}, PyTorch {} ({how})",
+                        abi.version.as_deref().unwrap_or("of unknown version")
+                    )),
+                    (None, Ok(_)) => {
+                        let why = started
+                            .notes
+                            .iter()
+                            .find(|n| n.starts_with("PyTorch ops"))
+                            .map_or("the agent did not say why", String::as_str);
+                        out.notes.push(format!("pid {pid}: no {why}"));
+                    }
+                    _ => {}
+                }
                 match &started.device {
                     Some(d) => out
                         .notes
@@ -162,6 +194,9 @@ pub fn start_agent_sessions(
                 out.sessions.push(s);
             }
             Err(why) => {
+                if torch.is_ok() {
+                    out.notes.push(format!("pid {pid}: no PyTorch ops: {why}"));
+                }
                 if framework.is_ok() {
                     out.traceme_without_agent(pid, route, &why.to_string());
                 }

@@ -154,7 +154,13 @@ impl Attached {
             sessions: framework,
             uprobe_pids,
             mut notes,
-        } = start_agent_sessions(targets, level, options.route, device_activity);
+        } = start_agent_sessions(
+            targets,
+            level,
+            options.route,
+            device_activity,
+            !options.no_torch_ops,
+        );
         let traceme_options = TraceMeOptions {
             level,
             ..options.traceme

@@ -161,8 +161,8 @@ pub struct RecordArgs {
     #[arg(long, value_enum, value_name = "ROUTE", default_value_t = TraceMeRoute::Auto)]
     pub traceme: TraceMeRoute,
 
-    /// Never load ebtrace's agent into a target (same as --traceme uprobe
-    /// and --no-device-activity).
+    /// Never load ebtrace's agent into a target (same as --traceme
+    /// uprobe, --no-device-activity and --no-torch-ops).
     #[arg(long, conflicts_with = "traceme")]
     pub no_agent: bool,
 
@@ -173,6 +173,13 @@ pub struct RecordArgs {
     /// submitted it.
     #[arg(long)]
     pub no_device_activity: bool,
+
+    /// Do not record PyTorch's ops. By default ebtrace's agent registers
+    /// RecordFunction callbacks in every PyTorch process for the capture
+    /// (removed at its end): each ATen op, backward function and
+    /// record_function range becomes a span on its thread's line.
+    #[arg(long)]
+    pub no_torch_ops: bool,
 
     /// Switch TraceMe recording off again after this many events, on the
     /// uprobe route: the target's recorder keeps every event it records in

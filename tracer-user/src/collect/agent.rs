@@ -14,6 +14,8 @@ pub struct AgentRecording {
     pub xspaces: Vec<Vec<u8>>,
     /// CUPTI activity batches (`tracer_agent::activity`).
     pub device_activity: Vec<Vec<u8>>,
+    /// PyTorch's ops (`tracer_agent::op_records`), one payload per stop.
+    pub torch_ops: Vec<Vec<u8>>,
     /// Why a source did not stop cleanly (what it recorded is kept).
     pub problem: Option<String>,
     /// Its host lines' thread ids → kernel tids.

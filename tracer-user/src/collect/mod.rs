@@ -10,6 +10,7 @@ mod decode;
 mod encoded;
 mod ring;
 mod stop;
+pub mod torch_ops;
 
 use std::{os::fd::AsRawFd as _, time::Duration};
 

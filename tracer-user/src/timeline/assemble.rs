@@ -20,12 +20,14 @@ use super::{
     merge_device_activity, merge_framework_space, nest,
     order::{Ordered, RecordInput, in_time_order_by_builder, take_samples},
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
+    torch_ops::add_torch_ops,
 };
 use crate::{
     clock::ClockSync,
     collect::{
         Record, StackSample, TraceMeEvent,
         agent::{AgentRecording, DriverKernelNames},
+        torch_ops::decode_ops,
     },
     symbols::stacks::StackSymbolizer,
 };
@@ -194,6 +196,7 @@ pub fn assemble(
         add_stacks(&mut timeline, &samples, (window_start, stop_ns), symbolizer);
     }
     add_framework(&mut timeline, sources.recordings);
+    add_ops(&mut timeline, sources.recordings);
     add_device_activity(&mut timeline, sources.recordings, sources.device_batches);
     let cut: u64 = timeline
         .threads
@@ -372,6 +375,50 @@ fn add_framework(timeline: &mut Timeline, recordings: &[AgentRecording]) {
                  point is in the trace, the rest is missing",
                 r.pid
             ));
+        }
+    }
+}
+
+/// Lays PyTorch's ops on the thread lines and says how it went.
+fn add_ops(timeline: &mut Timeline, recordings: &[AgentRecording]) {
+    for r in recordings {
+        for payload in &r.torch_ops {
+            let decoded = match decode_ops(payload) {
+                Ok(d) => d,
+                Err(why) => {
+                    timeline.stats.warnings.push(format!(
+                        "pid {}: PyTorch's ops left out: the agent's records are malformed \
+                         ({why})",
+                        r.pid
+                    ));
+                    continue;
+                }
+            };
+            let laid = add_torch_ops(timeline, r.pid, &decoded.ops);
+            timeline.stats.notes.push(format!(
+                "pid {}: PyTorch: {} ops, {} backward functions and {} record_function \
+                 ranges on the thread lines ({} outside the window, {} unfinished when it \
+                 closed)",
+                r.pid,
+                laid.ops,
+                laid.backward,
+                laid.user_ranges,
+                laid.outside_window,
+                decoded.unpaired
+            ));
+            if decoded.dropped > 0 || decoded.names_lost > 0 {
+                timeline.stats.warnings.push(format!(
+                    "pid {}: PyTorch ops: {} records did not fit the agent's buffer and \
+                     {} names its table: shorten the window",
+                    r.pid, decoded.dropped, decoded.names_lost
+                ));
+            }
+            if decoded.malformed > 0 {
+                timeline.stats.warnings.push(format!(
+                    "pid {}: PyTorch ops: {} malformed records left out",
+                    r.pid, decoded.malformed
+                ));
+            }
         }
     }
 }

@@ -40,6 +40,7 @@ mod sources;
 mod stats;
 pub mod streamed;
 mod texts;
+pub mod torch_ops;
 pub mod traceme;
 pub mod window;
 

@@ -1,0 +1,357 @@
+//! PyTorch's ops through ebtrace's agent (RecordFunction callbacks
+//! registered for the capture), checked against PyTorch's own profiler run
+//! in the same process right after, and against the loop's own log of its
+//! steps (`torch_ops_loop.py`); and what is left in the target afterwards.
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use ebtrace_tests::{
+    TempDir, agent_threads,
+    pyenv::python_fixture,
+    python::PythonWorkload,
+    record, require_root, serial, spawn_record, wait_for_ebtrace_exits, xplane_files,
+    xprof::python_with,
+    xspace::{self, Event, line_events, plane},
+};
+
+const STEP: &str = "train_step";
+/// The stat holding an op span's kind.
+const SCOPE_STAT: &str = "torch_scope";
+
+/// An op's kind and name.
+type OpKey = (String, String);
+
+/// What torch.profiler recorded inside its train_step ranges.
+struct Profiled {
+    steps: f64,
+    /// Per step.
+    counts: HashMap<OpKey, f64>,
+    /// On how many threads each ran.
+    threads: HashMap<OpKey, u64>,
+}
+
+/// ebtrace's name of RecordScope `scope`.
+fn scope_name(scope: &str) -> &'static str {
+    match scope {
+        "0" => "function",
+        "1" => "backward_function",
+        "7" => "user_scope",
+        _ => "other",
+    }
+}
+
+/// What the loop says of itself when asked.
+struct LoopReport {
+    /// Its steps since the last ask, as (start, end) wall-clock ns.
+    steps: Vec<(f64, f64)>,
+    /// Whether PyTorch had RecordFunction callbacks (`at::hasCallbacks()`).
+    has_callbacks: bool,
+}
+
+/// What the loop says of itself, and what its own profiler then recorded.
+fn ask(workload: &mut PythonWorkload) -> (LoopReport, Profiled) {
+    workload.signal(libc::SIGUSR1);
+    let report = workload.next_line();
+    let steps = report["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .map(|s| (s[0].as_f64().unwrap(), s[1].as_f64().unwrap()))
+        .collect();
+    let report = LoopReport {
+        steps,
+        has_callbacks: report["has_callbacks"].as_bool().expect("has_callbacks"),
+    };
+    let p = workload.next_line();
+    let n = p["profiled_steps"].as_f64().expect("profiled steps");
+    let key = |k: &str| {
+        let (scope, name) = k.split_once('\t').expect("scope\tname");
+        (scope_name(scope).to_string(), name.to_string())
+    };
+    let counts = p["counts"]
+        .as_object()
+        .expect("counts")
+        .iter()
+        .map(|(k, v)| (key(k), v.as_f64().unwrap() / n))
+        .filter(|((scope, _), _)| scope != "other")
+        .collect();
+    let threads = p["thread_count"]
+        .as_object()
+        .expect("threads")
+        .iter()
+        .map(|(k, v)| (key(k), v.as_u64().unwrap()))
+        .collect();
+    (
+        report,
+        Profiled {
+            steps: n,
+            counts,
+            threads,
+        },
+    )
+}
+
+/// The op spans of every thread line of the host plane, by line, their
+/// times wall-clock ns.
+fn op_lines(logdir: &TempDir) -> HashMap<i64, Vec<Event>> {
+    let files = xplane_files(logdir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    let space = xspace::load(&files[0]);
+    let (start, _) = xspace::profile_window(&space);
+    let host = plane(&space, "/host:CPU");
+    host.lines
+        .iter()
+        .map(|l| {
+            let ops: Vec<Event> = line_events(host, l.id)
+                .into_iter()
+                .filter(|e| e.stats.contains_key(SCOPE_STAT))
+                .map(|mut e| {
+                    e.start_ns += start as f64;
+                    e
+                })
+                .collect();
+            (l.id, ops)
+        })
+        .filter(|(_, ops)| !ops.is_empty())
+        .collect()
+}
+
+fn key_of(e: &Event) -> OpKey {
+    (e.stats[SCOPE_STAT].as_str().to_string(), e.name.clone())
+}
+
+/// The train_step spans of `ops`, and the ops inside them per step.
+fn per_step(ops: &[Event]) -> (Vec<&Event>, HashMap<OpKey, f64>) {
+    let mut steps: Vec<&Event> = ops.iter().filter(|e| e.name == STEP).collect();
+    steps.sort_by(|a, b| a.start_ns.total_cmp(&b.start_ns));
+    let mut counts: HashMap<OpKey, f64> = HashMap::new();
+    for e in ops.iter().filter(|e| e.name != STEP) {
+        let i = steps.partition_point(|s| s.start_ns <= e.start_ns);
+        if i > 0 && e.end_ns() <= steps[i - 1].end_ns() {
+            *counts.entry(key_of(e)).or_default() += 1.0;
+        }
+    }
+    for c in counts.values_mut() {
+        *c /= steps.len().max(1) as f64;
+    }
+    (steps, counts)
+}
+
+fn start_loop() -> Option<PythonWorkload> {
+    let python = python_with(&["torch"])?;
+    let script = python_fixture("torch_ops_loop.py");
+    Some(PythonWorkload::start_script(&python, &script, &[], &[]))
+}
+
+/// Every op of a step, each as often as torch.profiler counts it in the
+/// same process (within 1%), on as many threads; each train_step range one
+/// of the loop's own steps, and every step the loop ran inside the capture
+/// one range; nothing of the agent left after.
+#[test]
+fn ops_per_step_match_pytorchs_own_profiler() {
+    if !require_root("ops_per_step_match_pytorchs_own_profiler") {
+        return;
+    }
+    let _serial = serial();
+    let Some(mut workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    let logdir = TempDir::new("torch-ops");
+    let out = record(&pid.to_string(), "2s", &logdir, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stderr}{stdout}");
+    assert!(
+        stderr.contains(&format!(
+            "pid {pid}: PyTorch ops through RecordFunction callbacks"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("record_function ranges on the thread lines"),
+        "{stdout}"
+    );
+    let (report, profiled) = ask(&mut workload);
+    let loop_steps = report.steps;
+    assert!(!report.has_callbacks, "a callback stayed registered");
+    assert_eq!(profiled.steps, 5.0);
+    assert_eq!(agent_threads(pid), 0, "the agent's thread stayed");
+
+    let lines = op_lines(&logdir);
+    let main = i64::from(workload.start_line["tid"].as_u64().expect("tid") as u32);
+    let ops = &lines[&main];
+    let (steps, counts) = per_step(ops);
+    assert!(steps.len() >= 100, "{} train_step ranges", steps.len());
+
+    // Per step, the same ops as torch.profiler's, as many times.
+    let mut keys: Vec<&OpKey> = counts.keys().chain(profiled.counts.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let mut mismatches = Vec::new();
+    for key in keys {
+        let ours = counts.get(key).copied().unwrap_or(0.0);
+        let theirs = profiled.counts.get(key).copied().unwrap_or(0.0);
+        if (ours - theirs).abs() > 0.01 * theirs.max(ours) {
+            mismatches.push(format!("{key:?}: {ours} a step, torch.profiler {theirs}"));
+        }
+    }
+    assert!(mismatches.is_empty(), "{mismatches:#?}");
+    assert!(
+        counts.keys().any(|(scope, _)| scope == "backward_function")
+            && counts.contains_key(&("function".into(), "aten::addmm".into()))
+            && counts.contains_key(&("user_scope".into(), "Optimizer.step#SGD.step".into())),
+        "{counts:?}"
+    );
+    // Each on as many threads as torch.profiler saw it on: the main thread
+    // (autograd runs CPU work on the thread that called backward).
+    for (key, threads) in &profiled.threads {
+        let on: Vec<i64> = lines
+            .iter()
+            .filter(|(_, ops)| ops.iter().any(|e| key_of(e) == *key))
+            .map(|(line, _)| *line)
+            .collect();
+        assert_eq!(on.len() as u64, *threads, "{key:?} on lines {on:?}");
+    }
+
+    // Each train_step range within one of the loop's steps (the loop's
+    // clock reads bracket it); every step the loop ran between the first
+    // and the last range is one.
+    let slack_ns = 50_000.0;
+    for s in &steps {
+        assert!(
+            loop_steps
+                .iter()
+                .any(|(a, b)| a - slack_ns <= s.start_ns && s.end_ns() <= b + slack_ns),
+            "a train_step range from {} to {} is none of the loop's steps",
+            s.start_ns,
+            s.end_ns()
+        );
+    }
+    let (first, last) = (steps[0].start_ns, steps[steps.len() - 1].end_ns());
+    let ran = loop_steps
+        .iter()
+        .filter(|(a, b)| first - slack_ns <= *a && *b <= last + slack_ns)
+        .count();
+    assert_eq!(ran, steps.len(), "the loop ran {ran} steps in that time");
+}
+
+/// ebtrace killed mid-capture: the callbacks are gone within a second (the
+/// agent's thread, which removes them before it ends, is gone, and PyTorch
+/// says it has no callback), and PyTorch's own profiler, run by the program
+/// during the capture and after it, records every op of its steps.
+#[test]
+fn a_killed_ebtrace_leaves_no_callback_behind() {
+    if !require_root("a_killed_ebtrace_leaves_no_callback_behind") {
+        return;
+    }
+    let _serial = serial();
+    let Some(mut workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    // The reference: what the profiler records before any capture.
+    let (before, reference) = ask(&mut workload);
+    assert!(!before.has_callbacks);
+    let logdir = TempDir::new("torch-ops-killed");
+    let capture = ebtrace_tests::await_line(
+        spawn_record(&pid.to_string(), "60s", &logdir, &[]),
+        "PyTorch ops through RecordFunction callbacks",
+    );
+    // The program's own profiler, while ebtrace's callbacks run: left
+    // alone, it records as much as without them.
+    let (during, profiled_during) = ask(&mut workload);
+    assert!(during.has_callbacks, "no callback while ebtrace records");
+    assert_eq!(profiled_during.counts, reference.counts);
+
+    let killed_at = Instant::now();
+    capture.kill();
+    while agent_threads(pid) > 0 {
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(1),
+            "the agent still ran a second after ebtrace was killed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (after, profiled_after) = ask(&mut workload);
+    assert!(
+        !after.has_callbacks,
+        "PyTorch still has a RecordFunction callback after the agent ended"
+    );
+    assert_eq!(profiled_after.counts, reference.counts);
+    assert!(after.steps.len() > 10, "the loop stopped");
+    wait_for_ebtrace_exits();
+}
+
+/// Captures one after another: the trampoline PyTorch calls is made once
+/// and found again (the target's code and file mappings stay the same), its
+/// memory stays flat, and each capture has the ops.
+#[test]
+fn captures_in_a_row_leave_the_target_as_they_found_it() {
+    if !require_root("captures_in_a_row_leave_the_target_as_they_found_it") {
+        return;
+    }
+    let _serial = serial();
+    let Some(workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    let maps = || std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    // What a loaded library or code would add (the loop's own heap grows
+    // by anonymous data mappings).
+    let code_and_files = || {
+        maps()
+            .lines()
+            .filter(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 5 || f.get(1).is_some_and(|p| p.contains('x'))
+            })
+            .map(str::to_string)
+            .collect::<Vec<String>>()
+    };
+    let resident_kib = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .expect("status")
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .expect("VmRSS")
+    };
+    let mut after_first = None;
+    for i in 0..6 {
+        let logdir = TempDir::new("torch-ops-again");
+        let out = record(&pid.to_string(), "300ms", &logdir, &[]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines = op_lines(&logdir);
+        assert!(
+            lines.values().flatten().any(|e| e.name == "aten::addmm"),
+            "capture {i} has no ops"
+        );
+        let mapped = code_and_files();
+        let resident = resident_kib();
+        let trampoline = maps().lines().filter(|l| l.starts_with("5eb7a")).count();
+        assert_eq!(
+            trampoline,
+            2,
+            "capture {i}: the trampoline's pages:\n{}",
+            maps()
+        );
+        match after_first {
+            None => after_first = Some((mapped, resident)),
+            Some((ref first_mapped, ref first_resident)) => {
+                assert_eq!(mapped, *first_mapped, "capture {i}: mappings changed");
+                assert!(
+                    resident < *first_resident + 16 * 1024,
+                    "capture {i}: {resident} KiB resident, {first_resident} after the first"
+                );
+            }
+        }
+    }
+}

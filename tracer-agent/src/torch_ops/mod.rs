@@ -1,0 +1,456 @@
+//! PyTorch's ops, autograd's backward functions and `record_function`
+//! ranges, recorded through RecordFunction callbacks registered for the
+//! capture (`at::addGlobalCallback`), on every thread of the program, and
+//! removed at its end.
+//!
+//! The callbacks run on the program's threads, in the middle of its ops:
+//! they never block, never allocate, and cannot fail. Each end of a
+//! RecordFunction takes a slot of a fixed buffer (records beyond it are
+//! counted, never kept) and names are interned into a fixed table, so the
+//! target's memory for a capture is bounded whatever it runs. ebtrace
+//! checked the callback struct's layout against the headers of the very
+//! PyTorch it found before asking for this (`tracer-user`'s
+//! `agent::torch_abi`); here only the functions are looked up.
+//!
+//! PyTorch calls the callbacks through a [`trampoline`] that outlives the
+//! agent.
+
+mod names;
+mod trampoline;
+
+use core::{
+    ffi::{c_char, c_void},
+    sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+};
+
+use crate::{
+    op_records::{
+        self, NO_NAME, NameEntry, OpRecord, OpsHeader, SCOPE_BACKWARD_FUNCTION, SCOPE_FUNCTION,
+        SCOPE_USER,
+    },
+    python::Text,
+    sys,
+};
+use names::NameSlot;
+use trampoline::Trampoline;
+
+/// Records the buffer holds: 24 MiB of address space, resident only as
+/// far as a capture fills it.
+const CAPACITY: usize = 1 << 20;
+/// Slots of the name table (a power of two).
+const NAME_SLOTS: usize = 1 << 13;
+/// Bytes for names.
+const ARENA: usize = 1 << 19;
+
+// Where each part lies in the region. The frame sent at the end is built
+// in place, from its start: header, entries, names, records (see
+// `op_records`), each moved down over room the previous part did not use.
+const ENTRIES_AT: usize = OpsHeader::LEN;
+const ARENA_AT: usize = ENTRIES_AT + NAME_SLOTS * NameEntry::LEN;
+const RECORDS_AT: usize = (ARENA_AT + ARENA).next_multiple_of(8);
+const SLOTS_AT: usize = RECORDS_AT + CAPACITY * OpRecord::LEN;
+const COUNTERS_AT: usize = SLOTS_AT + NAME_SLOTS * core::mem::size_of::<NameSlot>();
+const REGION_BYTES: usize = (COUNTERS_AT + core::mem::size_of::<Counters>()).next_multiple_of(4096);
+
+/// The region's counters.
+#[repr(C)]
+struct Counters {
+    /// Record slots taken (some past the end: those are dropped).
+    next: AtomicUsize,
+    /// Records that did not fit.
+    dropped: AtomicU64,
+    /// Bytes of the arena taken.
+    arena_next: AtomicUsize,
+    /// Names that did not fit.
+    names_lost: AtomicU32,
+}
+
+/// The region the callbacks write into while a recording runs.
+static REGION: AtomicPtr<u8> = AtomicPtr::new(core::ptr::null_mut());
+/// `const char* at::RecordFunction::name() const`.
+static NAME_FN: AtomicUsize = AtomicUsize::new(0);
+/// The pthread key holding each thread's tid, plus one (0: none).
+static TID_KEY: AtomicU32 = AtomicU32::new(0);
+
+/// `at::RecordFunctionCallback`, as PyTorch 2's `ATen/record_function.h`
+/// lays it out (40 bytes, passed by value).
+#[repr(C)]
+struct Callback {
+    start: usize,
+    end: usize,
+    sampling_prob: f64,
+    scopes: [bool; 10],
+    needs_inputs: bool,
+    needs_outputs: bool,
+    needs_ids: bool,
+}
+
+const _: () = assert!(core::mem::size_of::<Callback>() == 40);
+
+type AddGlobalCallback = unsafe extern "C" fn(Callback) -> u64;
+type RemoveCallback = unsafe extern "C" fn(u64);
+type NameOf = unsafe extern "C" fn(*const c_void) -> *const c_char;
+type HasCallbacks = unsafe extern "C" fn() -> bool;
+
+/// The scopes registered, one callback each, in the trampoline's order.
+const SCOPES: [u32; 3] = [SCOPE_FUNCTION, SCOPE_BACKWARD_FUNCTION, SCOPE_USER];
+
+/// Mangled names in `libtorch_cpu.so`.
+const ADD: &core::ffi::CStr = c"_ZN2at17addGlobalCallbackENS_22RecordFunctionCallbackE";
+const REMOVE: &core::ffi::CStr = c"_ZN2at14removeCallbackEm";
+const NAME: &core::ffi::CStr = c"_ZNK2at14RecordFunction4nameEv";
+const HAS_CALLBACKS: &core::ffi::CStr = c"_ZN2at12hasCallbacksEv";
+
+/// A recording running.
+pub struct Recording {
+    trampoline: Trampoline,
+    handles: [u64; 3],
+    remove: RemoveCallback,
+    library: *mut c_void,
+    region: *mut u8,
+    key: sys::PthreadKey,
+}
+
+/// Looks `name` up in `library`.
+fn symbol(library: *mut c_void, name: &core::ffi::CStr) -> Option<usize> {
+    // SAFETY: a handle from dlopen and a NUL-terminated name.
+    let f = unsafe { sys::dlsym(library, name.as_ptr()) };
+    (!f.is_null()).then_some(f as usize)
+}
+
+impl Recording {
+    /// Registers the callbacks; the text says what records, the error why
+    /// nothing does.
+    #[allow(clippy::result_large_err)]
+    pub fn start() -> Result<(Recording, Text), Text> {
+        // SAFETY: a NUL-terminated name; RTLD_NOLOAD loads nothing.
+        let library = unsafe {
+            sys::dlopen(
+                c"libtorch_cpu.so".as_ptr(),
+                sys::RTLD_LAZY | sys::RTLD_NOLOAD,
+            )
+        };
+        if library.is_null() {
+            return Err(Text::new("PyTorch ops: libtorch_cpu.so is not loaded"));
+        }
+        let close = || {
+            // SAFETY: the handle dlopen gave above.
+            unsafe { sys::dlclose(library) };
+        };
+        let (Some(add), Some(remove), Some(name)) = (
+            symbol(library, ADD),
+            symbol(library, REMOVE),
+            symbol(library, NAME),
+        ) else {
+            close();
+            return Err(Text::new(
+                "PyTorch ops: libtorch_cpu.so lacks at::addGlobalCallback, at::removeCallback \
+                 or at::RecordFunction::name",
+            ));
+        };
+        let trampoline = match Trampoline::get() {
+            Ok(t) => t,
+            Err(why) => {
+                close();
+                let mut text = Text::new("PyTorch ops: ");
+                text.push(why.as_bytes());
+                return Err(text);
+            }
+        };
+        let mut key: sys::PthreadKey = 0;
+        // SAFETY: a valid out pointer; no destructor (the values are tids).
+        if unsafe { sys::pthread_key_create(&mut key, None) } != 0 {
+            close();
+            return Err(Text::new("PyTorch ops: no pthread key left"));
+        }
+        // SAFETY: fresh private memory, never backed by swap until touched.
+        let region = unsafe {
+            sys::mmap(
+                core::ptr::null_mut(),
+                REGION_BYTES,
+                sys::PROT_READ_WRITE,
+                sys::MAP_PRIVATE_ANONYMOUS | sys::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if region == sys::MAP_FAILED {
+            // SAFETY: the key made above, used by no one yet.
+            unsafe { sys::pthread_key_delete(key) };
+            close();
+            return Err(Text::new("PyTorch ops: no memory for the buffer"));
+        }
+        let region = region.cast::<u8>();
+        // SAFETY: PyTorch's `bool at::hasCallbacks()`.
+        let others = symbol(library, HAS_CALLBACKS)
+            .is_some_and(|f| unsafe { core::mem::transmute::<usize, HasCallbacks>(f)() });
+        NAME_FN.store(name, Ordering::Release);
+        TID_KEY.store(key + 1, Ordering::Release);
+        REGION.store(region, Ordering::Release);
+        trampoline.fill(
+            [
+                on_start::<SCOPE_FUNCTION> as *const () as usize,
+                on_start::<SCOPE_BACKWARD_FUNCTION> as *const () as usize,
+                on_start::<SCOPE_USER> as *const () as usize,
+            ],
+            on_end as *const () as usize,
+        );
+        // SAFETY: PyTorch's `CallbackHandle addGlobalCallback(
+        // RecordFunctionCallback)`, whose argument's layout ebtrace checked.
+        let add: AddGlobalCallback = unsafe { core::mem::transmute(add) };
+        let mut handles = [0u64; 3];
+        for ((handle, scope), start) in handles.iter_mut().zip(SCOPES).zip(trampoline.start) {
+            let mut scopes = [false; 10];
+            scopes[scope as usize] = true;
+            let callback = Callback {
+                start,
+                end: trampoline.end,
+                sampling_prob: 1.0,
+                scopes,
+                needs_inputs: false,
+                needs_outputs: false,
+                needs_ids: false,
+            };
+            // SAFETY: see `add` above; the entries stay mapped for good.
+            *handle = unsafe { add(callback) };
+        }
+        let recording = Recording {
+            trampoline,
+            handles,
+            // SAFETY: PyTorch's `void removeCallback(CallbackHandle)`.
+            remove: unsafe { core::mem::transmute::<usize, RemoveCallback>(remove) },
+            library,
+            region,
+            key,
+        };
+        let mut text = Text::new("PyTorch ops through RecordFunction callbacks (");
+        let _ = core::fmt::Write::write_fmt(
+            &mut text,
+            format_args!("a buffer of {} records", CAPACITY),
+        );
+        if others {
+            // The program's own profiler (or another observer) runs: its
+            // callbacks are left as they are, and see what they saw.
+            text.push(b"; beside the program's own callbacks, left as they are");
+        }
+        text.push(b")");
+        Ok((recording, text))
+    }
+
+    /// Removes the callbacks and waits until none runs; false if one still
+    /// does after a second (the buffer is then left mapped).
+    fn unregister(&self) -> bool {
+        for handle in self.handles {
+            // SAFETY: a handle `addGlobalCallback` returned, removed once.
+            unsafe { (self.remove)(handle) };
+        }
+        let drained = self.trampoline.empty_and_drain(1_000_000_000);
+        REGION.store(core::ptr::null_mut(), Ordering::Release);
+        drained
+    }
+
+    fn release(self, drained: bool) {
+        if drained {
+            // SAFETY: no callback runs or will run; the region is ours.
+            unsafe { sys::munmap(self.region.cast(), REGION_BYTES) };
+        }
+        TID_KEY.store(0, Ordering::Release);
+        // SAFETY: the key made at the start; no callback reads it now.
+        unsafe {
+            sys::pthread_key_delete(self.key);
+            sys::dlclose(self.library);
+        }
+    }
+
+    /// Stops recording, dropping what was recorded.
+    pub fn discard(self) {
+        let drained = self.unregister();
+        self.release(drained);
+    }
+
+    /// Stops recording and hands what was recorded to `deliver` as one
+    /// [`crate::protocol::TORCH_OPS`] payload; returns why it could not.
+    pub fn stop(self, deliver: impl FnOnce(&[u8])) -> Option<Text> {
+        let drained = self.unregister();
+        if !drained {
+            self.release(false);
+            return Some(Text::new(
+                "PyTorch ops: a callback still ran a second after they were removed; \
+                 its records were left in the target",
+            ));
+        }
+        // SAFETY: no callback runs; the region is ours alone.
+        let frame = unsafe { build_frame(self.region) };
+        deliver(frame);
+        self.release(true);
+        None
+    }
+}
+
+/// The region's counters.
+///
+/// # Safety
+/// `region` is a live region.
+unsafe fn counters<'a>(region: *mut u8) -> &'a Counters {
+    // SAFETY: the counters lie at an aligned offset of the region.
+    unsafe { &*(region.add(COUNTERS_AT) as *const Counters) }
+}
+
+/// The region's name table.
+///
+/// # Safety
+/// `region` is a live region.
+unsafe fn name_slots<'a>(region: *mut u8) -> &'a [NameSlot] {
+    // SAFETY: the slots lie at an aligned offset of the region, zeroed
+    // (empty) when it was mapped.
+    unsafe { core::slice::from_raw_parts(region.add(SLOTS_AT) as *const NameSlot, NAME_SLOTS) }
+}
+
+/// Lays the frame out from the region's start, in place; returns it.
+///
+/// # Safety
+/// `region` is a live region no callback writes into any more.
+unsafe fn build_frame<'a>(region: *mut u8) -> &'a [u8] {
+    // SAFETY: every offset is inside the region, and each part moves down
+    // over room the parts before it did not take.
+    unsafe {
+        let counters = counters(region);
+        let records = counters.next.load(Ordering::Acquire).min(CAPACITY);
+        let arena_len = counters.arena_next.load(Ordering::Acquire).min(ARENA);
+        let mut names = 0usize;
+        for (id, slot) in name_slots(region).iter().enumerate() {
+            if let Some((offset, len)) = slot.published() {
+                let entry = NameEntry {
+                    id: id as u32,
+                    offset,
+                    len,
+                };
+                let at = region.add(ENTRIES_AT + names * NameEntry::LEN) as *mut NameEntry;
+                at.write_unaligned(entry);
+                names += 1;
+            }
+        }
+        let mut end = ENTRIES_AT + names * NameEntry::LEN;
+        core::ptr::copy(region.add(ARENA_AT), region.add(end), arena_len);
+        end += arena_len;
+        core::ptr::copy(
+            region.add(RECORDS_AT),
+            region.add(end),
+            records * OpRecord::LEN,
+        );
+        end += records * OpRecord::LEN;
+        let header = OpsHeader {
+            magic: op_records::MAGIC,
+            version: op_records::VERSION,
+            records: records as u32,
+            names: names as u32,
+            arena_len: arena_len as u32,
+            names_lost: counters.names_lost.load(Ordering::Acquire),
+            dropped: counters.dropped.load(Ordering::Acquire),
+        };
+        core::ptr::copy_nonoverlapping(header.encode().as_ptr(), region, OpsHeader::LEN);
+        core::slice::from_raw_parts(region, end)
+    }
+}
+
+/// The calling thread's kernel tid, kept in the pthread key after the
+/// first ask.
+fn tid() -> u32 {
+    let key = TID_KEY.load(Ordering::Acquire);
+    if key == 0 {
+        return 0;
+    }
+    let key = key - 1;
+    // SAFETY: a key that exists while callbacks run.
+    let kept = unsafe { sys::pthread_getspecific(key) } as usize;
+    if kept != 0 {
+        return kept as u32;
+    }
+    // SAFETY: gettid takes nothing and cannot fail.
+    let tid = unsafe { sys::syscall(sys::SYS_GETTID) } as u32;
+    // SAFETY: as above; the value is an integer, never dereferenced.
+    unsafe { sys::pthread_setspecific(key, tid as usize as *const c_void) };
+    tid
+}
+
+/// Takes a slot for `record`, or counts it dropped.
+fn write(region: *mut u8, record: OpRecord) {
+    // SAFETY: `region` is live while a callback runs (see `unregister`).
+    let counters = unsafe { counters(region) };
+    let slot = counters.next.fetch_add(1, Ordering::Relaxed);
+    if slot >= CAPACITY {
+        counters.dropped.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    // SAFETY: slot `slot` is this call's alone, inside the records' part.
+    unsafe {
+        let at = region.add(RECORDS_AT + slot * OpRecord::LEN) as *mut OpRecord;
+        at.write(record);
+    }
+}
+
+/// Start callback for RecordFunctions of `SCOPE`, called by the trampoline
+/// as PyTorch calls a `std::unique_ptr<ObserverContext>
+/// (*)(const RecordFunction&)`: `ret` is where the (empty) pointer goes.
+extern "C" fn on_start<const SCOPE: u32>(
+    ret: *mut *mut c_void,
+    record_function: *const c_void,
+) -> *mut *mut c_void {
+    let ts_ns = sys::monotonic_ns();
+    // SAFETY: PyTorch passes room for the returned pointer.
+    unsafe { ret.write(core::ptr::null_mut()) };
+    let region = REGION.load(Ordering::Acquire);
+    if region.is_null() {
+        return ret;
+    }
+    let name_of = NAME_FN.load(Ordering::Acquire);
+    let name_id = if name_of == 0 {
+        NO_NAME
+    } else {
+        // SAFETY: `at::RecordFunction::name() const`, on the RecordFunction
+        // PyTorch passed; it returns a C string that lives through the call.
+        let name = unsafe { core::mem::transmute::<usize, NameOf>(name_of)(record_function) };
+        // SAFETY: as above; `region` is live while a callback runs.
+        unsafe { names::intern(name_slots(region), region, name) }
+    };
+    write(
+        region,
+        OpRecord {
+            ts_ns,
+            record_function: record_function as u64,
+            tid: tid(),
+            what: op_records::start_what(SCOPE, name_id),
+        },
+    );
+    ret
+}
+
+/// End callback: `void (*)(const RecordFunction&, ObserverContext*)`.
+extern "C" fn on_end(record_function: *const c_void, _context: *mut c_void) {
+    let ts_ns = sys::monotonic_ns();
+    let region = REGION.load(Ordering::Acquire);
+    if region.is_null() {
+        return;
+    }
+    write(
+        region,
+        OpRecord {
+            ts_ns,
+            record_function: record_function as u64,
+            tid: tid(),
+            what: op_records::END,
+        },
+    );
+}
+
+/// Where the arena lies in `region`, and its counters (for [`names`]).
+///
+/// # Safety
+/// `region` is a live region.
+unsafe fn arena<'a>(region: *mut u8) -> (*mut u8, &'a AtomicUsize, &'a AtomicU32) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let c = counters(region);
+        (region.add(ARENA_AT), &c.arena_next, &c.names_lost)
+    }
+}
