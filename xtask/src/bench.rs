@@ -14,6 +14,7 @@ mod harness;
 pub mod jax;
 mod python_stacks;
 mod recorder;
+mod torch_ops;
 
 pub use recorder::Target as RecorderTarget;
 mod report;
@@ -82,6 +83,10 @@ pub enum Suite {
     /// statistics of ebtrace's stack program. Measures the ebtrace already
     /// built (`target/release/ebtrace`).
     PythonStacks,
+    /// What recording a PyTorch loop's ops costs it: ebtrace with and
+    /// without ops against torch.profiler, taking turns in one process.
+    /// Measures the ebtrace already built (`target/release/ebtrace`).
+    TorchOps,
 }
 
 /// What ebtrace reported about one capture.
@@ -182,6 +187,17 @@ pub fn run_bench(
     if opts.suite == Suite::PythonStacks {
         let md = python_stacks::run(root, opts)?;
         return write_report(root, "python-stacks.md", &md);
+    }
+    if opts.suite == Suite::TorchOps {
+        let ebtrace = root.join("target/release/ebtrace");
+        if !ebtrace.exists() {
+            bail!(
+                "{} is missing: build it first (cargo build --release)",
+                ebtrace.display()
+            );
+        }
+        let md = torch_ops::run(root, &ebtrace, opts)?;
+        return write_report(root, "torch-ops.md", &md);
     }
     let ebtrace = util::build_release(root)?;
     if opts.suite == Suite::Recorder {

@@ -157,44 +157,15 @@ impl Recording {
                 return Err(text);
             }
         };
-        let mut key: sys::PthreadKey = 0;
-        // SAFETY: a valid out pointer; no destructor (the values are tids).
-        if unsafe { sys::pthread_key_create(&mut key, None) } != 0 {
+        let Some((region, key)) = install(&trampoline, name) else {
             close();
-            return Err(Text::new("PyTorch ops: no pthread key left"));
-        }
-        // SAFETY: fresh private memory, never backed by swap until touched.
-        let region = unsafe {
-            sys::mmap(
-                core::ptr::null_mut(),
-                REGION_BYTES,
-                sys::PROT_READ_WRITE,
-                sys::MAP_PRIVATE_ANONYMOUS | sys::MAP_NORESERVE,
-                -1,
-                0,
-            )
+            return Err(Text::new(
+                "PyTorch ops: no memory or pthread key for the buffer",
+            ));
         };
-        if region == sys::MAP_FAILED {
-            // SAFETY: the key made above, used by no one yet.
-            unsafe { sys::pthread_key_delete(key) };
-            close();
-            return Err(Text::new("PyTorch ops: no memory for the buffer"));
-        }
-        let region = region.cast::<u8>();
         // SAFETY: PyTorch's `bool at::hasCallbacks()`.
         let others = symbol(library, HAS_CALLBACKS)
             .is_some_and(|f| unsafe { core::mem::transmute::<usize, HasCallbacks>(f)() });
-        NAME_FN.store(name, Ordering::Release);
-        TID_KEY.store(key + 1, Ordering::Release);
-        REGION.store(region, Ordering::Release);
-        trampoline.fill(
-            [
-                on_start::<SCOPE_FUNCTION> as *const () as usize,
-                on_start::<SCOPE_BACKWARD_FUNCTION> as *const () as usize,
-                on_start::<SCOPE_USER> as *const () as usize,
-            ],
-            on_end as *const () as usize,
-        );
         // SAFETY: PyTorch's `CallbackHandle addGlobalCallback(
         // RecordFunctionCallback)`, whose argument's layout ebtrace checked.
         let add: AddGlobalCallback = unsafe { core::mem::transmute(add) };
@@ -285,6 +256,46 @@ impl Recording {
         self.release(true);
         None
     }
+}
+
+/// Maps a region and a pthread key, points the callbacks at them (with
+/// `name_of`, PyTorch's `RecordFunction::name`) and the trampoline at the
+/// callbacks; `None` if there is no memory or key.
+fn install(trampoline: &Trampoline, name_of: usize) -> Option<(*mut u8, sys::PthreadKey)> {
+    let mut key: sys::PthreadKey = 0;
+    // SAFETY: a valid out pointer; no destructor (the values are tids).
+    if unsafe { sys::pthread_key_create(&mut key, None) } != 0 {
+        return None;
+    }
+    // SAFETY: fresh private memory, never backed by swap until touched.
+    let region = unsafe {
+        sys::mmap(
+            core::ptr::null_mut(),
+            REGION_BYTES,
+            sys::PROT_READ_WRITE,
+            sys::MAP_PRIVATE_ANONYMOUS | sys::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if region == sys::MAP_FAILED {
+        // SAFETY: the key made above, used by no one yet.
+        unsafe { sys::pthread_key_delete(key) };
+        return None;
+    }
+    let region = region.cast::<u8>();
+    NAME_FN.store(name_of, Ordering::Release);
+    TID_KEY.store(key + 1, Ordering::Release);
+    REGION.store(region, Ordering::Release);
+    trampoline.fill(
+        [
+            on_start::<SCOPE_FUNCTION> as *const () as usize,
+            on_start::<SCOPE_BACKWARD_FUNCTION> as *const () as usize,
+            on_start::<SCOPE_USER> as *const () as usize,
+        ],
+        on_end as *const () as usize,
+    );
+    Some((region, key))
 }
 
 /// The region's counters.
@@ -452,5 +463,88 @@ unsafe fn arena<'a>(region: *mut u8) -> (*mut u8, &'a AtomicUsize, &'a AtomicU32
     unsafe {
         let c = counters(region);
         (region.add(ARENA_AT), &c.arena_next, &c.names_lost)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op_records::{NO_NAME, OpsHeader};
+
+    const NAMES: [&core::ffi::CStr; 3] = [c"aten::addmm", c"aten::mm", c"train_step"];
+
+    /// A stand-in for `RecordFunction::name`: the "RecordFunction" is an
+    /// index into [`NAMES`].
+    extern "C" fn name_of(record_function: *const c_void) -> *const c_char {
+        NAMES[record_function as usize % NAMES.len()].as_ptr()
+    }
+
+    type Start = extern "C" fn(*mut *mut c_void, *const c_void) -> *mut *mut c_void;
+    type End = extern "C" fn(*const c_void, *mut c_void);
+
+    /// Calls go through the trampoline's entries as PyTorch calls them;
+    /// the frame holds each start and end with its name, and once the
+    /// slots are emptied a call records nothing and returns an empty
+    /// pointer. (One test: the trampoline and the region are the process's.)
+    #[test]
+    fn calls_through_the_trampoline_are_recorded_and_stop_when_emptied() {
+        let trampoline = Trampoline::get().expect("a trampoline");
+        let (region, key) = install(&trampoline, name_of as *const () as usize).unwrap();
+        // SAFETY: the trampoline's entries, with PyTorch's signatures.
+        let (start, end): (Start, End) = unsafe {
+            (
+                core::mem::transmute::<usize, Start>(trampoline.start[0]),
+                core::mem::transmute::<usize, End>(trampoline.end),
+            )
+        };
+        // SAFETY: as above.
+        let user: Start = unsafe { core::mem::transmute::<usize, Start>(trampoline.start[2]) };
+        let pairs = 300_000usize;
+        let began = std::time::Instant::now();
+        for i in 0..pairs {
+            let mut ret: *mut c_void = 1 as *mut c_void;
+            let rf = (i % 2) as *const c_void;
+            let back = start(&mut ret, rf);
+            assert!(ret.is_null() && core::ptr::eq(back, &mut ret));
+            end(rf, core::ptr::null_mut());
+        }
+        let took = began.elapsed();
+        eprintln!(
+            "{:.0} ns a start and end through the trampoline",
+            took.as_nanos() as f64 / pairs as f64
+        );
+        let mut ret = core::ptr::null_mut();
+        user(&mut ret, 2 as *const c_void);
+        end(2 as *const c_void, core::ptr::null_mut());
+
+        assert!(trampoline.empty_and_drain(1_000_000_000));
+        REGION.store(core::ptr::null_mut(), Ordering::Release);
+        let mut ret: *mut c_void = 1 as *mut c_void;
+        start(&mut ret, core::ptr::null());
+        end(core::ptr::null(), core::ptr::null_mut());
+        assert!(ret.is_null());
+
+        // SAFETY: nothing writes into the region any more.
+        let frame = unsafe { build_frame(region) };
+        let header = OpsHeader::decode(frame).unwrap();
+        assert_eq!(header.records as usize, 2 * pairs + 2);
+        assert_eq!((header.names, header.dropped, header.names_lost), (3, 0, 0));
+        let records_at = frame.len() - header.records as usize * OpRecord::LEN;
+        let records: Vec<OpRecord> = frame[records_at..]
+            .chunks_exact(OpRecord::LEN)
+            .filter_map(OpRecord::decode)
+            .collect();
+        let tid = unsafe { sys::syscall(sys::SYS_GETTID) } as u32;
+        assert!(records.iter().all(|r| r.tid == tid));
+        assert_eq!(records[1].what, op_records::END);
+        let last_start = records[records.len() - 2].what;
+        assert_eq!(last_start >> 24, SCOPE_USER);
+        assert_ne!(last_start & 0xff_ffff, NO_NAME);
+        assert!(records.windows(2).all(|w| w[0].ts_ns <= w[1].ts_ns));
+        // SAFETY: the region and key made above.
+        unsafe {
+            sys::munmap(region.cast(), REGION_BYTES);
+            sys::pthread_key_delete(key);
+        }
     }
 }
