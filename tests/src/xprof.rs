@@ -122,3 +122,20 @@ pub fn assert_shows_sched_workload(
     assert!(count("cpu-burner", "Running") >= 1, "{json}");
     assert!(count("sleeper-10ms", "Blocked") >= 50, "{json}");
 }
+
+/// What `xprof.profile_plugin`'s capture route (the web UI's "Capture
+/// profile" button) calls, with its defaults: levels 2/1/0, delay 0,
+/// `num_retry` 0 (one attempt). argv: address, logdir, host level,
+/// attempts.
+pub const CAPTURE_BUTTON: &str = r#"
+import json, sys
+from xprof.convert import _pywrap_profiler_plugin
+addr, logdir, host_level, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+options = {"host_tracer_level": host_level, "device_tracer_level": 1,
+           "python_tracer_level": 0, "delay_ms": 0}
+try:
+    _pywrap_profiler_plugin.trace(addr, logdir, "", True, 1000, attempts, options)
+    print(json.dumps({"ok": True}))
+except Exception as e:
+    print(json.dumps({"ok": False, "error": str(e)}))
+"#;

@@ -137,7 +137,7 @@ fn clients_succeed_against_a_server_allowed_to_write_elsewhere() {
         &python,
         &[
             "-c",
-            CAPTURE_BUTTON,
+            xprof::CAPTURE_BUTTON,
             &format!("localhost:{port}"),
             theirs.to_str().unwrap(),
             "2",
@@ -168,23 +168,6 @@ fn clients_succeed_against_a_server_allowed_to_write_elsewhere() {
     assert_eq!(std::fs::read_dir(&allowed).unwrap().count(), 0);
 }
 
-/// What `xprof.profile_plugin`'s capture route (the web UI's "Capture
-/// profile" button) calls, with its defaults: levels 2/1/0, delay 0,
-/// `num_retry` 0 (one attempt). argv: address, logdir, host level,
-/// attempts.
-const CAPTURE_BUTTON: &str = r#"
-import json, sys
-from xprof.convert import _pywrap_profiler_plugin
-addr, logdir, host_level, attempts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-options = {"host_tracer_level": host_level, "device_tracer_level": 1,
-           "python_tracer_level": 0, "delay_ms": 0}
-try:
-    _pywrap_profiler_plugin.trace(addr, logdir, "", True, 1000, attempts, options)
-    print(json.dumps({"ok": True}))
-except Exception as e:
-    print(json.dumps({"ok": False, "error": str(e)}))
-"#;
-
 #[test]
 fn xprof_capture_button_captures_and_retries_on_empty_traces() {
     if !require_root("xprof_capture_button_captures_and_retries_on_empty_traces") {
@@ -207,7 +190,7 @@ fn xprof_capture_button_captures_and_retries_on_empty_traces() {
             &python,
             &[
                 "-c",
-                CAPTURE_BUTTON,
+                xprof::CAPTURE_BUTTON,
                 &addr,
                 logdir.path().to_str().unwrap(),
                 host_level,

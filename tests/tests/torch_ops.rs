@@ -5,6 +5,7 @@
 
 use std::{
     collections::HashMap,
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -12,8 +13,10 @@ use ebtrace_tests::{
     TempDir, agent_threads,
     pyenv::python_fixture,
     python::PythonWorkload,
-    record, require_root, serial, spawn_record, wait_for_ebtrace_exits, xplane_files,
-    xprof::python_with,
+    record, require_root, serial,
+    serve::ServeProcess,
+    spawn_record, wait_for_ebtrace_exits, wait_with_deadline, xplane_files,
+    xprof::{self, python_with},
     xspace::{self, Event, line_events, plane},
 };
 
@@ -352,6 +355,106 @@ fn captures_in_a_row_leave_the_target_as_they_found_it() {
                     "capture {i}: {resident} KiB resident, {first_resident} after the first"
                 );
             }
+        }
+    }
+}
+
+/// `ebtrace serve` on the PyTorch process: jax's `collect_profile` and
+/// XProf's "Capture profile" each get its ops in their answer, as many a
+/// step as torch.profiler counts.
+#[test]
+fn profiler_clients_of_ebtrace_serve_get_the_ops() {
+    if !require_root("profiler_clients_of_ebtrace_serve_get_the_ops") {
+        return;
+    }
+    let Some(python) = python_with(&[
+        "torch",
+        "jax.collect_profile",
+        "xprof.convert._pywrap_profiler_plugin",
+    ]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some(mut workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    let (_, reference) = ask(&mut workload);
+    let main = i64::from(workload.start_line["tid"].as_u64().expect("tid") as u32);
+    let server = ServeProcess::loopback(&["--pid", &pid.to_string()]);
+    let port = server.port().to_string();
+    let clients: [(&str, Vec<String>); 2] = [
+        (
+            "jax.collect_profile",
+            vec![
+                "-m".into(),
+                "jax.collect_profile".into(),
+                port.clone(),
+                "2000".into(),
+            ],
+        ),
+        (
+            "XProf's Capture profile",
+            vec![
+                "-c".into(),
+                xprof::CAPTURE_BUTTON.into(),
+                format!("localhost:{port}"),
+            ],
+        ),
+    ];
+    for (client, args) in clients {
+        let logdir = TempDir::new("torch-ops-serve");
+        let mut cmd = Command::new(&python);
+        cmd.args(&args);
+        if client == "jax.collect_profile" {
+            cmd.arg("--log_dir")
+                .arg(logdir.path())
+                .arg("--no_perfetto_link");
+        } else {
+            cmd.arg(logdir.path()).args(["2", "1"]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run the client");
+        let out = wait_with_deadline(child, Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "{client}: {}{}\nserver: {:?}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            server.lines()
+        );
+        let lines = op_lines(&logdir);
+        let ops = lines
+            .get(&main)
+            .unwrap_or_else(|| panic!("{client}: no ops on the main thread: {:?}", server.lines()));
+        let (steps, counts) = per_step(ops);
+        assert!(
+            steps.len() >= 50,
+            "{client}: {} train_step ranges",
+            steps.len()
+        );
+        for key in [
+            ("function".to_string(), "aten::addmm".to_string()),
+            ("backward_function".into(), "AddmmBackward0".into()),
+            ("user_scope".into(), "Optimizer.step#SGD.step".into()),
+        ] {
+            assert_eq!(
+                counts.get(&key),
+                reference.counts.get(&key),
+                "{client}: {key:?}"
+            );
+        }
+        let asked = Instant::now();
+        while agent_threads(pid) > 0 {
+            assert!(
+                asked.elapsed() < Duration::from_secs(10),
+                "{client}: the agent stayed"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
