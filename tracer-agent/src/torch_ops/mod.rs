@@ -502,10 +502,11 @@ mod tests {
         let pairs = 300_000usize;
         let began = std::time::Instant::now();
         for i in 0..pairs {
-            let mut ret: *mut c_void = 1 as *mut c_void;
+            let mut ret: *mut c_void = core::ptr::dangling_mut();
             let rf = (i % 2) as *const c_void;
-            let back = start(&mut ret, rf);
-            assert!(ret.is_null() && core::ptr::eq(back, &mut ret));
+            let slot: *mut *mut c_void = &mut ret;
+            let back = start(slot, rf);
+            assert!(ret.is_null() && core::ptr::eq(back, slot));
             end(rf, core::ptr::null_mut());
         }
         let took = began.elapsed();
@@ -519,7 +520,7 @@ mod tests {
 
         assert!(trampoline.empty_and_drain(1_000_000_000));
         REGION.store(core::ptr::null_mut(), Ordering::Release);
-        let mut ret: *mut c_void = 1 as *mut c_void;
+        let mut ret: *mut c_void = core::ptr::dangling_mut();
         start(&mut ret, core::ptr::null());
         end(core::ptr::null(), core::ptr::null_mut());
         assert!(ret.is_null());
@@ -534,6 +535,7 @@ mod tests {
             .chunks_exact(OpRecord::LEN)
             .filter_map(OpRecord::decode)
             .collect();
+        // SAFETY: gettid takes nothing.
         let tid = unsafe { sys::syscall(sys::SYS_GETTID) } as u32;
         assert!(records.iter().all(|r| r.tid == tid));
         assert_eq!(records[1].what, op_records::END);
