@@ -527,6 +527,16 @@ mod tests {
         (child, theirs.start + (write - ours.start), ours)
     }
 
+    /// Kills `child` and waits until it is a zombie (not reaped).
+    fn kill_to_zombie(child: &mut std::process::Child) {
+        child.kill().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while procfs::is_alive(child.id()) {
+            assert!(Instant::now() < deadline, "sleep did not die");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn assert_names_write(symbolizer: &StackSymbolizer, pid: u32, address: u64, libc: &Mapping) {
         let symbol = symbolizer.get(Space::Process(pid), address);
         let function = &symbol.frames.last().expect("a name").function;
@@ -579,12 +589,7 @@ mod tests {
         let pid = child.id();
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.note_process(pid);
-        child.kill().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while procfs::is_alive(pid) {
-            assert!(Instant::now() < deadline, "sleep did not die");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        kill_to_zombie(&mut child);
         assert!(procfs::is_listed(pid), "a zombie until reaped");
 
         symbolizer.note_stack(user_sample(pid, address).stack());
@@ -603,12 +608,7 @@ mod tests {
         let pid = child.id();
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.note_process(pid);
-        child.kill().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while procfs::is_alive(pid) {
-            assert!(Instant::now() < deadline, "sleep did not die");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        kill_to_zombie(&mut child);
 
         // An address in no mapping read at the start: a library loaded since.
         let stack = [0x10, address + 1];

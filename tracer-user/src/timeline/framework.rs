@@ -23,7 +23,7 @@ use ebtrace_proto::{
 };
 use prost::Message as _;
 
-use super::{Span, StatName, ThreadCounters, ThreadTrack, Timeline, Value, cuda::StreamTiming};
+use super::{Span, StatName, Timeline, Value, cuda::StreamTiming};
 use crate::{clock::ClockSync, collect::agent::ThreadIds};
 
 /// The plane of host threads in TSL's XSpaces.
@@ -188,15 +188,7 @@ fn add_host_plane(
             continue;
         };
         let line_start = time.line_start(line.timestamp_ns);
-        let track = timeline.threads.entry(tid).or_insert_with(|| ThreadTrack {
-            tid,
-            pid,
-            name: line.name.clone(),
-            slices: Vec::new(),
-            marks: Vec::new(),
-            spans: Vec::new(),
-            counters: ThreadCounters::default(),
-        });
+        let track = timeline.thread_track(tid, pid, || line.name.clone());
         // Millions of spans on one line: grown by doubling, the vector
         // would hold up to twice their room, and three times while it moves.
         track.spans.reserve_exact(count);

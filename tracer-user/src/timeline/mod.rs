@@ -493,6 +493,26 @@ pub struct Timeline {
 }
 
 impl Timeline {
+    /// The track of thread `tid` of process `pid`, made empty and named
+    /// `name()` if the timeline has none yet (a thread that only another
+    /// source, TraceMe or the driver calls, saw).
+    pub fn thread_track(
+        &mut self,
+        tid: u32,
+        pid: u32,
+        name: impl FnOnce() -> String,
+    ) -> &mut ThreadTrack {
+        self.threads.entry(tid).or_insert_with(|| ThreadTrack {
+            tid,
+            pid,
+            name: name(),
+            slices: Vec::new(),
+            marks: Vec::new(),
+            spans: Vec::new(),
+            counters: ThreadCounters::default(),
+        })
+    }
+
     /// Length of the capture window, in ns.
     pub fn duration_ns(&self) -> u64 {
         self.stop_ns - self.start_ns

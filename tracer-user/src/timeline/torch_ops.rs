@@ -12,7 +12,7 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use super::{Cuts, Nestable, Span, Stats, ThreadCounters, ThreadTrack, Timeline, Value, nest};
+use super::{Cuts, Nestable, Span, Stats, Timeline, Value, nest};
 use crate::collect::torch_ops::{OpScope, TorchOp};
 
 /// Stat of an op's span: what kind of RecordFunction it was
@@ -77,15 +77,7 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
     }
     for (tid, mut candidates) in per_thread {
         out.clipped += nest(&mut candidates, Cuts::Marked);
-        let track = timeline.threads.entry(tid).or_insert_with(|| ThreadTrack {
-            tid,
-            pid,
-            name: format!("thread {tid}"),
-            slices: Vec::new(),
-            marks: Vec::new(),
-            spans: Vec::new(),
-            counters: ThreadCounters::default(),
-        });
+        let track = timeline.thread_track(tid, pid, || format!("thread {tid}"));
         track.spans.extend(candidates.into_iter().map(|c| c.0));
         track
             .spans

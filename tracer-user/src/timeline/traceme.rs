@@ -24,9 +24,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::{
-    Cuts, Nestable, Span, StatName, Stats, ThreadCounters, ThreadTrack, Timeline, Value, nest,
-};
+use super::{Cuts, Nestable, Span, StatName, Stats, Timeline, Value, nest};
 use crate::collect::TraceMeEvent;
 
 /// Stat on a span whose end was moved to make it nest: nanoseconds cut.
@@ -258,15 +256,7 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
         stats.clipped += nest(&mut candidates, Cuts::Marked);
         stats.spans += candidates.len() as u64;
         let spans = candidates.into_iter().map(|c| c.span);
-        let track = timeline.threads.entry(tid).or_insert_with(|| ThreadTrack {
-            tid,
-            pid,
-            name: format!("thread {tid}"),
-            slices: Vec::new(),
-            marks: Vec::new(),
-            spans: Vec::new(),
-            counters: ThreadCounters::default(),
-        });
+        let track = timeline.thread_track(tid, pid, || format!("thread {tid}"));
         track.spans.extend(spans);
         track
             .spans

@@ -110,18 +110,7 @@ impl CudaTimeline {
     /// Adds the spans to their threads and the GPUs to `timeline`.
     pub fn add_to(self, timeline: &mut super::Timeline) {
         for (tid, (pid, spans)) in self.spans {
-            let track = timeline
-                .threads
-                .entry(tid)
-                .or_insert_with(|| super::ThreadTrack {
-                    tid,
-                    pid,
-                    name: format!("thread {tid}"),
-                    slices: Vec::new(),
-                    marks: Vec::new(),
-                    spans: Vec::new(),
-                    counters: super::ThreadCounters::default(),
-                });
+            let track = timeline.thread_track(tid, pid, || format!("thread {tid}"));
             // Moved, not copied, onto a thread with no spans yet.
             if track.spans.is_empty() {
                 track.spans = spans;
