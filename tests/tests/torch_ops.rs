@@ -58,6 +58,7 @@ struct LoopReport {
 fn ask(workload: &mut PythonWorkload) -> (LoopReport, Profiled) {
     workload.signal(libc::SIGUSR1);
     let report = workload.next_line();
+    let profiled = read_profiled(workload);
     let steps = report["steps"]
         .as_array()
         .expect("steps")
@@ -68,6 +69,11 @@ fn ask(workload: &mut PythonWorkload) -> (LoopReport, Profiled) {
         steps,
         has_callbacks: report["has_callbacks"].as_bool().expect("has_callbacks"),
     };
+    (report, profiled)
+}
+
+/// What the loop's own profiler recorded, as it prints it.
+fn read_profiled(workload: &mut PythonWorkload) -> Profiled {
     let p = workload.next_line();
     let n = p["profiled_steps"].as_f64().expect("profiled steps");
     let key = |k: &str| {
@@ -87,14 +93,11 @@ fn ask(workload: &mut PythonWorkload) -> (LoopReport, Profiled) {
         .iter()
         .map(|(k, v)| (key(k), v.as_u64().unwrap()))
         .collect();
-    (
-        report,
-        Profiled {
-            steps: n,
-            counts,
-            threads,
-        },
-    )
+    Profiled {
+        steps: n,
+        counts,
+        threads,
+    }
 }
 
 /// The op spans of every thread line of the host plane, by line, their
@@ -474,4 +477,41 @@ fn profiler_clients_of_ebtrace_serve_get_the_ops() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// A program whose own torch.profiler runs when ebtrace starts: ebtrace
+/// records beside it, every op, and the program's profile is as complete
+/// as without ebtrace.
+#[test]
+fn a_programs_own_profiler_is_left_alone() {
+    if !require_root("a_programs_own_profiler_is_left_alone") {
+        return;
+    }
+    let _serial = serial();
+    let Some(mut workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    let (_, reference) = ask(&mut workload);
+    workload.signal(libc::SIGUSR2);
+    std::thread::sleep(Duration::from_millis(500));
+    let logdir = TempDir::new("torch-ops-beside");
+    let out = record(&pid.to_string(), "1s", &logdir, &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    std::thread::sleep(Duration::from_millis(300));
+    workload.signal(libc::SIGUSR2);
+    let own = read_profiled(&mut workload);
+    assert!(
+        own.steps >= 100.0,
+        "{} steps in the program's profile",
+        own.steps
+    );
+    assert_eq!(own.counts, reference.counts);
+
+    let main = i64::from(workload.start_line["tid"].as_u64().expect("tid") as u32);
+    let lines = op_lines(&logdir);
+    let (steps, counts) = per_step(&lines[&main]);
+    assert!(steps.len() >= 50, "{} train_step ranges", steps.len());
+    assert_eq!(counts, reference.counts);
 }
