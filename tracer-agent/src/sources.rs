@@ -166,10 +166,8 @@ impl Sources {
         {
             why.get_or_insert(w);
         }
-        if let Some(r) = self.ops
-            && let Some(w) = r.stop(|ops| deliver(protocol::TORCH_OPS, ops))
-        {
-            why.get_or_insert(w);
+        if let Some(r) = self.ops {
+            r.stop(|ops| deliver(protocol::TORCH_OPS, ops));
         }
         why
     }

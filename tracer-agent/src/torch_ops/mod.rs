@@ -208,23 +208,24 @@ impl Recording {
         Ok((recording, text))
     }
 
-    /// Removes the callbacks and waits until none runs; false if one still
-    /// does after a second (the buffer is then left mapped).
-    fn unregister(&self) -> bool {
+    /// Removes the callbacks and waits until none runs. A thread stopped
+    /// inside one (by a debugger, or SIGSTOP) is waited for as long as it
+    /// stays: this is the agent's thread, which ebtrace waits for before it
+    /// unloads the agent (and leaves loaded, to take out later, when it
+    /// does not end), so the agent's code and buffer stay while that call
+    /// needs them.
+    fn unregister(&self) {
         for handle in self.handles {
             // SAFETY: a handle `addGlobalCallback` returned, removed once.
             unsafe { (self.remove)(handle) };
         }
-        let drained = self.trampoline.empty_and_drain(1_000_000_000);
+        self.trampoline.empty_and_drain();
         REGION.store(core::ptr::null_mut(), Ordering::Release);
-        drained
     }
 
-    fn release(self, drained: bool) {
-        if drained {
-            // SAFETY: no callback runs or will run; the region is ours.
-            unsafe { sys::munmap(self.region.cast(), REGION_BYTES) };
-        }
+    fn release(self) {
+        // SAFETY: no callback runs or will run; the region is ours.
+        unsafe { sys::munmap(self.region.cast(), REGION_BYTES) };
         TID_KEY.store(0, Ordering::Release);
         // SAFETY: the key made at the start; no callback reads it now.
         unsafe {
@@ -235,26 +236,18 @@ impl Recording {
 
     /// Stops recording, dropping what was recorded.
     pub fn discard(self) {
-        let drained = self.unregister();
-        self.release(drained);
+        self.unregister();
+        self.release();
     }
 
     /// Stops recording and hands what was recorded to `deliver` as one
-    /// [`crate::protocol::TORCH_OPS`] payload; returns why it could not.
-    pub fn stop(self, deliver: impl FnOnce(&[u8])) -> Option<Text> {
-        let drained = self.unregister();
-        if !drained {
-            self.release(false);
-            return Some(Text::new(
-                "PyTorch ops: a callback still ran a second after they were removed; \
-                 its records were left in the target",
-            ));
-        }
+    /// [`crate::protocol::TORCH_OPS`] payload.
+    pub fn stop(self, deliver: impl FnOnce(&[u8])) {
+        self.unregister();
         // SAFETY: no callback runs; the region is ours alone.
         let frame = unsafe { build_frame(self.region) };
         deliver(frame);
-        self.release(true);
-        None
+        self.release();
     }
 }
 
@@ -518,7 +511,7 @@ mod tests {
         user(&mut ret, 2 as *const c_void);
         end(2 as *const c_void, core::ptr::null_mut());
 
-        assert!(trampoline.empty_and_drain(1_000_000_000));
+        trampoline.empty_and_drain();
         REGION.store(core::ptr::null_mut(), Ordering::Release);
         let mut ret: *mut c_void = core::ptr::dangling_mut();
         start(&mut ret, core::ptr::null());
