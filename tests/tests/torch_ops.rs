@@ -101,12 +101,15 @@ fn read_profiled(workload: &mut PythonWorkload) -> Profiled {
 }
 
 /// The op spans of every thread line of the host plane, by line, their
-/// times wall-clock ns.
+/// times wall-clock ns; but for a train_step range reaching the trace's
+/// end: cut there (a client's `max_events` ends a trace early), its later
+/// ops are not in the trace.
 fn op_lines(logdir: &TempDir) -> HashMap<i64, Vec<Event>> {
     let files = xplane_files(logdir.path());
     assert_eq!(files.len(), 1, "{files:?}");
     let space = xspace::load(&files[0]);
-    let (start, _) = xspace::profile_window(&space);
+    let (start, stop) = xspace::profile_window(&space);
+    let cut_at_stop = |e: &Event| e.name == STEP && e.end_ns() + 1_000.0 >= stop as f64;
     let host = plane(&space, "/host:CPU");
     host.lines
         .iter()
@@ -118,6 +121,7 @@ fn op_lines(logdir: &TempDir) -> HashMap<i64, Vec<Event>> {
                     e.start_ns += start as f64;
                     e
                 })
+                .filter(|e| !cut_at_stop(e))
                 .collect();
             (l.id, ops)
         })
@@ -144,6 +148,13 @@ fn per_step(ops: &[Event]) -> (Vec<&Event>, HashMap<OpKey, f64>) {
         *c /= steps.len().max(1) as f64;
     }
     (steps, counts)
+}
+
+/// The median time a step of `report` took.
+fn median_step_ns(report: &LoopReport) -> f64 {
+    let mut took: Vec<f64> = report.steps.iter().map(|(a, b)| b - a).collect();
+    took.sort_by(f64::total_cmp);
+    took[took.len() / 2]
 }
 
 fn start_loop() -> Option<PythonWorkload> {
@@ -289,6 +300,16 @@ fn a_killed_ebtrace_leaves_no_callback_behind() {
     );
     assert_eq!(profiled_after.counts, reference.counts);
     assert!(after.steps.len() > 10, "the loop stopped");
+    // Its rate kept over the second after: the median step within half
+    // again of the one before the capture (bound for this VM's drift; a
+    // callback left behind is what `has_callbacks` tells).
+    std::thread::sleep(Duration::from_secs(1));
+    let (later, _) = ask(&mut workload);
+    let (was, is) = (median_step_ns(&before), median_step_ns(&later));
+    assert!(
+        is < was * 1.5,
+        "a step took {was:.0} ns before the capture, {is:.0} ns after the kill"
+    );
     wait_for_ebtrace_exits();
 }
 
@@ -465,7 +486,9 @@ fn profiler_clients_of_ebtrace_serve_get_the_ops() {
             assert_eq!(
                 counts.get(&key),
                 reference.counts.get(&key),
-                "{client}: {key:?}"
+                "{client}: {key:?} over {} steps\nserver: {:?}",
+                steps.len(),
+                server.lines()
             );
         }
         let asked = Instant::now();
