@@ -28,10 +28,9 @@ pub enum TraceMeRoute {
     Off,
 }
 
-/// Whether `pid` runs a framework the agent can drive: the reason if not.
-fn framework_in(pid: u32) -> std::result::Result<(), String> {
-    let maps =
-        crate::procfs::maps_text(pid).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+/// Whether `pid`, with `maps` its mappings, runs a framework the agent
+/// can drive: the reason if not.
+fn framework_in(pid: u32, maps: &str) -> std::result::Result<(), String> {
     let exe = crate::procfs::executable(pid);
     let python = maps.contains("libpython")
         || exe
@@ -47,14 +46,13 @@ fn framework_in(pid: u32) -> std::result::Result<(), String> {
     }
 }
 
-/// Whether `pid` has loaded something whose device work the agent can
-/// record: the CUDA driver (CUPTI) or a PJRT plugin (its own profiler).
-fn device_in(pid: u32) -> bool {
-    crate::procfs::maps_text(pid).is_ok_and(|m| {
-        ["/libcuda.so", "libtpu", "pjrt", "xla_cuda_plugin"]
-            .iter()
-            .any(|lib| m.contains(lib))
-    })
+/// Whether a process with mappings `maps` has loaded something whose
+/// device work the agent can record: the CUDA driver (CUPTI) or a PJRT
+/// plugin (its own profiler).
+fn device_in(maps: &str) -> bool {
+    ["/libcuda.so", "libtpu", "pjrt", "xla_cuda_plugin"]
+        .iter()
+        .any(|lib| maps.contains(lib))
 }
 
 /// What each target's agent records, and the lines saying so.
@@ -105,16 +103,19 @@ pub fn start_agent_sessions(
     let traceme = level > 0 && route != TraceMeRoute::Off;
     for t in targets {
         let pid = t.pid;
+        let maps =
+            crate::procfs::maps_text(pid).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"));
         let framework = if !traceme || route == TraceMeRoute::Uprobe {
             Err(String::new())
         } else {
-            framework_in(pid)
+            maps.as_deref()
+                .map_err(Clone::clone)
+                .and_then(|m| framework_in(pid, m))
         };
-        let device = device_activity && device_in(pid);
-        let torch = if torch_ops {
-            torch_abi::check(pid)
-        } else {
-            Err(String::new())
+        let device = device_activity && maps.as_deref().is_ok_and(device_in);
+        let torch = match &maps {
+            Ok(m) if torch_ops => torch_abi::check(pid, m),
+            _ => Err(String::new()),
         };
         if let Err(why) = &torch
             && why != NO_PYTORCH

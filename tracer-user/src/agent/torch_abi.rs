@@ -45,10 +45,9 @@ const EXPECTED: &[&str] = &[
     "typedef uint64_t CallbackHandle;",
 ];
 
-/// Whether `pid` runs a PyTorch whose callbacks the agent can register;
-/// the error is why not, one line.
-pub fn check(pid: u32) -> Result<TorchAbi, String> {
-    let maps = procfs::maps_text(pid).map_err(|e| format!("cannot read /proc/{pid}/maps: {e}"))?;
+/// Whether `pid`, with `maps` its mappings, runs a PyTorch whose
+/// callbacks the agent can register; the error is why not, one line.
+pub fn check(pid: u32, maps: &str) -> Result<TorchAbi, String> {
     let library = maps
         .lines()
         .filter_map(|l| l.split_whitespace().nth(5))
