@@ -1,5 +1,6 @@
 //! XProf itself (the `xprof` package from PyPI) converting a trace to its
-//! trace viewer's JSON, summarized for assertions.
+//! trace viewer's JSON and its framework op stats, summarized for
+//! assertions.
 
 use std::{
     path::{Path, PathBuf},
@@ -139,3 +140,65 @@ try:
 except Exception as e:
     print(json.dumps({"ok": False, "error": str(e)}))
 "#;
+
+/// Converts with `xspace_to_tool_data(..., "framework_op_stats", {})` and
+/// prints, for each host op row, its operation's name and type, its
+/// occurrences and its total and self time (µs).
+const FRAMEWORK_OP_STATS: &str = r#"
+import json, shutil, sys, tempfile, os
+from xprof.convert import raw_to_tool_data as r
+d = tempfile.mkdtemp()
+src = os.path.join(d, os.path.basename(sys.argv[1]))
+shutil.copy(sys.argv[1], src)
+data, content_type = r.xspace_to_tool_data([src], "framework_op_stats", {})
+shutil.rmtree(d)
+j = json.loads(data)
+table = j[0] if isinstance(j, list) else j
+cols = [c["id"] for c in table["cols"]]
+rows = []
+for row in table["rows"]:
+    v = dict(zip(cols, [c.get("v") if c else None for c in row["c"]]))
+    if v["host_or_device"] == "Host":
+        rows.append({k: v[k] for k in ("operation", "type", "occurrences", "total_time",
+                                        "total_self_time")})
+print(json.dumps(rows))
+"#;
+
+/// A host op row of XProf's framework op stats.
+#[derive(Debug)]
+pub struct HostOpRow {
+    pub operation: String,
+    pub op_type: String,
+    pub occurrences: f64,
+    /// µs.
+    pub total_time: f64,
+    /// µs.
+    pub total_self_time: f64,
+}
+
+/// The host ops of XProf's framework op stats for `xplane`.
+pub fn framework_host_ops(python: &Path, xplane: &Path) -> Vec<HostOpRow> {
+    let conv = Command::new(python)
+        .args(["-c", FRAMEWORK_OP_STATS])
+        .arg(xplane)
+        .output()
+        .expect("run python");
+    assert!(
+        conv.status.success(),
+        "xprof failed: {}",
+        String::from_utf8_lossy(&conv.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&conv.stdout);
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default())
+            .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"));
+    rows.iter()
+        .map(|r| HostOpRow {
+            operation: r["operation"].as_str().unwrap_or_default().to_string(),
+            op_type: r["type"].as_str().unwrap_or_default().to_string(),
+            occurrences: r["occurrences"].as_f64().unwrap_or(0.0),
+            total_time: r["total_time"].as_f64().unwrap_or(0.0),
+            total_self_time: r["total_self_time"].as_f64().unwrap_or(0.0),
+        })
+        .collect()
+}

@@ -254,6 +254,51 @@ fn ops_per_step_match_pytorchs_own_profiler() {
         .filter(|(a, b)| first - slack_ns <= *a && *b <= last + slack_ns)
         .count();
     assert_eq!(ran, steps.len(), "the loop ran {ran} steps in that time");
+
+    assert_framework_op_stats(&logdir);
+}
+
+/// XProf's framework op stats of the trace in `logdir` count each op (its
+/// name's `::` a `.`) as often as the trace holds it, and take its
+/// children's time from its own: a `train_step`'s self time is what its
+/// ops leave.
+fn assert_framework_op_stats(logdir: &TempDir) {
+    let Some(python) = xprof::python() else {
+        return;
+    };
+    let files = xplane_files(logdir.path());
+    let space = xspace::load(&files[0]);
+    let host = plane(&space, "/host:CPU");
+    let mut in_trace: HashMap<String, f64> = HashMap::new();
+    for l in &host.lines {
+        for e in line_events(host, l.id) {
+            if e.stats.contains_key(SCOPE_STAT) {
+                *in_trace.entry(e.name).or_default() += 1.0;
+            }
+        }
+    }
+    let rows = xprof::framework_host_ops(&python, &files[0]);
+    let row = |operation: &str| {
+        rows.iter()
+            .find(|r| r.operation == operation)
+            .unwrap_or_else(|| panic!("no {operation} in XProf's framework op stats: {rows:#?}"))
+    };
+    for (name, operation) in [
+        ("aten::addmm", "aten.addmm"),
+        ("AddmmBackward0", "AddmmBackward0"),
+        ("Optimizer.step#SGD.step", "Optimizer.step#SGD.step"),
+        (STEP, STEP),
+    ] {
+        let r = row(operation);
+        assert_eq!(Some(&r.occurrences), in_trace.get(name), "{r:?}");
+        assert_eq!(r.op_type, operation, "{r:?}");
+        assert!(r.total_self_time <= r.total_time, "{r:?}");
+    }
+    let step = row(STEP);
+    assert!(
+        step.total_self_time < 0.5 * step.total_time,
+        "the steps' ops are not taken from their time: {step:?}"
+    );
 }
 
 /// ebtrace killed mid-capture: the callbacks are gone within a second (the

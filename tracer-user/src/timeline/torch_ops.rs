@@ -4,20 +4,45 @@
 //! `record_function` range one span named as PyTorch names it, with its
 //! kind in the [`SCOPE_STAT`] stat.
 //!
+//! Each span also carries XProf's `tf_op` stat ([`FRAMEWORK_OP_STAT`]),
+//! from which XProf's framework op stats count host ops and their self
+//! time; the trace viewer shows it as one more argument.
+//!
 //! RecordFunctions of one thread nest by construction (each is a scope);
 //! one ended on another thread than it started on may not, and is cut to
 //! nest ([`nest`], cuts marked). Times are `CLOCK_MONOTONIC`, as the
 //! timeline's; ops not wholly inside the window are left out, as TraceMe
 //! events are.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
 
-use super::{Cuts, Nestable, Span, Stats, Timeline, Value, nest};
+use super::{Cuts, Nestable, Span, Stat, Stats, Timeline, Value, nest};
 use crate::collect::torch_ops::{OpScope, TorchOp};
 
 /// Stat of an op's span: what kind of RecordFunction it was
 /// ([`OpScope::as_str`]).
 pub const SCOPE_STAT: &str = "torch_scope";
+
+/// Stat from which XProf's framework op stats take a host event as an op
+/// (its `kTfOp`), whatever the event's name.
+pub const FRAMEWORK_OP_STAT: &str = "tf_op";
+
+/// The [`FRAMEWORK_OP_STAT`] of an op named `name`: the name with each
+/// `::` made a `.` and a `:` after it, which XProf reads as an op named so
+/// whose type is its name too (`aten::addmm` → `aten.addmm:`; as it
+/// stands, XProf would split it at its first `:` and know neither half).
+/// None for a name XProf already takes as an op by itself, a `name:Type`
+/// or its own prefixes: the stat would count it twice.
+fn framework_op(name: &str) -> Option<String> {
+    let own_prefix = name.starts_with("Iterator::") || name.starts_with("MEMCPY");
+    if own_prefix || name.replace("::", "").contains(':') {
+        return None;
+    }
+    Some(format!("{}:", name.replace("::", ".")))
+}
 
 /// What became of a process's ops.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,14 +73,8 @@ impl Nestable for Candidate {
 /// Lays process `pid`'s `ops` on its threads' lines.
 pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> TorchOpSpans {
     let mut out = TorchOpSpans::default();
-    let scope_stats: BTreeMap<OpScope, Arc<[(super::StatName, Value)]>> =
-        [OpScope::Function, OpScope::Backward, OpScope::User]
-            .into_iter()
-            .map(|s| {
-                let stat = (SCOPE_STAT.into(), Value::Str(s.as_str().into()));
-                (s, Arc::from([stat]))
-            })
-            .collect();
+    // One set of stats for each kind and name, shared by its spans.
+    let mut stats_of: HashMap<(OpScope, Arc<str>), Arc<[Stat]>> = HashMap::new();
     let mut per_thread: BTreeMap<u32, Vec<Candidate>> = BTreeMap::new();
     for op in ops {
         if op.start_ns < timeline.start_ns || op.end_ns > timeline.stop_ns {
@@ -67,11 +86,19 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
             OpScope::Backward => out.backward += 1,
             OpScope::User => out.user_ranges += 1,
         }
+        let stats = stats_of
+            .entry((op.scope, Arc::clone(&op.name)))
+            .or_insert_with(|| {
+                let scope = (SCOPE_STAT.into(), Value::Str(op.scope.as_str().into()));
+                let framework = framework_op(&op.name)
+                    .map(|v| (FRAMEWORK_OP_STAT.into(), Value::Str(v.into())));
+                std::iter::once(scope).chain(framework).collect()
+            });
         per_thread.entry(op.tid).or_default().push(Candidate(Span {
             start_ns: op.start_ns,
             end_ns: op.end_ns,
             name: Arc::clone(&op.name),
-            stats: Stats::shared_then(Arc::clone(&scope_stats[&op.scope]), Vec::new()),
+            stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
             correlation: None,
         }));
     }
@@ -84,4 +111,23 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
             .sort_by_key(|s| (s.start_ns, std::cmp::Reverse(s.end_ns)));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::framework_op;
+
+    #[test]
+    fn framework_op_names_read_as_xprof_reads_them() {
+        assert_eq!(framework_op("aten::addmm").as_deref(), Some("aten.addmm:"));
+        assert_eq!(
+            framework_op("Optimizer.step#SGD.step").as_deref(),
+            Some("Optimizer.step#SGD.step:")
+        );
+        assert_eq!(framework_op("train_step").as_deref(), Some("train_step:"));
+        // XProf takes these by their names: a stat would count them twice.
+        for own in ["fwd:Linear", "a::b:c", "Iterator::Batch", "MEMCPYHToD"] {
+            assert_eq!(framework_op(own), None, "{own}");
+        }
+    }
 }
