@@ -301,6 +301,56 @@ fn assert_framework_op_stats(logdir: &TempDir) {
     );
 }
 
+/// `--torch-op-sampling 0.1`: about a tenth of the ops the loop ran in
+/// the window, by its own step log and torch.profiler's ops a step.
+#[test]
+fn a_sampled_capture_records_its_share_of_ops() {
+    if !require_root("a_sampled_capture_records_its_share_of_ops") {
+        return;
+    }
+    let _serial = serial();
+    let Some(mut workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    let logdir = TempDir::new("torch-ops-sampled");
+    let out = record(
+        &pid.to_string(),
+        "2s",
+        &logdir,
+        &["--torch-op-sampling", "0.1"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("; 100000 in a million RecordFunctions, drawn by PyTorch"),
+        "{stderr}"
+    );
+    let (report, profiled) = ask(&mut workload);
+    let files = xplane_files(logdir.path());
+    let space = xspace::load(&files[0]);
+    let (start, stop) = xspace::profile_window(&space);
+    let host = plane(&space, "/host:CPU");
+    let recorded = host
+        .lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .filter(|e| e.stats.contains_key(SCOPE_STAT))
+        .count() as f64;
+    let steps = report
+        .steps
+        .iter()
+        .filter(|(a, b)| start as f64 <= *a && *b <= stop as f64)
+        .count() as f64;
+    // Its ops, and its train_step range.
+    let per_step = profiled.counts.values().sum::<f64>() + 1.0;
+    let share = recorded / (steps * per_step);
+    assert!(
+        (0.09..0.11).contains(&share),
+        "{recorded} of {steps} steps' {per_step} ops each: a share of {share}"
+    );
+}
+
 /// ebtrace killed mid-capture: the callbacks are gone within a second (the
 /// agent's thread, which removes them before it ends, is gone, and PyTorch
 /// says it has no callback), and PyTorch's own profiler, run by the program

@@ -6,7 +6,7 @@
 //! whatever it started and its thread ends: the socket is its watchdog.
 
 /// Version of this protocol, sent in [`HELLO`].
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
 /// Longest payload ebtrace accepts from an agent (an XSpace).
@@ -164,6 +164,9 @@ impl Header {
     }
 }
 
+/// [`SessionLevels::ops`] that records every RecordFunction.
+pub const OPS_ALL: u32 = 1_000_000;
+
 /// What a [`START`] asks the framework's profiler to record (the
 /// `ProfileOptions` tracer levels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,7 +177,9 @@ pub struct SessionLevels {
     pub python: u32,
     /// Device tracers (GPU/TPU activity): 0 off, 1 on.
     pub device: u32,
-    /// PyTorch's ops (RecordFunction callbacks): 0 off, 1 on.
+    /// PyTorch's ops (RecordFunction callbacks): 0 off, else the chance,
+    /// in millionths, that a RecordFunction is recorded ([`OPS_ALL`] and
+    /// above: every one).
     pub ops: u32,
 }
 

@@ -32,6 +32,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use tracer_agent::protocol::OPS_ALL;
+
 use crate::{
     agent::{AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions},
     attach::{CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, TraceMeOptions, TraceMeProbe, cuda},
@@ -88,6 +90,9 @@ pub struct CaptureOptions {
     pub no_device_activity: bool,
     /// Never record PyTorch's ops through the agent.
     pub no_torch_ops: bool,
+    /// Record this many in a million of PyTorch's ops (RecordFunctions,
+    /// drawn by PyTorch); none: every one.
+    pub torch_op_millionths: Option<u32>,
     /// Most the framework's profiler session, run by the agent, may grow a
     /// target by (its resident memory, in bytes) before ebtrace stops it;
     /// none: [`default_framework_memory`].
@@ -102,6 +107,17 @@ pub struct CaptureOptions {
     /// [`Capture::finish`] (`ebtrace record`): its scheduler records become
     /// thread states as they arrive instead of all being held to the end.
     pub one_window: bool,
+}
+
+impl CaptureOptions {
+    /// How many in a million of PyTorch's ops the agent records (0: none).
+    pub fn torch_ops(&self) -> u32 {
+        if self.no_torch_ops {
+            0
+        } else {
+            self.torch_op_millionths.map_or(OPS_ALL, |m| m.min(OPS_ALL))
+        }
+    }
 }
 
 /// Which probe families a capture attaches. Each family has one switch
@@ -356,7 +372,7 @@ impl Capture {
             level,
             self.options.route,
             device_activity,
-            !self.options.no_torch_ops,
+            self.options.torch_ops(),
         );
         if uprobe_pids != self.uprobe_pids {
             return Err("the targets' TraceMe events now take another route".into());

@@ -28,6 +28,7 @@ use crate::{
         self, NO_NAME, NameEntry, OpRecord, OpsHeader, SCOPE_BACKWARD_FUNCTION, SCOPE_FUNCTION,
         SCOPE_USER,
     },
+    protocol::OPS_ALL,
     python::Text,
     sys,
 };
@@ -119,10 +120,12 @@ fn symbol(library: *mut c_void, name: &core::ffi::CStr) -> Option<usize> {
 }
 
 impl Recording {
-    /// Registers the callbacks; the text says what records, the error why
-    /// nothing does.
+    /// Registers the callbacks, each to record a RecordFunction with a
+    /// chance of `millionths` in a million (PyTorch draws which); the text
+    /// says what records, the error why nothing does.
     #[allow(clippy::result_large_err)]
-    pub fn start() -> Result<(Recording, Text), Text> {
+    pub fn start(millionths: u32) -> Result<(Recording, Text), Text> {
+        let millionths = millionths.clamp(1, OPS_ALL);
         // SAFETY: a NUL-terminated name; RTLD_NOLOAD loads nothing.
         let library = unsafe {
             sys::dlopen(
@@ -176,7 +179,7 @@ impl Recording {
             let callback = Callback {
                 start,
                 end: trampoline.end,
-                sampling_prob: 1.0,
+                sampling_prob: f64::from(millionths) / f64::from(OPS_ALL),
                 scopes,
                 needs_inputs: false,
                 needs_outputs: false,
@@ -199,6 +202,15 @@ impl Recording {
             &mut text,
             format_args!("a buffer of {} records", CAPACITY),
         );
+        if millionths < OPS_ALL {
+            let _ = core::fmt::Write::write_fmt(
+                &mut text,
+                format_args!(
+                    "; {} in a million RecordFunctions, drawn by PyTorch",
+                    millionths
+                ),
+            );
+        }
         if others {
             // The program's own profiler (or another observer) runs: its
             // callbacks are left as they are, and see what they saw.

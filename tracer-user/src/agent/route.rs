@@ -84,8 +84,9 @@ impl AgentStart {
 /// Starts, through the agent, the framework's own profiler session in
 /// every target the TraceMe route allows, with `device_activity` the
 /// device's activity (CUPTI, or a PJRT plugin's profiler) in every process
-/// with a GPU or TPU runtime loaded, and with `torch_ops` PyTorch's ops in
-/// every PyTorch process whose callback layout checks out; returns those
+/// with a GPU or TPU runtime loaded, and PyTorch's ops in every PyTorch
+/// process whose callback layout checks out, `torch_ops` in a million of
+/// them (0: none); returns those
 /// sessions, the pids left to the TraceMe uprobes, and lines saying which
 /// route each target got.
 pub fn start_agent_sessions(
@@ -93,7 +94,7 @@ pub fn start_agent_sessions(
     level: u32,
     route: TraceMeRoute,
     device_activity: bool,
-    torch_ops: bool,
+    torch_ops: u32,
 ) -> AgentStart {
     let mut out = AgentStart {
         sessions: Vec::new(),
@@ -114,7 +115,7 @@ pub fn start_agent_sessions(
         };
         let device = device_activity && maps.as_deref().is_ok_and(device_in);
         let torch = match &maps {
-            Ok(m) if torch_ops => torch_abi::check(pid, m),
+            Ok(m) if torch_ops > 0 => torch_abi::check(pid, m),
             _ => Err(String::new()),
         };
         if let Err(why) = &torch
@@ -140,7 +141,7 @@ pub fn start_agent_sessions(
             host: if framework.is_ok() { level } else { 0 },
             python: 0,
             device: u32::from(device_activity),
-            ops: u32::from(torch.is_ok()),
+            ops: if torch.is_ok() { torch_ops } else { 0 },
         };
         match AgentSession::start(pid, levels) {
             Ok(s) => {

@@ -159,7 +159,7 @@ impl Attached {
             level,
             options.route,
             device_activity,
-            !options.no_torch_ops,
+            options.torch_ops(),
         );
         let traceme_options = TraceMeOptions {
             level,

@@ -181,6 +181,15 @@ pub struct RecordArgs {
     #[arg(long)]
     pub no_torch_ops: bool,
 
+    /// Record each of PyTorch's ops (and backward functions and
+    /// record_function ranges) with this chance, 0 to 1, drawn by PyTorch
+    /// as its own sampled observers are: PyTorch then skips most ops
+    /// without building their RecordFunction, which costs the program far
+    /// less than every op (see BENCHMARKS.md). Counts in the trace are
+    /// then a sample: about P times the program's.
+    #[arg(long, value_name = "P", value_parser = parse_op_sampling)]
+    pub torch_op_sampling: Option<u32>,
+
     /// Switch TraceMe recording off again after this many events, on the
     /// uprobe route: the target's recorder keeps every event it records in
     /// memory until a profiler session drains it (jaxlib: about 140 bytes
@@ -270,6 +279,19 @@ pub(crate) fn parse_ring_mib(s: &str) -> Result<u32, String> {
     Ok(v)
 }
 
+/// `--torch-op-sampling`'s chance, as millionths (at least one).
+fn parse_op_sampling(text: &str) -> std::result::Result<u32, String> {
+    let p: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number: give a chance such as 0.01"))?;
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(format!(
+            "{text} is not a chance above 0 and at most 1: give e.g. 0.01 for one op in a hundred"
+        ));
+    }
+    Ok(((p * 1e6).round() as u32).max(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,6 +318,16 @@ mod tests {
         assert!(Cli::try_parse_from(["ebtrace"]).is_err());
         let cli = Cli::try_parse_from(["ebtrace", "-p", "7", "--json", "-q"]).unwrap();
         assert!(cli.record.json && cli.record.quiet);
+    }
+
+    #[test]
+    fn op_sampling_is_a_chance() {
+        assert_eq!(parse_op_sampling("1"), Ok(1_000_000));
+        assert_eq!(parse_op_sampling("0.01"), Ok(10_000));
+        assert_eq!(parse_op_sampling("1e-9"), Ok(1));
+        for bad in ["0", "1.5", "-0.1", "NaN", "inf", "often"] {
+            assert!(parse_op_sampling(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
