@@ -7,7 +7,8 @@
 //! drifts over seconds, so the configurations take turns within it, phase
 //! after phase, the order rotated round by round: untraced; under `ebtrace
 //! --no-torch-ops` (scheduling only); under `ebtrace` (scheduling and its
-//! ops); under `torch.profiler.profile` with CPU activities, started and
+//! ops); under `ebtrace --torch-op-sampling 0.01` (one op in a hundred,
+//! drawn by PyTorch: what a recorder's budget could afford); under `torch.profiler.profile` with CPU activities, started and
 //! stopped inside the program (SIGUSR2). Each phase's figure is the median
 //! time a step took, from the loop's own log of each step's start and end,
 //! over `--seconds` from when the configuration is in place.
@@ -49,14 +50,19 @@ enum Config {
     Untraced,
     EbtraceNoOps,
     Ebtrace,
+    EbtraceSampled,
     TorchProfiler,
 }
+
+/// The chance `Config::EbtraceSampled` records an op with.
+const SAMPLING: &str = "0.01";
 
 impl Configuration for Config {
     const ALL: &'static [Config] = &[
         Config::Untraced,
         Config::EbtraceNoOps,
         Config::Ebtrace,
+        Config::EbtraceSampled,
         Config::TorchProfiler,
     ];
 
@@ -65,6 +71,7 @@ impl Configuration for Config {
             Config::Untraced => "untraced",
             Config::EbtraceNoOps => "ebtrace --no-torch-ops",
             Config::Ebtrace => "ebtrace (ops)",
+            Config::EbtraceSampled => "ebtrace --torch-op-sampling 0.01",
             Config::TorchProfiler => "torch.profiler (CPU)",
         }
     }
@@ -212,16 +219,20 @@ fn phase(
             util::signal(target.pid, libc::SIGUSR2);
             Ok(measured)
         }
-        Config::Ebtrace | Config::EbtraceNoOps => {
+        Config::Ebtrace | Config::EbtraceSampled | Config::EbtraceNoOps => {
             let logdir = scratch.join("trace");
             let duration = format!("{}s", (seconds + SETTLE.as_secs_f64() + 1.0).ceil());
             let mut cmd = harness::ebtrace_command(ebtrace, target.pid, &duration, &logdir);
-            let ready: fn(&str) -> bool = if config == Config::Ebtrace {
-                |l| l.contains("PyTorch ops through RecordFunction callbacks")
-            } else {
-                cmd.arg("--no-torch-ops");
-                harness::attached
+            let ready: fn(&str) -> bool = match config {
+                Config::EbtraceNoOps => {
+                    cmd.arg("--no-torch-ops");
+                    harness::attached
+                }
+                _ => |l| l.contains("PyTorch ops through RecordFunction callbacks"),
             };
+            if config == Config::EbtraceSampled {
+                cmd.args(["--torch-op-sampling", SAMPLING]);
+            }
             let mut t = harness::spawn_ebtrace(cmd, ready, Duration::from_secs(60))?;
             let measured = span();
             harness::finish_ebtrace(&mut t)?;
@@ -334,6 +345,20 @@ fn render(
         "- ebtrace's ops cost {:.2}x what torch.profiler's cost ({}); target: at most 1.0x",
         median(&cost_ratio),
         each(&cost_ratio, 2)
+    );
+    // The loop keeps one CPU busy: a step's added time over its time is
+    // the share of a CPU the sampled ops take.
+    let sampled = per_round(Config::EbtraceSampled, Config::EbtraceNoOps);
+    let share: Vec<f64> = sampled.iter().map(|r| (r - 1.0) * 100.0).collect();
+    let sampled_ns = op_ns(Config::EbtraceSampled, Config::EbtraceNoOps);
+    let _ = writeln!(
+        md,
+        "- ebtrace's ops sampled at {SAMPLING}, over `ebtrace --no-torch-ops`: {:.0} ns an op \
+         ({}); {:.2}% of the loop's CPU ({}%)",
+        median(&sampled_ns),
+        each(&sampled_ns, 0),
+        median(&share),
+        each(&share, 2)
     );
     md
 }
