@@ -597,6 +597,84 @@ fn profiler_clients_of_ebtrace_serve_get_the_ops() {
     }
 }
 
+/// `ebtrace serve`'s flight recorder loads nothing into a PyTorch process
+/// (its ops are taken by captures, which hand them over when they stop):
+/// no agent, no callback, no op in a snapshot; a capture served beside it
+/// then gets the ops, and leaves nothing behind either.
+#[test]
+fn the_flight_recorder_leaves_pytorch_alone() {
+    if !require_root("the_flight_recorder_leaves_pytorch_alone") {
+        return;
+    }
+    let Some(python) = python_with(&["torch", "jax.collect_profile"]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some(mut workload) = start_loop() else {
+        return;
+    };
+    let pid = workload.pid;
+    let server = ServeProcess::loopback(&["--pid", &pid.to_string(), "--retain", "30s"]);
+    assert!(
+        server
+            .wait_line("flight recorder on", Duration::from_secs(30))
+            .is_some(),
+        "{:?}",
+        server.lines()
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(agent_threads(pid), 0, "{:?}", server.lines());
+    let (report, _) = ask(&mut workload);
+    assert!(!report.has_callbacks, "{:?}", server.lines());
+    let space = server.snapshot("torch-ops-recorder");
+    let host = plane(&space, "/host:CPU");
+    let ops = host
+        .lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .filter(|e| e.stats.contains_key(SCOPE_STAT))
+        .count();
+    assert_eq!(ops, 0, "ops in the recorder's snapshot");
+
+    let logdir = TempDir::new("torch-ops-beside-recorder");
+    let client = Command::new(&python)
+        .args([
+            "-m",
+            "jax.collect_profile",
+            &server.port().to_string(),
+            "1000",
+        ])
+        .arg("--log_dir")
+        .arg(logdir.path())
+        .arg("--no_perfetto_link")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the client");
+    let out = wait_with_deadline(client, Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}\nserver: {:?}",
+        String::from_utf8_lossy(&out.stderr),
+        server.lines()
+    );
+    let main = i64::from(workload.start_line["tid"].as_u64().expect("tid") as u32);
+    let lines = op_lines(&logdir);
+    let (steps, _) = per_step(lines.get(&main).map_or(&[][..], Vec::as_slice));
+    assert!(steps.len() >= 20, "{} train_step ranges", steps.len());
+    let asked = Instant::now();
+    while agent_threads(pid) > 0 {
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "the agent stayed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (report, _) = ask(&mut workload);
+    assert!(!report.has_callbacks, "a callback stayed after the capture");
+}
+
 /// A program whose own torch.profiler runs when ebtrace starts: ebtrace
 /// records beside it, every op, and the program's profile is as complete
 /// as without ebtrace.

@@ -8,7 +8,8 @@
 //! stacks, whatever the request's tracer levels say. TraceMe events are
 //! left out: switching a framework's recording on for good would make the
 //! target keep every event in its own memory until a profiler session of
-//! its own drains them. A process that exits stays in it until its
+//! its own drains them. So are PyTorch's ops: nothing is loaded into a
+//! target for the recorder. A process that exits stays in it until its
 //! records are too old (then nothing of it is kept): its last seconds are
 //! what a snapshot after a crash is for. A process watched after it
 //! started is recorded from then on, alongside the others. `ebtrace
@@ -194,6 +195,10 @@ impl FlightRecorder {
             families,
             route: TraceMeRoute::Off,
             no_device_activity: true,
+            // The agent hands PyTorch's ops over when a capture stops: for
+            // the recorder's life its callbacks would cost every op and
+            // fill their buffer. Captures served beside it take them.
+            no_torch_ops: true,
             // A snapshot's kernels have names: the programs looked most of
             // theirs up before the recorder started.
             name_kernels_with_agent: true,

@@ -97,6 +97,8 @@ impl Target {
         let mut cmd = harness::pinned(python, cpu);
         let mut child = cmd
             .arg(script)
+            // The profiler's phases are measured, not summarized.
+            .arg("--no-summary")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
