@@ -202,3 +202,40 @@ pub fn framework_host_ops(python: &Path, xplane: &Path) -> Vec<HostOpRow> {
         })
         .collect()
 }
+
+/// Converts with `xspace_to_tool_data(..., "overview_page", {})` and prints
+/// its step-time table's rows and average step time (ms).
+const OVERVIEW_STEPS: &str = r#"
+import json, shutil, sys, tempfile, os
+from xprof.convert import raw_to_tool_data as r
+d = tempfile.mkdtemp()
+src = os.path.join(d, os.path.basename(sys.argv[1]))
+shutil.copy(sys.argv[1], src)
+data, content_type = r.xspace_to_tool_data([src], "overview_page", {})
+shutil.rmtree(d)
+steps = json.loads(data)[1]
+print(json.dumps({"steps": len(steps.get("rows", [])),
+                  "average_ms": float(steps.get("p", {}).get("steptime_ms_average", 0))}))
+"#;
+
+/// The steps XProf's overview page finds in `xplane`: how many, and
+/// their average time in ms.
+pub fn overview_steps(python: &Path, xplane: &Path) -> (usize, f64) {
+    let conv = Command::new(python)
+        .args(["-c", OVERVIEW_STEPS])
+        .arg(xplane)
+        .output()
+        .expect("run python");
+    assert!(
+        conv.status.success(),
+        "xprof failed: {}",
+        String::from_utf8_lossy(&conv.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&conv.stdout);
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"));
+    (
+        v["steps"].as_u64().unwrap_or(0) as usize,
+        v["average_ms"].as_f64().unwrap_or(0.0),
+    )
+}

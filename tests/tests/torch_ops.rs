@@ -256,6 +256,36 @@ fn ops_per_step_match_pytorchs_own_profiler() {
     assert_eq!(ran, steps.len(), "the loop ran {ran} steps in that time");
 
     assert_framework_op_stats(&logdir);
+    assert_xprof_steps(&logdir, &steps, &loop_steps);
+}
+
+/// XProf's overview page takes the train_step ranges (`steps`) as the
+/// program's steps, as long on average as the loop's own log says its
+/// steps in that time were.
+fn assert_xprof_steps(logdir: &TempDir, steps: &[&Event], loop_steps: &[(f64, f64)]) {
+    let Some(python) = xprof::python() else {
+        return;
+    };
+    let files = xplane_files(logdir.path());
+    let (found, average_ms) = xprof::overview_steps(&python, &files[0]);
+    // XProf leaves out a first and last step it may see only in part.
+    assert!(
+        (steps.len() - 2..=steps.len()).contains(&found),
+        "XProf found {found} steps in {} train_step ranges",
+        steps.len()
+    );
+    let (first, last) = (steps[0].start_ns, steps[steps.len() - 1].end_ns());
+    let logged: Vec<f64> = loop_steps
+        .iter()
+        .filter(|(a, b)| first - 50_000.0 <= *a && *b <= last + 50_000.0)
+        .map(|(a, b)| (b - a) / 1e6)
+        .collect();
+    let logged_ms = logged.iter().sum::<f64>() / logged.len() as f64;
+    // The page gives tenths of a millisecond.
+    assert!(
+        (average_ms - logged_ms).abs() < 0.1 * logged_ms + 0.05,
+        "XProf's average step {average_ms} ms, the loop's {logged_ms} ms"
+    );
 }
 
 /// XProf's framework op stats of the trace in `logdir` count each op (its

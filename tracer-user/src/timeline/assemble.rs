@@ -398,13 +398,17 @@ fn add_ops(timeline: &mut Timeline, recordings: &[AgentRecording]) {
             timeline.stats.notes.push(format!(
                 "pid {}: PyTorch: {} ops, {} backward functions and {} record_function \
                  ranges on the thread lines ({} outside the window, {} unfinished when it \
-                 closed)",
+                 closed){}",
                 r.pid,
                 laid.ops,
                 laid.backward,
                 laid.user_ranges,
                 laid.outside_window,
-                decoded.unpaired
+                decoded.unpaired,
+                match laid.steps {
+                    0 => String::new(),
+                    n => format!("; {n} of them steps for XProf"),
+                }
             ));
             if decoded.dropped > 0 || decoded.names_lost > 0 {
                 timeline.stats.warnings.push(format!(

@@ -6,7 +6,9 @@
 //!
 //! Each span also carries XProf's `tf_op` stat ([`FRAMEWORK_OP_STAT`]),
 //! from which XProf's framework op stats count host ops and their self
-//! time; the trace viewer shows it as one more argument.
+//! time; the trace viewer shows it as one more argument. The program's
+//! steps (`ProfilerStep#N`, or ranges named `train...`/`test...`) carry the
+//! stats from which XProf groups ops into steps ([`STEP_ROOT_STAT`]).
 //!
 //! RecordFunctions of one thread nest by construction (each is a scope);
 //! one ended on another thread than it started on may not, and is cut to
@@ -57,9 +59,29 @@ pub struct TorchOpSpans {
     pub outside_window: u64,
     /// Spans cut to nest.
     pub clipped: u64,
+    /// `record_function` ranges marked as steps for XProf.
+    pub steps: u64,
 }
 
-struct Candidate(Span);
+/// Stat that makes XProf take a span as a step of the program (its
+/// `kIsRoot`): XProf groups the ops inside it into that step, for its
+/// step-time graph and its input pipeline analysis.
+pub const STEP_ROOT_STAT: &str = "_r";
+/// Stat numbering a step for XProf (its `kStepNum`).
+pub const STEP_NUMBER_STAT: &str = "step_num";
+
+/// Prefix of the ranges torch.profiler's schedule makes a step each.
+const PROFILER_STEP: &str = "ProfilerStep#";
+
+/// Whether a `record_function` range named `name` is a step of the
+/// program: torch.profiler's `ProfilerStep#N`, or a range XProf takes as
+/// a step by its name (starting `train` or `test`, with no `/`).
+fn is_step(name: &str) -> bool {
+    name.starts_with(PROFILER_STEP)
+        || ((name.starts_with("train") || name.starts_with("test")) && !name.contains('/'))
+}
+
+struct Candidate(Span, OpScope);
 
 impl Nestable for Candidate {
     fn span(&self) -> &Span {
@@ -68,6 +90,27 @@ impl Nestable for Candidate {
     fn span_mut(&mut self) -> &mut Span {
         &mut self.0
     }
+}
+
+/// Marks the steps among one thread's `candidates` (sorted by start) for
+/// XProf: each the nth step of its thread, `ProfilerStep#N` step N.
+fn mark_steps(candidates: &mut [Candidate]) -> u64 {
+    let mut marked = 0;
+    for Candidate(span, scope) in candidates {
+        if *scope != OpScope::User || !is_step(&span.name) {
+            continue;
+        }
+        marked += 1;
+        let number = span
+            .name
+            .strip_prefix(PROFILER_STEP)
+            .and_then(|n| n.parse::<i64>().ok())
+            .unwrap_or(marked as i64);
+        span.stats.push((STEP_ROOT_STAT.into(), Value::I64(1)));
+        span.stats
+            .push((STEP_NUMBER_STAT.into(), Value::I64(number)));
+    }
+    marked
 }
 
 /// Lays process `pid`'s `ops` on its threads' lines.
@@ -94,16 +137,21 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
                     .map(|v| (FRAMEWORK_OP_STAT.into(), Value::Str(v.into())));
                 std::iter::once(scope).chain(framework).collect()
             });
-        per_thread.entry(op.tid).or_default().push(Candidate(Span {
-            start_ns: op.start_ns,
-            end_ns: op.end_ns,
-            name: Arc::clone(&op.name),
-            stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
-            correlation: None,
-        }));
+        per_thread.entry(op.tid).or_default().push(Candidate(
+            Span {
+                start_ns: op.start_ns,
+                end_ns: op.end_ns,
+                name: Arc::clone(&op.name),
+                stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
+                correlation: None,
+            },
+            op.scope,
+        ));
     }
     for (tid, mut candidates) in per_thread {
         out.clipped += nest(&mut candidates, Cuts::Marked);
+        candidates.sort_by_key(|c| (c.0.start_ns, std::cmp::Reverse(c.0.end_ns)));
+        out.steps += mark_steps(&mut candidates);
         let track = timeline.thread_track(tid, pid, || format!("thread {tid}"));
         track.spans.extend(candidates.into_iter().map(|c| c.0));
         track
@@ -115,7 +163,22 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
 
 #[cfg(test)]
 mod tests {
-    use super::framework_op;
+    use super::{framework_op, is_step};
+
+    #[test]
+    fn steps_are_those_xprof_or_torch_profiler_name_so() {
+        for step in ["train_step", "ProfilerStep#12", "test", "training loop"] {
+            assert!(is_step(step), "{step}");
+        }
+        for other in [
+            "Optimizer.step#SGD.step",
+            "train/step",
+            "my_step",
+            "aten::add",
+        ] {
+            assert!(!is_step(other), "{other}");
+        }
+    }
 
     #[test]
     fn framework_op_names_read_as_xprof_reads_them() {
