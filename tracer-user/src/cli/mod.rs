@@ -184,9 +184,9 @@ pub struct RecordArgs {
     /// Record each of PyTorch's ops (and backward functions and
     /// record_function ranges) with this chance, 0 to 1, drawn by PyTorch
     /// as its own sampled observers are: PyTorch then skips most ops
-    /// without building their RecordFunction, which costs the program far
-    /// less than every op (see BENCHMARKS.md). Counts in the trace are
-    /// then a sample: about P times the program's.
+    /// without building their RecordFunction, which costs the program less
+    /// than every op, though not in proportion (see BENCHMARKS.md). Counts
+    /// in the trace are then a sample: about P times the program's.
     #[arg(long, value_name = "P", value_parser = parse_op_sampling)]
     pub torch_op_sampling: Option<u32>,
 
