@@ -84,8 +84,13 @@ print(json.dumps(out))
 
 /// The trace viewer's view of `xplane`, summarized (see [`SUMMARIZE`]).
 pub fn trace_viewer_summary(python: &Path, xplane: &Path) -> serde_json::Value {
+    converted(python, SUMMARIZE, xplane)
+}
+
+/// What `script`, run on `xplane`, prints as JSON on its last line.
+fn converted(python: &Path, script: &str, xplane: &Path) -> serde_json::Value {
     let conv = Command::new(python)
-        .args(["-c", SUMMARIZE])
+        .args(["-c", script])
         .arg(xplane)
         .output()
         .expect("run python");
@@ -178,21 +183,10 @@ pub struct HostOpRow {
 
 /// The host ops of XProf's framework op stats for `xplane`.
 pub fn framework_host_ops(python: &Path, xplane: &Path) -> Vec<HostOpRow> {
-    let conv = Command::new(python)
-        .args(["-c", FRAMEWORK_OP_STATS])
-        .arg(xplane)
-        .output()
-        .expect("run python");
-    assert!(
-        conv.status.success(),
-        "xprof failed: {}",
-        String::from_utf8_lossy(&conv.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&conv.stdout);
-    let rows: Vec<serde_json::Value> =
-        serde_json::from_str(stdout.lines().last().unwrap_or_default())
-            .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"));
-    rows.iter()
+    let rows = converted(python, FRAMEWORK_OP_STATS, xplane);
+    rows.as_array()
+        .expect("rows")
+        .iter()
         .map(|r| HostOpRow {
             operation: r["operation"].as_str().unwrap_or_default().to_string(),
             op_type: r["type"].as_str().unwrap_or_default().to_string(),
@@ -221,21 +215,31 @@ print(json.dumps({"steps": len(steps.get("rows", [])),
 /// The steps XProf's overview page finds in `xplane`: how many, and
 /// their average time in ms.
 pub fn overview_steps(python: &Path, xplane: &Path) -> (usize, f64) {
-    let conv = Command::new(python)
-        .args(["-c", OVERVIEW_STEPS])
-        .arg(xplane)
-        .output()
-        .expect("run python");
-    assert!(
-        conv.status.success(),
-        "xprof failed: {}",
-        String::from_utf8_lossy(&conv.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&conv.stdout);
-    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
-        .unwrap_or_else(|e| panic!("bad output {stdout}: {e}"));
+    let v = converted(python, OVERVIEW_STEPS, xplane);
     (
         v["steps"].as_u64().unwrap_or(0) as usize,
         v["average_ms"].as_f64().unwrap_or(0.0),
     )
+}
+
+/// Runs jax's capture client, `python -m jax.collect_profile PORT
+/// DURATION_MS --log_dir LOGDIR --no_perfetto_link`, against a server on
+/// this machine, to its end (at most 2 minutes).
+pub fn collect_profile(
+    python: &Path,
+    port: &str,
+    duration_ms: u64,
+    logdir: &Path,
+) -> std::process::Output {
+    let child = Command::new(python)
+        .args(["-m", "jax.collect_profile", port, &duration_ms.to_string()])
+        .arg("--log_dir")
+        .arg(logdir)
+        .arg("--no_perfetto_link")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run jax.collect_profile");
+    crate::wait_with_deadline(child, std::time::Duration::from_secs(120))
 }

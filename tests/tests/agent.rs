@@ -355,16 +355,7 @@ fn ebtrace_serve_gives_clients_the_framework_session_too() {
     // sessions left in the target never cuts a later one short.
     for capture in ["first", "second", "third"] {
         let logdir = TempDir::new("serve-agent");
-        let child = Command::new(&python)
-            .args(["-m", "jax.collect_profile", &port, "2000", "--log_dir"])
-            .arg(logdir.path())
-            .arg("--no_perfetto_link")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run jax.collect_profile");
-        let out = wait_with_deadline(child, Duration::from_secs(120));
+        let out = xprof::collect_profile(&python, &port, 2000, logdir.path());
         assert!(
             out.status.success(),
             "{capture}: {}\nserver: {:?}",

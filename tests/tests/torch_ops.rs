@@ -667,22 +667,8 @@ fn the_flight_recorder_leaves_pytorch_alone() {
     assert_eq!(ops, 0, "ops in the recorder's snapshot");
 
     let logdir = TempDir::new("torch-ops-beside-recorder");
-    let client = Command::new(&python)
-        .args([
-            "-m",
-            "jax.collect_profile",
-            &server.port().to_string(),
-            "1000",
-        ])
-        .arg("--log_dir")
-        .arg(logdir.path())
-        .arg("--no_perfetto_link")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run the client");
-    let out = wait_with_deadline(client, Duration::from_secs(120));
+    let port = server.port().to_string();
+    let out = xprof::collect_profile(&python, &port, 1000, logdir.path());
     assert!(
         out.status.success(),
         "{}\nserver: {:?}",
