@@ -54,8 +54,14 @@ enum Config {
     TorchProfiler,
 }
 
-/// The chance `Config::EbtraceSampled` records an op with.
-const SAMPLING: &str = "0.01";
+/// The chance `Config::EbtraceSampled` records an op with, for its
+/// label as well.
+macro_rules! sampling {
+    () => {
+        "0.01"
+    };
+}
+const SAMPLING: &str = sampling!();
 
 impl Configuration for Config {
     const ALL: &'static [Config] = &[
@@ -71,7 +77,7 @@ impl Configuration for Config {
             Config::Untraced => "untraced",
             Config::EbtraceNoOps => "ebtrace --no-torch-ops",
             Config::Ebtrace => "ebtrace (ops)",
-            Config::EbtraceSampled => "ebtrace --torch-op-sampling 0.01",
+            Config::EbtraceSampled => concat!("ebtrace --torch-op-sampling ", sampling!()),
             Config::TorchProfiler => "torch.profiler (CPU)",
         }
     }
