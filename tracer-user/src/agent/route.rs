@@ -115,8 +115,9 @@ pub fn start_agent_sessions(
         };
         let device = device_activity && maps.as_deref().is_ok_and(device_in);
         let torch = match &maps {
-            Ok(m) if torch_ops > 0 => torch_abi::check(pid, m),
-            _ => Err(String::new()),
+            _ if torch_ops == 0 => Err(String::new()),
+            Ok(m) => torch_abi::check(pid, m),
+            Err(why) => Err(why.clone()),
         };
         if let Err(why) = &torch
             && why != NO_PYTORCH
