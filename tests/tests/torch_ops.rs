@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
     TempDir, agent_threads,
     pyenv::python_fixture,
@@ -126,6 +127,16 @@ fn op_lines(logdir: &TempDir) -> HashMap<i64, Vec<Event>> {
             (l.id, ops)
         })
         .filter(|(_, ops)| !ops.is_empty())
+        .collect()
+}
+
+/// The op spans on every line of `space`'s host plane.
+fn op_spans(space: &XSpace) -> Vec<Event> {
+    let host = plane(space, "/host:CPU");
+    host.lines
+        .iter()
+        .flat_map(|l| line_events(host, l.id))
+        .filter(|e| e.stats.contains_key(SCOPE_STAT))
         .collect()
 }
 
@@ -298,14 +309,9 @@ fn assert_framework_op_stats(logdir: &TempDir) {
     };
     let files = xplane_files(logdir.path());
     let space = xspace::load(&files[0]);
-    let host = plane(&space, "/host:CPU");
     let mut in_trace: HashMap<String, f64> = HashMap::new();
-    for l in &host.lines {
-        for e in line_events(host, l.id) {
-            if e.stats.contains_key(SCOPE_STAT) {
-                *in_trace.entry(e.name).or_default() += 1.0;
-            }
-        }
+    for e in op_spans(&space) {
+        *in_trace.entry(e.name).or_default() += 1.0;
     }
     let rows = xprof::framework_host_ops(&python, &files[0]);
     let row = |operation: &str| {
@@ -360,13 +366,7 @@ fn a_sampled_capture_records_its_share_of_ops() {
     let files = xplane_files(logdir.path());
     let space = xspace::load(&files[0]);
     let (start, stop) = xspace::profile_window(&space);
-    let host = plane(&space, "/host:CPU");
-    let recorded = host
-        .lines
-        .iter()
-        .flat_map(|l| line_events(host, l.id))
-        .filter(|e| e.stats.contains_key(SCOPE_STAT))
-        .count() as f64;
+    let recorded = op_spans(&space).len() as f64;
     let steps = report
         .steps
         .iter()
@@ -657,14 +657,7 @@ fn the_flight_recorder_leaves_pytorch_alone() {
     let (report, _) = ask(&mut workload);
     assert!(!report.has_callbacks, "{:?}", server.lines());
     let space = server.snapshot("torch-ops-recorder");
-    let host = plane(&space, "/host:CPU");
-    let ops = host
-        .lines
-        .iter()
-        .flat_map(|l| line_events(host, l.id))
-        .filter(|e| e.stats.contains_key(SCOPE_STAT))
-        .count();
-    assert_eq!(ops, 0, "ops in the recorder's snapshot");
+    assert_eq!(op_spans(&space).len(), 0, "ops in the recorder's snapshot");
 
     let logdir = TempDir::new("torch-ops-beside-recorder");
     let port = server.port().to_string();
