@@ -4,7 +4,7 @@
 //! steps (`torch_ops_loop.py`); and what is left in the target afterwards.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, BTreeSet, HashMap},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -24,6 +24,8 @@ use ebtrace_tests::{
 const STEP: &str = "train_step";
 /// The stat holding an op span's kind.
 const SCOPE_STAT: &str = "torch_scope";
+/// The stat holding an op span's sequence number.
+const SEQUENCE_STAT: &str = "sequence_number";
 
 /// An op's kind and name.
 type OpKey = (String, String);
@@ -33,6 +35,11 @@ struct Profiled {
     steps: f64,
     /// Per step.
     counts: HashMap<OpKey, f64>,
+    /// Per step, those with a sequence number.
+    numbered: HashMap<OpKey, f64>,
+    /// Each backward function's name, with the names of the forward ops
+    /// sharing its sequence number.
+    forward_of: BTreeMap<String, BTreeSet<String>>,
     /// On how many threads each ran.
     threads: HashMap<OpKey, u64>,
 }
@@ -81,12 +88,24 @@ fn read_profiled(workload: &mut PythonWorkload) -> Profiled {
         let (scope, name) = k.split_once('\t').expect("scope\tname");
         (scope_name(scope).to_string(), name.to_string())
     };
-    let counts = p["counts"]
+    let per_step = |field: &str| {
+        p[field]
+            .as_object()
+            .expect(field)
+            .iter()
+            .map(|(k, v)| (key(k), v.as_f64().unwrap() / n))
+            .filter(|((scope, _), _)| scope != "other")
+            .collect()
+    };
+    let forward_of = p["forward_of"]
         .as_object()
-        .expect("counts")
+        .expect("forward_of")
         .iter()
-        .map(|(k, v)| (key(k), v.as_f64().unwrap() / n))
-        .filter(|((scope, _), _)| scope != "other")
+        .map(|(k, v)| {
+            let names = v.as_array().expect("names").iter();
+            let names = names.map(|n| n.as_str().unwrap().to_string());
+            (k.clone(), names.collect())
+        })
         .collect();
     let threads = p["thread_count"]
         .as_object()
@@ -96,7 +115,9 @@ fn read_profiled(workload: &mut PythonWorkload) -> Profiled {
         .collect();
     Profiled {
         steps: n,
-        counts,
+        counts: per_step("counts"),
+        numbered: per_step("numbered"),
+        forward_of,
         threads,
     }
 }
@@ -196,7 +217,7 @@ fn ops_per_step_match_pytorchs_own_profiler() {
     assert!(
         stderr.contains(&format!(
             "pid {pid}: PyTorch ops through RecordFunction callbacks"
-        )),
+        )) && stderr.contains("; sequence numbers at byte "),
         "{stderr}"
     );
     assert!(
@@ -216,18 +237,7 @@ fn ops_per_step_match_pytorchs_own_profiler() {
     assert!(steps.len() >= 100, "{} train_step ranges", steps.len());
 
     // Per step, the same ops as torch.profiler's, as many times.
-    let mut keys: Vec<&OpKey> = counts.keys().chain(profiled.counts.keys()).collect();
-    keys.sort();
-    keys.dedup();
-    let mut mismatches = Vec::new();
-    for key in keys {
-        let ours = counts.get(key).copied().unwrap_or(0.0);
-        let theirs = profiled.counts.get(key).copied().unwrap_or(0.0);
-        if (ours - theirs).abs() > 0.01 * theirs.max(ours) {
-            mismatches.push(format!("{key:?}: {ours} a step, torch.profiler {theirs}"));
-        }
-    }
-    assert!(mismatches.is_empty(), "{mismatches:#?}");
+    assert_same_per_step(&counts, &profiled.counts);
     assert!(
         counts.keys().any(|(scope, _)| scope == "backward_function")
             && counts.contains_key(&("function".into(), "aten::addmm".into()))
@@ -266,8 +276,66 @@ fn ops_per_step_match_pytorchs_own_profiler() {
         .count();
     assert_eq!(ran, steps.len(), "the loop ran {ran} steps in that time");
 
+    assert_sequence_numbers(ops, &steps, &profiled);
     assert_framework_op_stats(&logdir);
     assert_xprof_steps(&logdir, &steps, &loop_steps);
+}
+
+/// Every op of `ours` as often a step as in `theirs` (torch.profiler's),
+/// within 1%.
+fn assert_same_per_step(ours: &HashMap<OpKey, f64>, theirs: &HashMap<OpKey, f64>) {
+    let mut keys: Vec<&OpKey> = ours.keys().chain(theirs.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let mut mismatches = Vec::new();
+    for key in keys {
+        let a = ours.get(key).copied().unwrap_or(0.0);
+        let b = theirs.get(key).copied().unwrap_or(0.0);
+        if (a - b).abs() > 0.01 * a.max(b) {
+            mismatches.push(format!("{key:?}: {a} a step, torch.profiler {b}"));
+        }
+    }
+    assert!(mismatches.is_empty(), "{mismatches:#?}");
+}
+
+/// The ops inside `steps` carry sequence numbers where torch.profiler's
+/// do, as often a step; and each backward function shares its number with
+/// the forward ops torch.profiler pairs it with.
+fn assert_sequence_numbers(ops: &[Event], steps: &[&Event], profiled: &Profiled) {
+    let numbered: Vec<Event> = ops
+        .iter()
+        .filter(|e| e.stats.contains_key(SEQUENCE_STAT))
+        .cloned()
+        .chain(steps.iter().map(|s| (*s).clone()))
+        .collect();
+    let (_, per_step_numbered) = per_step(&numbered);
+    assert_same_per_step(&per_step_numbered, &profiled.numbered);
+    let mut by_number: HashMap<u64, Vec<&Event>> = HashMap::new();
+    for e in numbered.iter().filter(|e| e.name != STEP) {
+        by_number
+            .entry(e.stats[SEQUENCE_STAT].as_u64())
+            .or_default()
+            .push(e);
+    }
+    let mut forward_of: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for named in by_number.values() {
+        let scope_of = |e: &&Event| e.stats[SCOPE_STAT].as_str().to_string();
+        let forward = named.iter().filter(|e| scope_of(e) == "function");
+        let forward: BTreeSet<String> = forward.map(|e| e.name.clone()).collect();
+        for e in named.iter().filter(|e| scope_of(e) == "backward_function") {
+            forward_of
+                .entry(e.name.clone())
+                .or_default()
+                .extend(forward.iter().cloned());
+        }
+    }
+    assert!(
+        forward_of
+            .get("AddmmBackward0")
+            .is_some_and(|f| f.contains("aten::addmm")),
+        "{forward_of:#?}"
+    );
+    assert_eq!(forward_of, profiled.forward_of);
 }
 
 /// XProf's overview page takes the train_step ranges (`steps`) as the

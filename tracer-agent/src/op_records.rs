@@ -13,7 +13,7 @@
 /// [`OpsHeader::magic`]: `TOPS`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"TOPS");
 /// [`OpsHeader::version`].
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// [`OpRecord::what`] of a RecordFunction's end.
 pub const END: u32 = u32::MAX;
@@ -22,6 +22,9 @@ pub const END: u32 = u32::MAX;
 pub const NAME_ID_LIMIT: u32 = 1 << 24;
 /// The name id of a start whose name did not fit in the agent's table.
 pub const NO_NAME: u32 = NAME_ID_LIMIT - 1;
+/// [`OpRecord::sequence`] of an end, and of a start PyTorch gave none
+/// (or whose number the agent could not read).
+pub const NO_SEQUENCE: i64 = -1;
 /// Longest name kept (longer ones are cut).
 pub const MAX_NAME_LEN: usize = 255;
 
@@ -127,11 +130,15 @@ pub struct OpRecord {
     pub tid: u32,
     /// [`start_what`], or [`END`].
     pub what: u32,
+    /// A start's sequence number (`RecordFunction::seqNr()`): autograd's,
+    /// shared by a forward op and the backward function it made; or
+    /// [`NO_SEQUENCE`].
+    pub sequence: i64,
 }
 
 impl OpRecord {
     /// Bytes of an encoded record.
-    pub const LEN: usize = 24;
+    pub const LEN: usize = 32;
 
     /// Reads record `b` (exactly [`Self::LEN`] bytes).
     pub fn decode(b: &[u8]) -> Option<Self> {
@@ -142,6 +149,7 @@ impl OpRecord {
             record_function: quad(8)?,
             tid: word(16)?,
             what: word(20)?,
+            sequence: quad(24)? as i64,
         })
     }
 }

@@ -6,7 +6,7 @@
 //! whatever it started and its thread ends: the socket is its watchdog.
 
 /// Version of this protocol, sent in [`HELLO`].
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
 /// Longest payload ebtrace accepts from an agent (an XSpace).
@@ -181,11 +181,15 @@ pub struct SessionLevels {
     /// in millionths, that a RecordFunction is recorded ([`OPS_ALL`] and
     /// above: every one).
     pub ops: u32,
+    /// With `ops`: 1 when ebtrace found `at::RecordFunction`'s members
+    /// declared, in the PyTorch the process runs, as the agent finds its
+    /// sequence number (see `torch_ops::layout`); 0 leaves them out.
+    pub op_sequence: u32,
 }
 
 impl SessionLevels {
     /// Bytes of an encoded [`SessionLevels`].
-    pub const LEN: usize = 16;
+    pub const LEN: usize = 20;
 
     /// The payload of a [`START`].
     pub fn encode(&self) -> [u8; Self::LEN] {
@@ -193,7 +197,8 @@ impl SessionLevels {
         b[..4].copy_from_slice(&self.host.to_le_bytes());
         b[4..8].copy_from_slice(&self.python.to_le_bytes());
         b[8..12].copy_from_slice(&self.device.to_le_bytes());
-        b[12..].copy_from_slice(&self.ops.to_le_bytes());
+        b[12..16].copy_from_slice(&self.ops.to_le_bytes());
+        b[16..].copy_from_slice(&self.op_sequence.to_le_bytes());
         b
     }
 
@@ -205,6 +210,7 @@ impl SessionLevels {
             python: word(4),
             device: word(8),
             ops: word(12),
+            op_sequence: word(16),
         }
     }
 }
@@ -322,6 +328,7 @@ mod tests {
             python: 0,
             device: 1,
             ops: 1,
+            op_sequence: 1,
         };
         assert_eq!(SessionLevels::decode(&l.encode()), l);
         let start = StartRequest {
@@ -347,6 +354,7 @@ mod tests {
                 python: 0,
                 device: 0,
                 ops: 0,
+                op_sequence: 0,
             },
             lease_ms: u32::MAX,
         };

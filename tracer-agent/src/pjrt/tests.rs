@@ -31,6 +31,7 @@ fn profile_options_decode_to_the_levels() {
         python: 1,
         device: 1,
         ops: 0,
+        op_sequence: 0,
     });
     assert_eq!(
         (
@@ -61,6 +62,7 @@ proptest! {
             python,
             device,
             ops: 0,
+            op_sequence: 0,
         });
         prop_assert_eq!(o.version, 1);
         prop_assert_eq!(o.host_tracer_level, host);
@@ -237,6 +239,7 @@ const LEVELS: SessionLevels = SessionLevels {
     python: 0,
     device: 1,
     ops: 0,
+    op_sequence: 0,
 };
 
 /// The whole route in this process, in one test: plugins are global.

@@ -15,6 +15,7 @@
 //! PyTorch calls the callbacks through a [`trampoline`] that outlives the
 //! agent.
 
+mod layout;
 mod names;
 mod trampoline;
 
@@ -25,8 +26,8 @@ use core::{
 
 use crate::{
     op_records::{
-        self, NO_NAME, NameEntry, OpRecord, OpsHeader, SCOPE_BACKWARD_FUNCTION, SCOPE_FUNCTION,
-        SCOPE_USER,
+        self, NO_NAME, NO_SEQUENCE, NameEntry, OpRecord, OpsHeader, SCOPE_BACKWARD_FUNCTION,
+        SCOPE_FUNCTION, SCOPE_USER,
     },
     protocol::OPS_ALL,
     python::Text,
@@ -35,7 +36,7 @@ use crate::{
 use names::NameSlot;
 use trampoline::Trampoline;
 
-/// Records the buffer holds: 24 MiB of address space, resident only as
+/// Records the buffer holds: 32 MiB of address space, resident only as
 /// far as a capture fills it.
 const CAPACITY: usize = 1 << 20;
 /// Slots of the name table (a power of two).
@@ -70,6 +71,8 @@ struct Counters {
 static REGION: AtomicPtr<u8> = AtomicPtr::new(core::ptr::null_mut());
 /// `const char* at::RecordFunction::name() const`.
 static NAME_FN: AtomicUsize = AtomicUsize::new(0);
+/// Where a RecordFunction keeps its sequence number (0: not read).
+static SEQUENCE_AT: AtomicUsize = AtomicUsize::new(0);
 /// The pthread key holding each thread's tid, plus one (0: none).
 static TID_KEY: AtomicU32 = AtomicU32::new(0);
 
@@ -99,7 +102,6 @@ const SCOPES: [u32; 3] = [SCOPE_FUNCTION, SCOPE_BACKWARD_FUNCTION, SCOPE_USER];
 /// Mangled names in `libtorch_cpu.so`.
 const ADD: &core::ffi::CStr = c"_ZN2at17addGlobalCallbackENS_22RecordFunctionCallbackE";
 const REMOVE: &core::ffi::CStr = c"_ZN2at14removeCallbackEm";
-const NAME: &core::ffi::CStr = c"_ZNK2at14RecordFunction4nameEv";
 const HAS_CALLBACKS: &core::ffi::CStr = c"_ZN2at12hasCallbacksEv";
 
 /// A recording running.
@@ -121,10 +123,12 @@ fn symbol(library: *mut c_void, name: &core::ffi::CStr) -> Option<usize> {
 
 impl Recording {
     /// Registers the callbacks, each to record a RecordFunction with a
-    /// chance of `millionths` in a million (PyTorch draws which); the text
-    /// says what records, the error why nothing does.
+    /// chance of `millionths` in a million (PyTorch draws which), with its
+    /// sequence number if `sequence` (ebtrace checked the header the
+    /// [`layout`] follows); the text says what records, the error why
+    /// nothing does.
     #[allow(clippy::result_large_err)]
-    pub fn start(millionths: u32) -> Result<(Recording, Text), Text> {
+    pub fn start(millionths: u32, sequence: bool) -> Result<(Recording, Text), Text> {
         let millionths = millionths.clamp(1, OPS_ALL);
         // SAFETY: a NUL-terminated name; RTLD_NOLOAD loads nothing.
         let library = unsafe {
@@ -143,7 +147,7 @@ impl Recording {
         let (Some(add), Some(remove), Some(name)) = (
             symbol(library, ADD),
             symbol(library, REMOVE),
-            symbol(library, NAME),
+            symbol(library, layout::NAME),
         ) else {
             close();
             return Err(Text::new(
@@ -160,7 +164,13 @@ impl Recording {
                 return Err(text);
             }
         };
-        let Some((region, key)) = install(&trampoline, name) else {
+        let sequence_at = if sequence {
+            sequence_offset(library, name)
+        } else {
+            Err("ebtrace did not find RecordFunction's members declared as the agent reads them")
+        };
+        let Some((region, key)) = install(&trampoline, name, *sequence_at.as_ref().unwrap_or(&0))
+        else {
             close();
             return Err(Text::new(
                 "PyTorch ops: no memory or pthread key for the buffer",
@@ -210,6 +220,18 @@ impl Recording {
                     millionths
                 ),
             );
+        }
+        match sequence_at {
+            Ok(at) => {
+                let _ = core::fmt::Write::write_fmt(
+                    &mut text,
+                    format_args!("; sequence numbers at byte {at} of a RecordFunction"),
+                );
+            }
+            Err(why) => {
+                text.push(b"; no sequence numbers: ");
+                text.push(why.as_bytes());
+            }
         }
         if others {
             // The program's own profiler (or another observer) runs: its
@@ -263,10 +285,31 @@ impl Recording {
     }
 }
 
+/// Where `library`'s RecordFunctions keep their sequence number, from the
+/// code of `name` (its `RecordFunction::name`) and two more accessors.
+fn sequence_offset(library: *mut c_void, name: usize) -> Result<usize, &'static str> {
+    let (Some(num_inputs), Some(is_async)) = (
+        symbol(library, layout::NUM_INPUTS),
+        symbol(library, layout::IS_ASYNC),
+    ) else {
+        return Err("libtorch_cpu.so lacks RecordFunction::num_inputs or isAsync");
+    };
+    // SAFETY: the starts of three functions in the library's mapped code,
+    // each longer than the bytes read (their instructions and `ret`).
+    let code = |at: usize, len: usize| unsafe { core::slice::from_raw_parts(at as *const u8, len) };
+    let at = layout::sequence_offset(code(name, 7), code(num_inputs, 17), code(is_async, 8))?;
+    Ok(at as usize)
+}
+
 /// Maps a region and a pthread key, points the callbacks at them (with
-/// `name_of`, PyTorch's `RecordFunction::name`) and the trampoline at the
+/// `name_of`, PyTorch's `RecordFunction::name`, and `sequence_at`, where a
+/// RecordFunction keeps its sequence number or 0) and the trampoline at the
 /// callbacks; `None` if there is no memory or key.
-fn install(trampoline: &Trampoline, name_of: usize) -> Option<(*mut u8, sys::PthreadKey)> {
+fn install(
+    trampoline: &Trampoline,
+    name_of: usize,
+    sequence_at: usize,
+) -> Option<(*mut u8, sys::PthreadKey)> {
     let mut key: sys::PthreadKey = 0;
     // SAFETY: a valid out pointer; no destructor (the values are tids).
     if unsafe { sys::pthread_key_create(&mut key, None) } != 0 {
@@ -290,6 +333,7 @@ fn install(trampoline: &Trampoline, name_of: usize) -> Option<(*mut u8, sys::Pth
     }
     let region = region.cast::<u8>();
     NAME_FN.store(name_of, Ordering::Release);
+    SEQUENCE_AT.store(sequence_at, Ordering::Release);
     TID_KEY.store(key + 1, Ordering::Release);
     REGION.store(region, Ordering::Release);
     trampoline.fill(
@@ -429,6 +473,17 @@ extern "C" fn on_start<const SCOPE: u32>(
         // SAFETY: as above; `region` is live while a callback runs.
         unsafe { names::intern(name_slots(region), region, name) }
     };
+    let sequence = match SEQUENCE_AT.load(Ordering::Acquire) {
+        0 => NO_SEQUENCE,
+        // SAFETY: the RecordFunction PyTorch passed, whose `sequence_nr_`
+        // lies at `at` (see `layout`); `before()` set it ahead of this call.
+        at => unsafe {
+            (record_function as *const u8)
+                .add(at)
+                .cast::<i64>()
+                .read_unaligned()
+        },
+    };
     write(
         region,
         OpRecord {
@@ -436,6 +491,7 @@ extern "C" fn on_start<const SCOPE: u32>(
             record_function: record_function as u64,
             tid: tid(),
             what: op_records::start_what(SCOPE, name_id),
+            sequence,
         },
     );
     ret
@@ -455,6 +511,7 @@ extern "C" fn on_end(record_function: *const c_void, _context: *mut c_void) {
             record_function: record_function as u64,
             tid: tid(),
             what: op_records::END,
+            sequence: NO_SEQUENCE,
         },
     );
 }
@@ -494,7 +551,7 @@ mod tests {
     #[test]
     fn calls_through_the_trampoline_are_recorded_and_stop_when_emptied() {
         let trampoline = Trampoline::get().expect("a trampoline");
-        let (region, key) = install(&trampoline, name_of as *const () as usize).unwrap();
+        let (region, key) = install(&trampoline, name_of as *const () as usize, 0).unwrap();
         // SAFETY: the trampoline's entries, with PyTorch's signatures.
         let (start, end): (Start, End) = unsafe {
             (

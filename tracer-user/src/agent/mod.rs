@@ -190,6 +190,7 @@ impl AgentSession {
                 python: 0,
                 device: 0,
                 ops: 0,
+                op_sequence: 0,
             },
             control,
             injected,

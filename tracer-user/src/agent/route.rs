@@ -143,6 +143,7 @@ pub fn start_agent_sessions(
             python: 0,
             device: u32::from(device_activity),
             ops: if torch.is_ok() { torch_ops } else { 0 },
+            op_sequence: u32::from(torch.as_ref().is_ok_and(|abi| abi.sequence_numbers)),
         };
         match AgentSession::start(pid, levels) {
             Ok(s) => {

@@ -4,7 +4,9 @@
 //! checked against the headers installed with the very `libtorch_cpu.so`
 //! the process mapped (`torch/include/ATen/record_function.h`), never
 //! assumed from a version number: a PyTorch whose header differs, or that
-//! has none, gets no ops and a line saying why.
+//! has none, gets no ops and a line saying why. The members around a
+//! RecordFunction's sequence number are checked the same way: the agent
+//! reads it only where they are declared as it expects.
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +23,9 @@ const MAX_HEADER_BYTES: u64 = 1 << 20;
 pub struct TorchAbi {
     /// `torch.__version__`, where `version.py` says it.
     pub version: Option<String>,
+    /// Whether its header declares `at::RecordFunction`'s members around
+    /// the sequence number as the agent reads them ([`SEQUENCE_EXPECTED`]).
+    pub sequence_numbers: bool,
 }
 
 /// The declarations the agent's layout depends on, each as a run of
@@ -43,6 +48,20 @@ const EXPECTED: &[&str] = &[
     "TORCH_API CallbackHandle addGlobalCallback(RecordFunctionCallback cb);",
     "TORCH_API void removeCallback(CallbackHandle handle);",
     "typedef uint64_t CallbackHandle;",
+];
+
+/// The declarations the agent's reading of a RecordFunction's sequence
+/// number depends on (`tracer_agent`'s `torch_ops::layout`): the accessors
+/// whose code it reads, and the members from the name to `is_async_`, in
+/// this order and of these types.
+const SEQUENCE_EXPECTED: &[&str] = &[
+    "int64_t seqNr() const { return sequence_nr_; }",
+    "size_t num_inputs() const;",
+    "bool isAsync() const;",
+    "std::variant<std::string, schema_ref_t> fn_; int64_t sequence_nr_ = -1; \
+     c10::ArrayRef<const IValue> inputs_; std::unordered_map<std::string, IValue> kwinputs_; \
+     std::vector<c10::IValue> outputs_; uint64_t fwd_thread_id_ = 0; \
+     RecordFunctionHandle handle_{0}; bool is_async_{false};",
 ];
 
 /// Whether `pid`, with `maps` its mappings, runs a PyTorch whose
@@ -74,14 +93,17 @@ pub fn check(pid: u32, maps: &str) -> Result<TorchAbi, String> {
             header_path.display()
         )
     })?;
-    check_header(&header).map_err(|missing| {
+    check_header(&header, EXPECTED).map_err(|missing| {
         format!(
             "{named}: its RecordFunction callbacks are not laid out as ebtrace's agent \
              lays them out ({} does not declare `{missing}`)",
             header_path.display()
         )
     })?;
-    Ok(TorchAbi { version })
+    Ok(TorchAbi {
+        version,
+        sequence_numbers: check_header(&header, SEQUENCE_EXPECTED).is_ok(),
+    })
 }
 
 fn read_bounded(path: &Path) -> std::io::Result<String> {
@@ -130,11 +152,11 @@ fn normalize(text: &str) -> String {
     out
 }
 
-/// Checks `header` for every [`EXPECTED`] declaration; the error is the
+/// Checks `header` for every declaration of `expected`; the error is the
 /// first one missing.
-fn check_header(header: &str) -> Result<(), &'static str> {
+fn check_header(header: &str, expected: &[&'static str]) -> Result<(), &'static str> {
     let header = normalize(header);
-    for expected in EXPECTED {
+    for expected in expected {
         if !header.contains(&normalize(expected)) {
             return Err(expected);
         }
@@ -152,7 +174,23 @@ mod tests {
 
     #[test]
     fn pytorch_2_15s_header_has_the_layout() {
-        assert_eq!(check_header(HEADER), Ok(()));
+        assert_eq!(check_header(HEADER, EXPECTED), Ok(()));
+        assert_eq!(check_header(HEADER, SEQUENCE_EXPECTED), Ok(()));
+    }
+
+    #[test]
+    fn a_member_added_near_the_sequence_number_leaves_it_out() {
+        let added = HEADER.replace(
+            "  int64_t sequence_nr_ = -1;\n",
+            "  int64_t sequence_nr_ = -1;\n  int64_t generation_ = 0;\n",
+        );
+        assert_ne!(added, HEADER);
+        assert!(
+            check_header(&added, SEQUENCE_EXPECTED)
+                .unwrap_err()
+                .contains("sequence_nr_")
+        );
+        assert_eq!(check_header(&added, EXPECTED), Ok(()));
     }
 
     #[test]
@@ -162,11 +200,19 @@ mod tests {
             "  int priority_ = 0;\n  double sampling_prob_ = 1.0;\n",
         );
         assert_ne!(moved, HEADER);
-        assert!(check_header(&moved).unwrap_err().contains("sampling_prob_"));
+        assert!(
+            check_header(&moved, EXPECTED)
+                .unwrap_err()
+                .contains("sampling_prob_")
+        );
         let scope = HEADER.replace("  USER_SCOPE,\n", "  USER_SCOPE,\n  NEW_SCOPE,\n");
         assert_ne!(scope, HEADER);
-        assert!(check_header(&scope).unwrap_err().contains("RecordScope"));
-        assert!(check_header("").is_err());
+        assert!(
+            check_header(&scope, EXPECTED)
+                .unwrap_err()
+                .contains("RecordScope")
+        );
+        assert!(check_header("", EXPECTED).is_err());
     }
 
     #[test]

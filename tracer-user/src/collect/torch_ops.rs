@@ -58,6 +58,9 @@ pub struct TorchOp {
     pub name: Arc<str>,
     /// What kind it is.
     pub scope: OpScope,
+    /// Its sequence number where PyTorch gave one (autograd's: a forward
+    /// op and the backward function it made share it).
+    pub sequence: Option<u64>,
 }
 
 /// The ops of one recording, and what could not be made of the rest.
@@ -136,6 +139,7 @@ pub fn decode_ops(payload: &[u8]) -> Result<DecodedOps, String> {
             end_ns: record.ts_ns,
             name: names.get(&id).cloned().unwrap_or_else(|| unnamed.clone()),
             scope: OpScope::of(start.what >> 24).expect("checked at its start"),
+            sequence: u64::try_from(start.sequence).ok(),
         });
     }
     out.unpaired += open.len() as u64;
@@ -163,7 +167,7 @@ fn read_names(entries: &[u8], arena: &[u8]) -> HashMap<u32, Arc<str>> {
 
 #[cfg(test)]
 mod tests {
-    use tracer_agent::op_records::{NO_NAME, start_what};
+    use tracer_agent::op_records::{NO_NAME, NO_SEQUENCE, start_what};
 
     use super::*;
 
@@ -194,6 +198,7 @@ mod tests {
             out.extend(r.record_function.to_le_bytes());
             out.extend(r.tid.to_le_bytes());
             out.extend(r.what.to_le_bytes());
+            out.extend(r.sequence.to_le_bytes());
         }
         out
     }
@@ -204,6 +209,14 @@ mod tests {
             record_function: rf,
             tid,
             what,
+            sequence: NO_SEQUENCE,
+        }
+    }
+
+    fn numbered(ts_ns: u64, rf: u64, tid: u32, what: u32, sequence: i64) -> OpRecord {
+        OpRecord {
+            sequence,
+            ..rec(ts_ns, rf, tid, what)
         }
     }
 
@@ -211,14 +224,14 @@ mod tests {
     fn starts_and_ends_pair_by_their_record_function() {
         let records = [
             rec(100, 0xa, 7, start_what(SCOPE_USER, 1)),
-            rec(110, 0xb, 7, start_what(SCOPE_FUNCTION, 2)),
+            numbered(110, 0xb, 7, start_what(SCOPE_FUNCTION, 2), 41),
             // Another thread's op, ended on a third thread.
-            rec(115, 0xc, 8, start_what(SCOPE_BACKWARD_FUNCTION, 3)),
+            numbered(115, 0xc, 8, start_what(SCOPE_BACKWARD_FUNCTION, 3), 41),
             rec(120, 0xb, 7, END),
             rec(125, 0xc, 9, END),
             rec(130, 0xa, 7, END),
-            // The same address again, later.
-            rec(140, 0xb, 7, start_what(SCOPE_FUNCTION, NO_NAME)),
+            // The same address again, later; a negative number is none.
+            numbered(140, 0xb, 7, start_what(SCOPE_FUNCTION, NO_NAME), -7),
             rec(150, 0xb, 7, END),
             // Ended without a start; started without an end.
             rec(160, 0xd, 7, END),
@@ -240,6 +253,8 @@ mod tests {
                 (7, 140, 150, UNNAMED_OP, OpScope::Function),
             ]
         );
+        let numbers: Vec<Option<u64>> = decoded.ops.iter().map(|o| o.sequence).collect();
+        assert_eq!(numbers, [Some(41), Some(41), None, None]);
         assert_eq!((decoded.unpaired, decoded.dropped), (2, 5));
     }
 

@@ -9,6 +9,8 @@
 //! time; the trace viewer shows it as one more argument. The program's
 //! steps (`ProfilerStep#N`, or ranges named `train...`/`test...`) carry the
 //! stats from which XProf groups ops into steps ([`STEP_ROOT_STAT`]).
+//! An op PyTorch numbered carries its number ([`SEQUENCE_STAT`]): a
+//! backward function has its forward op's.
 //!
 //! RecordFunctions of one thread nest by construction (each is a scope);
 //! one ended on another thread than it started on may not, and is cut to
@@ -27,6 +29,11 @@ use crate::collect::torch_ops::{OpScope, TorchOp};
 /// Stat of an op's span: what kind of RecordFunction it was
 /// ([`OpScope::as_str`]).
 pub const SCOPE_STAT: &str = "torch_scope";
+
+/// Stat of an op's span: its sequence number (`RecordFunction::seqNr()`),
+/// which a forward op shares with the backward function autograd made of
+/// it; torch.profiler calls it "Sequence number".
+pub const SEQUENCE_STAT: &str = "sequence_number";
 
 /// Stat from which XProf's framework op stats take a host event as an op
 /// (its `kTfOp`), whatever the event's name.
@@ -81,7 +88,8 @@ fn is_step(name: &str) -> bool {
         || ((name.starts_with("train") || name.starts_with("test")) && !name.contains('/'))
 }
 
-struct Candidate(Span, OpScope);
+/// An op's span, its kind and its sequence number.
+struct Candidate(Span, OpScope, Option<u64>);
 
 impl Nestable for Candidate {
     fn span(&self) -> &Span {
@@ -96,7 +104,7 @@ impl Nestable for Candidate {
 /// XProf: each the nth step of its thread, `ProfilerStep#N` step N.
 fn mark_steps(candidates: &mut [Candidate]) -> u64 {
     let mut marked = 0;
-    for Candidate(span, scope) in candidates {
+    for Candidate(span, scope, _) in candidates {
         if *scope != OpScope::User || !is_step(&span.name) {
             continue;
         }
@@ -111,6 +119,32 @@ fn mark_steps(candidates: &mut [Candidate]) -> u64 {
             .push((STEP_NUMBER_STAT.into(), Value::I64(number)));
     }
     marked
+}
+
+/// Prefix of the range autograd's engine opens around each backward
+/// function it runs.
+const ENGINE_CALL: &str = "autograd::engine::evaluate_function: ";
+
+/// Gives each of one thread's `candidates` (sorted by start) with a
+/// sequence number its [`SEQUENCE_STAT`]; as torch.profiler does, the
+/// engine's range around a backward function takes that function's.
+fn number(candidates: &mut [Candidate]) {
+    for i in 1..candidates.len() {
+        let (before, after) = candidates.split_at_mut(i);
+        let (engine, inner) = (&mut before[i - 1], &after[0]);
+        if engine.1 == OpScope::Function
+            && engine.2.is_none()
+            && inner.1 == OpScope::Backward
+            && engine.0.name.starts_with(ENGINE_CALL)
+        {
+            engine.2 = inner.2;
+        }
+    }
+    for Candidate(span, _, sequence) in candidates {
+        if let Some(n) = sequence {
+            span.stats.push((SEQUENCE_STAT.into(), Value::U64(*n)));
+        }
+    }
 }
 
 /// Lays process `pid`'s `ops` on its threads' lines.
@@ -146,12 +180,14 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
                 correlation: None,
             },
             op.scope,
+            op.sequence,
         ));
     }
     for (tid, mut candidates) in per_thread {
         out.clipped += nest(&mut candidates, Cuts::Marked);
         candidates.sort_by_key(|c| (c.0.start_ns, std::cmp::Reverse(c.0.end_ns)));
         out.steps += mark_steps(&mut candidates);
+        number(&mut candidates);
         let track = timeline.thread_track(tid, pid, || format!("thread {tid}"));
         track.spans.extend(candidates.into_iter().map(|c| c.0));
         track
@@ -163,7 +199,61 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
 
 #[cfg(test)]
 mod tests {
-    use super::{framework_op, is_step};
+    use std::sync::Arc;
+
+    use super::{
+        Candidate, OpScope, SEQUENCE_STAT, Span, Stats, Value, framework_op, is_step, number,
+    };
+
+    fn candidate(start_ns: u64, name: &str, scope: OpScope, sequence: Option<u64>) -> Candidate {
+        let span = Span {
+            start_ns,
+            end_ns: start_ns + 10,
+            name: Arc::from(name),
+            stats: Stats::shared_then(Arc::from([]), Vec::new()),
+            correlation: None,
+        };
+        Candidate(span, scope, sequence)
+    }
+
+    /// Numbered ops carry their number; the engine's range takes that of
+    /// the backward function it runs, as torch.profiler gives it.
+    #[test]
+    fn the_engines_range_takes_its_backward_functions_number() {
+        let mut candidates = [
+            candidate(0, "aten::addmm", OpScope::Function, Some(7)),
+            candidate(1, "aten::empty", OpScope::Function, None),
+            candidate(
+                20,
+                "autograd::engine::evaluate_function: AddmmBackward0",
+                OpScope::Function,
+                None,
+            ),
+            candidate(21, "AddmmBackward0", OpScope::Backward, Some(7)),
+            candidate(22, "aten::mm", OpScope::Function, None),
+            candidate(
+                40,
+                "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad",
+                OpScope::Function,
+                None,
+            ),
+            candidate(
+                41,
+                "torch::autograd::AccumulateGrad",
+                OpScope::Function,
+                None,
+            ),
+        ];
+        number(&mut candidates);
+        let numbers: Vec<Option<u64>> = candidates
+            .iter()
+            .map(|c| match c.0.stats.get(SEQUENCE_STAT) {
+                Some(Value::U64(n)) => Some(*n),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(numbers, [Some(7), None, Some(7), Some(7), None, None, None]);
+    }
 
     #[test]
     fn steps_are_those_xprof_or_torch_profiler_name_so() {
