@@ -217,7 +217,8 @@ fn ops_per_step_match_pytorchs_own_profiler() {
     assert!(
         stderr.contains(&format!(
             "pid {pid}: PyTorch ops through RecordFunction callbacks"
-        )) && stderr.contains("; sequence numbers at byte "),
+        )) && stderr.contains("; sequence numbers at byte ")
+            && !stderr.contains("beside the program's own"),
         "{stderr}"
     );
     assert!(
@@ -753,8 +754,8 @@ fn the_flight_recorder_leaves_pytorch_alone() {
 }
 
 /// A program whose own torch.profiler runs when ebtrace starts: ebtrace
-/// records beside it, every op, and the program's profile is as complete
-/// as without ebtrace.
+/// says so, records beside it, every op, and the program's profile is as
+/// complete as without ebtrace.
 #[test]
 fn a_programs_own_profiler_is_left_alone() {
     if !require_root("a_programs_own_profiler_is_left_alone") {
@@ -772,6 +773,10 @@ fn a_programs_own_profiler_is_left_alone() {
     let out = record(&pid.to_string(), "1s", &logdir, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("; beside the program's own torch.profiler, left as it is"),
+        "{stderr}"
+    );
     std::thread::sleep(Duration::from_millis(300));
     workload.signal(libc::SIGUSR2);
     let own = read_profiled(&mut workload);
@@ -781,6 +786,7 @@ fn a_programs_own_profiler_is_left_alone() {
         own.steps
     );
     assert_eq!(own.counts, reference.counts);
+    assert_eq!(own.numbered, reference.numbered);
 
     let main = i64::from(workload.start_line["tid"].as_u64().expect("tid") as u32);
     let lines = op_lines(&logdir);

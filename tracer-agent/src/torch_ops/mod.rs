@@ -103,6 +103,12 @@ const SCOPES: [u32; 3] = [SCOPE_FUNCTION, SCOPE_BACKWARD_FUNCTION, SCOPE_USER];
 const ADD: &core::ffi::CStr = c"_ZN2at17addGlobalCallbackENS_22RecordFunctionCallbackE";
 const REMOVE: &core::ffi::CStr = c"_ZN2at14removeCallbackEm";
 const HAS_CALLBACKS: &core::ffi::CStr = c"_ZN2at12hasCallbacksEv";
+/// `bool torch::autograd::profiler::isProfilerEnabledInMainThread()`:
+/// whether torch.profiler runs, whichever thread started it (its
+/// callbacks are that thread's alone, which `at::hasCallbacks()` on the
+/// agent's thread does not see).
+const PROFILER_ON: &core::ffi::CStr =
+    c"_ZN5torch8autograd8profiler29isProfilerEnabledInMainThreadEv";
 
 /// A recording running.
 pub struct Recording {
@@ -176,9 +182,14 @@ impl Recording {
                 "PyTorch ops: no memory or pthread key for the buffer",
             ));
         };
-        // SAFETY: PyTorch's `bool at::hasCallbacks()`.
-        let others = symbol(library, HAS_CALLBACKS)
-            .is_some_and(|f| unsafe { core::mem::transmute::<usize, HasCallbacks>(f)() });
+        let asked = |name| {
+            symbol(library, name).is_some_and(|f| {
+                // SAFETY: PyTorch's `bool at::hasCallbacks()` or `bool
+                // isProfilerEnabledInMainThread()`: no argument, a flag read.
+                unsafe { core::mem::transmute::<usize, HasCallbacks>(f)() }
+            })
+        };
+        let (profiler, others) = (asked(PROFILER_ON), asked(HAS_CALLBACKS));
         // SAFETY: PyTorch's `CallbackHandle addGlobalCallback(
         // RecordFunctionCallback)`, whose argument's layout ebtrace checked.
         let add: AddGlobalCallback = unsafe { core::mem::transmute(add) };
@@ -233,9 +244,11 @@ impl Recording {
                 text.push(why.as_bytes());
             }
         }
-        if others {
-            // The program's own profiler (or another observer) runs: its
-            // callbacks are left as they are, and see what they saw.
+        // The program's own profiler (or another observer) runs: its
+        // callbacks are left as they are, and see what they saw.
+        if profiler {
+            text.push(b"; beside the program's own torch.profiler, left as it is");
+        } else if others {
             text.push(b"; beside the program's own callbacks, left as they are");
         }
         text.push(b")");
