@@ -218,7 +218,12 @@ impl Recording {
             region,
             key,
         };
-        let mut text = Text::new("PyTorch ops through RecordFunction callbacks (");
+        // Driving torch.profiler from inside would cost each op more (see
+        // BENCHMARKS.md) and take CUPTI from the program on a GPU.
+        let mut text = Text::new(
+            "PyTorch ops through RecordFunction callbacks, not torch.profiler: they cost \
+             less and leave CUPTI to the program (",
+        );
         let _ = core::fmt::Write::write_fmt(
             &mut text,
             format_args!("a buffer of {} records", CAPACITY),
@@ -548,23 +553,43 @@ mod tests {
 
     const NAMES: [&core::ffi::CStr; 3] = [c"aten::addmm", c"aten::mm", c"train_step"];
 
-    /// A stand-in for `RecordFunction::name`: the "RecordFunction" is an
-    /// index into [`NAMES`].
+    /// Where the stand-in RecordFunctions keep their sequence number.
+    const SEQUENCE_AT: usize = 200;
+
+    /// Stand-in RecordFunctions: `RECORD_FUNCTIONS[i]` is named `NAMES[i]`
+    /// and numbered `i + 40` (the third, a user scope, -1: none).
+    static RECORD_FUNCTIONS: [[i64; 32]; 3] = {
+        let mut r = [[0; 32]; 3];
+        r[0][SEQUENCE_AT / 8] = 40;
+        r[1][SEQUENCE_AT / 8] = 41;
+        r[2][SEQUENCE_AT / 8] = -1;
+        r
+    };
+
+    fn record_function(i: usize) -> *const c_void {
+        RECORD_FUNCTIONS[i].as_ptr().cast()
+    }
+
+    /// A stand-in for `RecordFunction::name`.
     extern "C" fn name_of(record_function: *const c_void) -> *const c_char {
-        NAMES[record_function as usize % NAMES.len()].as_ptr()
+        let base = RECORD_FUNCTIONS.as_ptr() as usize;
+        let i = (record_function as usize).wrapping_sub(base) / size_of::<[i64; 32]>();
+        NAMES[i.min(NAMES.len() - 1)].as_ptr()
     }
 
     type Start = extern "C" fn(*mut *mut c_void, *const c_void) -> *mut *mut c_void;
     type End = extern "C" fn(*const c_void, *mut c_void);
 
     /// Calls go through the trampoline's entries as PyTorch calls them;
-    /// the frame holds each start and end with its name, and once the
+    /// the frame holds each start and end with its name and each start
+    /// with its sequence number, and once the
     /// slots are emptied a call records nothing and returns an empty
     /// pointer. (One test: the trampoline and the region are the process's.)
     #[test]
     fn calls_through_the_trampoline_are_recorded_and_stop_when_emptied() {
         let trampoline = Trampoline::get().expect("a trampoline");
-        let (region, key) = install(&trampoline, name_of as *const () as usize, 0).unwrap();
+        let name_of = name_of as *const () as usize;
+        let (region, key) = install(&trampoline, name_of, SEQUENCE_AT).unwrap();
         // SAFETY: the trampoline's entries, with PyTorch's signatures.
         let (start, end): (Start, End) = unsafe {
             (
@@ -578,7 +603,7 @@ mod tests {
         let began = std::time::Instant::now();
         for i in 0..pairs {
             let mut ret: *mut c_void = core::ptr::dangling_mut();
-            let rf = (i % 2) as *const c_void;
+            let rf = record_function(i % 2);
             let slot: *mut *mut c_void = &mut ret;
             let back = start(slot, rf);
             assert!(ret.is_null() && core::ptr::eq(back, slot));
@@ -590,8 +615,8 @@ mod tests {
             took.as_nanos() as f64 / pairs as f64
         );
         let mut ret = core::ptr::null_mut();
-        user(&mut ret, 2 as *const c_void);
-        end(2 as *const c_void, core::ptr::null_mut());
+        user(&mut ret, record_function(2));
+        end(record_function(2), core::ptr::null_mut());
 
         trampoline.empty_and_drain();
         REGION.store(core::ptr::null_mut(), Ordering::Release);
@@ -614,6 +639,9 @@ mod tests {
         let tid = unsafe { sys::syscall(sys::SYS_GETTID) } as u32;
         assert!(records.iter().all(|r| r.tid == tid));
         assert_eq!(records[1].what, op_records::END);
+        let numbers: Vec<i64> = records[..4].iter().map(|r| r.sequence).collect();
+        assert_eq!(numbers, [40, NO_SEQUENCE, 41, NO_SEQUENCE]);
+        assert_eq!(records[records.len() - 2].sequence, -1);
         let last_start = records[records.len() - 2].what;
         assert_eq!(last_start >> 24, SCOPE_USER);
         assert_ne!(last_start & 0xff_ffff, NO_NAME);
