@@ -6,6 +6,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     process::{Command, Stdio},
+    sync::MutexGuard,
     time::{Duration, Instant},
 };
 
@@ -195,17 +196,23 @@ fn start_loop() -> Option<PythonWorkload> {
     Some(PythonWorkload::start_script(&python, &script, &[], &[]))
 }
 
+/// For test `name`, where it can run here (as root, with PyTorch): the
+/// tests' turn, and the loop started.
+fn loop_for(name: &str) -> Option<(MutexGuard<'static, ()>, PythonWorkload)> {
+    if !require_root(name) {
+        return None;
+    }
+    let turn = serial();
+    Some((turn, start_loop()?))
+}
+
 /// Every op of a step, each as often as torch.profiler counts it in the
 /// same process (within 1%), on as many threads; each train_step range one
 /// of the loop's own steps, and every step the loop ran inside the capture
 /// one range; nothing of the agent left after.
 #[test]
 fn ops_per_step_match_pytorchs_own_profiler() {
-    if !require_root("ops_per_step_match_pytorchs_own_profiler") {
-        return;
-    }
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) = loop_for("ops_per_step_match_pytorchs_own_profiler") else {
         return;
     };
     let pid = workload.pid;
@@ -410,11 +417,7 @@ fn assert_framework_op_stats(logdir: &TempDir) {
 /// the window, by its own step log and torch.profiler's ops a step.
 #[test]
 fn a_sampled_capture_records_its_share_of_ops() {
-    if !require_root("a_sampled_capture_records_its_share_of_ops") {
-        return;
-    }
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) = loop_for("a_sampled_capture_records_its_share_of_ops") else {
         return;
     };
     let pid = workload.pid;
@@ -456,11 +459,7 @@ fn a_sampled_capture_records_its_share_of_ops() {
 /// during the capture and after it, records every op of its steps.
 #[test]
 fn a_killed_ebtrace_leaves_no_callback_behind() {
-    if !require_root("a_killed_ebtrace_leaves_no_callback_behind") {
-        return;
-    }
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) = loop_for("a_killed_ebtrace_leaves_no_callback_behind") else {
         return;
     };
     let pid = workload.pid;
@@ -513,11 +512,9 @@ fn a_killed_ebtrace_leaves_no_callback_behind() {
 /// left with no callback and its own profiler recording every op.
 #[test]
 fn captures_in_a_row_leave_the_target_as_they_found_it() {
-    if !require_root("captures_in_a_row_leave_the_target_as_they_found_it") {
-        return;
-    }
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) =
+        loop_for("captures_in_a_row_leave_the_target_as_they_found_it")
+    else {
         return;
     };
     let pid = workload.pid;
@@ -599,9 +596,6 @@ fn captures_in_a_row_leave_the_target_as_they_found_it() {
 /// step as torch.profiler counts.
 #[test]
 fn profiler_clients_of_ebtrace_serve_get_the_ops() {
-    if !require_root("profiler_clients_of_ebtrace_serve_get_the_ops") {
-        return;
-    }
     let Some(python) = python_with(&[
         "torch",
         "jax.collect_profile",
@@ -609,8 +603,8 @@ fn profiler_clients_of_ebtrace_serve_get_the_ops() {
     ]) else {
         return;
     };
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) = loop_for("profiler_clients_of_ebtrace_serve_get_the_ops")
+    else {
         return;
     };
     let pid = workload.pid;
@@ -702,14 +696,10 @@ fn profiler_clients_of_ebtrace_serve_get_the_ops() {
 /// then gets the ops, and leaves nothing behind either.
 #[test]
 fn the_flight_recorder_leaves_pytorch_alone() {
-    if !require_root("the_flight_recorder_leaves_pytorch_alone") {
-        return;
-    }
     let Some(python) = python_with(&["torch", "jax.collect_profile"]) else {
         return;
     };
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) = loop_for("the_flight_recorder_leaves_pytorch_alone") else {
         return;
     };
     let pid = workload.pid;
@@ -758,11 +748,7 @@ fn the_flight_recorder_leaves_pytorch_alone() {
 /// complete as without ebtrace.
 #[test]
 fn a_programs_own_profiler_is_left_alone() {
-    if !require_root("a_programs_own_profiler_is_left_alone") {
-        return;
-    }
-    let _serial = serial();
-    let Some(mut workload) = start_loop() else {
+    let Some((_turn, mut workload)) = loop_for("a_programs_own_profiler_is_left_alone") else {
         return;
     };
     let pid = workload.pid;
