@@ -307,6 +307,21 @@ pub enum Value {
     /// submitted repeat a few texts (kernel names, stream labels) tens of
     /// thousands of times in a flight recorder's snapshot.
     Str(std::sync::Arc<str>),
+    /// One end of an arrow from one span to another (a [`FLOW_STAT`]):
+    /// the arrow's id, unique in the timeline, and which end this is.
+    Flow(u64, FlowEnd),
+}
+
+/// The stat of a span at one end of an arrow ([`Value::Flow`]).
+pub const FLOW_STAT: &str = "flow";
+
+/// Which end of an arrow a span is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlowEnd {
+    /// The arrow leaves this span.
+    From,
+    /// The arrow reaches this span.
+    To,
 }
 
 /// A named interval on a thread, `[start_ns, end_ns]` (equal for an

@@ -33,7 +33,7 @@ use prost::Message as _;
 
 use crate::{
     clock::{ClockId, now_ns},
-    timeline::{CORRELATION_STAT, Span, StatName, Timeline, Value},
+    timeline::{CORRELATION_STAT, FlowEnd, Span, StatName, Timeline, Value},
 };
 
 /// File name written next to the `.xplane.pb`.
@@ -260,7 +260,8 @@ fn write_descriptors<W: Write>(w: &mut PacketWriter<W>, timeline: &Timeline) -> 
 /// Writes nested spans (sorted by start, longest first, as
 /// `timeline::nest` leaves them) as begin/end pairs on one track.
 /// Spans carrying a `correlation_id` start a flow on a thread and end it
-/// on a stream (`device` true).
+/// on a stream (`device` true); an arrow's ends ([`Value::Flow`]) start
+/// and end theirs.
 fn write_spans<W: Write>(
     w: &mut PacketWriter<W>,
     clocks: PerfettoClocks,
@@ -285,6 +286,19 @@ fn write_spans<W: Write>(
             open.pop();
         }
         let flow = span.correlation.map(|c| launch_flow(c.get()));
+        let (mut flow_ids, mut terminating_flow_ids) = (Vec::new(), Vec::new());
+        match flow {
+            Some(f) if device => terminating_flow_ids.push(f),
+            Some(f) => flow_ids.push(f),
+            None => {}
+        }
+        for (_, value) in span.stats.iter() {
+            match value {
+                Value::Flow(id, FlowEnd::From) => flow_ids.push(*id),
+                Value::Flow(id, FlowEnd::To) => terminating_flow_ids.push(*id),
+                _ => {}
+            }
+        }
         let instant = span.end_ns == span.start_ns;
         w.event(
             clocks.boot(span.start_ns),
@@ -299,14 +313,15 @@ fn write_spans<W: Write>(
                 debug_annotations: span
                     .stats
                     .iter()
-                    .map(annotation)
+                    .filter_map(annotation)
                     .chain(
-                        span.correlation
-                            .map(|c| annotation(&(CORRELATION_STAT.into(), Value::U64(c.get())))),
+                        span.correlation.and_then(|c| {
+                            annotation(&(CORRELATION_STAT.into(), Value::U64(c.get())))
+                        }),
                     )
                     .collect(),
-                flow_ids: flow.filter(|_| !device).into_iter().collect(),
-                terminating_flow_ids: flow.filter(|_| device).into_iter().collect(),
+                flow_ids,
+                terminating_flow_ids,
                 ..Default::default()
             },
         )?;
@@ -320,17 +335,20 @@ fn write_spans<W: Write>(
     Ok(())
 }
 
-fn annotation((name, value): &(StatName, Value)) -> DebugAnnotation {
+/// A stat as an argument of its event; none for an arrow's end, which is
+/// a flow of the event.
+fn annotation((name, value): &(StatName, Value)) -> Option<DebugAnnotation> {
     use debug_annotation::Value as V;
-    DebugAnnotation {
+    Some(DebugAnnotation {
         name_field: Some(debug_annotation::NameField::Name(name.to_string())),
         value: Some(match value {
             Value::I64(v) => V::IntValue(*v),
             Value::U64(v) => V::UintValue(*v),
             Value::F64(v) => V::DoubleValue(*v),
             Value::Str(v) => V::StringValue(v.to_string()),
+            Value::Flow(..) => return None,
         }),
-    }
+    })
 }
 
 #[cfg(test)]

@@ -195,6 +195,47 @@ fn scheduling_spans_and_flows_come_out_as_perfetto_models_them() {
     );
 }
 
+/// A span at an arrow's start carries its flow, one at its end ends it;
+/// neither carries the arrow as an argument.
+#[test]
+fn arrows_between_spans_are_flows() {
+    let mut timeline = timeline();
+    let spans = &mut timeline.threads.get_mut(&11).expect("thread 11").spans;
+    let id = 1 << 55 | 3;
+    let flow = |end| (crate::timeline::FLOW_STAT.into(), Value::Flow(id, end));
+    spans[0].stats.push(flow(FlowEnd::From));
+    spans[2].stats.push(flow(FlowEnd::To));
+    let clocks = PerfettoClocks {
+        boot_minus_mono_ns: 0,
+    };
+    let bytes = timeline_to_perfetto_bytes(&timeline, clocks);
+    let trace = Trace::decode(bytes.as_slice()).unwrap();
+    let named = |n: &str| {
+        trace
+            .packet
+            .iter()
+            .find_map(|p| match p.data.as_ref()? {
+                trace_packet::Data::TrackEvent(e)
+                    if e.name_field == Some(track_event::NameField::Name(n.into())) =>
+                {
+                    Some(e.clone())
+                }
+                _ => None,
+            })
+            .expect(n)
+    };
+    let (step, mark) = (named("step"), named("mark"));
+    assert_eq!(
+        (step.flow_ids, step.terminating_flow_ids),
+        (vec![id], vec![])
+    );
+    assert_eq!(
+        (mark.flow_ids, mark.terminating_flow_ids),
+        (vec![], vec![id])
+    );
+    assert!(step.debug_annotations.is_empty() && mark.debug_annotations.is_empty());
+}
+
 /// The stats `write_timeline` reports, checked against what it wrote.
 fn stats_of(bytes: &[u8]) -> PerfettoStats {
     let clocks = PerfettoClocks {

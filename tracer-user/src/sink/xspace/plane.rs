@@ -182,6 +182,13 @@ impl XPlaneBuilder {
             StatValue::U64(v) => Encoded::U64(*v),
             StatValue::F64(v) => Encoded::F64(*v),
             StatValue::Str(s) => Encoded::Ref(self.stat_metadata(s) as u64),
+            StatValue::Flow(id, end) => Encoded::U64(super::flow_stat_value(
+                *id,
+                match end {
+                    timeline::FlowEnd::From => super::FlowDirection::Out,
+                    timeline::FlowEnd::To => super::FlowDirection::In,
+                },
+            )),
         };
         Stat::new(self.stat_metadata(name), value)
     }
