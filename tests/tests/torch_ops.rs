@@ -27,6 +27,8 @@ const STEP: &str = "train_step";
 const SCOPE_STAT: &str = "torch_scope";
 /// The stat holding an op span's sequence number.
 const SEQUENCE_STAT: &str = "sequence_number";
+/// XProf's stat of an arrow's end.
+const FLOW_STAT: &str = "flow";
 
 /// An op's kind and name.
 type OpKey = (String, String);
@@ -284,7 +286,8 @@ fn ops_per_step_match_pytorchs_own_profiler() {
         .count();
     assert_eq!(ran, steps.len(), "the loop ran {ran} steps in that time");
 
-    assert_sequence_numbers(ops, &steps, &profiled);
+    let arrows = assert_sequence_numbers(ops, &steps, &profiled);
+    assert_xprof_arrows(&logdir, arrows);
     assert_framework_op_stats(&logdir);
     assert_xprof_steps(&logdir, &steps, &loop_steps);
 }
@@ -307,9 +310,9 @@ fn assert_same_per_step(ours: &HashMap<OpKey, f64>, theirs: &HashMap<OpKey, f64>
 }
 
 /// The ops inside `steps` carry sequence numbers where torch.profiler's
-/// do, as often a step; and each backward function shares its number with
-/// the forward ops torch.profiler pairs it with.
-fn assert_sequence_numbers(ops: &[Event], steps: &[&Event], profiled: &Profiled) {
+/// do, as often a step; each backward function shares its number with the
+/// forward ops torch.profiler pairs it with, and has an arrow from one.
+fn assert_sequence_numbers(ops: &[Event], steps: &[&Event], profiled: &Profiled) -> usize {
     let numbered: Vec<Event> = ops
         .iter()
         .filter(|e| e.stats.contains_key(SEQUENCE_STAT))
@@ -344,6 +347,59 @@ fn assert_sequence_numbers(ops: &[Event], steps: &[&Event], profiled: &Profiled)
         "{forward_of:#?}"
     );
     assert_eq!(forward_of, profiled.forward_of);
+
+    // Each numbered backward function inside a step has an arrow (XProf's
+    // `flow` stat) from one of the forward ops torch.profiler pairs it with
+    // (AccumulateGrad, made of no op, has no number).
+    let arrow = |e: &Event, direction: u64| {
+        let v = e.stats.get(FLOW_STAT)?.as_u64();
+        (v & 3 == direction).then_some((v >> 2) & ((1 << 56) - 1))
+    };
+    let sources: HashMap<u64, &Event> =
+        ops.iter().filter_map(|e| Some((arrow(e, 2)?, e))).collect();
+    let inside = |e: &Event| {
+        let i = steps.partition_point(|s| s.start_ns <= e.start_ns);
+        i > 0 && e.end_ns() <= steps[i - 1].end_ns()
+    };
+    let backward = ops
+        .iter()
+        .filter(|e| e.stats[SCOPE_STAT].as_str() == "backward_function" && inside(e))
+        .filter(|e| e.stats.contains_key(SEQUENCE_STAT));
+    let mut linked = 0;
+    for e in backward {
+        let id = arrow(e, 1).unwrap_or_else(|| panic!("{} at {} has no arrow", e.name, e.start_ns));
+        let source = sources.get(&id).expect("an arrow from nowhere");
+        assert!(
+            profiled.forward_of[&e.name].contains(&source.name),
+            "an arrow from {} to {}",
+            source.name,
+            e.name
+        );
+        linked += 1;
+    }
+    assert!(linked >= steps.len(), "{linked} arrows");
+    linked
+}
+
+/// XProf's trace viewer draws at least `arrows` arrows, each from an
+/// event to another.
+fn assert_xprof_arrows(logdir: &TempDir, arrows: usize) {
+    let Some(python) = xprof::python() else {
+        return;
+    };
+    let files = xplane_files(logdir.path());
+    let json = xprof::trace_viewer_summary(&python, &files[0]);
+    let ids = |f: &serde_json::Value| -> BTreeSet<u64> {
+        f.as_array()
+            .expect("ids")
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .collect()
+    };
+    let flows = &json["flows"][""];
+    let (out, into) = (ids(&flows["out"]), ids(&flows["in"]));
+    let drawn = out.intersection(&into).count();
+    assert!(drawn >= arrows, "XProf draws {drawn} arrows of {arrows}");
 }
 
 /// XProf's overview page takes the train_step ranges (`steps`) as the

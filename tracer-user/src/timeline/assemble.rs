@@ -398,7 +398,7 @@ fn add_ops(timeline: &mut Timeline, recordings: &[AgentRecording]) {
             timeline.stats.notes.push(format!(
                 "pid {}: PyTorch: {} ops, {} backward functions and {} record_function \
                  ranges on the thread lines ({} outside the window, {} unfinished when it \
-                 closed){}",
+                 closed){}{}",
                 r.pid,
                 laid.ops,
                 laid.backward,
@@ -408,6 +408,10 @@ fn add_ops(timeline: &mut Timeline, recordings: &[AgentRecording]) {
                 match laid.steps {
                     0 => String::new(),
                     n => format!("; {n} of them steps for XProf"),
+                },
+                match laid.linked {
+                    0 => String::new(),
+                    n => format!("; {n} backward functions linked to their forward op"),
                 }
             ));
             if decoded.dropped > 0 || decoded.names_lost > 0 {

@@ -23,7 +23,7 @@ use std::{
     sync::Arc,
 };
 
-use super::{Cuts, Nestable, Span, Stat, Stats, Timeline, Value, nest};
+use super::{Cuts, FLOW_STAT, FlowEnd, Nestable, Span, Stat, Stats, Timeline, Value, nest};
 use crate::collect::torch_ops::{OpScope, TorchOp};
 
 /// Stat of an op's span: what kind of RecordFunction it was
@@ -68,6 +68,8 @@ pub struct TorchOpSpans {
     pub clipped: u64,
     /// `record_function` ranges marked as steps for XProf.
     pub steps: u64,
+    /// Backward functions with an arrow from the forward op that made them.
+    pub linked: u64,
 }
 
 /// Stat that makes XProf take a span as a step of the program (its
@@ -147,6 +149,72 @@ fn number(candidates: &mut [Candidate]) {
     }
 }
 
+/// Arrows of process `pid` are numbered from here (above the 32-bit ids
+/// of wake-ups), its pid above a count of [`MAX_ARROWS`].
+const ARROW_IDS: u64 = 1 << 55;
+/// Arrows drawn in one process at most.
+const MAX_ARROWS: u64 = 1 << 24;
+
+/// Draws an arrow ([`FLOW_STAT`]) from each forward op to the backward
+/// function autograd made of it, over `pid`'s threads (each one's
+/// candidates sorted by start); returns how many. The two share a
+/// sequence number; of the forward ops sharing one (an op and the ops it
+/// calls), the last to start made the node, as torch.profiler links them.
+/// Sequence numbers count per thread, so only a process whose numbered
+/// forward ops all ran on one thread gets arrows.
+fn link_backward(pid: u32, threads: &mut [(u32, Vec<Candidate>)]) -> u64 {
+    let is_forward = |c: &Candidate| {
+        c.1 == OpScope::Function && c.2.is_some() && !c.0.name.starts_with(ENGINE_CALL)
+    };
+    let mut forward_threads = threads
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, candidates))| candidates.iter().any(is_forward))
+        .map(|(i, _)| i);
+    let (Some(forward), None) = (forward_threads.next(), forward_threads.next()) else {
+        return 0;
+    };
+    // The forward op that made each number's node: the last to start.
+    let mut made: HashMap<u64, usize> = HashMap::new();
+    for (i, c) in threads[forward].1.iter().enumerate() {
+        if let (true, Some(n)) = (is_forward(c), c.2) {
+            made.insert(n, i);
+        }
+    }
+    // Each number's first backward function, over every thread.
+    let mut first: HashMap<u64, (u64, usize, usize)> = HashMap::new();
+    for (t, (_, candidates)) in threads.iter().enumerate() {
+        for (i, c) in candidates.iter().enumerate() {
+            let Some(n) =
+                c.2.filter(|n| c.1 == OpScope::Backward && made.contains_key(n))
+            else {
+                continue;
+            };
+            let entry = first.entry(n).or_insert((c.0.start_ns, t, i));
+            if c.0.start_ns < entry.0 {
+                *entry = (c.0.start_ns, t, i);
+            }
+        }
+    }
+    let mut links: Vec<(u64, usize, usize)> =
+        first.into_iter().map(|(n, (_, t, i))| (n, t, i)).collect();
+    links.sort_unstable();
+    links.truncate(MAX_ARROWS as usize);
+    let base = ARROW_IDS | u64::from(pid) << 24;
+    for (k, (n, t, i)) in links.iter().enumerate() {
+        let id = base | k as u64;
+        threads[*t].1[*i]
+            .0
+            .stats
+            .push((FLOW_STAT.into(), Value::Flow(id, FlowEnd::To)));
+        threads[forward].1[made[n]]
+            .0
+            .stats
+            .push((FLOW_STAT.into(), Value::Flow(id, FlowEnd::From)));
+    }
+    links.len() as u64
+}
+
 /// Lays process `pid`'s `ops` on its threads' lines.
 pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> TorchOpSpans {
     let mut out = TorchOpSpans::default();
@@ -183,11 +251,15 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
             op.sequence,
         ));
     }
-    for (tid, mut candidates) in per_thread {
-        out.clipped += nest(&mut candidates, Cuts::Marked);
+    let mut threads: Vec<(u32, Vec<Candidate>)> = per_thread.into_iter().collect();
+    for (_, candidates) in &mut threads {
+        out.clipped += nest(candidates, Cuts::Marked);
         candidates.sort_by_key(|c| (c.0.start_ns, std::cmp::Reverse(c.0.end_ns)));
-        out.steps += mark_steps(&mut candidates);
-        number(&mut candidates);
+        out.steps += mark_steps(candidates);
+        number(candidates);
+    }
+    out.linked = link_backward(pid, &mut threads);
+    for (tid, candidates) in threads {
         let track = timeline.thread_track(tid, pid, || format!("thread {tid}"));
         track.spans.extend(candidates.into_iter().map(|c| c.0));
         track
@@ -214,6 +286,67 @@ mod tests {
             correlation: None,
         };
         Candidate(span, scope, sequence)
+    }
+
+    /// The forward op that made a node (the last of its number to start)
+    /// gets an arrow to the first backward function of that number, on
+    /// whatever thread it ran; ops without a backward function get none.
+    #[test]
+    fn arrows_go_from_the_forward_op_to_its_backward_function() {
+        use super::{FLOW_STAT, FlowEnd, link_backward};
+        let forward = vec![
+            candidate(0, "aten::linear", OpScope::Function, Some(7)),
+            candidate(1, "aten::t", OpScope::Function, Some(7)),
+            candidate(2, "aten::addmm", OpScope::Function, Some(8)),
+            candidate(3, "aten::relu", OpScope::Function, Some(9)),
+        ];
+        let backward = vec![
+            candidate(
+                20,
+                "autograd::engine::evaluate_function: AddmmBackward0",
+                OpScope::Function,
+                Some(8),
+            ),
+            candidate(21, "AddmmBackward0", OpScope::Backward, Some(8)),
+            candidate(30, "TBackward0", OpScope::Backward, Some(7)),
+        ];
+        let mut threads = vec![(10, forward), (11, backward)];
+        assert_eq!(link_backward(5, &mut threads), 2);
+        let ends = |c: &Candidate| -> Vec<(u64, FlowEnd)> {
+            c.0.stats
+                .iter()
+                .filter(|(name, _)| name == FLOW_STAT)
+                .map(|(_, v)| match v {
+                    Value::Flow(id, end) => (*id, *end),
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        let (f, b) = (&threads[0].1, &threads[1].1);
+        assert!(ends(&f[0]).is_empty() && ends(&f[3]).is_empty() && ends(&b[0]).is_empty());
+        let (t, tb) = (ends(&f[1]), ends(&b[2]));
+        let (mm, mmb) = (ends(&f[2]), ends(&b[1]));
+        assert_eq!((t[0].1, tb[0].1), (FlowEnd::From, FlowEnd::To));
+        assert_eq!((t[0].0, mm[0].0), (tb[0].0, mmb[0].0));
+        assert_ne!(t[0].0, mm[0].0);
+        assert!(t[0].0 > u64::from(u32::MAX));
+
+        // Numbered forward ops on two threads: numbers may repeat, no arrow.
+        let mut two = vec![
+            (
+                10,
+                vec![candidate(0, "aten::t", OpScope::Function, Some(7))],
+            ),
+            (
+                12,
+                vec![candidate(0, "aten::t", OpScope::Function, Some(7))],
+            ),
+            (
+                11,
+                vec![candidate(9, "TBackward0", OpScope::Backward, Some(7))],
+            ),
+        ];
+        assert_eq!(link_backward(5, &mut two), 0);
     }
 
     /// Numbered ops carry their number; the engine's range takes that of
