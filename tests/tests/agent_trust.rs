@@ -367,7 +367,7 @@ fn a_session_nobody_stops_ends_when_its_lease_runs_out() {
             python: 0,
             device: 0,
             ops: 0,
-            op_sequence: 0,
+            op_fields: 0,
         },
         lease_ms: 1_500,
     };

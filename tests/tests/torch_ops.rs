@@ -29,6 +29,8 @@ const SCOPE_STAT: &str = "torch_scope";
 const SEQUENCE_STAT: &str = "sequence_number";
 /// XProf's stat of an arrow's end.
 const FLOW_STAT: &str = "flow";
+/// The stat holding an ATen op's input shapes.
+const SHAPES_STAT: &str = "input_shapes";
 
 /// An op's kind and name.
 type OpKey = (String, String);
@@ -43,6 +45,9 @@ struct Profiled {
     /// Each backward function's name, with the names of the forward ops
     /// sharing its sequence number.
     forward_of: BTreeMap<String, BTreeSet<String>>,
+    /// Per step, each ATen op with each list of input shapes (name, then
+    /// shapes as `record_shapes` writes them).
+    shapes: HashMap<OpKey, f64>,
     /// On how many threads each ran.
     threads: HashMap<OpKey, u64>,
 }
@@ -116,8 +121,21 @@ fn read_profiled(workload: &mut PythonWorkload) -> Profiled {
         .iter()
         .map(|(k, v)| (key(k), v.as_u64().unwrap()))
         .collect();
+    let shapes = p["shapes"]
+        .as_object()
+        .expect("shapes")
+        .iter()
+        .map(|(k, v)| {
+            let (name, shapes) = k.split_once('\t').expect("name\tshapes");
+            (
+                (name.to_string(), shapes.to_string()),
+                v.as_f64().unwrap() / n,
+            )
+        })
+        .collect();
     Profiled {
         steps: n,
+        shapes,
         counts: per_step("counts"),
         numbered: per_step("numbered"),
         forward_of,
@@ -379,6 +397,55 @@ fn assert_sequence_numbers(ops: &[Event], steps: &[&Event], profiled: &Profiled)
     }
     assert!(linked >= steps.len(), "{linked} arrows");
     linked
+}
+
+/// `--torch-op-shapes`: each ATen op inside a step carries its input
+/// shapes, and per step each op comes with each list of shapes as often
+/// as torch.profiler's `record_shapes` records it in the same process.
+#[test]
+fn input_shapes_match_pytorchs_own_profiler() {
+    let Some((_turn, mut workload)) = loop_for("input_shapes_match_pytorchs_own_profiler") else {
+        return;
+    };
+    let pid = workload.pid;
+    let logdir = TempDir::new("torch-ops-shapes");
+    let out = record(&pid.to_string(), "1s", &logdir, &["--torch-op-shapes"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("; ATen ops' input shapes"), "{stderr}");
+    let (report, profiled) = ask(&mut workload);
+    assert!(!report.has_callbacks, "a callback stayed registered");
+
+    let main = i64::from(workload.start_line["tid"].as_u64().expect("tid") as u32);
+    let lines = op_lines(&logdir);
+    let ops = &lines[&main];
+    let mut shaped: Vec<Event> = ops
+        .iter()
+        .filter(|e| e.stats[SCOPE_STAT].as_str() == "function")
+        .map(|e| {
+            let shapes = e.stats.get(SHAPES_STAT).map_or("(none)", |s| s.as_str());
+            let mut e = e.clone();
+            e.stats
+                .insert(SCOPE_STAT.into(), xspace::Stat::Str(shapes.into()));
+            e
+        })
+        .collect();
+    shaped.extend(ops.iter().filter(|e| e.name == STEP).cloned());
+    let (steps, per_step_shapes) = per_step(&shaped);
+    assert!(steps.len() >= 50, "{} train_step ranges", steps.len());
+    // per_step keys by (its scope stat, name): here (shapes, name).
+    let ours: HashMap<OpKey, f64> = per_step_shapes
+        .into_iter()
+        .map(|((shapes, name), n)| ((name, shapes), n))
+        .collect();
+    assert!(
+        ours.contains_key(&(
+            "aten::addmm".into(),
+            "[[256], [64, 256], [256, 256], [], []]".into()
+        )),
+        "{ours:#?}"
+    );
+    assert_same_per_step(&ours, &profiled.shapes);
 }
 
 /// XProf's trace viewer draws at least `arrows` arrows, each from an

@@ -13,7 +13,7 @@
 /// [`OpsHeader::magic`]: `TOPS`.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"TOPS");
 /// [`OpsHeader::version`].
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// [`OpRecord::what`] of a RecordFunction's end.
 pub const END: u32 = u32::MAX;
@@ -134,11 +134,16 @@ pub struct OpRecord {
     /// shared by a forward op and the backward function it made; or
     /// [`NO_SEQUENCE`].
     pub sequence: i64,
+    /// A start's input shapes, as the name id of their text
+    /// (`[[64, 256], []]`), or [`NO_NAME`].
+    pub shapes: u32,
+    /// Zero.
+    pub reserved: u32,
 }
 
 impl OpRecord {
     /// Bytes of an encoded record.
-    pub const LEN: usize = 32;
+    pub const LEN: usize = 40;
 
     /// Reads record `b` (exactly [`Self::LEN`] bytes).
     pub fn decode(b: &[u8]) -> Option<Self> {
@@ -150,6 +155,8 @@ impl OpRecord {
             tid: word(16)?,
             what: word(20)?,
             sequence: quad(24)? as i64,
+            shapes: word(32)?,
+            reserved: word(36)?,
         })
     }
 }

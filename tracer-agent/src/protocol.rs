@@ -164,6 +164,13 @@ impl Header {
     }
 }
 
+/// [`SessionLevels::op_fields`]: each op's sequence number, where ebtrace
+/// found `at::RecordFunction`'s members declared, in the PyTorch the
+/// process runs, as the agent finds it (see `torch_ops::layout`).
+pub const OP_SEQUENCE: u32 = 1;
+/// [`SessionLevels::op_fields`]: each ATen op's input shapes.
+pub const OP_SHAPES: u32 = 2;
+
 /// [`SessionLevels::ops`] that records every RecordFunction.
 pub const OPS_ALL: u32 = 1_000_000;
 
@@ -181,10 +188,9 @@ pub struct SessionLevels {
     /// in millionths, that a RecordFunction is recorded ([`OPS_ALL`] and
     /// above: every one).
     pub ops: u32,
-    /// With `ops`: 1 when ebtrace found `at::RecordFunction`'s members
-    /// declared, in the PyTorch the process runs, as the agent finds its
-    /// sequence number (see `torch_ops::layout`); 0 leaves them out.
-    pub op_sequence: u32,
+    /// With `ops`, what else to record of each: [`OP_SEQUENCE`],
+    /// [`OP_SHAPES`].
+    pub op_fields: u32,
 }
 
 impl SessionLevels {
@@ -198,7 +204,7 @@ impl SessionLevels {
         b[4..8].copy_from_slice(&self.python.to_le_bytes());
         b[8..12].copy_from_slice(&self.device.to_le_bytes());
         b[12..16].copy_from_slice(&self.ops.to_le_bytes());
-        b[16..].copy_from_slice(&self.op_sequence.to_le_bytes());
+        b[16..].copy_from_slice(&self.op_fields.to_le_bytes());
         b
     }
 
@@ -210,7 +216,7 @@ impl SessionLevels {
             python: word(4),
             device: word(8),
             ops: word(12),
-            op_sequence: word(16),
+            op_fields: word(16),
         }
     }
 }
@@ -328,7 +334,7 @@ mod tests {
             python: 0,
             device: 1,
             ops: 1,
-            op_sequence: 1,
+            op_fields: OP_SEQUENCE | OP_SHAPES,
         };
         assert_eq!(SessionLevels::decode(&l.encode()), l);
         let start = StartRequest {
@@ -354,7 +360,7 @@ mod tests {
                 python: 0,
                 device: 0,
                 ops: 0,
-                op_sequence: 0,
+                op_fields: 0,
             },
             lease_ms: u32::MAX,
         };

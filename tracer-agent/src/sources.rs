@@ -83,7 +83,7 @@ impl Sources {
             }
         }
         if levels.ops > 0 {
-            match torch_ops::Recording::start(levels.ops, levels.op_sequence == 1) {
+            match torch_ops::Recording::start(levels.ops, levels.op_fields) {
                 Ok((r, what)) => {
                     line(&mut lines, protocol::SOURCE_OPS, what.as_bytes());
                     sources.ops = Some(r);

@@ -35,7 +35,7 @@ use std::{
 use tracer_agent::protocol::OPS_ALL;
 
 use crate::{
-    agent::{AgentSession, AgentStart, KernelNaming, TraceMeRoute, start_agent_sessions},
+    agent::{AgentSession, AgentStart, KernelNaming, TorchOps, TraceMeRoute, start_agent_sessions},
     attach::{CudaProbe, ProbeSet, ProbeSetConfig, ProbeStats, TraceMeOptions, TraceMeProbe, cuda},
     clock::{ClockSync, monotonic_ns},
     collect::{
@@ -93,6 +93,8 @@ pub struct CaptureOptions {
     /// Record this many in a million of PyTorch's ops (RecordFunctions,
     /// drawn by PyTorch); none: every one.
     pub torch_op_millionths: Option<u32>,
+    /// Record each ATen op's input shapes too.
+    pub torch_op_shapes: bool,
     /// Most the framework's profiler session, run by the agent, may grow a
     /// target by (its resident memory, in bytes) before ebtrace stops it;
     /// none: [`default_framework_memory`].
@@ -110,12 +112,15 @@ pub struct CaptureOptions {
 }
 
 impl CaptureOptions {
-    /// How many in a million of PyTorch's ops the agent records (0: none).
-    pub fn torch_ops(&self) -> u32 {
-        if self.no_torch_ops {
-            0
-        } else {
-            self.torch_op_millionths.map_or(OPS_ALL, |m| m.min(OPS_ALL))
+    /// What of PyTorch's ops the agent records.
+    pub fn torch_ops(&self) -> TorchOps {
+        TorchOps {
+            millionths: if self.no_torch_ops {
+                0
+            } else {
+                self.torch_op_millionths.map_or(OPS_ALL, |m| m.min(OPS_ALL))
+            },
+            shapes: self.torch_op_shapes,
         }
     }
 }

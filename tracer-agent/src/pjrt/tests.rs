@@ -31,7 +31,7 @@ fn profile_options_decode_to_the_levels() {
         python: 1,
         device: 1,
         ops: 0,
-        op_sequence: 0,
+        op_fields: 0,
     });
     assert_eq!(
         (
@@ -62,7 +62,7 @@ proptest! {
             python,
             device,
             ops: 0,
-            op_sequence: 0,
+            op_fields: 0,
         });
         prop_assert_eq!(o.version, 1);
         prop_assert_eq!(o.host_tracer_level, host);
@@ -239,7 +239,7 @@ const LEVELS: SessionLevels = SessionLevels {
     python: 0,
     device: 1,
     ops: 0,
-    op_sequence: 0,
+    op_fields: 0,
 };
 
 /// The whole route in this process, in one test: plugins are global.

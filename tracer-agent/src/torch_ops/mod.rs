@@ -17,6 +17,7 @@
 
 mod layout;
 mod names;
+mod shapes;
 mod trampoline;
 
 use core::{
@@ -29,14 +30,14 @@ use crate::{
         self, NO_NAME, NO_SEQUENCE, NameEntry, OpRecord, OpsHeader, SCOPE_BACKWARD_FUNCTION,
         SCOPE_FUNCTION, SCOPE_USER,
     },
-    protocol::OPS_ALL,
+    protocol::{OP_SEQUENCE, OP_SHAPES, OPS_ALL},
     python::Text,
     sys,
 };
 use names::NameSlot;
 use trampoline::Trampoline;
 
-/// Records the buffer holds: 32 MiB of address space, resident only as
+/// Records the buffer holds: 40 MiB of address space, resident only as
 /// far as a capture fills it.
 const CAPACITY: usize = 1 << 20;
 /// Slots of the name table (a power of two).
@@ -73,6 +74,9 @@ static REGION: AtomicPtr<u8> = AtomicPtr::new(core::ptr::null_mut());
 static NAME_FN: AtomicUsize = AtomicUsize::new(0);
 /// Where a RecordFunction keeps its sequence number (0: not read).
 static SEQUENCE_AT: AtomicUsize = AtomicUsize::new(0);
+/// PyTorch's undefined tensor, while ATen ops' input shapes are read (0:
+/// they are not).
+static UNDEFINED_TENSOR: AtomicUsize = AtomicUsize::new(0);
 /// The pthread key holding each thread's tid, plus one (0: none).
 static TID_KEY: AtomicU32 = AtomicU32::new(0);
 
@@ -134,7 +138,8 @@ impl Recording {
     /// [`layout`] follows); the text says what records, the error why
     /// nothing does.
     #[allow(clippy::result_large_err)]
-    pub fn start(millionths: u32, sequence: bool) -> Result<(Recording, Text), Text> {
+    pub fn start(millionths: u32, fields: u32) -> Result<(Recording, Text), Text> {
+        let sequence = fields & OP_SEQUENCE != 0;
         let millionths = millionths.clamp(1, OPS_ALL);
         // SAFETY: a NUL-terminated name; RTLD_NOLOAD loads nothing.
         let library = unsafe {
@@ -175,8 +180,18 @@ impl Recording {
         } else {
             Err("ebtrace did not find RecordFunction's members declared as the agent reads them")
         };
-        let Some((region, key)) = install(&trampoline, name, *sequence_at.as_ref().unwrap_or(&0))
-        else {
+        // Shapes are read through the members the sequence number's checks
+        // cover.
+        let shapes = match (&sequence_at, fields & OP_SHAPES != 0) {
+            (_, false) => None,
+            (Ok(_), true) => Some(undefined_tensor(library)),
+            (Err(_), true) => Some(Err("no sequence numbers, whose checks they need")),
+        };
+        let seen = Seen {
+            sequence_at: *sequence_at.as_ref().unwrap_or(&0),
+            undefined_tensor: shapes.and_then(|s| s.ok()).unwrap_or(0),
+        };
+        let Some((region, key)) = install(&trampoline, name, seen) else {
             close();
             return Err(Text::new(
                 "PyTorch ops: no memory or pthread key for the buffer",
@@ -202,7 +217,7 @@ impl Recording {
                 end: trampoline.end,
                 sampling_prob: f64::from(millionths) / f64::from(OPS_ALL),
                 scopes,
-                needs_inputs: false,
+                needs_inputs: scope == SCOPE_FUNCTION && seen.undefined_tensor != 0,
                 needs_outputs: false,
                 needs_ids: false,
             };
@@ -248,6 +263,14 @@ impl Recording {
                 text.push(b"; no sequence numbers: ");
                 text.push(why.as_bytes());
             }
+        }
+        match shapes {
+            Some(Ok(_)) => text.push(b"; ATen ops' input shapes"),
+            Some(Err(why)) => {
+                text.push(b"; no input shapes: ");
+                text.push(why.as_bytes());
+            }
+            None => {}
         }
         // The program's own profiler (or another observer) runs: its
         // callbacks are left as they are, and see what they saw.
@@ -319,14 +342,53 @@ fn sequence_offset(library: *mut c_void, name: usize) -> Result<usize, &'static 
     Ok(at as usize)
 }
 
+/// PyTorch's undefined tensor, once the code that reads input shapes
+/// in `library` (`libtorch_cpu.so`) and in `libc10.so` reads them as
+/// [`shapes`] does; the error says why not.
+fn undefined_tensor(library: *mut c_void) -> Result<usize, &'static str> {
+    // SAFETY: a NUL-terminated name; RTLD_NOLOAD loads nothing.
+    let c10 = unsafe { sys::dlopen(c"libc10.so".as_ptr(), sys::RTLD_LAZY | sys::RTLD_NOLOAD) };
+    if c10.is_null() {
+        return Err("libc10.so is not loaded");
+    }
+    let found = (
+        symbol(library, shapes::INPUT_SIZES),
+        symbol(c10, shapes::SIZES_CUSTOM),
+        symbol(c10, shapes::UNDEFINED_TENSOR),
+    );
+    // SAFETY: the handle opened above; libtorch_cpu.so keeps libc10.so
+    // loaded for the recording.
+    unsafe { sys::dlclose(c10) };
+    let (Some(input_sizes), Some(sizes_custom), Some(undefined)) = found else {
+        return Err("PyTorch lacks inputSizes, TensorImpl::sizes_custom or its undefined tensor");
+    };
+    // SAFETY: the starts of two functions in the libraries' mapped code,
+    // each longer than the bytes read.
+    let code = |at: usize, len: usize| unsafe { core::slice::from_raw_parts(at as *const u8, len) };
+    shapes::check(
+        code(input_sizes, shapes::INPUT_SIZES_BYTES),
+        code(sizes_custom, shapes::SIZES_CUSTOM_BYTES),
+    )?;
+    Ok(undefined)
+}
+
+/// What the callbacks read of a RecordFunction beyond its name.
+#[derive(Clone, Copy)]
+struct Seen {
+    /// Where it keeps its sequence number (0: not read).
+    sequence_at: usize,
+    /// PyTorch's undefined tensor, if input shapes are read (else 0).
+    undefined_tensor: usize,
+}
+
 /// Maps a region and a pthread key, points the callbacks at them (with
-/// `name_of`, PyTorch's `RecordFunction::name`, and `sequence_at`, where a
-/// RecordFunction keeps its sequence number or 0) and the trampoline at the
-/// callbacks; `None` if there is no memory or key.
+/// `name_of`, PyTorch's `RecordFunction::name`, and what else they read,
+/// `seen`) and the trampoline at the callbacks; `None` if there is no
+/// memory or key.
 fn install(
     trampoline: &Trampoline,
     name_of: usize,
-    sequence_at: usize,
+    seen: Seen,
 ) -> Option<(*mut u8, sys::PthreadKey)> {
     let mut key: sys::PthreadKey = 0;
     // SAFETY: a valid out pointer; no destructor (the values are tids).
@@ -351,7 +413,8 @@ fn install(
     }
     let region = region.cast::<u8>();
     NAME_FN.store(name_of, Ordering::Release);
-    SEQUENCE_AT.store(sequence_at, Ordering::Release);
+    SEQUENCE_AT.store(seen.sequence_at, Ordering::Release);
+    UNDEFINED_TENSOR.store(seen.undefined_tensor, Ordering::Release);
     TID_KEY.store(key + 1, Ordering::Release);
     REGION.store(region, Ordering::Release);
     trampoline.fill(
@@ -491,7 +554,8 @@ extern "C" fn on_start<const SCOPE: u32>(
         // SAFETY: as above; `region` is live while a callback runs.
         unsafe { names::intern(name_slots(region), region, name) }
     };
-    let sequence = match SEQUENCE_AT.load(Ordering::Acquire) {
+    let sequence_at = SEQUENCE_AT.load(Ordering::Acquire);
+    let sequence = match sequence_at {
         0 => NO_SEQUENCE,
         // SAFETY: the RecordFunction PyTorch passed, whose `sequence_nr_`
         // lies at `at` (see `layout`); `before()` set it ahead of this call.
@@ -502,6 +566,23 @@ extern "C" fn on_start<const SCOPE: u32>(
                 .read_unaligned()
         },
     };
+    let undefined = UNDEFINED_TENSOR.load(Ordering::Acquire);
+    let shapes = if SCOPE != SCOPE_FUNCTION || undefined == 0 || sequence_at == 0 {
+        NO_NAME
+    } else {
+        // SAFETY: `inputs_`, an `ArrayRef` (pointer, length), follows the
+        // sequence number (see `layout`); the arguments live through the
+        // start callback, which PyTorch called with them boxed.
+        unsafe {
+            let inputs = (record_function as *const u8).add(sequence_at + 8);
+            let args = inputs.cast::<*const u8>().read_unaligned();
+            let len = inputs.add(8).cast::<usize>().read_unaligned();
+            match shapes::write(args, len, undefined).bytes() {
+                Some(text) => names::intern_bytes(name_slots(region), region, text),
+                None => NO_NAME,
+            }
+        }
+    };
     write(
         region,
         OpRecord {
@@ -510,6 +591,8 @@ extern "C" fn on_start<const SCOPE: u32>(
             tid: tid(),
             what: op_records::start_what(SCOPE, name_id),
             sequence,
+            shapes,
+            reserved: 0,
         },
     );
     ret
@@ -530,6 +613,8 @@ extern "C" fn on_end(record_function: *const c_void, _context: *mut c_void) {
             tid: tid(),
             what: op_records::END,
             sequence: NO_SEQUENCE,
+            shapes: NO_NAME,
+            reserved: 0,
         },
     );
 }
@@ -589,7 +674,11 @@ mod tests {
     fn calls_through_the_trampoline_are_recorded_and_stop_when_emptied() {
         let trampoline = Trampoline::get().expect("a trampoline");
         let name_of = name_of as *const () as usize;
-        let (region, key) = install(&trampoline, name_of, SEQUENCE_AT).unwrap();
+        let seen = Seen {
+            sequence_at: SEQUENCE_AT,
+            undefined_tensor: 0,
+        };
+        let (region, key) = install(&trampoline, name_of, seen).unwrap();
         // SAFETY: the trampoline's entries, with PyTorch's signatures.
         let (start, end): (Start, End) = unsafe {
             (

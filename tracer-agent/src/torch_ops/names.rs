@@ -65,7 +65,16 @@ unsafe fn bytes_of<'a>(name: *const c_char) -> &'a [u8] {
 /// `slots` and `region` are a live region's; `name` as for [`bytes_of`].
 pub unsafe fn intern(slots: &[NameSlot], region: *mut u8, name: *const c_char) -> u32 {
     // SAFETY: as the caller promises.
-    let bytes = unsafe { bytes_of(name) };
+    unsafe { intern_bytes(slots, region, bytes_of(name)) }
+}
+
+/// The id of `bytes` (at most [`MAX_NAME_LEN`] of them are kept), as
+/// [`intern`] gives a name's.
+///
+/// # Safety
+/// `slots` and `region` are a live region's.
+pub unsafe fn intern_bytes(slots: &[NameSlot], region: *mut u8, bytes: &[u8]) -> u32 {
+    let bytes = &bytes[..bytes.len().min(MAX_NAME_LEN)];
     let h = hash(bytes);
     let mask = slots.len() - 1;
     let mut i = h as usize & mask;

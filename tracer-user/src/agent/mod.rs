@@ -15,7 +15,7 @@ mod torch_abi;
 
 pub use error::AgentError;
 pub use kernel_names::KernelNaming;
-pub use route::{AgentStart, TraceMeRoute, start_agent_sessions};
+pub use route::{AgentStart, TorchOps, TraceMeRoute, start_agent_sessions};
 
 use std::{
     collections::HashMap,
@@ -190,7 +190,7 @@ impl AgentSession {
                 python: 0,
                 device: 0,
                 ops: 0,
-                op_sequence: 0,
+                op_fields: 0,
             },
             control,
             injected,

@@ -2,7 +2,7 @@
 //! framework's own profiler session, run inside the target) where it
 //! works, else uprobes; and one line per target saying which and why.
 
-use tracer_agent::protocol::SessionLevels;
+use tracer_agent::protocol::{OP_SEQUENCE, OP_SHAPES, SessionLevels};
 
 use super::{
     AgentSession,
@@ -81,12 +81,21 @@ impl AgentStart {
     }
 }
 
+/// What of PyTorch's ops a capture asks the agent for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TorchOps {
+    /// How many in a million RecordFunctions (0: none).
+    pub millionths: u32,
+    /// Each ATen op's input shapes too.
+    pub shapes: bool,
+}
+
 /// Starts, through the agent, the framework's own profiler session in
 /// every target the TraceMe route allows, with `device_activity` the
 /// device's activity (CUPTI, or a PJRT plugin's profiler) in every process
 /// with a GPU or TPU runtime loaded, and PyTorch's ops in every PyTorch
-/// process whose callback layout checks out, `torch_ops` in a million of
-/// them (0: none); returns those
+/// process whose callback layout checks out, `torch_ops.millionths` in a
+/// million of them (0: none); returns those
 /// sessions, the pids left to the TraceMe uprobes, and lines saying which
 /// route each target got.
 pub fn start_agent_sessions(
@@ -94,7 +103,7 @@ pub fn start_agent_sessions(
     level: u32,
     route: TraceMeRoute,
     device_activity: bool,
-    torch_ops: u32,
+    torch_ops: TorchOps,
 ) -> AgentStart {
     let mut out = AgentStart {
         sessions: Vec::new(),
@@ -115,7 +124,7 @@ pub fn start_agent_sessions(
         };
         let device = device_activity && maps.as_deref().is_ok_and(device_in);
         let torch = match &maps {
-            _ if torch_ops == 0 => Err(String::new()),
+            _ if torch_ops.millionths == 0 => Err(String::new()),
             Ok(m) => torch_abi::check(pid, m),
             Err(why) => Err(why.clone()),
         };
@@ -142,8 +151,18 @@ pub fn start_agent_sessions(
             host: if framework.is_ok() { level } else { 0 },
             python: 0,
             device: u32::from(device_activity),
-            ops: if torch.is_ok() { torch_ops } else { 0 },
-            op_sequence: u32::from(torch.as_ref().is_ok_and(|abi| abi.sequence_numbers)),
+            ops: if torch.is_ok() {
+                torch_ops.millionths
+            } else {
+                0
+            },
+            // Shapes are read through the members the sequence number's
+            // check covers.
+            op_fields: match &torch {
+                Ok(abi) if abi.sequence_numbers && torch_ops.shapes => OP_SEQUENCE | OP_SHAPES,
+                Ok(abi) if abi.sequence_numbers => OP_SEQUENCE,
+                _ => 0,
+            },
         };
         match AgentSession::start(pid, levels) {
             Ok(s) => {

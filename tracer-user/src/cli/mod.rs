@@ -190,6 +190,12 @@ pub struct RecordArgs {
     #[arg(long, value_name = "P", value_parser = parse_op_sampling)]
     pub torch_op_sampling: Option<u32>,
 
+    /// Record each ATen op's input shapes (the `input_shapes` stat, as
+    /// torch.profiler's record_shapes gives them). PyTorch then boxes every
+    /// op's arguments for the callbacks, which costs each op more.
+    #[arg(long)]
+    pub torch_op_shapes: bool,
+
     /// Switch TraceMe recording off again after this many events, on the
     /// uprobe route: the target's recorder keeps every event it records in
     /// memory until a profiler session drains it (jaxlib: about 140 bytes

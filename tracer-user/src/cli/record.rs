@@ -127,6 +127,7 @@ fn capture_options(args: &RecordArgs) -> CaptureOptions {
         no_device_activity: args.no_agent || args.no_device_activity,
         no_torch_ops: args.no_agent || args.no_torch_ops,
         torch_op_millionths: args.torch_op_sampling,
+        torch_op_shapes: args.torch_op_shapes,
         framework_memory: args.max_target_growth_mib.map(|mib| mib << 20),
         name_kernels_with_agent: !args.no_agent,
         one_window: true,

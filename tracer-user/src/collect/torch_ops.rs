@@ -61,6 +61,9 @@ pub struct TorchOp {
     /// Its sequence number where PyTorch gave one (autograd's: a forward
     /// op and the backward function it made share it).
     pub sequence: Option<u64>,
+    /// Its input shapes as torch.profiler writes them (`[[64, 256], []]`),
+    /// where they were asked for.
+    pub shapes: Option<Arc<str>>,
 }
 
 /// The ops of one recording, and what could not be made of the rest.
@@ -140,6 +143,7 @@ pub fn decode_ops(payload: &[u8]) -> Result<DecodedOps, String> {
             name: names.get(&id).cloned().unwrap_or_else(|| unnamed.clone()),
             scope: OpScope::of(start.what >> 24).expect("checked at its start"),
             sequence: u64::try_from(start.sequence).ok(),
+            shapes: names.get(&start.shapes).cloned(),
         });
     }
     out.unpaired += open.len() as u64;
@@ -199,6 +203,8 @@ mod tests {
             out.extend(r.tid.to_le_bytes());
             out.extend(r.what.to_le_bytes());
             out.extend(r.sequence.to_le_bytes());
+            out.extend(r.shapes.to_le_bytes());
+            out.extend(r.reserved.to_le_bytes());
         }
         out
     }
@@ -210,6 +216,8 @@ mod tests {
             tid,
             what,
             sequence: NO_SEQUENCE,
+            shapes: NO_NAME,
+            reserved: 0,
         }
     }
 

@@ -35,6 +35,10 @@ pub const SCOPE_STAT: &str = "torch_scope";
 /// it; torch.profiler calls it "Sequence number".
 pub const SEQUENCE_STAT: &str = "sequence_number";
 
+/// Stat of an ATen op's span, where asked for: its input shapes, as
+/// torch.profiler's `record_shapes` writes them (`[[64, 256], []]`).
+pub const SHAPES_STAT: &str = "input_shapes";
+
 /// Stat from which XProf's framework op stats take a host event as an op
 /// (its `kTfOp`), whatever the event's name.
 pub const FRAMEWORK_OP_STAT: &str = "tf_op";
@@ -244,7 +248,14 @@ pub fn add_torch_ops(timeline: &mut Timeline, pid: u32, ops: &[TorchOp]) -> Torc
                 start_ns: op.start_ns,
                 end_ns: op.end_ns,
                 name: Arc::clone(&op.name),
-                stats: Stats::shared_then(Arc::clone(stats), Vec::new()),
+                stats: Stats::shared_then(
+                    Arc::clone(stats),
+                    op.shapes
+                        .as_ref()
+                        .map(|s| (SHAPES_STAT.into(), Value::Str(Arc::clone(s))))
+                        .into_iter()
+                        .collect(),
+                ),
                 correlation: None,
             },
             op.scope,
