@@ -51,6 +51,7 @@ enum Config {
     EbtraceNoOps,
     Ebtrace,
     EbtraceSampled,
+    EbtraceShapes,
     TorchProfiler,
 }
 
@@ -69,6 +70,7 @@ impl Configuration for Config {
         Config::EbtraceNoOps,
         Config::Ebtrace,
         Config::EbtraceSampled,
+        Config::EbtraceShapes,
         Config::TorchProfiler,
     ];
 
@@ -78,6 +80,7 @@ impl Configuration for Config {
             Config::EbtraceNoOps => "ebtrace --no-torch-ops",
             Config::Ebtrace => "ebtrace (ops)",
             Config::EbtraceSampled => concat!("ebtrace --torch-op-sampling ", sampling!()),
+            Config::EbtraceShapes => "ebtrace --torch-op-shapes",
             Config::TorchProfiler => "torch.profiler (CPU)",
         }
     }
@@ -227,7 +230,7 @@ fn phase(
             util::signal(target.pid, libc::SIGUSR2);
             Ok(measured)
         }
-        Config::Ebtrace | Config::EbtraceSampled | Config::EbtraceNoOps => {
+        Config::Ebtrace | Config::EbtraceSampled | Config::EbtraceShapes | Config::EbtraceNoOps => {
             let logdir = scratch.join("trace");
             let duration = format!("{}s", (seconds + SETTLE.as_secs_f64() + 1.0).ceil());
             let mut cmd = harness::ebtrace_command(ebtrace, target.pid, &duration, &logdir);
@@ -240,6 +243,9 @@ fn phase(
             };
             if config == Config::EbtraceSampled {
                 cmd.args(["--torch-op-sampling", SAMPLING]);
+            }
+            if config == Config::EbtraceShapes {
+                cmd.arg("--torch-op-shapes");
             }
             let mut t = harness::spawn_ebtrace(cmd, ready, Duration::from_secs(60))?;
             let measured = span();
@@ -353,6 +359,16 @@ fn render(
         "- ebtrace's ops cost {:.2}x what torch.profiler's cost ({}); target: at most 1.0x",
         median(&cost_ratio),
         each(&cost_ratio, 2)
+    );
+    let shapes = op_ns(Config::EbtraceShapes, Config::EbtraceNoOps);
+    let _ = writeln!(
+        md,
+        "- ebtrace's ops with input shapes, over `ebtrace --no-torch-ops`: {:.0} ns an op ({}); \
+         a step {:.3}x as long ({})",
+        median(&shapes),
+        each(&shapes, 0),
+        median(&per_round(Config::EbtraceShapes, Config::EbtraceNoOps)),
+        each(&per_round(Config::EbtraceShapes, Config::EbtraceNoOps), 3)
     );
     // The loop keeps one CPU busy: a step's added time over its time is
     // the share of a CPU the sampled ops take.
