@@ -634,3 +634,45 @@ fn a_program_finalizing_cupti_mid_capture_costs_only_the_records_after() {
     assert!(again.contains("device activity: CUPTI"), "{again}");
     assert!(!kernels(&space).is_empty(), "{again}");
 }
+
+/// A program launching 50 kernels a second fills no CUPTI buffer in a
+/// capture: what the flushes hand over (a buffer's few records) is in the
+/// trace, every kernel CUPTI recorded well inside the window.
+#[test]
+fn a_slow_launcher_s_kernels_are_all_in_the_trace() {
+    if !require_root("a_slow_launcher_s_kernels_are_all_in_the_trace") {
+        return;
+    }
+    let _serial = serial();
+    let dir = TempDir::new("cupti-log");
+    let log = dir.path().join("cupti.log");
+    let mut workload = CudaWorkload::start_with_cupti(
+        &["--bench-seconds", "60", "--bench-gap-ns", "20000000"],
+        &[("STANDIN_CUPTI_LOG", log.to_str().unwrap())],
+    );
+    workload.go();
+    std::thread::sleep(Duration::from_millis(300));
+    let (stderr, space) = capture(workload.pid, "1s", &[]);
+    let (start_wall, stop_wall) = profile_window(&space);
+    let (start_wall, stop_wall) = (start_wall as i64, stop_wall as i64);
+    let inside: Vec<u64> = read_log(&log)
+        .into_iter()
+        .filter(|l| l.kind == 10 && l.recorded)
+        .filter(|l| l.start > start_wall + 50_000 && l.end < stop_wall - 50_000)
+        .map(|l| l.correlation)
+        .collect();
+    assert!(
+        inside.len() >= 20,
+        "{} kernels logged\n{stderr}",
+        inside.len()
+    );
+    let traced: std::collections::HashSet<u64> =
+        kernels(&space).into_iter().map(|(id, _)| id).collect();
+    let missing = inside.iter().filter(|id| !traced.contains(id)).count();
+    assert_eq!(
+        missing,
+        0,
+        "{missing} of {} kernels CUPTI recorded inside the window are not in the trace\n{stderr}",
+        inside.len()
+    );
+}

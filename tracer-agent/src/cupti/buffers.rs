@@ -164,13 +164,7 @@ pub(super) fn forward(
         });
         slot.state.store(FREE, Ordering::Release);
     }
-    if !out.delivered {
-        // Nothing recorded: the header alone still tells the clock and
-        // the drops.
-        deliver(&out.buf[..BatchHeader::LEN]);
-    } else {
-        out.flush(deliver);
-    }
+    out.finish(deliver);
     // SAFETY: the mapping made above, no longer used.
     unsafe { sys::munmap(out.buf.as_mut_ptr().cast(), FRAME_BYTES) };
     None
@@ -313,6 +307,14 @@ impl Frame<'_> {
         }
         self.reset();
     }
+
+    /// Delivers the records still in the frame; with none delivered at
+    /// all, the header alone, which still tells the clock and the drops.
+    fn finish(&mut self, deliver: &mut impl FnMut(&[u8])) {
+        if self.len > BatchHeader::LEN || !self.delivered {
+            deliver(&self.buf[..self.len]);
+        }
+    }
 }
 
 /// Frees the buffers CUPTI has filled, unread (what was recorded before
@@ -322,5 +324,61 @@ pub(super) fn discard_filled() {
         let _ = slot
             .state
             .compare_exchange(FILLED, FREE, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BatchHeader, Frame};
+
+    fn header() -> BatchHeader {
+        BatchHeader {
+            api_version: 26,
+            flags: 0,
+            gpu_ns: 1,
+            monotonic_ns: 2,
+            dropped: 0,
+        }
+    }
+
+    /// Each payload a frame of `capacity` bytes delivers for `records`.
+    fn delivered(capacity: usize, records: &[&[u8]]) -> Vec<usize> {
+        let header = header();
+        let mut buf = vec![0u8; capacity];
+        let mut out = Frame {
+            buf: &mut buf,
+            len: 0,
+            header: &header,
+            delivered: false,
+        };
+        out.reset();
+        let mut sizes = Vec::new();
+        let mut deliver = |p: &[u8]| sizes.push(p.len());
+        for r in records {
+            out.push(r, b"", &mut deliver);
+        }
+        out.finish(&mut deliver);
+        sizes
+    }
+
+    #[test]
+    fn a_few_records_are_delivered_not_only_a_frames_worth() {
+        let h = BatchHeader::LEN;
+        assert_eq!(delivered(1 << 12, &[&[1; 16], &[2; 24]]), [h + 24 + 32]);
+    }
+
+    #[test]
+    fn records_past_a_full_frame_go_in_the_next() {
+        let h = BatchHeader::LEN;
+        assert_eq!(
+            delivered(h + 48, &[&[1; 16], &[2; 16], &[3; 16]]),
+            [h + 48, h + 24]
+        );
+        assert_eq!(delivered(h + 48, &[&[1; 16], &[2; 16]]), [h + 48]);
+    }
+
+    #[test]
+    fn nothing_recorded_still_tells_the_clock() {
+        assert_eq!(delivered(1 << 12, &[]), [BatchHeader::LEN]);
     }
 }
