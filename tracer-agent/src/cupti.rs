@@ -86,12 +86,13 @@ struct Api {
     result_string: Option<unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult>,
 }
 
-/// The libraries tried, newest first.
-const LIBRARIES: [&CStr; 4] = [
-    c"libcupti.so.13",
-    c"libcupti.so.12",
-    c"libcupti.so.11.8",
-    c"libcupti.so",
+/// The libraries tried, newest first, with the CUDA major version each
+/// belongs to (0: unknown).
+const LIBRARIES: [(&CStr, i32); 4] = [
+    (c"libcupti.so.13", 13),
+    (c"libcupti.so.12", 12),
+    (c"libcupti.so.11.8", 11),
+    (c"libcupti.so", 0),
 ];
 
 /// The function `F` named `name` in `handle`.
@@ -172,8 +173,34 @@ impl Api {
     }
 }
 
-/// Finds the process's CUPTI: a loaded one, else one its library path
-/// reaches. Only for a process that has loaded the CUDA driver.
+/// The CUDA version of the process's driver (`cuDriverGetVersion`: 12080
+/// for 12.8), which answers before `cuInit` and touches nothing.
+#[allow(clippy::result_large_err)]
+fn driver_version(driver: *mut c_void) -> Result<i32, Text> {
+    type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
+    // SAFETY: the driver's function of that name has this C signature.
+    let get: Option<GetVersion> = unsafe { function(driver, c"cuDriverGetVersion") };
+    let mut version = 0;
+    // SAFETY: a valid out pointer.
+    match get.map(|f| unsafe { f(&mut version) }) {
+        Some(0) if version > 0 => Ok(version),
+        _ => Err(Text::new(
+            "the CUDA driver (libcuda.so.1) does not say its version (cuDriverGetVersion)",
+        )),
+    }
+}
+
+/// Whether a CUPTI of CUDA `major` can run on a driver of CUDA `driver`
+/// (`cuDriverGetVersion`'s number): CUPTI needs a driver of at least its
+/// own major version, and a CUPTI run on an older one can loop until the
+/// process's stack is gone, so it is never called there.
+fn runs_on(major: i32, driver: i32) -> bool {
+    major == 0 || driver / 1000 >= major
+}
+
+/// Finds the process's CUPTI: the newest loaded one that runs on its
+/// driver, else the newest its library path reaches. Only for a process
+/// that has loaded the CUDA driver.
 #[allow(clippy::result_large_err)]
 fn open_library() -> Result<*mut c_void, Text> {
     // SAFETY: NUL-terminated names; RTLD_NOLOAD never loads anything.
@@ -182,19 +209,42 @@ fn open_library() -> Result<*mut c_void, Text> {
     if driver.is_null() {
         return Err(Text::new("no CUDA driver (libcuda.so.1) in the process"));
     }
+    let version = driver_version(driver)?;
+    let mut refused = None;
     for flags in [sys::RTLD_LAZY | sys::RTLD_NOLOAD, sys::RTLD_LAZY] {
-        for name in LIBRARIES {
+        for (name, major) in LIBRARIES {
             // SAFETY: a NUL-terminated name.
             let handle = unsafe { sys::dlopen(name.as_ptr(), flags) };
-            if !handle.is_null() {
+            if handle.is_null() {
+                continue;
+            }
+            if runs_on(major, version) {
                 return Ok(handle);
             }
+            // SAFETY: the handle this dlopen returned, closed once; the
+            // library stays as loaded as it was before it.
+            unsafe { sys::dlclose(handle) };
+            refused.get_or_insert((name, major));
         }
     }
-    Err(Text::new(
-        "the process has CUDA but no libcupti loaded or on its library path \
-         (libcupti.so.13/.12); only host-observed GPU work is shown",
-    ))
+    Err(match refused {
+        Some((name, major)) => {
+            let mut t = Text::new("the process's CUPTI (");
+            t.push(name.to_bytes());
+            let _ = write!(
+                t,
+                ") needs a CUDA {major} driver and its driver is CUDA {}.{}: CUPTI is left \
+                 alone, only host-observed GPU work is shown",
+                version / 1000,
+                version % 1000 / 10
+            );
+            t
+        }
+        None => Text::new(
+            "the process has CUDA but no libcupti loaded or on its library path \
+             (libcupti.so.13/.12); only host-observed GPU work is shown",
+        ),
+    })
 }
 
 /// Whether [`pin_self`] has pinned this copy: ebtrace uses a pinned copy
@@ -444,5 +494,20 @@ impl Recording {
             unsafe { (api.set_thread_id_type)(previous) };
         }
         finalized
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs_on;
+
+    #[test]
+    fn cupti_runs_only_on_a_driver_of_its_major_version_or_newer() {
+        assert!(runs_on(12, 12080));
+        assert!(runs_on(12, 13000));
+        assert!(runs_on(13, 13020));
+        assert!(!runs_on(13, 12080));
+        assert!(!runs_on(12, 11080));
+        assert!(runs_on(0, 11080));
     }
 }
