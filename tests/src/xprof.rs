@@ -197,6 +197,42 @@ pub fn framework_host_ops(python: &Path, xplane: &Path) -> Vec<HostOpRow> {
         .collect()
 }
 
+/// Converts with `xspace_to_tool_data(..., "kernel_stats", {})` and prints
+/// each row's op name and occurrences.
+const KERNEL_OPS: &str = r#"
+import json, shutil, sys, tempfile, os
+from xprof.convert import raw_to_tool_data as r
+d = tempfile.mkdtemp()
+src = os.path.join(d, os.path.basename(sys.argv[1]))
+shutil.copy(sys.argv[1], src)
+data, content_type = r.xspace_to_tool_data([src], "kernel_stats", {})
+shutil.rmtree(d)
+j = json.loads(data)
+table = j[0] if isinstance(j, list) else j
+cols = [c["id"] for c in table["cols"]]
+rows = []
+for row in table["rows"]:
+    v = dict(zip(cols, [c.get("v") if c else None for c in row["c"]]))
+    rows.append([v["op_name"], v["occurrences"]])
+print(json.dumps(rows))
+"#;
+
+/// The rows of XProf's kernel stats for `xplane`: the op each kernel ran
+/// for, and how often.
+pub fn kernel_ops(python: &Path, xplane: &Path) -> Vec<(String, f64)> {
+    let rows = converted(python, KERNEL_OPS, xplane);
+    rows.as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| {
+            (
+                r[0].as_str().unwrap_or_default().to_string(),
+                r[1].as_f64().unwrap_or(0.0),
+            )
+        })
+        .collect()
+}
+
 /// Converts with `xspace_to_tool_data(..., "overview_page", {})` and prints
 /// its step-time table's rows and average step time (ms).
 const OVERVIEW_STEPS: &str = r#"

@@ -17,6 +17,7 @@ use super::{
     cpu_samples::{add_cpu_samples, narrow_unknown},
     cuda::CudaTimeline,
     launch_stacks::add_launch_stacks,
+    launching_ops::{LAUNCHING_OP_STAT, name_launching_ops},
     merge_device_activity, merge_framework_space, nest,
     order::{Ordered, RecordInput, in_time_order_by_builder, take_samples},
     streamed::{REORDER_SLACK_NS, StreamedScheduling},
@@ -198,6 +199,13 @@ pub fn assemble(
     add_framework(&mut timeline, sources.recordings);
     add_ops(&mut timeline, sources.recordings);
     add_device_activity(&mut timeline, sources.recordings, sources.device_batches);
+    let named = name_launching_ops(&mut timeline);
+    for (pid, n) in named.into_iter().collect::<BTreeMap<_, _>>() {
+        timeline.stats.notes.push(format!(
+            "pid {pid}: {n} kernels, copies and memsets named after the PyTorch op that \
+             launched them ({LAUNCHING_OP_STAT})"
+        ));
+    }
     let cut: u64 = timeline
         .threads
         .values_mut()

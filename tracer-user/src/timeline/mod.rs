@@ -31,6 +31,7 @@ pub mod cuda;
 pub mod framework;
 pub mod gpu_activity;
 pub mod launch_stacks;
+pub mod launching_ops;
 pub mod nest;
 mod order;
 mod packed;

@@ -49,7 +49,7 @@ pub const FRAMEWORK_OP_STAT: &str = "tf_op";
 /// stands, XProf would split it at its first `:` and know neither half).
 /// None for a name XProf already takes as an op by itself, a `name:Type`
 /// or its own prefixes: the stat would count it twice.
-fn framework_op(name: &str) -> Option<String> {
+pub(super) fn framework_op(name: &str) -> Option<String> {
     let own_prefix = name.starts_with("Iterator::") || name.starts_with("MEMCPY");
     if own_prefix || name.replace("::", "").contains(':') {
         return None;
