@@ -36,6 +36,48 @@ fn host_lines(space: &XSpace) -> Vec<Vec<Event>> {
     host.lines.iter().map(|l| line_events(host, l.id)).collect()
 }
 
+/// A capture of `torch_launcher.py` run with `library_path`: its pid,
+/// ebtrace's output, the trace and the kernels the program launched during
+/// the capture.
+struct Captured {
+    workload: PythonWorkload,
+    output: String,
+    xplane: std::path::PathBuf,
+    space: XSpace,
+    launched: usize,
+    _logdir: TempDir,
+}
+
+fn capture_launcher(python: &std::path::Path, library_path: &str) -> Captured {
+    let mut workload = PythonWorkload::start_script(
+        python,
+        &python_fixture("torch_launcher.py"),
+        &[],
+        &[("LD_LIBRARY_PATH", library_path)],
+    );
+    let pid = workload.pid.to_string();
+    workload.signal(libc::SIGUSR1);
+    let _ = workload.next_line();
+    let logdir = TempDir::new("torch-gpu");
+    let out = record(&pid, "2s", &logdir, &[]);
+    let output =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ebtrace failed:\n{output}");
+    workload.signal(libc::SIGUSR1);
+    let report = workload.next_line();
+    let launched = report["launched"].as_array().expect("launched").len();
+    let files = xplane_files(logdir.path());
+    let space = xspace::load(&files[0]);
+    Captured {
+        workload,
+        output,
+        xplane: files[0].clone(),
+        space,
+        launched,
+        _logdir: logdir,
+    }
+}
+
 #[test]
 fn each_kernel_carries_the_op_that_launched_it() {
     if !require_root("each_kernel_carries_the_op_that_launched_it") {
@@ -46,30 +88,18 @@ fn each_kernel_carries_the_op_that_launched_it() {
     };
     let _turn = serial();
     let (lib_dir, _) = build();
-    let path = library_path_with_cupti(&lib_dir);
-    let mut workload = PythonWorkload::start_script(
-        &python,
-        &python_fixture("torch_launcher.py"),
-        &[],
-        &[("LD_LIBRARY_PATH", path.as_str())],
-    );
-    let pid = workload.pid.to_string();
-    workload.signal(libc::SIGUSR1);
-    let _ = workload.next_line();
-    let logdir = TempDir::new("torch-gpu");
-    let out = record(&pid, "2s", &logdir, &[]);
-    let stderr =
-        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "ebtrace failed:\n{stderr}");
-    workload.signal(libc::SIGUSR1);
-    let report = workload.next_line();
-    let launched = report["launched"].as_array().expect("launched").len();
+    let Captured {
+        workload,
+        output: stderr,
+        xplane,
+        space,
+        launched,
+        _logdir: _trace_kept,
+    } = capture_launcher(&python, &library_path_with_cupti(&lib_dir));
     assert!(
         stderr.contains("device activity: CUPTI 12.8 activity"),
         "{stderr}"
     );
-    let files = xplane_files(logdir.path());
-    let space = xspace::load(&files[0]);
 
     // The host's view: each launch's innermost op, by correlation id.
     let mut op_of_launch: HashMap<u64, String> = HashMap::new();
@@ -141,7 +171,7 @@ fn each_kernel_carries_the_op_that_launched_it() {
     }
 
     // XProf's kernel stats say which op ran the kernel.
-    let rows = xprof::kernel_ops(&python, &files[0]);
+    let rows = xprof::kernel_ops(&python, &xplane);
     let by_op: HashMap<&str, usize> = rows
         .iter()
         .map(|(op, n)| (op.as_str(), *n as usize))
@@ -150,4 +180,49 @@ fn each_kernel_carries_the_op_that_launched_it() {
 
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(agent_threads(workload.pid), 0);
+}
+
+/// PyTorch's own CUPTI is CUDA 13's; on a CUDA 12 driver (the stand-in's)
+/// it would recurse until the thread's stack is gone. ebtrace leaves it
+/// alone, says why, and names the host-observed kernels after their op;
+/// the program lives on.
+#[test]
+fn a_cupti_newer_than_the_driver_is_left_alone() {
+    if !require_root("a_cupti_newer_than_the_driver_is_left_alone") {
+        return;
+    }
+    let Some(python) = python_with(&["torch"]) else {
+        return;
+    };
+    let _turn = serial();
+    let (lib_dir, _) = build();
+    let mut captured = capture_launcher(&python, &lib_dir.display().to_string());
+    let output = &captured.output;
+    assert!(
+        output.contains(
+            "the process's CUPTI (libcupti.so.13) needs a CUDA 13 driver and its driver is \
+             CUDA 12.8: CUPTI is left alone, only host-observed GPU work is shown"
+        ),
+        "{output}"
+    );
+    let kernels: Vec<Event> = device_events(&captured.space)
+        .into_iter()
+        .map(|(_, e)| e)
+        .filter(|e| e.name.contains("vecAdd"))
+        .collect();
+    assert!(kernels.len() >= 20, "{} kernels\n{output}", kernels.len());
+    let named = kernels
+        .iter()
+        .filter(|e| e.stats.get(LAUNCHING_OP_STAT).map(Stat::as_str) == Some(OP))
+        .count();
+    assert!(
+        named + 2 >= kernels.len(),
+        "{named} of {} named\n{output}",
+        kernels.len()
+    );
+    // It still runs and launches.
+    std::thread::sleep(Duration::from_millis(200));
+    captured.workload.signal(libc::SIGUSR1);
+    let report = captured.workload.next_line();
+    assert!(!report["launched"].as_array().expect("launched").is_empty());
 }
