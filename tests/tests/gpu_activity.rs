@@ -675,4 +675,20 @@ fn a_slow_launcher_s_kernels_are_all_in_the_trace() {
         "{missing} of {} kernels CUPTI recorded inside the window are not in the trace\n{stderr}",
         inside.len()
     );
+    // Each joined to the span the uprobes made of its launch (which holds
+    // its stack), though a launch made this rarely finds cold caches.
+    let launches = launches(&space);
+    let inside: std::collections::HashSet<u64> = inside.into_iter().collect();
+    let unjoined = kernels(&space)
+        .iter()
+        .filter(|(id, _)| inside.contains(id))
+        .filter(|(_, kernel)| {
+            !kernel
+                .stats
+                .get("correlation_id")
+                .and_then(|link| launches.get(&link.as_u64()))
+                .is_some_and(|l| l.stats.contains_key("launch_stack"))
+        })
+        .count();
+    assert_eq!(unjoined, 0, "{unjoined} launches not joined\n{stderr}");
 }

@@ -13,8 +13,10 @@ use super::{ActivityMerge, Clocked, DriverCall, LaidWork, records::driver_functi
 use crate::timeline::{Span, Stat, ThreadTrack, Timeline, Value};
 
 /// How long before CUPTI's record of a driver call the uprobe span of the
-/// same call may start (the uprobe fires first; its cost is µs).
-const JOIN_SLACK_NS: u64 = 20_000;
+/// same call may start: the uprobe fires first, and with the call's stack
+/// taken (Python frames too) a call made rarely, its caches cold, spent
+/// 28 µs in it on a 2-core VM before the driver's own code ran.
+const JOIN_SLACK_NS: u64 = 1_000_000;
 /// How far CUPTI's record may stick out of the uprobe span that encloses
 /// it (the two clocks are paired to within a µs or so).
 const JOIN_TOLERANCE_NS: u64 = 3_000;
@@ -152,8 +154,10 @@ fn span_starts(timeline: &Timeline, tid: u32) -> Vec<(u64, usize)> {
 
 /// The uprobe span of the driver call CUPTI timed at `[start, end]`: one
 /// of the same function (when CUPTI's id names it) that encloses it and
-/// is `free`, the nearest by midpoint; its index. `by_start` is
-/// [`span_starts`] of the thread.
+/// is `free`, the latest to start; its index. `by_start` is
+/// [`span_starts`] of the thread. The calls of one thread follow one
+/// another, so the search goes back from the record's start and ends at
+/// the first such span.
 fn uprobe_span(
     spans: &[Span],
     by_start: &[(u64, usize)],
@@ -162,26 +166,19 @@ fn uprobe_span(
     end: u64,
     free: impl Fn(usize) -> bool,
 ) -> Option<usize> {
-    let (lo, hi) = (
-        start.saturating_sub(JOIN_SLACK_NS),
-        end.saturating_add(JOIN_SLACK_NS),
-    );
-    let mid = start / 2 + end / 2;
-    let first = by_start.partition_point(|&(s, _)| s < lo);
-    by_start[first..]
+    let lo = start.saturating_sub(JOIN_SLACK_NS);
+    let last = by_start.partition_point(|&(s, _)| s <= start.saturating_add(JOIN_TOLERANCE_NS));
+    by_start[..last]
         .iter()
-        .take_while(|&&(s, _)| s <= hi)
+        .rev()
+        .take_while(|&&(s, _)| s >= lo)
         .map(|&(_, i)| (i, &spans[i]))
-        .filter(|(_, s)| {
-            s.start_ns <= start.saturating_add(JOIN_TOLERANCE_NS)
-                && s.end_ns.saturating_add(JOIN_TOLERANCE_NS) >= end
-        })
+        .filter(|(_, s)| s.end_ns.saturating_add(JOIN_TOLERANCE_NS) >= end)
         .filter(|(_, s)| match function {
             Some(f) => &*s.name == f,
             None => s.name.starts_with("cu"),
         })
-        .filter(|(i, _)| free(*i))
-        .min_by_key(|(_, s)| (s.start_ns / 2 + s.end_ns / 2).abs_diff(mid))
+        .find(|(i, _)| free(*i))
         .map(|(i, _)| i)
 }
 

@@ -427,6 +427,35 @@ mod tests {
         assert_eq!(correlation(&spans[2]), correlation(&events[2]));
     }
 
+    /// A rare launch whose stack the uprobe took reached the driver's code
+    /// 30 µs after the uprobe fired: CUPTI's record, inside the span, joins
+    /// it all the same.
+    #[test]
+    fn a_launch_slow_to_reach_the_driver_joins_its_span() {
+        let mut tl = timeline();
+        let spans = &mut tl.threads.get_mut(&TID).expect("thread").spans;
+        spans.truncate(1);
+        spans[0].end_ns = 140_000;
+        let mut b = BatchHeader {
+            api_version: 26,
+            flags: 0,
+            gpu_ns: 5 + GPU_AHEAD,
+            monotonic_ns: 5,
+            dropped: 0,
+        }
+        .encode()
+        .to_vec();
+        push(&mut b, &driver(307, 130_000, 9), b"");
+        push(&mut b, &kernel(150_000, 9, 1), b"_Z5earlyPf");
+        let m = merge_device_activity(&mut tl, PID, &[&b]);
+        assert_eq!((m.joined, m.spans_from_records), (1, 0));
+        let span = &tl.threads[&TID].spans[0];
+        assert_eq!(
+            span.correlation.map(NonZeroU64::get),
+            Some((u64::from(PID) << 32) | 9)
+        );
+    }
+
     proptest::proptest! {
         /// Whatever the agent forwards: merged or skipped, never a panic.
         #[test]
