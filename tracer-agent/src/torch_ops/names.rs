@@ -96,7 +96,7 @@ pub unsafe fn intern_bytes(slots: &[NameSlot], region: *mut u8, bytes: &[u8]) ->
         }
     }
     // SAFETY: as the caller promises.
-    let (_, _, lost) = unsafe { super::arena(region) };
+    let (_, _, lost) = unsafe { super::region::arena(region) };
     lost.fetch_add(1, Ordering::Relaxed);
     NO_NAME
 }
@@ -108,9 +108,9 @@ pub unsafe fn intern_bytes(slots: &[NameSlot], region: *mut u8, bytes: &[u8]) ->
 /// `region` is a live region; `slot` was just taken by this call.
 unsafe fn publish(slot: &NameSlot, region: *mut u8, bytes: &[u8]) {
     // SAFETY: as the caller promises.
-    let (arena, next, lost) = unsafe { super::arena(region) };
+    let (arena, next, lost) = unsafe { super::region::arena(region) };
     let offset = next.fetch_add(bytes.len(), Ordering::Relaxed);
-    if offset + bytes.len() > super::ARENA {
+    if offset + bytes.len() > super::region::ARENA {
         lost.fetch_add(1, Ordering::Relaxed);
         return;
     }
