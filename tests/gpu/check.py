@@ -29,6 +29,9 @@ Steps (all by default):
                       plane against the loop's iterations in the window, and
                       their durations against torch.profiler's afterwards
   record_jax          the same on the jax loop, through jax's own session
+  record_ops          `ebtrace --pid` on the PyTorch matmul loop: each kernel's
+                      op (its `torch_op` stat, through its launch's correlation
+                      id) against the op torch.profiler gives it afterwards
   profile_after       captures ended by SIGKILL (after --kill-after seconds)
                       or normally (--normal N): torch.profiler in the program
                       must then record every kernel (CUPTI left free)
@@ -63,7 +66,7 @@ EBT = os.path.abspath(A.ebtrace)
 PY = sys.executable
 R = {"checks": {}}
 DELAYS = [float(x) for x in A.kill_after.split(",") if x] + [-1.0] * A.normal
-STEPS = A.steps or ["env", "call_cost", "recorder_ab", "snapshot_ab", "recorder_launches", "recorder_matmul", "recorder_jax", "record_matmul", "record_jax", "profile_after"]
+STEPS = A.steps or ["env", "call_cost", "recorder_ab", "snapshot_ab", "recorder_launches", "recorder_matmul", "recorder_jax", "record_matmul", "record_jax", "record_ops", "profile_after"]
 
 
 def check(name, ok, detail):
@@ -519,6 +522,37 @@ def step_record_matmul():
                 ratio = ours["median_us"] / theirs["median_us"]
                 check(f"record_matmul: median of {name[:40]} as torch.profiler's", abs(ratio - 1) <= 0.05, f"{ours['median_us']:.3f} us against {theirs['median_us']:.3f}")
         check("record_matmul: torch.profiler records after the capture", sum(k["count"] for k in own.get("kernels", {}).values()) > 0, "")
+    finally:
+        t.stop()
+
+
+def step_record_ops():
+    t = Target("matmul")
+    r = R["record_ops"] = {"pid": t.pid}
+    try:
+        time.sleep(3)
+        rec = record(t.pid, "ops")
+        r["record"] = {k: rec[k] for k in ("rc", "stderr")}
+        trace = (rec["json"] or {}).get("trace")
+        ours = {}
+        if trace:
+            with open(trace, "rb") as fh:
+                for (kernel, op), n in xspace_summary.launching_ops(fh.read()).items():
+                    ours.setdefault(kernel[:160], {})[op] = n
+        r["ours"] = ours
+        theirs = t.own_profile().get("kernel_ops", {})
+        r["theirs"] = theirs
+        compared = 0
+        for kernel, by_op in theirs.items():
+            mine = ours.get(kernel[:160])
+            if not isinstance(by_op, dict) or not mine:
+                continue
+            compared += 1
+            top = max(by_op, key=by_op.get)
+            named = max(mine, key=mine.get)
+            check(f"record_ops: {kernel[:40]} ran for {top}", named == top, f"ebtrace: {mine}, torch.profiler: {by_op}")
+        check("record_ops: kernels compared", compared >= 2, f"{compared} kernels in both")
+        check("record_ops: target alive", t.alive(), "")
     finally:
         t.stop()
 

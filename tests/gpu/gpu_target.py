@@ -6,7 +6,8 @@ argv: MODE COUNTER_FILE OUT_PREFIX
   jax:      a jitted tanh(x @ x).sum() per iteration
 The counter file holds (iterations, kernels launched per iteration) as two
 little-endian u64. SIGUSR1: profile the next 200 iterations with the
-framework's own profiler and write OUT_PREFIX.own_profile.json. SIGUSR2:
+framework's own profiler and write OUT_PREFIX.own_profile.json (with, for
+PyTorch, the op each kernel ran for). SIGUSR2:
 write each iteration's end time (time.time_ns) to OUT_PREFIX.iter_ns.npy.
 """
 import json, mmap, os, signal, struct, sys, time
@@ -110,6 +111,16 @@ def own_profile(n=200):
         for _ in range(n):
             one()
         torch.cuda.synchronize()
+    # Each kernel under the op whose runtime call launched it.
+    ops = {}
+    try:
+        for e in p.events():
+            for k in getattr(e, "kernels", []):
+                d = ops.setdefault(k.name, {})
+                d[e.name] = d.get(e.name, 0) + 1
+    except Exception as e:  # reported, the loop goes on
+        ops = {"error": repr(e)}
+    out["kernel_ops"] = ops
     path = out_prefix + ".torch_trace.json"
     p.export_chrome_trace(path)
     try:

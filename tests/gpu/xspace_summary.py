@@ -120,6 +120,74 @@ def summarize(data, keep_durations=True):
     return {"bytes": len(data), "planes": planes}
 
 
+def stat_names(plane):
+    """The plane's stat metadata: id -> name."""
+    out = {}
+    for f, v in fields(plane):
+        if f == 5:
+            k, m = None, b""
+            for ff, vv in fields(v):
+                if ff == 1:
+                    k = signed(vv)
+                elif ff == 2:
+                    m = vv
+            for ff, vv in fields(m):
+                if ff == 2:
+                    out[k] = bytes(vv).decode(errors="replace")
+    return out
+
+
+def launching_ops(data, stat="torch_op"):
+    """For each GPU plane's events: (event name, the str or ref value of
+    `stat`, or None) -> count."""
+    counts = collections.Counter()
+    for f, pb in fields(data):
+        if f != 1:
+            continue
+        name = ""
+        for ff, vv in fields(pb):
+            if ff == 2:
+                name = bytes(vv).decode(errors="replace")
+        if not name.startswith("/device:GPU"):
+            continue
+        stats = stat_names(pb)
+        events = {}
+        for ff, vv in fields(pb):
+            if ff == 4:
+                k, m = None, b""
+                for f3, v3 in fields(vv):
+                    if f3 == 1:
+                        k = signed(v3)
+                    elif f3 == 2:
+                        m = v3
+                for f3, v3 in fields(m):
+                    if f3 == 2:
+                        events[k] = bytes(v3).decode(errors="replace")
+        for ff, lb in fields(pb):
+            if ff != 3:
+                continue
+            for f3, eb in fields(lb):
+                if f3 != 4:
+                    continue
+                mid, op = 0, None
+                for f4, v4 in fields(eb):
+                    if f4 == 1:
+                        mid = signed(v4)
+                    elif f4 == 4:
+                        sid, value = None, None
+                        for f5, v5 in fields(v4):
+                            if f5 == 1:
+                                sid = signed(v5)
+                            elif f5 == 5:
+                                value = bytes(v5).decode(errors="replace")
+                            elif f5 == 7:
+                                value = stats.get(signed(v5))
+                        if stats.get(sid) == stat:
+                            op = value
+                counts[(events.get(mid, f"#{mid}"), op)] += 1
+    return counts
+
+
 if __name__ == "__main__":
     with open(sys.argv[1], "rb") as fh:
         print(json.dumps(summarize(fh.read()), indent=1))
