@@ -17,6 +17,7 @@ pub mod pjrt;
 pub mod pyenv;
 pub mod python;
 pub mod serve;
+pub mod torch;
 pub mod traceme;
 pub mod viewer;
 pub mod xprof;
