@@ -120,11 +120,11 @@ def summarize(data, keep_durations=True):
     return {"bytes": len(data), "planes": planes}
 
 
-def stat_names(plane):
-    """The plane's stat metadata: id -> name."""
+def metadata_names(plane, field):
+    """The plane's event (field 4) or stat (field 5) metadata: id -> name."""
     out = {}
     for f, v in fields(plane):
-        if f == 5:
+        if f == field:
             k, m = None, b""
             for ff, vv in fields(v):
                 if ff == 1:
@@ -150,19 +150,8 @@ def launching_ops(data, stat="torch_op"):
                 name = bytes(vv).decode(errors="replace")
         if not name.startswith("/device:GPU"):
             continue
-        stats = stat_names(pb)
-        events = {}
-        for ff, vv in fields(pb):
-            if ff == 4:
-                k, m = None, b""
-                for f3, v3 in fields(vv):
-                    if f3 == 1:
-                        k = signed(v3)
-                    elif f3 == 2:
-                        m = v3
-                for f3, v3 in fields(m):
-                    if f3 == 2:
-                        events[k] = bytes(v3).decode(errors="replace")
+        stats = metadata_names(pb, 5)
+        events = metadata_names(pb, 4)
         for ff, lb in fields(pb):
             if ff != 3:
                 continue

@@ -89,9 +89,15 @@ pub fn trace_viewer_summary(python: &Path, xplane: &Path) -> serde_json::Value {
 
 /// What `script`, run on `xplane`, prints as JSON on its last line.
 fn converted(python: &Path, script: &str, xplane: &Path) -> serde_json::Value {
+    converted_with(python, script, xplane, &[])
+}
+
+/// [`converted`], with `args` after the xplane's path.
+fn converted_with(python: &Path, script: &str, xplane: &Path, args: &[&str]) -> serde_json::Value {
     let conv = Command::new(python)
         .args(["-c", script])
         .arg(xplane)
+        .args(args)
         .output()
         .expect("run python");
     assert!(
@@ -146,28 +152,30 @@ except Exception as e:
     print(json.dumps({"ok": False, "error": str(e)}))
 "#;
 
-/// Converts with `xspace_to_tool_data(..., "framework_op_stats", {})` and
-/// prints, for each host op row, its operation's name and type, its
-/// occurrences and its total and self time (µs).
-const FRAMEWORK_OP_STATS: &str = r#"
+/// Converts with `xspace_to_tool_data(..., TOOL, {})` (argv: xplane, TOOL)
+/// and prints its table's rows, each as an object of column id to value.
+const TOOL_ROWS: &str = r#"
 import json, shutil, sys, tempfile, os
 from xprof.convert import raw_to_tool_data as r
 d = tempfile.mkdtemp()
 src = os.path.join(d, os.path.basename(sys.argv[1]))
 shutil.copy(sys.argv[1], src)
-data, content_type = r.xspace_to_tool_data([src], "framework_op_stats", {})
+data, content_type = r.xspace_to_tool_data([src], sys.argv[2], {})
 shutil.rmtree(d)
 j = json.loads(data)
 table = j[0] if isinstance(j, list) else j
 cols = [c["id"] for c in table["cols"]]
-rows = []
-for row in table["rows"]:
-    v = dict(zip(cols, [c.get("v") if c else None for c in row["c"]]))
-    if v["host_or_device"] == "Host":
-        rows.append({k: v[k] for k in ("operation", "type", "occurrences", "total_time",
-                                        "total_self_time")})
-print(json.dumps(rows))
+print(json.dumps([dict(zip(cols, [c.get("v") if c else None for c in row["c"]]))
+                  for row in table["rows"]]))
 "#;
+
+/// The rows of XProf's `tool` table for `xplane`.
+fn tool_rows(python: &Path, tool: &str, xplane: &Path) -> Vec<serde_json::Value> {
+    match converted_with(python, TOOL_ROWS, xplane, &[tool]) {
+        serde_json::Value::Array(rows) => rows,
+        other => panic!("{tool}: not rows: {other}"),
+    }
+}
 
 /// A host op row of XProf's framework op stats.
 #[derive(Debug)]
@@ -183,10 +191,9 @@ pub struct HostOpRow {
 
 /// The host ops of XProf's framework op stats for `xplane`.
 pub fn framework_host_ops(python: &Path, xplane: &Path) -> Vec<HostOpRow> {
-    let rows = converted(python, FRAMEWORK_OP_STATS, xplane);
-    rows.as_array()
-        .expect("rows")
+    tool_rows(python, "framework_op_stats", xplane)
         .iter()
+        .filter(|r| r["host_or_device"] == "Host")
         .map(|r| HostOpRow {
             operation: r["operation"].as_str().unwrap_or_default().to_string(),
             op_type: r["type"].as_str().unwrap_or_default().to_string(),
@@ -197,37 +204,15 @@ pub fn framework_host_ops(python: &Path, xplane: &Path) -> Vec<HostOpRow> {
         .collect()
 }
 
-/// Converts with `xspace_to_tool_data(..., "kernel_stats", {})` and prints
-/// each row's op name and occurrences.
-const KERNEL_OPS: &str = r#"
-import json, shutil, sys, tempfile, os
-from xprof.convert import raw_to_tool_data as r
-d = tempfile.mkdtemp()
-src = os.path.join(d, os.path.basename(sys.argv[1]))
-shutil.copy(sys.argv[1], src)
-data, content_type = r.xspace_to_tool_data([src], "kernel_stats", {})
-shutil.rmtree(d)
-j = json.loads(data)
-table = j[0] if isinstance(j, list) else j
-cols = [c["id"] for c in table["cols"]]
-rows = []
-for row in table["rows"]:
-    v = dict(zip(cols, [c.get("v") if c else None for c in row["c"]]))
-    rows.append([v["op_name"], v["occurrences"]])
-print(json.dumps(rows))
-"#;
-
 /// The rows of XProf's kernel stats for `xplane`: the op each kernel ran
 /// for, and how often.
 pub fn kernel_ops(python: &Path, xplane: &Path) -> Vec<(String, f64)> {
-    let rows = converted(python, KERNEL_OPS, xplane);
-    rows.as_array()
-        .expect("rows")
+    tool_rows(python, "kernel_stats", xplane)
         .iter()
         .map(|r| {
             (
-                r[0].as_str().unwrap_or_default().to_string(),
-                r[1].as_f64().unwrap_or(0.0),
+                r["op_name"].as_str().unwrap_or_default().to_string(),
+                r["occurrences"].as_f64().unwrap_or(0.0),
             )
         })
         .collect()

@@ -377,8 +377,9 @@ mod tests {
         r
     }
 
-    fn batch() -> Vec<u8> {
-        let mut b = BatchHeader {
+    /// A batch's header, its clocks paired as [`GPU_AHEAD`] says.
+    fn header() -> Vec<u8> {
+        BatchHeader {
             api_version: 26,
             flags: 0,
             gpu_ns: 5 + GPU_AHEAD,
@@ -386,7 +387,11 @@ mod tests {
             dropped: 0,
         }
         .encode()
-        .to_vec();
+        .to_vec()
+    }
+
+    fn batch() -> Vec<u8> {
+        let mut b = header();
         push(&mut b, &driver(307, 102_000, 9), b"");
         push(&mut b, &driver(307, 202_000, 10), b"");
         // A launch the uprobes did not see (e.g. it came before them).
@@ -436,15 +441,7 @@ mod tests {
         let spans = &mut tl.threads.get_mut(&TID).expect("thread").spans;
         spans.truncate(1);
         spans[0].end_ns = 140_000;
-        let mut b = BatchHeader {
-            api_version: 26,
-            flags: 0,
-            gpu_ns: 5 + GPU_AHEAD,
-            monotonic_ns: 5,
-            dropped: 0,
-        }
-        .encode()
-        .to_vec();
+        let mut b = header();
         push(&mut b, &driver(307, 130_000, 9), b"");
         push(&mut b, &kernel(150_000, 9, 1), b"_Z5earlyPf");
         let m = merge_device_activity(&mut tl, PID, &[&b]);
