@@ -284,12 +284,11 @@ fn plane_stat_u64(plane: &XPlane, name: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
     use ebtrace_proto::tensorflow::profiler::XSpace;
 
     use super::*;
-    use crate::timeline::{CaptureStats, Window};
+    use crate::timeline::Window;
 
     /// An XSpace jaxlib's own ProfilerSession wrote (see its README).
     fn jax_space() -> Vec<u8> {
@@ -301,17 +300,7 @@ mod tests {
     }
 
     fn empty_timeline(clock: ClockSync) -> Timeline {
-        Timeline {
-            start_ns: 0,
-            stop_ns: u64::MAX / 2,
-            clock,
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads: BTreeMap::new(),
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        }
+        Timeline::empty(0, u64::MAX / 2, clock)
     }
 
     /// TSL's `Task Environment` plane of a session that started at

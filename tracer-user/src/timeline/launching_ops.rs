@@ -76,13 +76,13 @@ fn innermost_ops(spans: &[Span], op_of: &mut HashMap<NonZeroU64, Arc<str>>) {
 
 #[cfg(test)]
 mod tests {
-    use std::{collections::BTreeMap, num::NonZeroU64};
+    use std::num::NonZeroU64;
 
     use super::{LAUNCHING_OP_STAT, name_launching_ops};
     use crate::{
         clock::ClockSync,
         timeline::{
-            CaptureStats, Span, Stats, Timeline, Value,
+            Span, Stats, Timeline, Value,
             cuda::{DeviceTrack, StreamTiming, StreamTrack},
             torch_ops::{FRAMEWORK_OP_STAT, SCOPE_STAT},
         },
@@ -112,17 +112,7 @@ mod tests {
 
     #[test]
     fn each_kernel_is_named_after_the_innermost_op_around_its_launch() {
-        let mut timeline = Timeline {
-            start_ns: 0,
-            stop_ns: 10_000,
-            clock: ClockSync::from_offset(0),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads: BTreeMap::new(),
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        };
+        let mut timeline = Timeline::empty(0, 10_000, ClockSync::from_offset(0));
         let track = timeline.thread_track(7, 7, || "main".into());
         track.spans = vec![
             span(150, 160, "cuLaunchKernel", false, 1),

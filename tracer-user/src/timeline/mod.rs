@@ -509,6 +509,24 @@ pub struct Timeline {
 }
 
 impl Timeline {
+    /// A timeline of nothing over `[start_ns, stop_ns]`, for tests.
+    #[cfg(test)]
+    pub(crate) fn empty(start_ns: u64, stop_ns: u64, clock: ClockSync) -> Timeline {
+        Timeline {
+            start_ns,
+            stop_ns,
+            clock,
+            processes: BTreeMap::new(),
+            peers: Vec::new(),
+            threads: BTreeMap::new(),
+            devices: BTreeMap::new(),
+            carried_planes: Vec::new(),
+            stats: CaptureStats::default(),
+        }
+    }
+}
+
+impl Timeline {
     /// The track of thread `tid` of process `pid`, made empty and named
     /// `name()` if the timeline has none yet (a thread that only another
     /// source, TraceMe or the driver calls, saw).

@@ -267,12 +267,11 @@ pub fn add_traceme_spans(timeline: &mut Timeline, events: &[TraceMeEvent]) -> Tr
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
     use tracer_common::{RecordHeader, RecordKind};
 
     use super::*;
-    use crate::{clock::ClockSync, timeline::CaptureStats};
+    use crate::clock::ClockSync;
 
     #[test]
     fn names_and_metadata_parse_like_tsl() {
@@ -331,17 +330,7 @@ mod tests {
     }
 
     fn timeline() -> Timeline {
-        Timeline {
-            start_ns: 1_000,
-            stop_ns: 10_000,
-            clock: ClockSync::from_offset(1_000_000),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads: BTreeMap::new(),
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        }
+        Timeline::empty(1_000, 10_000, ClockSync::from_offset(1_000_000))
     }
 
     /// A span as (name, start, end, stats).

@@ -314,8 +314,8 @@ mod tests {
     use crate::{
         clock::ClockSync,
         timeline::{
-            CaptureStats, DeviceTrack, FlowId, StateSlice, StreamTiming, StreamTrack,
-            ThreadCounters, ThreadTrack, arbitrary,
+            DeviceTrack, FlowId, StateSlice, StreamTiming, StreamTrack, ThreadCounters,
+            ThreadTrack, arbitrary,
         },
     };
 
@@ -459,17 +459,7 @@ mod tests {
     }
 
     fn timeline() -> Timeline {
-        let mut tl = Timeline {
-            start_ns: 0,
-            stop_ns: 1000,
-            clock: ClockSync::from_offset(0),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads: BTreeMap::new(),
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        };
+        let mut tl = Timeline::empty(0, 1000, ClockSync::from_offset(0));
         for (tid, pid) in [(1, 1), (2, 1), (3, 3)] {
             tl.threads.insert(
                 tid,

@@ -287,7 +287,7 @@ mod tests {
     use std::num::NonZeroU64;
 
     use super::*;
-    use crate::timeline::{CaptureStats, ThreadCounters, ThreadTrack};
+    use crate::timeline::{ThreadCounters, ThreadTrack};
 
     const PID: u32 = 40;
     const TID: u32 = 41;
@@ -302,17 +302,7 @@ mod tests {
             stats: vec![("kernel".into(), Value::Str(kernel.into()))].into(),
             correlation: NonZeroU64::new(correlation),
         };
-        let mut tl = Timeline {
-            start_ns: 0,
-            stop_ns: 10_000_000,
-            clock: ClockSync::from_offset(0),
-            processes: BTreeMap::new(),
-            peers: Vec::new(),
-            threads: BTreeMap::new(),
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: CaptureStats::default(),
-        };
+        let mut tl = Timeline::empty(0, 10_000_000, ClockSync::from_offset(0));
         tl.threads.insert(
             TID,
             ThreadTrack {
