@@ -29,6 +29,9 @@ pub fn name_launching_ops(timeline: &mut Timeline) -> HashMap<u32, u64> {
     if op_of.is_empty() {
         return named;
     }
+    // XProf's name of each op, made once per op name (a GPU job launches
+    // the same few ops millions of times).
+    let mut framework_names: HashMap<Arc<str>, Option<Arc<str>>> = HashMap::new();
     for stream in timeline
         .devices
         .values_mut()
@@ -41,10 +44,13 @@ pub fn name_launching_ops(timeline: &mut Timeline) -> HashMap<u32, u64> {
             event
                 .stats
                 .push((LAUNCHING_OP_STAT.into(), Value::Str(Arc::clone(op))));
-            if let Some(tf_op) = framework_op(op) {
+            let tf_op = framework_names
+                .entry(Arc::clone(op))
+                .or_insert_with(|| framework_op(op).map(Arc::from));
+            if let Some(tf_op) = tf_op {
                 event
                     .stats
-                    .push((FRAMEWORK_OP_STAT.into(), Value::Str(tf_op.into())));
+                    .push((FRAMEWORK_OP_STAT.into(), Value::Str(Arc::clone(tf_op))));
             }
             *named.entry(stream.pid).or_default() += 1;
         }
