@@ -31,6 +31,8 @@ use tracer_common::{
 
 use crate::{EVENTS, bump, count_large_submit, current, header, is_recording};
 
+const _: () = assert!(crate::python::SCRATCH_BYTES <= STACK_COPY_BYTES);
+
 const STACK_BYTES: u32 = (MAX_FRAMES * 8) as u32;
 
 #[perf_event]
@@ -83,12 +85,20 @@ pub(crate) unsafe fn write_stack(ctx: *mut c_void, tid: u32, tgid: u32, what: &S
     // SAFETY: `slot` is the reserved ring-buffer slot; this only takes the
     // address of its first field.
     let record = unsafe { &raw mut (*slot).sample };
+    // First, while few paths lead here: the walk's loop is verified once
+    // per path into it. The stack's copy, written last, is its scratch
+    // memory.
+    // SAFETY: both are parts of the reserved, exclusively owned slot.
+    unsafe {
+        crate::python::write_python_stack(
+            &raw mut (*record).python,
+            (*slot).stack.as_mut_ptr(),
+            tgid,
+        )
+    };
     // SAFETY: `record` is the reserved, exclusively owned ring-buffer
     // slot; each copy is bounded by its array's size.
     unsafe {
-        // First, while few paths lead here: the walk's loop is verified
-        // once per path into it.
-        crate::python::write_python_stack(&raw mut (*record).python, tgid);
         let user = bpf_get_stack(
             ctx,
             (*record).user.as_mut_ptr().cast(),

@@ -3,6 +3,13 @@
 //! chain, innermost first (see `tracer_common::python`). Every read is of
 //! user memory the target controls, through the helper that checks it;
 //! the walk is bounded, so a chain that loops or points anywhere ends.
+//!
+//! Reads of the target's memory are most of what the walk costs, so it
+//! makes few: the state's thread and frame in one read, the frames of
+//! 3.11+ (which lie one after the other in the thread's frame stack) a
+//! window of [`WINDOW_BYTES`] at a time. Each frame's code object is read
+//! too, for its first line: it is what tells userspace a code object
+//! freed and its memory reused by another from the one that ran.
 
 use aya_ebpf::{
     helpers::{
@@ -17,7 +24,7 @@ use tracer_common::{
     python::{
         FRAME_ENTRY, FRAME_READ_BYTES, FRAME_SHIM, LAYOUT_LASTI, MAX_PYTHON_FRAMES, NO_OFFSET,
         PYTHON_NO_THREAD, PYTHON_TRUNCATED, PYTHON_UNREADABLE, PYTHON_WALKED, PythonFrameRecord,
-        PythonOffsets, PythonProcess, PythonStack,
+        PythonOffsets, PythonProcess, PythonStack, WINDOW_BYTES,
     },
 };
 
@@ -37,13 +44,35 @@ const MAX_KEYS: u32 = 1024;
 /// Bytes of glibc's `struct pthread_key_data { seq; data; }`.
 const KEY_DATA_BYTES: u64 = 16;
 
+/// Bytes of a page: a frame's window never starts below the page the
+/// frame starts in, which is mapped wherever the frame is.
+const PAGE_BYTES: u64 = 4096;
+/// Offsets into the scratch memory are masked with this (the verifier
+/// needs a bound, not a branch): a window is at most [`WINDOW_BYTES`].
+const SCRATCH_MASK: u64 = 4095;
+/// Bytes of scratch memory the walk needs: a window at its largest
+/// offset, and a frame's fields past it.
+pub(crate) const SCRATCH_BYTES: usize = SCRATCH_MASK as usize + 1 + FRAME_READ_BYTES;
+const _: () = assert!(WINDOW_BYTES as u64 <= SCRATCH_MASK);
+
+/// Bytes of a thread state read at once are masked with this.
+const STATE_MASK: u64 = 511;
+const _: () = assert!(STATE_MASK + 8 <= SCRATCH_MASK);
+
+/// Bits no frame address has: above user space, or within a word (a
+/// frame is word-aligned, which keeps its fields' words aligned in a
+/// window).
+const NOT_A_FRAME: u64 = !((1 << 47) - 1) | 7;
+
 /// Writes into `out` the Python frames of the current thread of `tgid`,
-/// if `tgid` runs Python; else leaves it empty.
+/// if `tgid` runs Python; else leaves it empty. `scratch` holds what is
+/// read of the target's memory on the way.
 ///
 /// # Safety
-/// `out` is exclusively owned, writable memory (a reserved ring-buffer slot).
+/// `out` and `scratch` (of [`SCRATCH_BYTES`]) are exclusively owned,
+/// writable memory (parts of a reserved ring-buffer slot).
 #[inline(always)]
-pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, tgid: u32) {
+pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, scratch: *mut u8, tgid: u32) {
     // SAFETY: as the caller's.
     unsafe {
         (*out).len = 0;
@@ -54,10 +83,15 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, tgid: u32) {
         return;
     };
     let mut flags = PYTHON_WALKED;
-    let len = match thread_state(&process) {
-        Some(state) => {
+    // SAFETY: as the caller's.
+    let len = match unsafe { current_frame(&process, scratch) } {
+        Some(Some(frame)) => {
             // SAFETY: as the caller's.
-            unsafe { walk(out, state, &process.offsets, &mut flags) }
+            unsafe { walk(out, scratch, frame, &process.offsets, &mut flags) }
+        }
+        Some(None) => {
+            flags |= PYTHON_UNREADABLE;
+            0
         }
         None => {
             flags |= PYTHON_NO_THREAD;
@@ -71,12 +105,56 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, tgid: u32) {
     }
 }
 
-/// The current thread's `PyThreadState`, if it has one: the pointer bound
-/// to the interpreter's key in glibc's data of the thread, which must name
-/// the thread back.
+/// The innermost frame of the current thread's `PyThreadState` (0: none
+/// running): `None` if the thread has no state, `Some(None)` if its frame
+/// could not be read.
+///
+/// # Safety
+/// `scratch` is as [`write_python_stack`]'s.
 #[inline(always)]
-fn thread_state(process: &PythonProcess) -> Option<u64> {
+unsafe fn current_frame(process: &PythonProcess, scratch: *mut u8) -> Option<Option<u64>> {
+    let o = &process.offsets;
     let thread_pointer = thread_pointer()?;
+    let state = thread_state(process, thread_pointer)?;
+    // The state's thread and frame, in one read (of less than
+    // `STATE_MASK` bytes, every layout's).
+    let first = u64::from(o.thread_frame.min(o.thread_id));
+    let last = u64::from(o.thread_frame.max(o.thread_id));
+    let size = (last + 8 - first) & STATE_MASK;
+    // SAFETY: `size` is within the scratch; the helper checks the source.
+    let failed = unsafe {
+        generated::bpf_probe_read_user(scratch.cast(), size as u32, (state + first) as *const _)
+    } != 0;
+    if failed {
+        return None;
+    }
+    // SAFETY: both offsets are within the bytes just read, masked within the scratch.
+    let (thread_id, frame) = unsafe {
+        (
+            scratch
+                .add(((u64::from(o.thread_id) - first) & STATE_MASK) as usize)
+                .cast::<u64>()
+                .read(),
+            scratch
+                .add(((u64::from(o.thread_frame) - first) & STATE_MASK) as usize)
+                .cast::<u64>()
+                .read(),
+        )
+    };
+    if thread_id != thread_pointer {
+        return None;
+    }
+    if o.cframe_frame == NO_OFFSET || frame == 0 {
+        return Some(Some(frame));
+    }
+    Some(read_user(frame + u64::from(o.cframe_frame)))
+}
+
+/// The current thread's `PyThreadState`, if it has one: the pointer bound
+/// to the interpreter's key in glibc's data of the thread (which the
+/// caller checks names the thread back).
+#[inline(always)]
+fn thread_state(process: &PythonProcess, thread_pointer: u64) -> Option<u64> {
     let key = process.tss_key;
     let specific = thread_pointer + u64::from(process.specific_offset);
     let slot = if key < KEYS_PER_BLOCK {
@@ -92,11 +170,7 @@ fn thread_state(process: &PythonProcess) -> Option<u64> {
         return None;
     };
     let state: u64 = read_user(slot + 8)?;
-    if state == 0 {
-        return None;
-    }
-    let thread_id: u64 = read_user(state + u64::from(process.offsets.thread_id))?;
-    (thread_id == thread_pointer).then_some(state)
+    (state != 0).then_some(state)
 }
 
 /// The current thread's thread pointer (`fs_base`).
@@ -115,46 +189,76 @@ fn thread_pointer() -> Option<u64> {
     (fs_base != 0).then_some(fs_base)
 }
 
-/// Walks the frame chain of `state` into `out`; returns the frames written.
+/// Walks the frame chain from `frame` into `out`; returns the frames
+/// written.
 ///
 /// Frame `i` of the chain goes in slot `i`, entry frames of no function's
-/// too (marked [`FRAME_SHIM`]), and the loop's body has no branch but its
-/// exits: every way through an iteration then leaves the same state, and
-/// the verifier walks the loop once per iteration instead of once per way
-/// of getting there (which exceeds its limit within a few iterations).
+/// too (marked [`FRAME_SHIM`]). A frame is read from the window last read
+/// where it lies within it, else a new window is read: the frame's own
+/// bytes and up to [`WINDOW_BYTES`] below them (where the frames it was
+/// called from lie), from no lower than the page it starts in. The one
+/// branch in the loop's body rejoins at once, both ways leaving the same
+/// state, and there is none but the exits besides: the verifier then walks
+/// the loop once per iteration, not once per way through it (which would
+/// exceed its limit within a few iterations).
 ///
 /// # Safety
 /// As [`write_python_stack`]'s.
 #[inline(always)]
-unsafe fn walk(out: *mut PythonStack, state: u64, o: &PythonOffsets, flags: &mut u32) -> u32 {
-    let Some(mut frame) = current_frame(state, o) else {
-        *flags |= PYTHON_UNREADABLE;
-        return 0;
-    };
+unsafe fn walk(
+    out: *mut PythonStack,
+    scratch: *mut u8,
+    mut frame: u64,
+    o: &PythonOffsets,
+    flags: &mut u32,
+) -> u32 {
     let f = Fields::new(o);
-    // Masked into the buffer (a power of two), not clamped: see [`Field`].
-    let size = u32::from(o.frame_bytes) & (FRAME_READ_BYTES as u32 - 1);
+    // Masked, not clamped: see [`Field`].
+    let frame_bytes = u64::from(o.frame_bytes) & (FRAME_READ_BYTES as u64 - 1);
+    // 3.10's frames are objects of their own, anywhere in the heap.
+    let window = if f.entry_flags != 0 {
+        frame_bytes
+    } else {
+        WINDOW_BYTES as u64
+    };
     let first_line_offset = u64::from(o.code_first_line);
-    let mut buf = [0u64; FRAME_WORDS];
+    let mut window_start = u64::MAX;
+    let mut window_end = 0;
     for i in 0..MAX_PYTHON_FRAMES {
         if frame == 0 {
             return i as u32;
         }
-        // SAFETY: `size` is at most the buffer's; the helper checks the source.
-        let failed = unsafe {
-            generated::bpf_probe_read_user(buf.as_mut_ptr().cast(), size, frame as *const _)
-        } != 0;
-        if failed {
+        if frame & NOT_A_FRAME != 0 {
             *flags |= PYTHON_UNREADABLE;
             return i as u32;
         }
-        let code = f.code.of(&buf);
-        let raw = f.instruction.of(&buf);
+        let frame_end = frame + frame_bytes;
+        if frame < window_start || frame_end > window_end {
+            let start = frame_end
+                .saturating_sub(window)
+                .max(frame & !(PAGE_BYTES - 1));
+            let size = frame_end.wrapping_sub(start) & SCRATCH_MASK;
+            // SAFETY: `size` is within the scratch; the helper checks the source.
+            let failed = unsafe {
+                generated::bpf_probe_read_user(scratch.cast(), size as u32, start as *const _)
+            } != 0;
+            if failed {
+                *flags |= PYTHON_UNREADABLE;
+                return i as u32;
+            }
+            window_start = start;
+            window_end = start + size;
+        }
+        // SAFETY: masked within the scratch, which holds a frame's bytes past it.
+        let words =
+            unsafe { scratch.add(((frame - window_start) & SCRATCH_MASK) as usize) }.cast::<u64>();
+        let code = f.code.of(words);
+        let raw = f.instruction.of(words);
         // 3.10's `f_lasti` is an `int`, sign-extended; elsewhere a pointer.
         let lasti = raw as u32 as i32 as i64 as u64;
         let instruction = (lasti & f.lasti_mask) | (raw & !f.lasti_mask);
-        let shim = is_zero((f.owner.of(&buf) & 0xff) ^ f.shim_owner);
-        let entry = 1 ^ is_zero(f.is_entry.of(&buf) & f.is_entry_mask);
+        let shim = is_zero((f.owner.of(words) & 0xff) ^ f.shim_owner);
+        let entry = 1 ^ is_zero(f.is_entry.of(words) & f.is_entry_mask);
         let frame_flags = f.entry_flags | (shim * FRAME_SHIM) | (entry * FRAME_ENTRY);
         // A shim's code is none's; its line is read and never used, which
         // keeps every way through here alike.
@@ -176,7 +280,7 @@ unsafe fn walk(out: *mut PythonStack, state: u64, o: &PythonOffsets, flags: &mut
                 flags: frame_flags,
             };
         }
-        frame = f.previous.of(&buf);
+        frame = f.previous.of(words);
     }
     if frame != 0 {
         *flags |= PYTHON_TRUNCATED;
@@ -189,9 +293,6 @@ unsafe fn walk(out: *mut PythonStack, state: u64, o: &PythonOffsets, flags: &mut
 fn is_zero(x: u64) -> u32 {
     (((x | x.wrapping_neg()) >> 63) ^ 1) as u32
 }
-
-/// Words of a frame read at once.
-const FRAME_WORDS: usize = FRAME_READ_BYTES / 8;
 
 /// Where a field lies in a frame read into words: its word and its shift
 /// within the word (a field never straddles two). Masked, not clamped:
@@ -206,16 +307,18 @@ impl Field {
     #[inline(always)]
     fn at(offset: u16) -> Field {
         Field {
-            word: (offset as usize >> 3) & (FRAME_WORDS - 1),
+            word: (offset as usize >> 3) & (FRAME_READ_BYTES / 8 - 1),
             shift: (offset as u64 & 7) * 8,
         }
     }
 
-    /// The field's bytes, from its offset to the end of its word.
+    /// The field's bytes, from its offset to the end of its word, of the
+    /// frame whose words start at `words`.
     #[inline(always)]
-    fn of(self, buf: &[u64; FRAME_WORDS]) -> u64 {
-        // SAFETY: `word` is within `buf`, masked in `at`.
-        let value = unsafe { *buf.as_ptr().add(self.word) };
+    fn of(self, words: *const u64) -> u64 {
+        // SAFETY: `word` is masked within a frame's bytes, which the
+        // caller's scratch holds past `words`.
+        let value = unsafe { words.add(self.word).read() };
         value >> self.shift
     }
 }
@@ -253,16 +356,6 @@ impl Fields {
             entry_flags: lasti as u32 * FRAME_ENTRY,
         }
     }
-}
-
-/// The innermost frame of `state` (0: none running).
-#[inline(always)]
-fn current_frame(state: u64, o: &PythonOffsets) -> Option<u64> {
-    let frame: u64 = read_user(state + u64::from(o.thread_frame))?;
-    if o.cframe_frame == NO_OFFSET || frame == 0 {
-        return Some(frame);
-    }
-    read_user(frame + u64::from(o.cframe_frame))
 }
 
 #[inline(always)]

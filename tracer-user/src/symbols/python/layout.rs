@@ -207,6 +207,13 @@ mod tests {
                 within(w.frame_code, 8) && within(w.frame_previous, 8),
                 "3.{minor}"
             );
+            // The state's thread and frame are read at once, less than 512 bytes.
+            let (first, last) = (
+                w.thread_frame.min(w.thread_id),
+                w.thread_frame.max(w.thread_id),
+            );
+            assert!(last + 8 - first < 512, "3.{minor}");
+            assert!(first % 8 == 0 && last % 8 == 0, "3.{minor}");
             // The program reads a frame a word at a time: no field straddles two.
             let straddles = |offset: u16, size: u16| offset != NO_OFFSET && offset % 8 + size > 8;
             assert!(
