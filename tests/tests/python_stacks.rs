@@ -382,6 +382,65 @@ fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
     }
 }
 
+/// Code objects freed and their memory reused while sampled: a fixture
+/// compiles a fresh function each round and drops it a few milliseconds
+/// later, odd rounds' called from one function and even rounds' from
+/// another. The frame a caller called is marked (its code object was gone
+/// or reused when ebtrace read it) or named rightly: its parity matches the
+/// caller's, its line lies within it. Never after another function.
+#[test]
+fn a_code_object_freed_and_reused_is_never_named_after_another() {
+    if !require_root("a_code_object_freed_and_reused_is_never_named_after_another") {
+        return;
+    }
+    let _serial = serial();
+    let script = python_fixture("reused_code.py");
+    let workload = PythonWorkload::start_script(&pyenv::cpython(11), &script, &[], &[]);
+    let logdir = TempDir::new("python-reused-code");
+    pyenv::record_json(workload.pid, "2s", &logdir, &["--sample-hz", "99"]);
+    let samples = pyenv::sampled_events(&logdir, workload.pid, "cpu_sample_stack");
+    let (mut named, mut marked) = (0, 0);
+    for s in &samples {
+        let stack = s.stats["cpu_sample_stack"].as_str();
+        let lines: Vec<&str> = stack.lines().collect();
+        let Some(at) = lines
+            .iter()
+            .position(|l| l.starts_with("run_odd ") || l.starts_with("run_even "))
+        else {
+            continue;
+        };
+        let Some(called) = at.checked_sub(1).map(|i| lines[i]) else {
+            continue;
+        };
+        if called.starts_with("[python frame") {
+            marked += 1;
+            continue;
+        }
+        let Some(frame) = python_frames(called).pop() else {
+            continue;
+        };
+        let k: u32 = frame
+            .function
+            .strip_prefix("generated_")
+            .and_then(|k| k.parse().ok())
+            .unwrap_or_else(|| panic!("not a generated function: {stack}"));
+        named += 1;
+        assert!(frame.file.ends_with("generated.py"), "{stack}");
+        assert!(
+            (k + 1..=k + 5).contains(&frame.line),
+            "line {} is not generated_{k}'s: {stack}",
+            frame.line
+        );
+        let caller = if k % 2 == 1 { "run_odd " } else { "run_even " };
+        assert!(lines[at].starts_with(caller), "{stack}");
+    }
+    assert!(
+        named + marked >= 30,
+        "{named} named and {marked} marked of {} samples",
+        samples.len()
+    );
+}
+
 /// `/debug/pprof/profile` of a CPython process: its locations name the
 /// script's functions with their files and lines, and Go's own `go tool
 /// pprof -top` lists them, the hot one under most of the time.
