@@ -60,6 +60,9 @@ const WARM_UP: Duration = Duration::from_millis(700);
 /// Pause after each run, so that one tracer's teardown (ebtrace naming its
 /// stacks, py-spy writing its file) does not run into the next run.
 const SETTLE: Duration = Duration::from_secs(1);
+/// The shortest interleaved capture: the phases' own spread (this VM's
+/// neighbours) is tens of percent, and the median needs many pairs.
+const INTERLEAVED_SECONDS: f64 = 60.0;
 /// When, as a fraction of ebtrace's window, its program's statistics are
 /// read the second time: well inside the window, before its end.
 const STATS_AT: f64 = 0.8;
@@ -180,7 +183,7 @@ pub fn run(root: &Path, opts: Options) -> Result<String> {
         say(progress(&run, round, opts.rounds));
         runs.push(run);
     }
-    let seconds = opts.seconds * opts.rounds as f64;
+    let seconds = (opts.seconds * opts.rounds as f64).max(INTERLEAVED_SECONDS);
     say(format!(
         "python stacks: one capture, Python frames switched off and on for {seconds} s"
     ));
