@@ -20,11 +20,6 @@ pub const MAX_PYTHON_FRAMES: usize = 128;
 /// 100).
 pub const FRAME_READ_BYTES: usize = 128;
 
-/// Most bytes of a thread's frame stack read at once (3.11+, where a
-/// frame's callers lie right below it): the frame read and the ones below
-/// it within as many bytes, from no lower than the page it starts in.
-pub const WINDOW_BYTES: usize = 2048;
-
 /// An offset the layout does not have.
 pub const NO_OFFSET: u16 = u16::MAX;
 

@@ -4,12 +4,10 @@
 //! user memory the target controls, through the helper that checks it;
 //! the walk is bounded, so a chain that loops or points anywhere ends.
 //!
-//! Reads of the target's memory are most of what the walk costs, so it
-//! makes few: the state's thread and frame in one read, the frames of
-//! 3.11+ (which lie one after the other in the thread's frame stack) a
-//! window of [`WINDOW_BYTES`] at a time. Each frame's code object is read
-//! too, for its first line: it is what tells userspace a code object
-//! freed and its memory reused by another from the one that ran.
+//! Reads of the target's memory are most of what the walk costs: the
+//! state's thread and frame come in one read; then each frame, and its
+//! code object's first line, which tells userspace a code object freed
+//! and its memory reused by another from the one that ran.
 
 use aya_ebpf::{
     helpers::{
@@ -24,7 +22,7 @@ use tracer_common::{
     python::{
         FRAME_ENTRY, FRAME_READ_BYTES, FRAME_SHIM, LAYOUT_LASTI, MAX_PYTHON_FRAMES, NO_OFFSET,
         PYTHON_NO_THREAD, PYTHON_TRUNCATED, PYTHON_UNREADABLE, PYTHON_WALKED, PythonFrameRecord,
-        PythonOffsets, PythonProcess, PythonStack, WINDOW_BYTES,
+        PythonOffsets, PythonProcess, PythonStack,
     },
 };
 
@@ -44,25 +42,11 @@ const MAX_KEYS: u32 = 1024;
 /// Bytes of glibc's `struct pthread_key_data { seq; data; }`.
 const KEY_DATA_BYTES: u64 = 16;
 
-/// Bytes of a page: a frame's window never starts below the page the
-/// frame starts in, which is mapped wherever the frame is.
-const PAGE_BYTES: u64 = 4096;
-/// Offsets into the scratch memory are masked with this (the verifier
-/// needs a bound, not a branch): a window is at most [`WINDOW_BYTES`].
-const SCRATCH_MASK: u64 = 4095;
-/// Bytes of scratch memory the walk needs: a window at its largest
-/// offset, and a frame's fields past it.
-pub(crate) const SCRATCH_BYTES: usize = SCRATCH_MASK as usize + 1 + FRAME_READ_BYTES;
-const _: () = assert!(WINDOW_BYTES as u64 <= SCRATCH_MASK);
+/// Bytes of scratch memory the walk needs: a thread state's bytes.
+pub(crate) const SCRATCH_BYTES: usize = STATE_MASK as usize + 8;
 
 /// Bytes of a thread state read at once are masked with this.
 const STATE_MASK: u64 = 511;
-const _: () = assert!(STATE_MASK + 8 <= SCRATCH_MASK);
-
-/// Bits no frame address has: above user space, or within a word (a
-/// frame is word-aligned, which keeps its fields' words aligned in a
-/// window).
-const NOT_A_FRAME: u64 = !((1 << 47) - 1) | 7;
 
 /// Writes into `out` the Python frames of the current thread of `tgid`,
 /// if `tgid` runs Python; else leaves it empty. `scratch` holds what is
@@ -87,7 +71,7 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, scratch: *mut u8,
     let len = match unsafe { current_frame(&process, scratch) } {
         Some(Some(frame)) => {
             // SAFETY: as the caller's.
-            unsafe { walk(out, scratch, frame, &process.offsets, &mut flags) }
+            unsafe { walk(out, frame, &process.offsets, &mut flags) }
         }
         Some(None) => {
             flags |= PYTHON_UNREADABLE;
@@ -193,72 +177,39 @@ fn thread_pointer() -> Option<u64> {
 /// written.
 ///
 /// Frame `i` of the chain goes in slot `i`, entry frames of no function's
-/// too (marked [`FRAME_SHIM`]). A frame is read from the window last read
-/// where it lies within it, else a new window is read: the frame's own
-/// bytes and up to [`WINDOW_BYTES`] below them (where the frames it was
-/// called from lie), from no lower than the page it starts in. The one
-/// branch in the loop's body rejoins at once, both ways leaving the same
-/// state, and there is none but the exits besides: the verifier then walks
-/// the loop once per iteration, not once per way through it (which would
-/// exceed its limit within a few iterations).
+/// too (marked [`FRAME_SHIM`]), and the loop's body has no branch but its
+/// exits: every way through an iteration then leaves the same state, and
+/// the verifier walks the loop once per iteration instead of once per way
+/// of getting there (which exceeds its limit within a few iterations).
 ///
 /// # Safety
 /// As [`write_python_stack`]'s.
 #[inline(always)]
-unsafe fn walk(
-    out: *mut PythonStack,
-    scratch: *mut u8,
-    mut frame: u64,
-    o: &PythonOffsets,
-    flags: &mut u32,
-) -> u32 {
+unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: &mut u32) -> u32 {
     let f = Fields::new(o);
-    // Masked, not clamped: see [`Field`].
-    let frame_bytes = u64::from(o.frame_bytes) & (FRAME_READ_BYTES as u64 - 1);
-    // 3.10's frames are objects of their own, anywhere in the heap.
-    let window = if f.entry_flags != 0 {
-        frame_bytes
-    } else {
-        WINDOW_BYTES as u64
-    };
+    // Masked into the buffer (a power of two), not clamped: see [`Field`].
+    let size = u32::from(o.frame_bytes) & (FRAME_READ_BYTES as u32 - 1);
     let first_line_offset = u64::from(o.code_first_line);
-    let mut window_start = u64::MAX;
-    let mut window_end = 0;
+    let mut buf = [0u64; FRAME_WORDS];
     for i in 0..MAX_PYTHON_FRAMES {
         if frame == 0 {
             return i as u32;
         }
-        if frame & NOT_A_FRAME != 0 {
+        // SAFETY: `size` is at most the buffer's; the helper checks the source.
+        let failed = unsafe {
+            generated::bpf_probe_read_user(buf.as_mut_ptr().cast(), size, frame as *const _)
+        } != 0;
+        if failed {
             *flags |= PYTHON_UNREADABLE;
             return i as u32;
         }
-        let frame_end = frame + frame_bytes;
-        if frame < window_start || frame_end > window_end {
-            let start = frame_end
-                .saturating_sub(window)
-                .max(frame & !(PAGE_BYTES - 1));
-            let size = frame_end.wrapping_sub(start) & SCRATCH_MASK;
-            // SAFETY: `size` is within the scratch; the helper checks the source.
-            let failed = unsafe {
-                generated::bpf_probe_read_user(scratch.cast(), size as u32, start as *const _)
-            } != 0;
-            if failed {
-                *flags |= PYTHON_UNREADABLE;
-                return i as u32;
-            }
-            window_start = start;
-            window_end = start + size;
-        }
-        // SAFETY: masked within the scratch, which holds a frame's bytes past it.
-        let words =
-            unsafe { scratch.add(((frame - window_start) & SCRATCH_MASK) as usize) }.cast::<u64>();
-        let code = f.code.of(words);
-        let raw = f.instruction.of(words);
+        let code = f.code.of(&buf);
+        let raw = f.instruction.of(&buf);
         // 3.10's `f_lasti` is an `int`, sign-extended; elsewhere a pointer.
         let lasti = raw as u32 as i32 as i64 as u64;
         let instruction = (lasti & f.lasti_mask) | (raw & !f.lasti_mask);
-        let shim = is_zero((f.owner.of(words) & 0xff) ^ f.shim_owner);
-        let entry = 1 ^ is_zero(f.is_entry.of(words) & f.is_entry_mask);
+        let shim = is_zero((f.owner.of(&buf) & 0xff) ^ f.shim_owner);
+        let entry = 1 ^ is_zero(f.is_entry.of(&buf) & f.is_entry_mask);
         let frame_flags = f.entry_flags | (shim * FRAME_SHIM) | (entry * FRAME_ENTRY);
         // A shim's code is none's; its line is read and never used, which
         // keeps every way through here alike.
@@ -280,7 +231,7 @@ unsafe fn walk(
                 flags: frame_flags,
             };
         }
-        frame = f.previous.of(words);
+        frame = f.previous.of(&buf);
     }
     if frame != 0 {
         *flags |= PYTHON_TRUNCATED;
@@ -293,6 +244,9 @@ unsafe fn walk(
 fn is_zero(x: u64) -> u32 {
     (((x | x.wrapping_neg()) >> 63) ^ 1) as u32
 }
+
+/// Words of a frame read at once.
+const FRAME_WORDS: usize = FRAME_READ_BYTES / 8;
 
 /// Where a field lies in a frame read into words: its word and its shift
 /// within the word (a field never straddles two). Masked, not clamped:
@@ -307,18 +261,16 @@ impl Field {
     #[inline(always)]
     fn at(offset: u16) -> Field {
         Field {
-            word: (offset as usize >> 3) & (FRAME_READ_BYTES / 8 - 1),
+            word: (offset as usize >> 3) & (FRAME_WORDS - 1),
             shift: (offset as u64 & 7) * 8,
         }
     }
 
-    /// The field's bytes, from its offset to the end of its word, of the
-    /// frame whose words start at `words`.
+    /// The field's bytes, from its offset to the end of its word.
     #[inline(always)]
-    fn of(self, words: *const u64) -> u64 {
-        // SAFETY: `word` is masked within a frame's bytes, which the
-        // caller's scratch holds past `words`.
-        let value = unsafe { words.add(self.word).read() };
+    fn of(self, buf: &[u64; FRAME_WORDS]) -> u64 {
+        // SAFETY: `word` is within `buf`, masked in `at`.
+        let value = unsafe { *buf.as_ptr().add(self.word) };
         value >> self.shift
     }
 }
