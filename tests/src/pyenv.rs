@@ -1,7 +1,8 @@
-//! The CPython interpreters of the machine image (pyenv's 3.10 to 3.13)
-//! and py-spy, the independent reader of Python stacks the tests compare
-//! ebtrace with. A missing interpreter fails the test that needs it, with
-//! what to install: the Python stacks are checked on every version.
+//! The CPython interpreters under pyenv (the machine image's 3.10 to
+//! 3.13, and 3.14 that `cargo xtask setup` adds) and py-spy, the
+//! independent reader of Python stacks the tests compare ebtrace with. A
+//! missing interpreter fails the test that needs it, with what to
+//! install: the Python stacks are checked on every version.
 
 use std::{
     path::{Path, PathBuf},
@@ -14,7 +15,7 @@ use crate::{
 };
 
 /// The CPython minor versions ebtrace reads, each checked by the tests.
-pub const MINORS: [u8; 4] = [10, 11, 12, 13];
+pub const MINORS: [u8; 5] = [10, 11, 12, 13, 14];
 
 /// Where pyenv keeps its interpreters: `pyenv root`, else `$PYENV_ROOT`,
 /// else `~/.pyenv`.
@@ -32,29 +33,33 @@ pub fn pyenv_root() -> PathBuf {
         })
 }
 
+/// CPython 3.`minor` under pyenv (its newest patch release), if there.
+pub fn installed_cpython(minor: u8) -> Option<PathBuf> {
+    let versions = pyenv_root().join("versions");
+    let prefix = format!("3.{minor}.");
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir(&versions)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let patch = name.to_str()?.strip_prefix(&prefix)?.parse().ok()?;
+            Some((patch, e.path()))
+        })
+        .collect();
+    found.sort();
+    let (_, dir) = found.pop()?;
+    Some(dir.join(format!("bin/python3.{minor}"))).filter(|p| p.exists())
+}
+
 /// CPython 3.`minor` under pyenv; panics, saying what to install, if it
 /// is not there.
 pub fn cpython(minor: u8) -> PathBuf {
-    let versions = pyenv_root().join("versions");
-    let prefix = format!("3.{minor}.");
-    let mut found: Vec<PathBuf> = std::fs::read_dir(&versions)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
-    found.retain(|p| {
-        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-            n.starts_with(&prefix) && n[prefix.len()..].bytes().all(|b| b.is_ascii_digit())
-        })
-    });
-    found.sort();
-    let python = found
-        .last()
-        .map(|p| p.join(format!("bin/python3.{minor}")))
-        .filter(|p| p.exists());
-    python.unwrap_or_else(|| {
+    installed_cpython(minor).unwrap_or_else(|| {
         panic!(
             "CPython 3.{minor} not found under {}: the Python stack tests run on every \
-             version ebtrace reads; install it with `pyenv install 3.{minor}`",
-            versions.display()
+             version ebtrace reads; `cargo xtask setup` installs 3.14, pyenv the others \
+             (`pyenv install 3.{minor}`)",
+            pyenv_root().join("versions").display()
         )
     })
 }

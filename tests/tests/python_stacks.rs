@@ -1,5 +1,5 @@
 //! Python frames in the stacks ebtrace samples, on real CPython processes
-//! of every version it reads (pyenv's 3.10 to 3.13, each required): which
+//! of every version it reads (3.10 to 3.14 under pyenv, each required): which
 //! function and line of the script, nested as the script nests them, and
 //! where the time went as py-spy (PyPI), reading the same process after,
 //! sees it.
@@ -187,6 +187,11 @@ fn python_3_13_samples_name_the_scripts_lines() {
     samples_name_the_scripts_lines(13);
 }
 
+#[test]
+fn python_3_14_samples_name_the_scripts_lines() {
+    samples_name_the_scripts_lines(14);
+}
+
 /// Two interpreters of different layouts (3.10's frames and 3.13's, whose
 /// offsets come from `_Py_DebugOffsets`) in one capture: each process has
 /// its own line saying which Python it runs, and its own samples nest as
@@ -258,14 +263,15 @@ fn two_interpreters_in_one_capture_each_read_with_its_own_layout() {
 /// and, over their waits, the sleeping one (`time.sleep`) and the one
 /// blocked in a native read, each in the function that waits. On 3.10
 /// (no `native_thread_id`, threads told apart by their thread pointers
-/// only) and 3.13 (`_Py_DebugOffsets`).
+/// only), 3.13 (`_Py_DebugOffsets`) and 3.14 (Debian's build, with
+/// another C library's thread data).
 #[test]
 fn each_thread_has_its_own_python_stack_on_and_off_the_cpu() {
     if !require_root("each_thread_has_its_own_python_stack_on_and_off_the_cpu") {
         return;
     }
     let _serial = serial();
-    for minor in [10, 13] {
+    for minor in [10, 13, 14] {
         let script = python_fixture("threads_work.py");
         let workload = PythonWorkload::start_script(&pyenv::cpython(minor), &script, &[], &[]);
         let tid = |name: &str| workload.start_line[name].as_u64().expect("tid") as u32;

@@ -80,8 +80,10 @@ pub struct PythonOffsets {
     /// fields above end within them, and a frame at the end of the
     /// interpreter's frame stack is not read past its end.
     pub frame_bytes: u16,
-    /// The `owner` of entry frames that are no function's (3.12+
-    /// `FRAME_OWNED_BY_CSTACK`); [`NO_SHIM`]: none (a value no owner byte has).
+    /// The least `owner` of entry frames that are no function's (3.12 and
+    /// 3.13 `FRAME_OWNED_BY_CSTACK`, 3.14 `FRAME_OWNED_BY_INTERPRETER`,
+    /// below `FRAME_OWNED_BY_CSTACK`); [`NO_SHIM`]: none (more than any
+    /// owner byte).
     pub shim_owner: u16,
     /// 0xff where frames say whether they are an entry (3.11's
     /// `is_entry`), else 0.
@@ -118,7 +120,7 @@ pub struct PythonFrameRecord {
 /// `_PyEval_EvalFrameDefault` frame.
 pub const FRAME_ENTRY: u32 = 1;
 /// [`PythonFrameRecord::flags`]: an entry frame of no function's (3.12+
-/// `FRAME_OWNED_BY_CSTACK`), pushed by each C call of the eval loop below
+/// `FRAME_OWNED_BY_CSTACK`, 3.14 also `FRAME_OWNED_BY_INTERPRETER`), pushed by each C call of the eval loop below
 /// its first frame: the frame before it was the outermost of its call.
 pub const FRAME_SHIM: u32 = 2;
 

@@ -203,12 +203,14 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
             *flags |= PYTHON_UNREADABLE;
             return i as u32;
         }
-        let code = f.code.of(&buf);
+        // 3.14's `f_executable` is a tagged reference: its low bits are
+        // flags, never part of an object's (8-byte aligned) address.
+        let code = f.code.of(&buf) & !7;
         let raw = f.instruction.of(&buf);
         // 3.10's `f_lasti` is an `int`, sign-extended; elsewhere a pointer.
         let lasti = raw as u32 as i32 as i64 as u64;
         let instruction = (lasti & f.lasti_mask) | (raw & !f.lasti_mask);
-        let shim = is_zero((f.owner.of(&buf) & 0xff) ^ f.shim_owner);
+        let shim = at_least(f.owner.of(&buf) & 0xff, f.shim_owner);
         let entry = 1 ^ is_zero(f.is_entry.of(&buf) & f.is_entry_mask);
         let frame_flags = f.entry_flags | (shim * FRAME_SHIM) | (entry * FRAME_ENTRY);
         // A shim's code is none's; its line is read and never used, which
@@ -243,6 +245,12 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
 #[inline(always)]
 fn is_zero(x: u64) -> u32 {
     (((x | x.wrapping_neg()) >> 63) ^ 1) as u32
+}
+
+/// 1 if `x >= y`, else 0, without a branch (for both below 2^63).
+#[inline(always)]
+fn at_least(x: u64, y: u64) -> u32 {
+    ((x.wrapping_sub(y) >> 63) ^ 1) as u32
 }
 
 /// Words of a frame read at once.

@@ -131,7 +131,7 @@ pub struct RecordArgs {
     pub off_cpu_min: Option<Duration>,
 
     /// Native frames only in the stacks of CPython targets. By default a
-    /// CPython target's stacks (3.10 to 3.13) show the Python functions,
+    /// CPython target's stacks (3.10 to 3.14) show the Python functions,
     /// files and lines each thread ran, where the interpreter ran them.
     #[arg(long)]
     pub no_python_frames: bool,

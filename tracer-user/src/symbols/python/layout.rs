@@ -8,7 +8,7 @@
 use tracer_common::python::{LAYOUT_LASTI, NO_OFFSET, NO_SHIM, PythonOffsets};
 
 /// A CPython minor version ebtrace reads: 3.`minor`.
-pub const SUPPORTED_MINORS: std::ops::RangeInclusive<u8> = 10..=13;
+pub const SUPPORTED_MINORS: std::ops::RangeInclusive<u8> = 10..=14;
 
 /// What one CPython version's structures look like.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,8 +59,12 @@ pub const STRING_LENGTH: u64 = 16;
 /// ascii:1; the rest is padding that holds garbage).
 pub const STRING_STATE: u64 = 32;
 
-/// `owner` of 3.12+ entry frames (`FRAME_OWNED_BY_CSTACK`).
+/// `owner` of 3.12 and 3.13's entry frames (`FRAME_OWNED_BY_CSTACK`).
 const OWNED_BY_CSTACK: u16 = 3;
+/// The least `owner` of 3.14's frames of no function's
+/// (`FRAME_OWNED_BY_INTERPRETER`, then `FRAME_OWNED_BY_CSTACK`), as
+/// CPython's own `_PyFrame_IsIncomplete` tells them.
+const OWNED_BY_INTERPRETER: u16 = 3;
 
 impl Layout {
     /// The layout of CPython 3.`minor`, if ebtrace reads it.
@@ -172,6 +176,29 @@ impl Layout {
                 ascii_data: 40,
                 compact_data: 56,
             },
+            14 => Layout {
+                minor,
+                runtime_tss_key: 2340,
+                runtime_interpreters_head: 808,
+                interpreter_next: 7272,
+                interpreter_threads_head: 7344,
+                thread_next: 8,
+                thread_native_id: Some(160),
+                walk: PythonOffsets {
+                    frame_owner: 74,
+                    code_first_line: 68,
+                    shim_owner: OWNED_BY_INTERPRETER,
+                    frame_bytes: 80,
+                    ..walk(72, NO_OFFSET, 152, 0, 8, 56)
+                },
+                code_filename: 112,
+                code_name: 120,
+                code_qualname: Some(128),
+                code_linetable: 136,
+                code_adaptive: Some(208),
+                ascii_data: 40,
+                compact_data: 56,
+            },
             _ => return None,
         };
         Some(layout)
@@ -232,7 +259,7 @@ mod tests {
                 "3.{minor}"
             );
         }
-        assert!(Layout::of(9).is_none() && Layout::of(14).is_none());
+        assert!(Layout::of(9).is_none() && Layout::of(15).is_none());
     }
 
     #[test]

@@ -57,7 +57,7 @@ pub struct PythonRuntime {
 #[derive(Debug, thiserror::Error)]
 pub enum PythonError {
     /// A version ebtrace has no layout for.
-    #[error("CPython {0} is not one ebtrace reads (3.10 to 3.13)")]
+    #[error("CPython {0} is not one ebtrace reads (3.10 to 3.14)")]
     UnknownVersion(String),
     /// A build without the GIL.
     #[error("CPython {0} is a free-threaded build, whose frames ebtrace does not read yet")]
@@ -218,6 +218,80 @@ fn version_of(
     }
 }
 
+/// Where `_Py_DebugOffsets` of 3.`minor` keeps each offset ebtrace takes
+/// from it (the struct grew between 3.13 and 3.14).
+struct DebugPositions {
+    runtime_interpreters_head: usize,
+    interpreter_next: usize,
+    interpreter_threads_head: usize,
+    thread_next: usize,
+    thread_frame: usize,
+    thread_id: usize,
+    thread_native_id: usize,
+    frame_previous: usize,
+    frame_code: usize,
+    frame_instruction: usize,
+    frame_owner: usize,
+    code_filename: usize,
+    code_name: usize,
+    code_qualname: usize,
+    code_linetable: usize,
+    code_first_line: usize,
+    code_adaptive: usize,
+    ascii_data: usize,
+}
+
+impl DebugPositions {
+    fn of(minor: u8) -> Option<DebugPositions> {
+        match minor {
+            13 => Some(DebugPositions {
+                runtime_interpreters_head: 0x28,
+                interpreter_next: 0x40,
+                interpreter_threads_head: 0x48,
+                thread_next: 0xa8,
+                thread_frame: 0xb8,
+                thread_id: 0xc0,
+                thread_native_id: 0xc8,
+                frame_previous: 0xe8,
+                frame_code: 0xf0,
+                frame_instruction: 0xf8,
+                frame_owner: 0x108,
+                code_filename: 0x118,
+                code_name: 0x120,
+                code_qualname: 0x128,
+                code_linetable: 0x130,
+                code_first_line: 0x138,
+                code_adaptive: 0x158,
+                ascii_data: 0x230,
+            }),
+            14 => Some(DebugPositions {
+                runtime_interpreters_head: 0x28,
+                interpreter_next: 0x40,
+                interpreter_threads_head: 0x48,
+                thread_next: 0xc0,
+                thread_frame: 0xd0,
+                thread_id: 0xd8,
+                thread_native_id: 0xe0,
+                frame_previous: 0x100,
+                frame_code: 0x108,
+                frame_instruction: 0x110,
+                frame_owner: 0x120,
+                code_filename: 0x140,
+                code_name: 0x148,
+                code_qualname: 0x150,
+                code_linetable: 0x158,
+                code_first_line: 0x160,
+                code_adaptive: 0x180,
+                ascii_data: 0x280,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes of `_Py_DebugOffsets` read: past the last position of any version.
+const DEBUG_OFFSETS_BYTES: usize = 0x288;
+
 /// Takes the offsets 3.13+ publishes at the start of `_PyRuntime` over the
 /// table's, where they are sane; a free-threaded build is refused.
 fn read_debug_offsets(
@@ -226,7 +300,10 @@ fn read_debug_offsets(
     layout: &mut Layout,
     version: &str,
 ) -> Result<(), PythonError> {
-    let mut header = [0u8; 0x238];
+    let Some(p) = DebugPositions::of(layout.minor) else {
+        return Ok(());
+    };
+    let mut header = [0u8; DEBUG_OFFSETS_BYTES];
     if !memory.read(runtime, &mut header) || &header[..8] != DEBUG_COOKIE {
         return Ok(());
     }
@@ -237,33 +314,45 @@ fn read_debug_offsets(
     let small = |offset: usize| u16::try_from(at(offset)).ok().filter(|v| *v < 0x4000);
     let mut debug = *layout;
     let fields = [
-        (&mut debug.runtime_interpreters_head, 0x28),
-        (&mut debug.interpreter_next, 0x40),
-        (&mut debug.interpreter_threads_head, 0x48),
-        (&mut debug.thread_next, 0xa8),
-        (&mut debug.code_filename, 0x118),
-        (&mut debug.code_name, 0x120),
-        (&mut debug.code_linetable, 0x130),
-        (&mut debug.ascii_data, 0x230),
+        (
+            &mut debug.runtime_interpreters_head,
+            p.runtime_interpreters_head,
+        ),
+        (&mut debug.interpreter_next, p.interpreter_next),
+        (
+            &mut debug.interpreter_threads_head,
+            p.interpreter_threads_head,
+        ),
+        (&mut debug.thread_next, p.thread_next),
+        (&mut debug.code_filename, p.code_filename),
+        (&mut debug.code_name, p.code_name),
+        (&mut debug.code_linetable, p.code_linetable),
+        (&mut debug.ascii_data, p.ascii_data),
     ];
     for (field, offset) in fields {
         *field = small(offset).map(u64::from).unwrap_or(*field);
     }
     let walk = &mut debug.walk;
     for (field, offset) in [
-        (&mut walk.thread_frame, 0xb8),
-        (&mut walk.thread_id, 0xc0),
-        (&mut walk.frame_previous, 0xe8),
-        (&mut walk.frame_code, 0xf0),
-        (&mut walk.frame_instruction, 0xf8),
-        (&mut walk.frame_owner, 0x108),
-        (&mut walk.code_first_line, 0x138),
+        (&mut walk.thread_frame, p.thread_frame),
+        (&mut walk.thread_id, p.thread_id),
+        (&mut walk.frame_previous, p.frame_previous),
+        (&mut walk.frame_code, p.frame_code),
+        (&mut walk.frame_instruction, p.frame_instruction),
+        (&mut walk.frame_owner, p.frame_owner),
+        (&mut walk.code_first_line, p.code_first_line),
     ] {
         *field = small(offset).unwrap_or(*field);
     }
-    debug.code_qualname = small(0x128).map(u64::from).or(debug.code_qualname);
-    debug.code_adaptive = small(0x158).map(u64::from).or(debug.code_adaptive);
-    debug.thread_native_id = small(0xc8).map(u64::from).or(debug.thread_native_id);
+    debug.code_qualname = small(p.code_qualname)
+        .map(u64::from)
+        .or(debug.code_qualname);
+    debug.code_adaptive = small(p.code_adaptive)
+        .map(u64::from)
+        .or(debug.code_adaptive);
+    debug.thread_native_id = small(p.thread_native_id)
+        .map(u64::from)
+        .or(debug.thread_native_id);
     if walk_end(&debug) <= u64::from(debug.walk.frame_bytes) {
         *layout = debug;
     }

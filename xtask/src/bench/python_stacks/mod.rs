@@ -49,9 +49,9 @@ use crate::util::{self, median, say};
 
 mod interleaved;
 
-/// The interpreter: one of the versions ebtrace reads Python frames of
-/// (3.10 to 3.13) that py-spy 0.4.1 reads too.
-const PYTHON_VERSION: &str = "3.11";
+/// The interpreter, 3.`PYTHON_MINOR`: one of the versions ebtrace reads
+/// Python frames of (3.10 to 3.14) that py-spy reads too.
+const PYTHON_MINOR: u8 = 11;
 /// Both tracers' sampling rate.
 const HZ: &str = "99";
 /// How long the target runs before a tracer starts: past the interpreter's
@@ -152,7 +152,7 @@ pub fn run(root: &Path, opts: Options) -> Result<String> {
     let ebtrace = &built_ebtrace(root)?;
     let bench = Bench {
         ebtrace: ebtrace.to_path_buf(),
-        python: cpython(PYTHON_VERSION)?,
+        python: cpython(PYTHON_MINOR)?,
         py_spy: py_spy(root)?,
         fixture: root.join("tests/fixtures/python/bench_work.py"),
         scratch: util::temp_dir(root, "python-stacks")?,
@@ -224,34 +224,16 @@ fn built_ebtrace(root: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// CPython `version` ("3.11") under pyenv: its newest patch release.
-fn cpython(version: &str) -> Result<PathBuf> {
-    let versions = ebtrace_tests::pyenv::pyenv_root().join("versions");
-    let prefix = format!("{version}.");
-    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir(&versions)
-        .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|p| {
-            let patch = p
-                .file_name()?
-                .to_str()?
-                .strip_prefix(&prefix)?
-                .parse()
-                .ok()?;
-            Some((patch, p))
-        })
-        .collect();
-    found.sort();
-    match found
-        .last()
-        .map(|(_, p)| p.join(format!("bin/python{version}")))
-    {
-        Some(python) if python.exists() => Ok(python),
-        _ => bail!(
-            "CPython {version} not found under {}: the Python stacks benchmark runs on it; \
-             install it with `pyenv install {version}`",
-            versions.display()
+/// CPython 3.`minor` under pyenv: its newest patch release.
+fn cpython(minor: u8) -> Result<PathBuf> {
+    match ebtrace_tests::pyenv::installed_cpython(minor) {
+        Some(python) => Ok(python),
+        None => bail!(
+            "CPython 3.{minor} not found under {}: the Python stacks benchmark runs on it; \
+             install it with `pyenv install 3.{minor}`",
+            ebtrace_tests::pyenv::pyenv_root()
+                .join("versions")
+                .display()
         ),
     }
 }

@@ -8,6 +8,8 @@ use anyhow::{Result, bail};
 
 use crate::util::{self, run, say, stdout_of, succeeds};
 
+mod cpython;
+
 /// Pinned: newer bpf-linker releases need an external LLVM; 0.10.2 loads
 /// rustc's own.
 const BPF_LINKER_VERSION: &str = "0.10.2";
@@ -40,7 +42,7 @@ const TORCH_VERSION: &str = "2.15.0";
 const PERFETTO_VERSION: &str = "0.59.1";
 /// py-spy, the independent reader of Python stacks the Python stack tests
 /// compare ebtrace's with (a Rust binary in a wheel, run as root).
-const PY_SPY_VERSION: &str = "0.4.1";
+const PY_SPY_VERSION: &str = "0.4.3";
 
 /// Debian packages: (package, why).
 const APT_BASE: &[(&str, &str)] = &[
@@ -78,6 +80,10 @@ const APT_BASE: &[(&str, &str)] = &[
     ),
     ("runc", "the container runtime of that test"),
     (
+        "patchelf",
+        "points Debian's CPython 3.14 at the C library it comes with (see setup/cpython.rs)",
+    ),
+    (
         "debootstrap",
         "that test's base image, Debian built from its packages",
     ),
@@ -99,6 +105,7 @@ pub fn run_setup(root: &Path, opts: Options) -> Result<()> {
         packages.extend_from_slice(APT_BENCH);
     }
     apt_packages(&packages)?;
+    cpython::cpython_314(&root.join("target"))?;
     python_venv(root)?;
     say("setup: done");
     Ok(())
