@@ -117,11 +117,17 @@ fn samples_name_the_scripts_lines(minor: u8) {
     );
     let mut leaves = Vec::new();
     let mut well_nested = 0;
+    let mut native_below = 0;
     for s in &samples {
         let stack = s.stats["cpu_sample_stack"].as_str();
         let frames = python_frames(stack);
         if nests_as_the_script(&frames, &script) {
             well_nested += 1;
+            // The Python frames stand where the eval loop ran them, above
+            // the native frames that started the interpreter (not after
+            // `_start`, where a stack whose eval frames were not found
+            // would put them).
+            native_below += u64::from(stack.lines().last().is_some_and(|l| !l.contains(".py:")));
             // In the interpreter's own code (or its C runtime), a sample is
             // named after the innermost Python frame.
             let named_after_python = s.name == frames[0].function;
@@ -140,6 +146,16 @@ fn samples_name_the_scripts_lines(minor: u8) {
             .iter()
             .map(|s| s.stats["cpu_sample_stack"].as_str())
             .find(|st| !nests_as_the_script(&python_frames(st), &script))
+            .unwrap_or_default()
+    );
+    assert!(
+        native_below * 10 >= well_nested * 9,
+        "3.{minor}: {native_below} of {well_nested} stacks have native frames below their \
+         Python frames; one that has not:\n{}",
+        samples
+            .iter()
+            .map(|s| s.stats["cpu_sample_stack"].as_str())
+            .find(|st| st.lines().last().is_some_and(|l| l.contains(".py:")))
             .unwrap_or_default()
     );
     let python = &summary["python_stacks"];

@@ -247,6 +247,52 @@ fn address_of(frame: FrameAddress) -> u64 {
     }
 }
 
+/// The code of `function`'s cold part, from the object's `.eh_frame` alone
+/// (no symbol needed): GCC moves a function's rarely run blocks into a
+/// part of their own (`function.cold`, a local symbol that stripped
+/// objects lack) and describes that part in the frame entry right after
+/// the function's. That entry is taken only if its code starts inside a
+/// frame, as a part does: a function starts with nothing on the stack
+/// but its return address. `None` unless the entry at `function` (an
+/// address in the object) is followed by such a part.
+pub fn cold_part_after(object: &ElfObject, function: u64) -> Option<Range<u64>> {
+    use gimli::UnwindSection as _;
+    let eh_frame = object.section(".eh_frame")?;
+    let text = object.section(".text")?;
+    let bytes = object.bytes(eh_frame.file?);
+    let section = gimli::EhFrame::new(bytes, gimli::LittleEndian);
+    let bases = gimli::BaseAddresses::default()
+        .set_eh_frame(eh_frame.svma.start)
+        .set_text(text.svma.start);
+    let mut entries = section.entries(&bases);
+    let mut after_function = false;
+    while let Ok(Some(entry)) = entries.next() {
+        let gimli::CieOrFde::Fde(partial) = entry else {
+            continue;
+        };
+        let fde = partial
+            .parse(|section, bases, offset| section.cie_from_offset(bases, offset))
+            .ok()?;
+        let code = fde.initial_address()..fde.end_address();
+        if after_function {
+            let apart = !code.contains(&function) && code.start != code.end;
+            let in_text = text.svma.contains(&code.start) && code.end <= text.svma.end;
+            let mut context = gimli::UnwindContext::new();
+            let first = fde
+                .unwind_info_for_address(&section, &bases, &mut context, code.start)
+                .ok()?;
+            let entry = matches!(
+                first.cfa(),
+                gimli::CfaRule::RegisterAndOffset { register, offset: 8 }
+                    if *register == gimli::X86_64::RSP
+            ) && first.registers().all(|(r, _)| *r == gimli::X86_64::RA);
+            return (apart && in_text && !entry).then_some(code);
+        }
+        after_function = code.start == function;
+    }
+    None
+}
+
 /// The sections framehop reads, as the object holds them.
 fn section_info(object: &Arc<ElfObject>) -> ExplicitModuleSectionInfo<SectionBytes> {
     let section = |name: &str| object.section(name);

@@ -8,7 +8,7 @@ use std::ops::Range;
 use super::{Memory, code::Types, layout::Layout};
 use crate::{
     procfs::ProcessMemory,
-    symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size},
+    symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size, unwind::cold_part_after},
 };
 
 /// The eval loop: each native frame in it runs Python frames.
@@ -169,10 +169,19 @@ fn scan(object: &MappedObject) -> std::io::Result<Option<Found>> {
         return Ok(None);
     };
     let at = |i: usize| scan.found[i].map(|s| bias.wrapping_add(s.vaddr));
-    let eval = scan.found[2..4]
+    let mut eval: Vec<Range<u64>> = scan.found[2..4]
         .iter()
         .flatten()
-        .map(|s| bias.wrapping_add(s.vaddr)..bias.wrapping_add(s.vaddr + s.size.max(1)))
+        .map(|s| s.vaddr..s.vaddr + s.size.max(1))
+        .collect();
+    // A stripped interpreter (Debian's, Ubuntu's) names only the eval
+    // loop's hot part, and may run most of its opcodes in the cold one.
+    if let (Some(hot), None) = (scan.found[2], scan.found[3]) {
+        eval.extend(cold_part_after(&elf, hot.vaddr));
+    }
+    let eval = eval
+        .into_iter()
+        .map(|r| bias.wrapping_add(r.start)..bias.wrapping_add(r.end))
         .collect();
     Ok(Some(Found {
         runtime: bias.wrapping_add(runtime.vaddr),
