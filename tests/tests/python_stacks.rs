@@ -384,7 +384,16 @@ fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
     );
     for s in &liar {
         let stack = s.stats["cpu_sample_stack"].as_str();
-        assert_eq!(s.name, "spin_on_a_lie", "{stack}");
+        // Named after its Python frame, unless the tick found the thread
+        // in native code below it (taking the GIL back, say).
+        let native_above = stack.lines().next().is_some_and(|l| !l.contains(".py:"));
+        let leaf = python_frames(stack).into_iter().next().map(|f| f.function);
+        assert_eq!(leaf.as_deref(), Some("spin_on_a_lie"), "{stack}");
+        assert!(
+            s.name == "spin_on_a_lie" || native_above,
+            "{}:\n{stack}",
+            s.name
+        );
         assert!(stack.contains("[unreadable python frame]"), "{stack}");
         let marked = stack.lines().filter(|l| l.starts_with('[')).count();
         assert!(marked <= 2, "a loop shows once, not per turn: {stack}");
