@@ -17,7 +17,7 @@ use ebtrace_tests::{
     fixture::{Hotspot, SchedWorkload, build_c, build_c_shared},
     http, loaded_bpf_program_names, record, require_root, serial,
     serve::ServeProcess,
-    signal, spawn_record, wait_with_deadline, xplane_files,
+    signal, spawn_attached, spawn_record, xplane_files,
     xspace::{self, line_events, plane},
 };
 
@@ -475,17 +475,18 @@ fn a_process_that_exits_mid_capture_keeps_its_stacks_named() {
     let _serial = serial();
     let mut fixture = Hotspot::start();
     let logdir = TempDir::new("cpu-samples-exit");
-    let ebtrace = spawn_record(
+    let ebtrace = spawn_attached(
         &fixture.pid.to_string(),
         "3s",
         &logdir,
         &["--sample-hz", "199"],
     );
-    // Killed a second in: its stacks are symbolized after it is gone.
+    // Killed a second into the window: its stacks are symbolized after it
+    // is gone.
     std::thread::sleep(Duration::from_secs(1));
     fixture.child.kill().unwrap();
     fixture.child.wait().unwrap();
-    let out = wait_with_deadline(ebtrace, Duration::from_secs(60));
+    let out = ebtrace.wait(Duration::from_secs(60));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
