@@ -105,20 +105,22 @@ impl ThreadBuild {
         }
     }
 
-    /// Opens the state a switch-out leaves the thread in.
-    fn after_switch_out(&mut self, prev_state: u64, ts: u64) {
+    /// Opens the state a switch-out leaves the thread in; `counted` says
+    /// whether the switch falls in the window the counters cover.
+    fn after_switch_out(&mut self, prev_state: u64, ts: u64, counted: bool) {
+        let n = u64::from(counted);
         let next = if prev_state == PREEMPTED {
-            self.counters.involuntary_switches += 1;
+            self.counters.involuntary_switches += n;
             ThreadState::Runnable {
                 cause: RunnableCause::Preempted,
             }
         } else if prev_state & 0xff == 0 {
-            self.counters.involuntary_switches += 1;
+            self.counters.involuntary_switches += n;
             ThreadState::Runnable {
                 cause: RunnableCause::Yielded,
             }
         } else {
-            self.counters.voluntary_switches += 1;
+            self.counters.voluntary_switches += n;
             let state = TaskState::from_prev_state(prev_state);
             if state == TaskState::Dead {
                 self.dead = true;
@@ -309,12 +311,14 @@ impl SchedTimelineBuilder {
         };
         t.last_cpu = Some(cpu);
         self.slice_events += t.close(ts, before_first, &self.bounds);
-        t.after_switch_out(prev_state, ts);
+        // Records from between attaching and the window's start set the
+        // states up but are not counted: the counters cover the window.
+        t.after_switch_out(prev_state, ts, ts >= self.bounds.start_ns);
     }
 
     fn switch_in(&mut self, tid: u32, pid: u32, cpu: u32, ts: u64) {
         let t = thread_entry(&mut self.threads, tid, pid);
-        if t.last_cpu.is_some_and(|c| c != cpu) {
+        if ts >= self.bounds.start_ns && t.last_cpu.is_some_and(|c| c != cpu) {
             t.counters.migrations += 1;
         }
         t.last_cpu = Some(cpu);
@@ -352,6 +356,7 @@ impl SchedTimelineBuilder {
         ts: u64,
     ) {
         let initial_letter = self.initial.get(&tid).map(|i| i.state);
+        let in_window = ts >= self.bounds.start_ns;
         let t = self.thread(tid, pid);
         let blocked_before = match t.cur {
             Some((ThreadState::Blocked { .. }, _)) => true,
@@ -363,7 +368,9 @@ impl SchedTimelineBuilder {
         if !blocked_before {
             return;
         }
-        t.counters.wakeups += 1;
+        if in_window {
+            t.counters.wakeups += 1;
+        }
         let before = ThreadState::Blocked {
             state: initial_letter.map_or(TaskState::Unknown, TaskState::from_proc_letter),
         };
@@ -576,6 +583,27 @@ mod tests {
         let t = &tl.threads[&7];
         assert_eq!(t.counters.involuntary_switches, 1);
         assert_eq!(t.counters.runnable_ns, 50);
+        assert_eq!(t.counters.on_cpu_ns, 200 + 750);
+        assert_partition(t);
+    }
+
+    #[test]
+    fn only_transitions_in_the_window_are_counted() {
+        let recs = [
+            Record::sched_switch(500, 1, (7, PID), PREEMPTED, (0, 0)),
+            Record::sched_switch(600, 0, (0, 0), 0, (7, PID)),
+            Record::sched_switch(700, 0, (7, PID), 0x1, (0, 0)),
+            wakeup(800, 7, 8),
+            Record::sched_switch(900, 1, (0, 0), 0, (7, PID)),
+            Record::sched_switch(1_200, 1, (7, PID), PREEMPTED, (0, 0)),
+            Record::sched_switch(1_250, 0, (0, 0), 0, (7, PID)),
+        ];
+        let tl = build(&recs, &[]);
+        let t = &tl.threads[&7];
+        assert_eq!(t.counters.involuntary_switches, 1);
+        assert_eq!(t.counters.voluntary_switches, 0);
+        assert_eq!(t.counters.wakeups, 0);
+        assert_eq!(t.counters.migrations, 1);
         assert_eq!(t.counters.on_cpu_ns, 200 + 750);
         assert_partition(t);
     }
