@@ -505,6 +505,7 @@ mod tests {
         let pid = std::process::id();
         let page = reserve_page();
         let known = reserve_page as *const () as u64;
+        let first_read = Instant::now();
         let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[known]).unwrap();
         assert!(matches!(found[0], Symbolized::Sym(_)), "{:?}", found[0]);
         assert!(not_yet.is_empty());
@@ -516,11 +517,15 @@ mod tests {
             unsafe { libc::mprotect(page as *mut _, 4096, libc::PROT_READ | libc::PROT_EXEC) };
         assert_eq!(made, 0);
         let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[page]).unwrap();
-        assert!(matches!(found[0], Symbolized::Unknown(Reason::Unmapped)));
-        assert_eq!(not_yet, [page]);
+        // (On a loaded machine the second may have come a second later.)
+        if first_read.elapsed() < MAPS_RECHECKED {
+            assert!(matches!(found[0], Symbolized::Unknown(Reason::Unmapped)));
+            assert_eq!(not_yet, [page]);
+        }
 
         // A second on, the maps are read again and hold it.
         std::thread::sleep(MAPS_RECHECKED);
+        let reread = Instant::now();
         let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[page]).unwrap();
         assert!(
             !matches!(found[0], Symbolized::Unknown(Reason::Unmapped)),
@@ -532,7 +537,9 @@ mod tests {
         // An address in no mapping at all waits like it, and is settled
         // once the maps are read again.
         let (_, not_yet) = maps.symbolize(&symbolizer, pid, &[8]).unwrap();
-        assert_eq!(not_yet, [8]);
+        if reread.elapsed() < MAPS_RECHECKED {
+            assert_eq!(not_yet, [8]);
+        }
         std::thread::sleep(MAPS_RECHECKED);
         let (found, not_yet) = maps.symbolize(&symbolizer, pid, &[8]).unwrap();
         assert!(matches!(found[0], Symbolized::Unknown(Reason::Unmapped)));
