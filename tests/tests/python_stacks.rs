@@ -133,6 +133,12 @@ fn samples_name_the_scripts_lines(minor: u8) {
             let named_after_python = s.name == frames[0].function;
             let native_above = stack.lines().next().is_some_and(|l| !l.contains(".py:"));
             assert!(named_after_python || native_above, "{}:\n{stack}", s.name);
+            // Every native frame is named, or placed in its object where
+            // that is stripped (Debian's 3.14): none is a bare address.
+            assert!(
+                !stack.lines().any(|l| l.starts_with("0x")),
+                "3.{minor}: a bare address in\n{stack}"
+            );
         }
         leaves.extend(frames.first().map(|f| f.function.clone()));
     }

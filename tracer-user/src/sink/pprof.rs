@@ -270,7 +270,7 @@ impl Builder {
             (Space::Process(_) | Space::Python, m) => m.as_deref(),
         };
         let mapping_id = module.map_or(0, |m| self.mapping(m));
-        let line = symbol
+        let mut line: Vec<Line> = symbol
             .frames
             .iter()
             .map(|f| Line {
@@ -279,6 +279,15 @@ impl Builder {
                 column: 0,
             })
             .collect();
+        // An unnamed function of a stripped object keeps its place, as the
+        // trace's stack text shows it, not one "unknown" for all.
+        if let (true, Some(place)) = (line.is_empty(), symbol.place()) {
+            line.push(Line {
+                function_id: self.function(&place, None),
+                line: 0,
+                column: 0,
+            });
+        }
         let id = self.locations.len() as u64 + 1;
         self.locations.push(Location {
             id,

@@ -226,7 +226,7 @@ impl StackSymbolizer {
                 && !answer.not_yet.contains(&address)
                 && let Some(symbol) = symbol
             {
-                let symbol = Arc::new(symbol.unwrap_or_default());
+                let symbol = Arc::new(self.placed(space, address, symbol));
                 if let Some(range) = function {
                     self.functions
                         .entry(space)
@@ -354,6 +354,25 @@ impl StackSymbolizer {
         out
     }
 
+    /// `symbol` as kept for `address` of `space`: where no function names
+    /// it, with its object file and offset there, from the mappings last
+    /// read. A local function of a stripped object (Debian's and Ubuntu's
+    /// Python) is then still told apart, and known to be the interpreter's.
+    fn placed(&self, space: Space, address: u64, symbol: Option<Symbol>) -> Symbol {
+        let mut symbol = symbol.unwrap_or_default();
+        if let Space::Process(pid) = space
+            && symbol.frames.is_empty()
+            && let Some(m) = self
+                .code
+                .get(&pid)
+                .and_then(|c| mapping_of(&c.files, address))
+        {
+            symbol.module.get_or_insert_with(|| m.path.clone());
+            symbol.file_offset = Some(address - m.start + m.offset);
+        }
+        symbol
+    }
+
     /// Looks `addresses` of `place` up and waits; what earlier lookups
     /// answered meanwhile is kept. With the addresses to ask again later
     /// (see [`Answer::not_yet`]).
@@ -428,8 +447,8 @@ impl StackSymbolizer {
         }
         for (address, symbol) in wanted.into_iter().zip(symbols) {
             if !not_yet.contains(&address) {
-                self.cache
-                    .insert((space, address), Arc::new(symbol.unwrap_or_default()));
+                let symbol = self.placed(space, address, symbol);
+                self.cache.insert((space, address), Arc::new(symbol));
             }
         }
     }
@@ -559,6 +578,45 @@ mod tests {
         // An address in no file it had mapped stays unknown.
         symbolizer.resolve(Space::Process(pid), [8]);
         assert!(symbolizer.get(Space::Process(pid), 8).frames.is_empty());
+    }
+
+    /// An address no symbol names (a local function of the stripped
+    /// `sleep` every distribution ships) is told by its file and offset.
+    #[test]
+    fn an_unnamed_address_keeps_its_file_and_offset() {
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("start sleep");
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let text = loop {
+            let found = maps::read_maps(pid)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|m| m.perms.contains('x') && m.path.ends_with("/sleep"));
+            match found {
+                Some(m) => break m,
+                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                None => panic!("sleep never mapped itself"),
+            }
+        };
+        let address = text.start + (text.end - text.start) / 2;
+        let mut symbolizer = StackSymbolizer::default();
+        symbolizer.note_stack(user_sample(pid, address).stack());
+        symbolizer.resolve(Space::Process(pid), [address]);
+        let symbol = symbolizer.get(Space::Process(pid), address);
+        child.kill().unwrap();
+        child.wait().unwrap();
+
+        assert!(
+            symbol.frames.is_empty(),
+            "{} is stripped: {symbol:?}",
+            text.path
+        );
+        assert_eq!(symbol.module.as_deref(), Some(text.path.as_str()));
+        let offset = address - text.start + text.offset;
+        assert_eq!(symbol.place(), Some(format!("sleep+{offset:#x}")));
     }
 
     /// Code mapped after the capture started (a library the target loads
@@ -739,6 +797,7 @@ mod tests {
                 line: None,
             }],
             module: Some("libf.so".into()),
+            file_offset: None,
         };
         symbolizer.keep(Answer::for_test(
             pid,

@@ -49,6 +49,20 @@ pub struct Symbol {
     pub frames: Vec<Frame>,
     /// The object the address is in, where known.
     pub module: Option<String>,
+    /// Where no function is named: the address's offset in `module`'s
+    /// file (what `addr2line -e` takes), from the process's mappings.
+    pub file_offset: Option<u64>,
+}
+
+impl Symbol {
+    /// Where an unnamed address is, as `object+0xoffset` (what `perf`
+    /// prints for one): a local function of a stripped object, such as a
+    /// distribution's Python, is unnamed but still told apart.
+    pub fn place(&self) -> Option<String> {
+        let (module, offset) = (self.module.as_deref()?, self.file_offset?);
+        let name = module.rsplit('/').next().unwrap_or(module);
+        Some(format!("{name}+{offset:#x}"))
+    }
 }
 
 /// The functions blazesym found at one address, innermost first.
@@ -69,6 +83,7 @@ fn symbol_of(result: &Symbolized<'_>) -> Option<Symbol> {
             .module
             .as_ref()
             .map(|m| m.to_string_lossy().into_owned()),
+        file_offset: None,
     })
 }
 

@@ -172,7 +172,8 @@ pub(super) fn describe(stack: &[(Space, u64)], symbolizer: &StackSymbolizer) -> 
         let symbol = symbolizer.get(space, address);
         let mark = if space == Space::Kernel { " [k]" } else { "" };
         if symbol.frames.is_empty() {
-            lines.push(format!("{address:#x}{mark}"));
+            let place = symbol.place().unwrap_or_else(|| format!("{address:#x}"));
+            lines.push(format!("{place}{mark}"));
         }
         for (i, f) in symbol.frames.iter().enumerate() {
             let inlined = if i + 1 < symbol.frames.len() {

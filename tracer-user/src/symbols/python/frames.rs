@@ -98,6 +98,7 @@ fn names() -> &'static Mutex<Names> {
                         line: None,
                     }],
                     module: Some(PYTHON_MODULE.to_string()),
+                    file_offset: None,
                 })
             })
             .collect();
@@ -121,6 +122,7 @@ fn entry_of(frame: Frame) -> u64 {
     names.symbols.push(Arc::new(Symbol {
         frames: vec![frame.clone()],
         module: Some(PYTHON_MODULE.to_string()),
+        file_offset: None,
     }));
     names.ids.insert(frame, id);
     TAG | id
