@@ -518,6 +518,28 @@ mod tests {
             .find(|m| m.perms.contains('x') && m.start <= address && address < m.end)
     }
 
+    /// A child running `sleep`, and the first mapping of it `wanted` takes
+    /// (waited for: the loader maps its libraries after the start).
+    fn sleep_mapping(wanted: impl Fn(&Mapping) -> bool) -> (std::process::Child, Mapping) {
+        let child = Command::new("sleep")
+            .arg("30")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start sleep");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let found = maps::read_maps(child.id())
+                .unwrap_or_default()
+                .into_iter()
+                .find(&wanted);
+            match found {
+                Some(m) => return (child, m),
+                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                None => panic!("sleep never mapped what was wanted"),
+            }
+        }
+    }
+
     /// A child running `sleep`, and where libc's `write()` is in it.
     fn sleeping_child() -> (std::process::Child, u64, Mapping) {
         // libc's write() in this process, and where the same byte of the
@@ -525,24 +547,9 @@ mod tests {
         let write = libc::write as *const () as u64;
         let ours = code_mapping(std::process::id(), write).expect("write() is mapped");
         assert!(ours.path.contains("libc"), "{ours:?}");
-        let child = Command::new("sleep")
-            .arg("30")
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start sleep");
-        let pid = child.id();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let theirs = loop {
-            let found = maps::read_maps(pid)
-                .unwrap_or_default()
-                .into_iter()
-                .find(|m| m.path == ours.path && m.offset == ours.offset && m.perms.contains('x'));
-            match found {
-                Some(m) => break m,
-                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                None => panic!("sleep never mapped {}", ours.path),
-            }
-        };
+        let (child, theirs) = sleep_mapping(|m| {
+            m.path == ours.path && m.offset == ours.offset && m.perms.contains('x')
+        });
         (child, theirs.start + (write - ours.start), ours)
     }
 
@@ -584,23 +591,9 @@ mod tests {
     /// `sleep` every distribution ships) is told by its file and offset.
     #[test]
     fn an_unnamed_address_keeps_its_file_and_offset() {
-        let mut child = Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .expect("start sleep");
+        let (mut child, text) =
+            sleep_mapping(|m| m.perms.contains('x') && m.path.ends_with("/sleep"));
         let pid = child.id();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let text = loop {
-            let found = maps::read_maps(pid)
-                .unwrap_or_default()
-                .into_iter()
-                .find(|m| m.perms.contains('x') && m.path.ends_with("/sleep"));
-            match found {
-                Some(m) => break m,
-                None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                None => panic!("sleep never mapped itself"),
-            }
-        };
         let address = text.start + (text.end - text.start) / 2;
         let mut symbolizer = StackSymbolizer::default();
         symbolizer.note_stack(user_sample(pid, address).stack());
