@@ -88,6 +88,12 @@ pub struct PyFrame {
     pub line: u32,
 }
 
+/// Whether a line of a stack's text is a Python frame (`function
+/// file.py:line`) rather than a native one.
+pub fn is_python_line(line: &str) -> bool {
+    line.contains(".py:")
+}
+
 /// The Python frames of a stack's text (one frame a line, innermost
 /// first), in order.
 pub fn python_frames(stack: &str) -> Vec<PyFrame> {

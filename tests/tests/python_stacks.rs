@@ -8,7 +8,7 @@ use std::{collections::HashMap, path::Path, time::Duration};
 
 use ebtrace_tests::{
     TempDir, http,
-    pyenv::{self, PyFrame, function_lines, python_fixture, python_frames},
+    pyenv::{self, PyFrame, function_lines, is_python_line, python_fixture, python_frames},
     python::PythonWorkload,
     record, require_root, serial,
     serve::ServeProcess,
@@ -127,11 +127,11 @@ fn samples_name_the_scripts_lines(minor: u8) {
             // the native frames that started the interpreter (not after
             // `_start`, where a stack whose eval frames were not found
             // would put them).
-            native_below += u64::from(stack.lines().last().is_some_and(|l| !l.contains(".py:")));
+            native_below += u64::from(stack.lines().last().is_some_and(|l| !is_python_line(l)));
             // In the interpreter's own code (or its C runtime), a sample is
             // named after the innermost Python frame.
             let named_after_python = s.name == frames[0].function;
-            let native_above = stack.lines().next().is_some_and(|l| !l.contains(".py:"));
+            let native_above = stack.lines().next().is_some_and(|l| !is_python_line(l));
             assert!(named_after_python || native_above, "{}:\n{stack}", s.name);
             // Every native frame is named, or placed in its object where
             // that is stripped (Debian's 3.14): none is a bare address.
@@ -161,7 +161,7 @@ fn samples_name_the_scripts_lines(minor: u8) {
         samples
             .iter()
             .map(|s| s.stats["cpu_sample_stack"].as_str())
-            .find(|st| st.lines().last().is_some_and(|l| l.contains(".py:")))
+            .find(|st| st.lines().last().is_some_and(is_python_line))
             .unwrap_or_default()
     );
     let python = &summary["python_stacks"];
@@ -392,7 +392,7 @@ fn a_corrupt_frame_chain_is_marked_and_counted_not_followed() {
         let stack = s.stats["cpu_sample_stack"].as_str();
         // Named after its Python frame, unless the tick found the thread
         // in native code below it (taking the GIL back, say).
-        let native_above = stack.lines().next().is_some_and(|l| !l.contains(".py:"));
+        let native_above = stack.lines().next().is_some_and(|l| !is_python_line(l));
         let leaf = python_frames(stack).into_iter().next().map(|f| f.function);
         assert_eq!(leaf.as_deref(), Some("spin_on_a_lie"), "{stack}");
         assert!(
@@ -577,7 +577,7 @@ fn a_launch_from_python_carries_the_python_line_that_made_it() {
             "{stack}"
         );
         assert!(launch_line.contains(&frames[0].line), "{stack}");
-        let first_python = stack.lines().position(|l| l.contains(".py:")).unwrap();
+        let first_python = stack.lines().position(is_python_line).unwrap();
         assert!(
             stack
                 .lines()
