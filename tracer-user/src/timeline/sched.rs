@@ -58,6 +58,15 @@ struct Bounds {
     tracked_from: FxHashMap<u32, u64>,
 }
 
+impl Bounds {
+    /// Whether a record at `ts` is counted. The records from between
+    /// attaching and the window's start set the threads' states up, but
+    /// the counters cover the window alone.
+    fn counts(&self, ts: u64) -> bool {
+        ts >= self.start_ns
+    }
+}
+
 /// Thread `tid` of process `pid`, made on its first record.
 fn thread_entry(threads: &mut FxHashMap<u32, ThreadBuild>, tid: u32, pid: u32) -> &mut ThreadBuild {
     let t = threads.entry(tid).or_default();
@@ -227,7 +236,7 @@ impl SchedTimelineBuilder {
         if ts > self.bounds.stop_ns {
             return;
         }
-        if ts >= self.bounds.start_ns {
+        if self.bounds.counts(ts) {
             self.records += 1;
         }
         match record {
@@ -311,14 +320,12 @@ impl SchedTimelineBuilder {
         };
         t.last_cpu = Some(cpu);
         self.slice_events += t.close(ts, before_first, &self.bounds);
-        // Records from between attaching and the window's start set the
-        // states up but are not counted: the counters cover the window.
-        t.after_switch_out(prev_state, ts, ts >= self.bounds.start_ns);
+        t.after_switch_out(prev_state, ts, self.bounds.counts(ts));
     }
 
     fn switch_in(&mut self, tid: u32, pid: u32, cpu: u32, ts: u64) {
         let t = thread_entry(&mut self.threads, tid, pid);
-        if ts >= self.bounds.start_ns && t.last_cpu.is_some_and(|c| c != cpu) {
+        if self.bounds.counts(ts) && t.last_cpu.is_some_and(|c| c != cpu) {
             t.counters.migrations += 1;
         }
         t.last_cpu = Some(cpu);
@@ -356,7 +363,7 @@ impl SchedTimelineBuilder {
         ts: u64,
     ) {
         let initial_letter = self.initial.get(&tid).map(|i| i.state);
-        let in_window = ts >= self.bounds.start_ns;
+        let counted = self.bounds.counts(ts);
         let t = self.thread(tid, pid);
         let blocked_before = match t.cur {
             Some((ThreadState::Blocked { .. }, _)) => true,
@@ -368,7 +375,7 @@ impl SchedTimelineBuilder {
         if !blocked_before {
             return;
         }
-        if in_window {
+        if counted {
             t.counters.wakeups += 1;
         }
         let before = ThreadState::Blocked {
