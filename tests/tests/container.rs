@@ -4,17 +4,10 @@
 //! the tracefs, debugfs and BTF mounts. It finds a process that uses the
 //! CUDA driver, and a snapshot holds that process's driver calls. Run under
 //! the runtime's default seccomp profile instead, it exits with the line
-//! that says why and what to do.
-//!
-//! The image's base, `debian:bookworm-slim`, is pulled from a registry on
-//! a real node; here it is the same distribution built from Debian's
-//! packages (`debootstrap --variant=minbase bookworm`) and imported under
-//! that name, once per machine.
+//! that says why and what to do. The image's base is the one
+//! `ebtrace_tests::podman` builds.
 
-use std::{
-    process::{Command, Output},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use ebtrace_proto::tensorflow::{
     GetSnapshotRequest, profiler_service_client::ProfilerServiceClient,
@@ -22,66 +15,18 @@ use ebtrace_proto::tensorflow::{
 use ebtrace_tests::{
     TempDir,
     cuda::CudaWorkload,
-    debian_tool,
     deploy::{
         daemonset_capabilities, daemonset_host_mounts, daemonset_list, daemonset_seccomp,
         deploy_path,
     },
-    ebtrace_bin, require_root, serial,
+    ebtrace_bin,
+    podman::{ensure_base, host_limits, podman, run, tools_present},
+    require_root, serial,
     serve::xspace_of,
     xspace::{count_named, plane},
 };
 
-const BASE: &str = "debian:bookworm-slim";
 const IMAGE: &str = "localhost/ebtrace-test:latest";
-
-/// podman, with what this test machine needs of it: `runc` and cgroupfs
-/// (crun refuses a host with both cgroup versions mounted), and limits no
-/// higher than the host's (root here lacks CAP_SYS_RESOURCE to raise them).
-fn podman() -> Command {
-    let mut cmd = Command::new("podman");
-    cmd.args(["--runtime", "runc", "--cgroup-manager", "cgroupfs"]);
-    cmd
-}
-
-fn run(cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// The base image, made from Debian's packages if this machine has none.
-fn ensure_base() {
-    let exists = podman()
-        .args(["image", "exists", BASE])
-        .status()
-        .is_ok_and(|s| s.success());
-    if exists {
-        return;
-    }
-    let root = TempDir::new("container-base");
-    let rootfs = root.path().join("rootfs");
-    run(Command::new("debootstrap").args([
-        "--variant=minbase",
-        "bookworm",
-        rootfs.to_str().unwrap(),
-        "http://deb.debian.org/debian",
-    ]));
-    let tar = root.path().join("rootfs.tar");
-    run(Command::new("tar").args([
-        "-C",
-        rootfs.to_str().unwrap(),
-        "-cf",
-        tar.to_str().unwrap(),
-        ".",
-    ]));
-    run(podman().args(["import", tar.to_str().unwrap(), BASE]));
-}
 
 /// Builds the image from the Containerfile, the binary under test placed
 /// where the Containerfile takes it from.
@@ -113,18 +58,9 @@ impl Container {
     /// runtime's default seccomp profile unless `as_the_daemonset`.
     fn start(name: &str, as_the_daemonset: bool) -> Self {
         let _ = podman().args(["rm", "-f", name]).output();
-        let limits = |resource: &str| {
-            let out = Command::new("sh")
-                .args(["-c", &format!("ulimit -H{resource}")])
-                .output()
-                .unwrap();
-            let n = String::from_utf8_lossy(&out.stdout).trim().to_string();
-            format!("{n}:{n}")
-        };
         let mut cmd = podman();
         cmd.args(["run", "-d", "--name", name, "--pid=host", "--network=host"])
-            .args(["--ulimit", &format!("nofile={}", limits("n"))])
-            .args(["--ulimit", "nproc=4096:4096"])
+            .args(host_limits())
             .args(["--cap-drop=ALL", "--security-opt", "no-new-privileges"]);
         for cap in daemonset_capabilities() {
             cmd.arg(format!("--cap-add={cap}"));
@@ -198,13 +134,6 @@ impl Drop for Container {
     fn drop(&mut self) {
         let _ = podman().args(["rm", "-f", "-t", "2", &self.name]).output();
     }
-}
-
-/// podman, runc and debootstrap (`cargo xtask setup` installs them).
-fn tools_present() -> bool {
-    ["podman", "runc", "debootstrap"]
-        .iter()
-        .all(|t| debian_tool(t).is_some())
 }
 
 #[test]
