@@ -59,10 +59,12 @@ fn main() {
             pid,
             cycles,
             library,
+            hold,
         }) => std::process::exit(ebtrace::agent::inject::check::run(
             *pid,
             *cycles,
             library.as_deref(),
+            *hold,
         )),
         None => record::run(&cli.record),
     };

@@ -79,6 +79,9 @@ pub enum Command {
         /// with one byte, answered plus one).
         #[arg(long, value_name = "PATH")]
         library: Option<PathBuf>,
+        /// How long each cycle keeps the library loaded after the ping.
+        #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = parse_duration_or_zero)]
+        hold: Duration,
     },
 }
 

@@ -58,6 +58,15 @@ pub fn descriptor_targets(pid: u32) -> std::io::Result<Vec<(i32, PathBuf)>> {
         .collect())
 }
 
+/// What ebtrace's own descriptor `fd` names (`/proc/self/fd/FD`).
+pub fn own_descriptor_target(fd: std::os::fd::RawFd) -> std::io::Result<PathBuf> {
+    std::fs::read_link(
+        process_dir(std::process::id())
+            .join("fd")
+            .join(fd.to_string()),
+    )
+}
+
 /// A pidfd of process `pid` (Linux 5.3+).
 pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // The kernel's answer for a pid no process can have.

@@ -3,6 +3,7 @@
 //! starts, memory, files and the kernel's settings. Every read of `/proc`
 //! goes through here; the rest of the crate asks these functions.
 
+mod cgroup;
 mod files;
 mod memory;
 mod process;
@@ -11,9 +12,10 @@ mod system;
 
 use std::path::PathBuf;
 
+pub use cgroup::frozen_cgroup;
 pub use files::{
-    descriptor_targets, environment, executable, mapped_file, own_executable, pidfd_open,
-    released_first_at_exit, root_dir,
+    descriptor_targets, environment, executable, mapped_file, own_descriptor_target,
+    own_executable, pidfd_open, released_first_at_exit, root_dir,
 };
 pub use memory::{
     ProcessMemory, mapping_at, maps_text, mem_available_bytes, memory_file, own_resident_bytes,
@@ -21,7 +23,7 @@ pub use memory::{
 };
 pub use process::{
     ProcessCounters, TargetProcess, TaskStat, descendants_since, is_alive, is_listed, parse_stat,
-    process_ids, start_time_ticks, thread_ids, thread_is_listed, thread_syscall,
+    process_ids, start_time_ticks, thread_ids, thread_is_listed, thread_state, thread_syscall,
 };
 pub use status::{
     ContextSwitches, process_name, process_of_task, real_uid, seccomp_mode,

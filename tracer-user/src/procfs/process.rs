@@ -146,6 +146,12 @@ pub fn thread_is_listed(pid: u32, tid: u32) -> bool {
     thread_dir(pid, tid).exists()
 }
 
+/// The single-letter state of thread `tid` of `pid` (see [`TaskStat`]).
+pub fn thread_state(pid: u32, tid: u32) -> Option<char> {
+    let stat = fs::read_to_string(thread_dir(pid, tid).join("stat")).ok()?;
+    parse_stat(&stat).map(|s| s.state)
+}
+
 /// What thread `tid` of `pid` is doing (`/proc/PID/task/TID/syscall`): the
 /// number and arguments of the syscall it is blocked in, `-1` and its
 /// registers while in user code, or `running`.

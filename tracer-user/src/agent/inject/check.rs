@@ -4,7 +4,8 @@
 //! cycle with the timings and the number of threads read. It exists for the tests and for diagnosing
 //! the loader on a machine (hidden from `--help`). With `--library`, the
 //! library given is loaded instead and pinged with one byte, which it
-//! answers plus one (the tests' loader probe).
+//! answers plus one (the tests' loader probe). `--hold` keeps each load
+//! in place that long after the ping, as a capture would.
 
 use std::{
     io::{Read as _, Write as _},
@@ -36,8 +37,9 @@ fn report_json(r: &InjectReport) -> String {
 }
 
 /// Runs `cycles` load/ping/unload cycles on `pid` with the library at
-/// `library`; returns the process exit code.
-pub fn run(pid: u32, cycles: u32, library: Option<&Path>) -> i32 {
+/// `library`, each loaded for `hold` after its ping; returns the process
+/// exit code.
+pub fn run(pid: u32, cycles: u32, library: Option<&Path>, hold: Duration) -> i32 {
     let bytes = match library.map(std::fs::read) {
         None => crate::agent::LIBRARY.to_vec(),
         Some(Ok(b)) => b,
@@ -55,7 +57,7 @@ pub fn run(pid: u32, cycles: u32, library: Option<&Path>) -> i32 {
         ping_agent
     };
     for cycle in 0..cycles {
-        match one_cycle(pid, &bytes, cycle, ping) {
+        match one_cycle(pid, &bytes, cycle, ping, hold) {
             Ok(line) => println!("{line}"),
             Err(e) => {
                 eprintln!("ebtrace inject-check: error: cycle {cycle}: {e}");
@@ -74,6 +76,7 @@ fn one_cycle(
     library: &[u8],
     cycle: u32,
     ping: Ping,
+    hold: Duration,
 ) -> Result<String, Box<dyn std::error::Error>> {
     let (injected, mut sock) = super::load(pid, library, AGENT_ATTACH)?;
     let tid = injected.tid;
@@ -81,11 +84,12 @@ fn one_cycle(
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     ping(&mut sock, cycle)?;
     let threads = super::thread_pointers(pid, |_| false)?.len();
+    std::thread::sleep(hold);
     // Tells the library to finish (it stops at end of file).
     drop(sock);
     let unload = injected.unload(AGENT_DETACH)?;
     Ok(format!(
-        "{{\"cycle\":{cycle},\"pid\":{pid},\"tid\":{tid},\"threads\":{threads},\"load\":{},         \"unload\":{}}}",
+        "{{\"cycle\":{cycle},\"pid\":{pid},\"tid\":{tid},\"threads\":{threads},\"load\":{},\"unload\":{}}}",
         report_json(&load),
         report_json(&unload)
     ))

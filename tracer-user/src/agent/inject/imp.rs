@@ -14,6 +14,7 @@ use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
     calls::Calls,
     hazards::{Hazards, Refusals},
+    lock::TargetLock,
     seccomp,
     session::{RESTARTED_WAITS, Session, code_len},
     symbols,
@@ -33,10 +34,14 @@ const LEFTOVER_THREAD_WAIT: Duration = Duration::from_secs(5);
 /// The threads to make the calls on, in the order to try them: blocked in
 /// a syscall the kernel restarts, then waiting on a futex, then running;
 /// never one of the agent's, nor one in another syscall (stopping it could
-/// end that syscall with EINTR).
+/// end that syscall with EINTR), nor one asleep where no signal reaches it
+/// (state D: it would not stop for ptrace).
 fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
     let mut ranked: Vec<(u8, u32)> = Vec::new();
     for tid in super::program_threads(pid)? {
+        if procfs::thread_state(pid, tid) == Some('D') {
+            continue;
+        }
         let syscall = procfs::thread_syscall(pid, tid).unwrap_or_default();
         let first = syscall.split_whitespace().next().unwrap_or("");
         let tier = match first.parse::<i64>() {
@@ -56,6 +61,7 @@ fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
 /// A session on the first thread found at a safe point, the candidates
 /// tried again and again for up to [`SAFE_POINT_WAIT`].
 fn open_session(pid: u32) -> Result<Session, InjectError> {
+    refuse_a_target_that_cannot_run(pid)?;
     let code = symbols::code_room(pid, code_len())?;
     let mut hazards = Hazards::of(pid)?;
     let began = Instant::now();
@@ -88,6 +94,22 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
     }
 }
 
+/// A stopped process, or one in a frozen cgroup, runs none of the calls
+/// until it is continued: the load would wait for it, and its agent's
+/// thread would join the stop.
+fn refuse_a_target_that_cannot_run(pid: u32) -> Result<(), InjectError> {
+    if let Some(cgroup) = procfs::frozen_cgroup(pid) {
+        return Err(InjectError::TargetFrozen { pid, cgroup });
+    }
+    let stopped = super::program_threads(pid)?
+        .into_iter()
+        .any(|tid| procfs::thread_state(pid, tid) == Some('T'));
+    if stopped {
+        return Err(InjectError::TargetStopped { pid });
+    }
+    Ok(())
+}
+
 fn thread_gone(pid: u32, tid: u32) -> bool {
     procfs::is_alive(pid) && !procfs::thread_is_listed(pid, tid)
 }
@@ -99,9 +121,9 @@ fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
     }
 }
 
-/// The first call of the loading's that the seccomp filters of the
-/// session's thread would kill it for, where they can be read and run.
-fn forbidden_call(pid: u32, s: &Session) -> Option<&'static str> {
+/// Why the seccomp filters of the session's thread stand in the way of
+/// the load (see [`seccomp::forbidden`]), where they can be read and run.
+fn seccomp_refusal(pid: u32, s: &Session) -> Option<InjectError> {
     if procfs::seccomp_mode(pid) != Some(2) {
         return None;
     }
@@ -109,10 +131,10 @@ fn forbidden_call(pid: u32, s: &Session) -> Option<&'static str> {
         log::debug!("pid {pid}: its seccomp filters cannot be read (CAP_SYS_ADMIN); not judged");
         return None;
     };
-    seccomp::LOADING_CALLS
-        .iter()
-        .find(|(_, nr, args)| seccomp::judge(&filters, *nr, *args) == seccomp::Verdict::Harmful)
-        .map(|(name, _, _)| *name)
+    seccomp::forbidden(filters).map(|(call, verdict)| match verdict {
+        seccomp::Verdict::Fails { errno } => InjectError::SeccompFails { pid, call, errno },
+        _ => InjectError::SeccompForbids { pid, call },
+    })
 }
 
 /// A descriptor of the target, duplicated into ebtrace (`pidfd_getfd`).
@@ -156,7 +178,8 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     if !procfs::is_alive(pid) {
         return Err(InjectError::NoSuchProcess { pid });
     }
-    unload_leftovers(pid, AGENT_DETACH)?;
+    let lock = TargetLock::take(pid)?;
+    unload_leftovers_locked(pid, AGENT_DETACH)?;
     let name = copy_name(library);
     let pinned = pinned_copy(pid, &name)?;
     if pinned.is_some() {
@@ -166,9 +189,9 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
     let fns = symbols::resolve(pid)?;
     let pidfd = pidfd_open(pid)?;
     let mut s = open_session(pid)?;
-    if let Some(call) = forbidden_call(pid, &s) {
+    if let Some(refusal) = seccomp_refusal(pid, &s) {
         s.close()?;
-        return Err(InjectError::SeccompForbids { pid, call });
+        return Err(refusal);
     }
     let tid = s.tid();
     let mut c = Calls { s: &mut s, fns };
@@ -200,6 +223,7 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
         handle,
         memfd: partial.memfd,
         report,
+        lock,
     };
     Ok((injected, UnixStream::from(ours)))
 }
@@ -216,6 +240,16 @@ fn load_calls(
     let memfd = c.memfd_create(name)?;
     partial.memfd = Some(memfd);
     let mut file = fs::File::from(take_fd(pid, pidfd, memfd)?);
+    if !is_fresh_memfd(&file, name) {
+        return Err(InjectError::TargetCall {
+            pid,
+            call: "memfd_create",
+            detail: format!(
+                "descriptor {memfd} is no longer the memfd made for the agent (a thread of the \
+                 program put another file there): nothing was written"
+            ),
+        });
+    }
     file.write_all(library).map_err(|e| {
         io_err(
             format!("writing the agent library into pid {pid}'s memfd"),
@@ -258,7 +292,7 @@ fn unused_path(c: &mut Calls, fd: i32) -> Result<String, InjectError> {
         pid: c.pid(),
         call: "dlopen",
         detail: format!(
-            "{PATH_SPELLINGS} spellings of a path to the agent's memfd all name libraries loaded              already"
+            "{PATH_SPELLINGS} spellings of a path to the agent's memfd all name libraries loaded already"
         ),
     })
 }
@@ -417,6 +451,22 @@ fn unload_agent(
 
 /// Seals the library's memfd: nothing in the target (or anyone it passes
 /// the descriptor to) can change the code ebtrace's agent runs from.
+/// Whether `file`, copied from the target's descriptor that `memfd_create`
+/// returned, is still that memfd: empty, unlinked, unsealed, named `name`.
+/// A thread of the program may have put another file at that number since
+/// (`dup2`, `close` and `open`): the agent written there would land in it.
+fn is_fresh_memfd(file: &fs::File, name: &str) -> bool {
+    use std::os::{fd::AsRawFd as _, unix::fs::MetadataExt as _};
+    let memfd_path = format!("/memfd:{name} (deleted)");
+    let named = procfs::own_descriptor_target(file.as_raw_fd())
+        .is_ok_and(|p| p.as_os_str() == memfd_path.as_str());
+    let empty = file
+        .metadata()
+        .is_ok_and(|m| m.is_file() && m.len() == 0 && m.nlink() == 0);
+    let unsealed = rustix::fs::fcntl_get_seals(file).is_ok_and(|s| s.is_empty());
+    named && empty && unsealed
+}
+
 fn seal(file: &fs::File) -> std::io::Result<()> {
     let seals = SealFlags::SEAL | SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE;
     Ok(rustix::fs::fcntl_add_seals(file, seals)?)
@@ -512,6 +562,13 @@ fn leftover_fds(pid: u32) -> Result<Vec<i32>, InjectError> {
 }
 
 pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
+    let _lock = TargetLock::take(pid)?;
+    unload_leftovers_locked(pid, exit)
+}
+
+/// [`unload_leftovers`] by an ebtrace that holds the target's lock: what
+/// is loaded now is no live ebtrace's.
+fn unload_leftovers_locked(pid: u32, exit: &str) -> Result<usize, InjectError> {
     let fds = leftover_fds(pid)?;
     if fds.is_empty() {
         return Ok(0);
@@ -541,3 +598,6 @@ pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
     diverted?;
     Ok(unloaded)
 }
+
+#[cfg(test)]
+mod tests;

@@ -44,6 +44,8 @@ mod calls;
 #[cfg(target_arch = "x86_64")]
 mod hazards;
 #[cfg(target_arch = "x86_64")]
+mod lock;
+#[cfg(target_arch = "x86_64")]
 mod ptrace;
 #[cfg(target_arch = "x86_64")]
 mod seccomp;
@@ -83,6 +85,9 @@ pub struct Injected {
     pub memfd: Option<i32>,
     /// How long the load took.
     pub report: InjectReport,
+    /// Held until the agent is unloaded: no other ebtrace loads meanwhile.
+    #[cfg(target_arch = "x86_64")]
+    lock: Option<lock::TargetLock>,
 }
 
 /// Where a thread taken over was stopped.
@@ -129,6 +134,59 @@ pub enum InjectError {
         /// What stands in the way (another tracer, a missing capability,
         /// Yama's ptrace scope) and how to lift it.
         why: String,
+    },
+
+    /// The target is stopped (SIGSTOP, a job-control stop): code run in it
+    /// would run while the program itself cannot, and an agent's thread
+    /// would join the stop.
+    #[error(
+        "pid {pid} is stopped (SIGSTOP or a job-control stop): ebtrace runs no code in a stopped \
+         process; continue it (`kill -CONT {pid}`) and capture again"
+    )]
+    TargetStopped {
+        /// The target process.
+        pid: u32,
+    },
+
+    /// The target's cgroup is frozen: none of its threads would run a call.
+    #[error(
+        "pid {pid} is in the frozen cgroup {cgroup}: ebtrace runs no code in it until it is \
+         thawed (write 0 to that cgroup's cgroup.freeze, or THAWED to its freezer.state)"
+    )]
+    TargetFrozen {
+        /// The target process.
+        pid: u32,
+        /// The frozen cgroup's path in its hierarchy.
+        cgroup: String,
+    },
+
+    /// A thread did not stop for ptrace in time: it sleeps where no signal
+    /// reaches it (state D: a hung NFS or FUSE read, a v1 freezer).
+    #[error(
+        "thread {tid} of pid {pid} did not stop within {seconds} s (it sleeps uninterruptibly, \
+         state D): ebtrace left it; capture again once it runs"
+    )]
+    ThreadUnresponsive {
+        /// The target process.
+        pid: u32,
+        /// The thread.
+        tid: u32,
+        /// How long it was given.
+        seconds: u64,
+    },
+
+    /// Another ebtrace (or this one, for another capture) is loading into
+    /// the target, or its agent is loaded there.
+    #[error(
+        "pid {pid} is being captured by another ebtrace{}: one ebtrace at a time loads its agent \
+         into a process; wait for that capture to end",
+        holder.map(|h| format!(" (pid {h})")).unwrap_or_default()
+    )]
+    AnotherEbtrace {
+        /// The target process.
+        pid: u32,
+        /// The ebtrace holding the target's lock, where it says.
+        holder: Option<u32>,
     },
 
     /// The target exited during the operation.
@@ -225,6 +283,22 @@ pub enum InjectError {
         call: &'static str,
     },
 
+    /// The target's seccomp filter would fail a syscall the load cannot do
+    /// without, leaving the load half-done in it.
+    #[error(
+        "pid {pid} runs under a seccomp filter that fails the {call}() call loading the agent \
+         makes (errno {errno}): ebtrace does not load its agent into it; allow {call} in its \
+         profile, or use --traceme uprobe and --no-device-activity"
+    )]
+    SeccompFails {
+        /// The target process.
+        pid: u32,
+        /// The call the filter fails.
+        call: &'static str,
+        /// The errno it fails with.
+        errno: u32,
+    },
+
     /// A call made in the target did not return in time and was abandoned.
     #[error(
         "{call}() in pid {pid} did not return in {seconds} s (it waits for something another \
@@ -313,7 +387,12 @@ impl Injected {
     /// stays loaded (its code may still run) and the error says why.
     pub fn unload(self, exit: &str) -> Result<InjectReport, InjectError> {
         #[cfg(target_arch = "x86_64")]
-        return imp::unload(&self, exit);
+        {
+            let unloaded = imp::unload(&self, exit);
+            // Another ebtrace may load once this one's agent is out.
+            drop(self.lock);
+            unloaded
+        }
         #[cfg(not(target_arch = "x86_64"))]
         {
             let _ = exit;

@@ -5,6 +5,12 @@
 //! Signals that reach the thread while it is held are suppressed and
 //! remembered; [`Tracee::detach`] delivers them again (the first with the
 //! detach itself, the others with `tgkill`), so the target loses none.
+//!
+//! Registers are never written at a syscall-entry stop: the kernel runs
+//! the thread's seccomp filters after that stop, on whatever number the
+//! tracer left, and a skipped syscall (-1) is on no allowlist. A stop at a
+//! syscall's entry is first run out to the syscall's exit, its number
+//! replaced by one the filters let run ([`Tracee::set_harmless_syscall`]).
 
 use std::{
     fs::File,
@@ -34,6 +40,9 @@ type SigInfo = [u8; SIGINFO_LEN];
 const SIGRTMIN: i32 = 32;
 /// glibc's signal for `setuid()` and the like in a multithreaded program.
 const SIGSETXID: i32 = 33;
+/// How long a thread seized gets to stop: one in user code or an
+/// interruptible wait stops at once.
+const SEIZE_WAIT: Duration = Duration::from_secs(2);
 /// How long the signals held back get to be taken by the thread again.
 const REDELIVERY_WAIT: Duration = Duration::from_millis(200);
 const PTRACE_SECCOMP_GET_FILTER: libc::c_long = 0x420c;
@@ -103,7 +112,18 @@ pub struct Tracee {
     /// the lock `pthread_create` needs: held back, it would stall both the
     /// program and the agent's start. Its handler is async-signal-safe.
     pass_on: Option<(i32, SigInfo)>,
+    /// Stopped at a syscall's entry, not resumed since.
+    at_syscall_entry: bool,
+    /// A syscall without effects that the thread's filters let run: what a
+    /// syscall-entry stop is run out with before registers are written.
+    harmless_syscall: u64,
 }
+
+/// `getpid`: no filter in use refuses it.
+const GETPID: u64 = 39;
+/// How many stops running a syscall out to its exit may take (its exit's
+/// comes next; the bound is for a kernel that says otherwise).
+const STOPS_TO_EXIT: usize = 8;
 
 fn ptrace(req: libc::c_long, tid: u32, addr: u64, data: u64) -> io::Result<libc::c_long> {
     // SAFETY: a raw ptrace request; `addr`/`data` point into buffers the
@@ -133,10 +153,23 @@ impl Tracee {
             attached: true,
             status: None,
             pass_on: None,
+            at_syscall_entry: false,
+            harmless_syscall: GETPID,
         };
         t.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
+        let deadline = Instant::now() + SEIZE_WAIT;
         loop {
-            match t.wait()? {
+            if !t.stopped_by(deadline)? {
+                // Asleep where the interrupt does not reach it: it stops
+                // when it wakes, and is let go when this thread of
+                // ebtrace's ends (a tracer's exit releases its tracees).
+                return Err(InjectError::ThreadUnresponsive {
+                    pid,
+                    tid,
+                    seconds: SEIZE_WAIT.as_secs(),
+                });
+            }
+            match t.decode_stop()? {
                 Stop::Event => {
                     t.replay_wait_ended_by_the_stop()?;
                     return Ok(t);
@@ -225,6 +258,7 @@ impl Tracee {
     /// took is.
     fn decode_stop(&mut self) -> Result<Stop, InjectError> {
         let status = self.status.take().unwrap_or(0);
+        self.at_syscall_entry = false;
         if !libc::WIFSTOPPED(status) {
             self.attached = false;
             return Err(InjectError::TargetExited { pid: self.pid });
@@ -234,7 +268,9 @@ impl Tracee {
             return Ok(Stop::Event);
         }
         if sig == libc::SIGTRAP | 0x80 {
-            return self.syscall_stop();
+            let stop = self.syscall_stop()?;
+            self.at_syscall_entry = matches!(stop, Stop::SyscallEntry { .. });
+            return Ok(stop);
         }
         let mut info: SigInfo = [0; SIGINFO_LEN];
         let _ = ptrace(PTRACE_GETSIGINFO, self.tid, 0, info.as_mut_ptr() as u64);
@@ -270,7 +306,36 @@ impl Tracee {
     /// Lets the thread run on from a stop, taking the signal to pass on.
     fn resume(&mut self) -> Result<(), InjectError> {
         let sig = self.pass_on.take().map_or(0, |(sig, _)| sig);
+        self.at_syscall_entry = false;
         self.request(PTRACE_SYSCALL, 0, sig as u64, "resume")
+    }
+
+    /// Sets the syscall a syscall-entry stop is run out with: `nr` must be
+    /// one the thread's filters let run (or fail), and have no effect.
+    pub fn set_harmless_syscall(&mut self, nr: u32) {
+        self.harmless_syscall = u64::from(nr);
+    }
+
+    /// From a syscall-entry stop, runs the thread to that syscall's exit,
+    /// the harmless syscall in its place: from there on nothing the kernel
+    /// does before the thread's own code looks at its registers.
+    fn run_out_of_syscall_entry(&mut self) -> Result<(), InjectError> {
+        let mut regs = self.regs()?;
+        regs.orig_rax = self.harmless_syscall;
+        self.write_regs(&regs)?;
+        for _ in 0..STOPS_TO_EXIT {
+            match self.step()? {
+                Stop::SyscallExit => return Ok(()),
+                // Suppressed and remembered, as at every stop.
+                Stop::Signal(_) | Stop::Event => {}
+                Stop::SyscallEntry { .. } => break,
+            }
+        }
+        Err(InjectError::TargetCall {
+            pid: self.pid,
+            call: "a syscall run out to its exit",
+            detail: format!("thread {} did not reach the syscall's exit", self.tid),
+        })
     }
 
     /// Lets the thread run to its next stop (syscall entry or exit,
@@ -311,6 +376,22 @@ impl Tracee {
         self.request(PTRACE_INTERRUPT, 0, 0, "interrupt")?;
         self.wait()?;
         Ok(None)
+    }
+
+    /// Whether the thread stops by `deadline` (its status then waits to be
+    /// decoded by [`Self::decode_stop`]).
+    fn stopped_by(&mut self, deadline: Instant) -> Result<bool, InjectError> {
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if self.stopped_now()? {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
     }
 
     /// Whether the thread has stopped (its status then waits to be decoded
@@ -421,7 +502,16 @@ impl Tracee {
         Ok(regs)
     }
 
-    pub fn set_regs(&self, regs: &Regs) -> Result<(), InjectError> {
+    /// Writes the thread's registers, as they are to be when it next runs
+    /// its own code: a syscall-entry stop is first run out to its exit.
+    pub fn set_regs(&mut self, regs: &Regs) -> Result<(), InjectError> {
+        if self.at_syscall_entry {
+            self.run_out_of_syscall_entry()?;
+        }
+        self.write_regs(regs)
+    }
+
+    fn write_regs(&self, regs: &Regs) -> Result<(), InjectError> {
         self.request(
             PTRACE_SETREGS,
             0,

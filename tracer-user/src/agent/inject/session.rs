@@ -10,6 +10,7 @@ use super::{
     InjectError, StopPoint,
     hazards::{Hazards, Refusal},
     ptrace::{Regs, Stop, Tracee},
+    seccomp::{self, Insn},
     trampoline::{self, BLOCK_LEN, RESULT, SCRATCH},
 };
 
@@ -111,6 +112,9 @@ pub struct Session {
     /// Where zeros go before each call: the XSAVE area's header (or the
     /// block itself, with FXSAVE).
     fp_header: u64,
+    /// The thread's seccomp filters, newest first, where it has some and
+    /// they can be read.
+    filters: Option<Vec<Vec<Insn>>>,
     stopped_at: Instant,
     stopped: StopPoint,
     closed: bool,
@@ -159,13 +163,28 @@ impl Session {
             tracee.detach()?;
             return Ok(Err(refusal));
         }
+        let filters = match crate::procfs::seccomp_mode(pid) {
+            Some(2) => tracee.seccomp_filters(),
+            _ => None,
+        };
+        let marker = match &filters {
+            Some(filters) => {
+                seccomp::marker_syscall(filters).ok_or(InjectError::SeccompForbids {
+                    pid,
+                    call: "getpid",
+                })?
+            }
+            None => trampoline::GETPID,
+        };
+        tracee.set_harmless_syscall(marker);
         let saved = normalize(raw);
         let saved_fp = tracee.fp_state()?;
-        let (bytes, marker_end) = trampoline::code(fp);
+        let (bytes, marker_end) = trampoline::code(fp, marker);
         tracee.write(code, &bytes)?;
         let block = trampoline::block_at(saved.rsp);
         Ok(Ok(Session {
             fp_header: block - fp.header_below_block(),
+            filters,
             tracee,
             saved,
             saved_fp,
@@ -195,10 +214,10 @@ impl Session {
         self.stopped
     }
 
-    /// The thread's seccomp filters, if they can be read (see
-    /// [`Tracee::seccomp_filters`]).
-    pub fn seccomp_filters(&self) -> Option<Vec<Vec<super::seccomp::Insn>>> {
-        self.tracee.seccomp_filters()
+    /// The thread's seccomp filters, where it has some and they can be
+    /// read (see [`Tracee::seccomp_filters`]).
+    pub fn seccomp_filters(&self) -> Option<&[Vec<Insn>]> {
+        self.filters.as_deref()
     }
 
     /// Makes the whole scratch area free again (what was put there is used
@@ -240,7 +259,9 @@ impl Session {
     /// Calls `f(args)` on the thread; returns its `rax`. A call that has
     /// not returned within [`CALL_TIMEOUT`] (it waits for a lock that
     /// another thread holds for ever, say) is abandoned where it waits:
-    /// the thread's own state is put back when the session closes.
+    /// the thread's own state is put back when the session closes. The
+    /// call ends at the marker's syscall-entry stop; the next call, or the
+    /// close, runs the marker out to its exit before writing registers.
     pub fn call(&mut self, name: &'static str, f: u64, args: &[u64]) -> Result<u64, InjectError> {
         // The XSAVE header must be zero but for what XSAVE writes: the
         // stack holds anything. One write from there to the block's end.
@@ -399,7 +420,7 @@ fn in_call(t: &Tracee, code: u64, fp: trampoline::FpSave) -> Result<bool, Inject
 
 /// Lets a call under way reach the trampoline's marker.
 fn finish_call(t: &mut Tracee, code: u64, fp: trampoline::FpSave) -> Result<(), InjectError> {
-    let marker = code + trampoline::code(fp).1;
+    let marker = code + trampoline::code(fp, trampoline::GETPID).1;
     let began = Instant::now();
     while began.elapsed() < Duration::from_secs(10) {
         if let Stop::SyscallEntry { ip, .. } = t.step()?
@@ -417,7 +438,9 @@ fn finish_call(t: &mut Tracee, code: u64, fp: trampoline::FpSave) -> Result<(), 
 
 /// Length of the trampoline's code on this CPU.
 pub fn code_len() -> u64 {
-    trampoline::code(trampoline::FpSave::detect()).0.len() as u64
+    trampoline::code(trampoline::FpSave::detect(), trampoline::GETPID)
+        .0
+        .len() as u64
 }
 
 #[cfg(test)]

@@ -8,7 +8,8 @@ use super::{InjectError, ptrace::Tracee};
 /// Reads the thread pointer (`fs_base`, which glibc's `pthread_self()`
 /// returns) of every thread of `pid` but the agent's and those `known`
 /// says are read already, stopping one thread at a time for a few
-/// microseconds. Threads that end meanwhile are skipped.
+/// microseconds. Threads that end meanwhile are skipped, and so are those
+/// asleep where no signal reaches them (state D), which would not stop.
 pub fn thread_pointers(
     pid: u32,
     known: impl Fn(u32) -> bool,
@@ -16,7 +17,7 @@ pub fn thread_pointers(
     let mut found = HashMap::new();
     for tid in super::program_threads(pid)?
         .into_iter()
-        .filter(|t| !known(*t))
+        .filter(|t| !known(*t) && crate::procfs::thread_state(pid, *t) != Some('D'))
     {
         let mut thread = match Tracee::seize(pid, tid) {
             Ok(t) => t,

@@ -129,10 +129,15 @@ impl Code {
     }
 }
 
+/// `getpid`, the marker where a thread's filters cannot be read.
+pub const GETPID: u32 = 39;
+
 /// The trampoline's code for `fp`, and the offset just past its marker
-/// `syscall` (where the thread stops at the marker's syscall-entry). It
-/// uses no absolute address: every copy is the same bytes.
-pub fn code(fp: FpSave) -> (Vec<u8>, u64) {
+/// `syscall` (where the thread stops at the marker's syscall-entry), whose
+/// number is `marker` (see [`super::seccomp::marker_syscall`]). It uses no
+/// absolute address: every copy with one marker is the same bytes, and the
+/// offsets are the same whatever the marker.
+pub fn code(fp: FpSave, marker: u32) -> (Vec<u8>, u64) {
     let (save, restore) = match fp {
         FpSave::Xsave(_) => (4, 5),
         FpSave::Fxsave => (0, 1),
@@ -150,8 +155,11 @@ pub fn code(fp: FpSave) -> (Vec<u8>, u64) {
     debug_assert_eq!(c.0.len() as u64, call_return(fp));
     c.rbx(&[0x48, 0x89], RAX, RESULT as i32); // mov %rax,result(%rbx)
     c.xstate(restore, area);
-    // Marker: getpid, harmless whether or not ebtrace is still watching.
-    c.0.extend_from_slice(&[0xb8, 39, 0, 0, 0, 0x0f, 0x05]);
+    // Marker: a syscall without effects that the thread's seccomp filters
+    // let run, harmless whether or not ebtrace is still watching.
+    c.0.push(0xb8); // mov $marker,%eax
+    c.0.extend_from_slice(&marker.to_le_bytes());
+    c.0.extend_from_slice(&[0x0f, 0x05]); // syscall
     let marker_end = c.0.len() as u64;
     // Restore: the registers (rbx last among them is fine: they are read
     // through rsp), then rip, cs, rflags, rsp and ss at once.
@@ -222,7 +230,7 @@ mod tests {
     /// instructions.
     #[test]
     fn code_matches_the_assembler() {
-        let (code, marker_end) = code(FpSave::Xsave(0x1000));
+        let (code, marker_end) = code(FpSave::Xsave(0x1000), 39);
         let head: &[u8] = &[
             0x48, 0x89, 0xe3, // mov %rsp,%rbx
             0xb8, 0xff, 0xff, 0xf9, 0xff, // mov $0xfff9ffff,%eax
@@ -239,11 +247,14 @@ mod tests {
         assert_eq!(&code[call..call + 6], &[0xff, 0x13, 0x48, 0x89, 0x43, 0x38]);
         assert_eq!(call_return(FpSave::Xsave(0x1000)), call as u64 + 2);
         assert_eq!(
-            super::code(FpSave::Fxsave).0[call_return(FpSave::Fxsave) as usize - 2],
+            super::code(FpSave::Fxsave, 39).0[call_return(FpSave::Fxsave) as usize - 2],
             0xff
         );
         let m = marker_end as usize;
         assert_eq!(&code[m - 7..m], &[0xb8, 39, 0, 0, 0, 0x0f, 0x05]);
+        let (gettid, gettid_end) = super::code(FpSave::Xsave(0x1000), 186);
+        assert_eq!(gettid_end, marker_end);
+        assert_eq!(&gettid[m - 7..m], &[0xb8, 186, 0, 0, 0, 0x0f, 0x05]);
         // lea 0xb8(%rbx),%rsp; mov -0x78(%rsp),%rax; ...; mov -0x8(%rsp),%r15; iretq
         assert_eq!(&code[m..m + 7], &[0x48, 0x8d, 0xa3, 0xb8, 0, 0, 0]);
         assert_eq!(&code[m + 7..m + 12], &[0x48, 0x8b, 0x44, 0x24, 0x88]);
