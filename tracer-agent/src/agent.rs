@@ -19,6 +19,9 @@ static CONTROL_FD: AtomicI32 = AtomicI32::new(-1);
 /// The agent's thread, while it has not been joined.
 static THREAD: AtomicU64 = AtomicU64::new(0);
 static THREAD_EXISTS: AtomicBool = AtomicBool::new(false);
+/// Whether [`child_after_fork`] is registered (once per loaded copy: the C
+/// library drops it when the copy is unloaded).
+static FORK_HANDLER: AtomicBool = AtomicBool::new(false);
 
 /// Starts the agent's thread on the control socket `fd`; 0 or -errno.
 pub fn attach(fd: c_int) -> c_int {
@@ -49,7 +52,38 @@ pub fn attach(fd: c_int) -> c_int {
         return -rc;
     }
     THREAD.store(thread, Ordering::Release);
+    if !FORK_HANDLER.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a plain function for the child side of fork(),
+        // tied to this library (glibc drops it if the library is unloaded).
+        unsafe {
+            sys::__register_atfork(
+                None,
+                None,
+                Some(child_after_fork),
+                &raw const sys::__dso_handle as _,
+            )
+        };
+    }
     0
+}
+
+/// In a child forked while the agent runs (a DataLoader's worker, a pool's
+/// process): the agent's thread and its session are the parent's alone.
+/// The child closes its copy of the control socket (a shutdown would end
+/// the parent's session too) and keeps the agent loaded but idle, with no
+/// thread and nothing recording: the parent's ebtrace, or the next one
+/// loading into the child, takes it out as it takes out a killed
+/// ebtrace's. Only async-signal-safe calls: the child of a threaded
+/// program may find any lock held.
+extern "C" fn child_after_fork() {
+    let fd = CONTROL_FD.swap(-1, Ordering::AcqRel);
+    if fd >= 0 {
+        // SAFETY: the child's copy of the socket; nothing in it uses it.
+        unsafe { sys::close(fd) };
+    }
+    THREAD.store(0, Ordering::Release);
+    THREAD_EXISTS.store(false, Ordering::Release);
+    crate::torch_ops::quiet_in_child();
 }
 
 /// Ends the agent's thread (waking it if it still waits for a request)

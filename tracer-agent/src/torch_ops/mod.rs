@@ -259,6 +259,15 @@ fn start_line(millionths: u32, extras: &Extras, profiler: bool, others: bool) ->
     text
 }
 
+/// In a child forked while ops were recorded: the callbacks, which stay
+/// registered with PyTorch (asking it to remove them here could wait for a
+/// lock a thread of the parent held at the fork), record nothing and
+/// return at once. Async-signal-safe.
+pub fn quiet_in_child() {
+    callbacks::stop_writing();
+    trampoline::empty_existing();
+}
+
 impl Recording {
     /// Registers the callbacks, each to record a RecordFunction with a
     /// chance of `millionths` in a million (PyTorch draws which), with what

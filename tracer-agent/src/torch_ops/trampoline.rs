@@ -223,6 +223,24 @@ impl Trampoline {
     }
 }
 
+/// Empties the slots of the process's trampoline, if it has one, without
+/// waiting for calls inside: for a forked child, whose only thread is the
+/// one calling this. Async-signal-safe.
+pub fn empty_existing() {
+    let (code, entries) = code();
+    if code.is_empty() {
+        return;
+    }
+    for address in FIXED_ADDRESSES {
+        if let Some(slots) = left_at(address, code, entries[4]) {
+            for slot in &slots.start {
+                slot.store(0, Ordering::SeqCst);
+            }
+            slots.end.store(0, Ordering::SeqCst);
+        }
+    }
+}
+
 /// The data page of the trampoline an earlier agent of this layout left at
 /// `address`, if there is one.
 fn left_at(address: usize, code: &[u8], slots_offset: usize) -> Option<&'static Slots> {

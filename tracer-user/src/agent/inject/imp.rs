@@ -175,6 +175,7 @@ impl Partial {
 
 pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStream), InjectError> {
     let began = Instant::now();
+    let loaded_at = procfs::boot_ticks_now();
     if !procfs::is_alive(pid) {
         return Err(InjectError::NoSuchProcess { pid });
     }
@@ -223,6 +224,7 @@ pub fn load(pid: u32, library: &[u8], entry: &str) -> Result<(Injected, UnixStre
         handle,
         memfd: partial.memfd,
         report,
+        loaded_at,
         lock,
     };
     Ok((injected, UnixStream::from(ours)))
@@ -421,11 +423,30 @@ pub fn unload(injected: &Injected, exit: &str) -> Result<InjectReport, InjectErr
     let stopped = Some(s.stopped());
     let diverted = s.close();
     unloaded?;
+    unload_from_children(pid, injected.loaded_at, exit);
     Ok(InjectReport {
         stopped,
         thread_diverted: diverted?,
         total: began.elapsed(),
     })
+}
+
+/// Takes the agent out of the children `pid` forked since `since` (clock
+/// ticks since boot) that still hold it: a child forked while the agent
+/// ran keeps an idle copy, its memfd and nothing else (the agent's fork
+/// handler closed the rest). What cannot be taken out is said in a line.
+fn unload_from_children(pid: u32, since: u64, exit: &str) {
+    for child in procfs::descendants_since(pid, since) {
+        if leftover_fds(child).is_ok_and(|fds| fds.is_empty()) {
+            continue;
+        }
+        if let Err(e) = unload_leftovers(child, exit) {
+            log::warn!(
+                "pid {child}, forked by pid {pid} while its agent was loaded, keeps an idle copy \
+                 of it: {e}"
+            );
+        }
+    }
 }
 
 /// `exit()`, then `dlclose` and `close(memfd)` (a copy used again has

@@ -85,6 +85,9 @@ pub struct Injected {
     pub memfd: Option<i32>,
     /// How long the load took.
     pub report: InjectReport,
+    /// When the load began, in clock ticks since boot: children started
+    /// since may hold a copy of the agent.
+    loaded_at: u64,
     /// Held until the agent is unloaded: no other ebtrace loads meanwhile.
     #[cfg(target_arch = "x86_64")]
     lock: Option<lock::TargetLock>,
