@@ -51,13 +51,13 @@ pub fn run(pid: u32, cycles: u32, library: Option<&Path>, hold: Duration) -> i32
             return crate::error::EXIT_USAGE;
         }
     };
-    let ping = if library.is_some() {
-        ping_probe
+    let (ping, bye): (Ping, Ping) = if library.is_some() {
+        (ping_probe, |_, _| Ok(()))
     } else {
-        ping_agent
+        (ping_agent, bye_agent)
     };
     for cycle in 0..cycles {
-        match one_cycle(pid, &bytes, cycle, ping, hold) {
+        match one_cycle(pid, &bytes, cycle, [ping, bye], hold) {
             Ok(line) => println!("{line}"),
             Err(e) => {
                 eprintln!("ebtrace inject-check: error: cycle {cycle}: {e}");
@@ -75,7 +75,7 @@ fn one_cycle(
     pid: u32,
     library: &[u8],
     cycle: u32,
-    ping: Ping,
+    [ping, bye]: [Ping; 2],
     hold: Duration,
 ) -> Result<String, Box<dyn std::error::Error>> {
     let (injected, mut sock) = super::load(pid, library, AGENT_ATTACH)?;
@@ -84,7 +84,9 @@ fn one_cycle(
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     ping(&mut sock, cycle)?;
     let threads = super::thread_pointers(pid, |_| false)?.len();
+    // The agent's thread serves its session meanwhile, as in a capture.
     std::thread::sleep(hold);
+    bye(&mut sock, cycle)?;
     // Tells the library to finish (it stops at end of file).
     drop(sock);
     let unload = injected.unload(AGENT_DETACH)?;
@@ -107,33 +109,48 @@ fn ping_probe(sock: &mut UnixStream, cycle: u32) -> Result<(), Box<dyn std::erro
     Ok(())
 }
 
-/// The agent: its greeting, PING → PONG, SHUTDOWN → BYE.
+/// The agent: its greeting, PING → PONG.
 fn ping_agent(sock: &mut UnixStream, _cycle: u32) -> Result<(), Box<dyn std::error::Error>> {
-    use tracer_agent::protocol::{self, Header};
-    let expect = |sock: &mut UnixStream, kind: u32| -> Result<(), Box<dyn std::error::Error>> {
-        let mut h = [0u8; protocol::HEADER_LEN];
-        sock.read_exact(&mut h)?;
-        let header = Header::decode(&h);
-        let mut payload = vec![0; header.len.min(4096) as usize];
-        sock.read_exact(&mut payload)?;
-        if header.kind != kind {
-            return Err(format!("the agent sent frame {} for {kind}", header.kind).into());
-        }
-        Ok(())
+    expect_frame(sock, tracer_agent::protocol::HELLO)?;
+    exchange(
+        sock,
+        tracer_agent::protocol::PING,
+        tracer_agent::protocol::PONG,
+    )
+}
+
+/// The agent: SHUTDOWN → BYE, which ends its thread.
+fn bye_agent(sock: &mut UnixStream, _cycle: u32) -> Result<(), Box<dyn std::error::Error>> {
+    exchange(
+        sock,
+        tracer_agent::protocol::SHUTDOWN,
+        tracer_agent::protocol::BYE,
+    )
+}
+
+fn exchange(
+    sock: &mut UnixStream,
+    request: u32,
+    answer: u32,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let header = tracer_agent::protocol::Header {
+        kind: request,
+        len: 0,
     };
-    expect(sock, protocol::HELLO)?;
-    for (request, answer) in [
-        (protocol::PING, protocol::PONG),
-        (protocol::SHUTDOWN, protocol::BYE),
-    ] {
-        sock.write_all(
-            &Header {
-                kind: request,
-                len: 0,
-            }
-            .encode(),
-        )?;
-        expect(sock, answer)?;
+    sock.write_all(&header.encode())?;
+    expect_frame(sock, answer)
+}
+
+/// Reads one frame of the agent's, which must be of `kind`.
+fn expect_frame(sock: &mut UnixStream, kind: u32) -> Result<(), Box<dyn std::error::Error>> {
+    use tracer_agent::protocol::{self, Header};
+    let mut h = [0u8; protocol::HEADER_LEN];
+    sock.read_exact(&mut h)?;
+    let header = Header::decode(&h);
+    let mut payload = vec![0; header.len.min(4096) as usize];
+    sock.read_exact(&mut payload)?;
+    if header.kind != kind {
+        return Err(format!("the agent sent frame {} for {kind}", header.kind).into());
     }
     Ok(())
 }

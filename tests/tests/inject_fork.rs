@@ -1,0 +1,96 @@
+//! A target that forks while ebtrace's agent runs in it, as a PyTorch
+//! `DataLoader` starts its workers or a pool grows
+//! (`tests/fixtures/python/fork_on_signal.py`). The child must not keep
+//! the agent, its memfd or its socket once the capture is over, must be
+//! loadable itself, and loading into it must not end the parent's live
+//! session (whose socket it shares).
+
+use std::time::{Duration, Instant};
+
+use ebtrace_tests::{
+    inject::{Library, agent_traces, inject_check},
+    pyenv::{cpython, python_fixture},
+    python::PythonWorkload,
+    require_root, serial, spawn_ebtrace, wait_with_deadline,
+};
+
+/// The target's descriptors that are sockets: the fixture opens none.
+fn sockets(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|l| l.to_string_lossy().into_owned())
+        .filter(|l| l.starts_with("socket:"))
+        .collect()
+}
+
+/// Starts the fixture and an `inject-check` that keeps the agent loaded
+/// in it for `hold`; returns both once the agent is loaded.
+fn loaded_for(hold: &str) -> (PythonWorkload, std::process::Child) {
+    let parent =
+        PythonWorkload::start_script(&cpython(12), &python_fixture("fork_on_signal.py"), &[], &[]);
+    let pid = parent.pid.to_string();
+    let first = spawn_ebtrace(&["inject-check", "--pid", &pid, "--hold", hold]);
+    let began = Instant::now();
+    while agent_traces(parent.pid).is_empty() {
+        assert!(began.elapsed() < Duration::from_secs(20), "never loaded");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (parent, first)
+}
+
+/// Asks the fixture for a child; its pid.
+fn fork_child(parent: &mut PythonWorkload) -> u32 {
+    parent.signal(libc::SIGUSR1);
+    parent.next_line()["child"].as_u64().expect("a child's pid") as u32
+}
+
+fn assert_finished(first: std::process::Child) {
+    let out = wait_with_deadline(first, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "the parent's cycle failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A child forked mid-capture holds nothing of the agent once the capture
+/// ends, and can be loaded into and unloaded again.
+#[test]
+fn a_child_forked_mid_capture_is_left_clean() {
+    if !require_root("a_child_forked_mid_capture_is_left_clean") {
+        return;
+    }
+    let _serial = serial();
+    let (mut parent, first) = loaded_for("2s");
+    let child = fork_child(&mut parent);
+    assert!(!agent_traces(child).is_empty(), "the child holds no copy");
+    assert_finished(first);
+    assert!(agent_traces(parent.pid).is_empty());
+    assert!(
+        agent_traces(child).is_empty(),
+        "the child kept the agent: {:?}",
+        agent_traces(child)
+    );
+    assert!(sockets(child).is_empty(), "{:?}", sockets(child));
+    inject_check(child, 2, Library::Agent);
+    assert!(agent_traces(child).is_empty());
+}
+
+/// Loading into a child while the parent's session runs leaves the
+/// parent's session working: the child's copy of their shared socket is
+/// closed, never shut down.
+#[test]
+fn loading_into_a_child_leaves_the_parents_session_alone() {
+    if !require_root("loading_into_a_child_leaves_the_parents_session_alone") {
+        return;
+    }
+    let _serial = serial();
+    let (mut parent, first) = loaded_for("4s");
+    let child = fork_child(&mut parent);
+    inject_check(child, 1, Library::Agent);
+    assert_finished(first);
+    assert!(agent_traces(parent.pid).is_empty());
+    assert!(agent_traces(child).is_empty(), "{:?}", agent_traces(child));
+}
