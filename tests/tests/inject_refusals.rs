@@ -1,7 +1,7 @@
 //! Moments where no code may run in a target, met by the loader with one
 //! line within its deadline and the target left as it was: a process
-//! stopped with SIGSTOP, one whose cgroup is frozen, and one another
-//! ebtrace is loading into. Each refusal is checked against the fixture's
+//! stopped with SIGSTOP, one whose cgroup is frozen, one another ebtrace
+//! is loading into, and a thread whose stack cannot be unwound. Each refusal is checked against the fixture's
 //! own counters after it runs again.
 
 use std::{
@@ -177,6 +177,30 @@ fn a_second_ebtrace_on_one_process_says_so_and_leaves_the_first_alone() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(agent_traces(target.pid).is_empty());
+    target.wait_progress(3);
+    assert_eq!(target.errors(), 0);
+}
+
+/// A thread whose stack cannot be unwound (it runs on memory with no
+/// frames in it): what lies beyond the frames read may hold the loader's
+/// lock or an allocator's, so it is never taken over, and the load ends
+/// after its wait with the one line that says why.
+#[test]
+fn a_stack_that_cannot_be_unwound_is_never_taken_over() {
+    if !require_root("a_stack_that_cannot_be_unwound_is_never_taken_over") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("alien-stack");
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    assert!(!ok, "loaded: {stderr}");
+    assert!(
+        stderr.contains("with a stack that could not be unwound to its outermost frame"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(agent_traces(target.pid).is_empty());
+    assert_eq!(target.status("TracerPid"), "0");
     target.wait_progress(3);
     assert_eq!(target.errors(), 0);
 }

@@ -58,6 +58,17 @@ pub fn descriptor_targets(pid: u32) -> std::io::Result<Vec<(i32, PathBuf)>> {
         .collect())
 }
 
+/// The program's entry point in `pid` (`AT_ENTRY` of `/proc/PID/auxv`).
+pub fn entry_point(pid: u32) -> Option<u64> {
+    const AT_ENTRY: u64 = 9;
+    let auxv = std::fs::read(process_dir(pid).join("auxv")).ok()?;
+    auxv.chunks_exact(16).find_map(|pair| {
+        let key = u64::from_ne_bytes(pair[..8].try_into().ok()?);
+        let value = u64::from_ne_bytes(pair[8..].try_into().ok()?);
+        (key == AT_ENTRY).then_some(value)
+    })
+}
+
 /// What ebtrace's own descriptor `fd` names (`/proc/self/fd/FD`).
 pub fn own_descriptor_target(fd: std::os::fd::RawFd) -> std::io::Result<PathBuf> {
     std::fs::read_link(

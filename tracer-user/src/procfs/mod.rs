@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 pub use cgroup::frozen_cgroup;
 pub use files::{
-    descriptor_targets, environment, executable, mapped_file, own_descriptor_target,
+    descriptor_targets, entry_point, environment, executable, mapped_file, own_descriptor_target,
     own_executable, pidfd_open, released_first_at_exit, root_dir,
 };
 pub use memory::{

@@ -109,6 +109,16 @@ impl StackUnwinder {
     /// Unwinds `stack`, sampled in process `pid`; `None` when the process's
     /// mappings cannot be read (it exited).
     pub fn unwind(&mut self, pid: u32, stack: &UserStack<'_>) -> Option<Unwound> {
+        self.unwind_at_most(pid, stack, MAX_FRAMES)
+    }
+
+    /// [`Self::unwind`], keeping up to `max_frames` frames.
+    pub fn unwind_at_most(
+        &mut self,
+        pid: u32,
+        stack: &UserStack<'_>,
+        max_frames: usize,
+    ) -> Option<Unwound> {
         let stale = match self.processes.get(&pid) {
             None => true,
             Some(p) => !in_code(&p.code, stack.ip) && p.read_at.elapsed() >= MAPS_REREAD_AFTER,
@@ -127,7 +137,7 @@ impl StackUnwinder {
         let mut out = Vec::new();
         let complete = loop {
             match frames.next() {
-                Ok(Some(frame)) if out.len() < MAX_FRAMES => out.push(address_of(frame)),
+                Ok(Some(frame)) if out.len() < max_frames => out.push(address_of(frame)),
                 Ok(Some(_)) | Err(_) => break false,
                 Ok(None) => break true,
             }

@@ -67,8 +67,15 @@ const RESTORERS: [&[u8]; 2] = [
     &[0xb8, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05],
 ];
 
-/// How much of a thread's stack is read to unwind it.
+/// How much of a thread's stack is read to unwind it: the first copy, and
+/// the larger one for a stack the first did not hold whole.
 const STACK_COPY: usize = 64 * 1024;
+const DEEP_STACK_COPY: usize = 1024 * 1024;
+/// How far past the program's entry point its `_start` may call the C
+/// library's start (`__libc_start_main`).
+const ENTRY_CODE: u64 = 64;
+/// Frames looked at: far more than a sample keeps, for a deep recursion.
+const MAX_FRAMES: usize = 16 * 1024;
 
 /// Why a thread was not taken over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +91,9 @@ pub enum Refusal {
     InSignalHandler,
     /// A set-id call of the C library is on its stack.
     InSetId,
+    /// Its stack could not be unwound to its outermost frame: what is
+    /// beyond may be any of the above.
+    StackUnknown,
 }
 
 /// How often each refusal happened, for the error that says no thread
@@ -95,6 +105,7 @@ pub struct Refusals {
     pub in_allocator: u32,
     pub in_signal_handler: u32,
     pub in_set_id: u32,
+    pub stack_unknown: u32,
 }
 
 impl Refusals {
@@ -105,6 +116,7 @@ impl Refusals {
             Refusal::InAllocator => self.in_allocator += 1,
             Refusal::InSignalHandler => self.in_signal_handler += 1,
             Refusal::InSetId => self.in_set_id += 1,
+            Refusal::StackUnknown => self.stack_unknown += 1,
         }
     }
 }
@@ -122,6 +134,10 @@ impl fmt::Display for Refusals {
             (
                 self.in_set_id,
                 "changing the process's ids (setuid() and the like)",
+            ),
+            (
+                self.stack_unknown,
+                "with a stack that could not be unwound to its outermost frame",
             ),
         ];
         let mut first = true;
@@ -145,6 +161,12 @@ pub struct Hazards {
     allocators: Vec<Range<u64>>,
     set_id: Vec<Range<u64>>,
     restorers: Vec<u64>,
+    /// Every executable mapping, a file's or not (JIT code).
+    executable: Vec<Range<u64>>,
+    /// Where a whole stack ends: the C library's code (`clone3`, `clone`
+    /// and `start_thread` begin every other thread) and the program's
+    /// entry point (`_start` begins its main thread).
+    roots: Vec<Range<u64>>,
     unwinder: StackUnwinder,
 }
 
@@ -163,6 +185,11 @@ impl Hazards {
             allocators: Vec::new(),
             set_id: Vec::new(),
             restorers: Vec::new(),
+            executable: executable_mappings(pid)?,
+            roots: crate::procfs::entry_point(pid)
+                .map(|entry| entry..entry + ENTRY_CODE)
+                .into_iter()
+                .collect(),
             unwinder: StackUnwinder::default(),
         };
         for obj in &objects {
@@ -179,6 +206,7 @@ impl Hazards {
                 || name.starts_with("libc-")
                 || name.starts_with("ld-musl");
             if c_library {
+                hazards.roots.extend(code.clone());
                 for range in code {
                     hazards.restorers.extend(restorers_in(pid, range));
                 }
@@ -225,22 +253,40 @@ impl Hazards {
     /// Why the thread `tracee`, stopped with `regs`, must not be taken
     /// over; `None` if its stack holds none of the code above (or cannot
     /// be unwound: then its innermost instruction alone decides).
+    /// Fails closed: a stack that cannot be unwound whole is refused, as
+    /// what lies beyond the frames read may hold any of the hazards.
     pub fn on_stack(&mut self, tracee: &Tracee, regs: &Regs) -> Option<Refusal> {
-        let stack = read_stack(tracee, regs.rsp);
-        let unwound = self.unwinder.unwind(
-            self.pid,
-            &UserStack {
-                ip: regs.rip,
-                sp: regs.rsp,
-                bp: regs.rbp,
-                bytes: &stack,
-            },
-        )?;
+        let mut unwound = None;
+        for copy in [STACK_COPY, DEEP_STACK_COPY] {
+            let stack = read_stack(tracee, regs.rsp, copy);
+            unwound = self.unwinder.unwind_at_most(
+                self.pid,
+                &UserStack {
+                    ip: regs.rip,
+                    sp: regs.rsp,
+                    bp: regs.rbp,
+                    bytes: &stack,
+                },
+                MAX_FRAMES,
+            );
+            let held_whole = stack.len() < copy;
+            if held_whole || unwound.as_ref().is_some_and(|u| u.complete) {
+                break;
+            }
+        }
+        let Some(unwound) = unwound else {
+            return Some(Refusal::StackUnknown);
+        };
         let within =
             |ranges: &[Range<u64>], address: u64| ranges.iter().any(|r| r.contains(&address));
         for (i, &frame) in unwound.frames.iter().enumerate() {
             // A return address points just past its call.
             let address = if i == 0 { frame } else { frame.wrapping_sub(1) };
+            // A frame outside all code: the unwind went astray, and what
+            // lies beyond is not known.
+            if !within(&self.executable, address) {
+                return Some(Refusal::StackUnknown);
+            }
             if self.restorers.iter().any(|&r| (r..r + 16).contains(&frame)) {
                 return Some(Refusal::InSignalHandler);
             }
@@ -254,18 +300,40 @@ impl Hazards {
                 return Some(Refusal::InSetId);
             }
         }
-        None
+        let rooted = unwound.frames.last().is_some_and(|&outermost| {
+            within(&self.roots, outermost) || within(&self.roots, outermost.wrapping_sub(1))
+        });
+        (!unwound.complete || !rooted).then_some(Refusal::StackUnknown)
     }
 }
 
-/// The top of the stack from `sp` up: up to [`STACK_COPY`] bytes, less
-/// where the stack's mapping ends first.
-fn read_stack(tracee: &Tracee, sp: u64) -> Vec<u8> {
+/// The ranges of `pid`'s executable mappings.
+fn executable_mappings(pid: u32) -> Result<Vec<Range<u64>>, InjectError> {
+    let maps = crate::procfs::maps_text(pid).map_err(|e| InjectError::Io {
+        context: format!("reading /proc/{pid}/maps"),
+        source: e,
+    })?;
+    Ok(maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (range, perms) = (fields.next()?, fields.next()?);
+            let (start, end) = range.split_once('-')?;
+            perms
+                .contains('x')
+                .then_some(u64::from_str_radix(start, 16).ok()?..u64::from_str_radix(end, 16).ok()?)
+        })
+        .collect())
+}
+
+/// The top of the stack from `sp` up: up to `copy` bytes, less where the
+/// stack's mapping ends first.
+fn read_stack(tracee: &Tracee, sp: u64, copy: usize) -> Vec<u8> {
     const PAGE: usize = 4096;
-    let mut bytes = Vec::with_capacity(STACK_COPY);
+    let mut bytes = Vec::with_capacity(copy);
     let mut at = sp;
-    while bytes.len() < STACK_COPY {
-        let len = (PAGE - (at as usize % PAGE)).min(STACK_COPY - bytes.len());
+    while bytes.len() < copy {
+        let len = (PAGE - (at as usize % PAGE)).min(copy - bytes.len());
         let mut chunk = vec![0u8; len];
         if tracee.read(at, &mut chunk).is_err() {
             break;
