@@ -140,7 +140,10 @@ impl Channel {
                 protocol::VERSION
             ));
         }
-        if hello.pid != pid {
+        // In a container with a pid namespace of its own the agent knows
+        // the process by the pid it has there.
+        let own_pid = crate::procfs::namespace_tid(pid, pid);
+        if hello.pid != pid && Some(hello.pid) != own_pid {
             return Err(format!(
                 "the agent in pid {pid} says it runs in pid {}",
                 hello.pid

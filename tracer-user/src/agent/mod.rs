@@ -88,6 +88,9 @@ pub struct AgentSession {
     pub untrusted_listener: Option<String>,
     /// Kernel tid → `pthread_self()` of the target's threads.
     thread_pointers: HashMap<u32, u64>,
+    /// The threads' ids in the target's own pid namespace → kernel tids,
+    /// where they differ.
+    namespace_tids: HashMap<u32, u32>,
     /// Kernel tid → when that thread started: its pointer, once read,
     /// holds as long as the thread (a thread is stopped to read it, which
     /// some of the program's calls would notice).
@@ -198,6 +201,7 @@ impl AgentSession {
             load,
             untrusted_listener,
             thread_pointers: HashMap::new(),
+            namespace_tids: HashMap::new(),
             thread_starts: HashMap::new(),
             framework_since: None,
             framework_began: None,
@@ -460,7 +464,13 @@ impl AgentSession {
                 .thread_pointers
                 .iter()
                 .map(|(&tid, &pointer)| (tsl_thread_id(pointer), tid))
+                .chain(
+                    self.namespace_tids
+                        .iter()
+                        .map(|(&inside, &tid)| (i64::from(inside), tid)),
+                )
                 .collect(),
+            namespace_tids: self.namespace_tids.clone(),
             target_growth: std::mem::take(&mut self.framework_peak),
         })
     }
@@ -565,6 +575,12 @@ impl AgentSession {
                 for &tid in found.keys() {
                     if let Some(started) = start_of(tid) {
                         self.thread_starts.insert(tid, started);
+                    }
+                    match crate::procfs::namespace_tid(self.pid, tid) {
+                        Some(inside) if inside != tid => {
+                            self.namespace_tids.insert(inside, tid);
+                        }
+                        _ => {}
                     }
                 }
                 self.thread_pointers.extend(found);

@@ -20,6 +20,10 @@ pub struct AgentRecording {
     pub problem: Option<String>,
     /// Its host lines' thread ids → kernel tids.
     pub threads: ThreadIds,
+    /// Its threads' ids in the target's own pid namespace → kernel tids
+    /// here, where they differ (a container's): what the agent's records
+    /// (PyTorch's ops) name threads by.
+    pub namespace_tids: HashMap<u32, u32>,
     /// How much the target's resident memory grew at most, in bytes, while
     /// the framework's session recorded (what its recorder held, and
     /// anything else the program allocated meanwhile).

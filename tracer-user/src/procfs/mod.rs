@@ -26,7 +26,7 @@ pub use process::{
     process_ids, start_time_ticks, thread_ids, thread_is_listed, thread_state, thread_syscall,
 };
 pub use status::{
-    ContextSwitches, process_name, process_of_task, real_uid, seccomp_mode,
+    ContextSwitches, namespace_tid, process_name, process_of_task, real_uid, seccomp_mode,
     thread_context_switches, thread_name, thread_schedstat, thread_status_field, tracer_of,
 };
 pub use system::{

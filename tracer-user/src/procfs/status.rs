@@ -26,6 +26,17 @@ pub fn seccomp_mode(pid: u32) -> Option<u32> {
     status_number(pid, "Seccomp:")
 }
 
+/// Task `tid` of `pid` as its own pid namespace numbers it (the last
+/// `NSpid:` of its status): the id it gets from `gettid()` there, another
+/// than `tid` in a container with a pid namespace of its own.
+pub fn namespace_tid(pid: u32, tid: u32) -> Option<u32> {
+    let status = fs::read_to_string(thread_dir(pid, tid).join("status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last()?.parse().ok())
+}
+
 /// The process a task id belongs to (itself for a process's main thread).
 pub fn process_of_task(tid: u32) -> Option<u32> {
     status_number(tid, "Tgid:")

@@ -402,7 +402,13 @@ fn add_ops(timeline: &mut Timeline, recordings: &[AgentRecording]) {
                     continue;
                 }
             };
-            let laid = add_torch_ops(timeline, r.pid, &decoded.ops);
+            let mut ops = decoded.ops;
+            for op in &mut ops {
+                if let Some(&tid) = r.namespace_tids.get(&op.tid) {
+                    op.tid = tid;
+                }
+            }
+            let laid = add_torch_ops(timeline, r.pid, &ops);
             timeline.stats.notes.push(format!(
                 "pid {}: PyTorch: {} ops, {} backward functions and {} record_function \
                  ranges on the thread lines ({} outside the window, {} unfinished when it \
