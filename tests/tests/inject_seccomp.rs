@@ -7,13 +7,19 @@
 //! failed or any result it computed changed. And the same program in a
 //! real container, under podman's own default profile.
 
-use std::time::{Duration, Instant};
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
 
 use ebtrace_tests::{
     fixture,
     inject::{Library, Target, agent_traces, inject_check, inject_check_once},
     podman::{BASE, ensure_base, host_limits, podman, run, tools_present},
-    require_root, serial,
+    pyenv::{pyenv_root, python_fixture},
+    record, require_root, serial,
+    torch::op_lines,
+    workspace_root,
 };
 
 /// A container running the fixture; removed when dropped.
@@ -22,37 +28,43 @@ struct Container {
 }
 
 impl Container {
-    /// Runs `inject_target args` in a container of the base image, under
-    /// the runtime's default seccomp profile; returns it with the
-    /// fixture's pid on this host and its start line.
-    fn start(name: &str, args: &[&str]) -> (Self, u32, String) {
+    /// Runs `command` in a container of the base image, under the
+    /// runtime's default seccomp profile, with the host's directories
+    /// `read_only` mounted at the same paths; returns it with the
+    /// command's pid on this host and its start line.
+    fn start(name: &str, read_only: &[&Path], command: &[&str]) -> (Self, u32, String) {
         let _ = podman().args(["rm", "-f", name]).output();
-        let fixture = fixture::build_c("inject_target");
-        let dir = fixture.parent().expect("target/fixtures");
-        run(podman()
-            .args(["run", "-d", "--name", name])
-            .args(host_limits())
-            .args(["-v", &format!("{}:/fixture:ro", dir.display())])
-            .arg(BASE)
-            .arg("/fixture/inject_target")
-            .args(args));
+        let mut cmd = podman();
+        cmd.args(["run", "-d", "--name", name]).args(host_limits());
+        for dir in read_only {
+            cmd.args(["-v", &format!("{0}:{0}:ro", dir.display())]);
+        }
+        run(cmd.arg(BASE).args(command));
         let container = Container { name: name.into() };
-        let began = Instant::now();
-        let line = loop {
-            let out = run(podman().args(["logs", name]));
-            let logs = String::from_utf8_lossy(&out.stdout).into_owned();
-            if let Some(line) = logs.lines().next() {
-                break line.to_string();
-            }
-            assert!(began.elapsed() < Duration::from_secs(30), "no start line");
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let line = container.line(0);
         let out = run(podman().args(["inspect", "-f", "{{.State.Pid}}", name]));
         let pid = String::from_utf8_lossy(&out.stdout)
             .trim()
             .parse()
             .expect("the container's pid");
         (container, pid, line)
+    }
+
+    /// Line `n` (from 0) of what the command printed, waiting for it.
+    fn line(&self, n: usize) -> String {
+        let began = Instant::now();
+        loop {
+            let out = run(podman().args(["logs", &self.name]));
+            if let Some(line) = String::from_utf8_lossy(&out.stdout).lines().nth(n) {
+                return line.to_string();
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(60),
+                "no line {n} from {}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
@@ -76,7 +88,13 @@ fn a_program_in_a_container_is_unharmed_through_the_loads() {
     }
     let _serial = serial();
     ensure_base();
-    let (container, pid, line) = Container::start("ebtrace-test-inject", &["sleep-and-spin"]);
+    let fixture = fixture::build_c("inject_target");
+    let dir = fixture.parent().expect("target/fixtures");
+    let (container, pid, line) = Container::start(
+        "ebtrace-test-inject",
+        &[dir],
+        &[fixture.to_str().expect("UTF-8"), "sleep-and-spin"],
+    );
     let target = Target::started_elsewhere(pid, &line);
     assert_eq!(target.status("Seccomp"), "2", "no profile applied");
     inject_check(pid, 20, Library::Agent);
@@ -174,4 +192,63 @@ fn a_seccomp_filter_that_would_kill_the_program_refuses_the_load() {
     target.wait_progress(5);
     assert_eq!(target.errors(), 0);
     assert_eq!(target.status("TracerPid"), "0");
+}
+
+/// A PyTorch program in a podman container under podman's default
+/// profile, recorded from the host 20 times in a row with `ebtrace --pid`
+/// (each capture loads the agent for PyTorch's ops and takes it out): the
+/// program's own counts show no failed sleep and no wrong sum, it keeps
+/// running, and each capture recorded its ops, on the line of the thread
+/// that ran them (the agent names threads by their ids in the container's
+/// pid namespace).
+#[test]
+fn a_pytorch_program_in_a_container_is_unharmed_through_20_captures() {
+    if !require_root("a_pytorch_program_in_a_container_is_unharmed_through_20_captures") {
+        return;
+    }
+    if !tools_present() {
+        return;
+    }
+    let _serial = serial();
+    ensure_base();
+    let venv = workspace_root().join(".venv");
+    let script = python_fixture("torch_checked_loop.py");
+    let python = venv.join("bin/python");
+    let (container, pid, _) = Container::start(
+        "ebtrace-test-torch",
+        &[&venv, &pyenv_root(), script.parent().expect("the fixtures")],
+        &[
+            python.to_str().expect("UTF-8"),
+            script.to_str().expect("UTF-8"),
+        ],
+    );
+    for capture in 0..20 {
+        let logdir = ebtrace_tests::TempDir::new("container-torch");
+        let out = record(&pid.to_string(), "1s", &logdir, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "capture {capture}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "pid {pid}: PyTorch ops through RecordFunction callbacks"
+            )),
+            "capture {capture}: {stderr}"
+        );
+        let lines = op_lines(&logdir);
+        let on_main = lines.get(&i64::from(pid)).map_or(0, Vec::len);
+        assert!(
+            on_main > 100,
+            "capture {capture}: {on_main} ops on the main thread's line, of {:?}",
+            lines
+                .iter()
+                .map(|(l, ops)| (l, ops.len()))
+                .collect::<Vec<_>>()
+        );
+    }
+    ebtrace_tests::signal(pid, libc::SIGUSR1);
+    let counts: serde_json::Value =
+        serde_json::from_str(&container.line(1)).expect("the counts' line");
+    assert!(counts["steps"].as_u64() > Some(1000), "{counts}");
+    assert_eq!(counts["wrong"], 0, "a sum came out wrong: {counts}");
+    assert_eq!(counts["failed"], 0, "a sleep failed: {counts}");
+    assert!(agent_traces(pid).is_empty(), "{:?}", agent_traces(pid));
 }
