@@ -132,6 +132,22 @@ fn a_receive_with_a_timeout_never_sees_the_stops() {
     assert!(agent_traces(target.pid).is_empty());
 }
 
+/// A thread waiting in `io_uring_enter` for a completion is ended with
+/// EINTR by any stop, as `recv` with a timeout is: it replays the call and
+/// the program never sees the EINTR.
+#[test]
+fn an_io_uring_wait_never_sees_the_stops() {
+    if !require_root("an_io_uring_wait_never_sees_the_stops") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("io-uring");
+    inject_check(target.pid, 10, Library::Agent);
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0, "the io_uring wait saw EINTR");
+    assert_eq!(target.status("TracerPid"), "0");
+}
+
 /// A preloaded allocator that none of ebtrace's lists knows, holding its
 /// own lock while it sleeps: the thread is always inside it, and taken
 /// over there it would wait for itself in the loader's first allocation,

@@ -64,15 +64,17 @@ const SYSCALL_INFO_EXIT: u8 = 2;
 /// Syscalls that a stop ends with EINTR even where no handler runs
 /// (signal(7)): `semop` (65), `rt_sigtimedwait` (128), `semtimedop` (220),
 /// `epoll_wait` (232), `epoll_pwait` (281), `epoll_pwait2` (441),
-/// `io_getevents` (208), `io_pgetevents` (333); and those on a socket with
+/// `io_getevents` (208), `io_pgetevents` (333), `io_uring_enter` (426: it
+/// ends with EINTR only where it submitted nothing, so issuing it again
+/// waits again); and those on a socket with
 /// a receive or send timeout (`SO_RCVTIMEO`, `SO_SNDTIMEO`): `read` (0),
 /// `write` (1), `readv` (19), `writev` (20), `accept` (43), `sendto` (44),
 /// `recvfrom` (45), `sendmsg` (46), `recvmsg` (47), `accept4` (288),
 /// `recvmmsg` (299), `sendmmsg` (307). EINTR with no signal pending can
 /// only be the stop's, and it means nothing was transferred: the call is
 /// issued again as it was.
-const ENDED_BY_A_STOP: [u64; 20] = [
-    65, 128, 220, 232, 281, 441, 208, 333, 0, 1, 19, 20, 43, 44, 45, 46, 47, 288, 299, 307,
+const ENDED_BY_A_STOP: [u64; 21] = [
+    65, 128, 220, 232, 281, 441, 208, 333, 426, 0, 1, 19, 20, 43, 44, 45, 46, 47, 288, 299, 307,
 ];
 /// How long [`Tracee::step_until`] looks for the next stop without sleeping.
 const SPIN_FOR: Duration = Duration::from_millis(1);
