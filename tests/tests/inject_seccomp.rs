@@ -18,8 +18,10 @@ use ebtrace_tests::{
     podman::{BASE, ensure_base, host_limits, podman, run, tools_present},
     pyenv::{pyenv_root, python_fixture},
     record, require_root, serial,
+    serve::ServeProcess,
     torch::op_lines,
-    workspace_root,
+    workspace_root, xplane_files, xprof,
+    xspace::{self, line_events, plane},
 };
 
 /// A container running the fixture; removed when dropped.
@@ -251,4 +253,63 @@ fn a_pytorch_program_in_a_container_is_unharmed_through_20_captures() {
     assert_eq!(counts["wrong"], 0, "a sum came out wrong: {counts}");
     assert_eq!(counts["failed"], 0, "a sleep failed: {counts}");
     assert!(agent_traces(pid).is_empty(), "{:?}", agent_traces(pid));
+}
+
+/// A jax program in a podman container under podman's default profile,
+/// captured 20 times in a row through `ebtrace serve` by jax's own client
+/// (`jax.collect_profile`), each capture loading the agent for jax's
+/// TraceMe session: every capture holds the program's steps on its main
+/// thread's line, and the program runs on.
+#[test]
+fn a_jax_program_in_a_container_is_captured_20_times_through_serve() {
+    if !require_root("a_jax_program_in_a_container_is_captured_20_times_through_serve") {
+        return;
+    }
+    if !tools_present() {
+        return;
+    }
+    let Some(python) = xprof::python_with(&["jax", "jax.collect_profile"]) else {
+        return;
+    };
+    let _serial = serial();
+    ensure_base();
+    let venv = workspace_root().join(".venv");
+    let script = workspace_root().join("tests/fixtures/traceme/jax_workload.py");
+    let (container, pid, _) = Container::start(
+        "ebtrace-test-jax",
+        &[&venv, &pyenv_root(), script.parent().expect("the fixtures")],
+        &[
+            venv.join("bin/python").to_str().expect("UTF-8"),
+            script.to_str().expect("UTF-8"),
+        ],
+    );
+    let server = ServeProcess::loopback(&["--pid", &pid.to_string()]);
+    let port = server.port().to_string();
+    for capture in 0..20 {
+        let logdir = ebtrace_tests::TempDir::new("container-jax");
+        let out = xprof::collect_profile(&python, &port, 500, logdir.path());
+        assert!(
+            out.status.success(),
+            "capture {capture}: {}\nserver: {:?}",
+            String::from_utf8_lossy(&out.stderr),
+            server.lines()
+        );
+        let files = xplane_files(logdir.path());
+        assert_eq!(files.len(), 1, "capture {capture}: {files:?}");
+        let space = xspace::load(&files[0]);
+        let main = line_events(plane(&space, "/host:CPU"), pid.into());
+        let steps = main.iter().filter(|e| e.name == "ebtrace_step").count();
+        assert!(
+            steps >= 5,
+            "capture {capture}: {steps} steps on the main thread's line"
+        );
+    }
+    assert!(
+        container.line(0).contains("\"pid\""),
+        "the program's start line"
+    );
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the program ended"
+    );
 }
