@@ -8,10 +8,11 @@
 use std::time::{Duration, Instant};
 
 use ebtrace_tests::{
+    TempDir,
     inject::{Library, agent_traces, inject_check},
     pyenv::{cpython, python_fixture},
     python::PythonWorkload,
-    require_root, serial, spawn_ebtrace, wait_with_deadline,
+    require_root, serial, signal, spawn_ebtrace, spawn_record, wait_with_deadline, xprof,
 };
 
 /// The target's descriptors that are sockets: the fixture opens none.
@@ -92,5 +93,48 @@ fn loading_into_a_child_leaves_the_parents_session_alone() {
     inject_check(child, 1, Library::Agent);
     assert_finished(first);
     assert!(agent_traces(parent.pid).is_empty());
+    assert!(agent_traces(child).is_empty(), "{:?}", agent_traces(child));
+}
+
+/// A PyTorch worker forked while ebtrace records its parent's ops (as a
+/// `DataLoader` starts its workers): once the capture is over the worker
+/// has no RecordFunction callback left, as PyTorch's own
+/// `at::hasCallbacks()` says, so its ops cost what they cost untraced; and
+/// nothing of the agent.
+#[test]
+fn a_pytorch_worker_forked_mid_capture_keeps_no_callback() {
+    if !require_root("a_pytorch_worker_forked_mid_capture_keeps_no_callback") {
+        return;
+    }
+    let Some(python) = xprof::python_with(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let mut parent =
+        PythonWorkload::start_script(&python, &python_fixture("torch_fork_loop.py"), &[], &[]);
+    let logdir = TempDir::new("fork-torch");
+    let capture = spawn_record(&parent.pid.to_string(), "3s", &logdir, &[]);
+    let began = Instant::now();
+    while agent_traces(parent.pid).is_empty() {
+        assert!(began.elapsed() < Duration::from_secs(30), "never loaded");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The agent registers the callbacks once loaded.
+    std::thread::sleep(Duration::from_millis(500));
+    let child = fork_child(&mut parent);
+    let out = wait_with_deadline(capture, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("PyTorch ops through RecordFunction callbacks"),
+        "{stderr}"
+    );
+    signal(child, libc::SIGUSR2);
+    let report = parent.next_line();
+    assert_eq!(report["pid"].as_u64(), Some(u64::from(child)), "{report}");
+    assert_eq!(
+        report["has_callbacks"], false,
+        "the worker kept the callbacks: {report}"
+    );
     assert!(agent_traces(child).is_empty(), "{:?}", agent_traces(child));
 }

@@ -90,6 +90,8 @@ extern "C" fn child_after_fork() {
 /// and joins it; 0 or -errno. Nothing to do when no thread exists.
 pub fn detach() -> c_int {
     if !THREAD_EXISTS.load(Ordering::Acquire) {
+        // A forked child's copy: what it inherited of a recording.
+        crate::torch_ops::remove_inherited();
         return 0;
     }
     let fd = CONTROL_FD.swap(-1, Ordering::AcqRel);

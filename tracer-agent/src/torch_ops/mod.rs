@@ -23,7 +23,11 @@ mod region;
 mod shapes;
 mod trampoline;
 
-use core::{ffi::c_void, fmt::Write as _};
+use core::{
+    ffi::c_void,
+    fmt::Write as _,
+    sync::atomic::{AtomicU64, AtomicUsize, Ordering},
+};
 
 use crate::{
     op_records::{SCOPE_BACKWARD_FUNCTION, SCOPE_FUNCTION, SCOPE_USER},
@@ -259,13 +263,38 @@ fn start_line(millionths: u32, extras: &Extras, profiler: bool, others: bool) ->
     text
 }
 
+/// The callbacks registered now, and PyTorch's function that removes them
+/// (0: none registered). A child forked meanwhile has them too and no
+/// thread of the agent's to remove them: [`remove_inherited`] does.
+static REGISTERED: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+static REMOVE_FN: AtomicUsize = AtomicUsize::new(0);
+
 /// In a child forked while ops were recorded: the callbacks, which stay
 /// registered with PyTorch (asking it to remove them here could wait for a
 /// lock a thread of the parent held at the fork), record nothing and
-/// return at once. Async-signal-safe.
+/// return at once, until [`remove_inherited`]. Async-signal-safe.
 pub fn quiet_in_child() {
     callbacks::stop_writing();
     trampoline::empty_existing();
+}
+
+/// Removes the callbacks a forked child inherited from a recording under
+/// way in its parent (nothing where none was): from the agent's exit,
+/// which ebtrace calls in the child as in any process, on a thread that
+/// holds no lock. The child then runs its ops as if never traced.
+pub fn remove_inherited() {
+    let remove = REMOVE_FN.swap(0, Ordering::AcqRel);
+    if remove == 0 {
+        return;
+    }
+    // SAFETY: PyTorch's `void removeCallback(CallbackHandle)`, stored by
+    // `Recording::start`; the library stays loaded (the recording's
+    // handle on it was inherited too).
+    let remove = unsafe { core::mem::transmute::<usize, RemoveCallback>(remove) };
+    for handle in &REGISTERED {
+        // SAFETY: a handle `addGlobalCallback` returned, removed once.
+        unsafe { remove(handle.swap(0, Ordering::AcqRel)) };
+    }
 }
 
 impl Recording {
@@ -300,6 +329,10 @@ impl Recording {
         };
         let (profiler, others) = (torch.asks(PROFILER_ON), torch.asks(HAS_CALLBACKS));
         let handles = torch.register(&trampoline, millionths, extras.seen());
+        for (kept, handle) in REGISTERED.iter().zip(handles) {
+            kept.store(handle, Ordering::Release);
+        }
+        REMOVE_FN.store(torch.remove, Ordering::Release);
         let recording = Recording {
             trampoline,
             handles,
@@ -319,6 +352,7 @@ impl Recording {
     /// does not end), so the agent's code and buffer stay while that call
     /// needs them.
     fn unregister(&self) {
+        REMOVE_FN.store(0, Ordering::Release);
         for handle in self.handles {
             // SAFETY: a handle `addGlobalCallback` returned, removed once.
             unsafe { (self.remove)(handle) };
