@@ -138,3 +138,55 @@ fn a_pytorch_worker_forked_mid_capture_keeps_no_callback() {
     );
     assert!(agent_traces(child).is_empty(), "{:?}", agent_traces(child));
 }
+
+/// A `DataLoader(num_workers=2)` started mid-capture (its workers forked,
+/// and kept): once the capture is over, each worker, asked from inside,
+/// has no RecordFunction callback registered, and holds nothing of the
+/// agent.
+#[test]
+fn dataloader_workers_started_mid_capture_keep_nothing_of_it() {
+    if !require_root("dataloader_workers_started_mid_capture_keep_nothing_of_it") {
+        return;
+    }
+    let Some(python) = xprof::python_with(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let mut parent =
+        PythonWorkload::start_script(&python, &python_fixture("torch_dataloader.py"), &[], &[]);
+    let logdir = TempDir::new("fork-dataloader");
+    let capture = spawn_record(&parent.pid.to_string(), "4s", &logdir, &[]);
+    let began = Instant::now();
+    while agent_traces(parent.pid).is_empty() {
+        assert!(began.elapsed() < Duration::from_secs(30), "never loaded");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    parent.signal(libc::SIGUSR1);
+    let workers: Vec<u32> = parent.next_line()["workers"]
+        .as_array()
+        .expect("the workers")
+        .iter()
+        .map(|w| w.as_u64().expect("a pid") as u32)
+        .collect();
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let out = wait_with_deadline(capture, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("PyTorch ops through RecordFunction callbacks"),
+        "{stderr}"
+    );
+    parent.signal(libc::SIGUSR2);
+    let items = parent.next_line();
+    for item in items["items"].as_array().expect("the items") {
+        assert_eq!(item[1], 0, "a worker kept the callbacks: {items}");
+    }
+    for worker in workers {
+        assert!(
+            agent_traces(worker).is_empty(),
+            "{:?}",
+            agent_traces(worker)
+        );
+    }
+}
