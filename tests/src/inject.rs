@@ -228,3 +228,13 @@ pub fn inject_check_once(pid: u32, deadline: Duration) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Waits until ebtrace's agent is loaded in `pid` (its memfd or its
+/// mapping shows), failing after `within`.
+pub fn wait_for_agent(pid: u32, within: Duration) {
+    let began = Instant::now();
+    while agent_traces(pid).is_empty() {
+        assert!(began.elapsed() < within, "never loaded");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -5,11 +5,11 @@
 //! loadable itself, and loading into it must not end the parent's live
 //! session (whose socket it shares).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ebtrace_tests::{
     TempDir,
-    inject::{Library, agent_traces, inject_check},
+    inject::{Library, agent_traces, inject_check, wait_for_agent},
     pyenv::{cpython, python_fixture},
     python::PythonWorkload,
     require_root, serial, signal, spawn_ebtrace, spawn_record, wait_with_deadline, xprof,
@@ -33,11 +33,7 @@ fn loaded_for(hold: &str) -> (PythonWorkload, std::process::Child) {
         PythonWorkload::start_script(&cpython(12), &python_fixture("fork_on_signal.py"), &[], &[]);
     let pid = parent.pid.to_string();
     let first = spawn_ebtrace(&["inject-check", "--pid", &pid, "--hold", hold]);
-    let began = Instant::now();
-    while agent_traces(parent.pid).is_empty() {
-        assert!(began.elapsed() < Duration::from_secs(20), "never loaded");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_agent(parent.pid, Duration::from_secs(20));
     (parent, first)
 }
 
@@ -96,6 +92,34 @@ fn loading_into_a_child_leaves_the_parents_session_alone() {
     assert!(agent_traces(child).is_empty(), "{:?}", agent_traces(child));
 }
 
+/// Starts the PyTorch fixture `script` and `ebtrace --pid` on it for
+/// `duration`; returns both (and the capture's directory) once the agent
+/// is loaded and has had time to register its callbacks.
+fn recording_ops(
+    python: &std::path::Path,
+    script: &str,
+    duration: &str,
+) -> (PythonWorkload, std::process::Child, TempDir) {
+    let parent = PythonWorkload::start_script(python, &python_fixture(script), &[], &[]);
+    let logdir = TempDir::new("fork-torch");
+    let capture = spawn_record(&parent.pid.to_string(), duration, &logdir, &[]);
+    wait_for_agent(parent.pid, Duration::from_secs(30));
+    // The agent registers the callbacks once loaded.
+    std::thread::sleep(Duration::from_millis(500));
+    (parent, capture, logdir)
+}
+
+/// The capture ended well and recorded PyTorch's ops.
+fn assert_recorded_ops(capture: std::process::Child) {
+    let out = wait_with_deadline(capture, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("PyTorch ops through RecordFunction callbacks"),
+        "{stderr}"
+    );
+}
+
 /// A PyTorch worker forked while ebtrace records its parent's ops (as a
 /// `DataLoader` starts its workers): once the capture is over the worker
 /// has no RecordFunction callback left, as PyTorch's own
@@ -110,25 +134,9 @@ fn a_pytorch_worker_forked_mid_capture_keeps_no_callback() {
         return;
     };
     let _serial = serial();
-    let mut parent =
-        PythonWorkload::start_script(&python, &python_fixture("torch_fork_loop.py"), &[], &[]);
-    let logdir = TempDir::new("fork-torch");
-    let capture = spawn_record(&parent.pid.to_string(), "3s", &logdir, &[]);
-    let began = Instant::now();
-    while agent_traces(parent.pid).is_empty() {
-        assert!(began.elapsed() < Duration::from_secs(30), "never loaded");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // The agent registers the callbacks once loaded.
-    std::thread::sleep(Duration::from_millis(500));
+    let (mut parent, capture, _logdir) = recording_ops(&python, "torch_fork_loop.py", "3s");
     let child = fork_child(&mut parent);
-    let out = wait_with_deadline(capture, Duration::from_secs(60));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("PyTorch ops through RecordFunction callbacks"),
-        "{stderr}"
-    );
+    assert_recorded_ops(capture);
     signal(child, libc::SIGUSR2);
     let report = parent.next_line();
     assert_eq!(report["pid"].as_u64(), Some(u64::from(child)), "{report}");
@@ -152,16 +160,7 @@ fn dataloader_workers_started_mid_capture_keep_nothing_of_it() {
         return;
     };
     let _serial = serial();
-    let mut parent =
-        PythonWorkload::start_script(&python, &python_fixture("torch_dataloader.py"), &[], &[]);
-    let logdir = TempDir::new("fork-dataloader");
-    let capture = spawn_record(&parent.pid.to_string(), "4s", &logdir, &[]);
-    let began = Instant::now();
-    while agent_traces(parent.pid).is_empty() {
-        assert!(began.elapsed() < Duration::from_secs(30), "never loaded");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    std::thread::sleep(Duration::from_millis(500));
+    let (mut parent, capture, _logdir) = recording_ops(&python, "torch_dataloader.py", "4s");
     parent.signal(libc::SIGUSR1);
     let workers: Vec<u32> = parent.next_line()["workers"]
         .as_array()
@@ -170,13 +169,7 @@ fn dataloader_workers_started_mid_capture_keep_nothing_of_it() {
         .map(|w| w.as_u64().expect("a pid") as u32)
         .collect();
     assert_eq!(workers.len(), 2, "{workers:?}");
-    let out = wait_with_deadline(capture, Duration::from_secs(60));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("PyTorch ops through RecordFunction callbacks"),
-        "{stderr}"
-    );
+    assert_recorded_ops(capture);
     parent.signal(libc::SIGUSR2);
     let items = parent.next_line();
     for item in items["items"].as_array().expect("the items") {

@@ -10,7 +10,7 @@ use std::{
 };
 
 use ebtrace_tests::{
-    inject::{Target, agent_traces, inject_check_once},
+    inject::{Target, agent_traces, inject_check_once, wait_for_agent},
     require_root, serial, signal, spawn_ebtrace, wait_with_deadline,
 };
 
@@ -160,11 +160,7 @@ fn a_second_ebtrace_on_one_process_says_so_and_leaves_the_first_alone() {
     let pid = target.pid.to_string();
     let first = spawn_ebtrace(&["inject-check", "--pid", &pid, "--hold", "4s"]);
     let first_pid = first.id();
-    let began = Instant::now();
-    while agent_traces(target.pid).is_empty() {
-        assert!(began.elapsed() < Duration::from_secs(20), "never loaded");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_agent(target.pid, Duration::from_secs(20));
     assert_refused(
         &target,
         &format!("pid {pid} is being captured by another ebtrace (pid {first_pid})"),
