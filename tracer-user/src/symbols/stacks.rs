@@ -687,41 +687,49 @@ mod tests {
     fn maps_are_read_again_less_often_while_nothing_is_mapped_since() {
         use maps::AnonymousCode;
 
-        let pid = std::process::id();
+        fn code(s: &mut StackSymbolizer, pid: u32) -> &mut ProcessCode {
+            s.code.get_mut(&pid).unwrap()
+        }
+        let long_ago = Instant::now() - 2 * MAPS_REREAD_AT_MOST;
+        let ours = std::process::id();
         let jit = AnonymousCode::map();
         let mut symbolizer = StackSymbolizer::default();
-        symbolizer.note_code(user_sample(pid, jit.address).stack());
-        let long_ago = Instant::now() - 2 * MAPS_REREAD_AT_MOST;
-        fn code(s: &mut StackSymbolizer) -> &mut ProcessCode {
-            s.code.get_mut(&std::process::id()).unwrap()
-        }
-        code(&mut symbolizer).read_at = long_ago;
-        symbolizer.note_code(user_sample(pid, jit.address + 8).stack());
+        symbolizer.note_code(user_sample(ours, jit.address).stack());
+        code(&mut symbolizer, ours).read_at = long_ago;
+        symbolizer.note_code(user_sample(ours, jit.address + 8).stack());
         assert_eq!(
-            code(&mut symbolizer).read_at,
+            code(&mut symbolizer, ours).read_at,
             long_ago,
             "JIT code is known code"
         );
 
-        // Below any mapping: read again, waiting twice as long each time.
+        // Below any mapping of a process whose mappings nothing changes
+        // (tests running beside this one map code in this process): read
+        // again, waiting twice as long each time.
+        let (mut child, _, _) = sleeping_child();
+        let pid = child.id();
+        symbolizer.note_code(user_sample(pid, 0x10).stack());
         let mut waits = Vec::new();
         for _ in 0..7 {
-            code(&mut symbolizer).read_at = long_ago;
+            code(&mut symbolizer, pid).read_at = long_ago;
             symbolizer.note_code(user_sample(pid, 0x10).stack());
-            assert!(code(&mut symbolizer).read_at > long_ago);
-            waits.push(code(&mut symbolizer).reread_after.as_secs());
+            assert!(code(&mut symbolizer, pid).read_at > long_ago);
+            waits.push(code(&mut symbolizer, pid).reread_after.as_secs());
         }
+        child.kill().unwrap();
+        child.wait().unwrap();
         assert_eq!(waits, [2, 4, 8, 16, 32, 32, 32]);
         // Not before that wait is over.
-        let read_at = code(&mut symbolizer).read_at;
+        let read_at = code(&mut symbolizer, pid).read_at;
         symbolizer.note_code(user_sample(pid, 0x10).stack());
-        assert_eq!(code(&mut symbolizer).read_at, read_at);
+        assert_eq!(code(&mut symbolizer, pid).read_at, read_at);
 
         // Code mapped since: found at the next read, and the wait is short again.
+        code(&mut symbolizer, ours).reread_after = MAPS_REREAD_AT_MOST;
         let later = AnonymousCode::map();
-        code(&mut symbolizer).read_at = long_ago;
-        symbolizer.note_code(user_sample(pid, later.address).stack());
-        let known = code(&mut symbolizer);
+        code(&mut symbolizer, ours).read_at = long_ago;
+        symbolizer.note_code(user_sample(ours, later.address).stack());
+        let known = code(&mut symbolizer, ours);
         assert!(maps::in_code(&known.all, later.address));
         assert_eq!(known.reread_after, MAPS_REREAD_AFTER);
     }
