@@ -215,6 +215,98 @@ fn a_load_that_waits_for_ever_is_abandoned_and_the_thread_put_back() {
     );
 }
 
+/// Has the fixture's `allocator-held` thread hold the preloaded
+/// allocator's lock for `seconds`.
+fn hold_allocator(pid: u32, seconds: i32) {
+    let value = libc::sigval {
+        sival_ptr: seconds as usize as *mut libc::c_void,
+    };
+    // SAFETY: a signal with a value to a process of ours.
+    let r = unsafe { libc::sigqueue(pid as i32, libc::SIGUSR1, value) };
+    assert_eq!(r, 0, "sigqueue: {}", std::io::Error::last_os_error());
+}
+
+/// A `dlopen` made for the agent takes the loader's lock, then allocates:
+/// while another thread holds the allocator's lock (a preloaded allocator
+/// paging in under its lock, say) the call waits there, holding the
+/// loader's. Pulled out of it, the thread would keep the loader's lock for
+/// ever and every later `dlopen` of the program would wait for it; so the
+/// call is waited for, past the usual timeout, and the load goes on once
+/// the allocator is free. The program's threads keep loading libraries.
+#[test]
+fn a_call_that_holds_the_loader_lock_is_waited_for_never_pulled_out() {
+    if !require_root("a_call_that_holds_the_loader_lock_is_waited_for_never_pulled_out") {
+        return;
+    }
+    let _serial = serial();
+    let slow = fixture::build_c_shared("slow_malloc", "libslow_malloc.so");
+    let target = Target::start_with("allocator-held", &[("LD_PRELOAD", slow.to_str().unwrap())]);
+    target.wait_progress(5);
+    hold_allocator(target.pid, 9);
+    let began = Instant::now();
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("it would keep that lock for ever, so it is waited for"),
+        "the load did not wait on the allocator: {stderr}"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        began.elapsed()
+    );
+    // Both of the program's threads load libraries again.
+    target.wait_progress(20);
+    assert_eq!(target.errors(), 0, "the program saw the takeover");
+    assert_eq!(target.status("TracerPid"), "0");
+    assert!(
+        agent_traces(target.pid).is_empty(),
+        "{:?}",
+        agent_traces(target.pid)
+    );
+}
+
+/// The same call, its wait longer than ebtrace gives it: ebtrace ends with
+/// one line, leaving the thread to finish the call by itself (the
+/// trampoline then puts it back in its own code), and the next load takes
+/// out what that call left.
+#[test]
+fn a_call_that_holds_the_loader_lock_too_long_is_left_to_finish_by_itself() {
+    if !require_root("a_call_that_holds_the_loader_lock_too_long_is_left_to_finish_by_itself") {
+        return;
+    }
+    let _serial = serial();
+    let slow = fixture::build_c_shared("slow_malloc", "libslow_malloc.so");
+    let target = Target::start_with("allocator-held", &[("LD_PRELOAD", slow.to_str().unwrap())]);
+    target.wait_progress(5);
+    let hold = Instant::now();
+    hold_allocator(target.pid, 28);
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("was left to finish it by itself"),
+        "{stderr}"
+    );
+    assert!(
+        hold.elapsed() < Duration::from_secs(27),
+        "{:?}",
+        hold.elapsed()
+    );
+    assert_eq!(target.status("TracerPid"), "0");
+    // Once the allocator is free, the call ends and the program goes on.
+    std::thread::sleep(Duration::from_secs(28).saturating_sub(hold.elapsed()));
+    target.wait_progress(20);
+    assert_eq!(target.errors(), 0, "the program saw the takeover");
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
+    assert!(ok, "{stderr}");
+    target.wait_progress(5);
+    assert!(
+        agent_traces(target.pid).is_empty(),
+        "{:?}",
+        agent_traces(target.pid)
+    );
+}
+
 /// glibc's `setresuid()` in a multithreaded program signals every thread
 /// and waits until each has run its handler, which acts only on a signal
 /// its own process sent: a thread held while the signal came must get it

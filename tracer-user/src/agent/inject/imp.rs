@@ -14,6 +14,7 @@ use super::{
     AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
     calls::Calls,
     hazards::{Hazards, Refusals},
+    loader_lock::LoaderLocks,
     lock::TargetLock,
     seccomp,
     session::{RESTARTED_WAITS, Session, code_len},
@@ -64,6 +65,7 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
     refuse_a_target_that_cannot_run(pid)?;
     let code = symbols::code_room(pid, code_len())?;
     let mut hazards = Hazards::of(pid)?;
+    let loader_locks = LoaderLocks::of(pid);
     let began = Instant::now();
     let mut tries = 0;
     let mut refusals = Refusals::default();
@@ -71,7 +73,10 @@ fn open_session(pid: u32) -> Result<Session, InjectError> {
         for tid in candidate_threads(pid)? {
             tries += 1;
             match Session::open(pid, tid, code, &mut hazards) {
-                Ok(Ok(session)) => return Ok(session),
+                Ok(Ok(mut session)) => {
+                    session.watch_loader_locks(loader_locks);
+                    return Ok(session);
+                }
                 Ok(Err(refusal)) => refusals.count(refusal),
                 // The thread ended in between.
                 Err(_) if thread_gone(pid, tid) => {}

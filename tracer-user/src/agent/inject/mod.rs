@@ -21,7 +21,9 @@
 //! its stack, is let go and another moment or thread is tried
 //! ([`session::at_safe_point`], [`hazards`]). A call that still does
 //! not return in a few seconds is abandoned where it waits, and the thread
-//! put back.
+//! put back, unless the thread holds one of the loader's locks
+//! ([`loader_lock`]): then it is waited for longer, and at last left to
+//! finish by itself.
 //!
 //! The library is written to a memfd named `ebtrace-agent.HASH` (a hash
 //! of its bytes) that stays open in the target until [`Injected::unload`];
@@ -43,6 +45,8 @@
 mod calls;
 #[cfg(target_arch = "x86_64")]
 mod hazards;
+#[cfg(target_arch = "x86_64")]
+mod loader_lock;
 #[cfg(target_arch = "x86_64")]
 mod lock;
 #[cfg(target_arch = "x86_64")]
@@ -305,8 +309,13 @@ pub enum InjectError {
     /// A call made in the target did not return in time and was abandoned.
     #[error(
         "{call}() in pid {pid} did not return in {seconds} s (it waits for something another \
-         thread holds, such as a library constructor that never ends); the call was abandoned \
-         where it waited and the thread put back in its own code"
+         thread holds{}); the call was abandoned where it waited, holding none of the \
+         loader's locks, and the thread put back in its own code",
+        match lock_holder {
+            Some(tid) => format!(": thread {tid} holds the loader's lock, in a library \
+                constructor that never ends, say"),
+            None => String::new(),
+        }
     )]
     CallTimedOut {
         /// The target process.
@@ -315,6 +324,40 @@ pub enum InjectError {
         call: &'static str,
         /// How long it was given, in seconds.
         seconds: u64,
+        /// The thread holding the loader's lock, where one does.
+        lock_holder: Option<u32>,
+    },
+
+    /// A call made in the target that holds the loader's lock did not
+    /// return in time, and was left to finish by itself.
+    #[error(
+        "{call}() in pid {pid} has not returned in {seconds} s, and its thread {tid} holds the \
+         loader's lock (it waits for something another thread holds: an allocator's lock, or a \
+         file); pulled out, it would hold that lock for ever, so the thread was left to finish \
+         it by itself and go back to its own code; nothing was started, and the next ebtrace \
+         run on pid {pid} takes out what it loads"
+    )]
+    CallLeftToFinish {
+        /// The target process.
+        pid: u32,
+        /// The thread making the call.
+        tid: u32,
+        /// The function called in the target.
+        call: &'static str,
+        /// How long it was waited for, in seconds.
+        seconds: u64,
+    },
+
+    /// A call was asked of a thread left inside an earlier one.
+    #[error(
+        "thread {tid} of pid {pid} is still inside a call left to finish by itself; no other \
+         call is made on it"
+    )]
+    ThreadInCall {
+        /// The target process.
+        pid: u32,
+        /// The thread.
+        tid: u32,
     },
 
     /// No thread of the target stopped where it could safely make the

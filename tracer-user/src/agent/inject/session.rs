@@ -9,6 +9,7 @@ use std::{
 use super::{
     InjectError, StopPoint,
     hazards::{Hazards, Refusal},
+    loader_lock::LoaderLocks,
     ptrace::{Regs, Stop, Tracee},
     seccomp::{self, Insn},
     trampoline::{self, BLOCK_LEN, RESULT, SCRATCH},
@@ -23,6 +24,9 @@ const ERESTART_RESTARTBLOCK: i64 = -516;
 /// library and start a thread (milliseconds); one that takes longer waits
 /// for something that may never come.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long, in all, a call that holds the loader's lock is waited for
+/// (see [`Session::call`]).
+const HELD_LOCK_WAIT: Duration = Duration::from_secs(20);
 /// The `cs` of 64-bit user code, and the user `ss`.
 const USER_CS_64: u64 = 0x33;
 const USER_SS: u64 = 0x2b;
@@ -115,6 +119,11 @@ pub struct Session {
     /// The thread's seccomp filters, newest first, where it has some and
     /// they can be read.
     filters: Option<Vec<Vec<Insn>>>,
+    /// Where the loader keeps its locks (glibc's).
+    loader_locks: Option<LoaderLocks>,
+    /// A call that held the loader's lock was left to finish by itself:
+    /// the thread is no longer the session's to use or put back.
+    left_in_call: bool,
     stopped_at: Instant,
     stopped: StopPoint,
     closed: bool,
@@ -194,6 +203,8 @@ impl Session {
             marker_ip: code + marker_end,
             block,
             scratch: SCRATCH,
+            loader_locks: None,
+            left_in_call: false,
             stopped_at,
             stopped: StopPoint::of(&raw),
             closed: false,
@@ -256,13 +267,31 @@ impl Session {
         self.tracee.read_cstring(addr, 1024)
     }
 
+    /// Has the session tell, at a call's timeout, whether the thread holds
+    /// one of the loader's `locks`.
+    pub fn watch_loader_locks(&mut self, locks: Option<LoaderLocks>) {
+        self.loader_locks = locks;
+    }
+
     /// Calls `f(args)` on the thread; returns its `rax`. A call that has
-    /// not returned within [`CALL_TIMEOUT`] (it waits for a lock that
-    /// another thread holds for ever, say) is abandoned where it waits:
-    /// the thread's own state is put back when the session closes. The
-    /// call ends at the marker's syscall-entry stop; the next call, or the
-    /// close, runs the marker out to its exit before writing registers.
+    /// not returned within [`CALL_TIMEOUT`] waits for something another
+    /// thread holds. Where the thread holds none of the loader's locks
+    /// (it waits to take one, say, behind a library constructor that never
+    /// ends), the call is abandoned where it waits: the thread's own state
+    /// is put back when the session closes. Where it holds one (it took
+    /// it, and waits for an allocator's lock or a file), pulling it out
+    /// would leave the lock held for ever: the call is waited for up to
+    /// [`HELD_LOCK_WAIT`], and then left to finish by itself (the
+    /// trampoline puts the thread back in its own code). The call ends at
+    /// the marker's syscall-entry stop; the next call, or the close, runs
+    /// the marker out to its exit before writing registers.
     pub fn call(&mut self, name: &'static str, f: u64, args: &[u64]) -> Result<u64, InjectError> {
+        if self.left_in_call {
+            return Err(InjectError::ThreadInCall {
+                pid: self.pid(),
+                tid: self.tid(),
+            });
+        }
         // The XSAVE header must be zero but for what XSAVE writes: the
         // stack holds anything. One write from there to the block's end.
         let mut bytes = vec![0u8; (self.block - self.fp_header) as usize];
@@ -273,13 +302,39 @@ impl Session {
         r.rsp = self.block;
         r.orig_rax = u64::MAX;
         self.tracee.set_regs(&r)?;
-        let deadline = Instant::now() + CALL_TIMEOUT;
+        let began = Instant::now();
+        let mut deadline = began + CALL_TIMEOUT;
         loop {
             let Some(stop) = self.tracee.step_until(deadline)? else {
-                return Err(InjectError::CallTimedOut {
+                let holders = self.loader_lock_holders();
+                let tid = self.tid();
+                if !holders.contains(&tid) {
+                    return Err(InjectError::CallTimedOut {
+                        pid: self.pid(),
+                        call: name,
+                        seconds: began.elapsed().as_secs(),
+                        lock_holder: holders.first().copied(),
+                    });
+                }
+                if deadline - began < HELD_LOCK_WAIT {
+                    log::warn!(
+                        "pid {}: {name}() has not returned in {} s, and thread {tid} making it \
+                         holds the loader's lock (it waits for an allocator's lock or a file, \
+                         say); pulled out now, it would keep that lock for ever, so it is \
+                         waited for, up to {} s in all",
+                        self.pid(),
+                        CALL_TIMEOUT.as_secs(),
+                        HELD_LOCK_WAIT.as_secs()
+                    );
+                    deadline = began + HELD_LOCK_WAIT;
+                    continue;
+                }
+                self.left_in_call = true;
+                return Err(InjectError::CallLeftToFinish {
                     pid: self.pid(),
+                    tid,
                     call: name,
-                    seconds: CALL_TIMEOUT.as_secs(),
+                    seconds: HELD_LOCK_WAIT.as_secs(),
                 });
             };
             match stop {
@@ -300,6 +355,18 @@ impl Session {
             }
         }
         self.tracee.read_u64(self.block + RESULT)
+    }
+
+    /// The threads holding one of the loader's locks now; none where they
+    /// cannot be told.
+    fn loader_lock_holders(&self) -> Vec<u32> {
+        let Some(locks) = &self.loader_locks else {
+            return Vec::new();
+        };
+        locks.holders(&self.tracee).unwrap_or_else(|e| {
+            log::debug!("pid {}: the loader's locks unreadable: {e}", self.pid());
+            Vec::new()
+        })
     }
 
     /// Notes the thread's `errno` (`errno_location` is the target's
@@ -332,6 +399,7 @@ impl Session {
 
     fn finish(&mut self) -> Result<Duration, InjectError> {
         self.closed = true;
+        let left_in_call = self.left_in_call;
         let errno = match self.saved_errno {
             Some((at, value)) => self.tracee.write(at, &value),
             None => Ok(()),
@@ -340,10 +408,16 @@ impl Session {
             Some(state) => state.put_back(&self.tracee),
             None => Ok(()),
         };
-        let restored = errno
-            .and(dlerror)
-            .and_then(|()| self.tracee.set_fp_state(&self.saved_fp))
-            .and_then(|()| self.tracee.set_regs(&self.saved));
+        // A call left to finish puts the registers back by itself; the
+        // errno and `dlerror()` state put back now are the program's unless
+        // that call, once it ends, fails and sets its own.
+        let restored = errno.and(dlerror).and_then(|()| match left_in_call {
+            true => Ok(()),
+            false => self
+                .tracee
+                .set_fp_state(&self.saved_fp)
+                .and_then(|()| self.tracee.set_regs(&self.saved)),
+        });
         let diverted = self.stopped_at.elapsed();
         self.tracee.detach().and(restored).map(|()| diverted)
     }
@@ -431,7 +505,7 @@ fn finish_call(t: &mut Tracee, code: u64, fp: trampoline::FpSave) -> Result<(), 
     }
     Err(InjectError::TargetCall {
         pid: t.pid,
-        call: "a call left under way by a killed ebtrace",
+        call: "a call an earlier ebtrace left under way",
         detail: format!("thread {} has not finished it in 10 s", t.tid),
     })
 }
