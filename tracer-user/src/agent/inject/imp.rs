@@ -11,113 +11,15 @@ use std::{
 use rustix::{fs::SealFlags, process::PidfdGetfdFlags};
 
 use super::{
-    AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME,
-    calls::Calls,
-    hazards::{Hazards, Refusals},
-    loader_lock::LoaderLocks,
-    lock::TargetLock,
-    seccomp,
-    session::{RESTARTED_WAITS, Session, code_len},
-    symbols,
+    AGENT_DETACH, InjectError, InjectReport, Injected, MEMFD_NAME, calls::Calls, lock::TargetLock,
+    seccomp, session::Session, symbols,
 };
 use crate::procfs;
 
-const SYS_FUTEX: i64 = 202;
-
-/// How long a session waits for a thread of the target to stop at a safe
-/// point (see [`super::session::at_safe_point`]).
-const SAFE_POINT_WAIT: Duration = Duration::from_secs(3);
 /// How long an earlier agent's thread may take to end before its library
 /// is left in place: stopping a framework session it was told to stop
 /// converts the session's events first (seconds for millions).
 const LEFTOVER_THREAD_WAIT: Duration = Duration::from_secs(5);
-
-/// The threads to make the calls on, in the order to try them: blocked in
-/// a syscall the kernel restarts, then waiting on a futex, then running;
-/// never one of the agent's, nor one in another syscall (stopping it could
-/// end that syscall with EINTR), nor one asleep where no signal reaches it
-/// (state D: it would not stop for ptrace).
-fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
-    let mut ranked: Vec<(u8, u32)> = Vec::new();
-    for tid in super::program_threads(pid)? {
-        if procfs::thread_state(pid, tid) == Some('D') {
-            continue;
-        }
-        let syscall = procfs::thread_syscall(pid, tid).unwrap_or_default();
-        let first = syscall.split_whitespace().next().unwrap_or("");
-        let tier = match first.parse::<i64>() {
-            Ok(SYS_FUTEX) => 1,
-            Ok(nr) if RESTARTED_WAITS.contains(&nr) => 0,
-            // In user code: preempted, or running now.
-            Ok(-1) => 2,
-            _ if first == "running" => 2,
-            _ => continue,
-        };
-        ranked.push((tier, tid));
-    }
-    ranked.sort_unstable();
-    Ok(ranked.into_iter().map(|(_, tid)| tid).collect())
-}
-
-/// A session on the first thread found at a safe point, the candidates
-/// tried again and again for up to [`SAFE_POINT_WAIT`].
-fn open_session(pid: u32) -> Result<Session, InjectError> {
-    refuse_a_target_that_cannot_run(pid)?;
-    let code = symbols::code_room(pid, code_len())?;
-    let mut hazards = Hazards::of(pid)?;
-    let loader_locks = LoaderLocks::of(pid);
-    let began = Instant::now();
-    let mut tries = 0;
-    let mut refusals = Refusals::default();
-    loop {
-        for tid in candidate_threads(pid)? {
-            tries += 1;
-            match Session::open(pid, tid, code, &mut hazards) {
-                Ok(Ok(mut session)) => {
-                    session.watch_loader_locks(loader_locks);
-                    return Ok(session);
-                }
-                Ok(Err(refusal)) => refusals.count(refusal),
-                // The thread ended in between.
-                Err(_) if thread_gone(pid, tid) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        if !procfs::is_alive(pid) {
-            return Err(InjectError::NoSuchProcess { pid });
-        }
-        if began.elapsed() >= SAFE_POINT_WAIT {
-            return Err(InjectError::NoSafePoint {
-                pid,
-                seconds: SAFE_POINT_WAIT.as_secs(),
-                tries,
-                refusals: refusals.to_string(),
-            });
-        }
-        // Lets the threads move on from where they were.
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// A stopped process, or one in a frozen cgroup, runs none of the calls
-/// until it is continued: the load would wait for it, and its agent's
-/// thread would join the stop.
-fn refuse_a_target_that_cannot_run(pid: u32) -> Result<(), InjectError> {
-    if let Some(cgroup) = procfs::frozen_cgroup(pid) {
-        return Err(InjectError::TargetFrozen { pid, cgroup });
-    }
-    let stopped = super::program_threads(pid)?
-        .into_iter()
-        .any(|tid| procfs::thread_state(pid, tid) == Some('T'));
-    if stopped {
-        return Err(InjectError::TargetStopped { pid });
-    }
-    Ok(())
-}
-
-fn thread_gone(pid: u32, tid: u32) -> bool {
-    procfs::is_alive(pid) && !procfs::thread_is_listed(pid, tid)
-}
 
 fn io_err(context: impl Into<String>, source: std::io::Error) -> InjectError {
     InjectError::Io {
@@ -285,7 +187,7 @@ const PATH_SPELLINGS: usize = 16;
 /// earlier (of this agent or another version) keeps the path it was loaded
 /// from, whose descriptor number may be `fd` now, and `dlopen` of that path
 /// would return it. Spellings differ by `./` components; none has `//`,
-/// which [`unload_leftover`]'s lookups use.
+/// which [`leftovers::unload_leftover`]'s lookups use.
 fn unused_path(c: &mut Calls, fd: i32) -> Result<String, InjectError> {
     for dots in 0..PATH_SPELLINGS {
         let path = format!("/proc/self/fd/{}{fd}", "./".repeat(dots));
@@ -537,93 +439,12 @@ fn await_agent_thread_end(pid: u32) -> Result<(), InjectError> {
     Ok(())
 }
 
-/// Most references to one leftover library that killed ebtraces can have
-/// left (each killed between its own `RTLD_NOLOAD` and `dlclose`).
-const MAX_LEFTOVER_REFS: usize = 64;
+mod leftovers;
+mod thread_choice;
 
-/// Takes out the library a killed ebtrace left loaded from memfd `fd`:
-/// `exit()`, then `dlclose` until it is gone; closes the memfd. Returns
-/// whether a library was loaded.
-fn unload_leftover(c: &mut Calls, fd: i32, exit: &str) -> Result<bool, InjectError> {
-    // A spelling no object is loaded by (see [`unused_path`]): the loader
-    // then finds the leftover by the file the descriptor holds.
-    let path = format!("/proc/self//fd/{fd}");
-    let noload = libc::RTLD_NOW | libc::RTLD_NOLOAD;
-    let handle = c.dlopen(&path, noload)?;
-    if handle != 0 {
-        call_exit(c, handle, exit)?;
-        // Our RTLD_NOLOAD reference.
-        c.dlclose(handle)?;
-        for _ in 0..MAX_LEFTOVER_REFS {
-            // One the dead ebtrace left (none left: a pinned copy, which
-            // stays); then, is it gone?
-            if !c.dlclose(handle)? || c.dlopen(&path, noload)? == 0 {
-                break;
-            }
-            c.dlclose(handle)?;
-        }
-    }
-    c.close(fd)?;
-    Ok(handle != 0)
-}
-
-/// Descriptors of `pid` that hold an agent's memfd.
-fn leftover_fds(pid: u32) -> Result<Vec<i32>, InjectError> {
-    let targets = procfs::descriptor_targets(pid).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => InjectError::NoSuchProcess { pid },
-        _ => io_err(format!("listing /proc/{pid}/fd"), e),
-    })?;
-    let mut fds: Vec<i32> = targets
-        .into_iter()
-        .filter(|(_, target)| {
-            target
-                .to_str()
-                .and_then(|l| l.strip_suffix(" (deleted)"))
-                .is_some_and(is_agent_copy)
-        })
-        .map(|(fd, _)| fd)
-        .collect();
-    fds.sort_unstable();
-    Ok(fds)
-}
-
-pub fn unload_leftovers(pid: u32, exit: &str) -> Result<usize, InjectError> {
-    let _lock = TargetLock::take(pid)?;
-    unload_leftovers_locked(pid, exit)
-}
-
-/// [`unload_leftovers`] by an ebtrace that holds the target's lock: what
-/// is loaded now is no live ebtrace's.
-fn unload_leftovers_locked(pid: u32, exit: &str) -> Result<usize, InjectError> {
-    let fds = leftover_fds(pid)?;
-    if fds.is_empty() {
-        return Ok(0);
-    }
-    // The library's exit joins its thread. A thread still running may wait
-    // for something the thread taken over holds (Python's GIL): the join
-    // would wait for ever. One that ebtrace's exit just told to stop ends
-    // within milliseconds.
-    await_agent_thread_end(pid)?;
-    let fns = symbols::resolve(pid)?;
-    let mut s = open_session(pid)?;
-    let mut c = Calls { s: &mut s, fns };
-    c.keep_thread_state();
-    let mut unloaded = 0;
-    let mut result = Ok(());
-    for fd in fds {
-        match unload_leftover(&mut c, fd, exit) {
-            Ok(was_loaded) => unloaded += usize::from(was_loaded),
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        }
-    }
-    let diverted = s.close();
-    result?;
-    diverted?;
-    Ok(unloaded)
-}
+pub use leftovers::unload_leftovers;
+use leftovers::{leftover_fds, unload_leftovers_locked};
+use thread_choice::open_session;
 
 #[cfg(test)]
 mod tests;

@@ -21,41 +21,25 @@ use std::{
 
 use super::InjectError;
 
+mod regsets;
+mod release;
+
 const PTRACE_GETREGS: libc::c_long = 12;
 const PTRACE_SETREGS: libc::c_long = 13;
 const PTRACE_SYSCALL: libc::c_long = 24;
-const PTRACE_DETACH: libc::c_long = 17;
 const PTRACE_SEIZE: libc::c_long = 0x4206;
 const PTRACE_INTERRUPT: libc::c_long = 0x4207;
 const PTRACE_GET_SYSCALL_INFO: libc::c_long = 0x420e;
-const PTRACE_GETREGSET: libc::c_long = 0x4204;
-const PTRACE_CONT: libc::c_long = 7;
 const PTRACE_GETSIGINFO: libc::c_long = 0x4202;
-const PTRACE_SETSIGINFO: libc::c_long = 0x4203;
 /// `sizeof(siginfo_t)`.
 const SIGINFO_LEN: usize = 128;
 /// A `siginfo_t`, as bytes.
 type SigInfo = [u8; SIGINFO_LEN];
-/// The first real-time signal as the kernel counts (glibc keeps 32 and 33).
-const SIGRTMIN: i32 = 32;
 /// glibc's signal for `setuid()` and the like in a multithreaded program.
 const SIGSETXID: i32 = 33;
 /// How long a thread seized gets to stop: one in user code or an
 /// interruptible wait stops at once.
 const SEIZE_WAIT: Duration = Duration::from_secs(2);
-/// How long the signals held back get to be taken by the thread again.
-const REDELIVERY_WAIT: Duration = Duration::from_millis(200);
-const PTRACE_SECCOMP_GET_FILTER: libc::c_long = 0x420c;
-/// Filters a thread may have stacked: each costs the kernel at every
-/// call, and programs install one or two.
-const MAX_SECCOMP_FILTERS: u64 = 64;
-const PTRACE_SETREGSET: libc::c_long = 0x4205;
-/// The x87/SSE state (`struct user_fpregs_struct`).
-const NT_PRFPREG: u32 = 2;
-/// The whole XSAVE area (AVX, AVX-512, AMX tiles...).
-const NT_X86_XSTATE: u32 = 0x202;
-/// Room for the largest XSAVE area (AMX makes it about 11 KiB).
-const XSTATE_MAX: usize = 16 * 1024;
 const PTRACE_O_TRACESYSGOOD: libc::c_long = 1;
 const PTRACE_EVENT_STOP: i32 = 128;
 const SYSCALL_INFO_ENTRY: u8 = 1;
@@ -429,69 +413,6 @@ impl Tracee {
         self.pending.pop();
     }
 
-    /// The thread's floating-point and vector state (`NT_X86_XSTATE`, or
-    /// `NT_PRFPREG` where the kernel has no XSAVE area), as the kernel
-    /// lays it out, to be put back by [`Self::set_fp_state`].
-    pub fn fp_state(&self) -> Result<(u32, Vec<u8>), InjectError> {
-        for note in [NT_X86_XSTATE, NT_PRFPREG] {
-            let mut buf = vec![0u8; XSTATE_MAX];
-            let mut iov = libc::iovec {
-                iov_base: buf.as_mut_ptr().cast(),
-                iov_len: buf.len(),
-            };
-            if ptrace(
-                PTRACE_GETREGSET,
-                self.tid,
-                u64::from(note),
-                &raw mut iov as u64,
-            )
-            .is_ok()
-            {
-                buf.truncate(iov.iov_len);
-                return Ok((note, buf));
-            }
-        }
-        Err(self.ptrace_error("get FP state", io::Error::last_os_error()))
-    }
-
-    /// Puts back what [`Self::fp_state`] read.
-    pub fn set_fp_state(&self, (note, state): &(u32, Vec<u8>)) -> Result<(), InjectError> {
-        let mut iov = libc::iovec {
-            iov_base: state.as_ptr() as *mut libc::c_void,
-            iov_len: state.len(),
-        };
-        self.request(
-            PTRACE_SETREGSET,
-            u64::from(*note),
-            &raw mut iov as u64,
-            "set FP state",
-        )
-    }
-
-    /// The thread's seccomp filters, newest first; `None` where they
-    /// cannot be read (`PTRACE_SECCOMP_GET_FILTER` needs `CAP_SYS_ADMIN`).
-    pub fn seccomp_filters(&self) -> Option<Vec<Vec<super::seccomp::Insn>>> {
-        let mut filters = Vec::new();
-        for index in 0..MAX_SECCOMP_FILTERS {
-            let count = match ptrace(PTRACE_SECCOMP_GET_FILTER, self.tid, index, 0) {
-                Ok(n) => usize::try_from(n).ok()?,
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Some(filters),
-                Err(_) => return None,
-            };
-            let mut bytes = vec![0u8; count.checked_mul(8)?];
-            let read = ptrace(
-                PTRACE_SECCOMP_GET_FILTER,
-                self.tid,
-                index,
-                bytes.as_mut_ptr() as u64,
-            )
-            .ok()?;
-            bytes.truncate(usize::try_from(read).ok()?.checked_mul(8)?.min(bytes.len()));
-            filters.push(super::seccomp::Insn::parse_all(&bytes));
-        }
-        None
-    }
-
     pub fn regs(&self) -> Result<Regs, InjectError> {
         // SAFETY: user_regs_struct is plain integers; all-zero is valid.
         let mut regs: Regs = unsafe { std::mem::zeroed() };
@@ -566,91 +487,6 @@ impl Tracee {
             context: format!("{what} memory of pid {} at {addr:#x}", self.pid),
             source: e,
         }
-    }
-
-    /// Lets the thread go with the state it is in, delivering the signals
-    /// that arrived meanwhile as they came: each is queued again and, at
-    /// the stop where the thread takes it, given back its own `siginfo_t`
-    /// (its sender and code: glibc's `setxid` handshake, for one, acts
-    /// only on a signal its own process sent).
-    pub fn detach(&mut self) -> Result<(), InjectError> {
-        if !self.attached {
-            return Ok(());
-        }
-        let mut pending = std::mem::take(&mut self.pending);
-        // A standard signal pending twice is taken once.
-        let mut seen = Vec::new();
-        pending.retain(|(sig, _)| {
-            *sig >= SIGRTMIN
-                || !seen.contains(sig) && {
-                    seen.push(*sig);
-                    true
-                }
-        });
-        if let Some(held) = self.pass_on.take() {
-            pending.insert(0, held);
-        }
-        let last = self.redeliver(&mut pending);
-        self.attached = false;
-        ptrace(PTRACE_DETACH, self.tid, 0, last as u64)
-            .map(drop)
-            .map_err(|e| self.ptrace_error("detach", e))
-    }
-
-    /// Delivers all of `pending` but the last, which the caller delivers as
-    /// it detaches (0: none left, or the thread never took them within
-    /// [`REDELIVERY_WAIT`]: then they are pending still, as sent again).
-    fn redeliver(&mut self, pending: &mut Vec<(i32, SigInfo)>) -> i32 {
-        for (sig, _) in pending.iter() {
-            // SAFETY: sends a signal to the thread that received it first.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_tgkill,
-                    self.pid as libc::c_long,
-                    self.tid as libc::c_long,
-                    *sig as libc::c_long,
-                )
-            };
-        }
-        let deadline = Instant::now() + REDELIVERY_WAIT;
-        let mut deliver = 0;
-        while !pending.is_empty() {
-            if ptrace(PTRACE_CONT, self.tid, 0, deliver as u64).is_err() {
-                return 0;
-            }
-            deliver = 0;
-            let stop = loop {
-                match self.stopped_now() {
-                    Ok(true) => break Some(self.status.take().unwrap_or(0)),
-                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
-                    _ => break None,
-                }
-            };
-            let Some(status) = stop else {
-                // Not taken in time: hold the thread again to let it go.
-                if self.request(PTRACE_INTERRUPT, 0, 0, "interrupt").is_ok() {
-                    let _ = self.wait();
-                }
-                self.pending.clear();
-                return 0;
-            };
-            if !libc::WIFSTOPPED(status) {
-                return 0;
-            }
-            let sig = libc::WSTOPSIG(status);
-            if status >> 16 != 0 || sig == libc::SIGTRAP | 0x80 {
-                continue;
-            }
-            deliver = sig;
-            if let Some(at) = pending.iter().position(|(s, _)| *s == sig) {
-                let (_, mut info) = pending.remove(at);
-                let _ = ptrace(PTRACE_SETSIGINFO, self.tid, 0, info.as_mut_ptr() as u64);
-            }
-            if pending.is_empty() {
-                return deliver;
-            }
-        }
-        deliver
     }
 }
 
