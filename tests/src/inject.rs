@@ -104,6 +104,15 @@ impl Target {
     pub fn status(&self, key: &str) -> String {
         status_field(self.pid, key)
     }
+
+    /// Asserts the program saw nothing (its error counter is 0), is traced
+    /// by no one, and holds nothing of the agent; `what` names the case.
+    pub fn assert_untouched(&self, what: &str) {
+        assert_eq!(self.errors(), 0, "{what}: the program saw the takeover");
+        assert_eq!(self.status("TracerPid"), "0", "{what}");
+        let traces = agent_traces(self.pid);
+        assert!(traces.is_empty(), "{what}: {traces:?}");
+    }
 }
 
 impl Drop for Target {
