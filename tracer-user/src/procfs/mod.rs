@@ -1,12 +1,13 @@
 //! What `/proc` tells about the traced processes and about ebtrace's own:
 //! existence, threads, names, the state each thread is in when the capture
-//! starts, memory, files and the kernel's settings. Every read of `/proc`
+//! starts, memory, files, the owners of sockets and the kernel's settings. Every read of `/proc`
 //! goes through here; the rest of the crate asks these functions.
 
 mod cgroup;
 mod files;
 mod memory;
 mod process;
+mod sockets;
 mod status;
 mod system;
 
@@ -25,9 +26,11 @@ pub use process::{
     ProcessCounters, TargetProcess, TaskStat, descendants_since, is_alive, is_listed, parse_stat,
     process_ids, start_time_ticks, thread_ids, thread_is_listed, thread_state, thread_syscall,
 };
+pub use sockets::tcp_socket_owner;
 pub use status::{
     ContextSwitches, namespace_tid, process_name, process_of_task, real_uid, seccomp_mode,
-    thread_context_switches, thread_name, thread_schedstat, thread_status_field, tracer_of,
+    thread_context_switches, thread_name, thread_schedstat, thread_status_field, traceable_by,
+    tracer_of,
 };
 pub use system::{
     boot_ticks_now, clock_ticks_per_second, effective_capabilities, kernel_release,

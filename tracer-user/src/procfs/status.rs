@@ -20,6 +20,29 @@ pub fn real_uid(pid: u32) -> Option<u32> {
     status_number(pid, "Uid:")
 }
 
+/// Whether user `uid` may trace `pid` by ptrace's own rule (what gdb and
+/// py-spy run by that user may do): every user id of the process (real,
+/// effective, saved, filesystem) is `uid`, so it is no set-id program
+/// running as someone else, and it is dumpable, which `/proc/PID` shows by
+/// being owned by its user rather than by root.
+pub fn traceable_by(pid: u32, uid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(status) = fs::read_to_string(process_dir(pid).join("status")) else {
+        return false;
+    };
+    let ids: Vec<u32> = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .map(|v| {
+            v.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let dumpable = fs::metadata(process_dir(pid)).is_ok_and(|m| m.uid() == uid);
+    ids.len() == 4 && ids.iter().all(|&id| id == uid) && dumpable
+}
+
 /// The seccomp mode of `pid` (`Seccomp:` in `/proc/PID/status`): 0 none,
 /// 1 strict, 2 filters.
 pub fn seccomp_mode(pid: u32) -> Option<u32> {
