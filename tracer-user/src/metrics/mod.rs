@@ -37,6 +37,8 @@ pub struct ServerCounters {
     pub recorder_forgotten: AtomicU64,
     /// Scheduler records the flight recorder keeps at most now.
     pub recorder_limit: AtomicU64,
+    /// Requests refused because their caller may not make them.
+    pub requests_refused: AtomicU64,
 }
 
 impl ServerCounters {
@@ -156,7 +158,7 @@ impl Metrics {
                 }
             }
         }
-        let own: [(&str, &str, Kind, f64); 8] = [
+        let own: [(&str, &str, Kind, f64); 9] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -194,6 +196,13 @@ impl Metrics {
                 "Records the flight recorder forgot: older than --retain, or past --retain-memory.",
                 Kind::Counter,
                 self.server.recorder_forgotten.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_requests_refused_total",
+                "Requests refused because their caller may not make them (PERMISSION_DENIED, \
+                 HTTP 403).",
+                Kind::Counter,
+                self.server.requests_refused.load(Ordering::Relaxed) as f64,
             ),
             (
                 "ebtrace_cpu_seconds_total",

@@ -5,11 +5,15 @@
 //!   and format of Go's `net/http/pprof` that Parca, Pyroscope and
 //!   `go tool pprof` read. `hz=F` changes the sampling rate.
 //!
-//! Anything else gets 404 and the list of what is there.
+//! Anything else gets 404 and the list of what is there. A caller other
+//! than root on this machine gets metrics only where every watched process
+//! is one it could trace, and profiles of those processes only (see
+//! [`super::caller`]); others get 403 and the rule that refused them.
 
 use std::{
     collections::HashMap,
     future::Future,
+    net::SocketAddr,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -19,13 +23,16 @@ use std::{
 
 use axum::{
     Router,
-    extract::{Query, State},
+    extract::{ConnectInfo, Query, State},
     http::{StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
 };
 
-use super::sessions::HubHandle;
+use super::{
+    caller::{Caller, Refusal, Scope},
+    sessions::HubHandle,
+};
 use crate::{
     attach::cpu_sample::MAX_HZ,
     capture::cpu_profile::take_cpu_profile,
@@ -47,6 +54,24 @@ struct Shared {
     profiling: Arc<tokio::sync::Mutex<()>>,
     /// Set at shutdown: a profile in progress ends with what it has.
     stopping: Arc<AtomicBool>,
+    /// The address the server listens on.
+    local: Option<SocketAddr>,
+}
+
+impl Shared {
+    fn caller(&self, remote: SocketAddr) -> Caller {
+        Caller::of_connection(self.local, Some(remote))
+    }
+
+    /// 403 with the rule's line, counted.
+    fn forbidden(&self, caller: Caller, what: &str, why: Refusal) -> Response {
+        self.metrics
+            .server
+            .requests_refused
+            .fetch_add(1, Ordering::Relaxed);
+        eprintln!("ebtrace: refused {what} to {caller}: {why}");
+        refuse(StatusCode::FORBIDDEN, why.to_string())
+    }
 }
 
 /// Serves until `shutdown` resolves.
@@ -58,6 +83,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stopping = Arc::new(AtomicBool::new(false));
+    let local = listener.local_addr().ok();
     let app = Router::new()
         .route("/metrics", get(scrape))
         .route("/debug/pprof/profile", get(cpu_profile))
@@ -68,25 +94,36 @@ pub async fn serve(
             sample_hz,
             profiling: Arc::default(),
             stopping: Arc::clone(&stopping),
+            local,
         });
     let shutdown = async move {
         shutdown.await;
         stopping.store(true, Ordering::Relaxed);
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
-async fn scrape(State(shared): State<Shared>) -> impl IntoResponse {
+async fn scrape(
+    State(shared): State<Shared>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+) -> Response {
     // The hub knows the watched processes; a server shutting down has none.
     let targets = shared.hub.targets().await.unwrap_or_default();
+    let caller = shared.caller(remote);
+    if let Err(why) = caller.may_read_all(&targets) {
+        return shared.forbidden(caller, "/metrics", why);
+    }
     let metrics = Arc::clone(&shared.metrics);
     // Reading /proc for every thread is blocking work.
     let body = tokio::task::spawn_blocking(move || metrics.render(&targets))
         .await
         .unwrap_or_default();
-    ([(header::CONTENT_TYPE, exposition::CONTENT_TYPE)], body)
+    ([(header::CONTENT_TYPE, exposition::CONTENT_TYPE)], body).into_response()
 }
 
 /// One line saying what went wrong and what to do, as Go's handler does.
@@ -128,6 +165,7 @@ fn profile_parameters(
 
 async fn cpu_profile(
     State(shared): State<Shared>,
+    ConnectInfo(remote): ConnectInfo<SocketAddr>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
     let (duration, hz) = match profile_parameters(&query, shared.sample_hz) {
@@ -140,7 +178,16 @@ async fn cpu_profile(
             "a CPU profile is already being taken; ask again when it ends".to_string(),
         );
     };
-    let targets = shared.hub.targets().await.unwrap_or_default();
+    let mut targets = shared.hub.targets().await.unwrap_or_default();
+    let caller = shared.caller(remote);
+    match caller.allowed_pids(Scope::Read, &targets, None) {
+        Ok(Some(allowed)) => targets.retain(|t| allowed.contains(&t.pid)),
+        Ok(None) => {}
+        Err(why) if !targets.is_empty() => {
+            return shared.forbidden(caller, "a CPU profile", why);
+        }
+        Err(_) => {}
+    }
     if targets.is_empty() {
         return refuse(
             StatusCode::NOT_FOUND,

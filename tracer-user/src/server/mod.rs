@@ -4,6 +4,7 @@
 //! XProf's "Capture profile" button can profile them unmodified.
 //!
 //! - [`service`]: the gRPC methods, thin: validate, ask the hub, map errors;
+//! - [`caller`]: who sent a request, and what they may do;
 //! - [`answer`]: `Profile` and `GetSnapshot` answers sent from the trace's
 //!   own buffer rather than copied into tonic's;
 //! - [`validate`]: request fields → a checked [`validate::SessionSpec`];
@@ -18,6 +19,7 @@
 //!   half alive.
 
 pub mod answer;
+pub mod caller;
 pub mod http;
 pub mod monitor;
 pub mod panics;
@@ -170,6 +172,7 @@ async fn serve(
         limits: config.limits,
         guard: guard.clone(),
         hostname: local_hostname(),
+        metrics: Arc::clone(&metrics),
     });
 
     describe_watch(&config.watch);

@@ -13,12 +13,13 @@ use ebtrace_proto::tensorflow::{
 use tonic::{Request, Response, Status};
 
 use super::{
+    caller::{Caller, Refusal, Scope},
     monitor,
     sessions::{HubHandle, SessionError},
     validate::{self, Limits},
     write_guard::WriteGuard,
 };
-use crate::clock;
+use crate::{clock, metrics::Metrics};
 
 /// TensorFlow's gRPC ProfilerService, answered by the session hub.
 pub struct ProfilerServer {
@@ -30,6 +31,8 @@ pub struct ProfilerServer {
     pub guard: Option<Arc<WriteGuard>>,
     /// This machine's name, recorded in traces unless a request overrides it.
     pub hostname: String,
+    /// Where refusals are counted.
+    pub metrics: Arc<Metrics>,
 }
 
 fn status_of(e: SessionError) -> Status {
@@ -60,6 +63,53 @@ impl ProfilerServer {
     }
 }
 
+impl ProfilerServer {
+    /// A refused request, counted and logged: `PERMISSION_DENIED` with the
+    /// rule's line.
+    fn refused(&self, caller: Caller, method: &str, why: Refusal) -> Status {
+        self.metrics
+            .server
+            .requests_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        eprintln!("ebtrace: refused {method} from {caller}: {why}");
+        Status::permission_denied(why.to_string())
+    }
+
+    /// The processes `caller` may have `spec` record (`scope`), set on it;
+    /// refused where there are none.
+    async fn restrict(
+        &self,
+        caller: Caller,
+        method: &str,
+        scope: Scope,
+        spec: &mut validate::SessionSpec,
+    ) -> Result<(), Status> {
+        let targets = self.hub.targets().await.map_err(status_of)?;
+        let allowed = caller
+            .allowed_pids(scope, &targets, spec.pids.as_ref())
+            .map_err(|why| self.refused(caller, method, why))?;
+        if allowed.is_some() {
+            spec.pids = allowed;
+        }
+        Ok(())
+    }
+
+    /// Refused unless `caller` may read every watched process.
+    async fn may_read_all(&self, caller: Caller, method: &str) -> Result<(), Status> {
+        let targets = self.hub.targets().await.map_err(status_of)?;
+        caller
+            .may_read_all(&targets)
+            .map_err(|why| self.refused(caller, method, why))
+    }
+
+    /// Refused unless `caller` may change the server for everyone.
+    fn may_control(&self, caller: Caller, method: &str) -> Result<(), Status> {
+        caller
+            .may_control()
+            .map_err(|why| self.refused(caller, method, why))
+    }
+}
+
 /// Who sent `request`, for the server's log.
 fn client_of<T>(request: &Request<T>) -> String {
     request
@@ -73,7 +123,10 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        let spec = self.checked(&request)?;
+        let caller = Caller::of(&request);
+        let mut spec = self.checked(&request)?;
+        self.restrict(caller, "Profile", Scope::Capture, &mut spec)
+            .await?;
         let response = self.hub.profile(spec).await.map_err(status_of)?;
         Ok(Response::new(response))
     }
@@ -82,6 +135,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<TerminateRequest>,
     ) -> Result<Response<TerminateResponse>, Status> {
+        self.may_control(Caller::of(&request), "Terminate")?;
         let session_id = request.into_inner().session_id;
         match self.hub.terminate(session_id.clone()).await {
             Ok(0) => Err(Status::not_found(format!(
@@ -96,6 +150,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<MonitorRequest>,
     ) -> Result<Response<MonitorResponse>, Status> {
+        self.may_read_all(Caller::of(&request), "Monitor").await?;
         let req = request.into_inner();
         if req.duration_ms == 0 {
             return Err(Status::invalid_argument(
@@ -143,6 +198,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
+        self.may_control(Caller::of(&request), "StartContinuousProfiling")?;
         let spec = self.checked(&request)?;
         self.hub.start_recorder(spec).await.map_err(status_of)?;
         Ok(Response::new(ContinuousProfilingResponse {}))
@@ -150,8 +206,9 @@ impl ProfilerService for ProfilerServer {
 
     async fn stop_continuous_profiling(
         &self,
-        _request: Request<StopContinuousProfilingRequest>,
+        request: Request<StopContinuousProfilingRequest>,
     ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
+        self.may_control(Caller::of(&request), "StopContinuousProfiling")?;
         self.hub.stop_recorder().await.map_err(status_of)?;
         Ok(Response::new(StopContinuousProfilingResponse {}))
     }
@@ -160,6 +217,8 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
+        self.may_read_all(Caller::of(&request), "GetSnapshot")
+            .await?;
         let client = client_of(&request);
         let id = request.into_inner().snapshot_session_id;
         let id = if id.is_empty() { "snapshot".into() } else { id };
