@@ -196,7 +196,13 @@ fn one_xprof_call_captures_two_hosts_into_one_run() {
         .map(|h| {
             ServeProcess::start_under(
                 &["ip", "netns", "exec", &h.name],
-                &["--bind", &format!("{}:6009", h.addr), "--pid", &pid],
+                &[
+                    "--bind",
+                    &format!("{}:6009", h.addr),
+                    "--insecure-listen",
+                    "--pid",
+                    &pid,
+                ],
                 1,
             )
         })

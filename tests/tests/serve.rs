@@ -925,10 +925,18 @@ fn command_line_errors_exit_2_with_one_line() {
         "not an IP address",
     );
     check(&["--discover", "--pid", "1"], "cannot be used with");
+    let me = std::process::id().to_string();
+    for flag in ["--bind", "--http"] {
+        check(
+            &["-p", &me, flag, "0.0.0.0:0"],
+            &format!(
+                "{flag} 0.0.0.0:0 is not a loopback address, and ebtrace cannot tell who asks"
+            ),
+        );
+    }
     if !require_root("command_line_errors_exit_2_with_one_line (privileged part)") {
         return;
     }
-    let me = std::process::id().to_string();
     check(
         &["-p", &me, "--allow-write-under", "/nonexistent/ebtrace"],
         "--allow-write-under",

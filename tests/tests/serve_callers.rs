@@ -214,3 +214,37 @@ fn another_users_capture_of_roots_processes_is_refused() {
         server.lines()
     );
 }
+
+/// `--insecure-listen` lets a listener on every address start (without it
+/// `serve` refuses at start: see `serve.rs`), with a warning at start and
+/// a gauge on `/metrics`.
+#[test]
+fn an_insecure_listener_is_allowed_only_when_asked_and_says_so() {
+    if !require_root("an_insecure_listener_is_allowed_only_when_asked_and_says_so") {
+        return;
+    }
+    let _serial = serial();
+    let me = std::process::id().to_string();
+    let server = ServeProcess::start(
+        &[
+            "--bind",
+            "0.0.0.0:0",
+            "--insecure-listen",
+            "--http",
+            "127.0.0.1:0",
+            "--pid",
+            &me,
+        ],
+        1,
+    );
+    let warned = server.lines().iter().any(|l| {
+        l.starts_with("ebtrace: warning: 0.0.0.0:")
+            && l.contains("is not a loopback address (--insecure-listen)")
+    });
+    assert!(warned, "{:?}", server.lines());
+    let text = ebtrace_tests::http::get(server.http_addr(), "/metrics").text();
+    assert!(
+        text.contains("\nebtrace_unauthenticated_listeners 1\n"),
+        "{text}"
+    );
+}

@@ -155,6 +155,21 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A listener on an address other than loopback, where ebtrace cannot
+    /// tell who asks, without `--insecure-listen`.
+    #[error(
+        "{flag} {addr} is not a loopback address, and ebtrace cannot tell who asks there: anyone \
+         who reaches it could capture and read every watched process; listen on 127.0.0.1 and \
+         reach it through a tunnel (ssh -L, kubectl port-forward), or add --insecure-listen to \
+         allow it anyway"
+    )]
+    InsecureListen {
+        /// The flag that named it.
+        flag: &'static str,
+        /// The address.
+        addr: std::net::SocketAddr,
+    },
+
     /// A `--allow-write-under` directory could not be opened.
     #[error("--allow-write-under {path}: {source} (it must be an existing directory)")]
     AllowWriteUnder {
@@ -196,6 +211,7 @@ impl Error {
             | Error::TracefsMount { .. }
             | Error::LogdirNotWritable { .. }
             | Error::Bind { .. }
+            | Error::InsecureListen { .. }
             | Error::AllowWriteUnder { .. }
             | Error::RetainMemory(_)
             | Error::BpfRefused { .. }

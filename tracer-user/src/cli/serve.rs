@@ -40,9 +40,16 @@ pub struct ServeArgs {
     pub discover_interval: Duration,
 
     /// Address to listen on, e.g. 127.0.0.1:6009 or [::1]:6009 (repeat for
-    /// several). Anything but loopback lets other machines start captures.
+    /// several). Anything but loopback needs --insecure-listen.
     #[arg(long = "bind", value_name = "ADDR", default_value = "127.0.0.1:6009", value_parser = parse_bind)]
     pub binds: Vec<SocketAddr>,
+
+    /// Let --bind and --http listen on addresses other than loopback, where
+    /// ebtrace cannot tell who asks: anyone who reaches them may capture
+    /// and read every watched process and control the server. Without it
+    /// such an address is refused at start.
+    #[arg(long)]
+    pub insecure_listen: bool,
 
     /// Also save each trace where the request's repository_root says, if
     /// that lies inside DIR (never elsewhere). Without it, traces only go
@@ -75,7 +82,7 @@ pub struct ServeArgs {
     /// itself at http://ADDR/metrics, and CPU profiles (pprof, as Parca,
     /// Pyroscope and `go tool pprof` read them) at
     /// http://ADDR/debug/pprof/profile?seconds=N, e.g. 127.0.0.1:9464.
-    /// Anything but loopback lets other machines read them.
+    /// Anything but loopback needs --insecure-listen.
     #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
     pub http: Option<SocketAddr>,
 
@@ -158,6 +165,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     };
     server::run(ServeConfig {
         binds: args.binds.clone(),
+        insecure_listen: args.insecure_listen,
         watch,
         limits: Limits {
             max_duration: args.max_duration,

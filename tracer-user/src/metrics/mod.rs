@@ -39,6 +39,8 @@ pub struct ServerCounters {
     pub recorder_limit: AtomicU64,
     /// Requests refused because their caller may not make them.
     pub requests_refused: AtomicU64,
+    /// Listeners on addresses other than loopback (`--insecure-listen`).
+    pub unauthenticated_listeners: AtomicU64,
 }
 
 impl ServerCounters {
@@ -158,7 +160,7 @@ impl Metrics {
                 }
             }
         }
-        let own: [(&str, &str, Kind, f64); 9] = [
+        let own: [(&str, &str, Kind, f64); 10] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -203,6 +205,15 @@ impl Metrics {
                  HTTP 403).",
                 Kind::Counter,
                 self.server.requests_refused.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_unauthenticated_listeners",
+                "Listeners on addresses other than loopback, where anyone who reaches them may \
+                 capture, read and control (--insecure-listen).",
+                Kind::Gauge,
+                self.server
+                    .unauthenticated_listeners
+                    .load(Ordering::Relaxed) as f64,
             ),
             (
                 "ebtrace_cpu_seconds_total",

@@ -60,6 +60,9 @@ use write_guard::WriteGuard;
 pub struct ServeConfig {
     /// The addresses the gRPC ProfilerService listens on (`--bind`).
     pub binds: Vec<SocketAddr>,
+    /// Whether listeners on addresses other than loopback, where no one
+    /// can be told apart, are allowed (`--insecure-listen`).
+    pub insecure_listen: bool,
     /// How target processes are chosen.
     pub watch: WatchMode,
     /// What a request may ask for.
@@ -98,6 +101,7 @@ const PANIC_EXIT_DEADLINE: Duration = Duration::from_secs(45);
 /// A panic in any thread stops it the same way, with an error.
 pub fn run(config: ServeConfig) -> Result<()> {
     let panics = panics::watch();
+    refuse_unauthenticated_listeners(&config)?;
     check_privileges()?;
     // What every capture needs is checked once, before listening.
     let root = tracefs::locate()?;
@@ -153,6 +157,10 @@ async fn serve(
     let mut signals = StopSignals::install()?;
 
     let metrics = Arc::new(Metrics::default());
+    metrics.server.unauthenticated_listeners.store(
+        unauthenticated_listeners(&config).len() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let (hub, hub_thread) = sessions::spawn(HubConfig {
         watch: config.watch.clone(),
         max_sessions: config.max_sessions,
@@ -238,6 +246,25 @@ async fn serve(
     }
 }
 
+/// The listeners on addresses other than loopback, with the flag naming
+/// each: there no caller can be told apart (see [`caller`]).
+fn unauthenticated_listeners(config: &ServeConfig) -> Vec<(&'static str, SocketAddr)> {
+    let binds = config.binds.iter().map(|a| ("--bind", *a));
+    binds
+        .chain(config.http.map(|a| ("--http", a)))
+        .filter(|(_, a)| !a.ip().to_canonical().is_loopback())
+        .collect()
+}
+
+/// Refuses, before anything runs, a listener where no caller can be told
+/// apart, unless `--insecure-listen` allows it.
+fn refuse_unauthenticated_listeners(config: &ServeConfig) -> Result<()> {
+    match unauthenticated_listeners(config).first() {
+        Some(&(flag, addr)) if !config.insecure_listen => Err(Error::InsecureListen { flag, addr }),
+        _ => Ok(()),
+    }
+}
+
 /// The servers running, each with the address it serves on and how it
 /// ended.
 type Servers = JoinSet<(SocketAddr, std::result::Result<(), String>)>;
@@ -308,12 +335,7 @@ fn spawn_grpc_server(
         .local_addr()
         .map_err(|e| Error::io("reading the bound address", e))?;
     eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
-    if !local.ip().is_loopback() {
-        eprintln!(
-            "ebtrace: warning: {local} is not a loopback address: any machine that reaches \
-             it can start captures of the watched processes"
-        );
-    }
+    warn_if_unauthenticated(local);
     let server = tonic::transport::Server::builder()
         .add_service(answer::Answering::new(
             ProfilerServiceServer::from_arc(Arc::clone(service)),
@@ -338,10 +360,21 @@ fn spawn_http_server(
         .local_addr()
         .map_err(|e| Error::io("reading the bound address", e))?;
     eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
+    warn_if_unauthenticated(local);
     eprintln!("ebtrace: serving CPU profiles (pprof) on http://{local}/debug/pprof/profile");
     let server = http::serve(listener, metrics, hub, sample_hz, stop_requested(stopped));
     servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
     Ok(())
+}
+
+/// The warning for a listener `--insecure-listen` allowed.
+fn warn_if_unauthenticated(local: SocketAddr) {
+    if !local.ip().to_canonical().is_loopback() {
+        eprintln!(
+            "ebtrace: warning: {local} is not a loopback address (--insecure-listen): anyone \
+             who reaches it can capture and read every watched process and control the server"
+        );
+    }
 }
 
 /// Waits up to [`SHUTDOWN_GRACE`] for the servers to answer what is in
