@@ -36,7 +36,8 @@ const SERVING: &str = "ebtrace: serving tensorflow.ProfilerService on ";
 /// A running `ebtrace serve`, killed when dropped.
 pub struct ServeProcess {
     child: Child,
-    /// Every address it listens on, in `--bind` order.
+    /// Every TCP address it listens on, in `--bind` order (Unix sockets
+    /// are where `--bind unix:PATH` said).
     pub addrs: Vec<SocketAddr>,
     lines: Arc<Mutex<Vec<String>>>,
     reader: Option<JoinHandle<()>>,
@@ -85,7 +86,20 @@ impl ServeProcess {
             reader: Some(reader),
         };
         let started = Instant::now();
-        while server.addrs.len() < listeners {
+        loop {
+            let serving: Vec<String> = server
+                .lines()
+                .iter()
+                .filter_map(|l| Some(l.strip_prefix(SERVING)?.to_string()))
+                .collect();
+            if serving.len() >= listeners {
+                server.addrs = serving
+                    .iter()
+                    .filter(|a| !a.starts_with("unix:"))
+                    .map(|a| a.parse().expect("address"))
+                    .collect();
+                break;
+            }
             if started.elapsed() > Duration::from_secs(30) {
                 panic!(
                     "ebtrace serve did not start listening: {:?}",
@@ -96,12 +110,6 @@ impl ServeProcess {
                 std::thread::sleep(Duration::from_millis(50));
                 panic!("ebtrace serve exited with {status}: {:?}", server.lines());
             }
-            server.addrs = server
-                .lines()
-                .iter()
-                .filter_map(|l| l.strip_prefix(SERVING))
-                .map(|a| a.parse().expect("address"))
-                .collect();
             std::thread::sleep(Duration::from_millis(10));
         }
         server

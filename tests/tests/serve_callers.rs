@@ -7,7 +7,6 @@
 
 use std::{
     collections::BTreeSet,
-    net::SocketAddr,
     os::unix::{fs::PermissionsExt as _, process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Child, Command},
@@ -37,15 +36,15 @@ impl Client {
 
     /// The client's one line for `method` asked of `server` as `uid`.
     fn ask(&self, uid: u32, server: &ServeProcess, method: &str) -> String {
-        self.ask_at(uid, server.addrs[0], method)
+        self.ask_at(uid, &server.addrs[0].to_string(), method)
     }
 
-    /// The same, of the listener at `addr`.
-    fn ask_at(&self, uid: u32, addr: SocketAddr, method: &str) -> String {
+    /// The same, of the listener at `addr` (`HOST:PORT` or `unix:PATH`).
+    fn ask_at(&self, uid: u32, addr: &str, method: &str) -> String {
         let out = self.trace_path();
         let _ = std::fs::remove_file(&out);
         let output = Command::new(&self.bin)
-            .args([&addr.to_string(), method, out.to_str().unwrap()])
+            .args([addr, method, out.to_str().unwrap()])
             .uid(uid)
             .gid(uid)
             .output()
@@ -164,7 +163,7 @@ fn another_user_captures_only_its_own_processes_and_controls_nothing() {
     }
     // Nor the metrics, which hold root's process.
     let http = server.http_addr();
-    let refused = client.ask_at(NOBODY, http, metrics);
+    let refused = client.ask_at(NOBODY, &http.to_string(), metrics);
     assert!(
         refused.starts_with("403 uid 65534 may read only processes"),
         "{refused}"
@@ -247,4 +246,56 @@ fn an_insecure_listener_is_allowed_only_when_asked_and_says_so() {
         text.contains("\nebtrace_unauthenticated_listeners 1\n"),
         "{text}"
     );
+}
+
+/// `--bind unix:PATH`: any local user may connect to the socket, and each
+/// is told apart by the kernel's credentials of the connection; a socket a
+/// killed server left is taken over, a live server's never.
+#[test]
+fn a_unix_socket_tells_its_callers_apart() {
+    if !require_root("a_unix_socket_tells_its_callers_apart") {
+        return;
+    }
+    let _serial = serial();
+    let roots = SchedWorkload::start(&[]);
+    let theirs = ProcessOfNobody::start();
+    let client = Client::new();
+    let path = client.dir.path().join("ebtrace.sock");
+    let bind = format!("unix:{}", path.display());
+    let watched = format!("{},{}", roots.pid, theirs.pid());
+    let serve = || ServeProcess::start(&["--bind", &bind, "--pid", &watched], 1);
+    let server = serve();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o666, "{mode:o}");
+
+    assert_eq!(client.ask_at(NOBODY, &bind, "profile"), "OK");
+    let lines = thread_lines(&client.trace());
+    assert!(lines.contains(&i64::from(theirs.pid())), "{lines:?}");
+    assert!(lines.is_disjoint(&tids(roots.pid)), "{lines:?}");
+    let refused = client.ask_at(NOBODY, &bind, "stop-recorder");
+    assert!(
+        refused.starts_with("PermissionDenied: uid 65534 may not control"),
+        "{refused}"
+    );
+    assert_eq!(
+        client.ask_at(0, &bind, &format!("profile:{}", roots.pid)),
+        "OK"
+    );
+
+    // A second server on the same socket is refused while the first lives.
+    let second = Command::new(ebtrace_tests::ebtrace_bin())
+        .args(["serve", "--bind", &bind, "--pid", &watched])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {bind}")),
+        "{stderr}"
+    );
+    // Killed, the first leaves its socket: the next server takes it over.
+    drop(server);
+    assert!(path.exists());
+    let _next = serve();
+    assert_eq!(client.ask_at(NOBODY, &bind, "profile"), "OK");
 }

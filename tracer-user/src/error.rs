@@ -148,8 +148,8 @@ pub enum Error {
          with --bind)"
     )]
     Bind {
-        /// The address.
-        addr: std::net::SocketAddr,
+        /// The address (an IP address and port, or `unix:PATH`).
+        addr: String,
         /// The error.
         #[source]
         source: std::io::Error,

@@ -1,5 +1,6 @@
 //! A `tensorflow.ProfilerService` client the tests run as another user:
-//! `profiler_client ADDR METHOD OUT`, METHOD one of `profile`,
+//! `profiler_client ADDR METHOD OUT`, ADDR `HOST:PORT` or `unix:PATH`,
+//! METHOD one of `profile`,
 //! `profile:PID` (of that watched process only), `snapshot` and
 //! `stop-recorder`. Prints `OK`, or the gRPC code and message, on one
 //! line, and writes a Profile's XSpace to OUT. `http:PATH` GETs PATH of
@@ -11,7 +12,11 @@ use ebtrace_proto::tensorflow::{
     profiler_service_client::ProfilerServiceClient,
 };
 use ebtrace_tests::serve::{block_on, request, with_advanced, xspace_of};
+use hyper_util::rt::TokioIo;
 use prost::Message as _;
+use tokio::net::UnixStream;
+use tonic::transport::{Endpoint, Uri};
+use tower::service_fn;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -26,9 +31,26 @@ fn main() {
         return;
     }
     block_on(async {
-        let mut client = ProfilerServiceClient::connect(format!("http://{addr}"))
-            .await
-            .expect("connect to ebtrace serve")
+        let channel = match addr.strip_prefix("unix:") {
+            Some(path) => {
+                let path = path.to_string();
+                Endpoint::from_static("http://localhost")
+                    .connect_with_connector(service_fn(move |_: Uri| {
+                        let path = path.clone();
+                        async move {
+                            Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?))
+                        }
+                    }))
+                    .await
+            }
+            None => {
+                Endpoint::from_shared(format!("http://{addr}"))
+                    .expect("an address")
+                    .connect()
+                    .await
+            }
+        };
+        let mut client = ProfilerServiceClient::new(channel.expect("connect to ebtrace serve"))
             .max_decoding_message_size(usize::MAX);
         let result = match method.split_once(':') {
             None if method == "snapshot" => client

@@ -10,7 +10,7 @@ use crate::{
     attach::{LaunchStacks, ProbeSetConfig},
     capture::{flight_recorder::Retention, open_targets},
     error::Result,
-    server::{self, ServeConfig, validate::Limits, watch::WatchMode},
+    server::{self, ServeConfig, listen::BindAddr, validate::Limits, watch::WatchMode},
 };
 
 // A `concat!` doc, which clap does not read: a literal one would become
@@ -39,10 +39,11 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = parse_duration)]
     pub discover_interval: Duration,
 
-    /// Address to listen on, e.g. 127.0.0.1:6009 or [::1]:6009 (repeat for
-    /// several). Anything but loopback needs --insecure-listen.
-    #[arg(long = "bind", value_name = "ADDR", default_value = "127.0.0.1:6009", value_parser = parse_bind)]
-    pub binds: Vec<SocketAddr>,
+    /// Address to listen on, e.g. 127.0.0.1:6009, [::1]:6009, or a Unix
+    /// socket as unix:/run/ebtrace/ebtrace.sock (repeat for several).
+    /// Anything but loopback or a Unix socket needs --insecure-listen.
+    #[arg(long = "bind", value_name = "ADDR", default_value = "127.0.0.1:6009")]
+    pub binds: Vec<BindAddr>,
 
     /// Let --bind and --http listen on addresses other than loopback, where
     /// ebtrace cannot tell who asks: anyone who reaches them may capture

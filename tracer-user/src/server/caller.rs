@@ -2,7 +2,8 @@
 //! identity of the connection it came on before it is served:
 //!
 //! - a loopback peer is the user owning its socket, as the kernel's socket
-//!   table says ([`crate::procfs::tcp_socket_owner`]); a user other than
+//!   table says ([`crate::procfs::tcp_socket_owner`]), and a Unix socket's
+//!   peer the user the kernel gives with it (`SO_PEERCRED`); a user other than
 //!   root may capture and read only the processes it could trace itself
 //!   (ptrace's rule: its own uid, dumpable, not set-id), and change
 //!   nothing of the server (the flight recorder, others' captures);
@@ -11,7 +12,10 @@
 
 use std::{collections::BTreeSet, fmt, net::SocketAddr};
 
-use tonic::{Request, transport::server::TcpConnectInfo};
+use tonic::{
+    Request,
+    transport::server::{TcpConnectInfo, UdsConnectInfo},
+};
 
 use crate::procfs::{self, TargetProcess};
 
@@ -90,6 +94,12 @@ impl Caller {
 
     /// The caller of a gRPC request.
     pub fn of<T>(request: &Request<T>) -> Self {
+        if let Some(unix) = request.extensions().get::<UdsConnectInfo>() {
+            return match unix.peer_cred {
+                Some(cred) => Caller::Local { uid: cred.uid() },
+                None => Caller::Unknown { addr: None },
+            };
+        }
         let info = request.extensions().get::<TcpConnectInfo>();
         Caller::of_connection(
             info.and_then(TcpConnectInfo::local_addr),

@@ -15,12 +15,14 @@
 //! - [`watch`]: the watched processes (`--pid` or `--discover`);
 //! - [`monitor`]: the `Monitor` summary;
 //! - [`http`]: `--http`: Prometheus `/metrics` and pprof CPU profiles;
+//! - [`listen`]: the TCP addresses and Unix sockets it listens on;
 //! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
 //!   half alive.
 
 pub mod answer;
 pub mod caller;
 pub mod http;
+pub mod listen;
 pub mod monitor;
 pub mod panics;
 pub mod response;
@@ -32,13 +34,10 @@ pub mod write_guard;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use ebtrace_proto::tensorflow::profiler_service_server::ProfilerServiceServer;
 use tokio::{
-    net::TcpListener,
     signal::unix::{Signal, SignalKind, signal},
     task::JoinSet,
 };
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::{
     attach::{ProbeSet, ProbeSetConfig, tracefs},
@@ -48,9 +47,10 @@ use crate::{
     metrics::Metrics,
     sink::xspace::local_hostname,
 };
+use listen::{BindAddr, HttpServing, Listeners, Servers};
 use panics::PanicWatch;
 use service::ProfilerServer;
-use sessions::{HubConfig, HubHandle};
+use sessions::HubConfig;
 use validate::Limits;
 use watch::WatchMode;
 use write_guard::WriteGuard;
@@ -59,7 +59,7 @@ use write_guard::WriteGuard;
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
     /// The addresses the gRPC ProfilerService listens on (`--bind`).
-    pub binds: Vec<SocketAddr>,
+    pub binds: Vec<BindAddr>,
     /// Whether listeners on addresses other than loopback, where no one
     /// can be told apart, are allowed (`--insecure-listen`).
     pub insecure_listen: bool,
@@ -101,7 +101,7 @@ const PANIC_EXIT_DEADLINE: Duration = Duration::from_secs(45);
 /// A panic in any thread stops it the same way, with an error.
 pub fn run(config: ServeConfig) -> Result<()> {
     let panics = panics::watch();
-    refuse_unauthenticated_listeners(&config)?;
+    listen::refuse_unauthenticated(&config)?;
     check_privileges()?;
     // What every capture needs is checked once, before listening.
     let root = tracefs::locate()?;
@@ -158,7 +158,7 @@ async fn serve(
 
     let metrics = Arc::new(Metrics::default());
     metrics.server.unauthenticated_listeners.store(
-        unauthenticated_listeners(&config).len() as u64,
+        listen::unauthenticated(&config).len() as u64,
         std::sync::atomic::Ordering::Relaxed,
     );
     let (hub, hub_thread) = sessions::spawn(HubConfig {
@@ -192,26 +192,24 @@ async fn serve(
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut servers = JoinSet::new();
-    for listener in listeners.grpc {
-        spawn_grpc_server(listener, &service, stopped.clone(), &mut servers)?;
-    }
-    if let Some(listener) = listeners.http {
-        let metrics = Arc::clone(&metrics);
-        let hub = hub.clone();
-        spawn_http_server(
-            listener,
-            metrics,
-            hub,
-            config.sample_hz,
-            stopped.clone(),
-            &mut servers,
-        )?;
-    }
-    if let Some(first) = config.binds.first() {
+    listeners.serve(
+        &service,
+        HttpServing {
+            metrics: Arc::clone(&metrics),
+            hub: hub.clone(),
+            sample_hz: config.sample_hz,
+        },
+        &stopped,
+        &mut servers,
+    )?;
+    let first_port = config.binds.iter().find_map(|b| match b {
+        BindAddr::Tcp(addr) => Some(addr.port()),
+        BindAddr::Unix(_) => None,
+    });
+    if let Some(port) = first_port {
         eprintln!(
-            "ebtrace: capture with e.g. `python -m jax.collect_profile {} 2000 --log_dir DIR \
-             --no_perfetto_link`; Ctrl-C stops",
-            first.port()
+            "ebtrace: capture with e.g. `python -m jax.collect_profile {port} 2000 --log_dir DIR \
+             --no_perfetto_link`; Ctrl-C stops"
         );
     }
 
@@ -246,62 +244,6 @@ async fn serve(
     }
 }
 
-/// The listeners on addresses other than loopback, with the flag naming
-/// each: there no caller can be told apart (see [`caller`]).
-fn unauthenticated_listeners(config: &ServeConfig) -> Vec<(&'static str, SocketAddr)> {
-    let binds = config.binds.iter().map(|a| ("--bind", *a));
-    binds
-        .chain(config.http.map(|a| ("--http", a)))
-        .filter(|(_, a)| !a.ip().to_canonical().is_loopback())
-        .collect()
-}
-
-/// Refuses, before anything runs, a listener where no caller can be told
-/// apart, unless `--insecure-listen` allows it.
-fn refuse_unauthenticated_listeners(config: &ServeConfig) -> Result<()> {
-    match unauthenticated_listeners(config).first() {
-        Some(&(flag, addr)) if !config.insecure_listen => Err(Error::InsecureListen { flag, addr }),
-        _ => Ok(()),
-    }
-}
-
-/// The servers running, each with the address it serves on and how it
-/// ended.
-type Servers = JoinSet<(SocketAddr, std::result::Result<(), String>)>;
-
-/// The sockets the server listens on, bound before anything else runs.
-struct Listeners {
-    /// One per `--bind` address, for the gRPC ProfilerService.
-    grpc: Vec<TcpListener>,
-    /// The `--http` address's, if there is one.
-    http: Option<TcpListener>,
-}
-
-impl Listeners {
-    /// Binds every address `config` names, in order.
-    async fn bind(config: &ServeConfig) -> Result<Self> {
-        let mut grpc = Vec::new();
-        for addr in &config.binds {
-            let listener = TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::Bind {
-                    addr: *addr,
-                    source,
-                })?;
-            grpc.push(listener);
-        }
-        let http = match config.http {
-            Some(addr) => Some(
-                TcpListener::bind(addr)
-                    .await
-                    .map_err(|source| Error::Bind { addr, source })?,
-            ),
-            None => None,
-        };
-        Ok(Listeners { grpc, http })
-    }
-}
-
 /// The signals that stop the server.
 struct StopSignals {
     terminate: Signal,
@@ -316,64 +258,6 @@ impl StopSignals {
             interrupt: signal(SignalKind::interrupt())
                 .map_err(|e| Error::io("installing the SIGINT handler", e))?,
         })
-    }
-}
-
-/// Resolves once the server is told to stop.
-async fn stop_requested(mut stopped: tokio::sync::watch::Receiver<bool>) {
-    let _ = stopped.wait_for(|s| *s).await;
-}
-
-/// Starts serving the ProfilerService on `listener`, until `stopped`.
-fn spawn_grpc_server(
-    listener: TcpListener,
-    service: &Arc<ProfilerServer>,
-    stopped: tokio::sync::watch::Receiver<bool>,
-    servers: &mut Servers,
-) -> Result<()> {
-    let local = listener
-        .local_addr()
-        .map_err(|e| Error::io("reading the bound address", e))?;
-    eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
-    warn_if_unauthenticated(local);
-    let server = tonic::transport::Server::builder()
-        .add_service(answer::Answering::new(
-            ProfilerServiceServer::from_arc(Arc::clone(service)),
-            Arc::clone(service),
-        ))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop_requested(stopped));
-    servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
-    Ok(())
-}
-
-/// Starts serving `/metrics` and CPU profiles (of `hub`'s processes,
-/// sampled `sample_hz` times a second) on `listener`, until `stopped`.
-fn spawn_http_server(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    hub: HubHandle,
-    sample_hz: u64,
-    stopped: tokio::sync::watch::Receiver<bool>,
-    servers: &mut Servers,
-) -> Result<()> {
-    let local = listener
-        .local_addr()
-        .map_err(|e| Error::io("reading the bound address", e))?;
-    eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
-    warn_if_unauthenticated(local);
-    eprintln!("ebtrace: serving CPU profiles (pprof) on http://{local}/debug/pprof/profile");
-    let server = http::serve(listener, metrics, hub, sample_hz, stop_requested(stopped));
-    servers.spawn(async move { (local, server.await.map_err(|e| e.to_string())) });
-    Ok(())
-}
-
-/// The warning for a listener `--insecure-listen` allowed.
-fn warn_if_unauthenticated(local: SocketAddr) {
-    if !local.ip().to_canonical().is_loopback() {
-        eprintln!(
-            "ebtrace: warning: {local} is not a loopback address (--insecure-listen): anyone \
-             who reaches it can capture and read every watched process and control the server"
-        );
     }
 }
 
