@@ -17,7 +17,10 @@ use tonic::{
     transport::server::{TcpConnectInfo, UdsConnectInfo},
 };
 
-use crate::procfs::{self, TargetProcess};
+use crate::{
+    metrics::Metrics,
+    procfs::{self, TargetProcess},
+};
 
 /// Who sent a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,6 +68,18 @@ impl Scope {
 /// Why a request was refused: one line naming the rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal(String);
+
+impl Refusal {
+    /// Counts the refusal of `what` to `caller` (on `/metrics`) and logs it,
+    /// as both listeners do.
+    pub fn count(&self, metrics: &Metrics, caller: Caller, what: &str) {
+        metrics
+            .server
+            .requests_refused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        eprintln!("ebtrace: refused {what} from {caller}: {self}");
+    }
+}
 
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -65,11 +65,7 @@ impl Shared {
 
     /// 403 with the rule's line, counted.
     fn forbidden(&self, caller: Caller, what: &str, why: Refusal) -> Response {
-        self.metrics
-            .server
-            .requests_refused
-            .fetch_add(1, Ordering::Relaxed);
-        eprintln!("ebtrace: refused {what} to {caller}: {why}");
+        why.count(&self.metrics, caller, what);
         refuse(StatusCode::FORBIDDEN, why.to_string())
     }
 }

@@ -19,7 +19,7 @@ use super::{
     validate::{self, Limits},
     write_guard::WriteGuard,
 };
-use crate::{clock, metrics::Metrics};
+use crate::{clock, metrics::Metrics, procfs::TargetProcess};
 
 /// TensorFlow's gRPC ProfilerService, answered by the session hub.
 pub struct ProfilerServer {
@@ -61,17 +61,11 @@ impl ProfilerServer {
         )
         .map_err(|e| Status::invalid_argument(e.to_string()))
     }
-}
 
-impl ProfilerServer {
     /// A refused request, counted and logged: `PERMISSION_DENIED` with the
     /// rule's line.
     fn refused(&self, caller: Caller, method: &str, why: Refusal) -> Status {
-        self.metrics
-            .server
-            .requests_refused
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        eprintln!("ebtrace: refused {method} from {caller}: {why}");
+        why.count(&self.metrics, caller, method);
         Status::permission_denied(why.to_string())
     }
 
@@ -94,12 +88,17 @@ impl ProfilerServer {
         Ok(())
     }
 
-    /// Refused unless `caller` may read every watched process.
-    async fn may_read_all(&self, caller: Caller, method: &str) -> Result<(), Status> {
+    /// The watched processes, refused unless `caller` may read every one.
+    async fn readable_targets(
+        &self,
+        caller: Caller,
+        method: &str,
+    ) -> Result<Vec<TargetProcess>, Status> {
         let targets = self.hub.targets().await.map_err(status_of)?;
         caller
             .may_read_all(&targets)
-            .map_err(|why| self.refused(caller, method, why))
+            .map_err(|why| self.refused(caller, method, why))?;
+        Ok(targets)
     }
 
     /// Refused unless `caller` may change the server for everyone.
@@ -150,7 +149,9 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<MonitorRequest>,
     ) -> Result<Response<MonitorResponse>, Status> {
-        self.may_read_all(Caller::of(&request), "Monitor").await?;
+        let targets = self
+            .readable_targets(Caller::of(&request), "Monitor")
+            .await?;
         let req = request.into_inner();
         if req.duration_ms == 0 {
             return Err(Status::invalid_argument(
@@ -166,7 +167,6 @@ impl ProfilerService for ProfilerServer {
                 self.limits.max_duration.as_millis()
             )));
         }
-        let targets = self.hub.targets().await.map_err(status_of)?;
         let before = monitor::read(&targets);
         tokio::time::sleep(window).await;
         let after = monitor::read(&targets);
@@ -217,7 +217,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        self.may_read_all(Caller::of(&request), "GetSnapshot")
+        self.readable_targets(Caller::of(&request), "GetSnapshot")
             .await?;
         let client = client_of(&request);
         let id = request.into_inner().snapshot_session_id;
