@@ -159,9 +159,10 @@ pub enum Error {
     /// tell who asks, without `--insecure-listen`.
     #[error(
         "{flag} {addr} is not a loopback address, and ebtrace cannot tell who asks there: anyone \
-         who reaches it could capture and read every watched process; listen on 127.0.0.1 and \
-         reach it through a tunnel (ssh -L, kubectl port-forward), or add --insecure-listen to \
-         allow it anyway"
+         who reaches it could capture and read every watched process; add --tls-cert, --tls-key \
+         and --client-ca to take only clients with a certificate there, or listen on 127.0.0.1 \
+         and reach it through a tunnel (ssh -L, kubectl port-forward), or add --insecure-listen \
+         to allow it anyway"
     )]
     InsecureListen {
         /// The flag that named it.
@@ -169,6 +170,14 @@ pub enum Error {
         /// The address.
         addr: std::net::SocketAddr,
     },
+
+    /// The TLS files do not set TLS up: which one, and how.
+    #[error("{0}")]
+    Tls(String),
+
+    /// The `--policy` file does not load: where, and how.
+    #[error("{0}")]
+    Policy(String),
 
     /// A `--allow-write-under` directory could not be opened.
     #[error("--allow-write-under {path}: {source} (it must be an existing directory)")]
@@ -212,6 +221,8 @@ impl Error {
             | Error::LogdirNotWritable { .. }
             | Error::Bind { .. }
             | Error::InsecureListen { .. }
+            | Error::Tls(_)
+            | Error::Policy(_)
             | Error::AllowWriteUnder { .. }
             | Error::RetainMemory(_)
             | Error::BpfRefused { .. }

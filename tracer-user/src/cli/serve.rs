@@ -10,7 +10,9 @@ use crate::{
     attach::{LaunchStacks, ProbeSetConfig},
     capture::{flight_recorder::Retention, open_targets},
     error::Result,
-    server::{self, ServeConfig, listen::BindAddr, validate::Limits, watch::WatchMode},
+    server::{
+        self, ServeConfig, listen::BindAddr, tls::TlsFiles, validate::Limits, watch::WatchMode,
+    },
 };
 
 // A `concat!` doc, which clap does not read: a literal one would become
@@ -41,16 +43,40 @@ pub struct ServeArgs {
 
     /// Address to listen on, e.g. 127.0.0.1:6009, [::1]:6009, or a Unix
     /// socket as unix:/run/ebtrace/ebtrace.sock (repeat for several).
-    /// Anything but loopback or a Unix socket needs --insecure-listen.
+    /// Anything but loopback or a Unix socket needs TLS (--tls-cert) or
+    /// --insecure-listen.
     #[arg(long = "bind", value_name = "ADDR", default_value = "127.0.0.1:6009")]
     pub binds: Vec<BindAddr>,
 
-    /// Let --bind and --http listen on addresses other than loopback, where
-    /// ebtrace cannot tell who asks: anyone who reaches them may capture
-    /// and read every watched process and control the server. Without it
-    /// such an address is refused at start.
+    /// Let --bind and --http listen on addresses other than loopback
+    /// without TLS, where ebtrace cannot tell who asks: anyone who reaches
+    /// them may capture and read every watched process and control the
+    /// server. Without it (or TLS) such an address is refused at start.
     #[arg(long)]
     pub insecure_listen: bool,
+
+    /// The server's certificate chain (PEM): --bind and --http addresses
+    /// other than loopback then speak TLS and take only clients with a
+    /// certificate signed by --client-ca, who are who it names. Read again
+    /// when it changes.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "client_ca"])]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "client_ca"])]
+    pub tls_key: Option<PathBuf>,
+
+    /// The CA certificates (PEM) that must have signed a client's
+    /// certificate on a TLS listener.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_key"])]
+    pub client_ca: Option<PathBuf>,
+
+    /// A TOML file granting scopes (read, capture, control) over every
+    /// watched process to local users by uid or group and to client
+    /// certificates by name, and revoking certificates (docs/serve.md).
+    /// Read again when it changes.
+    #[arg(long, value_name = "FILE")]
+    pub policy: Option<PathBuf>,
 
     /// Also save each trace where the request's repository_root says, if
     /// that lies inside DIR (never elsewhere). Without it, traces only go
@@ -83,7 +109,7 @@ pub struct ServeArgs {
     /// itself at http://ADDR/metrics, and CPU profiles (pprof, as Parca,
     /// Pyroscope and `go tool pprof` read them) at
     /// http://ADDR/debug/pprof/profile?seconds=N, e.g. 127.0.0.1:9464.
-    /// Anything but loopback needs --insecure-listen.
+    /// Anything but loopback needs TLS (--tls-cert) or --insecure-listen.
     #[arg(long, value_name = "ADDR", value_parser = parse_bind)]
     pub http: Option<SocketAddr>,
 
@@ -167,6 +193,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     server::run(ServeConfig {
         binds: args.binds.clone(),
         insecure_listen: args.insecure_listen,
+        tls: match (&args.tls_cert, &args.tls_key, &args.client_ca) {
+            (Some(cert), Some(key), Some(client_ca)) => Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: client_ca.clone(),
+            }),
+            _ => None,
+        },
+        policy: args.policy.clone(),
         watch,
         limits: Limits {
             max_duration: args.max_duration,

@@ -41,6 +41,9 @@ pub struct ServerCounters {
     pub requests_refused: AtomicU64,
     /// Listeners on addresses other than loopback (`--insecure-listen`).
     pub unauthenticated_listeners: AtomicU64,
+    /// TLS connections refused: no client certificate, one the client CA
+    /// did not sign, or a handshake that failed or stalled.
+    pub tls_handshakes_refused: AtomicU64,
 }
 
 impl ServerCounters {
@@ -160,7 +163,7 @@ impl Metrics {
                 }
             }
         }
-        let own: [(&str, &str, Kind, f64); 10] = [
+        let own: [(&str, &str, Kind, f64); 11] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -205,6 +208,13 @@ impl Metrics {
                  HTTP 403).",
                 Kind::Counter,
                 self.server.requests_refused.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_tls_handshakes_refused_total",
+                "TLS connections refused: no client certificate, one the client CA did not \
+                 sign, or a handshake that failed or did not finish in time.",
+                Kind::Counter,
+                self.server.tls_handshakes_refused.load(Ordering::Relaxed) as f64,
             ),
             (
                 "ebtrace_unauthenticated_listeners",

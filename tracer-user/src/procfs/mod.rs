@@ -1,6 +1,6 @@
 //! What `/proc` tells about the traced processes and about ebtrace's own:
 //! existence, threads, names, the state each thread is in when the capture
-//! starts, memory, files, the owners of sockets and the kernel's settings. Every read of `/proc`
+//! starts, memory, files, the owners of sockets, users' groups and the kernel's settings. Every read of `/proc`
 //! goes through here; the rest of the crate asks these functions.
 
 mod cgroup;
@@ -10,6 +10,7 @@ mod process;
 mod sockets;
 mod status;
 mod system;
+mod users;
 
 use std::path::PathBuf;
 
@@ -36,6 +37,7 @@ pub use system::{
     boot_ticks_now, clock_ticks_per_second, effective_capabilities, kernel_release,
     own_cpu_seconds, seccomp_filtered, set_own_oom_score_adj, sysctl_number,
 };
+pub use users::{group_id, groups_of};
 
 fn proc_root() -> PathBuf {
     PathBuf::from("/proc")

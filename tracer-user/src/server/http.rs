@@ -13,7 +13,6 @@
 use std::{
     collections::HashMap,
     future::Future,
-    net::SocketAddr,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -30,7 +29,8 @@ use axum::{
 };
 
 use super::{
-    caller::{Caller, Refusal, Scope},
+    caller::{Authority, Caller, Refusal, Scope},
+    connection::{Incoming, Peer},
     sessions::HubHandle,
 };
 use crate::{
@@ -47,6 +47,7 @@ const DEFAULT_PROFILE_SECONDS: u64 = 30;
 #[derive(Clone)]
 struct Shared {
     metrics: Arc<Metrics>,
+    authority: Arc<Authority>,
     hub: HubHandle,
     /// Sampling rate of CPU profiles unless a request gives `hz`.
     sample_hz: u64,
@@ -54,17 +55,11 @@ struct Shared {
     profiling: Arc<tokio::sync::Mutex<()>>,
     /// Set at shutdown: a profile in progress ends with what it has.
     stopping: Arc<AtomicBool>,
-    /// The address the server listens on.
-    local: Option<SocketAddr>,
 }
 
 impl Shared {
-    fn caller(&self, remote: SocketAddr) -> Caller {
-        Caller::of_connection(self.local, Some(remote))
-    }
-
     /// 403 with the rule's line, counted.
-    fn forbidden(&self, caller: Caller, what: &str, why: Refusal) -> Response {
+    fn forbidden(&self, caller: &Caller, what: &str, why: Refusal) -> Response {
         why.count(&self.metrics, caller, what);
         refuse(StatusCode::FORBIDDEN, why.to_string())
     }
@@ -72,47 +67,41 @@ impl Shared {
 
 /// Serves until `shutdown` resolves.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    incoming: Incoming,
     metrics: Arc<Metrics>,
+    authority: Arc<Authority>,
     hub: HubHandle,
     sample_hz: u64,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stopping = Arc::new(AtomicBool::new(false));
-    let local = listener.local_addr().ok();
     let app = Router::new()
         .route("/metrics", get(scrape))
         .route("/debug/pprof/profile", get(cpu_profile))
         .fallback(not_found)
         .with_state(Shared {
             metrics,
+            authority,
             hub,
             sample_hz,
             profiling: Arc::default(),
             stopping: Arc::clone(&stopping),
-            local,
         });
     let shutdown = async move {
         shutdown.await;
         stopping.store(true, Ordering::Relaxed);
     };
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    axum::serve(incoming, app.into_make_service_with_connect_info::<Peer>())
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
-async fn scrape(
-    State(shared): State<Shared>,
-    ConnectInfo(remote): ConnectInfo<SocketAddr>,
-) -> Response {
+async fn scrape(State(shared): State<Shared>, ConnectInfo(peer): ConnectInfo<Peer>) -> Response {
     // The hub knows the watched processes; a server shutting down has none.
     let targets = shared.hub.targets().await.unwrap_or_default();
-    let caller = shared.caller(remote);
+    let caller = shared.authority.caller_of_peer(&peer);
     if let Err(why) = caller.may_read_all(&targets) {
-        return shared.forbidden(caller, "/metrics", why);
+        return shared.forbidden(&caller, "/metrics", why);
     }
     let metrics = Arc::clone(&shared.metrics);
     // Reading /proc for every thread is blocking work.
@@ -161,7 +150,7 @@ fn profile_parameters(
 
 async fn cpu_profile(
     State(shared): State<Shared>,
-    ConnectInfo(remote): ConnectInfo<SocketAddr>,
+    ConnectInfo(peer): ConnectInfo<Peer>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
     let (duration, hz) = match profile_parameters(&query, shared.sample_hz) {
@@ -175,12 +164,12 @@ async fn cpu_profile(
         );
     };
     let mut targets = shared.hub.targets().await.unwrap_or_default();
-    let caller = shared.caller(remote);
+    let caller = shared.authority.caller_of_peer(&peer);
     match caller.allowed_pids(Scope::Read, &targets, None) {
         Ok(Some(allowed)) => targets.retain(|t| allowed.contains(&t.pid)),
         Ok(None) => {}
         Err(why) if !targets.is_empty() => {
-            return shared.forbidden(caller, "a CPU profile", why);
+            return shared.forbidden(&caller, "a CPU profile", why);
         }
         Err(_) => {}
     }

@@ -1,8 +1,10 @@
 //! Where `serve` listens: TCP addresses and Unix sockets, bound before
 //! anything else runs, and the servers started on them. On a loopback
 //! address or a Unix socket the kernel says who each caller is (see
-//! [`super::caller`]); elsewhere no one can be told apart, so such an
-//! address needs `--insecure-listen`.
+//! [`super::caller`]); on any other address a caller is who its TLS client
+//! certificate names (`--tls-cert`, `--tls-key`, `--client-ca`), and
+//! without TLS no one can be told apart there, so such an address then
+//! needs `--insecure-listen`.
 
 use std::{
     fmt,
@@ -18,9 +20,16 @@ use tokio::{
     net::{TcpListener, UnixListener},
     task::JoinSet,
 };
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 
-use super::{ServeConfig, answer, http, service::ProfilerServer, sessions::HubHandle};
+use super::{
+    ServeConfig, answer,
+    connection::{self, Incoming},
+    http,
+    service::ProfilerServer,
+    sessions::HubHandle,
+    tls::{Protocol, ServerTls},
+};
 use crate::{
     error::{Error, Result},
     metrics::Metrics,
@@ -68,8 +77,18 @@ impl fmt::Display for BindAddr {
     }
 }
 
-/// The listeners on addresses other than loopback, with the flag naming
-/// each: there no caller can be told apart.
+/// Whether a TCP listener on `addr` speaks TLS: on every address but
+/// loopback, where TLS is set up.
+fn speaks_tls(config: &ServeConfig, addr: SocketAddr) -> bool {
+    config.tls.is_some() && !is_loopback(addr)
+}
+
+fn is_loopback(addr: SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
+}
+
+/// The listeners on addresses other than loopback without TLS, with the
+/// flag naming each: there no caller can be told apart.
 pub fn unauthenticated(config: &ServeConfig) -> Vec<(&'static str, SocketAddr)> {
     let binds = config.binds.iter().filter_map(|b| match b {
         BindAddr::Tcp(addr) => Some(("--bind", *addr)),
@@ -77,7 +96,7 @@ pub fn unauthenticated(config: &ServeConfig) -> Vec<(&'static str, SocketAddr)> 
     });
     binds
         .chain(config.http.map(|a| ("--http", a)))
-        .filter(|(_, a)| !a.ip().to_canonical().is_loopback())
+        .filter(|(_, a)| !is_loopback(*a) && !speaks_tls(config, *a))
         .collect()
 }
 
@@ -96,7 +115,8 @@ pub type Servers = JoinSet<(String, std::result::Result<(), String>)>;
 
 /// A socket the ProfilerService listens on.
 enum GrpcListener {
-    Tcp(TcpListener),
+    /// A TCP address, and its TLS where it speaks it.
+    Tcp(TcpListener, Option<Arc<ServerTls>>),
     /// A Unix socket, and its path (removed when the server stops).
     Unix(UnixListener, PathBuf),
 }
@@ -105,22 +125,37 @@ enum GrpcListener {
 pub struct Listeners {
     /// One per `--bind` address, for the gRPC ProfilerService.
     grpc: Vec<GrpcListener>,
-    /// The `--http` address's, if there is one.
-    http: Option<TcpListener>,
+    /// The `--http` address's, if there is one, and its TLS.
+    http: Option<(TcpListener, Option<Arc<ServerTls>>)>,
 }
 
 impl Listeners {
-    /// Binds every address `config` names, in order.
+    /// Binds every address `config` names, in order, with TLS set up
+    /// from its files where a listener speaks it.
     pub async fn bind(config: &ServeConfig) -> Result<Self> {
+        let tls_for = |addr: SocketAddr, protocol: Protocol| -> Result<Option<Arc<ServerTls>>> {
+            match &config.tls {
+                Some(files) if speaks_tls(config, addr) => ServerTls::open(files, protocol)
+                    .map(|tls| Some(Arc::new(tls)))
+                    .map_err(Error::Tls),
+                _ => Ok(None),
+            }
+        };
         let mut grpc = Vec::new();
         for bind in &config.binds {
             grpc.push(match bind {
-                BindAddr::Tcp(addr) => GrpcListener::Tcp(bind_tcp(*addr).await?),
+                BindAddr::Tcp(addr) => {
+                    let tls = tls_for(*addr, Protocol::Http2)?;
+                    GrpcListener::Tcp(bind_tcp(*addr).await?, tls)
+                }
                 BindAddr::Unix(path) => GrpcListener::Unix(bind_unix(path)?, path.clone()),
             });
         }
         let http = match config.http {
-            Some(addr) => Some(bind_tcp(addr).await?),
+            Some(addr) => {
+                let tls = tls_for(addr, Protocol::Http1)?;
+                Some((bind_tcp(addr).await?, tls))
+            }
             None => None,
         };
         Ok(Listeners { grpc, http })
@@ -137,8 +172,8 @@ impl Listeners {
         for listener in self.grpc {
             spawn_grpc_server(listener, service, stopped.clone(), servers)?;
         }
-        if let Some(listener) = self.http {
-            spawn_http_server(listener, http, stopped.clone(), servers)?;
+        if let Some((listener, tls)) = self.http {
+            spawn_http_server(listener, tls, http, stopped.clone(), servers)?;
         }
         Ok(())
     }
@@ -152,6 +187,8 @@ pub struct HttpServing {
     pub hub: HubHandle,
     /// Sampling rate of CPU profiles.
     pub sample_hz: u64,
+    /// Who may do what.
+    pub authority: Arc<super::caller::Authority>,
 }
 
 async fn bind_tcp(addr: SocketAddr) -> Result<TcpListener> {
@@ -204,16 +241,12 @@ fn spawn_grpc_server(
         Arc::clone(service),
     ));
     match listener {
-        GrpcListener::Tcp(listener) => {
-            let local = listener
-                .local_addr()
-                .map_err(|e| Error::io("reading the bound address", e))?;
+        GrpcListener::Tcp(listener, tls) => {
+            let incoming = accept(listener, tls, &service.metrics)?;
+            let local = incoming.local_addr();
             eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
-            warn_if_unauthenticated(local);
-            let server = router.serve_with_incoming_shutdown(
-                TcpListenerStream::new(listener),
-                stop_requested(stopped),
-            );
+            describe_callers(&incoming);
+            let server = router.serve_with_incoming_shutdown(incoming, stop_requested(stopped));
             servers
                 .spawn(async move { (local.to_string(), server.await.map_err(|e| e.to_string())) });
         }
@@ -234,23 +267,46 @@ fn spawn_grpc_server(
     Ok(())
 }
 
+/// Starts accepting connections on `listener`.
+fn accept(
+    listener: TcpListener,
+    tls: Option<Arc<ServerTls>>,
+    metrics: &Arc<crate::metrics::Metrics>,
+) -> Result<Incoming> {
+    connection::accept(listener, tls, Arc::clone(metrics))
+        .map_err(|e| Error::io("reading the bound address", e))
+}
+
+/// How callers on `incoming` are told apart, where it is not by the
+/// kernel.
+fn describe_callers(incoming: &Incoming) {
+    let local = incoming.local_addr();
+    if incoming.speaks_tls() {
+        eprintln!("ebtrace: {local} speaks TLS: callers are who their client certificates name");
+    } else {
+        warn_if_unauthenticated(local);
+    }
+}
+
 /// Starts serving `/metrics` and CPU profiles on `listener`, until
 /// `stopped`.
 fn spawn_http_server(
     listener: TcpListener,
+    tls: Option<Arc<ServerTls>>,
     serving: HttpServing,
     stopped: tokio::sync::watch::Receiver<bool>,
     servers: &mut Servers,
 ) -> Result<()> {
-    let local = listener
-        .local_addr()
-        .map_err(|e| Error::io("reading the bound address", e))?;
-    eprintln!("ebtrace: serving Prometheus metrics on http://{local}/metrics");
-    warn_if_unauthenticated(local);
-    eprintln!("ebtrace: serving CPU profiles (pprof) on http://{local}/debug/pprof/profile");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let incoming = accept(listener, tls, &serving.metrics)?;
+    let local = incoming.local_addr();
+    eprintln!("ebtrace: serving Prometheus metrics on {scheme}://{local}/metrics");
+    eprintln!("ebtrace: serving CPU profiles (pprof) on {scheme}://{local}/debug/pprof/profile");
+    describe_callers(&incoming);
     let server = http::serve(
-        listener,
+        incoming,
         serving.metrics,
+        serving.authority,
         serving.hub,
         serving.sample_hz,
         stop_requested(stopped),

@@ -5,6 +5,9 @@
 //!
 //! - [`service`]: the gRPC methods, thin: validate, ask the hub, map errors;
 //! - [`caller`]: who sent a request, and what they may do;
+//! - [`policy`]: `--policy`, who gets more than ptrace's rule gives;
+//! - [`tls`]: TLS with client certificates on network listeners;
+//! - [`reload`]: certificates and the policy, read again when they change;
 //! - [`answer`]: `Profile` and `GetSnapshot` answers sent from the trace's
 //!   own buffer rather than copied into tonic's;
 //! - [`validate`]: request fields → a checked [`validate::SessionSpec`];
@@ -16,18 +19,24 @@
 //! - [`monitor`]: the `Monitor` summary;
 //! - [`http`]: `--http`: Prometheus `/metrics` and pprof CPU profiles;
 //! - [`listen`]: the TCP addresses and Unix sockets it listens on;
+//! - [`connection`]: their connections, plain or TLS, and who is at the
+//!   other end;
 //! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
 //!   half alive.
 
 pub mod answer;
 pub mod caller;
+pub mod connection;
 pub mod http;
 pub mod listen;
 pub mod monitor;
 pub mod panics;
+pub mod policy;
+pub mod reload;
 pub mod response;
 pub mod service;
 pub mod sessions;
+pub mod tls;
 pub mod validate;
 pub mod watch;
 pub mod write_guard;
@@ -47,6 +56,7 @@ use crate::{
     metrics::Metrics,
     sink::xspace::local_hostname,
 };
+use caller::Authority;
 use listen::{BindAddr, HttpServing, Listeners, Servers};
 use panics::PanicWatch;
 use service::ProfilerServer;
@@ -63,6 +73,11 @@ pub struct ServeConfig {
     /// Whether listeners on addresses other than loopback, where no one
     /// can be told apart, are allowed (`--insecure-listen`).
     pub insecure_listen: bool,
+    /// TLS with client certificates for the listeners on addresses other
+    /// than loopback (`--tls-cert`, `--tls-key`, `--client-ca`).
+    pub tls: Option<tls::TlsFiles>,
+    /// Who gets more than ptrace's rule gives them (`--policy`).
+    pub policy: Option<PathBuf>,
     /// How target processes are chosen.
     pub watch: WatchMode,
     /// What a request may ask for.
@@ -102,6 +117,7 @@ const PANIC_EXIT_DEADLINE: Duration = Duration::from_secs(45);
 pub fn run(config: ServeConfig) -> Result<()> {
     let panics = panics::watch();
     listen::refuse_unauthenticated(&config)?;
+    let authority = Arc::new(Authority::new(config.policy.clone()).map_err(Error::Policy)?);
     check_privileges()?;
     // What every capture needs is checked once, before listening.
     let root = tracefs::locate()?;
@@ -143,13 +159,14 @@ pub fn run(config: ServeConfig) -> Result<()> {
         .enable_all()
         .build()
         .map_err(|e| Error::io("starting the async runtime", e))?;
-    runtime.block_on(serve(config, checked, guard, panics))
+    runtime.block_on(serve(config, checked, guard, authority, panics))
 }
 
 async fn serve(
     config: ServeConfig,
     checked_probes: Option<ProbeSet>,
     guard: Option<Arc<WriteGuard>>,
+    authority: Arc<Authority>,
     mut panics: PanicWatch,
 ) -> Result<()> {
     // Bind first: a taken address is reported before anything else runs.
@@ -181,6 +198,7 @@ async fn serve(
         guard: guard.clone(),
         hostname: local_hostname(),
         metrics: Arc::clone(&metrics),
+        authority: Arc::clone(&authority),
     });
 
     describe_watch(&config.watch);
@@ -198,6 +216,7 @@ async fn serve(
             metrics: Arc::clone(&metrics),
             hub: hub.clone(),
             sample_hz: config.sample_hz,
+            authority,
         },
         &stopped,
         &mut servers,

@@ -13,7 +13,7 @@ use ebtrace_proto::tensorflow::{
 use tonic::{Request, Response, Status};
 
 use super::{
-    caller::{Caller, Refusal, Scope},
+    caller::{Authority, Caller, Refusal, Scope},
     monitor,
     sessions::{HubHandle, SessionError},
     validate::{self, Limits},
@@ -33,6 +33,8 @@ pub struct ProfilerServer {
     pub hostname: String,
     /// Where refusals are counted.
     pub metrics: Arc<Metrics>,
+    /// Who may do what.
+    pub authority: Arc<Authority>,
 }
 
 fn status_of(e: SessionError) -> Status {
@@ -50,21 +52,25 @@ fn status_of(e: SessionError) -> Status {
 
 impl ProfilerServer {
     /// A `ProfileRequest` checked against this server's limits.
-    fn checked(&self, request: &Request<ProfileRequest>) -> Result<validate::SessionSpec, Status> {
+    fn checked(
+        &self,
+        request: &Request<ProfileRequest>,
+        caller: &Caller,
+    ) -> Result<validate::SessionSpec, Status> {
         validate::profile_request(
             request.get_ref(),
             &self.limits,
             self.guard.as_deref(),
             clock::realtime_ns(),
             &self.hostname,
-            client_of(request),
+            caller.to_string(),
         )
         .map_err(|e| Status::invalid_argument(e.to_string()))
     }
 
     /// A refused request, counted and logged: `PERMISSION_DENIED` with the
     /// rule's line.
-    fn refused(&self, caller: Caller, method: &str, why: Refusal) -> Status {
+    fn refused(&self, caller: &Caller, method: &str, why: Refusal) -> Status {
         why.count(&self.metrics, caller, method);
         Status::permission_denied(why.to_string())
     }
@@ -73,7 +79,7 @@ impl ProfilerServer {
     /// refused where there are none.
     async fn restrict(
         &self,
-        caller: Caller,
+        caller: &Caller,
         method: &str,
         scope: Scope,
         spec: &mut validate::SessionSpec,
@@ -91,7 +97,7 @@ impl ProfilerServer {
     /// The watched processes, refused unless `caller` may read every one.
     async fn readable_targets(
         &self,
-        caller: Caller,
+        caller: &Caller,
         method: &str,
     ) -> Result<Vec<TargetProcess>, Status> {
         let targets = self.hub.targets().await.map_err(status_of)?;
@@ -102,18 +108,11 @@ impl ProfilerServer {
     }
 
     /// Refused unless `caller` may change the server for everyone.
-    fn may_control(&self, caller: Caller, method: &str) -> Result<(), Status> {
+    fn may_control(&self, caller: &Caller, method: &str) -> Result<(), Status> {
         caller
             .may_control()
             .map_err(|why| self.refused(caller, method, why))
     }
-}
-
-/// Who sent `request`, for the server's log.
-fn client_of<T>(request: &Request<T>) -> String {
-    request
-        .remote_addr()
-        .map_or_else(|| "a client".to_string(), |a| a.to_string())
 }
 
 #[tonic::async_trait]
@@ -122,9 +121,9 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        let caller = Caller::of(&request);
-        let mut spec = self.checked(&request)?;
-        self.restrict(caller, "Profile", Scope::Capture, &mut spec)
+        let caller = self.authority.caller_of(&request);
+        let mut spec = self.checked(&request, &caller)?;
+        self.restrict(&caller, "Profile", Scope::Capture, &mut spec)
             .await?;
         let response = self.hub.profile(spec).await.map_err(status_of)?;
         Ok(Response::new(response))
@@ -134,7 +133,7 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<TerminateRequest>,
     ) -> Result<Response<TerminateResponse>, Status> {
-        self.may_control(Caller::of(&request), "Terminate")?;
+        self.may_control(&self.authority.caller_of(&request), "Terminate")?;
         let session_id = request.into_inner().session_id;
         match self.hub.terminate(session_id.clone()).await {
             Ok(0) => Err(Status::not_found(format!(
@@ -150,7 +149,7 @@ impl ProfilerService for ProfilerServer {
         request: Request<MonitorRequest>,
     ) -> Result<Response<MonitorResponse>, Status> {
         let targets = self
-            .readable_targets(Caller::of(&request), "Monitor")
+            .readable_targets(&self.authority.caller_of(&request), "Monitor")
             .await?;
         let req = request.into_inner();
         if req.duration_ms == 0 {
@@ -198,8 +197,9 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<ProfileRequest>,
     ) -> Result<Response<ContinuousProfilingResponse>, Status> {
-        self.may_control(Caller::of(&request), "StartContinuousProfiling")?;
-        let spec = self.checked(&request)?;
+        let caller = self.authority.caller_of(&request);
+        self.may_control(&caller, "StartContinuousProfiling")?;
+        let spec = self.checked(&request, &caller)?;
         self.hub.start_recorder(spec).await.map_err(status_of)?;
         Ok(Response::new(ContinuousProfilingResponse {}))
     }
@@ -208,7 +208,10 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<StopContinuousProfilingRequest>,
     ) -> Result<Response<StopContinuousProfilingResponse>, Status> {
-        self.may_control(Caller::of(&request), "StopContinuousProfiling")?;
+        self.may_control(
+            &self.authority.caller_of(&request),
+            "StopContinuousProfiling",
+        )?;
         self.hub.stop_recorder().await.map_err(status_of)?;
         Ok(Response::new(StopContinuousProfilingResponse {}))
     }
@@ -217,9 +220,9 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<GetSnapshotRequest>,
     ) -> Result<Response<ProfileResponse>, Status> {
-        self.readable_targets(Caller::of(&request), "GetSnapshot")
-            .await?;
-        let client = client_of(&request);
+        let caller = self.authority.caller_of(&request);
+        self.readable_targets(&caller, "GetSnapshot").await?;
+        let client = caller.to_string();
         let id = request.into_inner().snapshot_session_id;
         let id = if id.is_empty() { "snapshot".into() } else { id };
         let response = self.hub.snapshot(id, client).await.map_err(status_of)?;
