@@ -132,12 +132,16 @@ impl ServeProcess {
 
     /// The address of its `--http` listener, from its log.
     pub fn http_addr(&self) -> SocketAddr {
-        const LINE: &str = "ebtrace: serving Prometheus metrics on http://";
+        const LINE: &str = "ebtrace: serving Prometheus metrics on ";
         let line = self
             .wait_line(LINE, Duration::from_secs(10))
             .expect("the HTTP listener's address (was --http given?)");
         line.split(LINE)
             .nth(1)
+            .and_then(|a| {
+                a.strip_prefix("http://")
+                    .or_else(|| a.strip_prefix("https://"))
+            })
             .and_then(|a| a.strip_suffix("/metrics"))
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("no address in {line:?}"))

@@ -4,9 +4,8 @@
 
 use std::{
     io::Write as _,
-    net::{SocketAddr, TcpListener, TcpStream},
-    path::Path,
-    process::{Child, Command, Stdio},
+    net::SocketAddr,
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -15,7 +14,9 @@ use ebtrace_tests::{
     cuda::CudaWorkload,
     debian_tool,
     fixture::SchedWorkload,
-    http, require_root, serial,
+    http,
+    prometheus::Prometheus,
+    require_root, serial,
     serve::{ServeProcess, block_on, request},
 };
 
@@ -270,8 +271,7 @@ fn a_real_prometheus_scrapes_the_watched_process() {
     let workload = SchedWorkload::start(&[]);
     let (_server, metrics) = serve_with_metrics(workload.pid);
     let dir = TempDir::new("prometheus");
-    let web = free_port();
-    let prom = Prometheus::start(&prometheus, dir.path(), metrics, web);
+    let prom = Prometheus::start(&prometheus, dir.path(), metrics, "");
 
     // The fixture's cpu-burner spins on one CPU: its process runs about
     // one CPU-second per second (less when the machine is busy).
@@ -294,89 +294,4 @@ fn a_real_prometheus_scrapes_the_watched_process() {
         .wait_value(&query, Duration::from_secs(10))
         .expect(&query);
     assert!(switches > 200.0, "{query} = {switches}");
-}
-
-/// A Prometheus server scraping `target` every second.
-struct Prometheus {
-    child: Child,
-    web: SocketAddr,
-    log: std::path::PathBuf,
-}
-
-impl Prometheus {
-    fn start(binary: &Path, dir: &Path, target: SocketAddr, web: SocketAddr) -> Self {
-        let config = dir.join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-                 scrape_configs:\n  - job_name: ebtrace\n    static_configs:\n      \
-                 - targets: ['{target}']\n"
-            ),
-        )
-        .unwrap();
-        let log = dir.join("prometheus.log");
-        let child = Command::new(binary)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={web}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start prometheus");
-        Prometheus { child, web, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Polls an instant query until it has one sample; its value.
-    fn wait_value(&self, query: &str, deadline: Duration) -> Option<f64> {
-        let start = Instant::now();
-        while start.elapsed() < deadline {
-            if let Some(v) = self.query(query) {
-                return Some(v);
-            }
-            std::thread::sleep(Duration::from_millis(250));
-        }
-        None
-    }
-
-    fn query(&self, query: &str) -> Option<f64> {
-        let encoded: String = query
-            .bytes()
-            .map(|b| match b {
-                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
-                    (b as char).to_string()
-                }
-                _ => format!("%{b:02X}"),
-            })
-            .collect();
-        TcpStream::connect(self.web).ok()?;
-        let (status, _, body) = get(self.web, &format!("/api/v1/query?query={encoded}"));
-        if status != 200 {
-            return None;
-        }
-        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
-        let result = v["data"]["result"].as_array()?;
-        result.first()?["value"][1].as_str()?.parse().ok()
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
 }

@@ -24,7 +24,8 @@
 //!   a capture that never ends and keeps only its last seconds;
 //! - [`server`]: `ebtrace serve`, the gRPC ProfilerService (the flight
 //!   recorder's commands and snapshots among its requests) and the HTTP
-//!   endpoints;
+//!   endpoints; [`remote`] (`ebtrace capture`: asks servers on many hosts
+//!   for their traces);
 //! - [`cli`]: the `ebtrace` command line.
 
 #![warn(missing_docs)]
@@ -39,6 +40,7 @@ pub mod cuda_api;
 pub mod error;
 pub mod metrics;
 pub mod procfs;
+pub mod remote;
 pub mod server;
 pub mod sink;
 pub mod symbols;

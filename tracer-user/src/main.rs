@@ -1,7 +1,7 @@
 //! The `ebtrace` binary: parse the command line, run, map errors to exit codes.
 
 use clap::Parser as _;
-use ebtrace::cli::{Cli, Command, convert, record, serve};
+use ebtrace::cli::{Cli, Command, capture, convert, record, serve};
 
 /// Prints the library's warnings as ebtrace's other messages are printed:
 /// one line on stderr each.
@@ -51,6 +51,11 @@ fn main() {
         Some(Command::Record(args)) => record::run(args),
         Some(Command::Serve(args)) => serve::run(args),
         Some(Command::Convert(args)) => convert::run(args),
+        Some(Command::Capture(args)) => capture::run(args).map(|code| {
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }),
         Some(Command::AgentLibrary { path }) => ebtrace::agent::write_library(path),
         Some(Command::RestoreGuard { lifeline_fd }) => {
             std::process::exit(ebtrace::attach::traceme::guard::run(*lifeline_fd))

@@ -2,6 +2,7 @@
 //! (those of `serve` in [`serve`]); [`record`] runs a capture with progress
 //! and summary, [`serve`] the ProfilerService.
 
+pub mod capture;
 pub mod convert;
 pub mod json;
 pub mod record;
@@ -46,6 +47,10 @@ pub enum Command {
     /// that jax.collect_profile, tf.profiler and XProf's "Capture profile"
     /// can capture them.
     Serve(serve::ServeArgs),
+    /// Ask `ebtrace serve` on several hosts at once for a capture (or a
+    /// flight-recorder snapshot), over TLS with a client certificate, and
+    /// write one run with a trace per host.
+    Capture(capture::CaptureArgs),
     /// Convert a trace already written (e.g. an .xplane.pb from ebtrace or
     /// from jax's own profiler) to another format.
     Convert(convert::ConvertArgs),
