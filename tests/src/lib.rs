@@ -6,6 +6,7 @@
 //! unless `EBTRACE_REQUIRE_BPF=1` (set by `cargo xtask test`), where a skip
 //! is a failure.
 
+pub mod callers;
 pub mod cuda;
 pub mod deploy;
 pub mod fixture;

@@ -2,7 +2,9 @@
 //! as the Kubernetes DaemonSet runs it: the host's processes, its network,
 //! only the capabilities and the seccomp setting the DaemonSet gives, and
 //! the tracefs, debugfs and BTF mounts. It finds a process that uses the
-//! CUDA driver, and a snapshot holds that process's driver calls. Run under
+//! CUDA driver, and a snapshot holds that process's driver calls, asked
+//! over its TLS listener with a client certificate, the Secret's files made
+//! by the test and mounted where the DaemonSet mounts them. Run under
 //! the runtime's default seccomp profile instead, it exits with the line
 //! that says why and what to do. The image's base is the one
 //! `ebtrace_tests::podman` builds.
@@ -17,14 +19,16 @@ use ebtrace_tests::{
     cuda::CudaWorkload,
     deploy::{
         daemonset_capabilities, daemonset_host_mounts, daemonset_list, daemonset_seccomp,
-        deploy_path,
+        deploy_file, deploy_path,
     },
     ebtrace_bin,
     podman::{ensure_base, host_limits, podman, run, tools_present},
     require_root, serial,
     serve::xspace_of,
+    tls::{Ca, Issued},
     xspace::{count_named, plane},
 };
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 const IMAGE: &str = "localhost/ebtrace-test:latest";
 
@@ -52,11 +56,69 @@ struct Container {
     name: String,
 }
 
+/// The DaemonSet's TLS Secret, made here: a client CA, the node's
+/// certificate (for 127.0.0.1), and an operator's client certificate kept
+/// apart from it.
+struct Secret {
+    /// What is mounted: the files the DaemonSet's flags name.
+    dir: TempDir,
+    /// Where the DaemonSet mounts it.
+    mount: String,
+    /// Where the CA's certificate and the operator's lie, as a client
+    /// holds them.
+    _client: TempDir,
+    ca: std::path::PathBuf,
+    operator: Issued,
+}
+
+impl Secret {
+    fn make() -> Self {
+        let args = daemonset_list("args:");
+        let value = |flag: &str| {
+            let at = args.iter().position(|a| a == flag).expect(flag);
+            std::path::PathBuf::from(&args[at + 1])
+        };
+        let (cert, key, client_ca) = (
+            value("--tls-cert"),
+            value("--tls-key"),
+            value("--client-ca"),
+        );
+        for file in [&key, &client_ca] {
+            assert_eq!(file.parent(), cert.parent(), "one Secret holds them all");
+        }
+        let mount = cert.parent().unwrap().display().to_string();
+        assert!(
+            deploy_file("kubernetes/daemonset.yaml").contains(&format!("mountPath: {mount}")),
+            "the DaemonSet mounts nothing at {mount}"
+        );
+        let client = TempDir::new("container-client");
+        let ca = Ca::new(client.path(), "clients-ca");
+        let operator = ca.client(client.path(), "operator");
+        let node = ca.server(client.path(), "node", &["127.0.0.1"]);
+        let dir = TempDir::new("container-secret");
+        for (from, to) in [
+            (&node.cert, &cert),
+            (&node.key, &key),
+            (&ca.cert, &client_ca),
+        ] {
+            std::fs::copy(from, dir.path().join(to.file_name().unwrap())).unwrap();
+        }
+        Secret {
+            dir,
+            mount,
+            ca: ca.cert.clone(),
+            _client: client,
+            operator,
+        }
+    }
+}
+
 impl Container {
     /// Runs the image as the DaemonSet does, its arguments but the
-    /// listening addresses (any free loopback port instead), under the
-    /// runtime's default seccomp profile unless `as_the_daemonset`.
-    fn start(name: &str, as_the_daemonset: bool) -> Self {
+    /// listening ports (any free one on the same address instead), with
+    /// `secret` where the DaemonSet mounts its Secret, under the runtime's
+    /// default seccomp profile unless `as_the_daemonset`.
+    fn start(name: &str, as_the_daemonset: bool, secret: &Secret) -> Self {
         let _ = podman().args(["rm", "-f", name]).output();
         let mut cmd = podman();
         cmd.args(["run", "-d", "--name", name, "--pid=host", "--network=host"])
@@ -83,12 +145,18 @@ impl Container {
             let ro = if read_only { ":ro" } else { "" };
             cmd.args(["-v", &format!("{host}:{container}{ro}")]);
         }
+        cmd.args([
+            "-v",
+            &format!("{}:{}:ro", secret.dir.path().display(), secret.mount),
+        ]);
         cmd.arg(IMAGE);
         let mut args = daemonset_list("args:");
         assert_eq!(args.first().map(String::as_str), Some("serve"), "{args:?}");
-        for flag in ["--bind", "--http"] {
-            let at = args.iter().position(|a| a == flag).expect(flag);
-            args[at + 1] = "127.0.0.1:0".into();
+        for at in 1..args.len() {
+            if args[at - 1] == "--bind" || args[at - 1] == "--http" {
+                let addr: std::net::SocketAddr = args[at].parse().expect("an address");
+                args[at] = std::net::SocketAddr::new(addr.ip(), 0).to_string();
+            }
         }
         cmd.args(&args);
         run(&mut cmd);
@@ -149,7 +217,8 @@ fn the_image_runs_as_the_daemonset_runs_it_and_records_a_cuda_process() {
     build_image();
 
     // Under the runtime's own seccomp profile: one line that says what to do.
-    let refused = Container::start("ebtrace-test-seccomp", false);
+    let secret = Secret::make();
+    let refused = Container::start("ebtrace-test-seccomp", false, &secret);
     let start = Instant::now();
     while refused.running() && start.elapsed() < Duration::from_secs(30) {
         std::thread::sleep(Duration::from_millis(100));
@@ -165,13 +234,30 @@ fn the_image_runs_as_the_daemonset_runs_it_and_records_a_cuda_process() {
     );
     drop(refused);
 
-    let container = Container::start("ebtrace-test-daemonset", true);
-    let addr = container
+    let container = Container::start("ebtrace-test-daemonset", true, &secret);
+    // The listener on every address, where the DaemonSet's clients come
+    // from: TLS, reached here at 127.0.0.1 with the operator's certificate.
+    let tls_port = container
         .wait_line(
-            "ebtrace: serving tensorflow.ProfilerService on ",
+            "ebtrace: serving tensorflow.ProfilerService on 0.0.0.0:",
             Duration::from_secs(60),
         )
         .unwrap_or_else(|| panic!("the server did not start: {}", container.logs()));
+    let addr = format!("127.0.0.1:{tls_port}");
+    assert!(
+        container
+            .logs()
+            .contains(&format!("0.0.0.0:{tls_port} speaks TLS")),
+        "{}",
+        container.logs()
+    );
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(std::fs::read(&secret.ca).unwrap()))
+        .identity(Identity::from_pem(
+            std::fs::read(&secret.operator.cert).unwrap(),
+            std::fs::read(&secret.operator.key).unwrap(),
+        ))
+        .domain_name("127.0.0.1");
     let mut workload = CudaWorkload::start(&["--bench-seconds", "30"]);
     workload.go();
     let pid = workload.pid;
@@ -183,10 +269,15 @@ fn the_image_runs_as_the_daemonset_runs_it_and_records_a_cuda_process() {
     let start = Instant::now();
     loop {
         let space = runtime.block_on(async {
-            let mut client = ProfilerServiceClient::connect(format!("http://{addr}"))
+            let channel = Endpoint::from_shared(format!("https://{addr}"))
+                .unwrap()
+                .tls_config(tls.clone())
+                .unwrap()
+                .connect()
                 .await
-                .expect("connect")
-                .max_decoding_message_size(usize::MAX);
+                .expect("connect over TLS");
+            let mut client =
+                ProfilerServiceClient::new(channel).max_decoding_message_size(usize::MAX);
             client
                 .get_snapshot(GetSnapshotRequest::default())
                 .await

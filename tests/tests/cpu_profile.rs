@@ -298,12 +298,12 @@ fn pprof_requests_that_make_no_sense_get_one_line() {
         assert_eq!(r.text().lines().count(), 1, "{}", r.text());
     }
 
-    // One profile at a time: a second one, asked while the first runs,
-    // is refused; the first is answered.
+    // One profile at a time for one caller: a second one, asked while the
+    // first runs, is refused; the first is answered.
     let first = std::thread::spawn(move || http::get(addr, "/debug/pprof/profile?seconds=2"));
     std::thread::sleep(Duration::from_millis(500));
     let second = http::get(addr, "/debug/pprof/profile?seconds=1");
-    assert_eq!(second.status, 409, "{}", second.text());
+    assert_eq!(second.status, 429, "{}", second.text());
     assert_eq!(first.join().unwrap().status, 200);
 
     // Nothing of the sampling is left attached once answered.

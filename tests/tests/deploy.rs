@@ -18,7 +18,7 @@ use ebtrace_tests::{
     cuda::CudaWorkload,
     deploy::{daemonset_capabilities, deploy_file},
     fixture::SchedWorkload,
-    http, require_root, serial,
+    http, require_root, run_ebtrace, serial,
     serve::{ServeProcess, block_on, request, xspace_of},
     wait_with_deadline, xplane_files, xprof,
     xspace::{count_named, plane},
@@ -242,6 +242,33 @@ fn one_xprof_call_captures_two_hosts_into_one_run() {
     let expected: BTreeSet<String> = hosts
         .iter()
         .map(|h| format!("{}_6009.xplane.pb", h.addr))
+        .collect();
+    assert_eq!(names, expected);
+    for file in &files {
+        xprof::assert_shows_sched_workload(&python, file, &workload);
+    }
+
+    // `ebtrace capture` of the same two servers writes the same layout.
+    let ours = TempDir::new("two-hosts-capture");
+    let captured = run_ebtrace(&[
+        "capture",
+        &addrs,
+        "--duration",
+        "1s",
+        "--logdir",
+        ours.path().to_str().unwrap(),
+    ]);
+    assert!(
+        captured.status.success(),
+        "{}",
+        String::from_utf8_lossy(&captured.stderr)
+    );
+    let files = xplane_files(ours.path());
+    let runs: BTreeSet<&Path> = files.iter().filter_map(|f| f.parent()).collect();
+    assert_eq!(runs.len(), 1, "{files:?}");
+    let names: BTreeSet<String> = files
+        .iter()
+        .filter_map(|f| Some(f.file_name()?.to_str()?.to_string()))
         .collect();
     assert_eq!(names, expected);
     for file in &files {

@@ -329,6 +329,8 @@ fn overlapping_captures_share_one_set_of_probes_up_to_the_limit() {
             &pid_arg(&workload),
             "--max-sessions",
             "2",
+            "--max-sessions-per-caller",
+            "3",
             "--keep-probes",
             "0",
         ]);
@@ -350,7 +352,10 @@ fn overlapping_captures_share_one_set_of_probes_up_to_the_limit() {
         );
         let c = c_client.profile(request(100)).await.unwrap_err();
         assert_eq!(c.code(), Code::ResourceExhausted, "{c}");
-        assert!(c.message().contains("--max-sessions"), "{c}");
+        assert!(
+            c.message().contains("(ebtrace serve --max-sessions)"),
+            "{c}"
+        );
 
         let a = xspace_of(&a.await.unwrap().expect("a").into_inner());
         let b = xspace_of(&b.await.unwrap().expect("b").into_inner());
@@ -750,7 +755,13 @@ fn max_events_bounds_the_answer_across_thread_and_gpu_tracks() {
         // GPU stream events as driver calls on the launching thread.
         let mut cuda = CudaWorkload::start(&["--bench-seconds", "120"]);
         cuda.go();
-        let server = ServeProcess::loopback(&["--pid", &cuda.pid.to_string()]);
+        // Four at once from one caller: more than a caller gets by default.
+        let server = ServeProcess::loopback(&[
+            "--pid",
+            &cuda.pid.to_string(),
+            "--max-sessions-per-caller",
+            "4",
+        ]);
         let mut client = server.client().await;
         let whole = xspace_of(
             &client

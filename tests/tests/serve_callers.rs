@@ -5,94 +5,15 @@
 //! process of uid 65534 (a client built with the tests, copied where that
 //! user may run it), told apart by the kernel's socket table alone.
 
-use std::{
-    collections::BTreeSet,
-    os::unix::{fs::PermissionsExt as _, process::CommandExt as _},
-    path::{Path, PathBuf},
-    process::{Child, Command},
-};
+use std::{collections::BTreeSet, os::unix::fs::PermissionsExt as _, path::Path, process::Command};
 
 use ebtrace_proto::tensorflow::profiler::XSpace;
-use ebtrace_tests::{TempDir, fixture::SchedWorkload, require_root, serial, serve::ServeProcess};
-use prost::Message as _;
-
-const NOBODY: u32 = 65534;
-
-/// The client, where uid 65534 may run it and write next to it.
-struct Client {
-    dir: TempDir,
-    bin: PathBuf,
-}
-
-impl Client {
-    fn new() -> Self {
-        let dir = TempDir::new("callers");
-        let bin = dir.path().join("profiler_client");
-        std::fs::copy(env!("CARGO_BIN_EXE_profiler_client"), &bin).expect("copy the client");
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-        Client { dir, bin }
-    }
-
-    /// The client's one line for `method` asked of `server` as `uid`.
-    fn ask(&self, uid: u32, server: &ServeProcess, method: &str) -> String {
-        self.ask_at(uid, &server.addrs[0].to_string(), method)
-    }
-
-    /// The same, of the listener at `addr` (`HOST:PORT` or `unix:PATH`).
-    fn ask_at(&self, uid: u32, addr: &str, method: &str) -> String {
-        let out = self.trace_path();
-        let _ = std::fs::remove_file(&out);
-        let output = Command::new(&self.bin)
-            .args([addr, method, out.to_str().unwrap()])
-            .uid(uid)
-            .gid(uid)
-            .output()
-            .expect("run the client");
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).trim().to_string()
-    }
-
-    fn trace_path(&self) -> PathBuf {
-        self.dir.path().join("trace.xplane.pb")
-    }
-
-    fn trace(&self) -> XSpace {
-        XSpace::decode(std::fs::read(self.trace_path()).unwrap().as_slice()).unwrap()
-    }
-}
-
-/// A process of uid 65534 that wakes 200 times a second, killed when
-/// dropped.
-struct ProcessOfNobody(Child);
-
-impl ProcessOfNobody {
-    fn start() -> Self {
-        let child = Command::new("python3")
-            .args(["-c", "import time\nwhile True: time.sleep(0.005)"])
-            .current_dir("/")
-            .uid(NOBODY)
-            .gid(NOBODY)
-            .spawn()
-            .expect("start python3 as uid 65534");
-        ProcessOfNobody(child)
-    }
-
-    fn pid(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for ProcessOfNobody {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use ebtrace_tests::{
+    callers::{Client, NOBODY, ProcessOfNobody},
+    fixture::SchedWorkload,
+    require_root, serial,
+    serve::ServeProcess,
+};
 
 /// The thread ids of `pid`.
 fn tids(pid: u32) -> BTreeSet<i64> {
@@ -129,7 +50,7 @@ fn another_user_captures_only_its_own_processes_and_controls_nothing() {
         "127.0.0.1:0",
     ]);
     let metrics = "http:/metrics";
-    let client = Client::new();
+    let client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
 
     // Its own process: captured, and nothing of root's is in the trace.
     assert_eq!(client.ask(NOBODY, &server, "profile"), "OK");
@@ -196,7 +117,7 @@ fn another_users_capture_of_roots_processes_is_refused() {
     let _serial = serial();
     let roots = SchedWorkload::start(&[]);
     let server = ServeProcess::loopback(&["--pid", &roots.pid.to_string()]);
-    let client = Client::new();
+    let client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
     let refused = client.ask(NOBODY, &server, "profile");
     assert_eq!(
         refused,
@@ -259,7 +180,7 @@ fn a_unix_socket_tells_its_callers_apart() {
     let _serial = serial();
     let roots = SchedWorkload::start(&[]);
     let theirs = ProcessOfNobody::start();
-    let client = Client::new();
+    let client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
     let path = client.dir.path().join("ebtrace.sock");
     let bind = format!("unix:{}", path.display());
     let watched = format!("{},{}", roots.pid, theirs.pid());
@@ -298,4 +219,116 @@ fn a_unix_socket_tells_its_callers_apart() {
     assert!(path.exists());
     let _next = serve();
     assert_eq!(client.ask_at(NOBODY, &bind, "profile"), "OK");
+}
+
+/// `--socket-group`: the Unix socket is the group's (mode 0660), so only
+/// root and its members may connect; an unknown group stops the server at
+/// start with one line.
+#[test]
+fn a_socket_group_keeps_the_unix_socket_to_its_members() {
+    use std::os::unix::fs::MetadataExt as _;
+    if !require_root("a_socket_group_keeps_the_unix_socket_to_its_members") {
+        return;
+    }
+    let _serial = serial();
+    let client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
+    let path = client.dir.path().join("group.sock");
+    let bind = format!("unix:{}", path.display());
+    let me = std::process::id().to_string();
+    // `daemon` (gid 1) is in every Debian base system, and nobody is not
+    // in it.
+    let _server = ServeProcess::start(
+        &["--bind", &bind, "--socket-group", "daemon", "--pid", &me],
+        1,
+    );
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!((meta.gid(), meta.mode() & 0o777), (1, 0o660));
+    let connect_as = |groups: &str| {
+        Command::new("setpriv")
+            .args([
+                "--reuid=65534",
+                "--regid=65534",
+                &format!("--groups={groups}"),
+            ])
+            .args(["/usr/bin/python3", "-c"])
+            .arg(format!(
+                "import socket; socket.socket(socket.AF_UNIX).connect({:?})",
+                path.display().to_string()
+            ))
+            .output()
+            .unwrap()
+    };
+    let member = connect_as("1");
+    assert!(
+        member.status.success(),
+        "{}",
+        String::from_utf8_lossy(&member.stderr)
+    );
+    let stranger = connect_as("65534");
+    assert!(
+        String::from_utf8_lossy(&stranger.stderr).contains("PermissionError"),
+        "{}",
+        String::from_utf8_lossy(&stranger.stderr)
+    );
+
+    let unknown = Command::new(ebtrace_tests::ebtrace_bin())
+        .args([
+            "serve",
+            "--bind",
+            &bind,
+            "--socket-group",
+            "no-such-group-here",
+        ])
+        .args(["--pid", &me])
+        .output()
+        .unwrap();
+    assert_eq!(unknown.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&unknown.stderr);
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(
+        text.contains("groupadd --system no-such-group-here"),
+        "{text}"
+    );
+}
+
+/// A user may end its own captures with `Terminate`, never another's.
+#[test]
+fn a_user_terminates_its_own_capture_and_no_one_elses() {
+    if !require_root("a_user_terminates_its_own_capture_and_no_one_elses") {
+        return;
+    }
+    let _serial = serial();
+    let roots = SchedWorkload::start(&[]);
+    let theirs = ProcessOfNobody::start();
+    let watched = format!("{},{}", roots.pid, theirs.pid());
+    let server = ServeProcess::loopback(&["--pid", &watched]);
+    let roots_client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
+    let their_client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
+    let addr = server.addrs[0].to_string();
+    let started = std::time::Instant::now();
+    let roots_capture = {
+        let addr = addr.clone();
+        std::thread::spawn(move || roots_client.ask_at(0, &addr, "session:roots"))
+    };
+    let their_capture = {
+        let addr = addr.clone();
+        std::thread::spawn(move || their_client.ask_at(NOBODY, &addr, "session:theirs"))
+    };
+    // Both captures under way.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let client = Client::new(env!("CARGO_BIN_EXE_profiler_client"));
+    let refused = client.ask_at(NOBODY, &addr, "terminate:roots");
+    assert!(
+        refused.starts_with("NotFound: no capture of uid 65534's with session_id \"roots\""),
+        "{refused}"
+    );
+    assert_eq!(client.ask_at(NOBODY, &addr, "terminate:theirs"), "OK");
+    assert_eq!(their_capture.join().unwrap(), "OK");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(8),
+        "the capture was not ended early"
+    );
+    // Root's ran its whole 10 s.
+    assert_eq!(roots_capture.join().unwrap(), "OK");
+    assert!(started.elapsed() >= std::time::Duration::from_secs(10));
 }

@@ -457,6 +457,8 @@ fn a_thousand_random_and_malformed_calls_leave_the_server_answering() {
         &max_delay,
         "--max-sessions",
         &sessions,
+        "--max-sessions-per-caller",
+        &sessions,
         "--allow-write-under",
         allowed.to_str().unwrap(),
     ]);

@@ -145,7 +145,7 @@ fn client_certificates_decide_who_is_served_and_a_rotated_certificate_is_used() 
     let files = xplane_files(logdir.path());
     assert_eq!(files.len(), 1, "{files:?}");
     assert!(
-        files[0].ends_with("127.0.0.1.xplane.pb"),
+        files[0].ends_with(format!("127.0.0.1_{}.xplane.pb", grpc.port())),
         "{}",
         files[0].display()
     );

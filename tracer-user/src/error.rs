@@ -175,6 +175,13 @@ pub enum Error {
     #[error("{0}")]
     Tls(String),
 
+    /// `--socket-group` names a group this machine does not have.
+    #[error(
+        "--socket-group {0}: no such group on this machine; create it (`groupadd --system {0}`) \
+         and add the users who may connect, or leave the flag out to let every user connect"
+    )]
+    NoSuchGroup(String),
+
     /// The `--policy` file does not load: where, and how.
     #[error("{0}")]
     Policy(String),
@@ -223,6 +230,7 @@ impl Error {
             | Error::InsecureListen { .. }
             | Error::Tls(_)
             | Error::Policy(_)
+            | Error::NoSuchGroup(_)
             | Error::AllowWriteUnder { .. }
             | Error::RetainMemory(_)
             | Error::BpfRefused { .. }

@@ -1,9 +1,8 @@
 //! `ebtrace capture`: asks `ebtrace serve` on several hosts at once for a
 //! capture (or a flight-recorder snapshot), over TLS with a client
 //! certificate where one is given, and writes one run of the XProf log
-//! directory: `<logdir>/plugins/profile/<run>/<host>.xplane.pb`, one file
-//! per host, the layout `jax.collect_profile` and TF's `client.trace`
-//! write. A host that fails is reported on its own line; the others'
+//! directory: `<logdir>/plugins/profile/<run>/<HOST>_<PORT>.xplane.pb`,
+//! one file per server, the layout XProf's and TF's `client.trace` write. A host that fails is reported on its own line; the others'
 //! traces are still written.
 
 use std::{path::PathBuf, time::Duration};
@@ -88,7 +87,9 @@ pub fn run(request: &Request) -> Result<Vec<HostResult>> {
         .into_iter()
         .map(|(server, answered)| {
             let outcome = answered.and_then(|bytes| {
-                logdir::write_run_with(&request.logdir, &run, &file_host(&server), |f| {
+                // Named by the address asked, as TSL's clients name theirs:
+                // `HOST_PORT.xplane.pb`.
+                logdir::write_run_with(&request.logdir, &run, &server, |f| {
                     std::io::Write::write_all(f, &bytes)
                 })
                 .map_err(|e| e.to_string())
@@ -98,10 +99,8 @@ pub fn run(request: &Request) -> Result<Vec<HostResult>> {
         .collect())
 }
 
-/// The host part of `HOST:PORT`, which names its file; the port too when
-/// that is all there is to tell two servers apart is not known here, so
-/// `logdir` numbers a second run instead of overwriting.
-fn file_host(server: &str) -> String {
+/// The host part of `HOST:PORT`, which its certificate must name.
+fn host_of(server: &str) -> String {
     match server.rsplit_once(':') {
         Some((host, _)) => host
             .trim_start_matches('[')
@@ -143,7 +142,7 @@ async fn ask_one(
                 duration_ms: ms,
                 tools: vec![crate::server::response::XPLANE_TOOL.into()],
                 session_id: run.to_string(),
-                host_name: file_host(server),
+                host_name: server.to_string(),
                 // What jax.collect_profile asks for by default.
                 opts: Some(ProfileOptions {
                     version: 1,
@@ -179,7 +178,7 @@ async fn connect(
         .connect_timeout(Duration::from_secs(10));
     if let Some(tls) = tls {
         endpoint = endpoint
-            .tls_config(tls.domain_name(file_host(server)))
+            .tls_config(tls.domain_name(host_of(server)))
             .map_err(|e| format!("TLS: {e}"))?;
     }
     endpoint.connect().await.map_err(|e| {
@@ -218,9 +217,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn files_are_named_by_host() {
-        assert_eq!(file_host("10.0.0.7:6443"), "10.0.0.7");
-        assert_eq!(file_host("[::1]:6443"), "::1");
-        assert_eq!(file_host("node-3.cluster:6443"), "node-3.cluster");
+    fn certificates_name_the_host() {
+        assert_eq!(host_of("10.0.0.7:6443"), "10.0.0.7");
+        assert_eq!(host_of("[::1]:6443"), "::1");
+        assert_eq!(host_of("node-3.cluster:6443"), "node-3.cluster");
     }
 }

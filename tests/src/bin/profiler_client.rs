@@ -1,13 +1,14 @@
 //! A `tensorflow.ProfilerService` client the tests run as another user:
 //! `profiler_client ADDR METHOD OUT`, ADDR `HOST:PORT` or `unix:PATH`,
 //! METHOD one of `profile`,
-//! `profile:PID` (of that watched process only), `snapshot` and
+//! `profile:PID` (of that watched process only), `session:ID` (a 10 s
+//! capture with session_id ID), `terminate:ID`, `snapshot` and
 //! `stop-recorder`. Prints `OK`, or the gRPC code and message, on one
 //! line, and writes a Profile's XSpace to OUT. `http:PATH` GETs PATH of
 //! the HTTP listener at ADDR and prints its status and body's first line.
 
 use ebtrace_proto::tensorflow::{
-    GetSnapshotRequest, StopContinuousProfilingRequest,
+    GetSnapshotRequest, StopContinuousProfilingRequest, TerminateRequest,
     profile_options::{AdvancedConfigValue, advanced_config_value::Value},
     profiler_service_client::ProfilerServiceClient,
 };
@@ -61,6 +62,20 @@ fn main() {
                 .stop_continuous_profiling(StopContinuousProfilingRequest {})
                 .await
                 .map(drop),
+            Some(("terminate", id)) => client
+                .terminate(TerminateRequest {
+                    session_id: id.to_string(),
+                })
+                .await
+                .map(drop),
+            Some(("session", id)) => {
+                let mut req = request(10_000);
+                req.session_id = id.to_string();
+                client.profile(req).await.map(|r| {
+                    std::fs::write(out, xspace_of(r.get_ref()).encode_to_vec())
+                        .expect("write the XSpace");
+                })
+            }
             only => {
                 let mut req = request(500);
                 if let Some((_, pid)) = only {

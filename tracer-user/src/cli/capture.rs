@@ -29,8 +29,8 @@ pub struct CaptureArgs {
     pub snapshot: bool,
 
     /// Log directory; the traces go to
-    /// DIR/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/<host>.xplane.pb, one
-    /// run for all servers.
+    /// DIR/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/<HOST>_<PORT>.xplane.pb,
+    /// one run for all servers.
     #[arg(long, value_name = "DIR", default_value = "ebtrace-logs")]
     pub logdir: PathBuf,
 

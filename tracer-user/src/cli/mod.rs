@@ -46,7 +46,7 @@ pub enum Command {
     /// Serve TensorFlow's gRPC ProfilerService for running processes, so
     /// that jax.collect_profile, tf.profiler and XProf's "Capture profile"
     /// can capture them.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Ask `ebtrace serve` on several hosts at once for a capture (or a
     /// flight-recorder snapshot), over TLS with a client certificate, and
     /// write one run with a trace per host.

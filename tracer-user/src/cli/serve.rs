@@ -9,7 +9,7 @@ use super::{parse_duration, parse_duration_or_zero, parse_ring_mib};
 use crate::{
     attach::{LaunchStacks, ProbeSetConfig},
     capture::{flight_recorder::Retention, open_targets},
-    error::Result,
+    error::{Error, Result},
     server::{
         self, ServeConfig, listen::BindAddr, tls::TlsFiles, validate::Limits, watch::WatchMode,
     },
@@ -71,6 +71,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", requires_all = ["tls_cert", "tls_key"])]
     pub client_ca: Option<PathBuf>,
 
+    /// Let only root and the members of GROUP connect to the --bind
+    /// unix: sockets (owned by GROUP, mode 0660); without it any local user
+    /// may, each told apart by the kernel.
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
+
     /// A TOML file granting scopes (read, capture, control) over every
     /// watched process to local users by uid or group and to client
     /// certificates by name, and revoking certificates (docs/serve.md).
@@ -88,7 +94,14 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub max_sessions: u32,
 
-    /// Longest capture a request may ask for.
+    /// Captures one caller (a uid, a certificate's name) may have in
+    /// progress at once; more are refused (RESOURCE_EXHAUSTED). Each caller
+    /// also gets one flight-recorder snapshot and one CPU profile at a
+    /// time; beyond the server's one at a time they wait their turn.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_sessions_per_caller: u32,
+
+    /// Longest capture (and CPU profile) a request may ask for.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub max_duration: Duration,
 
@@ -202,6 +215,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             _ => None,
         },
         policy: args.policy.clone(),
+        socket_gid: args
+            .socket_group
+            .as_deref()
+            .map(|name| {
+                crate::procfs::group_id(name).ok_or_else(|| Error::NoSuchGroup(name.to_string()))
+            })
+            .transpose()?,
         watch,
         limits: Limits {
             max_duration: args.max_duration,
@@ -209,6 +229,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             off_cpu_min: args.off_cpu_min.unwrap_or_default(),
         },
         max_sessions: args.max_sessions as usize,
+        max_sessions_per_caller: args.max_sessions_per_caller as usize,
         probe: ProbeSetConfig {
             ring_bytes: args.ring_buffer_mib * 1024 * 1024,
             launch_stacks: LaunchStacks::PerCpuPerSecond(args.launch_stacks_per_s),

@@ -41,6 +41,9 @@ pub struct ServerCounters {
     pub requests_refused: AtomicU64,
     /// Listeners on addresses other than loopback (`--insecure-listen`).
     pub unauthenticated_listeners: AtomicU64,
+    /// Requests refused because their caller, or all callers, had as
+    /// much of that work in progress as they may (RESOURCE_EXHAUSTED, 429).
+    pub requests_not_admitted: AtomicU64,
     /// TLS connections refused: no client certificate, one the client CA
     /// did not sign, or a handshake that failed or stalled.
     pub tls_handshakes_refused: AtomicU64,
@@ -163,7 +166,7 @@ impl Metrics {
                 }
             }
         }
-        let own: [(&str, &str, Kind, f64); 11] = [
+        let own: [(&str, &str, Kind, f64); 12] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -208,6 +211,13 @@ impl Metrics {
                  HTTP 403).",
                 Kind::Counter,
                 self.server.requests_refused.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_requests_not_admitted_total",
+                "Requests refused because their caller, or all callers together, had as much \
+                 of that work in progress as they may (RESOURCE_EXHAUSTED, HTTP 429).",
+                Kind::Counter,
+                self.server.requests_not_admitted.load(Ordering::Relaxed) as f64,
             ),
             (
                 "ebtrace_tls_handshakes_refused_total",

@@ -164,7 +164,8 @@ impl Authority {
         self.judge(Who::of_peer(peer))
     }
 
-    fn judge(&self, who: Who) -> Caller {
+    /// What `who` is granted now.
+    pub(super) fn judge(&self, who: Who) -> Caller {
         let policy = self.policy.as_ref().map(|p| p.current());
         let granted = match (&who, policy) {
             (Who::Local { uid: 0 } | Who::Remote { .. }, _) => Granted::Everything,
@@ -215,6 +216,18 @@ impl Caller {
     /// Who it is.
     pub fn who(&self) -> &Who {
         &self.who
+    }
+
+    /// What its work is counted under: its uid, its certificate's name,
+    /// or, for a peer `--insecure-listen` let in, its address without the
+    /// port (each connection has a new one).
+    pub fn identity(&self) -> String {
+        match &self.who {
+            Who::Local { uid } => format!("uid {uid}"),
+            Who::Certified { subject, .. } => subject.to_string(),
+            Who::Remote { addr } => addr.ip().to_string(),
+            Who::Unknown { .. } => "an unknown caller".into(),
+        }
     }
 
     /// Whether it may do `scope` to every process.

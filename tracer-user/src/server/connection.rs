@@ -159,6 +159,11 @@ async fn accept_loop(
                     };
                     let _ = sender.send(connection).await;
                 }
+                // Closed before saying anything: a port probe (the
+                // kubelet's tcpSocket check), not a client refused.
+                Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    log::debug!("{remote} closed its connection before a TLS handshake");
+                }
                 Ok(Err(e)) => refused_handshake(&metrics, remote, &e.to_string()),
                 Err(_) => refused_handshake(&metrics, remote, "it did not finish in time"),
             }

@@ -29,8 +29,10 @@ use axum::{
 };
 
 use super::{
+    admission::{Admission, Work},
     caller::{Authority, Caller, Refusal, Scope},
     connection::{Incoming, Peer},
+    service::not_admitted,
     sessions::HubHandle,
 };
 use crate::{
@@ -39,22 +41,39 @@ use crate::{
     metrics::{Metrics, exposition},
 };
 
-/// Longest CPU profile one request may ask for.
-const MAX_PROFILE_SECONDS: u64 = 3600;
 /// Go's default when `seconds` is not given.
 const DEFAULT_PROFILE_SECONDS: u64 = 30;
 
+/// What the HTTP listener serves from.
+#[derive(Clone)]
+pub struct HttpServing {
+    /// What `/metrics` reads.
+    pub metrics: Arc<Metrics>,
+    /// Where the watched processes are asked for.
+    pub hub: HubHandle,
+    /// Sampling rate of CPU profiles unless a request gives `hz`.
+    pub sample_hz: u64,
+    /// The longest CPU profile a request may ask for (`--max-duration`).
+    pub max_profile: Duration,
+    /// Who may do what.
+    pub authority: Arc<Authority>,
+    /// How many CPU profiles each caller may have in progress.
+    pub admission: Arc<Admission>,
+}
+
 #[derive(Clone)]
 struct Shared {
-    metrics: Arc<Metrics>,
-    authority: Arc<Authority>,
-    hub: HubHandle,
-    /// Sampling rate of CPU profiles unless a request gives `hz`.
-    sample_hz: u64,
-    /// Held while a CPU profile is being taken: one at a time.
-    profiling: Arc<tokio::sync::Mutex<()>>,
+    serving: HttpServing,
     /// Set at shutdown: a profile in progress ends with what it has.
     stopping: Arc<AtomicBool>,
+}
+
+impl std::ops::Deref for Shared {
+    type Target = HttpServing;
+
+    fn deref(&self) -> &HttpServing {
+        &self.serving
+    }
 }
 
 impl Shared {
@@ -68,10 +87,7 @@ impl Shared {
 /// Serves until `shutdown` resolves.
 pub async fn serve(
     incoming: Incoming,
-    metrics: Arc<Metrics>,
-    authority: Arc<Authority>,
-    hub: HubHandle,
-    sample_hz: u64,
+    serving: HttpServing,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stopping = Arc::new(AtomicBool::new(false));
@@ -80,11 +96,7 @@ pub async fn serve(
         .route("/debug/pprof/profile", get(cpu_profile))
         .fallback(not_found)
         .with_state(Shared {
-            metrics,
-            authority,
-            hub,
-            sample_hz,
-            profiling: Arc::default(),
+            serving,
             stopping: Arc::clone(&stopping),
         });
     let shutdown = async move {
@@ -125,6 +137,7 @@ fn refuse(status: StatusCode, line: String) -> Response {
 fn profile_parameters(
     query: &HashMap<String, String>,
     default_hz: u64,
+    max_seconds: u64,
 ) -> Result<(Duration, u64), String> {
     let number = |name: &str, default: u64, max: u64| -> Result<u64, String> {
         match query.get(name) {
@@ -141,8 +154,8 @@ fn profile_parameters(
     Ok((
         Duration::from_secs(number(
             "seconds",
-            DEFAULT_PROFILE_SECONDS,
-            MAX_PROFILE_SECONDS,
+            DEFAULT_PROFILE_SECONDS.min(max_seconds),
+            max_seconds,
         )?),
         number("hz", default_hz, MAX_HZ)?,
     ))
@@ -153,16 +166,11 @@ async fn cpu_profile(
     ConnectInfo(peer): ConnectInfo<Peer>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
-    let (duration, hz) = match profile_parameters(&query, shared.sample_hz) {
-        Ok(p) => p,
-        Err(line) => return refuse(StatusCode::BAD_REQUEST, line),
-    };
-    let Ok(_one_at_a_time) = shared.profiling.try_lock() else {
-        return refuse(
-            StatusCode::CONFLICT,
-            "a CPU profile is already being taken; ask again when it ends".to_string(),
-        );
-    };
+    let (duration, hz) =
+        match profile_parameters(&query, shared.sample_hz, shared.max_profile.as_secs()) {
+            Ok(p) => p,
+            Err(line) => return refuse(StatusCode::BAD_REQUEST, line),
+        };
     let mut targets = shared.hub.targets().await.unwrap_or_default();
     let caller = shared.authority.caller_of_peer(&peer);
     match caller.allowed_pids(Scope::Read, &targets, None) {
@@ -180,10 +188,21 @@ async fn cpu_profile(
                 .to_string(),
         );
     }
+    let slot = match shared.admission.admit(&caller, Work::CpuProfile).await {
+        Ok(slot) => slot,
+        Err(why) => {
+            not_admitted(&shared.metrics, &caller, &why);
+            return refuse(StatusCode::TOO_MANY_REQUESTS, why.to_string());
+        }
+    };
     let stopping = Arc::clone(&shared.stopping);
-    let taken =
-        tokio::task::spawn_blocking(move || take_cpu_profile(&targets, duration, hz, &stopping))
-            .await;
+    // The place is held until the sampling stops, even if the client
+    // hangs up first.
+    let taken = tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        take_cpu_profile(&targets, duration, hz, &stopping)
+    })
+    .await;
     match taken {
         Ok(Ok(profile)) => {
             if profile.dropped > 0 {
@@ -238,17 +257,23 @@ mod tests {
     #[test]
     fn profile_parameters_default_and_refuse_what_makes_no_sense() {
         assert_eq!(
-            profile_parameters(&query(&[]), 99),
+            profile_parameters(&query(&[]), 99, 3600),
             Ok((Duration::from_secs(30), 99))
         );
         assert_eq!(
-            profile_parameters(&query(&[("seconds", "2"), ("hz", "497")]), 99),
+            profile_parameters(&query(&[("seconds", "2"), ("hz", "497")]), 99, 3600),
             Ok((Duration::from_secs(2), 497))
         );
         for bad in ["0", "-1", "1.5", "", "99999999999999999999", "3601"] {
-            let err = profile_parameters(&query(&[("seconds", bad)]), 99).unwrap_err();
+            let err = profile_parameters(&query(&[("seconds", bad)]), 99, 3600).unwrap_err();
             assert!(err.contains("seconds="), "{err}");
         }
-        assert!(profile_parameters(&query(&[("hz", "10001")]), 99).is_err());
+        assert!(profile_parameters(&query(&[("hz", "10001")]), 99, 3600).is_err());
+        // Never longer than --max-duration, and the default within it.
+        assert!(profile_parameters(&query(&[("seconds", "61")]), 99, 60).is_err());
+        assert_eq!(
+            profile_parameters(&query(&[]), 99, 10),
+            Ok((Duration::from_secs(10), 99))
+        );
     }
 }

@@ -25,15 +25,11 @@ use tokio_stream::wrappers::UnixListenerStream;
 use super::{
     ServeConfig, answer,
     connection::{self, Incoming},
-    http,
+    http::{self, HttpServing},
     service::ProfilerServer,
-    sessions::HubHandle,
     tls::{Protocol, ServerTls},
 };
-use crate::{
-    error::{Error, Result},
-    metrics::Metrics,
-};
+use crate::error::{Error, Result};
 
 /// An address `--bind` names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -148,7 +144,9 @@ impl Listeners {
                     let tls = tls_for(*addr, Protocol::Http2)?;
                     GrpcListener::Tcp(bind_tcp(*addr).await?, tls)
                 }
-                BindAddr::Unix(path) => GrpcListener::Unix(bind_unix(path)?, path.clone()),
+                BindAddr::Unix(path) => {
+                    GrpcListener::Unix(bind_unix(path, config.socket_gid)?, path.clone())
+                }
             });
         }
         let http = match config.http {
@@ -179,18 +177,6 @@ impl Listeners {
     }
 }
 
-/// What the HTTP listener serves from.
-pub struct HttpServing {
-    /// What `/metrics` reads.
-    pub metrics: Arc<Metrics>,
-    /// Where the watched processes are asked for.
-    pub hub: HubHandle,
-    /// Sampling rate of CPU profiles.
-    pub sample_hz: u64,
-    /// Who may do what.
-    pub authority: Arc<super::caller::Authority>,
-}
-
 async fn bind_tcp(addr: SocketAddr) -> Result<TcpListener> {
     TcpListener::bind(addr).await.map_err(|source| Error::Bind {
         addr: addr.to_string(),
@@ -200,8 +186,9 @@ async fn bind_tcp(addr: SocketAddr) -> Result<TcpListener> {
 
 /// Listens on the Unix socket `path`, taking the place of one a server
 /// that is gone left (nothing answers on it), never of a live one or of
-/// another kind of file; any local user may connect.
-fn bind_unix(path: &Path) -> Result<UnixListener> {
+/// another kind of file. Any local user may connect, or, with `group`,
+/// root and that group's members.
+fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener> {
     let bind_error = |source| Error::Bind {
         addr: format!("unix:{}", path.display()),
         source,
@@ -220,7 +207,14 @@ fn bind_unix(path: &Path) -> Result<UnixListener> {
         std::fs::remove_file(path).map_err(bind_error)?;
     }
     let listener = UnixListener::bind(path).map_err(bind_error)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(bind_error)?;
+    let mode = match group {
+        Some(gid) => {
+            std::os::unix::fs::chown(path, None, Some(gid)).map_err(bind_error)?;
+            0o660
+        }
+        None => 0o666,
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(bind_error)?;
     Ok(listener)
 }
 
@@ -303,14 +297,7 @@ fn spawn_http_server(
     eprintln!("ebtrace: serving Prometheus metrics on {scheme}://{local}/metrics");
     eprintln!("ebtrace: serving CPU profiles (pprof) on {scheme}://{local}/debug/pprof/profile");
     describe_callers(&incoming);
-    let server = http::serve(
-        incoming,
-        serving.metrics,
-        serving.authority,
-        serving.hub,
-        serving.sample_hz,
-        stop_requested(stopped),
-    );
+    let server = http::serve(incoming, serving, stop_requested(stopped));
     servers.spawn(async move { (local.to_string(), server.await.map_err(|e| e.to_string())) });
     Ok(())
 }

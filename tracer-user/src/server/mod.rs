@@ -5,6 +5,7 @@
 //!
 //! - [`service`]: the gRPC methods, thin: validate, ask the hub, map errors;
 //! - [`caller`]: who sent a request, and what they may do;
+//! - [`admission`]: how much work each caller may have in progress;
 //! - [`policy`]: `--policy`, who gets more than ptrace's rule gives;
 //! - [`tls`]: TLS with client certificates on network listeners;
 //! - [`reload`]: certificates and the policy, read again when they change;
@@ -24,6 +25,7 @@
 //! - [`panics`]: a panic stops the server (exit 1) instead of leaving it
 //!   half alive.
 
+pub mod admission;
 pub mod answer;
 pub mod caller;
 pub mod connection;
@@ -56,8 +58,10 @@ use crate::{
     metrics::Metrics,
     sink::xspace::local_hostname,
 };
+use admission::{Admission, AdmissionLimits};
 use caller::Authority;
-use listen::{BindAddr, HttpServing, Listeners, Servers};
+use http::HttpServing;
+use listen::{BindAddr, Listeners, Servers};
 use panics::PanicWatch;
 use service::ProfilerServer;
 use sessions::HubConfig;
@@ -78,12 +82,18 @@ pub struct ServeConfig {
     pub tls: Option<tls::TlsFiles>,
     /// Who gets more than ptrace's rule gives them (`--policy`).
     pub policy: Option<PathBuf>,
+    /// The group whose members alone (and root) may connect to the Unix
+    /// sockets (`--socket-group`, resolved); without it, anyone may.
+    pub socket_gid: Option<u32>,
     /// How target processes are chosen.
     pub watch: WatchMode,
     /// What a request may ask for.
     pub limits: Limits,
     /// The most sessions run at once (`--max-sessions`).
     pub max_sessions: usize,
+    /// The most captures one caller runs at once
+    /// (`--max-sessions-per-caller`).
+    pub max_sessions_per_caller: usize,
     /// How the eBPF object is loaded.
     pub probe: ProbeSetConfig,
     /// The directory under which the server may save traces itself (`--allow-write-under`).
@@ -108,6 +118,8 @@ pub struct ServeConfig {
 pub const SERVER_MEMORY: usize = 4 * 1024 * 1024;
 
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// Work waits for other callers' as long as the longest capture, and this.
+const ADMISSION_WAIT_MARGIN: Duration = Duration::from_secs(10);
 /// After a panic, the process exits by then even if stopping hangs.
 const PANIC_EXIT_DEADLINE: Duration = Duration::from_secs(45);
 
@@ -178,6 +190,10 @@ async fn serve(
         listen::unauthenticated(&config).len() as u64,
         std::sync::atomic::Ordering::Relaxed,
     );
+    let admission = Admission::new(AdmissionLimits {
+        captures_per_caller: config.max_sessions_per_caller,
+        wait: config.limits.max_duration + ADMISSION_WAIT_MARGIN,
+    });
     let (hub, hub_thread) = sessions::spawn(HubConfig {
         watch: config.watch.clone(),
         max_sessions: config.max_sessions,
@@ -199,6 +215,7 @@ async fn serve(
         hostname: local_hostname(),
         metrics: Arc::clone(&metrics),
         authority: Arc::clone(&authority),
+        admission: Arc::clone(&admission),
     });
 
     describe_watch(&config.watch);
@@ -216,7 +233,9 @@ async fn serve(
             metrics: Arc::clone(&metrics),
             hub: hub.clone(),
             sample_hz: config.sample_hz,
+            max_profile: config.limits.max_duration,
             authority,
+            admission,
         },
         &stopped,
         &mut servers,

@@ -13,6 +13,7 @@ use ebtrace_proto::tensorflow::{
 use tonic::{Request, Response, Status};
 
 use super::{
+    admission::{Admission, NotAdmitted, Slot, Work},
     caller::{Authority, Caller, Refusal, Scope},
     monitor,
     sessions::{HubHandle, SessionError},
@@ -35,6 +36,8 @@ pub struct ProfilerServer {
     pub metrics: Arc<Metrics>,
     /// Who may do what.
     pub authority: Arc<Authority>,
+    /// How much work each caller may have in progress.
+    pub admission: Arc<Admission>,
 }
 
 fn status_of(e: SessionError) -> Status {
@@ -107,12 +110,30 @@ impl ProfilerServer {
         Ok(targets)
     }
 
+    /// A place for `work` of `caller`'s; `RESOURCE_EXHAUSTED` where there
+    /// is none, counted.
+    async fn admit(&self, caller: &Caller, work: Work) -> Result<Slot, Status> {
+        self.admission.admit(caller, work).await.map_err(|why| {
+            not_admitted(&self.metrics, caller, &why);
+            Status::resource_exhausted(why.to_string())
+        })
+    }
+
     /// Refused unless `caller` may change the server for everyone.
     fn may_control(&self, caller: &Caller, method: &str) -> Result<(), Status> {
         caller
             .may_control()
             .map_err(|why| self.refused(caller, method, why))
     }
+}
+
+/// Counts and logs work not admitted, as both listeners do.
+pub fn not_admitted(metrics: &Metrics, caller: &Caller, why: &NotAdmitted) {
+    metrics
+        .server
+        .requests_not_admitted
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    eprintln!("ebtrace: not admitted, from {caller}: {why}");
 }
 
 #[tonic::async_trait]
@@ -123,9 +144,11 @@ impl ProfilerService for ProfilerServer {
     ) -> Result<Response<ProfileResponse>, Status> {
         let caller = self.authority.caller_of(&request);
         let mut spec = self.checked(&request, &caller)?;
+        spec.owner = caller.identity();
         self.restrict(&caller, "Profile", Scope::Capture, &mut spec)
             .await?;
-        let response = self.hub.profile(spec).await.map_err(status_of)?;
+        let slot = self.admit(&caller, Work::Capture).await?;
+        let response = self.hub.profile(spec, slot).await.map_err(status_of)?;
         Ok(Response::new(response))
     }
 
@@ -133,12 +156,18 @@ impl ProfilerService for ProfilerServer {
         &self,
         request: Request<TerminateRequest>,
     ) -> Result<Response<TerminateResponse>, Status> {
-        self.may_control(&self.authority.caller_of(&request), "Terminate")?;
+        // A caller may end its own captures; others' only with control.
+        let caller = self.authority.caller_of(&request);
+        let owner = caller.may_control().err().map(|_| caller.identity());
         let session_id = request.into_inner().session_id;
-        match self.hub.terminate(session_id.clone()).await {
-            Ok(0) => Err(Status::not_found(format!(
-                "no capture with session_id {session_id:?} is in progress"
-            ))),
+        match self.hub.terminate(session_id.clone(), owner.clone()).await {
+            Ok(0) => Err(Status::not_found(match owner {
+                None => format!("no capture with session_id {session_id:?} is in progress"),
+                Some(owner) => format!(
+                    "no capture of {owner}'s with session_id {session_id:?} is in progress \
+                     (only root, and those --policy grants \"control\", may end others')"
+                ),
+            })),
             Ok(_) => Ok(Response::new(TerminateResponse {})),
             Err(e) => Err(status_of(e)),
         }
@@ -225,7 +254,12 @@ impl ProfilerService for ProfilerServer {
         let client = caller.to_string();
         let id = request.into_inner().snapshot_session_id;
         let id = if id.is_empty() { "snapshot".into() } else { id };
-        let response = self.hub.snapshot(id, client).await.map_err(status_of)?;
+        let slot = self.admit(&caller, Work::Snapshot).await?;
+        let response = self
+            .hub
+            .snapshot(id, client, slot)
+            .await
+            .map_err(status_of)?;
         Ok(Response::new(response))
     }
 }

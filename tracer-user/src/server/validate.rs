@@ -137,6 +137,9 @@ pub struct SessionSpec {
     pub server_copy: ServerCopy,
     /// Who asked (for the server's log).
     pub client: String,
+    /// The identity its caller's work counts under
+    /// ([`super::caller::Caller::identity`]): the caller may end it.
+    pub owner: String,
 }
 
 impl SessionSpec {
@@ -157,6 +160,7 @@ impl SessionSpec {
             delivery: Delivery::ToolData,
             server_copy: ServerCopy::NotAsked,
             client: "--retain".into(),
+            owner: String::new(),
         }
     }
 }
@@ -266,6 +270,7 @@ pub fn profile_request(
         delivery,
         server_copy,
         client,
+        owner: String::new(),
     })
 }
 

@@ -40,6 +40,7 @@ impl Hub {
                 snapshot_id,
                 client,
                 reply,
+                slot,
             } => match self.recorder.as_mut() {
                 None => {
                     let _ = reply.send(Err(SessionError::RecorderOff));
@@ -58,6 +59,7 @@ impl Hub {
                         duration_ns: timeline.duration_ns(),
                         spec,
                         reply,
+                        _slot: slot,
                         received: building,
                         start_ns: 0,
                         window: None,

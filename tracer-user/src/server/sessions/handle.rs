@@ -12,7 +12,7 @@ use crate::{
     capture::flight_recorder::Retention,
     metrics::Metrics,
     procfs::TargetProcess,
-    server::{validate::SessionSpec, watch::WatchMode, write_guard::WriteGuard},
+    server::{admission::Slot, validate::SessionSpec, watch::WatchMode, write_guard::WriteGuard},
 };
 
 /// Where the hub sends a session's response, or why there is none.
@@ -26,11 +26,15 @@ pub enum Command {
         spec: SessionSpec,
         /// Receives its response.
         reply: Reply,
+        /// Its caller's place, held until the session is done with.
+        slot: Slot,
     },
     /// End every session with this id now; answers how many there were.
     Terminate {
         /// The `session_id` of the sessions to end.
         session_id: String,
+        /// Only those of this owner; `None`: anyone's.
+        owner: Option<String>,
         /// Receives how many sessions were ended.
         reply: oneshot::Sender<usize>,
     },
@@ -54,6 +58,8 @@ pub enum Command {
         client: String,
         /// Receives the snapshot's response.
         reply: Reply,
+        /// Its caller's place, held until the snapshot is dropped.
+        slot: Slot,
     },
     /// The watched processes now.
     Targets {
@@ -157,22 +163,36 @@ pub struct HubHandle {
 }
 
 impl HubHandle {
-    /// Runs a session; resolves when its response is ready. Dropping the
-    /// future (the client went away) ends the session and frees it.
-    pub async fn profile(&self, spec: SessionSpec) -> Result<ProfileResponse, SessionError> {
+    /// Runs a session, holding `slot` until it is done with; resolves
+    /// when its response is ready. Dropping the future (the client went
+    /// away) ends the session and frees it.
+    pub async fn profile(
+        &self,
+        spec: SessionSpec,
+        slot: Slot,
+    ) -> Result<ProfileResponse, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Profile { spec, reply })
+            .send(Command::Profile { spec, reply, slot })
             .map_err(|_| SessionError::ShuttingDown)?;
         answer.await.map_err(|_| SessionError::ShuttingDown)?
     }
 
-    /// Ends every session with `session_id` now, each answered with what it recorded; resolves to
-    /// how many there were.
-    pub async fn terminate(&self, session_id: String) -> Result<usize, SessionError> {
+    /// Ends every session with `session_id` (of `owner`, if given) now,
+    /// each answered with what it recorded; resolves to how many there
+    /// were.
+    pub async fn terminate(
+        &self,
+        session_id: String,
+        owner: Option<String>,
+    ) -> Result<usize, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Terminate { session_id, reply })
+            .send(Command::Terminate {
+                session_id,
+                owner,
+                reply,
+            })
             .map_err(|_| SessionError::ShuttingDown)?;
         answer.await.map_err(|_| SessionError::ShuttingDown)
     }
@@ -195,11 +215,14 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)
     }
 
-    /// Answers with what the flight recorder kept, as the session `snapshot_id` for `client`.
+    /// Answers with what the flight recorder kept, as the session
+    /// `snapshot_id` for `client`, holding `slot` until the snapshot is
+    /// dropped.
     pub async fn snapshot(
         &self,
         snapshot_id: String,
         client: String,
+        slot: Slot,
     ) -> Result<ProfileResponse, SessionError> {
         let (reply, answer) = oneshot::channel();
         self.commands
@@ -207,6 +230,7 @@ impl HubHandle {
                 snapshot_id,
                 client,
                 reply,
+                slot,
             })
             .map_err(|_| SessionError::ShuttingDown)?;
         answer.await.map_err(|_| SessionError::ShuttingDown)?

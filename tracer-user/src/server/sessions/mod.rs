@@ -40,6 +40,7 @@ use std::{
 };
 
 use super::{
+    admission::Slot,
     response::{self, Delivered},
     validate::SessionSpec,
     watch::Watched,
@@ -100,6 +101,8 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
 struct Session {
     spec: SessionSpec,
     reply: Reply,
+    /// Its caller's place ([`super::admission`]), given back with it.
+    _slot: Slot,
     received: Instant,
     /// Requested start, monotonic ns.
     start_ns: u64,
@@ -184,7 +187,7 @@ impl Hub {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Profile { spec, reply } => {
+            Command::Profile { spec, reply, slot } => {
                 if let Err(e) = self.admit(&spec) {
                     eprintln!("ebtrace: refused a capture for {}: {e}", spec.client);
                     let _ = reply.send(Err(e));
@@ -199,19 +202,28 @@ impl Hub {
                     duration_ns: spec.duration.as_nanos() as u64,
                     spec,
                     reply,
+                    _slot: slot,
                     received: Instant::now(),
                     start_ns,
                     window: None,
                     terminated: false,
                 });
             }
-            Command::Terminate { session_id, reply } => {
+            Command::Terminate {
+                session_id,
+                owner,
+                reply,
+            } => {
                 let mut n = 0;
                 let all = self
                     .waiting
                     .iter_mut()
                     .chain(self.running.iter_mut().flat_map(|r| r.sessions.iter_mut()));
-                for s in all.filter(|s| s.spec.session_id == session_id) {
+                let theirs = |s: &&mut Session| {
+                    s.spec.session_id == session_id
+                        && owner.as_ref().is_none_or(|o| *o == s.spec.owner)
+                };
+                for s in all.filter(theirs) {
                     s.terminated = true;
                     n += 1;
                 }
