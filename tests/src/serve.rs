@@ -147,6 +147,31 @@ impl ServeProcess {
             .unwrap_or_else(|| panic!("no address in {line:?}"))
     }
 
+    /// Waits until its flight recorder is full (it forgets its oldest
+    /// records, as `/metrics` of its `--http` listener counts), then long
+    /// enough for it to have measured ebtrace's own memory since.
+    pub fn wait_recorder_full(&self, deadline: Duration) {
+        const FORGOTTEN: &str = "ebtrace_recorder_forgotten_records_total ";
+        let at = self.http_addr();
+        let filling = Instant::now();
+        loop {
+            let body = crate::http::get(at, "/metrics").text();
+            let forgotten = body
+                .lines()
+                .find_map(|l| l.strip_prefix(FORGOTTEN)?.parse::<f64>().ok())
+                .unwrap_or(0.0);
+            if forgotten > 0.0 {
+                break;
+            }
+            assert!(
+                filling.elapsed() < deadline,
+                "the recorder never filled its --retain-memory"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+    }
+
     /// Asserts that the server reused the probes of an earlier capture.
     pub fn assert_probes_kept(&self) {
         assert!(

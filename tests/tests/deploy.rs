@@ -232,21 +232,11 @@ fn one_xprof_call_captures_two_hosts_into_one_run() {
         String::from_utf8_lossy(&out.stderr),
         servers.iter().map(ServeProcess::lines).collect::<Vec<_>>()
     );
-    let files = xplane_files(logdir.path());
-    let runs: BTreeSet<&Path> = files.iter().filter_map(|f| f.parent()).collect();
-    assert_eq!(runs.len(), 1, "{files:?}");
-    let names: BTreeSet<String> = files
-        .iter()
-        .filter_map(|f| Some(f.file_name()?.to_str()?.to_string()))
-        .collect();
     let expected: BTreeSet<String> = hosts
         .iter()
         .map(|h| format!("{}_6009.xplane.pb", h.addr))
         .collect();
-    assert_eq!(names, expected);
-    for file in &files {
-        xprof::assert_shows_sched_workload(&python, file, &workload);
-    }
+    assert_one_run_of(logdir.path(), &expected, &python, &workload);
 
     // `ebtrace capture` of the same two servers writes the same layout.
     let ours = TempDir::new("two-hosts-capture");
@@ -263,15 +253,26 @@ fn one_xprof_call_captures_two_hosts_into_one_run() {
         "{}",
         String::from_utf8_lossy(&captured.stderr)
     );
-    let files = xplane_files(ours.path());
+    assert_one_run_of(ours.path(), &expected, &python, &workload);
+}
+
+/// `logdir` holds one run, of the files `expected`, each of which XProf
+/// shows `workload` in.
+fn assert_one_run_of(
+    logdir: &Path,
+    expected: &BTreeSet<String>,
+    python: &Path,
+    workload: &SchedWorkload,
+) {
+    let files = xplane_files(logdir);
     let runs: BTreeSet<&Path> = files.iter().filter_map(|f| f.parent()).collect();
     assert_eq!(runs.len(), 1, "{files:?}");
     let names: BTreeSet<String> = files
         .iter()
         .filter_map(|f| Some(f.file_name()?.to_str()?.to_string()))
         .collect();
-    assert_eq!(names, expected);
+    assert_eq!(&names, expected);
     for file in &files {
-        xprof::assert_shows_sched_workload(&python, file, &workload);
+        xprof::assert_shows_sched_workload(python, file, workload);
     }
 }

@@ -531,7 +531,6 @@ fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
         "--http",
         "127.0.0.1:0",
     ]);
-    let metrics_at = server.http_addr();
     block_on(async {
         let mut client = server.client().await;
         client
@@ -541,20 +540,7 @@ fn snapshot_within_the_retained_memory(pid: u32, id: &str) -> u64 {
     });
     expect_line(&server, "flight recorder on");
     // Full: it forgets the oldest records to keep the newest.
-    let forgotten = || {
-        let body = http::get(metrics_at, "/metrics").text();
-        metric(&body, "ebtrace_recorder_forgotten_records_total")
-    };
-    let filling = std::time::Instant::now();
-    while forgotten() == 0 {
-        assert!(
-            filling.elapsed() < Duration::from_secs(30),
-            "the recorder never filled {CAP_MIB} MiB"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // Long enough for it to have measured ebtrace's own memory since.
-    std::thread::sleep(Duration::from_secs(3));
+    server.wait_recorder_full(Duration::from_secs(30));
     let holding = server.rss_kib();
     server.reset_peak_rss();
     let space = server.snapshot(id);

@@ -57,19 +57,7 @@ fn one_caller_asking_fifty_times_holds_one_place_and_others_are_still_served() {
     let grpc_at = server.addrs[0].to_string();
     // Full: the recorder forgets the oldest records to keep the newest,
     // so each snapshot is as large as the budget allows.
-    let filling = std::time::Instant::now();
-    while metric(
-        &http::get(http_at, "/metrics").text(),
-        "ebtrace_recorder_forgotten_records_total",
-    ) == 0
-    {
-        assert!(
-            filling.elapsed() < Duration::from_secs(40),
-            "the recorder never filled {CAP_MIB} MiB"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    std::thread::sleep(Duration::from_secs(3));
+    server.wait_recorder_full(Duration::from_secs(40));
     server.reset_peak_rss();
 
     // Fifty snapshots at once from root, over one connection, and one from
