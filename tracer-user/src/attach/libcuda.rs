@@ -5,13 +5,14 @@
 //! that has not (the CUDA runtime `dlopen`s it on first use) gets the file
 //! its loader would pick: `LD_LIBRARY_PATH` from its environment, its
 //! `ld.so.cache`, then the default directories, all looked up inside its
-//! own root (`/proc/PID/root`), so containers work. A uprobe set on that
-//! file's inode fires as soon as the process maps it.
+//! own root as its loader would ([`procfs::TargetRoot`]), so containers
+//! work, and nothing the process names (a FIFO for a cache, a link out of
+//! its root, a device) is opened or read beyond a regular file's cap. A
+//! uprobe set on that file's inode fires as soon as the process maps it.
 
 use std::{
     collections::HashMap,
     ffi::OsStr,
-    fs,
     os::unix::ffi::OsStrExt as _,
     path::{Path, PathBuf},
 };
@@ -23,6 +24,9 @@ use crate::{
 
 /// The name the CUDA runtime (and every framework) `dlopen`s.
 pub const SONAME: &str = "libcuda.so.1";
+
+/// The largest `ld.so.cache` read: a system's is a few hundred KiB.
+const MAX_LD_SO_CACHE: u64 = 16 * 1024 * 1024;
 
 /// Directories the loader searches after `LD_LIBRARY_PATH` and the cache.
 const DEFAULT_DIRS: &[&str] = &[
@@ -52,11 +56,13 @@ pub enum Source {
 pub struct Library {
     /// Path as the process sees it.
     pub path: PathBuf,
-    /// Path that names the same file from here (through `/proc/PID/root`
-    /// or `/proc/PID/map_files`): what the uprobes attach to.
+    /// Path that names the same file from here (`/proc/PID/map_files` or
+    /// the descriptor `held` keeps): what the uprobes attach to.
     pub attach_path: PathBuf,
     /// How it was found.
     pub source: Source,
+    /// The file found by the loader's search, held open while this lives.
+    pub held: Option<procfs::HeldFile>,
 }
 
 /// Finds the driver library of `pid`, or `None` if it has none mapped and
@@ -65,14 +71,20 @@ pub fn locate(pid: u32) -> Option<Library> {
     if let Some(lib) = find_mapped(pid) {
         return Some(lib);
     }
-    let root = procfs::root_dir(pid);
+    let root = procfs::TargetRoot::open(pid).ok()?;
     let environ = procfs::environment(pid);
-    let cache = fs::read(root.join("etc/ld.so.cache")).unwrap_or_default();
-    let (path, via) = search(&root, &environ, &cache)?;
+    let cache = root
+        .read_regular(Path::new("/etc/ld.so.cache"), MAX_LD_SO_CACHE)
+        .unwrap_or_else(|e| {
+            log::debug!("pid {pid}: its /etc/ld.so.cache is not read: {e}");
+            Vec::new()
+        });
+    let (path, held, via) = search(&root, &environ, &cache)?;
     Some(Library {
-        attach_path: in_root(&root, &path),
+        attach_path: held.path(),
         path,
         source: Source::LoaderSearch { via },
+        held: Some(held),
     })
 }
 
@@ -92,18 +104,19 @@ fn find_mapped(pid: u32) -> Option<Library> {
         attach_path: object.open_path(),
         path: PathBuf::from(object.path),
         source: Source::Mapped,
+        held: None,
     })
 }
 
-/// `path` (absolute, in the process's mount namespace) seen from here.
-fn in_root(root: &Path, path: &Path) -> PathBuf {
-    root.join(path.strip_prefix("/").unwrap_or(path))
-}
-
 /// The loader's search for [`SONAME`] in a process with root `root`,
-/// environment `environ` (NUL-separated) and `ld.so.cache` bytes `cache`.
-fn search(root: &Path, environ: &[u8], cache: &[u8]) -> Option<(PathBuf, &'static str)> {
-    let exists = |p: &Path| resolve_links(root, p).is_some_and(|p| in_root(root, &p).is_file());
+/// environment `environ` (NUL-separated) and `ld.so.cache` bytes `cache`:
+/// the path the process would load, held.
+fn search(
+    root: &procfs::TargetRoot,
+    environ: &[u8],
+    cache: &[u8],
+) -> Option<(PathBuf, procfs::HeldFile, &'static str)> {
+    let found = |p: &Path| root.regular_file(p).ok();
     let library_path = environ
         .split(|&b| b == 0)
         .find_map(|var| var.strip_prefix(b"LD_LIBRARY_PATH="))
@@ -116,34 +129,20 @@ fn search(root: &Path, environ: &[u8], cache: &[u8]) -> Option<(PathBuf, &'stati
             continue;
         }
         let candidate = dir.join(SONAME);
-        if exists(&candidate) {
-            return Some((candidate, "LD_LIBRARY_PATH"));
+        if let Some(held) = found(&candidate) {
+            return Some((candidate, held, "LD_LIBRARY_PATH"));
         }
     }
     if let Some(candidate) = ld_so_cache_lookup(cache, SONAME)
-        && exists(&candidate)
+        && let Some(held) = found(&candidate)
     {
-        return Some((candidate, "ld.so.cache"));
+        return Some((candidate, held, "ld.so.cache"));
     }
-    DEFAULT_DIRS
-        .iter()
-        .map(|d| Path::new(d).join(SONAME))
-        .find(|p| exists(p))
-        .map(|p| (p, "default directories"))
-}
-
-/// Follows symbolic links of the last component of `path` within `root`
-/// (an absolute link target is relative to the process's root, not ours).
-fn resolve_links(root: &Path, path: &Path) -> Option<PathBuf> {
-    let mut path = path.to_path_buf();
-    for _ in 0..16 {
-        match fs::read_link(in_root(root, &path)) {
-            Ok(target) if target.is_absolute() => path = target,
-            Ok(target) => path = path.parent()?.join(target),
-            Err(_) => return Some(path),
-        }
-    }
-    None
+    DEFAULT_DIRS.iter().find_map(|d| {
+        let candidate = Path::new(d).join(SONAME);
+        let held = found(&candidate)?;
+        Some((candidate, held, "default directories"))
+    })
 }
 
 /// Looks `name` up in a glibc `ld.so.cache` (the "glibc-ld.so.cache1.1"
@@ -214,6 +213,8 @@ pub fn function_offsets(
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     /// A minimal new-format cache with one x86-64 and one i386 entry.
@@ -286,8 +287,14 @@ mod tests {
         let _ = fs::remove_file(dir.join(SONAME));
         std::os::unix::fs::symlink("libcuda.so.550.1", dir.join(SONAME)).unwrap();
         let environ = format!("A=1\0LD_LIBRARY_PATH=relative:{}\0", dir.display());
-        let found = search(Path::new("/"), environ.as_bytes(), b"");
-        assert_eq!(found, Some((dir.join(SONAME), "LD_LIBRARY_PATH")));
+        let root = procfs::TargetRoot::open(std::process::id()).unwrap();
+        let (path, held, via) = search(&root, environ.as_bytes(), b"").unwrap();
+        assert_eq!((path, via), (dir.join(SONAME), "LD_LIBRARY_PATH"));
+        // The file the link leads to, held.
+        let target = fs::metadata(dir.join("libcuda.so.550.1")).unwrap();
+        let held = fs::metadata(held.path()).unwrap();
+        use std::os::unix::fs::MetadataExt as _;
+        assert_eq!((held.dev(), held.ino()), (target.dev(), target.ino()));
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -10,6 +10,7 @@ mod process;
 mod sockets;
 mod status;
 mod system;
+mod target_root;
 mod users;
 
 use std::path::PathBuf;
@@ -37,6 +38,7 @@ pub use system::{
     boot_ticks_now, clock_ticks_per_second, effective_capabilities, kernel_release,
     own_cpu_seconds, seccomp_filtered, set_own_oom_score_adj, sysctl_number,
 };
+pub use target_root::{HeldFile, TargetRoot};
 pub use users::{group_id, groups_of};
 
 fn proc_root() -> PathBuf {

@@ -2,11 +2,16 @@
 //! `<logdir>/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/<host>.xplane.pb`.
 //!
 //! Files are written to a temporary name and renamed into place, so a
-//! reader (or a crash) never sees half a trace.
+//! reader (or a crash) never sees half a trace. The temporary name is
+//! unpredictable and created only if nothing is there (`O_EXCL`, which a
+//! symbolic link also fails), so that a link planted in a directory others
+//! may write to does not make root write through it; the rename replaces a
+//! link at the final name rather than following it.
 
 use std::{
     fs,
     io::{BufWriter, Write as _},
+    os::unix::fs::OpenOptionsExt as _,
     path::{Path, PathBuf},
 };
 
@@ -52,14 +57,19 @@ pub fn write_atomically_with(
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(
-        ".{}.tmp-{}",
+        ".{}.tmp-{:016x}",
         path.file_name()
             .and_then(|n| n.to_str())
             .unwrap_or("xspace"),
-        std::process::id()
+        unpredictable()
     ));
+    let created = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)?;
     let result = (|| {
-        let mut f = BufWriter::with_capacity(1 << 20, fs::File::create(&tmp)?);
+        let mut f = BufWriter::with_capacity(1 << 20, created);
         write(&mut f)?;
         f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         fs::rename(&tmp, path)
@@ -68,6 +78,20 @@ pub fn write_atomically_with(
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// 64 bits no one else can guess: std's per-process random hash keys,
+/// mixed with the time.
+fn unpredictable() -> u64 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    hasher.finish()
 }
 
 /// Writes a run into `logdir`, the file's bytes written by `write`, and
@@ -143,5 +167,31 @@ mod tests {
         let err = check_writable(&file).unwrap_err();
         assert!(matches!(err, Error::LogdirNotWritable { .. }), "{err}");
         fs::remove_file(&file).unwrap();
+    }
+
+    /// A link planted where the temporary file of the old, predictable
+    /// name went (`.NAME.tmp-PID`), and one at the final name: neither is
+    /// written through.
+    #[test]
+    fn planted_links_are_never_written_through() {
+        let dir = std::env::temp_dir().join(format!("ebtrace-planted-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        fs::write(&victim, "precious").unwrap();
+        let path = dir.join("host.xplane.pb");
+        let old_tmp = dir.join(format!(".host.xplane.pb.tmp-{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &old_tmp).unwrap();
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        write_atomically(&path, b"trace").unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(fs::read(&path).unwrap(), b"trace");
+        assert!(
+            !fs::symlink_metadata(&path)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        fs::remove_dir_all(&dir).unwrap();
     }
 }
