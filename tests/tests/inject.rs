@@ -142,6 +142,26 @@ fn an_io_uring_wait_never_sees_the_stops() {
     assert_eq!(target.status("TracerPid"), "0");
 }
 
+/// A `connect` with a send timeout is ended with EINTR by any stop, and
+/// cannot be issued again as it was (the kernel does not restart it): the
+/// thread waiting in it is never stopped, not even to read its
+/// `pthread_self()`, so the program sees each connect time out.
+#[test]
+fn a_connect_with_a_timeout_is_never_stopped() {
+    if !require_root("a_connect_with_a_timeout_is_never_stopped") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("connect");
+    let cycles = inject_check(target.pid, 10, Library::Agent);
+    for c in &cycles {
+        assert_ne!(c["tid"].as_u64(), Some(target.pid as u64), "{c}");
+    }
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0, "a connect or a sleep was cut short");
+    assert_eq!(target.status("TracerPid"), "0");
+}
+
 /// A preloaded allocator that none of ebtrace's lists knows, holding its
 /// own lock while it sleeps: the thread is always inside it, and taken
 /// over there it would wait for itself in the loader's first allocation,

@@ -60,6 +60,11 @@ const SYSCALL_INFO_EXIT: u8 = 2;
 const ENDED_BY_A_STOP: [u64; 21] = [
     65, 128, 220, 232, 281, 441, 208, 333, 426, 0, 1, 19, 20, 43, 44, 45, 46, 47, 288, 299, 307,
 ];
+/// Syscalls that a stop ends with EINTR and that cannot be issued again as
+/// they were: `connect` (42) on a socket with a send timeout (the
+/// connection goes on meanwhile: issued again, it fails with `EALREADY`).
+/// A thread blocked in one is never stopped.
+pub const NEVER_STOPPED_IN: [i64; 1] = [42];
 /// How long [`Tracee::step_until`] looks for the next stop without sleeping.
 const SPIN_FOR: Duration = Duration::from_millis(1);
 /// The x86-64 `syscall` instruction.

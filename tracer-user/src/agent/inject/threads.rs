@@ -3,13 +3,18 @@
 
 use std::collections::HashMap;
 
-use super::{InjectError, ptrace::Tracee};
+use super::{
+    InjectError,
+    ptrace::{NEVER_STOPPED_IN, Tracee},
+};
 
 /// Reads the thread pointer (`fs_base`, which glibc's `pthread_self()`
 /// returns) of every thread of `pid` but the agent's and those `known`
 /// says are read already, stopping one thread at a time for a few
 /// microseconds. Threads that end meanwhile are skipped, and so are those
-/// asleep where no signal reaches them (state D), which would not stop.
+/// asleep where no signal reaches them (state D), which would not stop,
+/// and those in a call the stop would end for good
+/// ([`NEVER_STOPPED_IN`]): they are read once out of it.
 pub fn thread_pointers(
     pid: u32,
     known: impl Fn(u32) -> bool,
@@ -17,7 +22,7 @@ pub fn thread_pointers(
     let mut found = HashMap::new();
     for tid in super::program_threads(pid)?
         .into_iter()
-        .filter(|t| !known(*t) && crate::procfs::thread_state(pid, *t) != Some('D'))
+        .filter(|t| !known(*t) && may_be_stopped(pid, *t))
     {
         let mut thread = match Tracee::seize(pid, tid) {
             Ok(t) => t,
@@ -32,4 +37,18 @@ pub fn thread_pointers(
         thread.detach()?;
     }
     Ok(found)
+}
+
+/// Whether thread `tid` stops for a moment unharmed: neither asleep in
+/// state D nor blocked in a call that the stop would end for good.
+fn may_be_stopped(pid: u32, tid: u32) -> bool {
+    if crate::procfs::thread_state(pid, tid) == Some('D') {
+        return false;
+    }
+    let syscall = crate::procfs::thread_syscall(pid, tid).unwrap_or_default();
+    let blocked_in = syscall
+        .split_whitespace()
+        .next()
+        .and_then(|n| n.parse::<i64>().ok());
+    !blocked_in.is_some_and(|nr| NEVER_STOPPED_IN.contains(&nr))
 }
