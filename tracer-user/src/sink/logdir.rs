@@ -1,20 +1,19 @@
 //! The TensorBoard/XProf log directory layout:
 //! `<logdir>/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/<host>.xplane.pb`.
 //!
-//! Files are written to a temporary name and renamed into place, so a
-//! reader (or a crash) never sees half a trace. The temporary name is
-//! unpredictable and created only if nothing is there (`O_EXCL`, which a
-//! symbolic link also fails), so that a link planted in a directory others
-//! may write to does not make root write through it; the rename replaces a
-//! link at the final name rather than following it.
+//! Files are written as [`HeldDir`] writes them: under a temporary name
+//! and renamed into place, so a reader (or a crash) never sees half a
+//! trace; never through a link planted in a directory someone else owns;
+//! readable by that directory's owner alone, who owns them.
 
 use std::{
+    ffi::OsStr,
     fs,
     io::{BufWriter, Write as _},
-    os::unix::fs::OpenOptionsExt as _,
     path::{Path, PathBuf},
 };
 
+use super::held_dir::HeldDir;
 use crate::error::{Error, Result};
 
 /// Session directory name, as TSL names runs (local time).
@@ -27,71 +26,36 @@ pub fn xplane_file_name(host: &str) -> String {
     format!("{}.xplane.pb", host.replace(':', "_"))
 }
 
+/// Where runs go below a log directory.
+const PROFILE_ROOT: [&str; 2] = ["plugins", "profile"];
+
+/// The directory runs go into (`<logdir>/plugins/profile`), created where
+/// missing.
+fn profile_root(logdir: &Path) -> std::io::Result<HeldDir> {
+    HeldDir::create_all(logdir)?.subdirs(PROFILE_ROOT.map(OsStr::new))
+}
+
 /// Fails early, before anything is attached, if traces cannot be written.
 pub fn check_writable(logdir: &Path) -> Result<()> {
-    let profile_root = logdir.join("plugins").join("profile");
     let not_writable = |source| Error::LogdirNotWritable {
         path: logdir.to_path_buf(),
         source,
     };
-    fs::create_dir_all(&profile_root).map_err(not_writable)?;
-    let probe = profile_root.join(format!(".ebtrace-write-test-{}", std::process::id()));
-    fs::File::create(&probe)
-        .and_then(|mut f| f.write_all(b"x"))
+    let root = profile_root(logdir).map_err(not_writable)?;
+    let probe = OsStr::new(".ebtrace-write-test");
+    root.write_file(probe, |f| f.write_all(b"x"))
         .map_err(not_writable)?;
-    let _ = fs::remove_file(&probe);
+    root.remove_file(probe);
     Ok(())
 }
 
 /// Writes `bytes` atomically to `path`, creating parent directories.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    write_atomically_with(path, |f| f.write_all(bytes))
-}
-
-/// Writes to `path` atomically what `write` writes, creating parent
-/// directories: `path` appears once everything is written and on disk.
-pub fn write_atomically_with(
-    path: &Path,
-    write: impl FnOnce(&mut BufWriter<fs::File>) -> std::io::Result<()>,
-) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{:016x}",
-        path.file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("xspace"),
-        unpredictable()
-    ));
-    let created = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)?;
-    let result = (|| {
-        let mut f = BufWriter::with_capacity(1 << 20, created);
-        write(&mut f)?;
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
-}
-
-/// 64 bits no one else can guess: std's per-process random hash keys,
-/// mixed with the time.
-fn unpredictable() -> u64 {
-    use std::hash::{BuildHasher as _, Hasher as _};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    hasher.finish()
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name"))?;
+    HeldDir::create_all(dir)?.write_file(name, |f| f.write_all(bytes))
 }
 
 /// Writes a run into `logdir`, the file's bytes written by `write`, and
@@ -104,17 +68,27 @@ pub fn write_run_with(
     host: &str,
     write: impl FnOnce(&mut BufWriter<fs::File>) -> std::io::Result<()>,
 ) -> Result<PathBuf> {
-    let profile_root = logdir.join("plugins").join("profile");
     let file = xplane_file_name(host);
-    let mut run = profile_root.join(session);
+    let profile_path = PROFILE_ROOT
+        .iter()
+        .fold(logdir.to_path_buf(), |p, c| p.join(c));
+    let writing = |path: &Path, e| Error::io(format!("writing {}", path.display()), e);
+    let root = profile_root(logdir).map_err(|e| writing(&profile_path, e))?;
+    let mut run_name = session.to_string();
     let mut n = 1;
-    while run.join(&file).exists() {
+    let (run, path) = loop {
+        let path = profile_path.join(&run_name).join(&file);
+        let run = root
+            .subdir(OsStr::new(&run_name))
+            .map_err(|e| writing(&path, e))?;
+        if !run.holds(OsStr::new(&file)) {
+            break (run, path);
+        }
         n += 1;
-        run = profile_root.join(format!("{session}_{n}"));
-    }
-    let path = run.join(file);
-    write_atomically_with(&path, write)
-        .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        run_name = format!("{session}_{n}");
+    };
+    run.write_file(OsStr::new(&file), write)
+        .map_err(|e| writing(&path, e))?;
     Ok(path)
 }
 
