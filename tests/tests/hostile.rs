@@ -1,8 +1,8 @@
 //! What a traced process controls cannot hang ebtrace or make it read
 //! what it should not. Each target runs in a mount namespace of its own,
 //! as any user can make one, where a file ebtrace reads is something
-//! else: a FIFO or a device where its loader cache belongs. The capture
-//! still ends on time and writes its trace.
+//! else: a FIFO or a device where its loader cache belongs; or its agent
+//! stops answering. The capture still ends on time and writes its trace.
 
 use std::{
     path::Path,
@@ -11,7 +11,11 @@ use std::{
 };
 
 use ebtrace_tests::{
-    TempDir, require_root, serial, spawn_record, wait_with_deadline, xplane_files,
+    TempDir, agent_threads,
+    cuda::CudaWorkload,
+    require_root, serial,
+    serve::{ServeProcess, block_on, request},
+    signal, spawn_record, wait_with_deadline, xplane_files,
 };
 
 /// A sleeping process whose `/etc/ld.so.cache` is `cache` (bind-mounted
@@ -93,4 +97,149 @@ fn a_device_for_a_loader_cache_is_not_read() {
     let _serial = serial();
     let target = Hostile::with_cache(Path::new("/dev/zero"));
     capture_ends_with_a_trace(&target, "/dev/zero as /etc/ld.so.cache");
+}
+
+/// The agent's threads in `pid`, held stopped by this test (as a target
+/// that stops its agent's thread would hold it) until dropped.
+struct SilencedAgent(Vec<i32>);
+
+impl SilencedAgent {
+    fn of(pid: u32) -> Self {
+        let mut held = Vec::new();
+        for entry in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+        {
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            if !comm.starts_with("ebtrace-agent") {
+                continue;
+            }
+            let tid: i32 = entry.file_name().to_str().unwrap().parse().unwrap();
+            // SAFETY: plain ptrace requests on a thread of a child process.
+            unsafe {
+                assert_eq!(
+                    libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0),
+                    0,
+                    "seize {tid}"
+                );
+                assert_eq!(libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0), 0);
+                let mut status = 0;
+                assert_eq!(libc::waitpid(tid, &mut status, libc::__WALL), tid);
+            }
+            held.push(tid);
+        }
+        assert!(!held.is_empty(), "no agent thread in {pid}");
+        SilencedAgent(held)
+    }
+}
+
+impl Drop for SilencedAgent {
+    fn drop(&mut self) {
+        for &tid in &self.0 {
+            // SAFETY: lets go of a thread this test seized.
+            unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, 0) };
+        }
+    }
+}
+
+/// A CUDA program launching for longer than any capture here, CUPTI
+/// there for an agent.
+fn launching() -> CudaWorkload {
+    let mut workload = CudaWorkload::start_with_cupti(&["--iters", "100000000"], &[]);
+    workload.go();
+    workload
+}
+
+/// Waits for the agent's thread in `pid`, and 500 ms more.
+fn wait_for_agent_thread(pid: u32) {
+    let began = Instant::now();
+    while agent_threads(pid) == 0 {
+        assert!(
+            began.elapsed() < Duration::from_secs(60),
+            "the agent never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+}
+
+/// An agent that stops answering mid-capture: Ctrl-C stops the capture,
+/// and a second Ctrl-C writes the trace without what the agent still had,
+/// within 2 s, saying so. The target runs on, and the next capture of it
+/// gets its GPU activity again.
+#[test]
+fn a_second_ctrl_c_writes_the_trace_without_a_silent_agent() {
+    if !require_root("a_second_ctrl_c_writes_the_trace_without_a_silent_agent") {
+        return;
+    }
+    let _serial = serial();
+    let workload = launching();
+    let pid = workload.pid;
+    let logdir = TempDir::new("silent-agent");
+    let ebtrace = spawn_record(&pid.to_string(), "60s", &logdir, &[]);
+    wait_for_agent_thread(pid);
+    let silenced = SilencedAgent::of(pid);
+    signal(ebtrace.id(), libc::SIGINT);
+    std::thread::sleep(Duration::from_millis(1000));
+    signal(ebtrace.id(), libc::SIGINT);
+    let out = wait_with_deadline(ebtrace, Duration::from_secs(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("was abandoned: ebtrace was told to stop at once"),
+        "{stdout}{stderr}"
+    );
+    assert_eq!(xplane_files(logdir.path()).len(), 1, "{stderr}");
+    drop(silenced);
+
+    // What the killed capture left is taken out by the next one.
+    let logdir = TempDir::new("after-silent-agent");
+    let out = wait_with_deadline(
+        spawn_record(&pid.to_string(), "300ms", &logdir, &[]),
+        Duration::from_secs(60),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("device activity: CUPTI"), "{stderr}");
+}
+
+/// A server told to stop while an agent it waits for is silent: the
+/// capture in progress is answered, the agent's part abandoned after 10 s,
+/// and the server is gone soon after.
+#[test]
+fn a_server_told_to_stop_does_not_wait_for_a_silent_agent() {
+    if !require_root("a_server_told_to_stop_does_not_wait_for_a_silent_agent") {
+        return;
+    }
+    let _serial = serial();
+    block_on(async {
+        let workload = launching();
+        let mut server = ServeProcess::loopback(&["--pid", &workload.pid.to_string()]);
+        let mut client = server.client().await;
+        let capture = tokio::spawn(async move { client.profile(request(30_000)).await });
+        wait_for_agent_thread(workload.pid);
+        let silenced = SilencedAgent::of(workload.pid);
+        let told = Instant::now();
+        let status = server.signal_and_wait(libc::SIGTERM, Duration::from_secs(25));
+        let took = told.elapsed();
+        assert!(status.success(), "{status}: {:?}", server.lines());
+        assert!(
+            took < Duration::from_secs(15),
+            "{took:?}: {:?}",
+            server.lines()
+        );
+        assert_eq!(
+            server.count_lines("what the agents have still to hand over is abandoned"),
+            1,
+            "{:?}",
+            server.lines()
+        );
+        let answered = capture
+            .await
+            .unwrap()
+            .expect("the capture in progress is answered");
+        assert!(!answered.into_inner().tool_data.is_empty());
+        drop(silenced);
+    });
 }

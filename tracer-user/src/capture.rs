@@ -266,6 +266,12 @@ impl Capture {
         &self.targets
     }
 
+    /// Whether an agent records in any target (its answers are awaited
+    /// when the capture finishes).
+    pub fn has_agents(&self) -> bool {
+        !self.framework.is_empty()
+    }
+
     /// When the capture window started (`CLOCK_MONOTONIC` ns); reset by [`Self::resume`].
     pub fn start_ns(&self) -> u64 {
         self.start_ns

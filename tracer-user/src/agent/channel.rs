@@ -7,6 +7,7 @@
 use std::{
     io::{Read, Write},
     os::unix::net::UnixStream,
+    sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
@@ -24,9 +25,28 @@ pub const MAX_SESSION_BYTES: u64 = 2 * MAX_ANSWER_BYTES;
 const SILENCE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long one answer may take in all, however it trickles in.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often a wait for an answer looks whether it was abandoned.
+const ABANDON_CHECK: Duration = Duration::from_millis(100);
 /// Bytes read into a frame at a time: a header that announces a large
 /// payload gets memory only as the payload arrives.
 const READ_CHUNK: usize = 16 << 20;
+
+/// Set once ebtrace is told to stop at once (a second Ctrl-C, a server's
+/// shutdown past its deadline): the process is going, so every answer is.
+static ANSWERS_ABANDONED: AtomicBool = AtomicBool::new(false);
+
+/// Ends every wait for an agent's answer, in this process, within
+/// [`ABANDON_CHECK`], and every later one at once: each channel breaks
+/// with a line saying so. Async-signal-safe (an atomic store).
+pub fn abandon_every_answer() {
+    ANSWERS_ABANDONED.store(true, Ordering::SeqCst);
+}
+
+/// Whether [`abandon_every_answer`] was called: no agent is to be asked
+/// anything more, nor loaded to be asked.
+pub fn answers_abandoned() -> bool {
+    ANSWERS_ABANDONED.load(Ordering::SeqCst)
+}
 
 /// The control socket to one target's agent.
 pub struct Channel {
@@ -152,10 +172,19 @@ impl Channel {
         Ok(hello)
     }
 
-    /// Fills `buf` within the answer's time bounds.
+    /// Fills `buf` within the answer's time bounds, unless every answer
+    /// is abandoned meanwhile.
     fn read_exact(&mut self, mut buf: &mut [u8]) -> Result<(), String> {
         let pid = self.pid;
+        let mut heard = Instant::now();
         while !buf.is_empty() {
+            if answers_abandoned() {
+                return Err(self.break_with(format!(
+                    "the answer of the agent in pid {pid} to {} was abandoned: ebtrace was told \
+                     to stop at once",
+                    self.request
+                )));
+            }
             let left = ANSWER_TIMEOUT.saturating_sub(self.answer_began.elapsed());
             if left.is_zero() {
                 return Err(self.break_with(format!(
@@ -164,16 +193,33 @@ impl Channel {
                     self.request
                 )));
             }
+            let silence_left = SILENCE_TIMEOUT.saturating_sub(heard.elapsed());
+            if silence_left.is_zero() {
+                return Err(format!(
+                    "no answer from the agent in pid {pid}: silent for {} s in answer to {}",
+                    SILENCE_TIMEOUT.as_secs(),
+                    self.request
+                ));
+            }
             let lost = |e: std::io::Error| format!("no answer from the agent in pid {pid}: {e}");
             self.stream
-                .set_read_timeout(Some(left.min(SILENCE_TIMEOUT)))
+                .set_read_timeout(Some(left.min(silence_left).min(ABANDON_CHECK)))
                 .map_err(lost)?;
             match self.stream.read(buf) {
                 Ok(0) => {
                     return Err(lost(std::io::ErrorKind::UnexpectedEof.into()));
                 }
-                Ok(n) => buf = &mut buf[n..],
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Ok(n) => {
+                    buf = &mut buf[n..];
+                    heard = Instant::now();
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted
+                            | std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) => return Err(lost(e)),
             }
         }

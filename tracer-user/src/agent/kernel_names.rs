@@ -44,7 +44,10 @@ impl KernelNaming {
                 // Busy converting: asked again at the next collection.
                 Some(session) if session.framework_stopping() => continue,
                 Some(session) => session.name_kernels(&handles),
-                None if may_load_agent && crate::procfs::is_alive(pid) => {
+                None if may_load_agent
+                    && !super::channel::answers_abandoned()
+                    && crate::procfs::is_alive(pid) =>
+                {
                     AgentSession::connect_unless_busy(pid).and_then(|mut visit| {
                         let names = visit.name_kernels(&handles);
                         visit

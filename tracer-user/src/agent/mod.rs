@@ -13,6 +13,7 @@ mod preloaded;
 mod route;
 mod torch_abi;
 
+pub use channel::abandon_every_answer;
 pub use error::AgentError;
 pub use kernel_names::KernelNaming;
 pub use route::{AgentStart, TorchOps, TraceMeRoute, start_agent_sessions};

@@ -43,6 +43,13 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     let bar = progress_bar(args);
     let ended_early = record_until_done(&mut capture, args, started, &stop, &bar);
     bar.finish_and_clear();
+    // From here on a signal abandons the agents' answers.
+    if stop.swap(true, Ordering::SeqCst) && capture.has_agents() {
+        eprintln!(
+            "ebtrace: stopping; taking what the agents recorded (Ctrl-C again writes the trace \
+             without it)"
+        );
+    }
 
     let (timeline, probe_stats, probes) = capture.finish(ended_early)?;
     let host = xspace::local_hostname();
@@ -82,7 +89,9 @@ pub fn run(args: &RecordArgs) -> Result<()> {
 }
 
 /// Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is
-/// still written and the targets' TraceMe levels are restored.
+/// still written and the targets' TraceMe levels are restored. One more,
+/// once the capture is ending, abandons what the agents have still to
+/// hand over: the trace is written without it.
 fn stop_on_signals() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [
@@ -90,7 +99,15 @@ fn stop_on_signals() -> Result<Arc<AtomicBool>> {
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGHUP,
     ] {
-        signal_hook::flag::register(sig, Arc::clone(&stop))
+        let stop = Arc::clone(&stop);
+        let on_signal = move || {
+            if stop.swap(true, Ordering::SeqCst) {
+                crate::agent::abandon_every_answer();
+            }
+        };
+        // SAFETY: the handler only swaps and stores atomics, which is
+        // async-signal-safe.
+        unsafe { signal_hook::low_level::register(sig, on_signal) }
             .map_err(|e| crate::error::Error::io("installing signal handlers", e))?;
     }
     Ok(stop)

@@ -112,12 +112,16 @@ pub struct ServeConfig {
     pub record_from_start: bool,
 }
 
-/// How long in-flight captures get to finish after SIGTERM/SIGINT.
 /// What the server's threads and runtime add to ebtrace's memory once it
 /// listens, about: [`Retention::check_room`] is asked before.
 pub const SERVER_MEMORY: usize = 4 * 1024 * 1024;
 
+/// How long in-flight captures get to finish after SIGTERM/SIGINT.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// How long the agents' answers are waited for once the server is told to
+/// stop; past it, or at a second signal, they are abandoned, so that a
+/// silent agent cannot hold the shutdown.
+const AGENTS_SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 /// Work waits for other callers' as long as the longest capture, and this.
 const ADMISSION_WAIT_MARGIN: Duration = Duration::from_secs(10);
 /// After a panic, the process exits by then even if stopping hangs.
@@ -269,9 +273,11 @@ async fn serve(
     }
     eprintln!("ebtrace: shutting down: answering captures in progress with what they recorded");
     hub.shutdown();
+    let abandoning = tokio::spawn(abandon_answers_later(signals));
     let _ = stop.send(true);
     drain_servers(&mut servers).await;
     let _ = tokio::task::spawn_blocking(move || hub_thread.join()).await;
+    abandoning.abort();
     eprintln!("ebtrace: stopped; every probe is detached");
     if let Some(why) = panics.seen() {
         return Err(Error::Panicked(why));
@@ -297,6 +303,21 @@ impl StopSignals {
                 .map_err(|e| Error::io("installing the SIGINT handler", e))?,
         })
     }
+}
+
+/// Abandons every answer still awaited from an agent after
+/// [`AGENTS_SHUTDOWN_WAIT`], or at once at another signal.
+async fn abandon_answers_later(mut signals: StopSignals) {
+    let why = tokio::select! {
+        _ = tokio::time::sleep(AGENTS_SHUTDOWN_WAIT) => format!(
+            "still stopping after {}s",
+            AGENTS_SHUTDOWN_WAIT.as_secs()
+        ),
+        _ = signals.terminate.recv() => "told again to stop".to_string(),
+        _ = signals.interrupt.recv() => "told again to stop".to_string(),
+    };
+    eprintln!("ebtrace: {why}: what the agents have still to hand over is abandoned");
+    crate::agent::abandon_every_answer();
 }
 
 /// Waits up to [`SHUTDOWN_GRACE`] for the servers to answer what is in
