@@ -13,6 +13,7 @@ use std::{
 use ebtrace_tests::{
     TempDir, agent_threads,
     cuda::CudaWorkload,
+    inject::inject_check_once,
     require_root, serial,
     serve::{ServeProcess, block_on, request},
     signal, spawn_record, wait_with_deadline, xplane_files,
@@ -242,4 +243,48 @@ fn a_server_told_to_stop_does_not_wait_for_a_silent_agent() {
         assert!(!answered.into_inner().tool_data.is_empty());
         drop(silenced);
     });
+}
+
+/// A mapping of 1 TiB, executable, of a 4 KiB file named like the C
+/// library (any process can make one): the load searches it for the C
+/// library's code no further than a real one's size, and goes on.
+#[test]
+fn a_huge_mapping_named_like_the_c_library_is_read_within_bounds() {
+    if !require_root("a_huge_mapping_named_like_the_c_library_is_read_within_bounds") {
+        return;
+    }
+    let _serial = serial();
+    let dir = TempDir::new("hostile-huge-map");
+    let fake = dir.path().join("libc.so.6");
+    std::fs::write(&fake, vec![0xc3u8; 4096]).unwrap();
+    let script = format!(
+        "import ctypes, os, sys, time\n\
+         libc = ctypes.CDLL(None, use_errno=True)\n\
+         libc.mmap.restype = ctypes.c_void_p\n\
+         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n\
+         fd = os.open({:?}, os.O_RDONLY)\n\
+         at = libc.mmap(None, 1 << 40, 5, 2 | 0x4000, fd, 0)\n\
+         assert at not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()\n\
+         print('mapped', flush=True)\n\
+         while True: time.sleep(0.01)\n",
+        fake.to_str().unwrap()
+    );
+    let mut target = Command::new("/usr/bin/python3")
+        .args(["-c", &script])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(target.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line, "mapped\n");
+    let (ok, stderr) = inject_check_once(target.id(), Duration::from_secs(60));
+    let alive = target.try_wait().unwrap().is_none();
+    let _ = target.kill();
+    let _ = target.wait();
+    assert!(ok, "{stderr}");
+    assert!(alive);
 }

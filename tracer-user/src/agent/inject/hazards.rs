@@ -344,20 +344,43 @@ fn read_stack(tracee: &Tracee, sp: u64, copy: usize) -> Vec<u8> {
     bytes
 }
 
-/// Addresses of signal restorers in `pid`'s code `range` (a C library's).
+/// How much of a C library's code is searched for signal restorers: a
+/// real one's is a few MiB; a mapping named like one may be any size.
+const C_LIBRARY_CODE_AT_MOST: u64 = 64 << 20;
+/// How much of it is read at a time.
+const RESTORER_SEARCH_CHUNK: usize = 1 << 20;
+
+/// Addresses of signal restorers in `pid`'s code `range` (a C library's),
+/// searched in its first [`C_LIBRARY_CODE_AT_MOST`] bytes, until a page
+/// does not read (a mapping may reach past its file's end).
 fn restorers_in(pid: u32, range: Range<u64>) -> Vec<u64> {
-    let Ok(len) = usize::try_from(range.end - range.start) else {
-        return Vec::new();
-    };
-    let mut code = vec![0u8; len];
-    if crate::procfs::read_memory(pid, range.start, &mut code).is_err() {
-        return Vec::new();
+    let overlap = RESTORERS.iter().map(|p| p.len()).max().unwrap_or(1) - 1;
+    let end = range
+        .end
+        .min(range.start.saturating_add(C_LIBRARY_CODE_AT_MOST));
+    let mut found = Vec::new();
+    let mut chunk = vec![0u8; RESTORER_SEARCH_CHUNK + overlap];
+    let mut at = range.start;
+    while at < end {
+        let len = ((end - at) as usize).min(chunk.len());
+        let code = &mut chunk[..len];
+        if crate::procfs::read_memory(pid, at, code).is_err() {
+            break;
+        }
+        found.extend(
+            RESTORERS
+                .iter()
+                .flat_map(|pattern| memchr::memmem::find_iter(code, pattern))
+                .map(|offset| at + offset as u64),
+        );
+        if len < chunk.len() {
+            break;
+        }
+        at += (len - overlap) as u64;
     }
-    RESTORERS
-        .iter()
-        .flat_map(|pattern| memchr::memmem::find_iter(&code, pattern))
-        .map(|at| range.start + at as u64)
-        .collect()
+    found.sort_unstable();
+    found.dedup();
+    found
 }
 
 #[cfg(test)]

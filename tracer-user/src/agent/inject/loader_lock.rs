@@ -18,6 +18,9 @@ use crate::symbols::{ElfObject, mapped_objects, maps::page_size};
 /// The bytes of `pthread_mutex_t` read: `__lock`, `__count`, `__owner`,
 /// `__nusers`, `__kind`.
 const MUTEX_WORDS: usize = 5;
+/// The most of `_rtld_global` read for its locks: glibc's is a few KiB;
+/// a loader's file the target controls may claim any size.
+const LOADER_STATE_AT_MOST: u64 = 64 << 10;
 /// `PTHREAD_MUTEX_RECURSIVE_NP`, in the low bits of `__kind`.
 const RECURSIVE: i32 = 1;
 const KIND_MASK: i32 = 3;
@@ -43,7 +46,8 @@ impl LoaderLocks {
                 let elf = ElfObject::open(&obj.open_path(), Some(obj.inode)).ok()?;
                 let bias = obj.load_bias(elf.segments(), page_size())?;
                 let scan = elf.scan_exported(&["_rtld_global"]).ok()?;
-                let sym = scan.found[0].filter(|s| !s.function && !s.thread_local)?;
+                let sym = scan.found[0]
+                    .filter(|s| !s.function && !s.thread_local && s.size <= LOADER_STATE_AT_MOST)?;
                 let start = bias.wrapping_add(sym.vaddr);
                 Some(LoaderLocks {
                     state: start..start + sym.size,
