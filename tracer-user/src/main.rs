@@ -25,6 +25,8 @@ impl log::Log for StderrWarnings {
 
 fn main() {
     ebtrace::large_buffers_from_mmap();
+    // blazesym maps the targets' files too.
+    ebtrace::procfs::survive_truncated_files();
     static LOGGER: StderrWarnings = StderrWarnings;
     if log::set_logger(&LOGGER).is_ok() {
         log::set_max_level(log::LevelFilter::Warn);

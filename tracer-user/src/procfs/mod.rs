@@ -1,7 +1,8 @@
 //! What `/proc` tells about the traced processes and about ebtrace's own:
 //! existence, threads, names, the state each thread is in when the capture
 //! starts, memory, files, the owners of sockets, users' groups and the kernel's settings. Every read of `/proc`
-//! goes through here; the rest of the crate asks these functions.
+//! goes through here; the rest of the crate asks these functions. It also
+//! keeps ebtrace alive when a file it mapped is truncated.
 
 mod cgroup;
 mod files;
@@ -11,6 +12,7 @@ mod sockets;
 mod status;
 mod system;
 mod target_root;
+mod truncated_files;
 mod users;
 
 use std::path::PathBuf;
@@ -39,6 +41,7 @@ pub use system::{
     own_cpu_seconds, seccomp_filtered, set_own_oom_score_adj, sysctl_number,
 };
 pub use target_root::{HeldFile, TargetRoot};
+pub use truncated_files::survive_truncated_files;
 pub use users::{group_id, groups_of};
 
 fn proc_root() -> PathBuf {

@@ -29,9 +29,12 @@ impl Mmap {
         if file.metadata()?.len() == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "empty file"));
         }
+        crate::procfs::survive_truncated_files();
         // SAFETY: a read-only private mapping. A process's libraries are
         // replaced by new files, not written in place; one truncated under
-        // us would fault, as it would fault the process that maps it.
+        // us reads as zeros past its new end (see
+        // `procfs::survive_truncated_files`), and its contents are never
+        // trusted.
         unsafe { memmap2::Mmap::map(file) }.map(Mmap)
     }
 
@@ -113,8 +116,17 @@ impl ElfObject {
     /// (the path was replaced since it was mapped).
     pub fn open(path: &Path, expected_inode: Option<u64>) -> io::Result<Self> {
         use std::os::unix::fs::MetadataExt as _;
-        let file = File::open(path)?;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // A FIFO or a device in the object's place neither blocks the open
+        // nor is read.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)?;
         let meta = file.metadata()?;
+        if !meta.file_type().is_file() {
+            return Err(invalid(path, "is not a regular file"));
+        }
         if let Some(inode) = expected_inode
             && meta.ino() != inode
         {
@@ -410,10 +422,40 @@ mod tests {
         assert_eq!(seen, 10);
     }
 
+    /// An object truncated by its owner while ebtrace has it mapped (as
+    /// any target's owner may): its symbols read as zeros, and ebtrace
+    /// goes on.
+    #[test]
+    fn an_object_truncated_while_mapped_reads_as_zeros() {
+        let path = std::env::temp_dir().join(format!("ebtrace-elf-cut-{}", std::process::id()));
+        std::fs::copy(std::env::current_exe().unwrap(), &path).unwrap();
+        let obj = ElfObject::open(&path, None).unwrap();
+        let whole = obj.scan_exported(&["main"]).unwrap();
+        assert!(whole.symbols > 0);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let cut = obj.scan_exported(&["main"]);
+        assert!(cut.is_err() || cut.unwrap().found[0].is_none());
+        assert!(obj.build_id().is_none());
+        std::fs::remove_file(&path).unwrap();
+    }
+
     #[test]
     fn rejects_non_elf_and_replaced_files() {
         let dir = std::env::temp_dir().join(format!("ebtrace-elf-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let err = ElfObject::open(&fifo, None).err().unwrap();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
         let text = dir.join("not-elf");
         std::fs::write(&text, vec![b'x'; 100]).unwrap();
         let err = ElfObject::open(&text, None).err().unwrap();
