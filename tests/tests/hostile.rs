@@ -13,6 +13,7 @@ use std::{
 use ebtrace_tests::{
     TempDir, agent_threads,
     cuda::CudaWorkload,
+    http,
     inject::inject_check_once,
     require_root, serial,
     serve::{ServeProcess, block_on, request},
@@ -287,4 +288,62 @@ fn a_huge_mapping_named_like_the_c_library_is_read_within_bounds() {
     let _ = target.wait();
     assert!(ok, "{stderr}");
     assert!(alive);
+}
+
+/// An agent that falls silent while a server's capture runs holds the
+/// server once, for at most 10 s: it is asked nothing more, one line says
+/// so, `/metrics` answers at once again, and the capture ends on time.
+#[test]
+fn a_silent_agent_holds_a_server_once_and_briefly() {
+    if !require_root("a_silent_agent_holds_a_server_once_and_briefly") {
+        return;
+    }
+    let _serial = serial();
+    block_on(async {
+        let workload = launching();
+        let server =
+            ServeProcess::loopback(&["--pid", &workload.pid.to_string(), "--http", "127.0.0.1:0"]);
+        let metrics_at = server.http_addr();
+        let mut client = server.client().await;
+        let asked = Instant::now();
+        let capture = tokio::spawn(async move { client.profile(request(20_000)).await });
+        wait_for_agent_thread(workload.pid);
+        let silenced = SilencedAgent::of(workload.pid);
+        let mut slowest = Duration::ZERO;
+        while asked.elapsed() < Duration::from_secs(18) {
+            let said = server.count_lines("silent for 10 s in answer to COLLECT") > 0;
+            let scraped = Instant::now();
+            let body =
+                tokio::task::spawn_blocking(move || http::get(metrics_at, "/metrics").text())
+                    .await
+                    .unwrap();
+            assert!(body.contains("ebtrace_"), "{body}");
+            slowest = slowest.max(scraped.elapsed());
+            if said {
+                assert!(
+                    scraped.elapsed() < Duration::from_secs(2),
+                    "{:?}",
+                    scraped.elapsed()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        assert!(
+            slowest < Duration::from_secs(12),
+            "/metrics took {slowest:?}"
+        );
+        let answered = tokio::time::timeout(Duration::from_secs(20), capture)
+            .await
+            .expect("the capture ends on time")
+            .unwrap()
+            .expect("the capture is answered");
+        assert!(!answered.into_inner().tool_data.is_empty());
+        assert_eq!(
+            server.count_lines("silent for 10 s in answer to COLLECT"),
+            1,
+            "{:?}",
+            server.lines()
+        );
+        drop(silenced);
+    });
 }

@@ -23,6 +23,11 @@ pub const MAX_SESSION_BYTES: u64 = 2 * MAX_ANSWER_BYTES;
 /// How long the agent may stay silent within an answer: it waits for the
 /// GIL, and stopping a session serializes its events.
 const SILENCE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long it may stay silent answering what it answers without Python
+/// or the framework (a ping, opening a window, the device activity so
+/// far), asked again and again while a capture runs: a silent agent holds
+/// whoever asks no longer than this, once.
+const QUICK_SILENCE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one answer may take in all, however it trickles in.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(300);
 /// How often a wait for an answer looks whether it was abandoned.
@@ -57,6 +62,8 @@ pub struct Channel {
     answer_bytes: u64,
     answer_frames: u32,
     answer_began: Instant,
+    /// How long the answer may stay silent.
+    silence: Duration,
     session_bytes: u64,
     /// Why the channel can no longer be used.
     broken: Option<String>,
@@ -74,6 +81,7 @@ impl Channel {
             answer_bytes: 0,
             answer_frames: 0,
             answer_began: Instant::now(),
+            silence: SILENCE_TIMEOUT,
             session_bytes: 0,
             broken: None,
         }
@@ -93,6 +101,10 @@ impl Channel {
         self.answer_bytes = 0;
         self.answer_frames = 0;
         self.answer_began = Instant::now();
+        self.silence = match kind {
+            protocol::PING | protocol::WINDOW_OPEN | protocol::COLLECT => QUICK_SILENCE_TIMEOUT,
+            _ => SILENCE_TIMEOUT,
+        };
         self.stream
             .write_all(&header.encode())
             .and_then(|()| self.stream.write_all(payload))
@@ -193,11 +205,12 @@ impl Channel {
                     self.request
                 )));
             }
-            let silence_left = SILENCE_TIMEOUT.saturating_sub(heard.elapsed());
+            let silence_left = self.silence.saturating_sub(heard.elapsed());
             if silence_left.is_zero() {
                 return Err(format!(
-                    "no answer from the agent in pid {pid}: silent for {} s in answer to {}",
-                    SILENCE_TIMEOUT.as_secs(),
+                    "no answer from the agent in pid {pid}: silent for {} s in answer to {}; \
+                     nothing more is asked of it in this capture",
+                    self.silence.as_secs(),
                     self.request
                 ));
             }

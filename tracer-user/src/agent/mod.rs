@@ -592,6 +592,10 @@ impl AgentSession {
     }
 
     fn send(&mut self, kind: u32, payload: &[u8]) -> Result<(), AgentError> {
+        if self.unanswered {
+            // Whatever comes now could be the answer to the earlier request.
+            return Err(AgentError::Unanswered);
+        }
         self.control
             .send(request_name(kind), kind, payload)
             .map_err(AgentError::Channel)

@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::Capture;
 use crate::attach::restore_children_of_session;
 use crate::{
-    agent::{AgentSession, KernelNaming},
+    agent::{AgentError, AgentSession, KernelNaming},
     attach::TraceMeProbe,
     collect::{Collector, EncodedRecords, agent::AgentRecording},
 };
@@ -73,8 +73,12 @@ impl Capture {
                 Ok(batches) => self
                     .collected
                     .extend(batches.into_iter().map(|b| (session.pid, b))),
-                // The stop says what went wrong (or that the target exited).
-                Err(why) => log::debug!("pid {}: collecting GPU activity: {why}", session.pid),
+                // Said once: the agent is asked nothing more.
+                Err(AgentError::Unanswered) => {}
+                Err(why) if session.target_exited() => {
+                    log::debug!("pid {}: collecting GPU activity: {why}", session.pid)
+                }
+                Err(why) => log::warn!("pid {}: collecting GPU activity: {why}", session.pid),
             }
         }
     }
