@@ -213,11 +213,6 @@ impl Who {
 }
 
 impl Caller {
-    /// Who it is.
-    pub fn who(&self) -> &Who {
-        &self.who
-    }
-
     /// What its work is counted under: its uid, its certificate's name,
     /// or, for a peer `--insecure-listen` let in, its address without the
     /// port (each connection has a new one).

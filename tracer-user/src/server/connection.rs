@@ -50,13 +50,6 @@ pub struct Connection {
     peer: Peer,
 }
 
-impl Connection {
-    /// Who is at its other end.
-    pub fn peer(&self) -> &Peer {
-        &self.peer
-    }
-}
-
 /// The connections a listener accepted, in order of their handshakes'
 /// end; ends when nothing reads it.
 pub struct Incoming {
