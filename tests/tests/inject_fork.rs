@@ -149,8 +149,8 @@ fn a_pytorch_worker_forked_mid_capture_keeps_no_callback() {
 
 /// A `DataLoader(num_workers=2)` started mid-capture (its workers forked,
 /// and kept): once the capture is over, each worker, asked from inside,
-/// has no RecordFunction callback registered, and holds nothing of the
-/// agent.
+/// has no RecordFunction callback registered, holds nothing of the agent,
+/// and can be loaded into and unloaded again.
 #[test]
 fn dataloader_workers_started_mid_capture_keep_nothing_of_it() {
     if !require_root("dataloader_workers_started_mid_capture_keep_nothing_of_it") {
@@ -181,5 +181,7 @@ fn dataloader_workers_started_mid_capture_keep_nothing_of_it() {
             "{:?}",
             agent_traces(worker)
         );
+        inject_check(worker, 1, Library::Agent);
+        assert!(agent_traces(worker).is_empty());
     }
 }
