@@ -8,7 +8,7 @@
 //! RecordFunction's sequence number are checked the same way: the agent
 //! reads it only where they are declared as it expects.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::procfs;
 
@@ -17,6 +17,8 @@ pub const NO_PYTORCH: &str = "no PyTorch loaded";
 
 /// Longest header read.
 const MAX_HEADER_BYTES: u64 = 1 << 20;
+/// The most of `torch/version.py` read.
+const MAX_VERSION_BYTES: u64 = 64 << 10;
 
 /// The PyTorch a process runs, once its callback layout is checked.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,10 +78,14 @@ pub fn check(pid: u32, maps: &str) -> Result<TorchAbi, String> {
         .parent()
         .and_then(Path::parent)
         .ok_or("libtorch_cpu.so is not in a torch/lib directory")?;
-    let inside = |relative: &str| -> PathBuf {
-        procfs::root_dir(pid).join(torch.strip_prefix("/").unwrap_or(torch).join(relative))
+    // Read in the process's root as it sees its files: links stay inside
+    // it, and only regular files of a bounded size are read.
+    let root = procfs::TargetRoot::open(pid).map_err(|e| format!("its root is unreadable: {e}"))?;
+    let read = |relative: &str, max: u64| -> std::io::Result<String> {
+        let bytes = root.read_regular(&torch.join(relative), max)?;
+        String::from_utf8(bytes).map_err(std::io::Error::other)
     };
-    let version = std::fs::read_to_string(inside("version.py"))
+    let version = read("version.py", MAX_VERSION_BYTES)
         .ok()
         .and_then(|v| parse_version(&v));
     let header_path = torch.join("include/ATen/record_function.h");
@@ -87,7 +93,7 @@ pub fn check(pid: u32, maps: &str) -> Result<TorchAbi, String> {
         Some(v) => format!("PyTorch {v}"),
         None => "this PyTorch".to_string(),
     };
-    let header = read_bounded(&inside("include/ATen/record_function.h")).map_err(|e| {
+    let header = read("include/ATen/record_function.h", MAX_HEADER_BYTES).map_err(|e| {
         format!(
             "{named}: cannot check its RecordFunction callback layout, {} unreadable ({e})",
             header_path.display()
@@ -104,15 +110,6 @@ pub fn check(pid: u32, maps: &str) -> Result<TorchAbi, String> {
         version,
         sequence_numbers: check_header(&header, SEQUENCE_EXPECTED).is_ok(),
     })
-}
-
-fn read_bounded(path: &Path) -> std::io::Result<String> {
-    use std::io::Read as _;
-    let mut text = String::new();
-    std::fs::File::open(path)?
-        .take(MAX_HEADER_BYTES)
-        .read_to_string(&mut text)?;
-    Ok(text)
 }
 
 /// `__version__ = '2.15.0+cu132'` → `2.15.0+cu132`.

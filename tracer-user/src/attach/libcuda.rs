@@ -61,7 +61,8 @@ pub struct Library {
     pub attach_path: PathBuf,
     /// How it was found.
     pub source: Source,
-    /// The file found by the loader's search, held open while this lives.
+    /// The file found (by the loader's search, or mapped), held open while
+    /// this lives.
     pub held: Option<procfs::HeldFile>,
 }
 
@@ -100,11 +101,12 @@ fn find_mapped(pid: u32) -> Option<Library> {
         .ok()?
         .into_iter()
         .find(|o| is_driver_file(o.file_name()))?;
+    let file = object.open_path();
     Some(Library {
-        attach_path: object.open_path(),
+        attach_path: file.to_path_buf(),
         path: PathBuf::from(object.path),
         source: Source::Mapped,
-        held: None,
+        held: file.held().cloned(),
     })
 }
 

@@ -24,13 +24,6 @@ pub fn own_executable() -> &'static Path {
     Path::new("/proc/self/exe")
 }
 
-/// `pid`'s root directory seen from here (`/proc/PID/root`): an absolute
-/// path of the process's, joined below it, names the same file from here,
-/// containers included.
-pub fn root_dir(pid: u32) -> PathBuf {
-    process_dir(pid).join("root")
-}
-
 /// The file `pid` has mapped from `start` to `end`, openable from here even
 /// once deleted (`/proc/PID/map_files/START-END`).
 pub fn mapped_file(pid: u32, start: u64, end: u64) -> PathBuf {

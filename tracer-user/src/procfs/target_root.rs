@@ -38,6 +38,11 @@ impl HeldFile {
     pub fn path(&self) -> PathBuf {
         PathBuf::from(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
     }
+
+    /// The file's inode number.
+    pub fn inode(&self) -> io::Result<u64> {
+        Ok(rustix::fs::fstat(&*self.fd)?.st_ino)
+    }
 }
 
 impl fmt::Debug for HeldFile {

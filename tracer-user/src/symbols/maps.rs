@@ -1,7 +1,11 @@
 //! The objects a process has mapped, from `/proc/PID/maps`, and where each
 //! was loaded.
 
-use std::{fs, io, ops::Range, path::PathBuf};
+use std::{
+    io,
+    ops::{Deref, Range},
+    path::{Path, PathBuf},
+};
 
 use super::elf::LoadSegment;
 use crate::procfs;
@@ -71,19 +75,56 @@ pub struct MappedObject {
     pub mappings: Vec<Mapping>,
 }
 
+/// A path that opens a mapped object's very file from here, valid while
+/// this lives (it may hold the file open): it derefs to that path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectFile {
+    path: PathBuf,
+    held: Option<procfs::HeldFile>,
+}
+
+impl Deref for ObjectFile {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for ObjectFile {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl ObjectFile {
+    /// The descriptor holding the file, if one does.
+    pub fn held(&self) -> Option<&procfs::HeldFile> {
+        self.held.as_ref()
+    }
+}
+
 impl MappedObject {
-    /// A path under which this process's file can be opened from here (and
-    /// attached to): through the process's root, so that containers work,
-    /// or, if the file there is gone or another one, through its mapping.
-    pub fn open_path(&self) -> PathBuf {
-        use std::os::unix::fs::MetadataExt as _;
+    /// Where this process's file can be opened from here (and attached
+    /// to): looked up in the process's root as its loader would
+    /// ([`procfs::TargetRoot`]: absolute links stay inside it, only a
+    /// regular file is taken) and held, if that is still the file mapped;
+    /// else (gone, or another one there) through its mapping.
+    pub fn open_path(&self) -> ObjectFile {
         let first = &self.mappings[0];
-        let via_root = procfs::root_dir(self.pid).join(self.path.trim_start_matches('/'));
-        let same_file = || fs::metadata(&via_root).is_ok_and(|m| m.ino() == self.inode);
-        if !first.deleted && same_file() {
-            via_root
-        } else {
-            procfs::mapped_file(self.pid, first.start, first.end)
+        let held = procfs::TargetRoot::open(self.pid)
+            .and_then(|root| root.regular_file(Path::new(&self.path)))
+            .ok()
+            .filter(|held| !first.deleted && held.inode().is_ok_and(|ino| ino == self.inode));
+        match held {
+            Some(held) => ObjectFile {
+                path: held.path(),
+                held: Some(held),
+            },
+            None => ObjectFile {
+                path: procfs::mapped_file(self.pid, first.start, first.end),
+                held: None,
+            },
         }
     }
 
@@ -309,7 +350,7 @@ mod tests {
         assert_eq!(object.file_name(), "x.so");
         // No such file under pid 1's root: the mapping itself is opened.
         assert_eq!(
-            object.open_path(),
+            object.open_path().to_path_buf(),
             PathBuf::from("/proc/1/map_files/50000000-50001000")
         );
     }
@@ -330,11 +371,10 @@ mod tests {
             .iter()
             .find(|o| Path::new(&o.path) == exe)
             .expect("own executable is mapped");
-        assert_eq!(
-            me.open_path(),
-            Path::new(&format!("/proc/{}/root", std::process::id()))
-                .join(exe.strip_prefix("/").unwrap())
-        );
+        // Found in this process's root, and held.
+        let file = me.open_path();
+        assert!(file.held().is_some());
+        assert_eq!(std::fs::read_link(&*file).unwrap(), exe);
         let elf = crate::symbols::ElfObject::open(&me.open_path(), Some(me.inode)).unwrap();
         let bias = me.load_bias(elf.segments(), page_size()).unwrap();
         let scan = elf

@@ -21,4 +21,4 @@ mod symbolizer_thread;
 pub mod unwind;
 
 pub use elf::{ElfObject, FoundSymbol, LoadSegment, SymbolScan};
-pub use maps::{MappedObject, Mapping, mapped_objects};
+pub use maps::{MappedObject, Mapping, ObjectFile, mapped_objects};

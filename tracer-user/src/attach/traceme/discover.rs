@@ -16,16 +16,13 @@
 //! libtpu none. TensorFlow up to 2.20 kept that gate in a Python module
 //! variable, which cannot be written from outside: such a process is noted.
 
-use std::{
-    path::PathBuf,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use super::{
     facts::{GateFacts, ObjectFacts, facts_of, search_again},
     recorder_symbols::{NAMESPACES, StringLayout},
 };
-use crate::symbols::{ElfObject, MappedObject, mapped_objects, maps::page_size};
+use crate::symbols::{ElfObject, MappedObject, ObjectFile, mapped_objects, maps::page_size};
 
 /// One TraceMe recorder in a process.
 #[derive(Clone, Debug)]
@@ -35,7 +32,7 @@ pub struct Recorder {
     /// The object's path as the process sees it.
     pub object: String,
     /// Where ebtrace opens (and attaches to) that very file.
-    pub open_path: PathBuf,
+    pub open_path: ObjectFile,
     /// `tsl` or `tensorflow`.
     pub namespace: &'static str,
     /// How its `Event`'s name string is laid out.
@@ -168,7 +165,7 @@ pub fn discover(pid: u32) -> std::io::Result<Discovery> {
 fn recorder(
     object: &MappedObject,
     elf: &ElfObject,
-    path: PathBuf,
+    path: ObjectFile,
     facts: &ObjectFacts,
 ) -> Result<Option<Recorder>, String> {
     let Some(r) = facts.recorder.clone()? else {

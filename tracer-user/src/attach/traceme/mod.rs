@@ -558,8 +558,8 @@ fn attach_one(set: &mut ProbeSet, recorder: &Recorder) -> Result<()> {
         .and_then(|id| program.take_link(id))
         .map_err(|source| Error::Attach {
             what: format!(
-                "uprobe on TraceMeRecorder::Record in {}",
-                recorder.open_path.display()
+                "uprobe on TraceMeRecorder::Record in {} of pid {}",
+                recorder.object, recorder.pid
             ),
             source: Box::new(source),
         })?;
