@@ -29,6 +29,7 @@ pub use memory::{
 pub use process::{
     ProcessCounters, TargetProcess, TaskStat, descendants_since, is_alive, is_listed, parse_stat,
     process_ids, start_time_ticks, thread_ids, thread_is_listed, thread_state, thread_syscall,
+    thread_syscall_number,
 };
 pub use sockets::tcp_socket_owner;
 pub use status::{

@@ -159,6 +159,17 @@ pub fn thread_syscall(pid: u32, tid: u32) -> Option<String> {
     fs::read_to_string(thread_dir(pid, tid).join("syscall")).ok()
 }
 
+/// The number of the syscall thread `tid` of `pid` is blocked in, `-1`
+/// while it is in user code or running now (see [`thread_syscall`]);
+/// `None` once it is gone.
+pub fn thread_syscall_number(pid: u32, tid: u32) -> Option<i64> {
+    let text = thread_syscall(pid, tid)?;
+    match text.split_whitespace().next()? {
+        "running" => Some(-1),
+        nr => nr.parse().ok(),
+    }
+}
+
 /// Cumulative CPU time and context switches of a process, for rates
 /// over a window (two readings apart).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

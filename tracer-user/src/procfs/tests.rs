@@ -64,6 +64,7 @@ fn this_process_files_and_threads_read_through_proc() {
     assert!(is_listed(pid) && thread_is_listed(pid, pid));
     assert!(!thread_is_listed(pid, 4_194_305 + 7));
     assert!(thread_syscall(pid, pid).is_some());
+    assert!(thread_syscall_number(pid, pid).is_some());
     assert!(thread_schedstat(pid, pid).is_some());
     assert!(thread_context_switches(pid, pid).is_some_and(|s| s.voluntary > 0));
     let environment = environment(pid);

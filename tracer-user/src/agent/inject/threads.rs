@@ -45,10 +45,5 @@ fn may_be_stopped(pid: u32, tid: u32) -> bool {
     if crate::procfs::thread_state(pid, tid) == Some('D') {
         return false;
     }
-    let syscall = crate::procfs::thread_syscall(pid, tid).unwrap_or_default();
-    let blocked_in = syscall
-        .split_whitespace()
-        .next()
-        .and_then(|n| n.parse::<i64>().ok());
-    !blocked_in.is_some_and(|nr| NEVER_STOPPED_IN.contains(&nr))
+    !crate::procfs::thread_syscall_number(pid, tid).is_some_and(|nr| NEVER_STOPPED_IN.contains(&nr))
 }

@@ -29,14 +29,11 @@ fn candidate_threads(pid: u32) -> Result<Vec<u32>, InjectError> {
         if procfs::thread_state(pid, tid) == Some('D') {
             continue;
         }
-        let syscall = procfs::thread_syscall(pid, tid).unwrap_or_default();
-        let first = syscall.split_whitespace().next().unwrap_or("");
-        let tier = match first.parse::<i64>() {
-            Ok(SYS_FUTEX) => 1,
-            Ok(nr) if RESTARTED_WAITS.contains(&nr) => 0,
+        let tier = match procfs::thread_syscall_number(pid, tid) {
+            Some(SYS_FUTEX) => 1,
+            Some(nr) if RESTARTED_WAITS.contains(&nr) => 0,
             // In user code: preempted, or running now.
-            Ok(-1) => 2,
-            _ if first == "running" => 2,
+            Some(-1) => 2,
             _ => continue,
         };
         ranked.push((tier, tid));
