@@ -112,6 +112,21 @@ pub fn agent_threads(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
+/// Waits up to `within` for an agent's thread to run in `pid`.
+pub fn wait_for_agent_threads(pid: u32, within: Duration) {
+    let deadline = Instant::now() + within;
+    while agent_threads(pid) == 0 {
+        assert!(Instant::now() < deadline, "the agent never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Makes a FIFO at `path`.
+pub fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo").arg(path).status().unwrap();
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
 /// The processes named `ebtrace`, running (not zombies) and started less
 /// than a minute ago: an exiting ebtrace and the child releasing its
 /// links, never a stray long-lived one. By name, because a process

@@ -10,8 +10,8 @@ use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
     TempDir, agent_threads,
     cuda::{CudaWorkload, cxxfilt},
-    record, require_root, serial, signal, spawn_attached, spawn_record, wait_for_ebtrace_exits,
-    xplane_files,
+    record, require_root, serial, signal, spawn_attached, spawn_record, wait_for_agent_threads,
+    wait_for_ebtrace_exits, xplane_files,
     xspace::{
         self, Event, Stat, gpu_event_count, gpu_planes, line_events, plane, plane_stats,
         profile_window,
@@ -326,14 +326,7 @@ fn a_program_holding_cupti_is_left_alone() {
 fn kill_mid_capture(pid: u32, logdir: &str) {
     let logdir = TempDir::new(logdir);
     let mut ebtrace = spawn_record(&pid.to_string(), "60s", &logdir, &[]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while agent_threads(pid) == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the agent never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_agent_threads(pid, Duration::from_secs(60));
     std::thread::sleep(Duration::from_millis(300));
     signal(ebtrace.id(), libc::SIGKILL);
     let _ = ebtrace.wait();

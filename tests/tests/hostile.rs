@@ -11,13 +11,13 @@ use std::{
 };
 
 use ebtrace_tests::{
-    TempDir, agent_threads,
+    TempDir,
     cuda::CudaWorkload,
     http,
     inject::inject_check_once,
-    require_root, serial,
+    mkfifo, require_root, serial,
     serve::{ServeProcess, block_on, request},
-    signal, spawn_record, wait_with_deadline, xplane_files,
+    signal, spawn_record, wait_for_agent_threads, wait_with_deadline, xplane_files,
 };
 
 /// A sleeping process whose `/etc/ld.so.cache` is `cache` (bind-mounted
@@ -85,8 +85,7 @@ fn a_fifo_for_a_loader_cache_does_not_hang_a_capture() {
     let _serial = serial();
     let dir = TempDir::new("hostile-fifo");
     let fifo = dir.path().join("ld.so.cache");
-    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
-    assert!(made.success());
+    mkfifo(&fifo);
     let target = Hostile::with_cache(&fifo);
     capture_ends_with_a_trace(&target, "a FIFO as /etc/ld.so.cache");
 }
@@ -154,14 +153,7 @@ fn launching() -> CudaWorkload {
 
 /// Waits for the agent's thread in `pid`, and 500 ms more.
 fn wait_for_agent_thread(pid: u32) {
-    let began = Instant::now();
-    while agent_threads(pid) == 0 {
-        assert!(
-            began.elapsed() < Duration::from_secs(60),
-            "the agent never started"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_agent_threads(pid, Duration::from_secs(60));
     std::thread::sleep(Duration::from_millis(500));
 }
 

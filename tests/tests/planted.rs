@@ -6,25 +6,19 @@
 use std::{
     os::unix::fs::{MetadataExt as _, PermissionsExt as _},
     path::Path,
-    process::Command,
     time::Duration,
 };
 
 use ebtrace_tests::{
     TempDir,
     fixture::SchedWorkload,
-    require_root, serial,
+    mkfifo, require_root, serial,
     serve::{ServeProcess, block_on, request},
     spawn_record, wait_with_deadline, xplane_files,
 };
 
 /// What `nobody` owns.
 const NOBODY: u32 = 65534;
-
-fn mkfifo(path: &Path) {
-    let made = Command::new("mkfifo").arg(path).status().unwrap();
-    assert!(made.success(), "mkfifo {}", path.display());
-}
 
 /// Only its owner may read it, and that owner is `nobody`.
 fn assert_private_to_nobody(path: &Path) {
