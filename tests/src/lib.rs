@@ -21,6 +21,7 @@ pub mod prometheus;
 pub mod pyenv;
 pub mod python;
 pub mod serve;
+pub mod slow_link;
 pub mod tls;
 pub mod torch;
 pub mod traceme;

@@ -21,7 +21,7 @@ use ebtrace_tests::{
         ServeProcess, block_on, event_count, now_ns, real_request, request, with_advanced,
         xspace_of,
     },
-    xplane_files,
+    slow_link, xplane_files,
     xspace::{self, gpu_event_count, line_events, plane, plane_stats},
 };
 use tonic::Code;
@@ -640,6 +640,36 @@ fn sigterm_answers_the_capture_in_flight_and_exits_zero() {
                 .iter()
                 .any(|l| l.contains("every probe is detached"))
         );
+    });
+}
+
+/// A server told to stop while its answer is on its way to a client on a
+/// slow link (1 MB/s): the client gets all of it.
+#[test]
+fn a_slow_client_gets_the_whole_answer_of_a_server_told_to_stop() {
+    if !require_root("a_slow_client_gets_the_whole_answer_of_a_server_told_to_stop") {
+        return;
+    }
+    let _serial = serial();
+    block_on(async {
+        let workload = SchedWorkload::start(&[]);
+        let mut server = ServeProcess::loopback(&["--pid", &pid_arg(&workload)]);
+        let mut client = slow_link::client(server.addrs[0]).await;
+        let call = tokio::spawn(async move { client.profile(request(20_000)).await });
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let status = server.signal_and_wait(libc::SIGTERM, Duration::from_secs(30));
+        assert_eq!(status.code(), Some(0), "{:?}", server.lines());
+        let response = call.await.unwrap().expect("the whole answer").into_inner();
+        let bytes = response
+            .tool_data
+            .iter()
+            .map(|t| t.data.len())
+            .sum::<usize>();
+        assert!(
+            bytes > 1 << 20,
+            "{bytes} bytes: too little to be on its way at the end"
+        );
+        assert!(event_count(&xspace_of(&response)) > 0);
     });
 }
 

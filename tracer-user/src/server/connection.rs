@@ -2,7 +2,8 @@
 //! is at its other end ([`Peer`]), for both the gRPC and the HTTP server.
 //! TLS handshakes run off the accept loop, a bounded number at once and
 //! each within [`HANDSHAKE_TIMEOUT`], so a client that stalls in one holds
-//! up no one else.
+//! up no one else. A connection is closed the way [`Closing`] says, so the
+//! end of an answer is never lost on the way.
 
 use std::{
     io,
@@ -14,11 +15,12 @@ use std::{
 };
 
 use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
+    io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, ReadBuf},
     net::{TcpListener, TcpStream},
     sync::{Semaphore, mpsc},
 };
 use tokio_rustls::{TlsAcceptor, server::TlsStream};
+use tokio_util::task::TaskTracker;
 
 use super::tls::{CertSubject, ServerTls};
 use crate::metrics::Metrics;
@@ -27,6 +29,9 @@ use crate::metrics::Metrics;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// TLS handshakes in progress at once; connections past it are closed.
 const MAX_HANDSHAKES: usize = 64;
+/// How long a closed connection's client has to take what was sent to it
+/// and close its end.
+pub const LINGER: Duration = Duration::from_secs(5);
 
 /// Who is at the far end of a connection.
 #[derive(Clone, Debug)]
@@ -42,12 +47,60 @@ pub struct Peer {
 enum Io {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
+    /// Handed to [`Closing`].
+    Closed,
 }
 
 /// One accepted connection, ready for HTTP.
 pub struct Connection {
     io: Io,
     peer: Peer,
+    closing: Closing,
+}
+
+/// The connections being closed. A socket closed while its client still
+/// sends (HTTP/2 flow-control updates, as it reads an answer) is reset by
+/// the kernel, and what was still on its way to the client is dropped: the
+/// end of a large answer, most often at shutdown. So a connection's end
+/// is closed after what was sent, and its socket only once the client
+/// closes its own end, or after [`LINGER`].
+#[derive(Clone, Default)]
+pub struct Closing(TaskTracker);
+
+impl Closing {
+    /// Waits, at most [`LINGER`], for the connections being closed.
+    pub async fn wait(&self) {
+        self.0.close();
+        let _ = tokio::time::timeout(LINGER, self.0.wait()).await;
+    }
+
+    fn close(&self, tcp: TcpStream) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        self.0.spawn_on(linger(tcp), &runtime);
+    }
+}
+
+/// Closes `tcp`'s end after what was written to it, and reads (and drops)
+/// what the client sends until it closes its end, at most [`LINGER`].
+async fn linger(mut tcp: TcpStream) {
+    let _ = tcp.shutdown().await;
+    let mut unread = [0u8; 4096];
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Ok(1..) = tcp.read(&mut unread).await {}
+    })
+    .await;
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        match std::mem::replace(&mut self.io, Io::Closed) {
+            Io::Plain(tcp) => self.closing.close(tcp),
+            Io::Tls(tls) => self.closing.close(tls.into_inner().0),
+            Io::Closed => {}
+        }
+    }
 }
 
 /// The connections a listener accepted, in order of their handshakes'
@@ -70,16 +123,27 @@ impl Incoming {
     }
 }
 
-/// Accepts connections on `listener`, with TLS where `tls` is given.
+/// Accepts connections on `listener`, with TLS where `tls` is given; each
+/// is closed through `closing`.
 pub fn accept(
     listener: TcpListener,
     tls: Option<Arc<ServerTls>>,
     metrics: Arc<Metrics>,
+    closing: Closing,
 ) -> io::Result<Incoming> {
     let local = listener.local_addr()?;
     let (sender, connections) = mpsc::channel(16);
     let speaks_tls = tls.is_some();
-    tokio::spawn(accept_loop(listener, local, tls, metrics, sender));
+    tokio::spawn(accept_loop(
+        listener,
+        Accepting {
+            local,
+            tls,
+            metrics,
+            closing,
+        },
+        sender,
+    ));
     Ok(Incoming {
         connections,
         local,
@@ -87,13 +151,25 @@ pub fn accept(
     })
 }
 
-async fn accept_loop(
-    listener: TcpListener,
+/// What the accept loop gives each connection.
+struct Accepting {
     local: SocketAddr,
     tls: Option<Arc<ServerTls>>,
     metrics: Arc<Metrics>,
+    closing: Closing,
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    accepting: Accepting,
     sender: mpsc::Sender<Connection>,
 ) {
+    let Accepting {
+        local,
+        tls,
+        metrics,
+        closing,
+    } = accepting;
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
     loop {
         let accepted = tokio::select! {
@@ -119,6 +195,7 @@ async fn accept_loop(
             let connection = Connection {
                 io: Io::Plain(tcp),
                 peer,
+                closing: closing.clone(),
             };
             if sender.send(connection).await.is_err() {
                 return;
@@ -132,6 +209,7 @@ async fn accept_loop(
         let acceptor = TlsAcceptor::from(tls.config());
         let sender = sender.clone();
         let metrics = Arc::clone(&metrics);
+        let closing = closing.clone();
         tokio::spawn(async move {
             let _permit = permit;
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
@@ -149,6 +227,7 @@ async fn accept_loop(
                             certificate,
                             ..peer
                         },
+                        closing,
                     };
                     let _ = sender.send(connection).await;
                 }
@@ -227,6 +306,7 @@ impl AsyncRead for Connection {
         match &mut self.get_mut().io {
             Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Io::Closed => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 }
@@ -240,6 +320,7 @@ impl AsyncWrite for Connection {
         match &mut self.get_mut().io {
             Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Io::Closed => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 
@@ -251,6 +332,7 @@ impl AsyncWrite for Connection {
         match &mut self.get_mut().io {
             Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Io::Closed => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 
@@ -258,6 +340,7 @@ impl AsyncWrite for Connection {
         match &self.io {
             Io::Plain(s) => s.is_write_vectored(),
             Io::Tls(s) => s.is_write_vectored(),
+            Io::Closed => false,
         }
     }
 
@@ -265,6 +348,7 @@ impl AsyncWrite for Connection {
         match &mut self.get_mut().io {
             Io::Plain(s) => Pin::new(s).poll_flush(cx),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Io::Closed => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 
@@ -272,6 +356,7 @@ impl AsyncWrite for Connection {
         match &mut self.get_mut().io {
             Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Io::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Io::Closed => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
         }
     }
 }

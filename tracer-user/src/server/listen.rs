@@ -24,7 +24,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use super::{
     ServeConfig, answer,
-    connection::{self, Incoming},
+    connection::{self, Closing, Incoming},
     http::{self, HttpServing},
     service::ProfilerServer,
     tls::{Protocol, ServerTls},
@@ -159,19 +159,21 @@ impl Listeners {
         Ok(Listeners { grpc, http })
     }
 
-    /// Starts the servers on every listener, until `stopped`.
+    /// Starts the servers on every listener, until `stopped`; their TCP
+    /// connections are closed through `closing`.
     pub fn serve(
         self,
         service: &Arc<ProfilerServer>,
         http: HttpServing,
         stopped: &tokio::sync::watch::Receiver<bool>,
+        closing: &Closing,
         servers: &mut Servers,
     ) -> Result<()> {
         for listener in self.grpc {
-            spawn_grpc_server(listener, service, stopped.clone(), servers)?;
+            spawn_grpc_server(listener, service, stopped.clone(), closing, servers)?;
         }
         if let Some((listener, tls)) = self.http {
-            spawn_http_server(listener, tls, http, stopped.clone(), servers)?;
+            spawn_http_server(listener, tls, http, stopped.clone(), closing, servers)?;
         }
         Ok(())
     }
@@ -228,6 +230,7 @@ fn spawn_grpc_server(
     listener: GrpcListener,
     service: &Arc<ProfilerServer>,
     stopped: tokio::sync::watch::Receiver<bool>,
+    closing: &Closing,
     servers: &mut Servers,
 ) -> Result<()> {
     let router = tonic::transport::Server::builder().add_service(answer::Answering::new(
@@ -236,7 +239,7 @@ fn spawn_grpc_server(
     ));
     match listener {
         GrpcListener::Tcp(listener, tls) => {
-            let incoming = accept(listener, tls, &service.metrics)?;
+            let incoming = accept(listener, tls, &service.metrics, closing)?;
             let local = incoming.local_addr();
             eprintln!("ebtrace: serving tensorflow.ProfilerService on {local}");
             describe_callers(&incoming);
@@ -266,8 +269,9 @@ fn accept(
     listener: TcpListener,
     tls: Option<Arc<ServerTls>>,
     metrics: &Arc<crate::metrics::Metrics>,
+    closing: &Closing,
 ) -> Result<Incoming> {
-    connection::accept(listener, tls, Arc::clone(metrics))
+    connection::accept(listener, tls, Arc::clone(metrics), closing.clone())
         .map_err(|e| Error::io("reading the bound address", e))
 }
 
@@ -289,10 +293,11 @@ fn spawn_http_server(
     tls: Option<Arc<ServerTls>>,
     serving: HttpServing,
     stopped: tokio::sync::watch::Receiver<bool>,
+    closing: &Closing,
     servers: &mut Servers,
 ) -> Result<()> {
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let incoming = accept(listener, tls, &serving.metrics)?;
+    let incoming = accept(listener, tls, &serving.metrics, closing)?;
     let local = incoming.local_addr();
     eprintln!("ebtrace: serving Prometheus metrics on {scheme}://{local}/metrics");
     eprintln!("ebtrace: serving CPU profiles (pprof) on {scheme}://{local}/debug/pprof/profile");

@@ -60,6 +60,7 @@ use crate::{
 };
 use admission::{Admission, AdmissionLimits};
 use caller::Authority;
+use connection::Closing;
 use http::HttpServing;
 use listen::{BindAddr, Listeners, Servers};
 use panics::PanicWatch;
@@ -231,6 +232,7 @@ async fn serve(
     }
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut servers = JoinSet::new();
+    let closing = Closing::default();
     listeners.serve(
         &service,
         HttpServing {
@@ -242,6 +244,7 @@ async fn serve(
             admission,
         },
         &stopped,
+        &closing,
         &mut servers,
     )?;
     let first_port = config.binds.iter().find_map(|b| match b {
@@ -278,6 +281,7 @@ async fn serve(
     drain_servers(&mut servers).await;
     let _ = tokio::task::spawn_blocking(move || hub_thread.join()).await;
     abandoning.abort();
+    closing.wait().await;
     eprintln!("ebtrace: stopped; every probe is detached");
     if let Some(why) = panics.seen() {
         return Err(Error::Panicked(why));
