@@ -92,6 +92,23 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// The trace's disk filled up while it was written: it holds the
+    /// planes that fit.
+    #[error(
+        "the disk filled up while the trace was written ({source}): {path} holds only part of \
+         it ({kept}, and the Task Environment; XProf opens it); free space or choose another \
+         --logdir, and record again"
+    )]
+    PartialTrace {
+        /// The trace file.
+        path: PathBuf,
+        /// The planes it holds, in order.
+        kept: String,
+        /// What the write failed with.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// The binary has no eBPF object to load.
     #[error(
         "this ebtrace binary was built without its eBPF object (AYA_BUILD_SKIP was set); \
@@ -226,6 +243,7 @@ impl Error {
             | Error::TracepointLayout { .. }
             | Error::TracefsMount { .. }
             | Error::LogdirNotWritable { .. }
+            | Error::PartialTrace { .. }
             | Error::Bind { .. }
             | Error::InsecureListen { .. }
             | Error::Tls(_)

@@ -92,6 +92,7 @@ pub fn run(request: &Request) -> Result<Vec<HostResult>> {
                 logdir::write_run_with(&request.logdir, &run, &server, |f| {
                     std::io::Write::write_all(f, &bytes)
                 })
+                .map(|(path, ())| path)
                 .map_err(|e| e.to_string())
             });
             HostResult { server, outcome }

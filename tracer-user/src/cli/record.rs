@@ -17,8 +17,11 @@ use crate::{
     agent::TraceMeRoute,
     attach::{LaunchStacks, ProbeSetConfig, TraceMeOptions},
     capture::{Capture, CaptureOptions, ProbeFamilies, check_privileges, open_targets},
-    error::Result,
-    sink::{logdir, perfetto, xspace},
+    error::{Error, Result},
+    sink::{
+        logdir, perfetto,
+        xspace::{self, file::Written},
+    },
 };
 
 /// How often the loop wakes to drain and to check the stop conditions.
@@ -63,10 +66,26 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         let logged = super::take_logged_warnings();
         json::Summary::new(start, &timeline, &probe_stats, asked, logged)
     });
-    let path = logdir::write_run_with(&args.logdir, &session, &host, |file| {
-        xspace::write_xspace(&timeline, &host, file)
+    let (path, written) = logdir::write_run_with(&args.logdir, &session, &host, |file| {
+        xspace::file::write_trace_file(
+            file.get_mut(),
+            |out| xspace::write_planes(&timeline, out),
+            |more| xspace::closing_part(&timeline, &host, more),
+        )
     })?;
-    let perfetto_bytes = args.perfetto.then(|| {
+    let partial = match written {
+        Written::Whole => None,
+        Written::Partial { kept, why } => Some(Error::PartialTrace {
+            path: path.clone(),
+            kept: match kept.as_slice() {
+                [] => "none of its planes".to_string(),
+                kept => kept.join(", "),
+            },
+            source: why,
+        }),
+    };
+    // A disk that did not take the XSpace takes no Perfetto trace either.
+    let perfetto_bytes = (args.perfetto && partial.is_none()).then(|| {
         perfetto::timeline_to_perfetto_bytes(&timeline, perfetto::PerfettoClocks::measure())
     });
     drop(timeline);
@@ -85,7 +104,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     }
     // The trace is out: the probes are released in the background.
     probes.release_after_exit();
-    Ok(())
+    partial.map_or(Ok(()), Err)
 }
 
 /// Ctrl-C, SIGTERM and a closed terminal end the capture; the trace is

@@ -89,11 +89,11 @@ impl HeldDir {
     /// Writes the file `name` here with what `write` writes: it appears,
     /// replacing whatever had the name, once everything is written and on
     /// disk; on failure nothing is left behind.
-    pub fn write_file(
+    pub fn write_file<T>(
         &self,
         name: &OsStr,
-        write: impl FnOnce(&mut BufWriter<fs::File>) -> io::Result<()>,
-    ) -> io::Result<()> {
+        write: impl FnOnce(&mut BufWriter<fs::File>) -> io::Result<T>,
+    ) -> io::Result<T> {
         let tmp = format!(".{}.tmp-{:016x}", name.to_string_lossy(), unpredictable());
         let flags = OFlags::WRONLY
             | OFlags::CREATE
@@ -105,16 +105,12 @@ impl HeldDir {
         let result = (|| {
             let owner = self.owner()?;
             let mut f = BufWriter::with_capacity(1 << 20, fs::File::from(created));
-            write(&mut f)?;
+            let written = write(&mut f)?;
             let f = f.into_inner().map_err(|e| e.into_error())?;
             f.sync_all()?;
             chown_fd(&f, owner)?;
-            Ok(rustix::fs::renameat(
-                &self.fd,
-                tmp.as_str(),
-                &self.fd,
-                name,
-            )?)
+            rustix::fs::renameat(&self.fd, tmp.as_str(), &self.fd, name)?;
+            Ok(written)
         })();
         if result.is_err() {
             let _ = rustix::fs::unlinkat(&self.fd, tmp.as_str(), AtFlags::empty());

@@ -59,15 +59,15 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Writes a run into `logdir`, the file's bytes written by `write`, and
-/// returns the file's path. A run directory that already holds this host's
-/// file (two captures in one second) gets a numeric suffix instead of being
-/// overwritten.
-pub fn write_run_with(
+/// returns the file's path and what `write` returned. A run directory that
+/// already holds this host's file (two captures in one second) gets a
+/// numeric suffix instead of being overwritten.
+pub fn write_run_with<T>(
     logdir: &Path,
     session: &str,
     host: &str,
-    write: impl FnOnce(&mut BufWriter<fs::File>) -> std::io::Result<()>,
-) -> Result<PathBuf> {
+    write: impl FnOnce(&mut BufWriter<fs::File>) -> std::io::Result<T>,
+) -> Result<(PathBuf, T)> {
     let file = xplane_file_name(host);
     let profile_path = PROFILE_ROOT
         .iter()
@@ -87,9 +87,10 @@ pub fn write_run_with(
         n += 1;
         run_name = format!("{session}_{n}");
     };
-    run.write_file(OsStr::new(&file), write)
+    let written = run
+        .write_file(OsStr::new(&file), write)
         .map_err(|e| writing(&path, e))?;
-    Ok(path)
+    Ok((path, written))
 }
 
 #[cfg(test)]
@@ -124,8 +125,8 @@ mod tests {
             ..Default::default()
         };
         let write = |f: &mut BufWriter<fs::File>| f.write_all(&xs.encode_to_vec());
-        let a = write_run_with(&dir, "s", "h", write).unwrap();
-        let b = write_run_with(&dir, "s", "h", write).unwrap();
+        let (a, ()) = write_run_with(&dir, "s", "h", write).unwrap();
+        let (b, ()) = write_run_with(&dir, "s", "h", write).unwrap();
         assert_ne!(a, b);
         assert!(a.ends_with("plugins/profile/s/h.xplane.pb"));
         assert!(b.ends_with("plugins/profile/s_2/h.xplane.pb"));

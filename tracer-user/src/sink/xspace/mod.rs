@@ -76,6 +76,7 @@ pub enum FlowDirection {
 }
 
 mod chunked;
+pub mod file;
 mod host;
 mod plane;
 mod task_env;
@@ -127,6 +128,14 @@ pub fn write_xspace<W: PlaneOut>(
     hostname: &str,
     out: &mut W,
 ) -> io::Result<()> {
+    write_planes(timeline, out)?;
+    out.write_all(&closing_part(timeline, hostname, &[]))
+}
+
+/// Writes the planes of `timeline`'s XSpace to `out`, the most looked at
+/// first, saying where each ends ([`PlaneOut::part_done`]); the XSpace
+/// ends with [`closing_part`].
+pub fn write_planes<W: PlaneOut>(timeline: &Timeline, out: &mut W) -> io::Result<()> {
     let start = timeline.start_ns;
     let ps = |ns: u64| (ns.saturating_sub(start) as i64) * 1000;
     // The per-CPU lines and the GPU planes are encoded beside the
@@ -141,33 +150,49 @@ pub fn write_xspace<W: PlaneOut>(
             .spawn_scoped(scope, || {
                 let mut per_cpu = Chunked::default();
                 host::write_per_cpu_lines(timeline, &ps, &mut per_cpu)?;
-                let mut devices = Chunked::default();
+                let mut devices = Vec::new();
                 for device in timeline.devices.values() {
-                    write_device_plane(device, &ps, &mut devices)?;
+                    let mut plane = Chunked::default();
+                    write_device_plane(device, &ps, &mut plane)?;
+                    devices.push((format!("{GPU_PLANE_PREFIX}{}", device.ordinal), plane));
                 }
                 io::Result::Ok((per_cpu, devices))
             })
             .expect("a thread to encode the per-CPU and GPU planes");
         host::write_threads_plane(timeline, &ps, out)?;
+        out.part_done(HOST_CPU_PLANE)?;
         beside
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })?;
     per_cpu.write_into(out)?;
+    out.part_done(PER_CPU_PLANE)?;
     host::write_blocked_plane(timeline, &ps, out)?;
+    out.part_done(BLOCKED_THREADS_PLANE)?;
     host::write_least_run_plane(timeline, &ps, out)?;
-    devices.write_into(out)?;
-    write_carried_planes(timeline, out)?;
-    out.write_all(&task_env::task_environment_plane(timeline).into_field(1))?;
-    out.write_all(
-        &XSpace {
-            planes: vec![],
-            errors: vec![],
-            warnings: task_env::trace_warnings(timeline),
-            hostnames: vec![hostname.to_string()],
-        }
-        .encode_to_vec(),
-    )
+    out.part_done(LEAST_RUN_THREADS_PLANE)?;
+    for (name, plane) in devices {
+        plane.write_into(out)?;
+        out.part_done(&name)?;
+    }
+    write_carried_planes(timeline, out)
+}
+
+/// What an XSpace of `timeline` ends with, after its planes: the Task
+/// Environment plane, the trace's warnings and then `more`, the host name.
+pub fn closing_part(timeline: &Timeline, hostname: &str, more: &[String]) -> Vec<u8> {
+    let mut warnings = task_env::trace_warnings(timeline);
+    warnings.extend_from_slice(more);
+    let mut closing = task_env::task_environment_plane(timeline).into_field(1);
+    XSpace {
+        planes: vec![],
+        errors: vec![],
+        warnings,
+        hostnames: vec![hostname.to_string()],
+    }
+    .encode(&mut closing)
+    .expect("a Vec grows as needed");
+    closing
 }
 
 /// Writes the planes carried from the frameworks' own sessions, their
@@ -183,6 +208,7 @@ fn write_carried_planes<W: PlaneOut>(timeline: &Timeline, out: &mut W) -> io::Re
         .encode(&mut carried)
         .expect("a Vec grows as needed");
         out.write_all(&carried)?;
+        out.part_done(&plane.plane.name)?;
     }
     Ok(())
 }

@@ -404,6 +404,13 @@ pub trait PlaneOut: Write + Seek {
     fn buffer(&mut self) -> Option<&mut Vec<u8>> {
         None
     }
+
+    /// Told after each part of the trace (a plane, named `what`) is
+    /// written whole: a trace cut there still decodes.
+    fn part_done(&mut self, what: &str) -> io::Result<()> {
+        let _ = what;
+        Ok(())
+    }
 }
 
 impl PlaneOut for io::Cursor<Vec<u8>> {
