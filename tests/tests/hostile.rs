@@ -15,7 +15,10 @@ use ebtrace_tests::{
     cuda::CudaWorkload,
     http,
     inject::inject_check_once,
-    mkfifo, require_root, serial,
+    mkfifo,
+    pyenv::{self, python_fixture},
+    python::PythonWorkload,
+    require_root, serial,
     serve::{ServeProcess, block_on, request},
     signal, spawn_record, wait_for_agent_threads, wait_with_deadline, xplane_files,
 };
@@ -338,4 +341,64 @@ fn a_silent_agent_holds_a_server_once_and_briefly() {
         );
         drop(silenced);
     });
+}
+
+/// A process that shows ever new code objects, each with a line table of
+/// 1 MiB (65,536 of them, 128 deep on 8 threads): the capture ends on
+/// time, ebtrace's memory stays within what it keeps for code objects,
+/// and the frames it had no time to read say so.
+#[test]
+fn ever_new_large_code_objects_cost_a_bounded_capture() {
+    if !require_root("ever_new_large_code_objects_cost_a_bounded_capture") {
+        return;
+    }
+    let _serial = serial();
+    let workload = PythonWorkload::start_script(
+        &pyenv::cpython(12),
+        &python_fixture("many_codes.py"),
+        &[],
+        &[],
+    );
+    let logdir = TempDir::new("many-codes");
+    let mut ebtrace = spawn_record(
+        &workload.pid.to_string(),
+        "3s",
+        &logdir,
+        &["--sample-hz", "99"],
+    );
+    // ebtrace alone takes about 100 MiB; code objects 64 MiB more.
+    const MOST_KIB: u64 = 400 << 10;
+    let started = Instant::now();
+    let mut peak_kib = 0;
+    while ebtrace.try_wait().unwrap().is_none() {
+        peak_kib = peak_kib.max(resident_kib(ebtrace.id()));
+        if peak_kib > MOST_KIB || started.elapsed() > Duration::from_secs(60) {
+            let _ = ebtrace.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = started.elapsed();
+    let out = wait_with_deadline(ebtrace, Duration::from_secs(5));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(peak_kib <= MOST_KIB, "{peak_kib} KiB after {took:?}");
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    assert!(took < Duration::from_secs(20), "{took:?}: {stderr}");
+    let trace = std::fs::read(&xplane_files(logdir.path())[0]).unwrap();
+    let holds = |text: &str| trace.windows(text.len()).any(|w| w == text.as_bytes());
+    assert!(
+        holds("[python frame: not read, too many new code objects]"),
+        "no frame marked as not read"
+    );
+    assert!(holds("many_codes.py"), "no frame named");
+}
+
+/// `pid`'s resident memory, 0 once it has exited.
+fn resident_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+        .unwrap_or(0)
 }

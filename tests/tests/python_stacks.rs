@@ -514,6 +514,33 @@ fn pprof_profiles_name_python_functions_and_go_tool_pprof_lists_them() {
         "no location of inner_hot at one of its lines {inner_hot:?}"
     );
 
+    // Every Python frame named is among the names `/metrics` says are
+    // kept; the code objects they were read from went with the capture.
+    let script_frames: std::collections::BTreeSet<(&str, i64)> = profile
+        .location
+        .iter()
+        .flat_map(|loc| &loc.line)
+        .filter_map(|l| {
+            let f = &profile.function[l.function_id as usize - 1];
+            s(f.filename)
+                .ends_with("nested_work.py")
+                .then(|| (s(f.name), l.line))
+        })
+        .collect();
+    let metrics = http::get(server.http_addr(), "/metrics").text();
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+    };
+    assert!(
+        gauge("ebtrace_python_frame_names") >= script_frames.len() as f64,
+        "{script_frames:?}: {metrics}"
+    );
+    assert_eq!(gauge("ebtrace_python_code_object_bytes"), 0.0, "{metrics}");
+
     // Go's pprof lists the Python functions, the hot one under most of the
     // time (the interpreter's own functions inside it have the most in
     // themselves).

@@ -38,6 +38,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
         super::start_keeping_logged_warnings();
     }
     let stop = stop_on_signals()?;
+    crate::symbols::python::names::keep_names_for(args.duration);
     let options = capture_options(args);
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;

@@ -166,7 +166,9 @@ impl Metrics {
                 }
             }
         }
-        let own: [(&str, &str, Kind, f64); 12] = [
+        let names = crate::symbols::python::names::name_stats();
+        let codes = crate::symbols::python::frames::code_stats();
+        let own: [(&str, &str, Kind, f64); 17] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -234,6 +236,38 @@ impl Metrics {
                 self.server
                     .unauthenticated_listeners
                     .load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "ebtrace_python_frame_names",
+                "Names of Python frames (function, file, line) ebtrace keeps for the stacks it \
+                 holds.",
+                Kind::Gauge,
+                names.names as f64,
+            ),
+            (
+                "ebtrace_python_frame_name_bytes",
+                "Memory those names take (at most 64 MiB).",
+                Kind::Gauge,
+                names.bytes as f64,
+            ),
+            (
+                "ebtrace_python_frame_names_forgotten_total",
+                "Names of Python frames forgotten to make room: unused longer than any stack \
+                 holding them is kept.",
+                Kind::Counter,
+                names.forgotten as f64,
+            ),
+            (
+                "ebtrace_python_code_object_bytes",
+                "Memory the code objects read from the watched processes take (at most 64 MiB).",
+                Kind::Gauge,
+                codes.bytes as f64,
+            ),
+            (
+                "ebtrace_python_code_objects_forgotten_total",
+                "Code objects forgotten to make room; they are read again when sampled.",
+                Kind::Counter,
+                codes.forgotten as f64,
             ),
             (
                 "ebtrace_cpu_seconds_total",

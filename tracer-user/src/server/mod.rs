@@ -156,6 +156,11 @@ pub fn run(config: ServeConfig) -> Result<()> {
         }
         eprintln!("ebtrace: warning: StartContinuousProfiling will be refused: {why}");
     }
+    // A stack is written at most a capture's length, or the recorder's
+    // window, after it was sampled: its Python frames' names stay that long.
+    crate::symbols::python::names::keep_names_for(
+        config.limits.max_duration.max(config.retention.window),
+    );
     // Only the flight recorder of `--retain` uses it, at its first start
     // (which may wait for a watched process); a server without one holds
     // no ring buffer while idle.

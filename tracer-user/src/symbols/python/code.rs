@@ -44,6 +44,10 @@ pub enum CodeError {
     /// What was read is not a code object ebtrace reads.
     #[error("not a code object: {0}")]
     Malformed(&'static str),
+    /// Not read: more code objects were read than ebtrace reads in a
+    /// second.
+    #[error("more code objects to read than ebtrace reads in a second")]
+    NotRead,
 }
 
 /// Runtime addresses of the types the objects read are checked against
@@ -99,6 +103,11 @@ impl Code {
             line_table,
             format: LineTableFormat::of_minor(layout.minor),
         })
+    }
+
+    /// The bytes it takes.
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of::<Code>() + self.name.len() + self.file.len() + self.line_table.len()
     }
 
     /// The line of the instruction a frame run in this code was at:

@@ -5,11 +5,14 @@
 //! extensions stay between them in order.
 //!
 //! A named frame stands in the user stack as a tagged value, not an
-//! address ([`is_python_frame`]); [`python_symbol`] names it. Names are
-//! kept once per process of ebtrace, however many captures share them.
+//! address ([`is_python_frame`]); [`python_symbol`] names it from
+//! [`names`], kept once for every capture.
 
 use std::{
-    sync::{Arc, Mutex, OnceLock},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -20,6 +23,7 @@ use tracer_common::python::{
 
 use super::{
     code::{Code, CodeError},
+    names::{self, Marker},
     runtime::PythonRuntime,
 };
 use crate::{
@@ -32,100 +36,44 @@ use crate::{
 const TAG: u64 = 0xe000_0000_0000_0000;
 const TAG_MASK: u64 = 0xffff_0000_0000_0000;
 
-/// The module Python frames are reported in (pprof's mapping).
-pub const PYTHON_MODULE: &str = "[python]";
-
-/// Most distinct Python frames named (function, file and line): past it,
-/// new ones read [`Marker::TooMany`].
-const MAX_NAMES: usize = 1 << 20;
 /// Most code objects remembered per process; past it they are read again.
 const MAX_CODES: usize = 1 << 16;
+/// Most bytes the code objects remembered take, every process's together
+/// (a line table may take 1 MiB): past it a process's are read again.
+const MAX_CODE_BYTES: u64 = 64 << 20;
+/// Bytes of code objects read a second at most, on average (a second's
+/// worth may be read at once): a process that shows ever new, large code
+/// objects (65,536 of them with 1 MiB line tables, say) costs ebtrace a
+/// bounded share of a CPU, its other frames marked [`Marker::NotRead`].
+const CODE_READ_BYTES_PER_S: u64 = 64 << 20;
+/// What the code objects remembered take now, every process's together.
+static CODE_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Code objects forgotten to make room, since ebtrace started.
+static CODES_FORGOTTEN: AtomicU64 = AtomicU64::new(0);
+
+/// What the code objects remembered take, for `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CodeStats {
+    /// Bytes they take now.
+    pub bytes: u64,
+    /// Code objects forgotten to make room, since ebtrace started.
+    pub forgotten: u64,
+}
+
+/// What the code objects remembered take now.
+pub fn code_stats() -> CodeStats {
+    CodeStats {
+        bytes: CODE_BYTES.load(Ordering::Relaxed),
+        forgotten: CODES_FORGOTTEN.load(Ordering::Relaxed),
+    }
+}
 /// How soon a process whose interpreter was not found is looked at again
 /// (its samples may have outlived it, and a new process reuse its pid).
 const FIND_AGAIN_AFTER: Duration = Duration::from_secs(1);
 
-/// Frames that could not be named, marked where they stood.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Marker {
-    /// Its frame or code object could not be read.
-    Unreadable = 0,
-    /// Its code object was freed and its memory reused since the sample.
-    Changed = 1,
-    /// Its code object did not read as one.
-    Malformed = 2,
-    /// The chain went on past the frames the program reads.
-    Truncated = 3,
-    /// More distinct frames than are kept.
-    TooMany = 4,
-}
-
-impl Marker {
-    const ALL: [Marker; 5] = [
-        Marker::Unreadable,
-        Marker::Changed,
-        Marker::Malformed,
-        Marker::Truncated,
-        Marker::TooMany,
-    ];
-
-    fn text(self) -> &'static str {
-        match self {
-            Marker::Unreadable => "[unreadable python frame]",
-            Marker::Changed => "[python frame: code object reused]",
-            Marker::Malformed => "[python frame: not a code object]",
-            Marker::Truncated => "[more python frames]",
-            Marker::TooMany => "[python frame: too many distinct frames]",
-        }
-    }
-}
-
-/// The names of Python frames, by the number their tagged entries carry.
-struct Names {
-    symbols: Vec<Arc<Symbol>>,
-    ids: FxHashMap<Frame, u64>,
-}
-
-fn names() -> &'static Mutex<Names> {
-    static NAMES: OnceLock<Mutex<Names>> = OnceLock::new();
-    NAMES.get_or_init(|| {
-        let symbols = Marker::ALL
-            .iter()
-            .map(|m| {
-                Arc::new(Symbol {
-                    frames: vec![Frame {
-                        function: m.text().to_string(),
-                        file: None,
-                        line: None,
-                    }],
-                    module: Some(PYTHON_MODULE.to_string()),
-                    file_offset: None,
-                })
-            })
-            .collect();
-        Mutex::new(Names {
-            symbols,
-            ids: FxHashMap::default(),
-        })
-    })
-}
-
-/// The tagged entry of `frame`, named once.
-fn entry_of(frame: Frame) -> u64 {
-    let mut names = names().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(id) = names.ids.get(&frame) {
-        return TAG | id;
-    }
-    if names.symbols.len() >= MAX_NAMES {
-        return marker_entry(Marker::TooMany);
-    }
-    let id = names.symbols.len() as u64;
-    names.symbols.push(Arc::new(Symbol {
-        frames: vec![frame.clone()],
-        module: Some(PYTHON_MODULE.to_string()),
-        file_offset: None,
-    }));
-    names.ids.insert(frame, id);
-    TAG | id
+/// The tagged entry of `frame`, used `now`.
+fn entry_of(frame: Frame, now: Instant) -> u64 {
+    TAG | names::id_of(frame, now)
 }
 
 fn marker_entry(marker: Marker) -> u64 {
@@ -147,12 +95,7 @@ pub fn python_symbol(entry: u64) -> Arc<Symbol> {
     if !is_python_frame(entry) {
         return Arc::default();
     }
-    let names = names().lock().unwrap_or_else(|e| e.into_inner());
-    names
-        .symbols
-        .get((entry & !TAG_MASK) as usize)
-        .cloned()
-        .unwrap_or_default()
+    names::symbol_of(entry & !TAG_MASK)
 }
 
 /// Whether an object (by path) holds the interpreter itself: its frames
@@ -203,6 +146,14 @@ struct NamedProcess {
     runtime: PythonRuntime,
     memory: ProcessMemory,
     codes: FxHashMap<(u64, u32), Result<Arc<Code>, CodeError>>,
+    /// What `codes` takes, counted in [`CODE_BYTES`].
+    code_bytes: u64,
+}
+
+impl Drop for NamedProcess {
+    fn drop(&mut self) {
+        CODE_BYTES.fetch_sub(self.code_bytes, Ordering::Relaxed);
+    }
 }
 
 /// What [`PythonFrames::mix`] made of one stack.
@@ -219,6 +170,47 @@ pub struct Mixed {
 pub struct PythonFrames {
     /// Each process seen: its interpreter, or when none was found.
     processes: FxHashMap<u32, Result<NamedProcess, Instant>>,
+    /// What may still be read of code objects now.
+    reads: ReadBudget,
+}
+
+/// Bytes of code objects that may be read: [`CODE_READ_BYTES_PER_S`], a
+/// second's worth at most saved up.
+#[derive(Debug)]
+struct ReadBudget {
+    left: i64,
+    at: Option<Instant>,
+}
+
+impl Default for ReadBudget {
+    fn default() -> Self {
+        ReadBudget {
+            left: CODE_READ_BYTES_PER_S as i64,
+            at: None,
+        }
+    }
+}
+
+impl ReadBudget {
+    /// Whether a code object may be read `now` (its bytes are then spent,
+    /// the last read taking the budget below zero).
+    fn may_read(&mut self, now: Instant) -> bool {
+        let earned = self.at.map_or(0, |at| {
+            let elapsed = now.saturating_duration_since(at).as_micros() as u64;
+            elapsed.saturating_mul(CODE_READ_BYTES_PER_S) / 1_000_000
+        });
+        self.at = Some(now);
+        let most = CODE_READ_BYTES_PER_S as i64;
+        self.left = self
+            .left
+            .saturating_add(earned.min(most as u64) as i64)
+            .min(most);
+        self.left > 0
+    }
+
+    fn spend(&mut self, bytes: usize) {
+        self.left = self.left.saturating_sub(bytes as i64);
+    }
 }
 
 impl PythonFrames {
@@ -234,9 +226,10 @@ impl PythonFrames {
         flags: u32,
     ) -> (Vec<u64>, Mixed) {
         let mut mixed = Mixed::default();
-        let Some(process) = self.process(pid) else {
+        let Some(process) = process_of(&mut self.processes, pid) else {
             return (user.to_vec(), mixed);
         };
+        let now = Instant::now();
         let mut named: Vec<(u64, bool)> = Vec::with_capacity(python.len() + 1);
         for f in python {
             if f.flags & FRAME_SHIM != 0 {
@@ -246,7 +239,7 @@ impl PythonFrames {
                 }
                 continue;
             }
-            let entry = process.entry(f);
+            let entry = process.entry(f, now, &mut self.reads);
             if is_marker(entry) {
                 mixed.unreadable += 1;
                 // A run of them (a chain that loops through junk) shows once.
@@ -275,58 +268,72 @@ impl PythonFrames {
         (out, mixed)
     }
 
-    /// The process `pid`, its interpreter found the first time it is asked
-    /// for (`None`: it has none ebtrace reads).
-    fn process(&mut self, pid: u32) -> Option<&mut NamedProcess> {
-        let known = self.processes.get(&pid);
-        if known.is_none_or(|p| matches!(p, Err(at) if at.elapsed() >= FIND_AGAIN_AFTER)) {
-            let found = PythonRuntime::find(pid)
-                .ok()
-                .flatten()
-                .and_then(|runtime| {
-                    Some(NamedProcess {
-                        memory: ProcessMemory::open(pid).ok()?,
-                        runtime,
-                        codes: FxHashMap::default(),
-                    })
-                })
-                .ok_or_else(Instant::now);
-            self.processes.insert(pid, found);
-        }
-        self.processes.get_mut(&pid)?.as_mut().ok()
-    }
-
     /// Forgets process `pid`, which exited.
     pub fn forget_process(&mut self, pid: u32) {
         self.processes.remove(&pid);
     }
 }
 
+/// The process `pid`, its interpreter found the first time it is asked
+/// for (`None`: it has none ebtrace reads).
+fn process_of(
+    processes: &mut FxHashMap<u32, Result<NamedProcess, Instant>>,
+    pid: u32,
+) -> Option<&mut NamedProcess> {
+    let known = processes.get(&pid);
+    if known.is_none_or(|p| matches!(p, Err(at) if at.elapsed() >= FIND_AGAIN_AFTER)) {
+        let found = PythonRuntime::find(pid)
+            .ok()
+            .flatten()
+            .and_then(|runtime| {
+                Some(NamedProcess {
+                    memory: ProcessMemory::open(pid).ok()?,
+                    runtime,
+                    codes: FxHashMap::default(),
+                    code_bytes: 0,
+                })
+            })
+            .ok_or_else(Instant::now);
+        processes.insert(pid, found);
+    }
+    processes.get_mut(&pid)?.as_mut().ok()
+}
+
 impl NamedProcess {
     /// The tagged entry naming `frame`.
-    fn entry(&mut self, frame: &PythonFrameRecord) -> u64 {
-        let code = match self.code(frame) {
+    fn entry(&mut self, frame: &PythonFrameRecord, now: Instant, reads: &mut ReadBudget) -> u64 {
+        let code = match self.code(frame, now, reads) {
             Ok(code) => code,
             Err(CodeError::Unreadable) => return marker_entry(Marker::Unreadable),
             Err(CodeError::Changed) => return marker_entry(Marker::Changed),
             Err(CodeError::Malformed(_)) => return marker_entry(Marker::Malformed),
+            Err(CodeError::NotRead) => return marker_entry(Marker::NotRead),
         };
         let line = code.line_at(&self.runtime.layout, frame.code, frame.instruction);
-        entry_of(Frame {
-            function: code.name.clone(),
-            file: Some(code.file.clone()),
-            line: line.or(Some(code.first_line)),
-        })
+        entry_of(
+            Frame {
+                function: code.name.clone(),
+                file: Some(code.file.clone()),
+                line: line.or(Some(code.first_line)),
+            },
+            now,
+        )
     }
 
-    /// The code object of `frame`, read once while it lives.
-    fn code(&mut self, frame: &PythonFrameRecord) -> Result<Arc<Code>, CodeError> {
+    /// The code object of `frame`, read once while it lives and there is
+    /// room for it.
+    fn code(
+        &mut self,
+        frame: &PythonFrameRecord,
+        now: Instant,
+        reads: &mut ReadBudget,
+    ) -> Result<Arc<Code>, CodeError> {
         let key = (frame.code, frame.first_line);
         if let Some(known) = self.codes.get(&key) {
             return known.clone();
         }
-        if self.codes.len() >= MAX_CODES {
-            self.codes.clear();
+        if !reads.may_read(now) {
+            return Err(CodeError::NotRead);
         }
         let read = Code::read(
             &self.memory,
@@ -337,10 +344,29 @@ impl NamedProcess {
         )
         .map(Arc::new);
         // An object not read now may be read at the next sample.
-        if !matches!(read, Err(CodeError::Unreadable)) {
+        if matches!(read, Err(CodeError::Unreadable)) {
+            return read;
+        }
+        let bytes = read.as_ref().map_or(0, |code| code.bytes() as u64);
+        reads.spend(bytes as usize);
+        let over = |more: u64| CODE_BYTES.load(Ordering::Relaxed) + more > MAX_CODE_BYTES;
+        if self.codes.len() >= MAX_CODES || over(bytes) {
+            self.forget_codes();
+        }
+        if !over(bytes) {
             self.codes.insert(key, read.clone());
+            self.code_bytes += bytes;
+            CODE_BYTES.fetch_add(bytes, Ordering::Relaxed);
         }
         read
+    }
+
+    /// Forgets the code objects read: they are read again when sampled.
+    fn forget_codes(&mut self) {
+        CODES_FORGOTTEN.fetch_add(self.codes.len() as u64, Ordering::Relaxed);
+        CODE_BYTES.fetch_sub(self.code_bytes, Ordering::Relaxed);
+        self.codes.clear();
+        self.code_bytes = 0;
     }
 }
 
@@ -355,9 +381,10 @@ mod tests {
             file: Some("work.py".into()),
             line: Some(5),
         };
-        let entry = entry_of(frame.clone());
+        let now = Instant::now();
+        let entry = entry_of(frame.clone(), now);
         assert!(is_python_frame(entry) && !is_marker(entry));
-        assert_eq!(entry_of(frame.clone()), entry);
+        assert_eq!(entry_of(frame.clone(), now), entry);
         assert_eq!(python_symbol(entry).frames, vec![frame]);
         assert!(!is_python_frame(0x7fff_ffff_f000));
         assert!(is_marker(marker_entry(Marker::Changed)));

@@ -7,6 +7,7 @@
 //! - [`text`]: a `str` object's characters;
 //! - [`code`]: a code object read and checked;
 //! - [`runtime`]: a process's interpreter, found from outside;
+//! - [`names`]: the frames' names, bounded, kept for every capture;
 //! - [`frames`]: the frames a stack program read, named and put in
 //!   their native stack.
 //!
@@ -18,6 +19,7 @@ pub mod code;
 pub mod frames;
 pub mod layout;
 pub mod line_table;
+pub mod names;
 pub mod runtime;
 pub mod text;
 
