@@ -162,6 +162,24 @@ fn a_connect_with_a_timeout_is_never_stopped() {
     assert_eq!(target.status("TracerPid"), "0");
 }
 
+/// A thread that runs 200 us, then waits 1 ms in a `connect` with a send
+/// timeout, again and again: seen running, it is often in the `connect` by
+/// the time it stops. On a Unix-domain socket the interrupted `connect` is
+/// issued again, so the program sees each one time out, and no sleep of
+/// its other thread is cut short.
+#[test]
+fn a_connect_entered_as_the_thread_is_stopped_still_times_out() {
+    if !require_root("a_connect_entered_as_the_thread_is_stopped_still_times_out") {
+        return;
+    }
+    let _serial = serial();
+    let target = Target::start("connect-after-spin");
+    inject_check(target.pid, 10, Library::Agent);
+    target.wait_progress(5);
+    assert_eq!(target.errors(), 0, "a connect or a sleep was cut short");
+    assert_eq!(target.status("TracerPid"), "0");
+}
+
 /// A preloaded allocator that none of ebtrace's lists knows, holding its
 /// own lock while it sleeps: the thread is always inside it, and taken
 /// over there it would wait for itself in the loader's first allocation,

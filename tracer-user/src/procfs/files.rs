@@ -103,3 +103,19 @@ pub fn released_first_at_exit(fd: OwnedFd) -> OwnedFd {
         Err(_) => fd,
     }
 }
+
+/// Whether descriptor `fd` of `pid` is a Unix-domain socket: the name the
+/// kernel gives the socket's protocol (`system.sockprotoname`, `UNIX` or
+/// `UNIX-STREAM` for one, `TCP`, `TCPv6` or `UDP` for others). `false`
+/// where it cannot be read.
+pub fn is_unix_socket(pid: u32, fd: i32) -> bool {
+    let path = process_dir(pid).join("fd").join(fd.to_string());
+    let mut name = [0u8; 32];
+    match rustix::fs::getxattr(&path, "system.sockprotoname", &mut name) {
+        Ok(len) => {
+            let name = name[..len].strip_suffix(b"\0").unwrap_or(&name[..len]);
+            name == b"UNIX" || name.starts_with(b"UNIX-")
+        }
+        Err(_) => false,
+    }
+}

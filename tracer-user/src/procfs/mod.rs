@@ -19,8 +19,8 @@ use std::path::PathBuf;
 
 pub use cgroup::frozen_cgroup;
 pub use files::{
-    descriptor_targets, entry_point, environment, executable, mapped_file, own_descriptor_target,
-    own_executable, pidfd_open, released_first_at_exit,
+    descriptor_targets, entry_point, environment, executable, is_unix_socket, mapped_file,
+    own_descriptor_target, own_executable, pidfd_open, released_first_at_exit,
 };
 pub use memory::{
     ProcessMemory, mapping_at, maps_text, mem_available_bytes, memory_file, own_resident_bytes,

@@ -159,3 +159,19 @@ fn unknown_pid_is_reported() {
     let err = TargetProcess::open(4_194_305 + 7).unwrap_err();
     assert!(matches!(err, Error::NoSuchProcess { .. }));
 }
+
+#[test]
+fn unix_domain_sockets_are_told_from_the_others() {
+    let me = std::process::id();
+    let (stream, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    let datagram = std::os::unix::net::UnixDatagram::unbound().unwrap();
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let file = fs::File::open("/proc/self/stat").unwrap();
+    assert!(is_unix_socket(me, stream.as_raw_fd()));
+    assert!(is_unix_socket(me, datagram.as_raw_fd()));
+    assert!(!is_unix_socket(me, tcp.as_raw_fd()));
+    assert!(!is_unix_socket(me, udp.as_raw_fd()));
+    assert!(!is_unix_socket(me, file.as_raw_fd()));
+    assert!(!is_unix_socket(me, i32::MAX));
+}

@@ -182,6 +182,22 @@ pub enum InjectError {
         seconds: u64,
     },
 
+    /// A thread is blocked in a call that a stop would end early, with an
+    /// error the program would see (`connect` with a send timeout): it is
+    /// never stopped there.
+    #[error(
+        "thread {tid} of pid {pid} is blocked in syscall {syscall}, which a stop would end \
+         early: ebtrace left it alone"
+    )]
+    WouldCutShort {
+        /// The target process.
+        pid: u32,
+        /// The thread.
+        tid: u32,
+        /// The syscall's number.
+        syscall: i64,
+    },
+
     /// Another ebtrace (or this one, for another capture) is loading into
     /// the target, or its agent is loaded there.
     #[error(

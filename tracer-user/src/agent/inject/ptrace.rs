@@ -60,11 +60,15 @@ const SYSCALL_INFO_EXIT: u8 = 2;
 const ENDED_BY_A_STOP: [u64; 21] = [
     65, 128, 220, 232, 281, 441, 208, 333, 426, 0, 1, 19, 20, 43, 44, 45, 46, 47, 288, 299, 307,
 ];
-/// Syscalls that a stop ends with EINTR and that cannot be issued again as
-/// they were: `connect` (42) on a socket with a send timeout (the
-/// connection goes on meanwhile: issued again, it fails with `EALREADY`).
-/// A thread blocked in one is never stopped.
-pub const NEVER_STOPPED_IN: [i64; 1] = [42];
+/// `connect`: a stop ends it with EINTR on a socket with a send timeout.
+/// On a Unix-domain socket the kernel keeps nothing of the interrupted
+/// wait, so it is issued again as it was; on a TCP socket the connection
+/// goes on meanwhile, and issued again it fails with `EALREADY`.
+const CONNECT: u64 = 42;
+/// Syscalls that a stop ends with EINTR and that cannot always be issued
+/// again as they were ([`CONNECT`]). A thread blocked in one is never
+/// stopped: [`Tracee::seize`] looks just before it stops the thread.
+const NEVER_STOPPED_IN: [i64; 1] = [CONNECT as i64];
 /// How long [`Tracee::step_until`] looks for the next stop without sleeping.
 const SPIN_FOR: Duration = Duration::from_millis(1);
 /// The x86-64 `syscall` instruction.
@@ -132,8 +136,19 @@ impl Tracee {
     /// ebtrace dies now: a tracer's exit lets its tracees go (a wait the
     /// stop ended is replayed from then on, see
     /// [`Self::replay_wait_ended_by_the_stop`]).
+    ///
+    /// A thread blocked in a call a stop would cut short
+    /// ([`NEVER_STOPPED_IN`]) is left alone: [`InjectError::WouldCutShort`].
+    /// It is looked at as late as can be, so only a thread that enters such
+    /// a call within the microseconds before the stop is caught in it (see
+    /// [`Self::replay_wait_ended_by_the_stop`] for what then follows).
     pub fn seize(pid: u32, tid: u32) -> Result<Self, InjectError> {
         let mem = crate::procfs::memory_file(pid).map_err(|e| open_error(pid, e))?;
+        if let Some(syscall) = crate::procfs::thread_syscall_number(pid, tid)
+            .filter(|nr| NEVER_STOPPED_IN.contains(nr))
+        {
+            return Err(InjectError::WouldCutShort { pid, tid, syscall });
+        }
         ptrace(PTRACE_SEIZE, tid, 0, PTRACE_O_TRACESYSGOOD as u64)
             .map_err(|e| open_error(pid, e))?;
         let mut t = Tracee {
@@ -176,13 +191,21 @@ impl Tracee {
     /// Sets a wait that this stop ended with EINTR (no signal having come)
     /// up to be issued again when the thread resumes, as the kernel does
     /// for the waits it restarts: the program never sees it end. A wait
-    /// with a timeout starts it afresh.
+    /// with a timeout starts it afresh. A `connect` is issued again on a
+    /// Unix-domain socket only; on another it ends with EINTR, as with a
+    /// signal.
     fn replay_wait_ended_by_the_stop(&mut self) -> Result<(), InjectError> {
         if !self.pending.is_empty() {
             return Ok(());
         }
         let mut regs = self.regs()?;
-        if !ENDED_BY_A_STOP.contains(&regs.orig_rax) || regs.rax as i64 != -i64::from(libc::EINTR) {
+        if regs.rax as i64 != -i64::from(libc::EINTR) {
+            return Ok(());
+        }
+        let replayable = ENDED_BY_A_STOP.contains(&regs.orig_rax)
+            || (regs.orig_rax == CONNECT
+                && crate::procfs::is_unix_socket(self.pid, regs.rdi as i32));
+        if !replayable {
             return Ok(());
         }
         let mut insn = [0u8; 2];

@@ -129,6 +129,16 @@ pub struct Session {
     closed: bool,
 }
 
+/// `tid` seized and stopped; `None` where it is in a call the stop would
+/// cut short (it is tried again later, as a busy thread is).
+fn seize_unless_cut_short(pid: u32, tid: u32) -> Result<Option<Tracee>, InjectError> {
+    match Tracee::seize(pid, tid) {
+        Ok(t) => Ok(Some(t)),
+        Err(InjectError::WouldCutShort { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 impl Session {
     /// Seizes `tid` and writes the trampoline's code at `code` (room found
     /// by [`super::symbols::code_room`] for [`code_len`] bytes). A
@@ -148,13 +158,18 @@ impl Session {
             });
         }
         let fp = trampoline::FpSave::detect();
-        let mut tracee = Tracee::seize(pid, tid)?;
+        let Some(mut tracee) = seize_unless_cut_short(pid, tid)? else {
+            return Ok(Err(Refusal::Busy));
+        };
         if in_call(&tracee, code, fp)? {
             // A killed ebtrace's call is still under way on this thread:
             // let it finish and restore itself, then start over.
             finish_call(&mut tracee, code, fp)?;
             tracee.detach()?;
-            tracee = Tracee::seize(pid, tid)?;
+            let Some(again) = seize_unless_cut_short(pid, tid)? else {
+                return Ok(Err(Refusal::Busy));
+            };
+            tracee = again;
         }
         let stopped_at = Instant::now();
         let raw = tracee.regs()?;

@@ -3,18 +3,15 @@
 
 use std::collections::HashMap;
 
-use super::{
-    InjectError,
-    ptrace::{NEVER_STOPPED_IN, Tracee},
-};
+use super::{InjectError, ptrace::Tracee};
 
 /// Reads the thread pointer (`fs_base`, which glibc's `pthread_self()`
 /// returns) of every thread of `pid` but the agent's and those `known`
 /// says are read already, stopping one thread at a time for a few
 /// microseconds. Threads that end meanwhile are skipped, and so are those
 /// asleep where no signal reaches them (state D), which would not stop,
-/// and those in a call the stop would end for good
-/// ([`NEVER_STOPPED_IN`]): they are read once out of it.
+/// and those in a call the stop would cut short
+/// ([`InjectError::WouldCutShort`]): they are read once out of it.
 pub fn thread_pointers(
     pid: u32,
     known: impl Fn(u32) -> bool,
@@ -22,13 +19,14 @@ pub fn thread_pointers(
     let mut found = HashMap::new();
     for tid in super::program_threads(pid)?
         .into_iter()
-        .filter(|t| !known(*t) && may_be_stopped(pid, *t))
+        .filter(|t| !known(*t) && crate::procfs::thread_state(pid, *t) != Some('D'))
     {
         let mut thread = match Tracee::seize(pid, tid) {
             Ok(t) => t,
             Err(InjectError::TargetExited { .. }) => return Err(InjectError::TargetExited { pid }),
             Err(e @ InjectError::NotPermitted { .. }) => return Err(e),
-            // The thread ended in between.
+            // The thread ended in between, or is in a call the stop would
+            // cut short.
             Err(_) => continue,
         };
         if let Ok(regs) = thread.regs() {
@@ -37,13 +35,4 @@ pub fn thread_pointers(
         thread.detach()?;
     }
     Ok(found)
-}
-
-/// Whether thread `tid` stops for a moment unharmed: neither asleep in
-/// state D nor blocked in a call that the stop would end for good.
-fn may_be_stopped(pid: u32, tid: u32) -> bool {
-    if crate::procfs::thread_state(pid, tid) == Some('D') {
-        return false;
-    }
-    !crate::procfs::thread_syscall_number(pid, tid).is_some_and(|nr| NEVER_STOPPED_IN.contains(&nr))
 }
