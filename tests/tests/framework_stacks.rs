@@ -124,7 +124,7 @@ fn a_pytorch_loop_shows_its_python_lines_over_atens_frames() {
     let samples = sample_main_thread(&workload);
     assert!(samples.len() >= 150, "{} samples", samples.len());
 
-    let (mut in_loop, mut forward_in_aten, mut backward_in_engine) = (0, 0, 0);
+    let (mut in_loop, mut in_forward, mut forward_in_aten, mut backward_in_engine) = (0, 0, 0, 0);
     for sample in &samples {
         let frames = frames(sample);
         let Some(step) = in_the_loop(&frames, &script) else {
@@ -133,6 +133,7 @@ fn a_pytorch_loop_shows_its_python_lines_over_atens_frames() {
         in_loop += 1;
         let text = stack_text(sample);
         if let Some(forward) = position_of(&frames, &script, "Model.forward") {
+            in_forward += 1;
             assert_eq!(step.line, forward_call, "{text}");
             let aten = frames[..forward]
                 .iter()
@@ -163,10 +164,11 @@ fn a_pytorch_loop_shows_its_python_lines_over_atens_frames() {
     );
     // MKL's kernels keep no frame pointers: a sample in one loses the
     // native frames between it and the interpreter, so fewer samples show
-    // ATen's than ran in it.
+    // ATen's than ran in it (about one in five of those under the forward
+    // pass, most of its time being in MKL's matrix products).
     assert!(
-        forward_in_aten * 20 >= n,
-        "{forward_in_aten} of {n} samples in ATen under Model.forward"
+        forward_in_aten * 10 >= in_forward && in_forward * 5 >= n,
+        "{forward_in_aten} of {in_forward} samples under Model.forward in ATen, of {n}"
     );
     assert!(
         backward_in_engine * 20 >= n,
