@@ -15,7 +15,7 @@ mod torch_abi;
 
 pub use channel::abandon_every_answer;
 pub use error::AgentError;
-pub use kernel_names::KernelNaming;
+pub use kernel_names::{KernelNameStats, KernelNaming, kernel_name_stats};
 pub use route::{AgentStart, TorchOps, TraceMeRoute, start_agent_sessions};
 
 use std::{

@@ -168,7 +168,8 @@ impl Metrics {
         }
         let names = crate::symbols::python::names::name_stats();
         let codes = crate::symbols::python::frames::code_stats();
-        let own: [(&str, &str, Kind, f64); 17] = [
+        let kernel_names = crate::agent::kernel_name_stats();
+        let own: [(&str, &str, Kind, f64); 19] = [
             (
                 "ebtrace_watched_processes",
                 "Processes ebtrace watches now.",
@@ -268,6 +269,20 @@ impl Metrics {
                 "Code objects forgotten to make room; they are read again when sampled.",
                 Kind::Counter,
                 codes.forgotten as f64,
+            ),
+            (
+                "ebtrace_cuda_kernel_name_bytes",
+                "Memory the names of kernels asked of the CUDA drivers in the watched processes \
+                 take (at most 32 MiB a capture).",
+                Kind::Gauge,
+                kernel_names.bytes as f64,
+            ),
+            (
+                "ebtrace_cuda_kernel_names_forgotten_total",
+                "Kernel names forgotten (no held record launches them any more) or not kept \
+                 (past a capture's 32 MiB).",
+                Kind::Counter,
+                kernel_names.forgotten as f64,
             ),
             (
                 "ebtrace_cpu_seconds_total",
