@@ -12,7 +12,7 @@ use prost::{
     encoding::{decode_key, decode_varint},
 };
 
-use crate::tensorflow::profiler::{XEvent, XLine, XPlane};
+use crate::tensorflow::profiler::{XEvent, XEventMetadata, XLine, XPlane, XStat, XStatMetadata};
 
 /// Why a part could not be read.
 #[derive(Debug)]
@@ -43,7 +43,14 @@ impl From<prost::DecodeError> for PartError {
 const XSPACE_PLANES: u32 = 1;
 const XPLANE_NAME: u32 = 2;
 const XPLANE_LINES: u32 = 3;
+const XPLANE_EVENT_METADATA: u32 = 4;
+const XPLANE_STAT_METADATA: u32 = 5;
+const XPLANE_STATS: u32 = 6;
 const XLINE_EVENTS: u32 = 4;
+const XEVENT_STATS: u32 = 4;
+const MAP_ENTRY_VALUE: u32 = 2;
+const XEVENT_METADATA_STATS: u32 = 5;
+const XEVENT_METADATA_CHILD_IDS: u32 = 6;
 
 /// One field of a message: its number and its encoded bytes, key included
 /// (`whole`), and for a length-delimited one its payload.
@@ -154,12 +161,16 @@ pub fn plane_name(plane: &[u8]) -> Result<String, PartError> {
     String::from_utf8(name).map_err(|_| PartError::Malformed("a plane name is not UTF-8"))
 }
 
+/// The encoded lines of the plane in `plane`.
+pub fn lines(plane: &[u8]) -> impl Iterator<Item = Result<&[u8], PartError>> {
+    payloads(plane, XPLANE_LINES)
+}
+
 /// The plane in `plane` without its lines (its id, name, metadata and
 /// stats), and its lines, encoded.
 pub fn plane_without_lines(plane: &[u8]) -> Result<(XPlane, Vec<&[u8]>), PartError> {
     let head = XPlane::decode(without(plane, XPLANE_LINES)?.as_slice())?;
-    let lines = payloads(plane, XPLANE_LINES).collect::<Result<_, _>>()?;
-    Ok((head, lines))
+    Ok((head, lines(plane).collect::<Result<_, _>>()?))
 }
 
 /// The line in `line` without its events, how many events it has, and an
@@ -178,6 +189,94 @@ pub fn line_without_events(
     let count = payloads(line, XLINE_EVENTS).try_fold(0, |n, e| e.map(|_| n + 1))?;
     let events = payloads(line, XLINE_EVENTS).map(|e| Ok(XEvent::decode(e?)?));
     Ok((head, count, events))
+}
+
+/// How many events a line holds, and how many stats those events hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LineShape {
+    /// Its events.
+    pub events: usize,
+    /// Their stats, all together.
+    pub stats: usize,
+}
+
+/// The [`LineShape`] of the line encoded in `line`, read without decoding
+/// its events.
+pub fn line_shape(line: &[u8]) -> Result<LineShape, PartError> {
+    let mut shape = LineShape::default();
+    for event in payloads(line, XLINE_EVENTS) {
+        shape.events += 1;
+        shape.stats += count(event?, XEVENT_STATS);
+    }
+    Ok(shape)
+}
+
+/// At most how much memory the plane encoded in `plane` takes once
+/// decoded into an [`XPlane`], in bytes, read without decoding it:
+/// [`decoded_head_bytes`] and [`decoded_line_bytes`] of each of its lines.
+/// Two bytes of an empty event decode into `size_of::<XEvent>()`: what a
+/// target sends is bounded by this before it is decoded.
+pub fn decoded_plane_bytes(plane: &[u8]) -> Result<usize, PartError> {
+    let mut bytes = decoded_head_bytes(plane)?;
+    for line in lines(plane) {
+        bytes += decoded_line_bytes(line?)?;
+    }
+    Ok(bytes)
+}
+
+/// At most how much memory the plane encoded in `plane`, its lines left
+/// out ([`plane_without_lines`]), takes decoded: the room of each message
+/// it holds, twice over (vectors and maps grow by doubling), and its own
+/// bytes (every string), a packed child id taking 8 where it took 1.
+pub fn decoded_head_bytes(plane: &[u8]) -> Result<usize, PartError> {
+    let mut rooms = size_of::<XPlane>();
+    let mut own = 0;
+    let mut packed = 0;
+    for f in fields(plane) {
+        let f = f?;
+        if f.number == XPLANE_LINES {
+            continue;
+        }
+        own += f.whole.len();
+        let Some(payload) = f.payload else { continue };
+        match f.number {
+            XPLANE_EVENT_METADATA => {
+                rooms += size_of::<(i64, XEventMetadata)>() + 1;
+                for metadata in payloads(payload, MAP_ENTRY_VALUE) {
+                    for m in fields(metadata?) {
+                        let m = m?;
+                        match m.number {
+                            XEVENT_METADATA_STATS => rooms += size_of::<XStat>(),
+                            XEVENT_METADATA_CHILD_IDS => packed += m.whole.len(),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            XPLANE_STAT_METADATA => rooms += size_of::<(i64, XStatMetadata)>() + 1,
+            XPLANE_STATS => rooms += size_of::<XStat>(),
+            _ => {}
+        }
+    }
+    Ok(2 * rooms + own + 8 * packed)
+}
+
+/// At most how much memory the line encoded in `line` takes decoded into
+/// an [`XLine`] (as [`decoded_head_bytes`] counts).
+pub fn decoded_line_bytes(line: &[u8]) -> Result<usize, PartError> {
+    let shape = line_shape(line)?;
+    let rooms =
+        size_of::<XLine>() + shape.events * size_of::<XEvent>() + shape.stats * size_of::<XStat>();
+    Ok(2 * rooms + line.len())
+}
+
+/// How many fields numbered `number` the message in `bytes` has, up to
+/// the first malformed one (which fails when the message is decoded).
+fn count(bytes: &[u8], number: u32) -> usize {
+    fields(bytes)
+        .map_while(Result::ok)
+        .filter(|f| f.number == number)
+        .count()
 }
 
 #[cfg(test)]
@@ -286,6 +385,61 @@ mod tests {
         assert!(planes(&lying).next().unwrap().is_err());
     }
 
+    /// The estimate is no less than what decoding takes, and within a few
+    /// times of it for events like a framework's.
+    #[test]
+    fn a_planes_decoded_size_is_bounded_before_decoding() {
+        fn heap(plane: &XPlane) -> usize {
+            let line = |l: &XLine| {
+                size_of::<XLine>()
+                    + l.name.len()
+                    + l.events
+                        .iter()
+                        .map(|e| size_of::<XEvent>() + e.stats.len() * size_of::<XStat>())
+                        .sum::<usize>()
+            };
+            size_of::<XPlane>() + plane.name.len() + plane.lines.iter().map(line).sum::<usize>()
+        }
+        let host = &space().planes[0];
+        let bytes = host.encode_to_vec();
+        let bound = decoded_plane_bytes(&bytes).unwrap();
+        assert!(
+            bound >= heap(host) && bound < 4 * heap(host) + bytes.len(),
+            "{bound}"
+        );
+        assert_eq!(
+            line_shape(&host.lines[0].encode_to_vec()).unwrap(),
+            LineShape {
+                events: 4,
+                stats: 4
+            }
+        );
+        // A million empty events: two bytes each on the wire.
+        let empty = XPlane {
+            lines: vec![XLine {
+                events: vec![XEvent::default(); 1_000_000],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let bytes = empty.encode_to_vec();
+        assert!(bytes.len() < 2_100_000);
+        assert!(decoded_plane_bytes(&bytes).unwrap() >= 1_000_000 * size_of::<XEvent>());
+        // Packed child ids: one byte each, eight decoded.
+        let mut parent = XPlane::default();
+        parent.event_metadata.insert(
+            1,
+            XEventMetadata {
+                child_id: vec![1; 10_000],
+                ..Default::default()
+            },
+        );
+        let bytes = parent.encode_to_vec();
+        assert!(decoded_plane_bytes(&bytes).unwrap() >= 80_000);
+        // Malformed bytes are an error, as everywhere here.
+        assert!(decoded_plane_bytes(&[0x1a, 0x7f]).is_err());
+    }
+
     proptest::proptest! {
         /// Any bytes at all are read without a panic.
         #[test]
@@ -299,6 +453,7 @@ mod tests {
                         }
                     }
                 }
+                let _ = decoded_plane_bytes(plane);
             }
         }
     }

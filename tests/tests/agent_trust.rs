@@ -223,44 +223,101 @@ fn wait_with_peak_rss(mut child: Child) -> (std::process::ExitStatus, String, u6
     )
 }
 
-#[test]
-fn a_program_flooding_its_answers_loses_its_own_part_and_no_more() {
-    if !require_root("a_program_flooding_its_answers_loses_its_own_part_and_no_more") {
-        return;
-    }
-    let _serial = serial();
+/// What a capture of a program posing as its own agent left behind.
+struct HostileAnswer {
+    pid: u32,
+    printed: String,
+    /// ebtrace's peak resident memory, in bytes.
+    peak: u64,
+    space: ebtrace_proto::tensorflow::profiler::XSpace,
+    program: Reaped,
+}
+
+/// Records, for `duration`, a program that loaded the stand-in driver and
+/// listens as its own agent (so it passes every check of who it is), then
+/// answers as `fake_agent.py`'s `mode` says. Checks what every such capture
+/// must keep: ebtrace succeeds, the program's own threads are written, and
+/// the program lives on.
+fn record_hostile_answer(mode: &str, duration: &str) -> HostileAnswer {
     let (lib_dir, _) = cuda::build();
     let libcuda = lib_dir.join("libcuda.so.1");
-    // A program that loaded the CUDA driver and listens as its own agent
-    // (so it passes every check of who it is), then answers ebtrace's
-    // request for its GPU activity with 32 MiB frames that never end.
-    let (flood, pid) = start_fake_agent(0, &["flood", libcuda.to_str().unwrap()]);
-    let mut flood = Reaped(flood);
-    let logs = TempDir::new("agent-flood");
-    let child = spawn_record(&pid.to_string(), "3s", &logs, &[]);
+    let (program, pid) = start_fake_agent(0, &[mode, libcuda.to_str().unwrap()]);
+    let mut program = Reaped(program);
+    let logs = TempDir::new(&format!("agent-{mode}"));
+    let child = spawn_record(&pid.to_string(), duration, &logs, &[]);
     let (status, printed, peak) = wait_with_peak_rss(child);
     assert!(status.success(), "{printed}");
-    let line = format!(
-        "the agent in pid {pid} sent more than 1024 MiB in answer to COLLECT: what it sent is \
-         dropped and its part of the capture ends here"
-    );
-    assert!(printed.contains(&line), "{printed}");
-    // The rest of the capture is written: the program's own threads.
     let space = xspace::load(&xplane_files(logs.path())[0]);
     let host = plane(&space, "/host:CPU");
     assert!(
         host.lines.iter().any(|l| l.id == i64::from(pid)),
         "no line for pid {pid}"
     );
+    assert!(
+        program.0.try_wait().unwrap().is_none(),
+        "the program lives on"
+    );
+    HostileAnswer {
+        pid,
+        printed,
+        peak,
+        space,
+        program,
+    }
+}
+
+#[test]
+fn a_program_flooding_its_answers_loses_its_own_part_and_no_more() {
+    if !require_root("a_program_flooding_its_answers_loses_its_own_part_and_no_more") {
+        return;
+    }
+    let _serial = serial();
+    // It answers the request for its GPU activity with 32 MiB frames that
+    // never end.
+    let answer = record_hostile_answer("flood", "3s");
+    let line = format!(
+        "the agent in pid {} sent more than 256 MiB in answer to COLLECT: what it sent is \
+         dropped and its part of the capture ends here",
+        answer.pid
+    );
+    assert!(answer.printed.contains(&line), "{}", answer.printed);
     // What ebtrace held never passed the answer's bound by much.
     assert!(
-        peak < (1 << 30) + (512 << 20),
+        answer.peak < (256 << 20) + (384 << 20),
         "ebtrace's resident memory peaked at {} MiB",
-        peak >> 20
+        answer.peak >> 20
     );
+    drop(answer.program);
+}
+
+#[test]
+fn a_program_sending_a_plane_of_empty_events_loses_that_plane_and_no_more() {
+    if !require_root("a_program_sending_a_plane_of_empty_events_loses_that_plane_and_no_more") {
+        return;
+    }
+    let _serial = serial();
+    // It answers the capture with one 100 MiB plane of empty events, two
+    // bytes each: decoded whole, they would take over 2.5 GiB.
+    let answer = record_hostile_answer("plane", "2s");
+    let events = (100u64 << 20) / 2;
+    let line = format!(
+        "pid {}: {events} events of the framework's session left out: decoded, they would \
+         take more than the 512 MiB a capture keeps of its frameworks' sessions",
+        answer.pid
+    );
+    assert!(answer.printed.contains(&line), "{}", answer.printed);
     assert!(
-        flood.0.try_wait().unwrap().is_none(),
-        "the program lives on"
+        answer
+            .space
+            .planes
+            .iter()
+            .all(|p| p.name != "/device:flood")
+    );
+    // The plane's bytes were held, never what they decode into.
+    assert!(
+        answer.peak < (100 << 20) + (384 << 20),
+        "ebtrace's resident memory peaked at {} MiB",
+        answer.peak >> 20
     );
 }
 

@@ -13,13 +13,17 @@ use std::{
 
 use tracer_agent::protocol::{self, Header, Hello};
 
-/// The most one answer may bring: one framework's XSpace fits.
-pub const MAX_ANSWER_BYTES: u64 = protocol::MAX_PAYLOAD as u64;
+/// The most one answer may bring: one framework's XSpace of a capture as
+/// long as `--max-target-growth-mib` lets its session run fits (jaxlib
+/// holds about 140 bytes an event, which TSL writes in about 30).
+pub const MAX_ANSWER_BYTES: u64 = 256 << 20;
 /// The most frames one answer may bring (a device activity batch is a
 /// frame; the agent's buffers hold far fewer).
 pub const MAX_ANSWER_FRAMES: u32 = 16_384;
-/// The most all the answers of one session may bring.
-pub const MAX_SESSION_BYTES: u64 = 2 * MAX_ANSWER_BYTES;
+/// The most all the answers of one session (a capture) may bring: with
+/// what they decode into (at most 512 MiB, `timeline::framework`), within
+/// the 2 GiB the DaemonSet gives ebtrace beside its flight recorder.
+pub const MAX_SESSION_BYTES: u64 = 1 << 30;
 /// How long the agent may stay silent within an answer: it waits for the
 /// GIL, and stopping a session serializes its events.
 const SILENCE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -299,13 +303,14 @@ mod tests {
     fn a_frame_gets_memory_only_as_it_arrives() {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let mut channel = Channel::new(ours, 1);
-        // A header that announces 1 GiB, then 3 bytes and the end.
+        // A header that announces all an answer may bring, then 3 bytes
+        // and the end.
         let mut theirs = theirs;
         theirs
             .write_all(
                 &Header {
                     kind: protocol::XSPACE,
-                    len: protocol::MAX_PAYLOAD,
+                    len: MAX_ANSWER_BYTES as u32,
                 }
                 .encode(),
             )

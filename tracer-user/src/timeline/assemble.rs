@@ -12,8 +12,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::{
-    CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, InitialState, PythonStacks,
-    SchedTimelineBuilder, SourceStats, Timeline, TraceMeSource, Window, add_traceme_spans,
+    CLIPPED_STAT, CaptureStats, CudaTimelineBuilder, Cuts, DecodeBudget, InitialState,
+    MAX_DECODED_FRAMEWORK_BYTES, PythonStacks, SchedTimelineBuilder, SourceStats, Timeline,
+    TraceMeSource, Window, add_traceme_spans,
     cpu_samples::{add_cpu_samples, narrow_unknown},
     cuda::CudaTimeline,
     launch_stacks::add_launch_stacks,
@@ -355,11 +356,13 @@ fn add_stacks(
 
 /// Merges what the framework sessions recorded and says how it went.
 fn add_framework(timeline: &mut Timeline, recordings: &[AgentRecording]) {
+    let mut budget = DecodeBudget::default();
     for (r, xspace) in recordings
         .iter()
         .flat_map(|r| r.xspaces.iter().map(move |x| (r, x)))
     {
-        let (mut m, merged) = merge_framework_space(timeline, r.pid, xspace, &r.threads);
+        let (mut m, merged) =
+            merge_framework_space(timeline, r.pid, xspace, &r.threads, &mut budget);
         m.target_growth = r.target_growth;
         timeline.stats.sources.add_framework(r.pid, &m);
         timeline.stats.notes.push(format!(
@@ -375,6 +378,16 @@ fn add_framework(timeline: &mut Timeline, recordings: &[AgentRecording]) {
                 "pid {}: {} events of {} framework threads left out: those threads \
                  ended before ebtrace could name them",
                 r.pid, m.unnamed_events, m.unnamed_lines
+            ));
+        }
+        if m.events_over_budget > 0 {
+            timeline.stats.warnings.push(format!(
+                "pid {}: {} events of the framework's session left out: decoded, they would \
+                 take more than the {} MiB a capture keeps of its frameworks' sessions; a shorter \
+                 capture records fewer",
+                r.pid,
+                m.events_over_budget,
+                MAX_DECODED_FRAMEWORK_BYTES >> 20
             ));
         }
         if let Err(e) = merged {

@@ -55,82 +55,228 @@ pub struct FrameworkMerge {
     /// How much the process grew at most while the session recorded, in
     /// bytes.
     pub target_growth: u64,
+    /// Events left out: decoded, they would have taken more than what
+    /// was left of the capture's [`DecodeBudget`].
+    pub events_over_budget: u64,
+}
+
+/// The most memory the framework sessions' XSpaces of one capture take
+/// once decoded (spans, carried planes), in bytes. What the agents send is
+/// bounded on the wire (1 GiB a capture), but an empty event, two bytes
+/// there, decodes into tens.
+pub const MAX_DECODED_FRAMEWORK_BYTES: usize = 512 << 20;
+
+/// What is left of [`MAX_DECODED_FRAMEWORK_BYTES`] for one capture: each
+/// plane (and host line) is weighed before it is decoded, and left out
+/// when it would take more.
+#[derive(Debug)]
+pub struct DecodeBudget {
+    left: usize,
+}
+
+impl Default for DecodeBudget {
+    fn default() -> Self {
+        DecodeBudget::new(MAX_DECODED_FRAMEWORK_BYTES)
+    }
+}
+
+impl DecodeBudget {
+    /// A budget of `bytes`.
+    pub fn new(bytes: usize) -> Self {
+        DecodeBudget { left: bytes }
+    }
+
+    /// Takes `bytes` of it, if that much is left.
+    fn take(&mut self, bytes: usize) -> bool {
+        let fits = bytes <= self.left;
+        if fits {
+            self.left -= bytes;
+        }
+        fits
+    }
+}
+
+/// How many events the plane encoded in `plane` holds.
+fn events_of(plane: &[u8]) -> Result<u64, PartError> {
+    xspace_parts::lines(plane).try_fold(0, |n, line| {
+        Ok(n + xspace_parts::line_shape(line?)?.events as u64)
+    })
 }
 
 /// Merges the XSpace `bytes` that process `pid`'s framework recorded, a
-/// plane and an event at a time. Malformed bytes end the merge with the
-/// error; what came before them stays merged and counted.
+/// plane and an event at a time, each weighed against `budget` first.
+/// Malformed bytes end the merge with the error; what came before them
+/// stays merged and counted.
 pub fn merge_framework_space(
     timeline: &mut Timeline,
     pid: u32,
     bytes: &[u8],
     threads: &ThreadIds,
+    budget: &mut DecodeBudget,
 ) -> (FrameworkMerge, Result<(), PartError>) {
     let mut merge = FrameworkMerge::default();
-    let merged = merge_planes(timeline, pid, bytes, threads, &mut merge);
+    let mut space = Space {
+        timeline,
+        pid,
+        threads,
+        budget,
+        merge: &mut merge,
+    };
+    let merged = space.merge_planes(bytes);
     (merge, merged)
 }
 
-fn merge_planes(
-    timeline: &mut Timeline,
+/// One XSpace being merged.
+struct Space<'a> {
+    timeline: &'a mut Timeline,
     pid: u32,
-    bytes: &[u8],
-    threads: &ThreadIds,
-    merge: &mut FrameworkMerge,
-) -> Result<(), PartError> {
-    // The planes up to the first malformed one are merged all the same.
-    let mut planes = Vec::new();
-    let mut names = Vec::new();
-    let mut malformed = None;
-    for plane in xspace_parts::planes(bytes) {
-        match plane.and_then(|p| Ok((p, xspace_parts::plane_name(p)?))) {
-            Ok((plane, name)) => {
-                planes.push(plane);
-                names.push(name);
-            }
-            Err(e) => {
-                malformed = Some(e);
-                break;
+    threads: &'a ThreadIds,
+    budget: &'a mut DecodeBudget,
+    merge: &'a mut FrameworkMerge,
+}
+
+impl Space<'_> {
+    fn merge_planes(&mut self, bytes: &[u8]) -> Result<(), PartError> {
+        // The planes up to the first malformed one are merged all the same.
+        let mut planes = Vec::new();
+        let mut malformed = None;
+        for plane in xspace_parts::planes(bytes) {
+            match plane.and_then(|p| Ok((p, xspace_parts::plane_name(p)?))) {
+                Ok(named) => planes.push(named),
+                Err(e) => {
+                    malformed = Some(e);
+                    break;
+                }
             }
         }
-    }
-    let environment = planes
-        .iter()
-        .zip(&names)
-        .find(|(_, name)| *name == TASK_ENVIRONMENT_PLANE)
-        .map(|(plane, _)| XPlane::decode(*plane))
-        .transpose()?;
-    let base_wall_ns = match environment.and_then(|p| plane_stat_u64(&p, "profile_start_time")) {
-        Some(base) => base,
-        // Cut before its start time (TSL writes it last): no event can be
-        // placed.
-        None => match malformed {
-            Some(e) => return Err(e),
-            None => 0,
-        },
-    };
-    let to_monotonic = TimeBase {
-        base_wall_ns,
-        clock: timeline.clock,
-    };
-    for (plane, name) in planes.into_iter().zip(&names) {
-        match name.as_str() {
-            HOST_PLANE => add_host_plane(timeline, pid, plane, threads, &to_monotonic, merge)?,
-            TASK_ENVIRONMENT_PLANE => {}
-            _ => {
-                let mut plane = XPlane::decode(plane)?;
-                for line in &mut plane.lines {
-                    line.timestamp_ns = to_monotonic.line_start(line.timestamp_ns) as i64;
-                }
-                if let Some(ordinal) = gpu_ordinal(&plane.name) {
-                    give_way_on_gpu(timeline, pid, ordinal);
-                }
-                timeline.carried_planes.push(CarriedPlane { pid, plane });
-                merge.planes += 1;
+        let base_wall_ns = match self.session_start(&planes)? {
+            Some(base) => base,
+            // Cut before its start time (TSL writes it last): no event can
+            // be placed.
+            None => match malformed {
+                Some(e) => return Err(e),
+                None => 0,
+            },
+        };
+        let time = TimeBase {
+            base_wall_ns,
+            clock: self.timeline.clock,
+        };
+        for (plane, name) in planes {
+            match name.as_str() {
+                HOST_PLANE => self.add_host_plane(plane, &time)?,
+                TASK_ENVIRONMENT_PLANE => {}
+                _ => self.carry(plane, &time)?,
             }
         }
+        malformed.map_or(Ok(()), Err)
     }
-    malformed.map_or(Ok(()), Err)
+
+    /// When the session started (wall-clock ns), from its `Task
+    /// Environment` plane's stats; only that plane's head is decoded.
+    fn session_start(&mut self, planes: &[(&[u8], String)]) -> Result<Option<u64>, PartError> {
+        let Some((environment, _)) = planes
+            .iter()
+            .find(|(_, name)| name == TASK_ENVIRONMENT_PLANE)
+        else {
+            return Ok(None);
+        };
+        if !self
+            .budget
+            .take(xspace_parts::decoded_head_bytes(environment)?)
+        {
+            return Ok(None);
+        }
+        let (head, _) = xspace_parts::plane_without_lines(environment)?;
+        Ok(plane_stat_u64(&head, "profile_start_time"))
+    }
+
+    /// Carries a plane other than the host's into the trace as it is, its
+    /// times moved onto the timeline's clock, if the budget has room.
+    fn carry(&mut self, plane: &[u8], time: &TimeBase) -> Result<(), PartError> {
+        if !self.budget.take(xspace_parts::decoded_plane_bytes(plane)?) {
+            self.merge.events_over_budget += events_of(plane)?;
+            return Ok(());
+        }
+        let mut plane = XPlane::decode(plane)?;
+        for line in &mut plane.lines {
+            line.timestamp_ns = time.line_start(line.timestamp_ns) as i64;
+        }
+        if let Some(ordinal) = gpu_ordinal(&plane.name) {
+            give_way_on_gpu(self.timeline, self.pid, ordinal);
+        }
+        self.timeline.carried_planes.push(CarriedPlane {
+            pid: self.pid,
+            plane,
+        });
+        self.merge.planes += 1;
+        Ok(())
+    }
+
+    /// Lays the host plane's events on the named threads' lines, a line at
+    /// a time, each if the budget has room.
+    fn add_host_plane(&mut self, plane: &[u8], time: &TimeBase) -> Result<(), PartError> {
+        if !self.budget.take(xspace_parts::decoded_head_bytes(plane)?) {
+            self.merge.events_over_budget += events_of(plane)?;
+            return Ok(());
+        }
+        let (plane, lines) = xspace_parts::plane_without_lines(plane)?;
+        // One name per metadata id, shared by its events.
+        let mut names: HashMap<i64, Arc<str>> = HashMap::new();
+        for line in lines {
+            let weight = xspace_parts::decoded_line_bytes(line)?;
+            let (line, count, events) = xspace_parts::line_without_events(line)?;
+            let Some(&tid) = self.threads.get(&line.id) else {
+                self.merge.unnamed_lines += 1;
+                self.merge.unnamed_events += count as u64;
+                continue;
+            };
+            if !self.budget.take(weight) {
+                self.merge.events_over_budget += count as u64;
+                continue;
+            }
+            let line_start = time.line_start(line.timestamp_ns);
+            let track = self
+                .timeline
+                .thread_track(tid, self.pid, || line.name.clone());
+            // Millions of spans on one line: grown by doubling, the vector
+            // would hold up to twice their room, and three times while it
+            // moves.
+            track.spans.reserve_exact(count);
+            for event in events {
+                let event = event?;
+                let Some(Data::OffsetPs(offset_ps)) = event.data else {
+                    continue;
+                };
+                let start_ns = line_start.saturating_add_signed(offset_ps / 1000);
+                let end_ns = start_ns.saturating_add(event.duration_ps.max(0) as u64 / 1000);
+                let metadata = plane.event_metadata.get(&event.metadata_id);
+                let name = names
+                    .entry(event.metadata_id)
+                    .or_insert_with(|| match metadata {
+                        Some(m) if !m.display_name.is_empty() => m.display_name.as_str().into(),
+                        Some(m) => m.name.as_str().into(),
+                        None => "".into(),
+                    })
+                    .clone();
+                let stats = metadata
+                    .into_iter()
+                    .flat_map(|m| &m.stats)
+                    .chain(&event.stats)
+                    .filter_map(|s| stat(&plane.stat_metadata, s))
+                    .collect();
+                track.spans.push(Span {
+                    start_ns,
+                    end_ns,
+                    name,
+                    stats,
+                    correlation: None,
+                });
+                self.merge.spans += 1;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `N` of a `/device:GPU:N` plane.
@@ -165,66 +311,6 @@ impl TimeBase {
         let wall = (self.base_wall_ns as i64).saturating_add(line_timestamp_ns);
         self.clock.to_monotonic_ns(wall.max(0) as u64)
     }
-}
-
-/// Lays the events of the host plane encoded in `plane` on the threads'
-/// lines, decoding one event at a time.
-fn add_host_plane(
-    timeline: &mut Timeline,
-    pid: u32,
-    plane: &[u8],
-    threads: &ThreadIds,
-    time: &TimeBase,
-    merge: &mut FrameworkMerge,
-) -> Result<(), PartError> {
-    let (plane, lines) = xspace_parts::plane_without_lines(plane)?;
-    // One name per metadata id, shared by its events.
-    let mut names: HashMap<i64, Arc<str>> = HashMap::new();
-    for line in lines {
-        let (line, count, events) = xspace_parts::line_without_events(line)?;
-        let Some(&tid) = threads.get(&line.id) else {
-            merge.unnamed_lines += 1;
-            merge.unnamed_events += count as u64;
-            continue;
-        };
-        let line_start = time.line_start(line.timestamp_ns);
-        let track = timeline.thread_track(tid, pid, || line.name.clone());
-        // Millions of spans on one line: grown by doubling, the vector
-        // would hold up to twice their room, and three times while it moves.
-        track.spans.reserve_exact(count);
-        for event in events {
-            let event = event?;
-            let Some(Data::OffsetPs(offset_ps)) = event.data else {
-                continue;
-            };
-            let start_ns = line_start.saturating_add_signed(offset_ps / 1000);
-            let end_ns = start_ns.saturating_add(event.duration_ps.max(0) as u64 / 1000);
-            let metadata = plane.event_metadata.get(&event.metadata_id);
-            let name = names
-                .entry(event.metadata_id)
-                .or_insert_with(|| match metadata {
-                    Some(m) if !m.display_name.is_empty() => m.display_name.as_str().into(),
-                    Some(m) => m.name.as_str().into(),
-                    None => "".into(),
-                })
-                .clone();
-            let stats = metadata
-                .into_iter()
-                .flat_map(|m| &m.stats)
-                .chain(&event.stats)
-                .filter_map(|s| stat(&plane.stat_metadata, s))
-                .collect();
-            track.spans.push(Span {
-                start_ns,
-                end_ns,
-                name,
-                stats,
-                correlation: None,
-            });
-            merge.spans += 1;
-        }
-    }
-    Ok(())
 }
 
 /// Keeps the carried events `inside` accepts, cut as it says (the
@@ -285,7 +371,7 @@ fn plane_stat_u64(plane: &XPlane, name: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
 
-    use ebtrace_proto::tensorflow::profiler::XSpace;
+    use ebtrace_proto::tensorflow::profiler::{XEvent, XLine, XSpace};
 
     use super::*;
     use crate::timeline::Window;
@@ -350,7 +436,8 @@ mod tests {
         // Monotonic time 1 s before the session started.
         let clock = ClockSync::from_offset(start as i64 - 1_000_000_000);
         let mut tl = empty_timeline(clock);
-        let (merge, merged) = merge_framework_space(&mut tl, 7, &bytes, &threads);
+        let (merge, merged) =
+            merge_framework_space(&mut tl, 7, &bytes, &threads, &mut DecodeBudget::default());
         merged.unwrap();
 
         let events: u64 = host.lines.iter().map(|l| l.events.len() as u64).sum();
@@ -392,6 +479,52 @@ mod tests {
     /// A GPU plane of the session replaces what ebtrace saw submitted to
     /// that GPU by the same process from the host, and nothing else.
     #[test]
+    fn planes_past_the_budget_are_weighed_and_left_out_undecoded() {
+        let bytes = jax_space();
+        let space = XSpace::decode(bytes.as_slice()).unwrap();
+        let events = |p: &XPlane| p.lines.iter().map(|l| l.events.len() as u64).sum::<u64>();
+        // Nothing fits: every event is counted, none laid or carried.
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        let mut none = DecodeBudget::new(0);
+        let (merge, merged) =
+            merge_framework_space(&mut tl, 7, &bytes, &ThreadIds::new(), &mut none);
+        merged.unwrap();
+        let all: u64 = space
+            .planes
+            .iter()
+            .filter(|p| p.name != TASK_ENVIRONMENT_PLANE)
+            .map(events)
+            .sum();
+        assert!(all > 0);
+        assert_eq!(merge.events_over_budget, all);
+        assert!(tl.carried_planes.is_empty() && tl.threads.is_empty());
+        // A plane of a million empty events (2 MB sent, over 50 MB decoded)
+        // beside the session's own: it alone is left out of 32 MiB.
+        let mut flooded = space.clone();
+        flooded.planes.push(XPlane {
+            name: "/device:flood".into(),
+            lines: vec![XLine {
+                events: vec![XEvent::default(); 1_000_000],
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let bytes = flooded.encode_to_vec();
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        let mut budget = DecodeBudget::new(32 << 20);
+        let (merge, merged) =
+            merge_framework_space(&mut tl, 7, &bytes, &ThreadIds::new(), &mut budget);
+        merged.unwrap();
+        assert_eq!(merge.events_over_budget, 1_000_000);
+        assert_eq!(merge.planes as usize, space.planes.len() - 2);
+        assert!(
+            tl.carried_planes
+                .iter()
+                .all(|p| p.plane.name != "/device:flood")
+        );
+    }
+
+    #[test]
     fn a_sessions_gpu_plane_replaces_the_host_observed_streams_of_its_process() {
         use ebtrace_proto::tensorflow::profiler::XPlane;
 
@@ -429,7 +562,13 @@ mod tests {
         );
         tl.devices
             .insert(1, device(1, vec![stream(1, 7, StreamTiming::HostObserved)]));
-        let (_, merged) = merge_framework_space(&mut tl, 7, &bytes, &ThreadIds::new());
+        let (_, merged) = merge_framework_space(
+            &mut tl,
+            7,
+            &bytes,
+            &ThreadIds::new(),
+            &mut DecodeBudget::default(),
+        );
         merged.unwrap();
         let kept: Vec<(i64, u32)> = tl.devices[&0]
             .streams
@@ -443,7 +582,13 @@ mod tests {
         let mut tl = empty_timeline(ClockSync::from_offset(0));
         tl.devices
             .insert(0, device(0, vec![stream(1, 7, StreamTiming::HostObserved)]));
-        let (_, merged) = merge_framework_space(&mut tl, 7, &bytes, &ThreadIds::new());
+        let (_, merged) = merge_framework_space(
+            &mut tl,
+            7,
+            &bytes,
+            &ThreadIds::new(),
+            &mut DecodeBudget::default(),
+        );
         merged.unwrap();
         assert!(tl.devices.is_empty());
         assert!(
@@ -464,8 +609,13 @@ mod tests {
         let bytes = jax_space();
         for cut in (1..bytes.len()).step_by(bytes.len() / 97 + 1) {
             let mut tl = empty_timeline(ClockSync::from_offset(0));
-            let (merge, merged) =
-                merge_framework_space(&mut tl, 7, &bytes[..cut], &ThreadIds::new());
+            let (merge, merged) = merge_framework_space(
+                &mut tl,
+                7,
+                &bytes[..cut],
+                &ThreadIds::new(),
+                &mut DecodeBudget::default(),
+            );
             assert!(merged.is_err(), "cut at {cut} of {}", bytes.len());
             assert_eq!((merge.spans, merge.planes), (0, 0), "cut at {cut}");
             assert!(tl.carried_planes.is_empty());
@@ -503,7 +653,8 @@ mod tests {
 
         let mut tl = empty_timeline(ClockSync::from_offset(0));
         let threads: ThreadIds = [(5, 1005)].into();
-        let (merge, merged) = merge_framework_space(&mut tl, 7, &space, &threads);
+        let (merge, merged) =
+            merge_framework_space(&mut tl, 7, &space, &threads, &mut DecodeBudget::default());
         assert!(merged.is_err());
         assert_eq!(merge.spans, 1);
         let span = &tl.threads[&1005].spans[0];
@@ -553,7 +704,13 @@ mod tests {
         }
         .encode_to_vec();
         let mut tl = empty_timeline(ClockSync::from_offset(0));
-        let (merge, merged) = merge_framework_space(&mut tl, 7, &space, &[(5, 1005)].into());
+        let (merge, merged) = merge_framework_space(
+            &mut tl,
+            7,
+            &space,
+            &[(5, 1005)].into(),
+            &mut DecodeBudget::default(),
+        );
         merged.unwrap();
         assert_eq!((merge.spans, merge.planes), (1, 1));
         Window::between(0, u64::MAX / 2).apply(&mut tl);

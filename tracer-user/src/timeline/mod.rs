@@ -50,7 +50,9 @@ use std::{collections::BTreeMap, num::NonZeroU64};
 pub use assemble::{Sources, TraceMeInput, assemble};
 pub use cpu_lines::{CpuLine, CpuLines};
 pub use cuda::{CudaTimelineBuilder, DeviceTrack, StreamTiming, StreamTrack};
-pub use framework::{CarriedPlane, FrameworkMerge, merge_framework_space};
+pub use framework::{
+    CarriedPlane, DecodeBudget, FrameworkMerge, MAX_DECODED_FRAMEWORK_BYTES, merge_framework_space,
+};
 pub use gpu_activity::{ActivityMerge, merge_device_activity};
 pub use nest::{Cuts, Nestable, nest};
 pub use order::RecordInput;
