@@ -110,7 +110,7 @@ pub async fn serve(
 
 async fn scrape(State(shared): State<Shared>, ConnectInfo(peer): ConnectInfo<Peer>) -> Response {
     // The hub knows the watched processes; a server shutting down has none.
-    let targets = shared.hub.targets().await.unwrap_or_default();
+    let targets = shared.hub.targets().unwrap_or_default();
     let caller = shared.authority.caller_of_peer(&peer);
     if let Err(why) = caller.may_read_all(&targets) {
         return shared.forbidden(&caller, "/metrics", why);
@@ -171,7 +171,7 @@ async fn cpu_profile(
             Ok(p) => p,
             Err(line) => return refuse(StatusCode::BAD_REQUEST, line),
         };
-    let mut targets = shared.hub.targets().await.unwrap_or_default();
+    let mut targets = shared.hub.targets().unwrap_or_default();
     let caller = shared.authority.caller_of_peer(&peer);
     match caller.allowed_pids(Scope::Read, &targets, None) {
         Ok(Some(allowed)) => targets.retain(|t| allowed.contains(&t.pid)),

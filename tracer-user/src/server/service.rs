@@ -87,7 +87,7 @@ impl ProfilerServer {
         scope: Scope,
         spec: &mut validate::SessionSpec,
     ) -> Result<(), Status> {
-        let targets = self.hub.targets().await.map_err(status_of)?;
+        let targets = self.hub.targets().map_err(status_of)?;
         let allowed = caller
             .allowed_pids(scope, &targets, spec.pids.as_ref())
             .map_err(|why| self.refused(caller, method, why))?;
@@ -103,7 +103,7 @@ impl ProfilerServer {
         caller: &Caller,
         method: &str,
     ) -> Result<Vec<TargetProcess>, Status> {
-        let targets = self.hub.targets().await.map_err(status_of)?;
+        let targets = self.hub.targets().map_err(status_of)?;
         caller
             .may_read_all(&targets)
             .map_err(|why| self.refused(caller, method, why))?;

@@ -2,10 +2,13 @@
 //! `--discover` every process that maps one of the ML runtime libraries in
 //! [`RUNTIME_LIBRARIES`], found by reading `/proc/*/maps` every interval
 //! (so processes started later are picked up too). Processes that exit are
-//! dropped.
+//! dropped. What the hub watches is also published ([`WatchedNow`]), so
+//! that `/metrics` and a request's permission check never wait for a hub
+//! busy with a capture.
 
 use std::{
     collections::BTreeMap,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -54,6 +57,25 @@ pub struct Watched {
     mode: WatchMode,
     procs: BTreeMap<u32, TargetProcess>,
     last_scan: Option<Instant>,
+    now: WatchedNow,
+}
+
+/// The watched processes as of the hub's last look, readable from any
+/// thread without waiting for the hub; none once the hub has stopped.
+#[derive(Clone, Default)]
+pub struct WatchedNow(Arc<Mutex<Option<Vec<TargetProcess>>>>);
+
+impl WatchedNow {
+    /// Those still running; `None` once the hub has stopped.
+    pub fn get(&self) -> Option<Vec<TargetProcess>> {
+        let targets = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let running = targets.as_ref()?.iter().filter(|t| t.is_alive());
+        Some(running.cloned().collect())
+    }
+
+    fn set(&self, targets: Option<Vec<TargetProcess>>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = targets;
+    }
 }
 
 impl Watched {
@@ -67,9 +89,16 @@ impl Watched {
             mode,
             procs,
             last_scan: None,
+            now: WatchedNow::default(),
         };
         w.refresh();
+        w.now.set(Some(w.targets()));
         w
+    }
+
+    /// What it watches, published as it changes.
+    pub fn now(&self) -> WatchedNow {
+        self.now.clone()
     }
 
     /// When the next discovery scan is due, if discovering.
@@ -89,6 +118,7 @@ impl Watched {
             .filter(|t| !t.is_alive())
             .map(|t| t.pid)
             .collect();
+        let mut changed = !gone.is_empty();
         for pid in gone {
             if let Some(t) = self.procs.remove(&pid) {
                 eprintln!(
@@ -99,11 +129,16 @@ impl Watched {
         }
         if self.next_scan().is_some_and(|due| due <= Instant::now()) {
             self.last_scan = Some(Instant::now());
-            self.discover();
+            changed |= self.discover();
+        }
+        if changed {
+            self.now.set(Some(self.targets()));
         }
     }
 
-    fn discover(&mut self) {
+    /// Whether it found a process to watch.
+    fn discover(&mut self) -> bool {
+        let mut found = false;
         let me = std::process::id();
         for pid in crate::procfs::process_ids() {
             if pid == me || self.procs.contains_key(&pid) {
@@ -124,8 +159,10 @@ impl Watched {
                     t.pid, t.name
                 );
                 self.procs.insert(pid, t);
+                found = true;
             }
         }
+        found
     }
 
     /// The watched processes, as of the last refresh.
@@ -154,6 +191,13 @@ impl Watched {
                 RUNTIME_LIBRARIES.join(", ")
             ),
         }
+    }
+}
+
+impl Drop for Watched {
+    /// The hub has stopped (or panicked): nothing is watched any more.
+    fn drop(&mut self) {
+        self.now.set(None);
     }
 }
 
@@ -199,5 +243,9 @@ mod tests {
         assert!(w.contains(me.pid));
         assert_eq!(w.targets().len(), 1);
         assert!(w.next_scan().is_none());
+        let now = w.now();
+        assert_eq!(now.get().map(|t| t.len()), Some(1));
+        drop(w);
+        assert!(now.get().is_none(), "still published after the hub stopped");
     }
 }

@@ -12,7 +12,12 @@ use crate::{
     capture::flight_recorder::Retention,
     metrics::Metrics,
     procfs::TargetProcess,
-    server::{admission::Slot, validate::SessionSpec, watch::WatchMode, write_guard::WriteGuard},
+    server::{
+        admission::Slot,
+        validate::SessionSpec,
+        watch::{WatchMode, WatchedNow},
+        write_guard::WriteGuard,
+    },
 };
 
 /// Where the hub sends a session's response, or why there is none.
@@ -60,11 +65,6 @@ pub enum Command {
         reply: Reply,
         /// Its caller's place, held until the snapshot is dropped.
         slot: Slot,
-    },
-    /// The watched processes now.
-    Targets {
-        /// Receives the processes.
-        reply: oneshot::Sender<Vec<TargetProcess>>,
     },
     /// Finish every session with what it has, detach, stop.
     Shutdown,
@@ -160,6 +160,7 @@ pub struct HubConfig {
 #[derive(Clone)]
 pub struct HubHandle {
     pub(super) commands: mpsc::Sender<Command>,
+    pub(super) watched: WatchedNow,
 }
 
 impl HubHandle {
@@ -236,13 +237,10 @@ impl HubHandle {
         answer.await.map_err(|_| SessionError::ShuttingDown)?
     }
 
-    /// The processes watched now.
-    pub async fn targets(&self) -> Result<Vec<TargetProcess>, SessionError> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(Command::Targets { reply })
-            .map_err(|_| SessionError::ShuttingDown)?;
-        answer.await.map_err(|_| SessionError::ShuttingDown)
+    /// The processes watched now, as of the hub's last look (never
+    /// waiting for a hub busy with a capture).
+    pub fn targets(&self) -> Result<Vec<TargetProcess>, SessionError> {
+        self.watched.get().ok_or(SessionError::ShuttingDown)
     }
 
     /// Asks the hub to finish every session with what it has, detach and stop; does not wait.

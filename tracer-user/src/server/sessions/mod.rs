@@ -76,9 +76,11 @@ const MAX_DETACHING: usize = 8;
 pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> {
     let (commands, inbox) = mpsc::channel();
     let recorder_wanted = config.record_from_start;
+    let watched = Watched::new(config.watch.clone());
+    let published = watched.now();
     let hub = Hub {
         inbox,
-        watched: Watched::new(config.watch.clone()),
+        watched,
         config,
         waiting: Vec::new(),
         running: Vec::new(),
@@ -95,7 +97,13 @@ pub fn spawn(config: HubConfig) -> std::io::Result<(HubHandle, JoinHandle<()>)> 
     let thread = std::thread::Builder::new()
         .name("ebtrace-hub".into())
         .spawn(move || hub.run())?;
-    Ok((HubHandle { commands }, thread))
+    Ok((
+        HubHandle {
+            commands,
+            watched: published,
+        },
+        thread,
+    ))
 }
 
 struct Session {
@@ -228,10 +236,6 @@ impl Hub {
                     n += 1;
                 }
                 let _ = reply.send(n);
-            }
-            Command::Targets { reply } => {
-                self.watched.refresh();
-                let _ = reply.send(self.watched.targets());
             }
             Command::StartRecorder { .. }
             | Command::StopRecorder { .. }
