@@ -49,9 +49,6 @@ use crate::{
     timeline::{self, InitialState, Timeline, Window, streamed::StreamedScheduling},
 };
 
-/// How often the agents hand over what the GPUs ran during a capture.
-const DEVICE_COLLECTION_PERIOD: Duration = Duration::from_millis(250);
-
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
@@ -190,7 +187,10 @@ pub struct PollStatus {
 
 /// A capture in progress: its probes, agents and what they recorded so far.
 pub struct Capture {
-    /// Framework sessions run by the agent; dropped first, which stops
+    /// The agents being asked what the GPUs ran, holding their sessions
+    /// meanwhile; dropped first, waiting for its answers.
+    device_round: agents::DeviceRound,
+    /// Framework sessions run by the agent; dropped next, which stops
     /// them and takes the agent out of the targets.
     framework: Vec<AgentSession>,
     /// What those sessions recorded so far.
@@ -269,7 +269,7 @@ impl Capture {
     /// Whether an agent records in any target (its answers are awaited
     /// when the capture finishes).
     pub fn has_agents(&self) -> bool {
-        !self.framework.is_empty()
+        !self.framework.is_empty() || self.device_round.is_running()
     }
 
     /// When the capture window started (`CLOCK_MONOTONIC` ns); reset by [`Self::resume`].
@@ -287,8 +287,10 @@ impl Capture {
         self.cuda.as_ref().map_or(&[], |c| &c.targets)
     }
 
-    /// The agent sessions recording inside the targets.
-    pub fn agent_sessions(&self) -> &[AgentSession] {
+    /// The agent sessions recording inside the targets, once those being
+    /// asked what the GPUs ran have answered.
+    pub fn agent_sessions(&mut self) -> &[AgentSession] {
+        self.end_device_round();
         &self.framework
     }
 
@@ -323,9 +325,7 @@ impl Capture {
         self.collector.wait(timeout);
         self.drain();
         self.bound_framework_sessions();
-        if self.last_collection.elapsed() >= DEVICE_COLLECTION_PERIOD {
-            self.collect_device_activity();
-        }
+        self.collect_device_activity();
         // A window with a known end streams records that are also kept.
         let streamed_only = self
             .streamed
@@ -344,6 +344,7 @@ impl Capture {
     /// nothing. The agents and the TraceMe recording ebtrace switched on
     /// are taken out of the targets, as at the end of a capture.
     pub fn pause(&mut self) -> Result<()> {
+        self.end_device_round();
         for session in self.framework.drain(..) {
             for warning in agents::take_out(session) {
                 log::warn!("{warning}");

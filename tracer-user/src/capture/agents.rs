@@ -3,7 +3,10 @@
 //! and the kernel names asked of the driver inside the targets
 //! ([`crate::timeline::assemble`] lays all of it on the timeline).
 
-use std::time::Instant;
+use std::{
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
 
 use super::Capture;
 use crate::attach::restore_children_of_session;
@@ -12,6 +15,102 @@ use crate::{
     attach::TraceMeProbe,
     collect::{Collector, EncodedRecords, agent::AgentRecording},
 };
+
+/// How often the agents are asked for what the GPUs ran while a capture
+/// records: what a target that exits takes with it.
+const DEVICE_COLLECTION_PERIOD: Duration = Duration::from_millis(250);
+
+/// Sessions and the device activity they handed over, by pid.
+type RoundAnswers = (Vec<AgentSession>, Vec<(u32, Vec<u8>)>);
+
+/// A round of collecting what the GPUs ran, asked of every agent at once
+/// on threads of their own: a silent agent holds its own question (for as
+/// long as its silence is allowed), never the others', the capture's
+/// drain of the ring buffer or a server's hub. The other agents are told
+/// that ebtrace is still there, which renews their sessions' leases. A
+/// round in progress is waited for when dropped: its sessions take the
+/// agents out of the targets then.
+#[derive(Default)]
+pub(super) struct DeviceRound(Option<JoinHandle<RoundAnswers>>);
+
+impl DeviceRound {
+    fn start(mut sessions: Vec<AgentSession>) -> Self {
+        if sessions.is_empty() {
+            return DeviceRound(None);
+        }
+        let round = std::thread::Builder::new()
+            .name("ebtrace-gpu-collect".into())
+            .spawn(move || {
+                let collected = std::thread::scope(|scope| {
+                    let asked: Vec<_> = sessions
+                        .iter_mut()
+                        .map(|session| scope.spawn(|| collect_from(session)))
+                        .collect();
+                    asked
+                        .into_iter()
+                        .flat_map(|a| a.join().unwrap_or_default())
+                        .collect()
+                });
+                (sessions, collected)
+            });
+        match round {
+            Ok(round) => DeviceRound(Some(round)),
+            // No thread to ask on: the sessions are lost with it (they
+            // take the agents out as they drop); said once.
+            Err(e) => {
+                log::warn!("collecting GPU activity: no thread to ask the agents on: {e}");
+                DeviceRound(None)
+            }
+        }
+    }
+
+    pub(super) fn is_running(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn has_ended(&self) -> bool {
+        self.0.as_ref().is_some_and(JoinHandle::is_finished)
+    }
+
+    fn join(&mut self) -> Option<RoundAnswers> {
+        let round = self.0.take()?;
+        match round.join() {
+            Ok(answers) => Some(answers),
+            Err(_) => {
+                log::warn!("collecting GPU activity: the thread asking the agents panicked");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for DeviceRound {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+/// Takes what the GPUs ran so far from `session`'s agent if it records
+/// it (the agent's buffers are bounded, and a target that exits takes only
+/// the last period's records with it); renews its lease if not.
+fn collect_from(session: &mut AgentSession) -> Vec<(u32, Vec<u8>)> {
+    if session.started.device.is_none() {
+        if let Err(why) = session.keep_alive() {
+            log::debug!("pid {}: renewing the agent's lease: {why}", session.pid);
+        }
+        return Vec::new();
+    }
+    match session.collect_device_activity() {
+        Ok(batches) => return batches.into_iter().map(|b| (session.pid, b)).collect(),
+        // Said once: the agent is asked nothing more.
+        Err(AgentError::Unanswered) => {}
+        Err(why) if session.target_exited() => {
+            log::debug!("pid {}: collecting GPU activity: {why}", session.pid)
+        }
+        Err(why) => log::warn!("pid {}: collecting GPU activity: {why}", session.pid),
+    }
+    Vec::new()
+}
 
 impl Capture {
     /// Stops the framework session of each target that grew, since it
@@ -56,30 +155,26 @@ impl Capture {
         self.agent_questions_apart().0.collect_framework(restart);
     }
 
-    /// Takes what the GPUs ran so far from the agents that record it: the
-    /// agent's buffers are bounded, and a target that exits takes only
-    /// the last period's records with it. The other agents are told that
-    /// ebtrace is still there, which renews their sessions' leases.
+    /// Takes in the last round of collecting what the GPUs ran, if it has
+    /// ended, and starts the next when it is due.
     pub(super) fn collect_device_activity(&mut self) {
-        self.last_collection = Instant::now();
-        for session in &mut self.framework {
-            if session.started.device.is_none() {
-                if let Err(why) = session.keep_alive() {
-                    log::debug!("pid {}: renewing the agent's lease: {why}", session.pid);
-                }
-                continue;
-            }
-            match session.collect_device_activity() {
-                Ok(batches) => self
-                    .collected
-                    .extend(batches.into_iter().map(|b| (session.pid, b))),
-                // Said once: the agent is asked nothing more.
-                Err(AgentError::Unanswered) => {}
-                Err(why) if session.target_exited() => {
-                    log::debug!("pid {}: collecting GPU activity: {why}", session.pid)
-                }
-                Err(why) => log::warn!("pid {}: collecting GPU activity: {why}", session.pid),
-            }
+        if self.device_round.is_running() && !self.device_round.has_ended() {
+            return;
+        }
+        self.end_device_round();
+        if self.last_collection.elapsed() >= DEVICE_COLLECTION_PERIOD {
+            self.last_collection = Instant::now();
+            self.device_round = DeviceRound::start(std::mem::take(&mut self.framework));
+        }
+    }
+
+    /// Waits for the round of collecting what the GPUs ran, if one is in
+    /// progress, and takes its sessions and answers back: done before the
+    /// agents are asked anything else.
+    pub(super) fn end_device_round(&mut self) {
+        if let Some((sessions, collected)) = self.device_round.join() {
+            self.framework = sessions;
+            self.collected.extend(collected);
         }
     }
 
@@ -92,6 +187,7 @@ impl Capture {
     /// What asking the agents takes of the capture, and its collector
     /// apart: another thread may drain that meanwhile.
     pub(super) fn agent_questions_apart(&mut self) -> (AgentQuestions<'_>, &mut Collector) {
+        self.end_device_round();
         let Capture {
             framework,
             recordings,

@@ -73,6 +73,7 @@ impl Capture {
             }
         }
         Ok(Capture {
+            device_round: Default::default(),
             framework,
             recordings: Vec::new(),
             collected: Vec::new(),

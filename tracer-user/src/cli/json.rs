@@ -23,7 +23,7 @@ pub struct Start {
 impl Start {
     /// Takes what `capture` says about its targets and probes; `notes` and
     /// `warnings` are the lines printed when the window opened.
-    pub fn of(capture: &Capture, notes: Vec<String>, warnings: Vec<String>) -> Self {
+    pub fn of(capture: &mut Capture, notes: Vec<String>, warnings: Vec<String>) -> Self {
         let mut processes: BTreeMap<u32, Process> = capture
             .targets()
             .iter()

@@ -43,7 +43,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     let session = logdir::session_name(chrono::Local::now());
     let mut capture = Capture::start(targets, &options)?;
     let started = Instant::now();
-    let start = announce(&capture, args);
+    let start = announce(&mut capture, args);
     let bar = progress_bar(args);
     let ended_early = record_until_done(&mut capture, args, started, &stop, &bar);
     bar.finish_and_clear();
@@ -174,7 +174,7 @@ fn capture_options(args: &RecordArgs) -> CaptureOptions {
 
 /// Prints what is traced, the notes and the warnings of the attach; with
 /// `--json`, keeps them for the summary.
-fn announce(capture: &Capture, args: &RecordArgs) -> Option<json::Start> {
+fn announce(capture: &mut Capture, args: &RecordArgs) -> Option<json::Start> {
     let names: Vec<String> = capture
         .targets()
         .iter()
@@ -197,8 +197,8 @@ fn announce(capture: &Capture, args: &RecordArgs) -> Option<json::Start> {
     for note in &notes[capture.notes.len()..] {
         eprintln!("ebtrace: {note}");
     }
-    args.json
-        .then(|| json::Start::of(capture, notes, capture.warnings.clone()))
+    let warnings = capture.warnings.clone();
+    args.json.then(|| json::Start::of(capture, notes, warnings))
 }
 
 /// The bar that shows the capture's progress (hidden with `--quiet`).
