@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod deploy;
 pub mod fixture;
 pub mod gated;
+pub mod hostile;
 pub mod http;
 pub mod inject;
 pub mod killed;

@@ -7,17 +7,15 @@
 
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
-    os::unix::{
-        net::{SocketAddr, UnixStream},
-        process::CommandExt as _,
-    },
+    os::unix::net::{SocketAddr, UnixStream},
     path::Path,
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     time::Duration,
 };
 
 use ebtrace_tests::{
     TempDir, agent_threads, cuda, ebtrace_bin,
+    hostile::{Target, start_system_python},
     python::{jax_python, start_jax},
     record, require_root, serial, signal, spawn_record, xplane_files,
     xspace::{self, line_events, plane},
@@ -26,33 +24,6 @@ use tracer_agent::protocol::{self, Header, Hello, SessionLevels, StartRequest};
 
 /// The uid of `nobody`, an unprivileged user.
 const NOBODY: u32 = 65534;
-
-/// `tests/fixtures/agent/fake_agent.py` run by the system's CPython (no
-/// packages needed) as `uid`, with `args`; returns it once it listens.
-fn start_fake_agent(uid: u32, args: &[&str]) -> (Child, u32) {
-    let script = ebtrace_tests::workspace_root().join("tests/fixtures/agent/fake_agent.py");
-    let source = std::fs::read_to_string(&script).expect("read fake_agent.py");
-    let mut python = Command::new("/usr/bin/python3");
-    python.arg("-c").arg(source).args(args).uid(uid);
-    start_python(python)
-}
-
-/// Starts `python` (the system's CPython running a script that prints
-/// `{"pid": N}` first); returns it and that pid once printed.
-fn start_python(mut python: Command) -> (Child, u32) {
-    let mut child = python
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start /usr/bin/python3");
-    let mut first = String::new();
-    BufReader::new(child.stdout.as_mut().expect("piped"))
-        .read_line(&mut first)
-        .expect("its first line");
-    let line: serde_json::Value = serde_json::from_str(&first).expect("a JSON line");
-    (child, line["pid"].as_u64().expect("pid") as u32)
-}
 
 /// The agent library, written out for `LD_PRELOAD`.
 fn agent_library(dir: &TempDir) -> String {
@@ -136,17 +107,6 @@ impl Peer {
     }
 }
 
-/// A child process, killed and reaped when dropped (a failing test leaves
-/// none behind).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_listener_posing_as_a_program_s_agent_is_ignored() {
     if !require_root("a_listener_posing_as_a_program_s_agent_is_ignored") {
@@ -160,8 +120,8 @@ fn a_listener_posing_as_a_program_s_agent_is_ignored() {
     let pid = workload.pid;
     // Any user can bind an abstract socket name: nobody takes the one
     // ebtrace looks for, before ebtrace comes.
-    let (impostor, impostor_pid) = start_fake_agent(NOBODY, &["impostor", &pid.to_string()]);
-    let _impostor = Reaped(impostor);
+    let impostor = Target::fake_agent(NOBODY, &["impostor", &pid.to_string()]);
+    let impostor_pid = impostor.pid;
 
     let logs = TempDir::new("agent-impostor");
     let out = record(&pid.to_string(), "2s", &logs, &["--traceme", "agent"]);
@@ -230,7 +190,7 @@ struct HostileAnswer {
     /// ebtrace's peak resident memory, in bytes.
     peak: u64,
     space: ebtrace_proto::tensorflow::profiler::XSpace,
-    program: Reaped,
+    program: Target,
 }
 
 /// Records, for `duration`, a program that loaded the stand-in driver and
@@ -241,8 +201,8 @@ struct HostileAnswer {
 fn record_hostile_answer(mode: &str, duration: &str) -> HostileAnswer {
     let (lib_dir, _) = cuda::build();
     let libcuda = lib_dir.join("libcuda.so.1");
-    let (program, pid) = start_fake_agent(0, &[mode, libcuda.to_str().unwrap()]);
-    let mut program = Reaped(program);
+    let mut program = Target::fake_agent(0, &[mode, libcuda.to_str().unwrap()]);
+    let pid = program.pid;
     let logs = TempDir::new(&format!("agent-{mode}"));
     let child = spawn_record(&pid.to_string(), duration, &logs, &[]);
     let (status, printed, peak) = wait_with_peak_rss(child);
@@ -253,10 +213,7 @@ fn record_hostile_answer(mode: &str, duration: &str) -> HostileAnswer {
         host.lines.iter().any(|l| l.id == i64::from(pid)),
         "no line for pid {pid}"
     );
-    assert!(
-        program.0.try_wait().unwrap().is_none(),
-        "the program lives on"
-    );
+    assert!(program.alive(), "the program lives on");
     HostileAnswer {
         pid,
         printed,
@@ -323,7 +280,7 @@ fn a_program_sending_a_plane_of_empty_events_loses_that_plane_and_no_more() {
 
 /// A program that loads the stand-in CUDA driver and idles, started with
 /// the agent preloaded.
-fn start_preloaded_driver_program(preload: &str, libcuda: &Path) -> Child {
+fn start_preloaded_driver_program(preload: &str, libcuda: &Path) -> Target {
     let source = format!(
         "import ctypes, json, os, time\n\
          ctypes.CDLL({libcuda:?})\n\
@@ -336,7 +293,7 @@ fn start_preloaded_driver_program(preload: &str, libcuda: &Path) -> Child {
         .arg(source)
         .env("LD_PRELOAD", preload)
         .env("EBTRACE_AGENT", "listen");
-    start_python(python).0
+    start_system_python(python)
 }
 
 #[test]
@@ -348,11 +305,8 @@ fn a_preloaded_agent_serves_only_a_peer_that_proves_it_may_read_the_program() {
     let (lib_dir, _) = cuda::build();
     let dir = TempDir::new("agent-proof");
     let preload = agent_library(&dir);
-    let mut program = Reaped(start_preloaded_driver_program(
-        &preload,
-        &lib_dir.join("libcuda.so.1"),
-    ));
-    let pid = program.0.id();
+    let mut program = start_preloaded_driver_program(&preload, &lib_dir.join("libcuda.so.1"));
+    let pid = program.pid;
     assert_eq!(agent_threads(pid), 1, "the agent listens");
 
     // A request before any proof: the agent hangs up, answering nothing.
@@ -399,7 +353,7 @@ fn a_preloaded_agent_serves_only_a_peer_that_proves_it_may_read_the_program() {
         }
     }
     assert_eq!(peer.ask(protocol::PING, &[]).0, protocol::PONG);
-    assert!(program.0.try_wait().unwrap().is_none(), "the program died");
+    assert!(program.alive(), "the program died");
 }
 
 #[test]

@@ -6,13 +6,12 @@
 
 use std::{
     path::Path,
-    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
 use ebtrace_tests::{
     TempDir,
-    cuda::CudaWorkload,
+    hostile::{SilencedAgent, Target, launching, wait_for_agent_thread},
     http,
     inject::inject_check_once,
     mkfifo,
@@ -20,55 +19,14 @@ use ebtrace_tests::{
     python::PythonWorkload,
     require_root, serial,
     serve::{ServeProcess, block_on, request},
-    signal, spawn_record, wait_for_agent_threads, wait_with_deadline, xplane_files,
+    signal, spawn_record, wait_with_deadline, xplane_files,
 };
 
-/// A sleeping process whose `/etc/ld.so.cache` is `cache` (bind-mounted
-/// over it in a mount namespace of its own); killed when dropped.
-struct Hostile(Child);
-
-impl Hostile {
-    fn with_cache(cache: &Path) -> Self {
-        let script = format!(
-            "mount --bind {} /etc/ld.so.cache && exec sleep 600",
-            cache.display()
-        );
-        let child = Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("unshare");
-        let pid = child.id();
-        // Ready once `sleep` runs in the new namespace.
-        let start = Instant::now();
-        while std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default() != "sleep\n"
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "the target did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Hostile(child)
-    }
-
-    fn pid(&self) -> String {
-        self.0.id().to_string()
-    }
-}
-
-impl Drop for Hostile {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `ebtrace --pid` of `target` for 1 s ends within 20 s and writes a trace.
-fn capture_ends_with_a_trace(target: &Hostile, what: &str) {
+fn capture_ends_with_a_trace(target: &Target, what: &str) {
     let logdir = TempDir::new("hostile");
     let started = Instant::now();
-    let child = spawn_record(&target.pid(), "1s", &logdir, &[]);
+    let child = spawn_record(&target.pid.to_string(), "1s", &logdir, &[]);
     let out = wait_with_deadline(child, Duration::from_secs(20));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -89,7 +47,7 @@ fn a_fifo_for_a_loader_cache_does_not_hang_a_capture() {
     let dir = TempDir::new("hostile-fifo");
     let fifo = dir.path().join("ld.so.cache");
     mkfifo(&fifo);
-    let target = Hostile::with_cache(&fifo);
+    let target = Target::with_loader_cache(&fifo, None);
     capture_ends_with_a_trace(&target, "a FIFO as /etc/ld.so.cache");
 }
 
@@ -99,65 +57,8 @@ fn a_device_for_a_loader_cache_is_not_read() {
         return;
     }
     let _serial = serial();
-    let target = Hostile::with_cache(Path::new("/dev/zero"));
+    let target = Target::with_loader_cache(Path::new("/dev/zero"), None);
     capture_ends_with_a_trace(&target, "/dev/zero as /etc/ld.so.cache");
-}
-
-/// The agent's threads in `pid`, held stopped by this test (as a target
-/// that stops its agent's thread would hold it) until dropped.
-struct SilencedAgent(Vec<i32>);
-
-impl SilencedAgent {
-    fn of(pid: u32) -> Self {
-        let mut held = Vec::new();
-        for entry in std::fs::read_dir(format!("/proc/{pid}/task"))
-            .unwrap()
-            .flatten()
-        {
-            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
-            if !comm.starts_with("ebtrace-agent") {
-                continue;
-            }
-            let tid: i32 = entry.file_name().to_str().unwrap().parse().unwrap();
-            // SAFETY: plain ptrace requests on a thread of a child process.
-            unsafe {
-                assert_eq!(
-                    libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0),
-                    0,
-                    "seize {tid}"
-                );
-                assert_eq!(libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0), 0);
-                let mut status = 0;
-                assert_eq!(libc::waitpid(tid, &mut status, libc::__WALL), tid);
-            }
-            held.push(tid);
-        }
-        assert!(!held.is_empty(), "no agent thread in {pid}");
-        SilencedAgent(held)
-    }
-}
-
-impl Drop for SilencedAgent {
-    fn drop(&mut self) {
-        for &tid in &self.0 {
-            // SAFETY: lets go of a thread this test seized.
-            unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, 0) };
-        }
-    }
-}
-
-/// A CUDA program launching for longer than any capture here, CUPTI
-/// there for an agent.
-fn launching() -> CudaWorkload {
-    let mut workload = CudaWorkload::start_with_cupti(&["--iters", "100000000"], &[]);
-    workload.go();
-    workload
-}
-
-/// Waits for the agent's thread in `pid`, and 500 ms more.
-fn wait_for_agent_thread(pid: u32) {
-    wait_for_agent_threads(pid, Duration::from_secs(60));
-    std::thread::sleep(Duration::from_millis(500));
 }
 
 /// An agent that stops answering mid-capture: Ctrl-C stops the capture,
@@ -251,46 +152,20 @@ fn a_huge_mapping_named_like_the_c_library_is_read_within_bounds() {
     }
     let _serial = serial();
     let dir = TempDir::new("hostile-huge-map");
-    let fake = dir.path().join("libc.so.6");
-    std::fs::write(&fake, vec![0xc3u8; 4096]).unwrap();
-    let script = format!(
-        "import ctypes, os, sys, time\n\
-         libc = ctypes.CDLL(None, use_errno=True)\n\
-         libc.mmap.restype = ctypes.c_void_p\n\
-         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n\
-         fd = os.open({:?}, os.O_RDONLY)\n\
-         at = libc.mmap(None, 1 << 40, 5, 2 | 0x4000, fd, 0)\n\
-         assert at not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()\n\
-         print('mapped', flush=True)\n\
-         while True: time.sleep(0.01)\n",
-        fake.to_str().unwrap()
-    );
-    let mut target = Command::new("/usr/bin/python3")
-        .args(["-c", &script])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(target.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line, "mapped\n");
-    let (ok, stderr) = inject_check_once(target.id(), Duration::from_secs(60));
-    let alive = target.try_wait().unwrap().is_none();
-    let _ = target.kill();
-    let _ = target.wait();
+    let mut target = Target::with_huge_c_library_mapping(dir.path(), &[]);
+    let (ok, stderr) = inject_check_once(target.pid, Duration::from_secs(60));
     assert!(ok, "{stderr}");
-    assert!(alive);
+    assert!(target.alive());
 }
 
-/// An agent that falls silent while a server's capture runs holds the
-/// server once, for at most 10 s: it is asked nothing more, one line says
-/// so, `/metrics` answers at once again, and the capture ends on time.
+/// An agent that falls silent while a server's capture runs never holds
+/// the server's `/metrics` (it reads what the server watches without
+/// asking the server's hub, and the agents are asked on threads of their
+/// own); it is asked nothing more after 10 s, one line says so, and the
+/// capture ends on time.
 #[test]
-fn a_silent_agent_holds_a_server_once_and_briefly() {
-    if !require_root("a_silent_agent_holds_a_server_once_and_briefly") {
+fn a_silent_agent_never_holds_a_servers_metrics() {
+    if !require_root("a_silent_agent_never_holds_a_servers_metrics") {
         return;
     }
     let _serial = serial();
@@ -306,7 +181,6 @@ fn a_silent_agent_holds_a_server_once_and_briefly() {
         let silenced = SilencedAgent::of(workload.pid);
         let mut slowest = Duration::ZERO;
         while asked.elapsed() < Duration::from_secs(18) {
-            let said = server.count_lines("silent for 10 s in answer to COLLECT") > 0;
             let scraped = Instant::now();
             let body =
                 tokio::task::spawn_blocking(move || http::get(metrics_at, "/metrics").text())
@@ -314,17 +188,10 @@ fn a_silent_agent_holds_a_server_once_and_briefly() {
                     .unwrap();
             assert!(body.contains("ebtrace_"), "{body}");
             slowest = slowest.max(scraped.elapsed());
-            if said {
-                assert!(
-                    scraped.elapsed() < Duration::from_secs(2),
-                    "{:?}",
-                    scraped.elapsed()
-                );
-            }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         assert!(
-            slowest < Duration::from_secs(12),
+            slowest < Duration::from_secs(2),
             "/metrics took {slowest:?}"
         );
         let answered = tokio::time::timeout(Duration::from_secs(20), capture)
