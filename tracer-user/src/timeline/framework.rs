@@ -23,7 +23,11 @@ use ebtrace_proto::{
 };
 use prost::Message as _;
 
-use super::{Span, StatName, Timeline, Value, cuda::StreamTiming};
+use super::{
+    Span, StatName, Timeline, Value,
+    cuda::StreamTiming,
+    stats::{Stat, Stats},
+};
 use crate::{clock::ClockSync, collect::agent::ThreadIds};
 
 /// The plane of host threads in TSL's XSpaces.
@@ -213,8 +217,8 @@ impl Space<'_> {
         Ok(())
     }
 
-    /// Lays the host plane's events on the named threads' lines, a line at
-    /// a time, each if the budget has room.
+    /// Lays the host plane's events on the named threads' lines, an event
+    /// at a time, each if the budget has room.
     fn add_host_plane(&mut self, plane: &[u8], time: &TimeBase) -> Result<(), PartError> {
         if !self.budget.take(xspace_parts::decoded_head_bytes(plane)?) {
             self.merge.events_over_budget += events_of(plane)?;
@@ -224,26 +228,23 @@ impl Space<'_> {
         // One name per metadata id, shared by its events.
         let mut names: HashMap<i64, Arc<str>> = HashMap::new();
         for line in lines {
-            let weight = xspace_parts::decoded_line_bytes(line)?;
             let (line, count, events) = xspace_parts::line_without_events(line)?;
             let Some(&tid) = self.threads.get(&line.id) else {
                 self.merge.unnamed_lines += 1;
                 self.merge.unnamed_events += count as u64;
                 continue;
             };
-            if !self.budget.take(weight) {
-                self.merge.events_over_budget += count as u64;
-                continue;
-            }
             let line_start = time.line_start(line.timestamp_ns);
             let track = self
                 .timeline
                 .thread_track(tid, self.pid, || line.name.clone());
             // Millions of spans on one line: grown by doubling, the vector
             // would hold up to twice their room, and three times while it
-            // moves.
-            track.spans.reserve_exact(count);
-            for event in events {
+            // moves. No more is reserved than the budget has room for.
+            track
+                .spans
+                .reserve_exact(count.min(self.budget.left / size_of::<Span>()));
+            for (seen, event) in events.enumerate() {
                 let event = event?;
                 let Some(Data::OffsetPs(offset_ps)) = event.data else {
                     continue;
@@ -251,6 +252,21 @@ impl Space<'_> {
                 let start_ns = line_start.saturating_add_signed(offset_ps / 1000);
                 let end_ns = start_ns.saturating_add(event.duration_ps.max(0) as u64 / 1000);
                 let metadata = plane.event_metadata.get(&event.metadata_id);
+                let stats: Stats = metadata
+                    .into_iter()
+                    .flat_map(|m| &m.stats)
+                    .chain(&event.stats)
+                    .filter_map(|s| stat(&plane.stat_metadata, s))
+                    .collect();
+                // Each span weighed as it is laid: a line past the budget
+                // keeps its first events, and the rest are counted.
+                if !self
+                    .budget
+                    .take(size_of::<Span>() + stats.len() * size_of::<Stat>())
+                {
+                    self.merge.events_over_budget += (count - seen) as u64;
+                    break;
+                }
                 let name = names
                     .entry(event.metadata_id)
                     .or_insert_with(|| match metadata {
@@ -259,12 +275,6 @@ impl Space<'_> {
                         None => "".into(),
                     })
                     .clone();
-                let stats = metadata
-                    .into_iter()
-                    .flat_map(|m| &m.stats)
-                    .chain(&event.stats)
-                    .filter_map(|s| stat(&plane.stat_metadata, s))
-                    .collect();
                 track.spans.push(Span {
                     start_ns,
                     end_ns,
@@ -371,7 +381,7 @@ fn plane_stat_u64(plane: &XPlane, name: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
 
-    use ebtrace_proto::tensorflow::profiler::{XEvent, XLine, XSpace};
+    use ebtrace_proto::tensorflow::profiler::{XEvent, XEventMetadata, XLine, XSpace};
 
     use super::*;
     use crate::timeline::Window;
@@ -522,6 +532,54 @@ mod tests {
                 .iter()
                 .all(|p| p.plane.name != "/device:flood")
         );
+    }
+
+    /// A host line past what the budget has left keeps its first events,
+    /// as many as fit, and counts the rest: a dense loop's session is cut,
+    /// never lost whole.
+    #[test]
+    fn a_host_line_past_the_budget_keeps_its_first_events() {
+        let events: Vec<XEvent> = (0..1000)
+            .map(|i| XEvent {
+                metadata_id: 1,
+                data: Some(Data::OffsetPs(i * 1000)),
+                duration_ps: 500,
+                ..Default::default()
+            })
+            .collect();
+        let host = XPlane {
+            name: HOST_PLANE.into(),
+            event_metadata: [(
+                1,
+                XEventMetadata {
+                    id: 1,
+                    name: "step".into(),
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            lines: vec![XLine {
+                id: 42,
+                events,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let head = xspace_parts::decoded_head_bytes(&host.encode_to_vec()).unwrap();
+        let space = XSpace {
+            planes: vec![host],
+            ..Default::default()
+        };
+        let threads: ThreadIds = [(42, 4242)].into_iter().collect();
+        let mut tl = empty_timeline(ClockSync::from_offset(0));
+        let mut budget = DecodeBudget::new(head + 400 * size_of::<Span>());
+        let (merge, merged) =
+            merge_framework_space(&mut tl, 7, &space.encode_to_vec(), &threads, &mut budget);
+        merged.unwrap();
+        assert_eq!((merge.spans, merge.events_over_budget), (400, 600));
+        let spans = &tl.threads[&4242].spans;
+        assert_eq!(spans.len(), 400);
+        assert_eq!(spans[399].start_ns, 399);
     }
 
     #[test]
