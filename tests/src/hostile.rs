@@ -61,8 +61,17 @@ impl Target {
             .expect("sleep");
         let target = Target::of(child);
         let name = copy.to_str().expect("a UTF-8 path").to_owned();
-        target.wait_until("the library was never mapped", |pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| m.contains(&name))
+        // Truncated only once `sleep` sleeps: the loader, still relocating,
+        // would fault on the library's pages and kill it.
+        target.wait_until("the program never slept with the library mapped", |pid| {
+            let mapped = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                .is_ok_and(|m| m.contains(&name));
+            let syscall = std::fs::read_to_string(format!("/proc/{pid}/syscall")).unwrap_or_default();
+            let sleeping = matches!(
+                syscall.split_whitespace().next(),
+                Some(n) if n == libc::SYS_clock_nanosleep.to_string() || n == libc::SYS_nanosleep.to_string()
+            );
+            mapped && sleeping
         });
         std::fs::File::options()
             .write(true)

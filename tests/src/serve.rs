@@ -547,6 +547,18 @@ pub fn event_count(space: &XSpace) -> usize {
         .sum()
 }
 
+/// Scrapes the `/metrics` of an `--http` listener at `at` (off the
+/// runtime's threads) and answers how long that took; a body without
+/// ebtrace's metrics fails the test.
+pub async fn timed_metrics_scrape(at: SocketAddr) -> Duration {
+    let scraped = Instant::now();
+    let body = tokio::task::spawn_blocking(move || crate::http::get(at, "/metrics").text())
+        .await
+        .expect("the scrape");
+    assert!(body.contains("ebtrace_"), "{body}");
+    scraped.elapsed()
+}
+
 /// The KiB of the `/proc/PID/status` field named `field` (with its colon).
 pub fn status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");

@@ -12,13 +12,12 @@ use std::{
 use ebtrace_tests::{
     TempDir,
     hostile::{SilencedAgent, Target, launching, wait_for_agent_thread},
-    http,
     inject::inject_check_once,
     mkfifo,
     pyenv::{self, python_fixture},
     python::PythonWorkload,
     require_root, serial,
-    serve::{ServeProcess, block_on, request},
+    serve::{ServeProcess, block_on, request, timed_metrics_scrape},
     signal, spawn_record, wait_with_deadline, xplane_files,
 };
 
@@ -181,13 +180,7 @@ fn a_silent_agent_never_holds_a_servers_metrics() {
         let silenced = SilencedAgent::of(workload.pid);
         let mut slowest = Duration::ZERO;
         while asked.elapsed() < Duration::from_secs(18) {
-            let scraped = Instant::now();
-            let body =
-                tokio::task::spawn_blocking(move || http::get(metrics_at, "/metrics").text())
-                    .await
-                    .unwrap();
-            assert!(body.contains("ebtrace_"), "{body}");
-            slowest = slowest.max(scraped.elapsed());
+            slowest = slowest.max(timed_metrics_scrape(metrics_at).await);
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         assert!(

@@ -446,7 +446,17 @@ fn probes_stay_attached_across_sessions_and_record_nothing_between() {
             .wait_line("late_tid", Duration::from_secs(8))
             .expect("the fixture started its late thread");
         let late_tid = late["late_tid"].as_i64().unwrap();
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        // It burns 200 ms of CPU: on a loaded machine that takes longer.
+        let task = format!("/proc/{}/task/{late_tid}", workload.pid);
+        let waited = Instant::now();
+        while std::path::Path::new(&task).exists() {
+            assert!(
+                waited.elapsed() < Duration::from_secs(20),
+                "the late thread never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(
             server.records_submitted(),
             submitted,
