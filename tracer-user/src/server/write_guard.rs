@@ -3,10 +3,13 @@
 //!
 //! The path comes from the network (`repository_root`, `session_id`,
 //! `host_name`) and ebtrace runs as root, so two checks stand between a
-//! request and the disk: [`WriteGuard::resolve`] refuses, before anything is
-//! captured, any path with a `..`, an odd component, or a prefix that
-//! resolves (through symlinks) outside the allowed directory; and
-//! [`WriteGuard::write`] walks the path again from a descriptor of that
+//! request and the disk. [`WriteGuard::resolve`] judges the text alone, on
+//! the request's own task, touching no file system (a lookup on a hung
+//! mount would hold the server's runtime): a relative path, a `..`, an odd
+//! component or a path not below the allowed directory is refused before
+//! anything is captured. [`WriteGuard::write`], on the delivery's own
+//! thread, follows the path's symlinks, refuses one leading out of the
+//! allowed directory, and walks what is left from a descriptor of that
 //! directory ([`HeldDir`]), so a symlink swapped in between cannot lead out
 //! of it either. New directories and the file take the owner of the
 //! directory they are created in, so a client running as that user can
@@ -23,12 +26,16 @@ use crate::sink::{held_dir::HeldDir, logdir::xplane_file_name};
 /// The directory the server may write under, held open.
 #[derive(Debug)]
 pub struct WriteGuard {
+    /// The allowed directory, canonical.
     root: PathBuf,
+    /// The allowed directory as the operator named it, made absolute:
+    /// clients name it so too when it lies behind a symlink.
+    named: PathBuf,
     dir: HeldDir,
 }
 
 /// A checked place to save one XSpace: components below the allowed
-/// directory and a file name.
+/// directory, as the request named them, and a file name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Destination {
     below_root: Vec<OsString>,
@@ -65,8 +72,9 @@ impl WriteGuard {
                 "not a directory",
             ));
         }
+        let named = std::path::absolute(dir)?.components().collect();
         let dir = HeldDir::open(&root)?;
-        Ok(WriteGuard { root, dir })
+        Ok(WriteGuard { root, named, dir })
     }
 
     /// The allowed directory, canonical.
@@ -75,7 +83,9 @@ impl WriteGuard {
     }
 
     /// Where `<repository_root>/<session_id>/<host ':'→'_'>.xplane.pb`
-    /// goes, if it stays inside the allowed directory.
+    /// goes, if its text stays inside the allowed directory. Touches no
+    /// file system: where its symlinks lead is [`WriteGuard::write`]'s
+    /// question.
     pub fn resolve(
         &self,
         repository_root: &str,
@@ -104,28 +114,14 @@ impl WriteGuard {
         {
             return Err(outside());
         }
-        // The longest prefix that exists decides where the path really
-        // leads (symlinks included); the rest is created below it.
-        let mut existing = requested.to_path_buf();
-        let mut missing: Vec<OsString> = Vec::new();
-        let canonical = loop {
-            match fs::canonicalize(&existing) {
-                Ok(c) => break c,
-                Err(_) => {
-                    let Some(name) = existing.file_name() else {
-                        return Err(outside());
-                    };
-                    missing.push(name.to_os_string());
-                    existing.pop();
-                }
-            }
-        };
-        let inside = canonical.strip_prefix(&self.root).map_err(|_| outside())?;
-        let mut below_root: Vec<OsString> = inside
+        let below = requested
+            .strip_prefix(&self.root)
+            .or_else(|_| requested.strip_prefix(&self.named))
+            .map_err(|_| outside())?;
+        let mut below_root: Vec<OsString> = below
             .components()
             .map(|c| c.as_os_str().to_os_string())
             .collect();
-        below_root.extend(missing.into_iter().rev());
         below_root.push(session_id.into());
         Ok(Destination {
             below_root,
@@ -141,15 +137,50 @@ impl WriteGuard {
     }
 
     /// Saves `bytes` at `destination`, atomically (temporary file, then
-    /// rename), never leaving the allowed directory.
+    /// rename), never leaving the allowed directory; the path it was
+    /// saved at, its symlinks followed.
     pub fn write(&self, destination: &Destination, bytes: &[u8]) -> io::Result<PathBuf> {
+        let below_root = self.followed(&destination.below_root)?;
         let dir = self
             .dir
-            .subdirs(destination.below_root.iter().map(OsString::as_os_str))?;
+            .subdirs(below_root.iter().map(OsString::as_os_str))?;
         dir.write_file(destination.file_name.as_ref(), |f| {
             io::Write::write_all(f, bytes)
         })?;
-        Ok(self.path_of(destination))
+        let mut path = self.root.clone();
+        path.extend(&below_root);
+        Ok(path.join(&destination.file_name))
+    }
+
+    /// The components below the allowed directory that `below_root` leads
+    /// to: the longest prefix that exists decides (symlinks included); the
+    /// rest is created below it.
+    fn followed(&self, below_root: &[OsString]) -> io::Result<Vec<OsString>> {
+        let (mut existing, mut missing) = (self.root.clone(), Vec::new());
+        existing.extend(below_root);
+        let canonical = loop {
+            match fs::canonicalize(&existing) {
+                Ok(c) => break c,
+                Err(_) if existing != self.root => {
+                    missing.extend(existing.file_name().map(ToOwned::to_owned));
+                    existing.pop();
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let inside = canonical.strip_prefix(&self.root).map_err(|_| {
+            io::Error::other(format!(
+                "{} is a link leading out of {}",
+                existing.display(),
+                self.root.display()
+            ))
+        })?;
+        let mut followed: Vec<OsString> = inside
+            .components()
+            .map(|c| c.as_os_str().to_os_string())
+            .collect();
+        followed.extend(missing.into_iter().rev());
+        Ok(followed)
     }
 }
 
@@ -217,17 +248,15 @@ mod tests {
         let s = Scratch::new("escape");
         let allowed = s.0.join("allowed");
         let guard = WriteGuard::open(&allowed).unwrap();
-        std::os::unix::fs::symlink(s.0.join("outside"), allowed.join("link-out")).unwrap();
         let a = allowed.to_str().unwrap();
         let attempts = [
             (format!("{a}/../outside"), "run", "h"),
-            (format!("{a}/link-out/plugins/profile"), "run", "h"),
-            (format!("{a}/link-out"), "run", "h"),
             (
                 s.0.join("outside").to_string_lossy().into_owned(),
                 "run",
                 "h",
             ),
+            (format!("{a}-sibling/logs"), "run", "h"),
             ("/".to_string(), "run", "h"),
             ("relative/path".to_string(), "run", "h"),
             (format!("{a}/logs"), "..", "h"),
@@ -244,6 +273,49 @@ mod tests {
     }
 
     #[test]
+    fn a_link_leading_out_is_refused_when_written() {
+        let s = Scratch::new("link-out");
+        let allowed = s.0.join("allowed");
+        let guard = WriteGuard::open(&allowed).unwrap();
+        std::os::unix::fs::symlink(s.0.join("outside"), allowed.join("link-out")).unwrap();
+        for root in ["link-out/plugins/profile", "link-out"] {
+            let dest = guard
+                .resolve(allowed.join(root).to_str().unwrap(), "run", "h")
+                .unwrap();
+            let err = guard.write(&dest, b"x").unwrap_err();
+            assert!(
+                err.to_string().contains("link leading out"),
+                "{root}: {err}"
+            );
+        }
+        assert!(files_under(&s.0.join("outside")).is_empty());
+    }
+
+    #[test]
+    fn resolving_judges_the_text_alone() {
+        let s = Scratch::new("text");
+        let allowed = s.0.join("allowed");
+        let guard = WriteGuard::open(&allowed).unwrap();
+        // Gone from where it was named: resolve never looks.
+        fs::rename(&allowed, s.0.join("moved")).unwrap();
+        let dest = guard.resolve(allowed.join("logs").to_str().unwrap(), "run", "h");
+        assert!(dest.is_ok(), "{dest:?}");
+    }
+
+    #[test]
+    fn the_directory_as_the_operator_named_it_is_inside() {
+        let s = Scratch::new("named");
+        let alias = s.0.join("alias");
+        std::os::unix::fs::symlink(s.0.join("allowed"), &alias).unwrap();
+        let guard = WriteGuard::open(&alias).unwrap();
+        let dest = guard
+            .resolve(alias.join("logs").to_str().unwrap(), "run", "h")
+            .unwrap();
+        let path = guard.write(&dest, b"x").unwrap();
+        assert_eq!(path, s.0.join("allowed/logs/run/h.xplane.pb"));
+    }
+
+    #[test]
     fn a_symlink_swapped_in_after_the_check_is_not_followed_out() {
         let s = Scratch::new("race");
         let allowed = s.0.join("allowed");
@@ -254,10 +326,7 @@ mod tests {
         // Between check and write, `logs` becomes a link to the outside.
         std::os::unix::fs::symlink(s.0.join("outside"), allowed.join("logs")).unwrap();
         let err = guard.write(&dest, b"x").unwrap_err();
-        assert!(
-            err.to_string().contains("logs is a link leading out"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("link leading out"), "{err}");
         assert!(files_under(&s.0.join("outside")).is_empty());
     }
 
