@@ -164,10 +164,11 @@ fn a_pytorch_loop_shows_its_python_lines_over_atens_frames() {
     );
     // MKL's kernels keep no frame pointers: a sample in one loses the
     // native frames between it and the interpreter, so fewer samples show
-    // ATen's than ran in it (about one in five of those under the forward
-    // pass, most of its time being in MKL's matrix products).
+    // ATen's than ran in it. The model is small, so that most of the
+    // forward pass is ATen's dispatch rather than MKL's matrix products
+    // (about half of its samples show ATen's frames).
     assert!(
-        forward_in_aten * 10 >= in_forward && in_forward * 5 >= n,
+        forward_in_aten * 4 >= in_forward && in_forward * 10 >= n,
         "{forward_in_aten} of {in_forward} samples under Model.forward in ATen, of {n}"
     );
     assert!(
