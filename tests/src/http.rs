@@ -143,3 +143,12 @@ fn dechunk(mut body: &[u8]) -> Vec<u8> {
     }
     out
 }
+
+/// The value of the unlabelled sample `name` in a Prometheus text
+/// exposition (what `/metrics` answers).
+pub fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {body}"))
+}

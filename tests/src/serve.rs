@@ -561,12 +561,16 @@ pub async fn timed_metrics_scrape(at: SocketAddr) -> Duration {
 
 /// The KiB of the `/proc/PID/status` field named `field` (with its colon).
 pub fn status_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    status
+    try_status_kib(pid, field).unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// [`status_kib`], or `None` where the process is gone.
+pub fn try_status_kib(pid: u32, field: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
         .lines()
         .find_map(|l| l.strip_prefix(field))
         .and_then(parse_kib)
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
 }
 
 /// A `/proc` size such as `  1234 kB`, in KiB.

@@ -17,7 +17,7 @@ use ebtrace_tests::{
     pyenv::{self, python_fixture},
     python::PythonWorkload,
     require_root, serial,
-    serve::{ServeProcess, block_on, request, timed_metrics_scrape},
+    serve::{ServeProcess, block_on, request, timed_metrics_scrape, try_status_kib},
     signal, spawn_record, wait_with_deadline, xplane_files,
 };
 
@@ -260,7 +260,7 @@ fn ever_new_large_code_objects_cost_a_bounded_capture() {
     let started = Instant::now();
     let mut peak_kib = 0;
     while ebtrace.try_wait().unwrap().is_none() {
-        peak_kib = peak_kib.max(resident_kib(ebtrace.id()));
+        peak_kib = peak_kib.max(try_status_kib(ebtrace.id(), "VmRSS:").unwrap_or(0));
         if peak_kib > MOST_KIB || started.elapsed() > Duration::from_secs(60) {
             let _ = ebtrace.kill();
             break;
@@ -280,14 +280,4 @@ fn ever_new_large_code_objects_cost_a_bounded_capture() {
         "no frame marked as not read"
     );
     assert!(holds("many_codes.py"), "no frame named");
-}
-
-/// `pid`'s resident memory, 0 once it has exited.
-fn resident_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
-        .unwrap_or(0)
 }

@@ -528,13 +528,7 @@ fn pprof_profiles_name_python_functions_and_go_tool_pprof_lists_them() {
         })
         .collect();
     let metrics = http::get(server.http_addr(), "/metrics").text();
-    let gauge = |name: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in {metrics}"))
-    };
+    let gauge = |name: &str| http::metric(&metrics, name);
     assert!(
         gauge("ebtrace_python_frame_names") >= script_frames.len() as f64,
         "{script_frames:?}: {metrics}"

@@ -28,10 +28,7 @@ const HOST_CPU: &str = "/host:CPU";
 
 /// The value of the metric `name` in a `/metrics` body.
 fn metric(body: &str, name: &str) -> u64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no {name} in {body}")) as u64
+    http::metric(body, name) as u64
 }
 
 /// Waits for a line of the server's stderr holding `needle`.

@@ -20,9 +20,7 @@ const FLOOD: usize = 50;
 const CAP_MIB: u64 = 96;
 
 fn metric(body: &str, name: &str) -> u64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+    http::metric(body, name) as u64
 }
 
 #[test]
