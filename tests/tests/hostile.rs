@@ -11,6 +11,7 @@ use std::{
 
 use ebtrace_tests::{
     TempDir,
+    cuda::CudaWorkload,
     hostile::{SilencedAgent, Target, launching, wait_for_agent_thread},
     inject::inject_check_once,
     mkfifo,
@@ -214,6 +215,46 @@ fn a_silent_agent_never_holds_a_servers_metrics() {
         );
         drop(silenced);
     });
+}
+
+/// Two targets whose GPU stopped answering as the window opens (their
+/// CUPTI's flush never returns): the window opens after one 10 s silence,
+/// not one for each, a line names each, and the trace is written.
+#[test]
+fn agents_silent_as_the_window_opens_hold_its_start_once_together() {
+    if !require_root("agents_silent_as_the_window_opens_hold_its_start_once_together") {
+        return;
+    }
+    let _serial = serial();
+    let hung = [("STANDIN_CUPTI_FLUSH_HANGS", "1")];
+    let workloads: Vec<_> = (0..2)
+        .map(|_| {
+            let mut w = CudaWorkload::start_with_cupti(&["--iters", "100000000"], &hung);
+            w.go();
+            w
+        })
+        .collect();
+    let pids = format!("{},{}", workloads[0].pid, workloads[1].pid);
+    let logdir = TempDir::new("hostile-window");
+    let started = Instant::now();
+    let child = spawn_record(&pids, "1s", &logdir, &[]);
+    let out = wait_with_deadline(child, Duration::from_secs(90));
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    for w in &workloads {
+        let said = format!("pid {}: opening the window: no answer", w.pid);
+        assert_eq!(stderr.matches(&said).count(), 1, "{said}: {stderr}");
+    }
+    assert_eq!(
+        stderr
+            .matches("silent for 10 s in answer to WINDOW_OPEN")
+            .count(),
+        2,
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(18), "{took:?}: {stderr}");
+    assert!(!xplane_files(logdir.path()).is_empty(), "{stderr}");
 }
 
 /// The times a server's session line gives: how long after the request

@@ -395,18 +395,12 @@ impl Capture {
                 self.probe.resume_target(t.pid)?;
             }
             self.initial = track_threads(&mut self.probe, &self.targets)?;
-            for session in &mut framework {
-                if let Err(why) = session.open_window() {
-                    self.notes.push(format!(
-                        "pid {}: device activity before the window is kept: {why}",
-                        session.pid
-                    ));
-                }
-            }
-            for t in &self.targets {
-                self.probe.open_window(t.pid)?;
-            }
-            Ok(())
+            start::open_window(
+                &mut framework,
+                &mut self.probe,
+                &self.targets,
+                &mut self.notes,
+            )
         })();
         if let Err(e) = resumed {
             return Err(e.to_string());

@@ -11,7 +11,7 @@ use super::{
     Capture, CaptureOptions, ProbeFamilies, default_framework_memory, targets::track_threads,
 };
 use crate::{
-    agent::{AgentSession, AgentStart, KernelNaming, start_agent_sessions},
+    agent::{AgentError, AgentSession, AgentStart, KernelNaming, start_agent_sessions},
     attach::{
         CpuSampler, CudaProbe, LaunchStacks, OffCpuStacks, ProbeSet, ProbeSetConfig, SchedProbe,
         TraceMeOptions, TraceMeProbe, cuda, read_python_frames, tracefs, traceme::Discovered,
@@ -307,22 +307,60 @@ fn attach_stack_probes(
 
 /// Opens the capture window: in the framework sessions, then for the
 /// probes of every target.
-fn open_window(
+pub(super) fn open_window(
     framework: &mut [AgentSession],
     probe: &mut ProbeSet,
     targets: &[TargetProcess],
     notes: &mut Vec<String>,
 ) -> Result<()> {
-    for session in framework {
-        if let Err(why) = session.open_window() {
-            notes.push(format!(
-                "pid {}: device activity before the window is kept: {why}",
-                session.pid
-            ));
-        }
+    for (pid, why) in open_agent_windows(framework) {
+        notes.push(match why {
+            AgentError::Refused(_) => {
+                format!("pid {pid}: device activity before the window is kept: {why}")
+            }
+            _ => format!("pid {pid}: opening the window: {why}"),
+        });
     }
     for t in targets {
         probe.open_window(t.pid)?;
     }
     Ok(())
+}
+
+/// Tells every agent that the window opens, all at once, each on a thread
+/// of its own: an agent that stays silent holds the opening for as long as
+/// its silence is allowed, once, however many others do too. Returns each
+/// refusal.
+fn open_agent_windows(framework: &mut [AgentSession]) -> Vec<(u32, AgentError)> {
+    if let [session] = framework {
+        return session
+            .open_window()
+            .err()
+            .map(|why| vec![(session.pid, why)])
+            .unwrap_or_default();
+    }
+    std::thread::scope(|scope| {
+        let asked: Vec<_> = framework
+            .iter_mut()
+            .map(|session| {
+                let pid = session.pid;
+                let thread = std::thread::Builder::new()
+                    .name("ebtrace-window".into())
+                    .spawn_scoped(scope, || session.open_window());
+                (pid, thread)
+            })
+            .collect();
+        asked
+            .into_iter()
+            .filter_map(|(pid, thread)| {
+                let answer = match thread {
+                    Ok(thread) => thread.join().unwrap_or_else(|_| {
+                        Err(AgentError::Channel("the thread asking it panicked".into()))
+                    }),
+                    Err(e) => Err(AgentError::Channel(format!("no thread to ask it on: {e}"))),
+                };
+                answer.err().map(|why| (pid, why))
+            })
+            .collect()
+    })
 }
