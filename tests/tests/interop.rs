@@ -1,11 +1,12 @@
 //! XProf itself (the `xprof` package from PyPI) opens what ebtrace writes
 //! and shows the traced threads.
 
-use std::time::Duration;
+use std::{path::PathBuf, process::Output, time::Duration};
 
 use ebtrace_proto::tensorflow::profiler::XSpace;
 use ebtrace_tests::{
-    TempDir, fixture::SchedWorkload, record, require_root, serial, xplane_files, xprof,
+    TempDir, fixture::SchedWorkload, record, require_root, run_ebtrace, serial,
+    serve::ServeProcess, xplane_files, xprof,
 };
 use prost::Message as _;
 
@@ -97,14 +98,64 @@ fn xprof_opens_what_a_full_disk_kept() {
     let workload = SchedWorkload::start(&[]);
     std::thread::sleep(Duration::from_millis(100));
     let disk = Tmpfs::mount("full-disk");
-    let logdir = &disk.dir;
     let pid = workload.pid.to_string();
+    let (out, whole) = write_on_a_filling_disk(&disk, |logdir, extra| {
+        record(&pid, "1s", logdir, &[&["-q"], extra].concat())
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let file = assert_partial(&disk, &whole, &stderr);
+    assert!(
+        !file.with_file_name("perfetto_trace.pb").exists(),
+        "a Perfetto trace on a full disk"
+    );
+    xprof::assert_shows_sched_workload(&python, &file, &workload);
+}
 
-    // How large the trace's planes are; a capture takes about as much
-    // again, so it is made with room for its first plane and part of the
-    // rest, that room moved (a few times at most) where a capture turns
-    // out to fit whole or to have no room for its first plane.
-    let out = record(&pid, "1s", logdir, &["-q"]);
+/// The same of a trace a server sent to `ebtrace capture`: the planes that
+/// fit are kept whole, then the server's Task Environment, warnings and
+/// host name; XProf opens it.
+#[test]
+fn xprof_opens_what_a_full_disk_kept_of_a_servers_trace() {
+    if !require_root("xprof_opens_what_a_full_disk_kept_of_a_servers_trace") {
+        return;
+    }
+    let Some(python) = xprof::python() else {
+        return;
+    };
+    let _serial = serial();
+    let workload = SchedWorkload::start(&[]);
+    let server = ServeProcess::loopback(&["--pid", &workload.pid.to_string()]);
+    let address = format!("127.0.0.1:{}", server.port());
+    let disk = Tmpfs::mount("full-disk-remote");
+    let (out, whole) = write_on_a_filling_disk(&disk, |logdir, _| {
+        let logdir = logdir.path().to_str().unwrap();
+        run_ebtrace(&["capture", &address, "-d", "1s", "--logdir", logdir])
+    });
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("1 of 1 traces were written in part"),
+        "{stderr}"
+    );
+    let file = assert_partial(&disk, &whole, &stderr);
+    let kept = XSpace::decode(std::fs::read(&file).unwrap().as_slice()).unwrap();
+    assert_eq!(kept.hostnames, whole.hostnames);
+    xprof::assert_shows_sched_workload(&python, &file, &workload);
+}
+
+/// Writes a trace with `write` (given the log directory and the flags
+/// that ask for more than the XSpace) onto `disk` once with room, then
+/// with room for its first plane and part of the rest, that room moved (a
+/// few times at most) where a trace turns out to fit whole or to have no
+/// room for its first plane (a capture takes about as much again). The
+/// failing write, and the whole trace.
+fn write_on_a_filling_disk(
+    disk: &Tmpfs,
+    write: impl Fn(&TempDir, &[&str]) -> Output,
+) -> (Output, XSpace) {
+    let logdir = &disk.dir;
+    let out = write(logdir, &[]);
     assert!(
         out.status.success(),
         "{}",
@@ -117,38 +168,39 @@ fn xprof_opens_what_a_full_disk_kept() {
         space.planes[0].encoded_len() as u64,
         space.encoded_len() as u64,
     );
-    let mut attempts = 0;
-    let stderr = loop {
-        attempts += 1;
-        assert!(attempts <= 5, "no room found that takes part of a trace");
+    for _ in 0..5 {
         std::fs::remove_dir_all(logdir.path().join("plugins")).unwrap();
         let _ = std::fs::remove_file(logdir.path().join("filler"));
         disk.fill_leaving((first + all) / 2);
-        let out = record(&pid, "1s", logdir, &["-q", "--perfetto"]);
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let out = write(logdir, &["--perfetto"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
         if out.status.success() {
             all = all * 3 / 4;
-            continue;
-        }
-        if stderr.contains("holds only part of it (none of its planes") {
+        } else if stderr.contains("holds only part of it (none of its planes") {
             first = first * 5 / 4;
-            continue;
+        } else {
+            return (out, space);
         }
-        assert_eq!(out.status.code(), Some(2), "{stderr}");
-        break stderr;
-    };
+    }
+    panic!("no room found that takes part of a trace");
+}
+
+/// Checks that `disk` holds one trace, part of `whole`, from its first
+/// plane to the Task Environment, that it says it is partial and that
+/// `stderr` does; returns its path.
+fn assert_partial(disk: &Tmpfs, whole: &XSpace, stderr: &str) -> PathBuf {
     assert!(
         stderr.contains("the disk filled up while the trace was written")
             && stderr.contains("holds only part of it (/host:CPU,"),
         "{stderr}"
     );
-    let files = xplane_files(logdir.path());
+    let mut files = xplane_files(disk.dir.path());
     assert_eq!(files.len(), 1, "{stderr}");
     let kept = XSpace::decode(std::fs::read(&files[0]).unwrap().as_slice()).unwrap();
     let names: Vec<&str> = kept.planes.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(names.first(), Some(&"/host:CPU"), "{names:?}");
     assert_eq!(names.last(), Some(&"Task Environment"), "{names:?}");
-    assert!(names.len() < space.planes.len(), "{names:?}");
+    assert!(names.len() < whole.planes.len(), "{names:?}");
     assert!(
         kept.warnings
             .iter()
@@ -156,9 +208,5 @@ fn xprof_opens_what_a_full_disk_kept() {
         "{:?}",
         kept.warnings
     );
-    assert!(
-        !files[0].with_file_name("perfetto_trace.pb").exists(),
-        "a Perfetto trace on a full disk"
-    );
-    xprof::assert_shows_sched_workload(&python, &files[0], &workload);
+    files.remove(0)
 }

@@ -233,6 +233,16 @@ pub enum Error {
 }
 
 impl Error {
+    /// [`Error::PartialTrace`]: the file at `path` holds the planes `kept`,
+    /// the write having failed with `source`.
+    pub fn partial_trace(path: PathBuf, kept: &[String], source: std::io::Error) -> Self {
+        let kept = match kept {
+            [] => "none of its planes".to_string(),
+            kept => kept.join(", "),
+        };
+        Error::PartialTrace { path, kept, source }
+    }
+
     /// Process exit code for this error.
     pub fn exit_code(&self) -> i32 {
         match self {

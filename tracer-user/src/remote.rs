@@ -5,7 +5,10 @@
 //! one file per server, the layout XProf's and TF's `client.trace` write. A host that fails is reported on its own line; the others'
 //! traces are still written.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use ebtrace_proto::tensorflow::{
     GetSnapshotRequest, ProfileOptions, ProfileRequest, ProfileResponse,
@@ -15,7 +18,10 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use crate::{
     error::{Error, Result},
-    sink::logdir,
+    sink::{
+        logdir,
+        xspace::{self, file::Written},
+    },
 };
 
 /// The files of a client certificate and of the CA the servers'
@@ -60,7 +66,19 @@ pub struct HostResult {
     /// The server, as given.
     pub server: String,
     /// The file written, or why there is none.
-    pub outcome: std::result::Result<PathBuf, String>,
+    pub outcome: Outcome,
+}
+
+/// What became of one server's trace.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Written whole, to this file.
+    Written(PathBuf),
+    /// The disk filled up: the file holds part of it
+    /// ([`Error::PartialTrace`]).
+    Partial(Error),
+    /// No trace, and why.
+    Failed(String),
 }
 
 /// Asks every server at once and writes what each answers into one run.
@@ -86,18 +104,28 @@ pub fn run(request: &Request) -> Result<Vec<HostResult>> {
     Ok(results
         .into_iter()
         .map(|(server, answered)| {
-            let outcome = answered.and_then(|bytes| {
-                // Named by the address asked, as TSL's clients name theirs:
-                // `HOST_PORT.xplane.pb`.
-                logdir::write_run_with(&request.logdir, &run, &server, |f| {
-                    std::io::Write::write_all(f, &bytes)
-                })
-                .map(|(path, ())| path)
-                .map_err(|e| e.to_string())
-            });
+            let outcome = match answered {
+                Ok(bytes) => write_trace(&request.logdir, &run, &server, &bytes),
+                Err(why) => Outcome::Failed(why),
+            };
             HostResult { server, outcome }
         })
         .collect())
+}
+
+/// Writes the XSpace `bytes` that `server` answered into the run: named by
+/// the address asked, as TSL's clients name theirs (`HOST_PORT.xplane.pb`).
+fn write_trace(logdir: &Path, run: &str, server: &str, bytes: &[u8]) -> Outcome {
+    let written = logdir::write_run_with(logdir, run, server, |f| {
+        xspace::received::write_received_trace(f.get_mut(), bytes)
+    });
+    match written {
+        Ok((path, Written::Whole)) => Outcome::Written(path),
+        Ok((path, Written::Partial { kept, why })) => {
+            Outcome::Partial(Error::partial_trace(path, &kept, why))
+        }
+        Err(e) => Outcome::Failed(e.to_string()),
+    }
 }
 
 /// The host part of `HOST:PORT`, which its certificate must name.

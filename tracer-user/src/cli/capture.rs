@@ -7,7 +7,7 @@ use clap::Args;
 use super::parse_duration;
 use crate::{
     error::{EXIT_FAILURE, Result},
-    remote::{self, Ask, ClientTls},
+    remote::{self, Ask, ClientTls, Outcome},
 };
 
 // A `concat!` doc, which clap does not read: a literal one would become
@@ -48,8 +48,9 @@ pub struct CaptureArgs {
     pub server_ca: Option<PathBuf>,
 }
 
-/// Runs `ebtrace capture`: exit 0 when every server answered, 1 when one
-/// did not (the others' traces are written all the same).
+/// Runs `ebtrace capture`: exit 0 when every server's trace was written
+/// whole, 1 when one gave none or a full disk took part of it (the others'
+/// traces are written all the same).
 pub fn run(args: &CaptureArgs) -> Result<i32> {
     let tls = match (&args.tls_cert, &args.tls_key, &args.server_ca) {
         (Some(cert), Some(key), Some(server_ca)) => Some(ClientTls {
@@ -69,22 +70,31 @@ pub fn run(args: &CaptureArgs) -> Result<i32> {
         logdir: args.logdir.clone(),
         tls,
     })?;
-    let mut failed = 0;
+    let (mut failed, mut partial) = (0, 0);
     for result in &results {
+        let server = &result.server;
         match &result.outcome {
-            Ok(path) => eprintln!("ebtrace: {}: wrote {}", result.server, path.display()),
-            Err(why) => {
+            Outcome::Written(path) => eprintln!("ebtrace: {server}: wrote {}", path.display()),
+            Outcome::Partial(why) => {
+                partial += 1;
+                eprintln!("ebtrace: error: {server}: {why}");
+            }
+            Outcome::Failed(why) => {
                 failed += 1;
-                eprintln!("ebtrace: error: {}: {why}", result.server);
+                eprintln!("ebtrace: error: {server}: {why}");
             }
         }
     }
+    let n = results.len();
     if failed > 0 {
-        eprintln!(
-            "ebtrace: {failed} of {} servers gave no trace",
-            results.len()
-        );
-        return Ok(EXIT_FAILURE);
+        eprintln!("ebtrace: {failed} of {n} servers gave no trace");
     }
-    Ok(0)
+    if partial > 0 {
+        eprintln!("ebtrace: {partial} of {n} traces were written in part");
+    }
+    Ok(if failed + partial > 0 {
+        EXIT_FAILURE
+    } else {
+        0
+    })
 }

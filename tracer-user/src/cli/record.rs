@@ -76,14 +76,7 @@ pub fn run(args: &RecordArgs) -> Result<()> {
     })?;
     let partial = match written {
         Written::Whole => None,
-        Written::Partial { kept, why } => Some(Error::PartialTrace {
-            path: path.clone(),
-            kept: match kept.as_slice() {
-                [] => "none of its planes".to_string(),
-                kept => kept.join(", "),
-            },
-            source: why,
-        }),
+        Written::Partial { kept, why } => Some(Error::partial_trace(path.clone(), &kept, why)),
     };
     // A disk that did not take the XSpace takes no Perfetto trace either.
     let perfetto_bytes = (args.perfetto && partial.is_none()).then(|| {

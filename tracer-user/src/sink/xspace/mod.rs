@@ -79,6 +79,7 @@ mod chunked;
 pub mod file;
 mod host;
 mod plane;
+pub mod received;
 mod task_env;
 mod wire;
 
