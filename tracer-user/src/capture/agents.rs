@@ -41,17 +41,11 @@ impl DeviceRound {
         let round = std::thread::Builder::new()
             .name("ebtrace-gpu-collect".into())
             .spawn(move || {
-                let collected = std::thread::scope(|scope| {
-                    let asked: Vec<_> = sessions
-                        .iter_mut()
-                        .map(|session| scope.spawn(|| collect_from(session)))
-                        .collect();
-                    asked
-                        .into_iter()
-                        .flat_map(|a| a.join().unwrap_or_default())
-                        .collect()
+                let collected = ask_each(&mut sessions, collect_from, |pid, why| {
+                    log::warn!("pid {pid}: collecting GPU activity: {why}");
+                    Vec::new()
                 });
-                (sessions, collected)
+                (sessions, collected.into_iter().flatten().collect())
             });
         match round {
             Ok(round) => DeviceRound(Some(round)),
@@ -88,6 +82,40 @@ impl Drop for DeviceRound {
     fn drop(&mut self) {
         self.join();
     }
+}
+
+/// Asks every agent in `sessions` one question at once, each on a thread
+/// of its own: a silent agent holds its own answer, for as long as its
+/// silence is allowed, never the others'. `unasked` answers for an agent
+/// whose question could not be asked (no thread, or a thread that
+/// panicked), given why. The answers come in the order of `sessions`.
+pub(super) fn ask_each<T: Send>(
+    sessions: &mut [AgentSession],
+    ask: impl Fn(&mut AgentSession) -> T + Sync,
+    unasked: impl Fn(u32, String) -> T,
+) -> Vec<T> {
+    let ask = &ask;
+    std::thread::scope(|scope| {
+        let asked: Vec<_> = sessions
+            .iter_mut()
+            .map(|session| {
+                let pid = session.pid;
+                let thread = std::thread::Builder::new()
+                    .name("ebtrace-agent".into())
+                    .spawn_scoped(scope, move || ask(session));
+                (pid, thread)
+            })
+            .collect();
+        asked
+            .into_iter()
+            .map(|(pid, thread)| match thread {
+                Ok(thread) => thread
+                    .join()
+                    .unwrap_or_else(|_| unasked(pid, "the thread asking it panicked".into())),
+                Err(e) => unasked(pid, format!("no thread to ask it on: {e}")),
+            })
+            .collect()
+    })
 }
 
 /// Takes what the GPUs ran so far from `session`'s agent if it records

@@ -332,35 +332,10 @@ pub(super) fn open_window(
 /// its silence is allowed, once, however many others do too. Returns each
 /// refusal.
 fn open_agent_windows(framework: &mut [AgentSession]) -> Vec<(u32, AgentError)> {
-    if let [session] = framework {
-        return session
-            .open_window()
-            .err()
-            .map(|why| vec![(session.pid, why)])
-            .unwrap_or_default();
-    }
-    std::thread::scope(|scope| {
-        let asked: Vec<_> = framework
-            .iter_mut()
-            .map(|session| {
-                let pid = session.pid;
-                let thread = std::thread::Builder::new()
-                    .name("ebtrace-window".into())
-                    .spawn_scoped(scope, || session.open_window());
-                (pid, thread)
-            })
-            .collect();
-        asked
-            .into_iter()
-            .filter_map(|(pid, thread)| {
-                let answer = match thread {
-                    Ok(thread) => thread.join().unwrap_or_else(|_| {
-                        Err(AgentError::Channel("the thread asking it panicked".into()))
-                    }),
-                    Err(e) => Err(AgentError::Channel(format!("no thread to ask it on: {e}"))),
-                };
-                answer.err().map(|why| (pid, why))
-            })
-            .collect()
-    })
+    let answers = super::agents::ask_each(
+        framework,
+        |session| session.open_window().err().map(|why| (session.pid, why)),
+        |pid, why| Some((pid, AgentError::Channel(why))),
+    );
+    answers.into_iter().flatten().collect()
 }

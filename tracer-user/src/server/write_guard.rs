@@ -131,9 +131,7 @@ impl WriteGuard {
 
     /// The path `destination` names (for messages).
     pub fn path_of(&self, destination: &Destination) -> PathBuf {
-        let mut p = self.root.clone();
-        p.extend(&destination.below_root);
-        p.join(&destination.file_name)
+        self.path_below(&destination.below_root, &destination.file_name)
     }
 
     /// Saves `bytes` at `destination`, atomically (temporary file, then
@@ -147,9 +145,15 @@ impl WriteGuard {
         dir.write_file(destination.file_name.as_ref(), |f| {
             io::Write::write_all(f, bytes)
         })?;
+        Ok(self.path_below(&below_root, &destination.file_name))
+    }
+
+    /// The path of `file_name` in the directory `below_root` names below
+    /// the allowed one.
+    fn path_below(&self, below_root: &[OsString], file_name: &str) -> PathBuf {
         let mut path = self.root.clone();
-        path.extend(&below_root);
-        Ok(path.join(&destination.file_name))
+        path.extend(below_root);
+        path.join(file_name)
     }
 
     /// The components below the allowed directory that `below_root` leads

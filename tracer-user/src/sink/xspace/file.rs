@@ -132,7 +132,7 @@ impl PlaneOut for PartsWriter<'_> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use ebtrace_proto::tensorflow::profiler::{XPlane, XSpace};
     use prost::Message as _;
 
@@ -184,7 +184,8 @@ mod tests {
         )
     }
 
-    fn read_back(file: &mut File) -> XSpace {
+    /// The XSpace `file` holds, read from its start.
+    pub(in crate::sink::xspace) fn read_back(file: &mut File) -> XSpace {
         let mut bytes = Vec::new();
         file.seek(SeekFrom::Start(0)).unwrap();
         io::Read::read_to_end(file, &mut bytes).unwrap();
@@ -219,7 +220,8 @@ mod tests {
         assert!(space.warnings.is_empty());
     }
 
-    fn tempfile() -> File {
+    /// A file open for reading and writing, its name already removed.
+    pub(in crate::sink::xspace) fn tempfile() -> File {
         let path = std::env::temp_dir().join(format!(
             "ebtrace-parts-{}-{:?}",
             std::process::id(),

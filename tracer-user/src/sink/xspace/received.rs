@@ -137,6 +137,7 @@ fn plane_name(plane: &[u8]) -> io::Result<String> {
 mod tests {
     use ebtrace_proto::tensorflow::profiler::{XLine, XPlane};
 
+    use super::super::file::tests::{read_back, tempfile};
     use super::*;
 
     fn space() -> XSpace {
@@ -174,20 +175,10 @@ mod tests {
 
     #[test]
     fn a_trace_that_fits_is_written_as_it_came() {
-        let path = std::env::temp_dir().join(format!("ebtrace-received-{}", std::process::id()));
-        let mut file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        let bytes = space().encode_to_vec();
-        let written = write_received_trace(&mut file, &bytes).unwrap();
+        let mut file = tempfile();
+        let written = write_received_trace(&mut file, &space().encode_to_vec()).unwrap();
         assert!(matches!(written, Written::Whole), "{written:?}");
-        let back = std::fs::read(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        assert_eq!(XSpace::decode(back.as_slice()).unwrap(), space());
+        assert_eq!(read_back(&mut file), space());
     }
 
     #[test]
