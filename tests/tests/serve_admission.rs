@@ -2,17 +2,20 @@
 //! caller asking fifty times at once for a flight-recorder snapshot or a
 //! CPU profile gets one at a time (the rest `RESOURCE_EXHAUSTED`, HTTP
 //! 429), another caller is still served meanwhile, and the server's memory
-//! stays within `--retain-memory` however many are asked for.
+//! stays within `--retain-memory` however many are asked for. A capture
+//! asking for every event of a launch loop gets `--max-capture-events` of
+//! them, and builds no more than it answers.
 
 use std::time::Duration;
 
-use ebtrace_proto::tensorflow::GetSnapshotRequest;
+use ebtrace_proto::tensorflow::{GetSnapshotRequest, ProfileRequest};
 use ebtrace_tests::{
     TempDir,
     callers::{Client, NOBODY},
+    cuda::CudaWorkload,
     fixture::SchedWorkload,
     http, require_root, serial,
-    serve::{ServeProcess, block_on},
+    serve::{ServeProcess, block_on, request, xspace_of},
 };
 use tonic::Code;
 
@@ -133,4 +136,74 @@ fn one_caller_asking_fifty_times_holds_one_place_and_others_are_still_served() {
     assert_eq!(served + refused, FLOOD, "{statuses:?}");
     assert!(refused >= FLOOD - 5, "{statuses:?}");
     assert!(others.starts_with("200 "), "{others}");
+}
+
+/// A capture of `pid` by a server started with `args`, asking for every
+/// event: the events its answer holds, its warnings, and how far the
+/// server's resident memory rose above what it took before (MiB).
+fn capture_every_event(pid: u32, args: &[&str]) -> (u64, Vec<String>, u64) {
+    let pid = pid.to_string();
+    let mut all = vec!["--pid", &pid];
+    all.extend_from_slice(args);
+    let server = ServeProcess::loopback(&all);
+    let before = server.rss_kib();
+    server.reset_peak_rss();
+    let answer = block_on(async {
+        let mut client = server.client().await;
+        client
+            .profile(ProfileRequest {
+                max_events: 0,
+                ..request(1_000)
+            })
+            .await
+            .expect("the capture is answered")
+            .into_inner()
+    });
+    let rose_mib = server.peak_rss_kib().saturating_sub(before) >> 10;
+    let space = xspace_of(&answer);
+    let events = space
+        .planes
+        .iter()
+        .flat_map(|p| &p.lines)
+        .map(|l| l.events.len() as u64)
+        .sum();
+    (events, space.warnings, rose_mib)
+}
+
+#[test]
+fn a_capture_asking_every_event_of_a_launch_loop_gets_the_servers_most_and_builds_no_more() {
+    if !require_root(
+        "a_capture_asking_every_event_of_a_launch_loop_gets_the_servers_most_and_builds_no_more",
+    ) {
+        return;
+    }
+    let _serial = serial();
+    const MOST: u64 = 50_000;
+    let mut workload = CudaWorkload::start(&["--iters", "100000000"]);
+    workload.go();
+    let (whole, _, whole_rose_mib) = capture_every_event(workload.pid, &[]);
+    assert!(
+        whole > 10 * MOST,
+        "the loop made {whole} events in 1 s: too few to judge"
+    );
+    let (capped, warnings, capped_rose_mib) =
+        capture_every_event(workload.pid, &["--max-capture-events", &MOST.to_string()]);
+    assert!(capped <= MOST, "{capped} events answered");
+    assert!(
+        warnings.iter().any(|w| w.contains(&format!(
+            "this server's --max-capture-events ({MOST}) was reached; the trace covers the first"
+        ))),
+        "{warnings:?}"
+    );
+    // What the window's records take is held either way (about 15 bytes
+    // a call); building them into the answer is what the limit spares.
+    assert!(
+        capped_rose_mib * 2 < whole_rose_mib,
+        "the server rose {capped_rose_mib} MiB answering {capped} events, {whole_rose_mib} MiB \
+         answering all {whole}"
+    );
+    println!(
+        "all {whole} events: {whole_rose_mib} MiB; at most {MOST}: {capped} events, \
+         {capped_rose_mib} MiB"
+    );
 }

@@ -30,7 +30,7 @@ use crate::{
     cuda_api::DriverCalls,
     metrics::activity::ActivityTally,
     procfs::TargetProcess,
-    timeline::{Timeline, Window},
+    timeline::{EventLimitFrom, Timeline, Window},
 };
 
 /// How much the flight recorder keeps.
@@ -415,6 +415,7 @@ impl FlightRecorder {
             stop_ns: now,
             pids: None,
             max_events,
+            max_events_from: EventLimitFrom::Request,
         };
         let dropped = self.capture.probe_stats().map_or(0, |p| p.dropped());
         let mut tl = self.capture.assemble_while_draining(&window, dropped, None);

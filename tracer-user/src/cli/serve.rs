@@ -105,6 +105,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub max_duration: Duration,
 
+    /// Most events a capture's answer holds, whatever its request asks (a
+    /// request asking for more, or for no limit, gets this many, and its
+    /// trace says so): building an answer takes about 160 bytes an event.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_capture_events: Option<u64>,
+
     /// How far in the future a request may ask its capture to start.
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
     pub max_start_delay: Duration,
@@ -227,6 +233,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             max_duration: args.max_duration,
             max_start_delay: args.max_start_delay,
             off_cpu_min: args.off_cpu_min.unwrap_or_default(),
+            max_events: args.max_capture_events.map(|n| n as usize),
         },
         max_sessions: args.max_sessions as usize,
         max_sessions_per_caller: args.max_sessions_per_caller as usize,

@@ -15,7 +15,7 @@ use ebtrace_proto::tensorflow::{
 };
 
 use super::write_guard::{Destination, WriteGuard};
-use crate::capture::ProbeFamilies;
+use crate::{capture::ProbeFamilies, timeline::EventLimitFrom};
 
 /// What the operator allows a request to ask for, and sets for what no
 /// request can ask.
@@ -28,6 +28,10 @@ pub struct Limits {
     /// The shortest block whose stack a capture with scheduling takes
     /// (zero: none); ProfileOptions has no switch for it.
     pub off_cpu_min: Duration,
+    /// The most events an answer holds, whatever its request asks
+    /// (`--max-capture-events`; `None`: what it asks): what a capture
+    /// takes to build its answer grows with its events.
+    pub max_events: Option<usize>,
 }
 
 /// The advanced-configuration key that restricts a capture to some of the
@@ -127,6 +131,8 @@ pub struct SessionSpec {
     pub families: ProbeFamilies,
     /// At most this many events in the trace (`None`: no limit).
     pub max_events: Option<usize>,
+    /// Whether the request or the server set `max_events`.
+    pub max_events_from: EventLimitFrom,
     /// Only these of the watched processes (`None`: all of them).
     pub pids: Option<BTreeSet<u32>>,
     /// Host name recorded in the XSpace.
@@ -155,6 +161,7 @@ impl SessionSpec {
             levels,
             families: families_for(levels, Duration::ZERO),
             max_events: None,
+            max_events_from: EventLimitFrom::Request,
             pids: None,
             hostname: hostname.to_string(),
             delivery: Delivery::ToolData,
@@ -258,13 +265,20 @@ pub fn profile_request(
         _ => ServerCopy::NotAsked,
     };
 
+    let asked_events = (req.max_events > 0).then_some(req.max_events as usize);
+    let (max_events, max_events_from) = match (asked_events, limits.max_events) {
+        (Some(asked), Some(most)) if asked <= most => (Some(asked), EventLimitFrom::Request),
+        (_, Some(most)) => (Some(most), EventLimitFrom::Server),
+        (asked, None) => (asked, EventLimitFrom::Request),
+    };
     Ok(SessionSpec {
         session_id,
         start_wall_ns,
         duration,
         levels,
         families: families_for(levels, limits.off_cpu_min),
-        max_events: (req.max_events > 0).then_some(req.max_events as usize),
+        max_events,
+        max_events_from,
         pids,
         hostname: override_hostname.unwrap_or_else(|| local_host.to_string()),
         delivery,
@@ -337,7 +351,29 @@ mod tests {
         max_duration: Duration::from_secs(60),
         max_start_delay: Duration::from_secs(60),
         off_cpu_min: Duration::from_millis(10),
+        max_events: None,
     };
+
+    #[test]
+    fn the_servers_max_events_holds_whatever_a_request_asks() {
+        let limits = Limits {
+            max_events: Some(1_000),
+            ..LIMITS
+        };
+        let asking = |max_events| {
+            let req = ProfileRequest {
+                duration_ms: 1_000,
+                max_events,
+                ..ProfileRequest::default()
+            };
+            let spec = profile_request(&req, &limits, None, NOW, "box", "test".into()).unwrap();
+            (spec.max_events, spec.max_events_from)
+        };
+        assert_eq!(asking(0), (Some(1_000), EventLimitFrom::Server));
+        assert_eq!(asking(5_000), (Some(1_000), EventLimitFrom::Server));
+        assert_eq!(asking(1_000), (Some(1_000), EventLimitFrom::Request));
+        assert_eq!(asking(10), (Some(10), EventLimitFrom::Request));
+    }
 
     fn fixture(name: &str) -> ProfileRequest {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/real/");

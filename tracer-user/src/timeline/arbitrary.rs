@@ -9,9 +9,9 @@ use std::{collections::BTreeMap, num::NonZeroU64};
 use proptest::{collection::vec, prelude::*};
 
 use super::{
-    CaptureStats, Cuts, DeviceTrack, FlowId, Mark, MarkKind, Peer, PeerId, ProcessInfo,
-    RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState, ThreadCounters,
-    ThreadState, ThreadTrack, Timeline, Value, Window, nest,
+    CaptureStats, Cuts, DeviceTrack, EventLimitFrom, FlowId, Mark, MarkKind, Peer, PeerId,
+    ProcessInfo, RunnableCause, Span, StateSlice, StreamTiming, StreamTrack, TaskState,
+    ThreadCounters, ThreadState, ThreadTrack, Timeline, Value, Window, nest,
 };
 use crate::clock::ClockSync;
 
@@ -211,5 +211,6 @@ pub fn window() -> impl Strategy<Value = Window> {
             stop_ns: start_ns + len,
             pids,
             max_events,
+            max_events_from: EventLimitFrom::Request,
         })
 }

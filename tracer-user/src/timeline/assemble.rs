@@ -122,7 +122,8 @@ pub fn assemble(
 ) -> Timeline {
     let stop_ns = window.stop_ns;
     let window_start = window.start_ns.max(sources.start_ns);
-    let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns);
+    let mut cuda = CudaTimelineBuilder::new(window_start, stop_ns)
+        .at_most(window.max_events, window.pids.as_ref());
     if let Some(k) = sources.driver_kernel_names {
         cuda.add_driver_names(&k.names);
     }

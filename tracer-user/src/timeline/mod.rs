@@ -63,7 +63,7 @@ pub use sources::{PythonStacks, SourceStats, TraceMeSource};
 pub use stats::{Stat, Stats};
 pub use texts::SharedTexts;
 pub use traceme::{TraceMeSpanStats, add_traceme_spans};
-pub use window::Window;
+pub use window::{EventLimitFrom, Window};
 
 use crate::clock::ClockSync;
 

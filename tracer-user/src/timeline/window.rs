@@ -35,6 +35,18 @@ pub struct Window {
     pub pids: Option<BTreeSet<u32>>,
     /// At most this many events (`None`: no limit).
     pub max_events: Option<usize>,
+    /// Who set `max_events`, which the trace names where it is reached.
+    pub max_events_from: EventLimitFrom,
+}
+
+/// Who set a window's [`Window::max_events`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EventLimitFrom {
+    /// The request's `max_events`.
+    #[default]
+    Request,
+    /// The server's `--max-capture-events`, below what the request asked.
+    Server,
 }
 
 impl Window {
@@ -45,6 +57,7 @@ impl Window {
             stop_ns,
             pids: None,
             max_events: None,
+            max_events_from: EventLimitFrom::Request,
         }
     }
 
@@ -57,7 +70,9 @@ impl Window {
             restrict_to(tl, pids);
         }
         clip(tl);
-        let cut = self.max_events.and_then(|max| cut_at_events(tl, max));
+        let cut = self
+            .max_events
+            .and_then(|max| cut_at_events(tl, max, self.max_events_from));
         unlink_dangling(tl);
         cut
     }
@@ -121,7 +136,7 @@ fn drop_empty_lines(tl: &mut Timeline) {
 
 /// If `tl` has more than `max` events, ends it at the time before which at
 /// most `max` of them start, and says so in its accounting.
-fn cut_at_events(tl: &mut Timeline, max: usize) -> Option<u64> {
+fn cut_at_events(tl: &mut Timeline, max: usize, from: EventLimitFrom) -> Option<u64> {
     let bound = tl.event_count_bound();
     if bound <= max {
         return None;
@@ -133,8 +148,12 @@ fn cut_at_events(tl: &mut Timeline, max: usize) -> Option<u64> {
     }
     let (_, &mut cut, _) = starts.select_nth_unstable(max);
     drop(starts);
+    let limit = match from {
+        EventLimitFrom::Request => format!("max_events ({max})"),
+        EventLimitFrom::Server => format!("this server's --max-capture-events ({max})"),
+    };
     let why = format!(
-        "max_events ({max}) was reached; the trace covers the first {:.0} ms of the window",
+        "{limit} was reached; the trace covers the first {:.0} ms of the window",
         cut.saturating_sub(tl.start_ns) as f64 / 1e6
     );
     tl.stats.ended_early = Some(match tl.stats.ended_early.take() {

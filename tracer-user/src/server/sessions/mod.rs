@@ -635,6 +635,7 @@ fn session_window(s: &Session, start: u64, stop: u64) -> Window {
         stop_ns: stop,
         pids: s.spec.pids.clone(),
         max_events: s.spec.max_events,
+        max_events_from: s.spec.max_events_from,
     }
 }
 

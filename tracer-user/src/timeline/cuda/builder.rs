@@ -2,15 +2,15 @@
 //! span on its thread, and the work it submitted an event on its stream's
 //! line, the two sharing a correlation id.
 
-use std::{num::NonZeroU64, sync::Arc};
+use std::{collections::BTreeSet, num::NonZeroU64, sync::Arc};
 
 use rustc_hash::FxHashMap;
 use tracer_common::cuda::{CudaCall, flags};
 
 use super::{
-    CudaTimeline, CudaTimelineBuilder,
+    CudaTimeline, CudaTimelineBuilder, EarliestStarts,
     contexts::OrdinalSource,
-    describe::Work,
+    describe::{self, Work},
     lines::{StreamKey, serialize},
 };
 use crate::{
@@ -48,6 +48,14 @@ impl CudaTimelineBuilder {
         }
     }
 
+    /// Makes only what a trace of at most `max_events` events, of the
+    /// `shown` processes (all where `None`), can show: calls starting after
+    /// where it will be cut are counted, not built.
+    pub fn at_most(mut self, max_events: Option<usize>, shown: Option<&BTreeSet<u32>>) -> Self {
+        self.limit = max_events.map(|max| EarliestStarts::new(max, shown.cloned()));
+        self
+    }
+
     /// Feeds one driver call (records in return-time order).
     pub fn push_call(&mut self, rec: &CudaCall) {
         let Some(function) = cuda_api::function(rec.function) else {
@@ -65,6 +73,23 @@ impl CudaTimelineBuilder {
         let start = rec.start_ns.max(self.start_ns);
         let interval = (start, end.min(self.stop_ns).max(start));
         self.out.calls += 1;
+        if self
+            .limit
+            .as_ref()
+            .is_some_and(|l| l.past_the_cut(rec.tgid, start))
+        {
+            // Numbered as if made: the correlations of the calls made after
+            // it are those of the whole window's. Its thread is known, as it
+            // would be.
+            if ok && describe::submits_work(&args) {
+                self.correlations += 1;
+            }
+            self.out
+                .spans
+                .entry(rec.tid)
+                .or_insert_with(|| (rec.tgid, Vec::new()));
+            return;
+        }
         let (stats, work) = self.describe(rec, &args);
         // A launch's details are shared: so are the stats its call and its
         // work have in common with others; their correlation is their own.
@@ -73,6 +98,9 @@ impl CudaTimelineBuilder {
         let submitted = work
             .filter(|_| ok)
             .map(|work| self.push_work(rec, function, interval, work, details.as_ref()));
+        if let Some(limit) = &mut self.limit {
+            limit.made(rec.tgid, start);
+        }
         let stats = self.call_span_stats(rec, stats, details.as_ref(), submitted.as_ref());
         let name = self.texts.get(function.name);
         self.out

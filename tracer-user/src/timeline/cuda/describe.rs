@@ -32,6 +32,20 @@ pub(super) struct LaunchDetails {
     stats: Arc<[Stat]>,
 }
 
+/// Whether a successful call with `args` submits work, which
+/// `CudaTimelineBuilder::describe` gives its work.
+pub(super) fn submits_work(args: &CallArgs) -> bool {
+    matches!(
+        args,
+        CallArgs::Launch(_)
+            | CallArgs::GraphLaunch { .. }
+            | CallArgs::Memcpy(_)
+            | CallArgs::MemcpyStruct(_)
+            | CallArgs::Memset(_)
+            | CallArgs::StreamWaitEvent { .. }
+    )
+}
+
 impl CudaTimelineBuilder {
     /// The call's own stats, and the work it submitted to a stream if any.
     pub(super) fn describe(&mut self, rec: &CudaCall, args: &CallArgs) -> (Stats, Option<Work>) {

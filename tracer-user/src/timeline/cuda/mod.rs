@@ -34,7 +34,10 @@ mod symbols;
 #[cfg(test)]
 mod tests;
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet, BinaryHeap},
+    sync::Arc,
+};
 
 use rustc_hash::FxHashMap;
 pub use symbols::{demangle, unnamed_kernels};
@@ -149,5 +152,58 @@ pub struct CudaTimelineBuilder {
     /// details are kept with them: their address is in the key.
     call_groups: FxHashMap<(usize, u32, usize, u32), SharedGroup>,
     work_groups: FxHashMap<(usize, usize, u16, u32, u32, OrdinalSource), SharedGroup>,
+    /// Where the trace is to hold at most so many events: the starts of
+    /// the earliest made.
+    limit: Option<EarliestStarts>,
     out: CudaTimeline,
+}
+
+/// The starts of the earliest `max + 1` calls' spans made, for a trace
+/// cut where the event after its first `max` starts
+/// ([`super::Window::max_events`]): counting every line's events, the cut
+/// lies no later than the last of these, so a call starting after it is
+/// cut, with its work (which starts with the call, or later on a busy
+/// stream), and need not be made. Once `max + 1` are made, a call is made
+/// only if it started before all but `max` of them: one in flight across
+/// the cut. A span's start is what the trace shows (nesting cuts ends),
+/// where its work's may move later, so only calls are counted.
+struct EarliestStarts {
+    max: usize,
+    /// The processes the trace shows, where not all: only their events
+    /// count.
+    shown: Option<BTreeSet<u32>>,
+    /// A max-heap: the latest of them on top.
+    starts: BinaryHeap<u64>,
+}
+
+impl EarliestStarts {
+    fn new(max: usize, shown: Option<BTreeSet<u32>>) -> Self {
+        EarliestStarts {
+            max,
+            shown,
+            starts: BinaryHeap::new(),
+        }
+    }
+
+    fn counts(&self, pid: u32) -> bool {
+        self.shown.as_ref().is_none_or(|shown| shown.contains(&pid))
+    }
+
+    /// Whether a call of `pid` starting at `start_ns` starts after the cut.
+    fn past_the_cut(&self, pid: u32, start_ns: u64) -> bool {
+        self.counts(pid)
+            && self.starts.len() > self.max
+            && self.starts.peek().is_some_and(|&last| start_ns > last)
+    }
+
+    /// Counts a call of `pid` made that starts at `start_ns`.
+    fn made(&mut self, pid: u32, start_ns: u64) {
+        if !self.counts(pid) {
+            return;
+        }
+        self.starts.push(start_ns);
+        if self.starts.len() > self.max + 1 {
+            self.starts.pop();
+        }
+    }
 }

@@ -59,6 +59,96 @@ fn stat<'a>(span: &'a Span, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no stat {name} in {span:?}"))
 }
 
+/// A loop launching on two threads, each launch lasting 5 ns, on the
+/// legacy default stream (so their work serializes), and a synchronize
+/// on a third thread that starts before them all and returns last: in
+/// return-time order.
+fn two_launching_threads_and_a_long_synchronize(launches: u64) -> Vec<CudaCall> {
+    let mut calls: Vec<CudaCall> = (0..launches)
+        .map(|i| {
+            let (tid, start) = (7 + (i % 2) as u32, 100 + 4 * i);
+            call(
+                "cuLaunchKernel",
+                tid,
+                (start, start + 5),
+                &[0xf00, 1, 1, 1, 32, 1],
+                &[0, 0, 0],
+                0,
+            )
+        })
+        .collect();
+    calls.push(call(
+        "cuCtxSynchronize",
+        9,
+        (50, 100 + 4 * launches + 10),
+        &[],
+        &[],
+        0,
+    ));
+    calls.sort_by_key(|c| c.header.ts_ns);
+    calls
+}
+
+/// `cuda` on a timeline of 0..10,000 cut to `window`.
+fn cut_to(
+    cuda: super::CudaTimeline,
+    window: &crate::timeline::Window,
+) -> crate::timeline::Timeline {
+    let mut tl = crate::timeline::Timeline {
+        start_ns: 0,
+        stop_ns: 10_000,
+        clock: crate::clock::ClockSync::from_offset(0),
+        processes: BTreeMap::new(),
+        threads: BTreeMap::new(),
+        peers: Vec::new(),
+        devices: BTreeMap::new(),
+        carried_planes: Vec::new(),
+        stats: Default::default(),
+    };
+    cuda.add_to(&mut tl);
+    window.apply(&mut tl);
+    tl
+}
+
+#[test]
+fn a_limit_on_events_makes_no_more_calls_than_the_cut_keeps_and_the_same_trace() {
+    let calls = two_launching_threads_and_a_long_synchronize(1_000);
+    let build = |max: Option<usize>, shown: Option<&std::collections::BTreeSet<u32>>| {
+        let mut b = CudaTimelineBuilder::new(0, 10_000).at_most(max, shown);
+        b.push_symbol(&symbol(0xf00, "_Z4stepv"));
+        calls.iter().for_each(|c| b.push_call(c));
+        b.finish()
+    };
+    let made =
+        |cuda: &super::CudaTimeline| cuda.spans.values().map(|(_, s)| s.len()).sum::<usize>();
+    let whole = build(None, None);
+    assert_eq!(made(&whole), 1_001);
+    for max in [0, 1, 7, 100, 999, 2_000, 2_001, 5_000] {
+        let window = crate::timeline::Window {
+            max_events: Some(max),
+            ..crate::timeline::Window::between(0, 10_000)
+        };
+        let limited = build(Some(max), None);
+        // The synchronize, in flight across every cut, and the launches up
+        // to the cut.
+        assert!(
+            made(&limited) <= max + 2,
+            "{max}: {} calls made",
+            made(&limited)
+        );
+        assert_eq!(limited.calls, whole.calls, "{max}");
+        assert_eq!(
+            cut_to(limited, &window),
+            cut_to(whole.clone(), &window),
+            "{max}"
+        );
+    }
+    // Where the trace shows another process, this one's calls do not count
+    // towards its cut.
+    let elsewhere = [PID + 1].into_iter().collect();
+    assert_eq!(made(&build(Some(10), Some(&elsewhere))), 1_001);
+}
+
 #[test]
 fn launch_on_a_created_stream_of_device_1() {
     let mut b = CudaTimelineBuilder::new(100, 10_000);
@@ -297,19 +387,7 @@ proptest::proptest! {
             proptest::prop_assert!(stream.events.windows(2).all(|w| w[0].end_ns <= w[1].start_ns));
             proptest::prop_assert!(stream.events.iter().all(|e| e.start_ns <= e.end_ns));
         }
-        let mut tl = crate::timeline::Timeline {
-            start_ns: 1_000,
-            stop_ns: 10_000,
-            clock: crate::clock::ClockSync::from_offset(0),
-            processes: BTreeMap::new(),
-            threads: BTreeMap::new(),
-            peers: Vec::new(),
-            devices: BTreeMap::new(),
-            carried_planes: Vec::new(),
-            stats: Default::default(),
-        };
-        cuda.add_to(&mut tl);
-        crate::timeline::Window::between(1_000, 10_000).apply(&mut tl);
+        let tl = cut_to(cuda, &crate::timeline::Window::between(1_000, 10_000));
         for e in tl.device_events() {
             proptest::prop_assert!(1_000 <= e.start_ns && e.end_ns <= 10_000);
         }
