@@ -426,7 +426,7 @@ mod tests {
         assert_eq!(size_of::<TraceMeRecord>(), 56 + traceme::NAME_CAP);
         assert_eq!(
             size_of::<python::PythonStack>(),
-            8 + 24 * python::MAX_PYTHON_FRAMES
+            16 + 24 * python::MAX_PYTHON_FRAMES
         );
         assert_eq!(
             size_of::<stack::StackSampleRecord>(),

@@ -10,10 +10,24 @@
 //! and walks its frame chain, innermost first, a bounded number of steps.
 //! Each frame's code object and instruction are written as they are;
 //! userspace names them, reading the code objects, while the process runs.
+//!
+//! A chain deeper than a stack record holds keeps both its ends: the
+//! innermost [`PYTHON_INNER_FRAMES`] in order, then the outermost
+//! [`PYTHON_OUTER_FRAMES`] walked, in a ring (see [`PythonStack`]).
 
 /// Most Python frames written per stack, entry frames of no function's
-/// included: a chain that loops ends here.
-pub const MAX_PYTHON_FRAMES: usize = 128;
+/// included.
+pub const MAX_PYTHON_FRAMES: usize = PYTHON_INNER_FRAMES + PYTHON_OUTER_FRAMES;
+
+/// Frames of a chain's inner end kept, in order, however deep it is.
+pub const PYTHON_INNER_FRAMES: usize = 96;
+
+/// Frames of a chain's outer end kept (the last walked), a power of two.
+pub const PYTHON_OUTER_FRAMES: usize = 32;
+
+/// Most frames of a chain walked: a chain that loops ends here. Above
+/// CPython's default recursion limit (1,000).
+pub const MAX_PYTHON_WALK: usize = 1024;
 
 /// Bytes of the buffer a frame is read into, a power of two: enough for
 /// every field of every layout the programs read (3.10's `f_lasti` ends at
@@ -125,18 +139,39 @@ pub const FRAME_ENTRY: u32 = 1;
 pub const FRAME_SHIM: u32 = 2;
 
 /// Python frames of one stack record.
+///
+/// Frame `i` of the chain (0 innermost) is in slot `i` while `i` is below
+/// [`PYTHON_INNER_FRAMES`]; beyond, in slot `PYTHON_INNER_FRAMES + (i -
+/// PYTHON_INNER_FRAMES) % PYTHON_OUTER_FRAMES`, so where the chain is
+/// deeper than [`MAX_PYTHON_FRAMES`] the last slots hold its outermost
+/// frames, rotated, and those between the two ends are left out.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct PythonStack {
-    /// Frames filled in [`Self::frames`], innermost first.
+    /// Frames filled in [`Self::frames`]: the least of [`Self::depth`] and
+    /// [`MAX_PYTHON_FRAMES`].
     pub len: u32,
     /// [`PYTHON_TRUNCATED`], [`PYTHON_UNREADABLE`], [`PYTHON_NO_THREAD`].
     pub flags: u32,
+    /// Frames of the chain walked, at most [`MAX_PYTHON_WALK`].
+    pub depth: u32,
+    /// Padding.
+    pub _pad: u32,
     /// The frames, the first [`Self::len`] filled.
     pub frames: [PythonFrameRecord; MAX_PYTHON_FRAMES],
 }
 
-/// [`PythonStack::flags`]: the chain went on past the frames written.
+/// The slot of [`PythonStack::frames`] frame `i` of a chain goes in.
+pub const fn python_slot(i: usize) -> usize {
+    if i < PYTHON_INNER_FRAMES {
+        i
+    } else {
+        PYTHON_INNER_FRAMES + (i - PYTHON_INNER_FRAMES) % PYTHON_OUTER_FRAMES
+    }
+}
+
+/// [`PythonStack::flags`]: the chain went on past the frames walked
+/// ([`MAX_PYTHON_WALK`]).
 pub const PYTHON_TRUNCATED: u32 = 1;
 /// [`PythonStack::flags`]: a frame or thread state could not be read
 /// (the chain ends there).

@@ -20,9 +20,9 @@ use aya_ebpf::{
 use tracer_common::{
     MAX_TARGETS,
     python::{
-        FRAME_ENTRY, FRAME_READ_BYTES, FRAME_SHIM, LAYOUT_LASTI, MAX_PYTHON_FRAMES, NO_OFFSET,
-        PYTHON_NO_THREAD, PYTHON_TRUNCATED, PYTHON_UNREADABLE, PYTHON_WALKED, PythonFrameRecord,
-        PythonOffsets, PythonProcess, PythonStack,
+        FRAME_ENTRY, FRAME_READ_BYTES, FRAME_SHIM, LAYOUT_LASTI, MAX_PYTHON_FRAMES,
+        MAX_PYTHON_WALK, NO_OFFSET, PYTHON_NO_THREAD, PYTHON_TRUNCATED, PYTHON_UNREADABLE,
+        PYTHON_WALKED, PythonFrameRecord, PythonOffsets, PythonProcess, PythonStack, python_slot,
     },
 };
 
@@ -61,6 +61,8 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, scratch: *mut u8,
     unsafe {
         (*out).len = 0;
         (*out).flags = 0;
+        (*out).depth = 0;
+        (*out)._pad = 0;
     }
     // SAFETY: the value is copied out at once.
     let Some(process) = (unsafe { PYTHON_PROCESSES.get(tgid) }).copied() else {
@@ -68,7 +70,7 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, scratch: *mut u8,
     };
     let mut flags = PYTHON_WALKED;
     // SAFETY: as the caller's.
-    let len = match unsafe { current_frame(&process, scratch) } {
+    let depth = match unsafe { current_frame(&process, scratch) } {
         Some(Some(frame)) => {
             // SAFETY: as the caller's.
             unsafe { walk(out, frame, &process.offsets, &mut flags) }
@@ -84,7 +86,8 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, scratch: *mut u8,
     };
     // SAFETY: as the caller's.
     unsafe {
-        (*out).len = len;
+        (*out).len = depth.min(MAX_PYTHON_FRAMES as u32);
+        (*out).depth = depth;
         (*out).flags = flags;
     }
 }
@@ -174,10 +177,11 @@ fn thread_pointer() -> Option<u64> {
 }
 
 /// Walks the frame chain from `frame` into `out`; returns the frames
-/// written.
+/// walked.
 ///
-/// Frame `i` of the chain goes in slot `i`, entry frames of no function's
-/// too (marked [`FRAME_SHIM`]), and the loop's body has no branch but its
+/// Frame `i` of the chain goes in slot [`python_slot`]`(i)`, entry frames
+/// of no function's too (marked [`FRAME_SHIM`]), and the loop's body has
+/// no branch but its
 /// exits: every way through an iteration then leaves the same state, and
 /// the verifier walks the loop once per iteration instead of once per way
 /// of getting there (which exceeds its limit within a few iterations).
@@ -191,7 +195,7 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
     let size = u32::from(o.frame_bytes) & (FRAME_READ_BYTES as u32 - 1);
     let first_line_offset = u64::from(o.code_first_line);
     let mut buf = [0u64; FRAME_WORDS];
-    for i in 0..MAX_PYTHON_FRAMES {
+    for i in 0..MAX_PYTHON_WALK {
         if frame == 0 {
             return i as u32;
         }
@@ -224,8 +228,8 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
                 (code + first_line_offset) as *const _,
             )
         };
-        // SAFETY: as the caller's; `i` is within the array.
-        if let Some(slot) = unsafe { (*out).frames.get_mut(i) } {
+        // SAFETY: as the caller's; the slot is within the array.
+        if let Some(slot) = unsafe { (*out).frames.get_mut(python_slot(i)) } {
             *slot = PythonFrameRecord {
                 code,
                 instruction,
@@ -238,7 +242,7 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
     if frame != 0 {
         *flags |= PYTHON_TRUNCATED;
     }
-    MAX_PYTHON_FRAMES as u32
+    MAX_PYTHON_WALK as u32
 }
 
 /// 1 if `x` is 0, else 0, without a branch (for `x` below 2^63).

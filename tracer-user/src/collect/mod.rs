@@ -157,10 +157,17 @@ fn name_python_frames(python: &mut PythonFrames, sample: &mut StackSample) {
     if read.is_empty() && sample.python.flags & (PYTHON_TRUNCATED | PYTHON_UNREADABLE) == 0 {
         return;
     }
-    let (user, mixed) = python.mix(sample.tgid, &sample.user, &read, sample.python.flags);
+    let (user, mixed) = python.mix(
+        sample.tgid,
+        &sample.user,
+        &read,
+        sample.python.flags,
+        sample.python.left_out,
+    );
     sample.user = user.into();
     sample.python.named = mixed.named;
     sample.python.unreadable = mixed.unreadable;
+    sample.python.left_out = mixed.left_out;
 }
 
 /// Replaces the kernel's frame-pointer walk of `sample`'s user stack with

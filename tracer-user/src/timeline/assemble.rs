@@ -334,6 +334,7 @@ fn add_stacks(
     timeline.stats.sources.python_stacks = Some(PythonStacks {
         stacks_with_python: laid.with_python,
         unreadable_frames: laid.python_unreadable,
+        frames_beyond_limit: laid.python_left_out,
     });
     if laid.samples > 0 || (laid.off_cpu == 0 && launches == 0) {
         timeline.stats.notes.push(format!(
@@ -345,6 +346,16 @@ fn add_stacks(
         timeline.stats.notes.push(format!(
             "{} of the stacks with Python frames ({} Python frames could not be read)",
             laid.with_python, laid.python_unreadable
+        ));
+    }
+    if laid.python_left_out > 0 {
+        timeline.stats.notes.push(format!(
+            "{} Python frames left out of stacks deeper than {} frames (each stack keeps its \
+             innermost {} and outermost {})",
+            laid.python_left_out,
+            tracer_common::python::MAX_PYTHON_FRAMES,
+            tracer_common::python::PYTHON_INNER_FRAMES,
+            tracer_common::python::PYTHON_OUTER_FRAMES
         ));
     }
     if laid.off_cpu > 0 {

@@ -44,6 +44,8 @@ pub struct LaidStacks {
     pub with_python: u64,
     /// Python frames that could not be named, marked in the stacks.
     pub python_unreadable: u64,
+    /// Python frames of stacks deeper than a sample keeps, left out.
+    pub python_left_out: u64,
 }
 
 /// Lays the samples and off-CPU stacks of `[start_ns, stop_ns]` on their
@@ -102,6 +104,7 @@ pub fn add_cpu_samples(
     for (s, stack) in samples.iter().zip(which) {
         laid.with_python += u64::from(s.python.named > 0);
         laid.python_unreadable += u64::from(s.python.unreadable);
+        laid.python_left_out += u64::from(s.python.left_out);
         let thread = timeline.threads.get_mut(&s.tid).expect("filtered above");
         let ts = s.header.ts_ns;
         let (start_ns, end_ns, (name, stats)) = if s.is_off_cpu() {

@@ -38,6 +38,10 @@ pub struct PythonStacks {
     /// Python frames that could not be read or named, marked in their
     /// stacks (`[unreadable python frame]` and the like).
     pub unreadable_frames: u64,
+    /// Python frames of stacks deeper than a sample keeps, left out
+    /// between the innermost and outermost frames it kept (marked
+    /// `[python frames left out: ...]` once per stack).
+    pub frames_beyond_limit: u64,
 }
 
 /// The TraceMe uprobe route's events and what became of them.

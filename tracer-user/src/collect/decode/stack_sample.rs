@@ -3,7 +3,10 @@
 
 use tracer_common::{
     RecordHeader, RecordKind,
-    python::{MAX_PYTHON_FRAMES, PythonFrameRecord},
+    python::{
+        MAX_PYTHON_FRAMES, MAX_PYTHON_WALK, PYTHON_INNER_FRAMES, PYTHON_OUTER_FRAMES,
+        PythonFrameRecord, PythonStack,
+    },
     stack::{
         FLAG_KERNEL_UNREADABLE, FLAG_LAUNCH, FLAG_OFF_CPU, FLAG_USER_UNREADABLE, MAX_FRAMES,
         STACK_COPY_BYTES, StackSampleRecord, StackSampleWithCopy,
@@ -54,6 +57,10 @@ pub struct SampledPython {
     pub read: Box<[PythonFrameRecord]>,
     /// The walk's flags (`tracer_common::python::PYTHON_*`).
     pub flags: u32,
+    /// Frames of a chain deeper than a record holds, left out between the
+    /// first [`PYTHON_INNER_FRAMES`] of [`Self::read`] and the rest (its
+    /// outermost).
+    pub left_out: u32,
     /// Python frames named in the user stack.
     pub named: u32,
     /// Python frames that could not be named, marked in the user stack.
@@ -104,13 +111,29 @@ pub(super) fn read_stack_sample(bytes: &[u8], claimed: usize) -> Result<StackSam
             0
         },
         syscall: r.syscall,
-        python: SampledPython {
-            read: r.python.frames[..(r.python.len as usize).min(MAX_PYTHON_FRAMES)].into(),
-            flags: r.python.flags,
-            ..SampledPython::default()
-        },
+        python: python_frames(&r.python),
         launch: r.flags & FLAG_LAUNCH != 0,
     })
+}
+
+/// The frames of `stack` innermost first, those of its outer end put back
+/// in order, and how many were left out between its ends.
+fn python_frames(stack: &PythonStack) -> SampledPython {
+    let len = (stack.len as usize).min(MAX_PYTHON_FRAMES);
+    let depth = (stack.depth as usize).clamp(len, MAX_PYTHON_WALK);
+    let mut read: Box<[PythonFrameRecord]> = stack.frames[..len].into();
+    let mut left_out = 0;
+    if depth > MAX_PYTHON_FRAMES {
+        read[PYTHON_INNER_FRAMES..]
+            .rotate_left((depth - PYTHON_INNER_FRAMES) % PYTHON_OUTER_FRAMES);
+        left_out = (depth - MAX_PYTHON_FRAMES) as u32;
+    }
+    SampledPython {
+        read,
+        flags: stack.flags,
+        left_out,
+        ..SampledPython::default()
+    }
 }
 
 /// The user registers and stack bytes a stack sample record carries

@@ -3,7 +3,10 @@
 use tracer_common::{
     RecordHeader, RecordKind, SchedSwitch, SchedWakeup, TraceMeRecord,
     cuda::{CudaCall, flags},
-    python::{FRAME_ENTRY, MAX_PYTHON_FRAMES, PYTHON_WALKED, PythonFrameRecord, PythonStack},
+    python::{
+        FRAME_ENTRY, MAX_PYTHON_FRAMES, MAX_PYTHON_WALK, PYTHON_INNER_FRAMES, PYTHON_WALKED,
+        PythonFrameRecord, PythonStack, python_slot,
+    },
     stack::{
         FLAG_KERNEL_UNREADABLE, FLAG_OFF_CPU, MAX_FRAMES, STACK_COPY_BYTES, StackSampleRecord,
         StackSampleWithCopy,
@@ -290,6 +293,71 @@ fn decodes_variable_size_traceme_records() {
     assert!(matches!(decode(&bad), Err(DecodeError::Size { .. })));
 }
 
+/// A stack sample whose Python chain, `depth` deep, was written as the
+/// program writes it: frame `i`'s code is `i`.
+fn sample_of_a_python_chain(depth: usize) -> Box<StackSampleWithCopy> {
+    // SAFETY: plain integers, all zeros a valid record.
+    let mut rec: Box<StackSampleWithCopy> = Box::new(unsafe { std::mem::zeroed() });
+    rec.sample.header = RecordHeader::new(
+        RecordKind::StackSample,
+        size_of::<StackSampleWithCopy>(),
+        0,
+        1,
+    );
+    let python = &mut rec.sample.python;
+    for i in 0..depth.min(MAX_PYTHON_WALK) {
+        python.frames[python_slot(i)].code = i as u64;
+    }
+    python.len = depth.min(MAX_PYTHON_FRAMES) as u32;
+    python.depth = depth as u32;
+    python.flags = PYTHON_WALKED;
+    rec
+}
+
+#[test]
+fn a_python_chain_deeper_than_a_record_keeps_both_ends_in_order() {
+    for depth in [
+        0,
+        1,
+        95,
+        96,
+        97,
+        127,
+        128,
+        129,
+        159,
+        160,
+        161,
+        400,
+        MAX_PYTHON_WALK,
+    ] {
+        let rec = sample_of_a_python_chain(depth);
+        let Record::StackSample(s) = decode(&bytes_of(&*rec)).unwrap() else {
+            panic!("wrong kind")
+        };
+        let codes: Vec<u64> = s.python.read.iter().map(|f| f.code).collect();
+        let kept = depth.min(MAX_PYTHON_FRAMES);
+        let outer_from = depth - (kept - kept.min(PYTHON_INNER_FRAMES));
+        let expected: Vec<u64> = (0..kept.min(PYTHON_INNER_FRAMES))
+            .chain(outer_from..depth)
+            .map(|i| i as u64)
+            .collect();
+        assert_eq!(codes, expected, "{depth}");
+        assert_eq!(s.python.left_out as usize, depth - kept, "{depth}");
+    }
+    // A depth the walk cannot reach is taken as its most.
+    let mut rec = sample_of_a_python_chain(MAX_PYTHON_WALK);
+    rec.sample.python.depth = u32::MAX;
+    let Record::StackSample(s) = decode(&bytes_of(&*rec)).unwrap() else {
+        panic!("wrong kind")
+    };
+    assert_eq!(
+        s.python.left_out as usize,
+        MAX_PYTHON_WALK - MAX_PYTHON_FRAMES
+    );
+    assert_eq!(s.python.read.len(), MAX_PYTHON_FRAMES);
+}
+
 #[test]
 fn decodes_a_stack_sample_and_keeps_only_filled_frames() {
     let mut rec = Box::new(StackSampleWithCopy {
@@ -314,6 +382,8 @@ fn decodes_a_stack_sample_and_keeps_only_filled_frames() {
             python: PythonStack {
                 len: 1,
                 flags: PYTHON_WALKED,
+                depth: 1,
+                _pad: 0,
                 frames: [PythonFrameRecord {
                     code: 0x5000,
                     instruction: 0x5100,

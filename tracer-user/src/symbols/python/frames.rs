@@ -18,7 +18,8 @@ use std::{
 
 use rustc_hash::FxHashMap;
 use tracer_common::python::{
-    FRAME_ENTRY, FRAME_SHIM, PYTHON_TRUNCATED, PYTHON_UNREADABLE, PythonFrameRecord,
+    FRAME_ENTRY, FRAME_SHIM, PYTHON_INNER_FRAMES, PYTHON_TRUNCATED, PYTHON_UNREADABLE,
+    PythonFrameRecord,
 };
 
 use super::{
@@ -163,6 +164,8 @@ pub struct Mixed {
     pub named: u32,
     /// Frames marked instead (see [`Marker`]).
     pub unreadable: u32,
+    /// Frames of a deep chain left out between its ends, marked once.
+    pub left_out: u32,
 }
 
 /// Names Python frames and puts them in their stacks.
@@ -217,41 +220,25 @@ impl PythonFrames {
     /// `user` (native addresses, innermost first) with each eval-loop
     /// frame replaced by the Python frames it ran: those of `python` up to
     /// the next entry frame. Python frames left over (a native stack cut
-    /// short) go at its outer end.
+    /// short) go at its outer end. Where `left_out` frames of a deep chain
+    /// were not kept, a marker stands for them after the first
+    /// [`PYTHON_INNER_FRAMES`] of `python`.
     pub fn mix(
         &mut self,
         pid: u32,
         user: &[u64],
         python: &[PythonFrameRecord],
         flags: u32,
+        left_out: u32,
     ) -> (Vec<u64>, Mixed) {
-        let mut mixed = Mixed::default();
         let Some(process) = process_of(&mut self.processes, pid) else {
-            return (user.to_vec(), mixed);
+            return (user.to_vec(), Mixed::default());
         };
-        let now = Instant::now();
-        let mut named: Vec<(u64, bool)> = Vec::with_capacity(python.len() + 1);
-        for f in python {
-            if f.flags & FRAME_SHIM != 0 {
-                // It ends the C call of the frame before it.
-                if let Some((_, entry)) = named.last_mut() {
-                    *entry = true;
-                }
-                continue;
-            }
-            let entry = process.entry(f, now, &mut self.reads);
-            if is_marker(entry) {
-                mixed.unreadable += 1;
-                // A run of them (a chain that loops through junk) shows once.
-                if let Some(last) = named.last_mut().filter(|(e, _)| *e == entry) {
-                    last.1 |= f.flags & FRAME_ENTRY != 0;
-                    continue;
-                }
-            } else {
-                mixed.named += 1;
-            }
-            named.push((entry, f.flags & FRAME_ENTRY != 0));
-        }
+        let mut mixed = Mixed {
+            left_out,
+            ..Mixed::default()
+        };
+        let mut named = process.name_chain(python, &mut self.reads, &mut mixed);
         let end = if flags & PYTHON_TRUNCATED != 0 {
             Some(Marker::Truncated)
         } else if flags & PYTHON_UNREADABLE != 0 {
@@ -301,6 +288,55 @@ fn process_of(
 
 impl NamedProcess {
     /// The tagged entry naming `frame`.
+    /// The entries of `python`'s frames, innermost first, each marked
+    /// whether it ends a C call of the eval loop, counted into `mixed`;
+    /// a marker stands for the frames [`Mixed::left_out`] says were left
+    /// out, unless the frames on both sides of them are one run of junk.
+    fn name_chain(
+        &mut self,
+        python: &[PythonFrameRecord],
+        reads: &mut ReadBudget,
+        mixed: &mut Mixed,
+    ) -> Vec<(u64, bool)> {
+        let now = Instant::now();
+        let mut named: Vec<(u64, bool)> = Vec::with_capacity(python.len() + 2);
+        let left_out = marker_entry(Marker::LeftOut);
+        for (i, f) in python.iter().enumerate() {
+            if i == PYTHON_INNER_FRAMES && mixed.left_out > 0 {
+                named.push((left_out, false));
+            }
+            if f.flags & FRAME_SHIM != 0 {
+                // It ends the C call of the frame before it.
+                if let Some((_, entry)) = named.last_mut() {
+                    *entry = true;
+                }
+                continue;
+            }
+            let entry = self.entry(f, now, reads);
+            if is_marker(entry) {
+                mixed.unreadable += 1;
+                // A chain that loops through junk runs on across the frames
+                // left out: they count as its, and it shows once.
+                if let [.., (before, _), (gap, _)] = named[..]
+                    && gap == left_out
+                    && before == entry
+                {
+                    named.pop();
+                    mixed.unreadable += std::mem::take(&mut mixed.left_out);
+                }
+                // A run of them shows once.
+                if let Some(last) = named.last_mut().filter(|(e, _)| *e == entry) {
+                    last.1 |= f.flags & FRAME_ENTRY != 0;
+                    continue;
+                }
+            } else {
+                mixed.named += 1;
+            }
+            named.push((entry, f.flags & FRAME_ENTRY != 0));
+        }
+        named
+    }
+
     fn entry(&mut self, frame: &PythonFrameRecord, now: Instant, reads: &mut ReadBudget) -> u64 {
         let code = match self.code(frame, now, reads) {
             Ok(code) => code,

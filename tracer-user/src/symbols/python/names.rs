@@ -55,10 +55,13 @@ pub enum Marker {
     /// Its code object was not read: more were to be read than ebtrace
     /// reads in a second.
     NotRead = 6,
+    /// Frames of a chain deeper than a stack keeps, between the innermost
+    /// and the outermost it keeps.
+    LeftOut = 7,
 }
 
 impl Marker {
-    pub(super) const ALL: [Marker; 7] = [
+    pub(super) const ALL: [Marker; 8] = [
         Marker::Unreadable,
         Marker::Changed,
         Marker::Malformed,
@@ -66,6 +69,7 @@ impl Marker {
         Marker::TooMany,
         Marker::Forgotten,
         Marker::NotRead,
+        Marker::LeftOut,
     ];
 
     fn text(self) -> &'static str {
@@ -77,6 +81,7 @@ impl Marker {
             Marker::TooMany => "[python frame: too many distinct frames]",
             Marker::Forgotten => "[python frame: name forgotten]",
             Marker::NotRead => "[python frame: not read, too many new code objects]",
+            Marker::LeftOut => "[python frames left out: the stack is deeper than ebtrace keeps]",
         }
     }
 
