@@ -26,7 +26,9 @@ pub const PYTHON_INNER_FRAMES: usize = 96;
 pub const PYTHON_OUTER_FRAMES: usize = 32;
 
 /// Most frames of a chain walked: a chain that loops ends here. Above
-/// CPython's default recursion limit (1,000).
+/// CPython's default recursion limit (1,000). The verifier walks the loop
+/// once per frame: the sampling program takes about 190,000 of its
+/// 1,000,000 instructions.
 pub const MAX_PYTHON_WALK: usize = 1024;
 
 /// Bytes of the buffer a frame is read into, a power of two: enough for

@@ -70,24 +70,21 @@ pub(crate) unsafe fn write_python_stack(out: *mut PythonStack, scratch: *mut u8,
     };
     let mut flags = PYTHON_WALKED;
     // SAFETY: as the caller's.
-    let depth = match unsafe { current_frame(&process, scratch) } {
+    match unsafe { current_frame(&process, scratch) } {
         Some(Some(frame)) => {
             // SAFETY: as the caller's.
             unsafe { walk(out, frame, &process.offsets, &mut flags) }
         }
-        Some(None) => {
-            flags |= PYTHON_UNREADABLE;
-            0
-        }
-        None => {
-            flags |= PYTHON_NO_THREAD;
-            0
-        }
+        Some(None) => flags |= PYTHON_UNREADABLE,
+        None => flags |= PYTHON_NO_THREAD,
     };
-    // SAFETY: as the caller's.
+    // SAFETY: as the caller's. Read back from the record, the depth is a
+    // value the verifier does not know: every exit of the walk reaches
+    // here in one state, and what follows is checked once, not once per
+    // depth.
     unsafe {
+        let depth = core::ptr::read_volatile(&raw const (*out).depth);
         (*out).len = depth.min(MAX_PYTHON_FRAMES as u32);
-        (*out).depth = depth;
         (*out).flags = flags;
     }
 }
@@ -176,8 +173,8 @@ fn thread_pointer() -> Option<u64> {
     (fs_base != 0).then_some(fs_base)
 }
 
-/// Walks the frame chain from `frame` into `out`; returns the frames
-/// walked.
+/// Walks the frame chain from `frame` into `out`, and the frames walked
+/// into its `depth`.
 ///
 /// Frame `i` of the chain goes in slot [`python_slot`]`(i)`, entry frames
 /// of no function's too (marked [`FRAME_SHIM`]), and the loop's body has
@@ -189,15 +186,17 @@ fn thread_pointer() -> Option<u64> {
 /// # Safety
 /// As [`write_python_stack`]'s.
 #[inline(always)]
-unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: &mut u32) -> u32 {
+unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: &mut u32) {
     let f = Fields::new(o);
     // Masked into the buffer (a power of two), not clamped: see [`Field`].
     let size = u32::from(o.frame_bytes) & (FRAME_READ_BYTES as u32 - 1);
     let first_line_offset = u64::from(o.code_first_line);
     let mut buf = [0u64; FRAME_WORDS];
     for i in 0..MAX_PYTHON_WALK {
+        // SAFETY: as the caller's.
+        unsafe { (*out).depth = i as u32 };
         if frame == 0 {
-            return i as u32;
+            return;
         }
         // SAFETY: `size` is at most the buffer's; the helper checks the source.
         let failed = unsafe {
@@ -205,7 +204,7 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
         } != 0;
         if failed {
             *flags |= PYTHON_UNREADABLE;
-            return i as u32;
+            return;
         }
         // 3.14's `f_executable` is a tagged reference: its low bits are
         // flags, never part of an object's (8-byte aligned) address.
@@ -239,16 +238,26 @@ unsafe fn walk(out: *mut PythonStack, mut frame: u64, o: &PythonOffsets, flags: 
         }
         frame = f.previous.of(&buf);
     }
+    // SAFETY: as the caller's.
+    unsafe { (*out).depth = MAX_PYTHON_WALK as u32 };
     if frame != 0 {
         *flags |= PYTHON_TRUNCATED;
     }
-    MAX_PYTHON_WALK as u32
 }
 
 /// 1 if `x` is 0, else 0, without a branch (for `x` below 2^63).
 #[inline(always)]
 fn is_zero(x: u64) -> u32 {
-    (((x | x.wrapping_neg()) >> 63) ^ 1) as u32
+    ((opaque(x | x.wrapping_neg()) >> 63) ^ 1) as u32
+}
+
+/// `x`, through memory: the compiler no longer knows what it can be, and
+/// cannot turn arithmetic on it back into a comparison (a branch: BPF has
+/// no conditional move), which splits the verifier's path in two.
+#[inline(always)]
+fn opaque(x: u64) -> u64 {
+    // SAFETY: a read of a local.
+    unsafe { core::ptr::read_volatile(&x) }
 }
 
 /// 1 if `x >= y`, else 0, without a branch (for both below 2^63).
@@ -314,7 +323,7 @@ impl Fields {
             instruction: Field::at(o.frame_instruction),
             owner: Field::at(o.frame_owner),
             is_entry: Field::at(o.frame_is_entry),
-            lasti_mask: 0u64.wrapping_sub(lasti),
+            lasti_mask: opaque(0u64.wrapping_sub(lasti)),
             is_entry_mask: u64::from(o.entry_mask),
             shim_owner: u64::from(o.shim_owner),
             entry_flags: lasti as u32 * FRAME_ENTRY,
